@@ -1,0 +1,106 @@
+"""The ``streamrl`` console script.
+
+Every command prints progress on stderr and, as its last stdout line, one JSON object with its
+results, so scripts and CI can read it with ``tail -n 1``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Sequence
+
+from streamrl.errors import ConfigError
+
+
+def _quiet_libraries() -> None:
+    # Keep stderr for our own progress; these libraries otherwise draw bars of their own.
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+    import datasets
+
+    datasets.disable_progress_bars()
+
+
+def _cmd_fit(args: argparse.Namespace) -> dict:
+    from streamrl.config import load_config
+    from streamrl.jobs import run_fit
+
+    config = load_config(args.config)
+    if args.output_dir:
+        config.output_dir = args.output_dir
+    return run_fit(config, show_progress=not args.no_progress)
+
+
+def _cmd_demo(args: argparse.Namespace) -> dict:
+    from streamrl.config import RunConfig
+    from streamrl.jobs import run_fit
+
+    config = RunConfig(output_dir=args.output_dir)
+    print(f"streamrl demo: writing to {config.output_dir}", file=sys.stderr)
+    return run_fit(config, show_progress=not args.no_progress)
+
+
+def _cmd_bench_generate(args: argparse.Namespace) -> dict:
+    from streamrl.bench.generate import bench_generate
+
+    sizes = [int(s) for s in args.batch_sizes.split(",")]
+    return bench_generate(args.model, sizes, args.max_tokens, args.repeats, args.prompts)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="streamrl",
+        description="Disaggregated, streaming RL post-training of LLMs (StreamRL).",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    demo = sub.add_parser("demo", help="run the main job on the embedded default (CPU, tiny model)")
+    demo.add_argument("--output-dir", default="runs/demo", help="where logs and metrics go")
+    demo.add_argument("--no-progress", action="store_true", help="draw no progress bars")
+    demo.set_defaults(func=_cmd_demo)
+
+    fit = sub.add_parser("fit", help="train from a YAML config (see configs/demo.yaml)")
+    fit.add_argument("--config", required=True, help="YAML file with the run's settings")
+    fit.add_argument("--output-dir", help="override the config's output_dir")
+    fit.add_argument("--no-progress", action="store_true", help="draw no progress bars")
+    fit.set_defaults(func=_cmd_fit)
+
+    bench = sub.add_parser("bench", help="measurements; the last stdout line is JSON")
+    bench_sub = bench.add_subparsers(dest="bench", metavar="BENCH", required=True)
+    gen = bench_sub.add_parser(
+        "generate", help="decode throughput: continuous batching vs batched HF generate"
+    )
+    gen.add_argument("--model", default="tiny", help="'tiny' (~1M params, random) or a model dir")
+    gen.add_argument("--batch-sizes", default="1,8,32", help="comma-separated batch sizes")
+    gen.add_argument("--max-tokens", type=int, default=64, help="forced output length per prompt")
+    gen.add_argument("--prompts", type=int, default=32, help="prompts per measurement")
+    gen.add_argument("--repeats", type=int, default=3, help="runs per setting (median reported)")
+    gen.set_defaults(func=_cmd_bench_generate)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``streamrl`` console script."""
+    args = build_parser().parse_args(argv)
+    _quiet_libraries()
+    try:
+        result = args.func(args)
+    except (ConfigError, FileNotFoundError) as err:
+        print(f"streamrl {args.command}: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"streamrl {args.command}: interrupted", file=sys.stderr)
+        return 130
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

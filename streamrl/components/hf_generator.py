@@ -1,0 +1,397 @@
+"""Continuous-batching stream generator on a Hugging Face causal LM (no inference server needed).
+
+StreamRL §3 (stream generation) emits each sample the moment it finishes instead of waiting for
+the whole batch; §5 (continuous batching in an SGS instance) keeps a fixed number of batch slots
+busy by admitting a waiting request into a slot as soon as its sequence finishes. This module does
+both on plain ``transformers`` (>= 5) with a real KV cache, on CPU or GPU.
+
+Layout: every running sequence owns one row of a preallocated KV buffer, its tokens left-aligned
+at columns ``[0, length)``. Rows of different lengths decode together in one forward pass; a
+per-row attention mask hides each row's unused columns and explicit ``position_ids`` give each
+row its own positions. Finished rows are dropped by moving the last rows into their place, so the
+running rows always form the prefix ``[0, n)`` of the buffer and no step re-pads or re-allocates.
+
+Example:
+    >>> from streamrl.models import build_tokenizer, build_tiny_model
+    >>> from streamrl.records import Request
+    >>> model = build_tiny_model(build_tokenizer(), size="test")
+    >>> gen = HFStreamGenerator(model, max_batch_size=2, greedy=True)
+    >>> gen.submit([Request(f"p{i}", [5, 6, 7], max_tokens=4, forced_length=4) for i in range(3)])
+    >>> [s.length for s in gen.stream()]
+    [4, 4, 4]
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from transformers import PreTrainedModel
+from transformers.cache_utils import Cache
+
+from streamrl.components.schedulers import AdmissionScheduler, FIFOScheduler
+from streamrl.records import Request, Sample
+
+#: Parameter/buffer name -> new value, as a torch tensor or a numpy array.
+WeightMap = Mapping[str, torch.Tensor | np.ndarray]
+
+
+class _SlotCache(Cache):
+    """KV cache with one row per batch slot, written in place.
+
+    All layers share one tensor ``[layers, 2 (key/value), slots, kv_heads, capacity, head_dim]``,
+    so dropping rows and growing the capacity are single tensor ops, not loops over layers.
+    ``prepare`` is called before each forward to say which rows run and where they write.
+    """
+
+    def __init__(self, num_layers: int, slots: int) -> None:
+        super().__init__(layers=[])  # we override update(); HF's per-layer objects are unused
+        self.num_layers, self.slots = num_layers, slots
+        self.kv: torch.Tensor | None = None
+        self.capacity = 0
+        self.rows, self.kv_len = slice(0, 0), 0
+        self.write_pos: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def prepare(self, rows: slice, kv_len: int, write_pos: torch.Tensor | None = None) -> None:
+        """Next forward runs ``rows`` and attends to ``kv_len`` columns; it writes one token per
+        row at column ``write_pos[i]`` (decode) or, if ``None``, its whole input from column 0."""
+        self.rows, self.kv_len, self.write_pos = rows, kv_len, None
+        if write_pos is not None:
+            # Built once per forward and reused by every layer's update().
+            row_idx = torch.arange(rows.start, rows.stop, device=write_pos.device)
+            self.write_pos = (row_idx, write_pos)
+
+    def update(
+        self, new_k: torch.Tensor, new_v: torch.Tensor, layer_idx: int, *_: Any, **__: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write this layer's new keys/values in place; return the rows' visible columns."""
+        self._ensure_capacity(new_k)
+        keys, values = self.kv[layer_idx, 0], self.kv[layer_idx, 1]
+        if self.write_pos is None:
+            keys[self.rows, :, : new_k.shape[2]] = new_k
+            values[self.rows, :, : new_v.shape[2]] = new_v
+        else:
+            row_idx, cols = self.write_pos  # each row's new token lands at that row's own length
+            keys[row_idx, :, cols] = new_k[:, :, 0]
+            values[row_idx, :, cols] = new_v[:, :, 0]
+        return keys[self.rows, :, : self.kv_len], values[self.rows, :, : self.kv_len]
+
+    def _ensure_capacity(self, like: torch.Tensor) -> None:
+        if self.kv is not None and self.kv.shape[-2] >= self.capacity:
+            return
+        # Shaped from real key states so heads, head_dim, dtype and device always match.
+        _, heads, _, head_dim = like.shape
+        shape = (self.num_layers, 2, self.slots, heads, self.capacity, head_dim)
+        grown = like.new_zeros(shape)
+        if self.kv is not None:
+            grown[..., : self.kv.shape[-2], :] = self.kv
+        self.kv = grown
+
+    def move_rows(self, src: list[int], dst: list[int], columns: int) -> None:
+        """Copy rows ``src`` onto rows ``dst`` (first ``columns`` columns only)."""
+        if self.kv is not None and src:
+            self.kv[:, :, dst, :, :columns] = self.kv[:, :, src, :, :columns]
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.kv_len
+
+
+@dataclass
+class _Running:
+    """A sequence occupying a batch slot."""
+
+    request: Request
+    submitted_s: float
+    started_s: float
+    weight_version: int
+    length: int  # cache columns filled, i.e. the position of ``next_input``
+    next_input: int
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+
+
+class HFStreamGenerator:
+    """Generate samples with continuous batching and emit each one as soon as it finishes.
+
+    StreamRL §3 (stream generation) / §5 (continuous batching in an SGS instance). At most
+    ``max_batch_size`` sequences run at once; each ``step()`` admits waiting requests into free
+    slots (in the scheduler's order), prefills them, decodes one token for every running sequence
+    in one batched forward, and returns the sequences that finished, freeing their slots at once.
+
+    A sample's ``weight_version`` is the version loaded when it was admitted. A ``load_weights``
+    between steps also applies to sequences already running: their remaining tokens (and
+    ``logprobs``) come from the new weights, while their tag stays the admission version.
+    ``logprobs`` are under the distribution each token was drawn from: ``logits / temperature``
+    (temperature 1 when greedy), with EOS masked out for ``forced_length`` requests.
+
+    Args:
+        model: a causal LM, switched to eval mode. Needs SDPA or eager attention (the
+            generator passes its own 4D attention masks).
+        max_batch_size: number of batch slots.
+        scheduler: admission order; FIFO if ``None``.
+        instance_id: copied into every sample.
+        temperature: softmax temperature when sampling.
+        greedy: take the argmax instead of sampling.
+        eos_token_id: stop token(s); defaults to ``model.config.eos_token_id``.
+        pad_token_id: filler id for padded prefill positions; defaults to the config's or 0.
+        seed: seed of the sampling ``torch.Generator``.
+        weight_version: version tag of the weights the model holds now.
+    """
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        *,
+        max_batch_size: int = 32,
+        scheduler: AdmissionScheduler | None = None,
+        instance_id: int = 0,
+        temperature: float = 1.0,
+        greedy: bool = False,
+        eos_token_id: int | list[int] | None = None,
+        pad_token_id: int | None = None,
+        seed: int = 0,
+        weight_version: int = 0,
+    ) -> None:
+        if max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}.")
+        if not greedy and temperature <= 0:
+            raise ValueError(f"temperature must be > 0, got {temperature}; or pass greedy=True.")
+        config = model.config
+        self.model = model.eval()
+        self.max_batch_size = max_batch_size
+        self.instance_id = instance_id
+        self.temperature = 1.0 if greedy else float(temperature)
+        self.greedy = greedy
+        self.context_length = int(config.max_position_embeddings)
+        eos = config.eos_token_id if eos_token_id is None else eos_token_id
+        self._eos = [] if eos is None else [int(e) for e in np.atleast_1d(eos)]
+        pad = config.pad_token_id if pad_token_id is None else pad_token_id
+        self.pad_token_id = 0 if pad is None else int(pad)
+        # Not `scheduler or ...`: an empty scheduler has len() 0 and would be falsy.
+        self._scheduler = scheduler if scheduler is not None else FIFOScheduler()
+        self._rng = torch.Generator(device=model.device).manual_seed(seed)
+        self._weight_version = weight_version
+        self._cache = _SlotCache(config.num_hidden_layers, max_batch_size)
+        self._rows: list[_Running] = []
+        self._submitted_s: dict[int, float] = {}  # id(request) -> submission time
+
+    # ----------------------------------------------------------------- public API
+    @property
+    def weight_version(self) -> int:
+        """Version of the weights the model holds now."""
+        return self._weight_version
+
+    @property
+    def num_running(self) -> int:
+        """Sequences occupying a batch slot."""
+        return len(self._rows)
+
+    @property
+    def num_waiting(self) -> int:
+        """Submitted requests not yet admitted."""
+        return len(self._scheduler)
+
+    @property
+    def idle(self) -> bool:
+        """True when nothing is running or waiting."""
+        return not self._rows and not len(self._scheduler)
+
+    def submit(self, requests: Iterable[Request]) -> None:
+        """Queue requests for admission; all are validated before any is queued.
+
+        Raises:
+            ValueError: a prompt is empty, ``max_tokens`` (or ``forced_length``) is below 1, or
+                the prompt plus its token budget exceeds the model's context length.
+        """
+        requests = list(requests)
+        for req in requests:
+            self._validate(req)
+        now = time.time()
+        for req in requests:
+            self._submitted_s[id(req)] = now
+            self._scheduler.push(req)
+
+    def step(self) -> list[Sample]:
+        """Admit, prefill, decode one token per running sequence; return the finished samples."""
+        with torch.inference_mode():
+            start = len(self._rows)
+            self._admit()
+            if len(self._rows) > start:
+                self._prefill(start)
+            if not self._rows:
+                return []
+            tokens, logprobs = self._decode()
+            return self._advance(tokens, logprobs)
+
+    def stream(self) -> Iterator[Sample]:
+        """Step until idle, yielding samples in completion order."""
+        while not self.idle:
+            yield from self.step()
+
+    def load_weights(self, state_dict: WeightMap, version: int) -> None:
+        """Copy ``state_dict`` into the model's tensors in place and set ``weight_version``.
+
+        Keys are the model's ``state_dict`` names; a subset is allowed. Shapes are checked for
+        every entry before anything is copied, so a bad entry leaves the model untouched.
+        """
+        targets = self.model.state_dict(keep_vars=True)
+        sources = {}
+        for name, value in state_dict.items():
+            if name not in targets:
+                raise ValueError(f"load_weights: {name!r} is not a tensor of the model.")
+            src = value if isinstance(value, torch.Tensor) else torch.from_numpy(np.array(value))
+            if tuple(src.shape) != tuple(targets[name].shape):
+                raise ValueError(
+                    f"load_weights: {name!r} has shape {tuple(src.shape)}, the model expects "
+                    f"{tuple(targets[name].shape)}."
+                )
+            sources[name] = src
+        with torch.no_grad():
+            for name, src in sources.items():
+                targets[name].copy_(src)  # copy_ converts dtype/device and keeps the storage
+        self._weight_version = int(version)
+
+    # ----------------------------------------------------------------- internals
+    def _validate(self, req: Request) -> None:
+        if not req.prompt_ids:
+            raise ValueError(f"Request {req.prompt_id!r}: empty prompt; pass >= 1 token id.")
+        if req.max_tokens < 1:
+            raise ValueError(f"Request {req.prompt_id!r}: max_tokens={req.max_tokens}; use >= 1.")
+        if req.forced_length is not None and req.forced_length < 1:
+            raise ValueError(f"Request {req.prompt_id!r}: forced_length must be >= 1 or None.")
+        total = len(req.prompt_ids) + _budget(req)
+        if total > self.context_length:
+            raise ValueError(
+                f"Request {req.prompt_id!r}: prompt ({len(req.prompt_ids)}) + tokens to generate "
+                f"({_budget(req)}) = {total} exceeds the model context of {self.context_length}; "
+                "shorten the prompt or lower max_tokens/forced_length."
+            )
+
+    def _admit(self) -> None:
+        now = time.time()
+        needed = 0
+        while len(self._rows) < self.max_batch_size and len(self._scheduler):
+            req = self._scheduler.pop()
+            prompt = req.prompt_ids
+            submitted = self._submitted_s.pop(id(req), now)
+            # The last prompt token is fed by the shared decode forward, which yields token one.
+            row = _Running(req, submitted, now, self._weight_version, len(prompt) - 1, prompt[-1])
+            self._rows.append(row)
+            needed = max(needed, len(prompt) + _budget(req) - 1)
+        if needed > self._cache.capacity:
+            # Doubling keeps growth copies amortised O(1) per token.
+            self._cache.capacity = min(max(needed, 2 * self._cache.capacity), self.context_length)
+
+    def _prefill(self, start: int) -> None:
+        new = self._rows[start:]
+        width = max(r.length for r in new)
+        if width == 0:
+            return
+        dev = self.model.device
+        ids = torch.full((len(new), width), self.pad_token_id, dtype=torch.long)
+        for i, r in enumerate(new):
+            ids[i, : r.length] = torch.tensor(r.request.prompt_ids[:-1])
+        lengths = torch.tensor([r.length for r in new], device=dev)
+        cols = torch.arange(width, device=dev)
+        # Right-padded: a query sees earlier columns that hold prompt tokens. Padding queries also
+        # see themselves so no row is fully masked (NaN in half precision); they are never read.
+        causal = cols[None, :] <= cols[:, None]
+        allowed = causal & (
+            (cols < lengths[:, None])[:, None] | torch.eye(width, dtype=torch.bool, device=dev)
+        )
+        self._cache.prepare(slice(start, start + len(new)), width)
+        self._forward(ids.to(dev), cols.expand(len(new), width), allowed)
+
+    def _decode(self) -> tuple[list[int], list[float]]:
+        dev = self.model.device
+        rows = self._rows
+        lengths = torch.tensor([r.length for r in rows], device=dev)
+        ids = torch.tensor([[r.next_input] for r in rows], device=dev)
+        kv_len = max(r.length for r in rows) + 1
+        allowed = (torch.arange(kv_len, device=dev)[None, :] <= lengths[:, None])[:, None]
+        self._cache.prepare(slice(0, len(rows)), kv_len, write_pos=lengths)
+        logits = self._forward(ids, lengths[:, None], allowed)[:, -1]
+        return self._sample(logits)
+
+    def _forward(self, ids: torch.Tensor, pos: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+        """One model call on the prepared cache rows; ``allowed``: ``[batch, q, kv]`` bools."""
+        dtype = self.model.dtype
+        # Additive float mask, as HF builds them: accepted by both SDPA and eager attention.
+        mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+        mask = mask.masked_fill_(~allowed, torch.finfo(dtype).min)[:, None]
+        out = self.model(
+            input_ids=ids, attention_mask=mask, position_ids=pos, cache=self._cache,
+            use_cache=True, logits_to_keep=1,
+        )  # fmt: skip
+        if self._cache.kv is None:
+            raise RuntimeError("The model ignored the KV cache (HFStreamGenerator needs HF >= 5).")
+        return out.logits
+
+    def _sample(self, logits: torch.Tensor) -> tuple[list[int], list[float]]:
+        logits = logits.float()
+        forced = [i for i, r in enumerate(self._rows) if r.request.forced_length is not None]
+        if forced and self._eos:
+            # Forced-length rows must not stop, and must not emit an EOS mid-sequence either.
+            rows, eos = torch.tensor(forced)[:, None], torch.tensor(self._eos)[None, :]
+            logits[rows.to(logits.device), eos.to(logits.device)] = float("-inf")
+        logp = torch.log_softmax(logits / self.temperature, dim=-1)
+        if self.greedy:
+            tokens = logp.argmax(dim=-1)
+        else:
+            tokens = torch.multinomial(logp.exp(), 1, generator=self._rng).squeeze(1)
+        chosen = logp.gather(1, tokens[:, None]).squeeze(1)
+        return tokens.tolist(), chosen.tolist()
+
+    def _advance(self, tokens: list[int], logprobs: list[float]) -> list[Sample]:
+        now = time.time()
+        finished, done = [], []
+        for i, (row, tok, lp) in enumerate(zip(self._rows, tokens, logprobs, strict=True)):
+            row.length += 1
+            row.next_input = tok
+            row.token_ids.append(tok)
+            row.logprobs.append(lp)
+            reason = self._finish_reason(row, tok)
+            if reason is not None:
+                finished.append(self._to_sample(row, reason, now))
+                done.append(i)
+        if done:
+            self._release(done)
+        return finished
+
+    def _finish_reason(self, row: _Running, token: int) -> str | None:
+        req = row.request
+        if req.forced_length is not None:
+            return "forced" if len(row.token_ids) >= req.forced_length else None
+        if token in self._eos:
+            return "eos"
+        return "length" if len(row.token_ids) >= req.max_tokens else None
+
+    def _release(self, done: list[int]) -> None:
+        """Free the slots in ``done``: move the last surviving rows into the holes."""
+        rows, done_set = self._rows, set(done)
+        keep = len(rows) - len(done)
+        holes = [i for i in done if i < keep]
+        movers = [i for i in range(keep, len(rows)) if i not in done_set]
+        columns = max((rows[i].length for i in movers), default=0)
+        self._cache.move_rows(movers, holes, columns)
+        for hole, src in zip(holes, movers, strict=True):
+            rows[hole] = rows[src]
+        del rows[keep:]
+
+    def _to_sample(self, row: _Running, reason: str, now: float) -> Sample:
+        req = row.request
+        return Sample(
+            prompt_id=req.prompt_id, sample_index=req.sample_index, prompt_ids=list(req.prompt_ids),
+            token_ids=row.token_ids, logprobs=row.logprobs, weight_version=row.weight_version,
+            instance_id=self.instance_id, submitted_s=row.submitted_s, started_s=row.started_s,
+            finished_s=now, finish_reason=reason,
+        )  # fmt: skip
+
+
+def _budget(req: Request) -> int:
+    """Most tokens the request may generate."""
+    return req.forced_length if req.forced_length is not None else req.max_tokens

@@ -1,0 +1,182 @@
+"""Run configuration: flat dataclasses that mirror the YAML (at most two levels deep).
+
+The Python constructors are the primary API; YAML files only fill them in. Unknown keys, wrong
+types and impossible values are errors with a "did you mean" where one fits, raised before any
+work starts.
+
+Example:
+    >>> cfg = RunConfig(seed=3)
+    >>> cfg.data.tasks
+    ['copy', 'rev', 'count', 'sort']
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from streamrl.errors import ConfigError, unknown_name
+from streamrl.tasks.families import FAMILIES
+
+
+@dataclass
+class DataConfig:
+    """Where prompts come from.
+
+    Attributes:
+        tasks: built-in task families to draw prompts from (see ``streamrl.tasks.FAMILIES``).
+        prompt_file: a JSONL file of ``{"prompt", "answer"}`` rows used instead of generated
+            prompts (its rows are split into training and held-out sets).
+        n_train: prompts in the training set.
+        n_heldout: prompts in the held-out evaluation set (no prompt shared with training).
+        median_len: median answer length in characters.
+        tail: weight of the long tail (log-normal sigma of answer lengths).
+        max_len: longest answer in characters.
+    """
+
+    tasks: list[str] = field(default_factory=lambda: list(FAMILIES))
+    prompt_file: str | None = None
+    n_train: int = 2048
+    n_heldout: int = 256
+    median_len: int = 8
+    tail: float = 0.8
+    max_len: int = 96
+
+
+@dataclass
+class WarmStartConfig:
+    """The SFT warm start of a built-in tiny policy (see ``streamrl.sft.SFTConfig``).
+
+    Attributes:
+        model_size: ``"test"`` (~150K parameters) or ``"demo"`` (~1M parameters).
+        steps: optimizer steps; 0 skips the warm start (the policy stays random).
+        lr: peak learning rate.
+        demo_noise: share of corrupted demonstrations.
+    """
+
+    model_size: str = "demo"
+    steps: int = 600
+    lr: float = 3e-3
+    demo_noise: float = 0.3
+
+
+@dataclass
+class RunConfig:
+    """Everything ``streamrl fit`` needs.
+
+    Attributes:
+        model: ``"tiny"`` builds (and warm-starts) the built-in tiny policy; anything else is a
+            local Hugging Face model directory.
+        seed: seeds data, initialisation and sampling.
+        output_dir: where logs, metrics and checkpoints go.
+        cache_dir: where warm-started policies are cached; ``None`` means ``$STREAMRL_CACHE`` or
+            ``~/.cache/streamrl``.
+        data: the prompt sets.
+        sft: the warm start (used when ``model`` is ``"tiny"``).
+    """
+
+    model: str = "tiny"
+    seed: int = 0
+    output_dir: str = "runs/demo"
+    cache_dir: str | None = None
+    data: DataConfig = field(default_factory=DataConfig)
+    sft: WarmStartConfig = field(default_factory=WarmStartConfig)
+
+    def resolved_cache_dir(self) -> Path:
+        if self.cache_dir:
+            return Path(self.cache_dir)
+        return Path(os.environ.get("STREAMRL_CACHE", Path.home() / ".cache" / "streamrl"))
+
+
+def load_config(path: str | Path) -> RunConfig:
+    """Read a YAML file into a validated ``RunConfig``.
+
+    Raises:
+        ConfigError: missing or unreadable file, an unknown key, a wrong type or a bad value;
+            the message names the key and the fix.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(
+            f"Config file {str(path)!r} does not exist. Pass --config with a YAML file, e.g. "
+            "configs/demo.yaml."
+        )
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise ConfigError(f"Config file {str(path)!r} is not valid YAML: {err}") from err
+    if not isinstance(data, dict):
+        raise ConfigError(f"Config file {str(path)!r} must hold a mapping of keys to values.")
+    config = from_dict(RunConfig, data, where=str(path))
+    check_values(config)
+    return config
+
+
+def from_dict(cls: type, data: dict[str, Any], where: str) -> Any:
+    """Build dataclass ``cls`` from ``data``, checking keys and value types."""
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in data.items():
+        if key not in hints:
+            raise ConfigError(f"{where}: {unknown_name('key', str(key), names)}")
+        kwargs[key] = _convert(hints[key], value, f"{where}: {key}")
+    return cls(**kwargs)
+
+
+def _convert(hint: Any, value: Any, where: str) -> Any:
+    if dataclasses.is_dataclass(hint):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where} must be a mapping of keys to values, got {value!r}.")
+        return from_dict(hint, value, where)
+    args = typing.get_args(hint)
+    if type(None) in args:  # X | None
+        if value is None:
+            return None
+        hint = next(a for a in args if a is not type(None))
+    origin = typing.get_origin(hint)
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"{where} must be a list, got {value!r}.")
+        return [_convert(typing.get_args(hint)[0], v, where) for v in value]
+    if hint is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if not isinstance(value, hint) or (hint is int and isinstance(value, bool)):
+        raise ConfigError(f"{where} must be of type {hint.__name__}, got {value!r}.")
+    return value
+
+
+def check_values(config: RunConfig) -> None:
+    """Check values that types alone cannot (ranges, names); raises ``ConfigError``."""
+    data, sft = config.data, config.sft
+    if not data.prompt_file:
+        if not data.tasks:
+            raise ConfigError(f"data.tasks is empty; choose from {sorted(FAMILIES)}.")
+        for task in data.tasks:
+            if task not in FAMILIES:
+                raise ConfigError(f"data.tasks: {unknown_name('task', task, FAMILIES)}")
+    if data.n_train < 1 or data.n_heldout < 1:
+        raise ConfigError(
+            f"data.n_train and data.n_heldout must be >= 1 (an empty prompt set has nothing to "
+            f"train or evaluate on), got {data.n_train} and {data.n_heldout}."
+        )
+    if not 1 <= data.median_len <= data.max_len or data.tail < 0:
+        raise ConfigError(
+            "data: need 1 <= median_len <= max_len and tail >= 0, got "
+            f"median_len={data.median_len}, max_len={data.max_len}, tail={data.tail}."
+        )
+    if sft.model_size not in ("test", "demo"):
+        raise ConfigError(
+            f"sft.model_size: {unknown_name('size', sft.model_size, ['test', 'demo'])}"
+        )
+    if sft.steps < 0 or sft.lr <= 0 or not 0 <= sft.demo_noise <= 1:
+        raise ConfigError(
+            "sft: need steps >= 0, lr > 0 and 0 <= demo_noise <= 1, got "
+            f"steps={sft.steps}, lr={sft.lr}, demo_noise={sft.demo_noise}."
+        )

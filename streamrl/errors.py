@@ -1,0 +1,23 @@
+"""Errors that say what was wrong and how to fix it."""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterable
+
+
+class ConfigError(ValueError):
+    """A configuration or input problem found before any work starts."""
+
+
+def unknown_name(kind: str, name: str, choices: Iterable[str]) -> str:
+    """A message for an unknown name, with a "did you mean" when one is close.
+
+    Example:
+        >>> unknown_name("task", "cnt", ["copy", "count"])
+        "Unknown task 'cnt' (did you mean 'count'?). Known: copy, count."
+    """
+    choices = sorted(choices)
+    close = difflib.get_close_matches(name, choices, n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    return f"Unknown {kind} {name!r}{hint}. Known: {', '.join(choices)}."

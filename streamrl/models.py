@@ -1,0 +1,179 @@
+"""Offline tiny policies: a Qwen2-architecture causal LM built from a config and a tokenizer built
+at run time.
+
+Nothing here downloads anything. Both halves save and load with the Hugging Face
+``save_pretrained`` / ``from_pretrained`` API, so a real local model directory can be passed
+wherever a tiny one is built (``load_policy(path)``).
+
+Example:
+    >>> from streamrl.models import build_tokenizer, build_tiny_model
+    >>> tok = build_tokenizer()
+    >>> model = build_tiny_model(tok, size="test")
+    >>> tok.decode(tok("rev ab=")["input_ids"])
+    'rev ab='
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Literal
+
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
+
+ModelSize = Literal["test", "demo"]
+
+#: Every character the built-in tasks use. Kept small: decode cost grows with the vocabulary.
+ALPHABET = "0123456789abcdefghijklmnopqrstuvwxyz =>,:+-*()[]."
+_GENERIC_TOKENIZER_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
+PAD, EOS, UNK = "<pad>", "<eos>", "<unk>"
+
+#: Shapes of the built-in tiny models (hidden, layers, heads, kv heads, MLP width).
+_SIZES: dict[str, dict[str, int]] = {
+    # ~150K parameters: unit and integration tests.
+    "test": dict(hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
+                 num_key_value_heads=2, intermediate_size=192),
+    # ~1M parameters: the demo policy.
+    "demo": dict(hidden_size=128, num_hidden_layers=5, num_attention_heads=4,
+                 num_key_value_heads=2, intermediate_size=384),
+}  # fmt: skip
+
+
+def build_tokenizer(alphabet: str = ALPHABET) -> PreTrainedTokenizerFast:
+    """Build a character-level tokenizer: one id per character, exact round trip.
+
+    Args:
+        alphabet: the characters to give ids to; any other character maps to ``<unk>``.
+
+    Returns:
+        A ``PreTrainedTokenizerFast`` with ``<pad>`` (id 0), ``<eos>`` and ``<unk>``.
+    """
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    if len(set(alphabet)) != len(alphabet):
+        raise ValueError("build_tokenizer: the alphabet has repeated characters; pass each once.")
+    vocab = {PAD: 0, EOS: 1, UNK: 2}
+    for ch in alphabet:
+        vocab[ch] = len(vocab)
+    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
+    core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    core.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=core,
+        pad_token=PAD,
+        eos_token=EOS,
+        unk_token=UNK,
+        padding_side="left",  # left padding keeps batched decoding aligned at the last position
+    )
+
+
+def build_tiny_model(
+    tokenizer: PreTrainedTokenizerBase,
+    size: ModelSize = "test",
+    max_positions: int = 256,
+    seed: int = 0,
+) -> Qwen2ForCausalLM:
+    """Build a randomly initialised Qwen2-architecture causal LM sized for a CPU.
+
+    Args:
+        tokenizer: fixes the vocabulary size and the pad/eos ids.
+        size: ``"test"`` (~150K parameters) or ``"demo"`` (~1M parameters).
+        max_positions: context length in tokens (prompt plus completion).
+        seed: initialisation seed, so the same call builds the same weights.
+
+    Returns:
+        A ``Qwen2ForCausalLM`` in float32 with tied input/output embeddings.
+    """
+    if size not in _SIZES:
+        raise ValueError(
+            f"build_tiny_model: unknown size {size!r}; choose one of {sorted(_SIZES)}."
+        )
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        max_position_embeddings=max_positions,
+        tie_word_embeddings=True,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.eos_token_id,
+        **_SIZES[size],
+    )
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = Qwen2ForCausalLM(config)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    return model
+
+
+def save_policy(
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, path: str | Path
+) -> Path:
+    """Save model and tokenizer into one Hugging Face model directory."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def load_policy(path: str | Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Load a causal LM and its tokenizer from a local directory, never from a hub.
+
+    Args:
+        path: a directory written by ``save_pretrained`` (ours or any local HF model).
+
+    Returns:
+        ``(model, tokenizer)``, the model in eval mode, float32, on the CPU.
+
+    Raises:
+        FileNotFoundError: the directory or its ``config.json`` is missing.
+    """
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(
+            f"No model directory at {str(path)!r} (no config.json there). Pass a directory "
+            "written by save_pretrained, or use model: tiny to build one."
+        )
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    tokenizer = load_tokenizer(path)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=torch.float32)
+    return model.eval(), tokenizer
+
+
+def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
+    """Load the tokenizer of a local model directory (exact round trip for ours)."""
+    path = Path(path)
+    # AutoTokenizer picks the class registered for the model type (Qwen2Tokenizer for our tiny
+    # policies), which replaces the saved pre-tokenizer; a generic tokenizer.json must be loaded
+    # as the generic fast tokenizer so that it round-trips exactly.
+    config_file = path / "tokenizer_config.json"
+    declared = (
+        json.loads(config_file.read_text()).get("tokenizer_class")
+        if config_file.is_file()
+        else None
+    )
+    if declared in _GENERIC_TOKENIZER_CLASSES:
+        return PreTrainedTokenizerFast.from_pretrained(path, local_files_only=True)
+    return AutoTokenizer.from_pretrained(path, local_files_only=True)
+
+
+def count_parameters(model: torch.nn.Module) -> int:
+    """Number of distinct parameters (tied weights counted once)."""
+    return sum(p.numel() for p in model.parameters())
+
+
+def context_length(model: PreTrainedModel) -> int:
+    """The model's context length in tokens, from its config."""
+    return int(model.config.max_position_embeddings)

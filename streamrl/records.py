@@ -1,0 +1,79 @@
+"""Records passed between components: small dataclasses of plain Python values.
+
+They cross process boundaries on multiprocessing queues, so they hold lists and numbers, never
+torch tensors (a tensor on a queue costs ~30x more and breaks when its producer exits first).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Request:
+    """One generation request: a prompt's token ids and how far to decode.
+
+    Attributes:
+        prompt_id: identifies the prompt across the whole run (unique per prompt).
+        prompt_ids: the prompt's token ids.
+        max_tokens: the most tokens to generate (EOS may stop it earlier).
+        sample_index: which of the prompt's ``group_size`` samples this is.
+        forced_length: if set, ignore EOS and generate exactly this many tokens (the paper's
+            throughput protocol, §7).
+        predicted_length: a length estimate used by schedulers (e.g. LPT); ``None`` if unknown.
+    """
+
+    prompt_id: str
+    prompt_ids: list[int]
+    max_tokens: int
+    sample_index: int = 0
+    forced_length: int | None = None
+    predicted_length: float | None = None
+
+    @property
+    def key(self) -> tuple[str, int]:
+        """``(prompt_id, sample_index)``: unique per sample in an iteration."""
+        return (self.prompt_id, self.sample_index)
+
+
+@dataclass
+class Sample:
+    """One finished generation, emitted the moment it completes (StreamRL §3, stream generation).
+
+    Attributes:
+        prompt_id: the request's prompt id.
+        sample_index: which of the prompt's group this is.
+        prompt_ids: the prompt's token ids.
+        token_ids: the generated token ids (EOS included when it stopped on EOS).
+        logprobs: behaviour log-probabilities of ``token_ids`` under the generating weights.
+        weight_version: the version of the weights that generated it.
+        instance_id: the generator instance that produced it.
+        submitted_s / started_s / finished_s: wall-clock timestamps (``time.time()``) of
+            submission, admission into a batch slot and completion.
+        finish_reason: ``"eos"``, ``"length"`` (hit ``max_tokens``) or ``"forced"``.
+        reward: filled in by the trainer once scored.
+    """
+
+    prompt_id: str
+    sample_index: int
+    prompt_ids: list[int]
+    token_ids: list[int]
+    logprobs: list[float]
+    weight_version: int
+    instance_id: int
+    submitted_s: float = 0.0
+    started_s: float = 0.0
+    finished_s: float = 0.0
+    finish_reason: str = "eos"
+    reward: float | None = None
+    extras: dict = field(default_factory=dict)
+
+    @property
+    def length(self) -> int:
+        """Number of generated tokens."""
+        return len(self.token_ids)
+
+    @property
+    def key(self) -> tuple[str, int]:
+        """``(prompt_id, sample_index)``."""
+        return (self.prompt_id, self.sample_index)

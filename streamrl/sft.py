@@ -1,0 +1,204 @@
+"""SFT warm start: teach a fresh tiny policy the task format from imperfect demonstrations.
+
+RL needs a starting policy that already answers in the right format, whose output length tracks
+the prompt (so the length ranker has something to learn), and that is wrong often enough for RL to
+improve it. A short supervised run on demonstrations of which a share is corrupted gives that.
+The result is cached on disk, keyed by everything that shapes it, so ``make demo`` trains it once.
+
+Example:
+    >>> from streamrl.sft import SFTConfig, warm_start
+    >>> path = warm_start(SFTConfig(steps=5), cache_dir="/tmp/streamrl-cache")  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import random
+import shutil
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import datasets
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from streamrl.models import build_tiny_model, build_tokenizer, save_policy
+from streamrl.progress import progress_bar
+from streamrl.tasks.families import FAMILIES
+from streamrl.tasks.prompt_sets import make_prompt_set
+
+#: Bump when the training recipe changes, so stale caches are not reused.
+RECIPE_VERSION = 1
+
+
+@dataclass
+class SFTConfig:
+    """The warm start's recipe. Every field is part of the cache key.
+
+    Attributes:
+        model_size: tiny model size (``"test"`` or ``"demo"``).
+        steps: optimizer steps.
+        tokens_per_batch: padded tokens per step (demonstrations of similar length are batched
+            together, so a step holds many short ones or a few long ones).
+        lr: peak AdamW learning rate (linear warm-up, cosine decay).
+        demo_noise: share of demonstrations whose answer is corrupted (one character replaced,
+            dropped or repeated), so the warm start is imperfect and RL has room to improve it.
+        n_demos: distinct demonstration prompts (drawn like the RL prompts, other seed).
+        tasks: task families to demonstrate.
+        median_len / tail / max_len: answer-length distribution of the demonstrations.
+        seed: seeds data, initialisation and training.
+    """
+
+    model_size: str = "demo"
+    steps: int = 600
+    tokens_per_batch: int = 2048
+    lr: float = 3e-3
+    demo_noise: float = 0.3
+    n_demos: int = 8192
+    tasks: tuple[str, ...] = tuple(FAMILIES)
+    median_len: int = 8
+    tail: float = 0.8
+    max_len: int = 96
+    seed: int = 1234
+
+    def cache_key(self) -> str:
+        blob = json.dumps({"recipe": RECIPE_VERSION, **asdict(self)}, sort_keys=True)
+        return hashlib.sha256(blob.encode()).hexdigest()[:12]
+
+
+def corrupt_answer(answer: str, rng: random.Random, alphabet: str) -> str:
+    """Replace, drop or repeat one character of ``answer`` (an imperfect demonstration)."""
+    i = rng.randrange(len(answer))
+    kind = rng.choice(("replace", "drop", "repeat"))
+    if kind == "replace":
+        return answer[:i] + rng.choice(alphabet) + answer[i + 1 :]
+    if kind == "drop" and len(answer) > 1:
+        return answer[:i] + answer[i + 1 :]
+    return answer[: i + 1] + answer[i:]
+
+
+def token_budget_batches(lengths: list[int], tokens_per_batch: int) -> list[list[int]]:
+    """Group indices of similar length into batches of at most ``tokens_per_batch`` padded tokens.
+
+    With long-tailed lengths, a random batch almost always holds one long demonstration and
+    pads everything to it; grouping by length spends the compute on real tokens instead.
+    """
+    order = sorted(range(len(lengths)), key=lengths.__getitem__)
+    batches: list[list[int]] = [[]]
+    for i in order:
+        # Sorted ascending, so lengths[i] is the padded width of the batch if i joins it.
+        if batches[-1] and (len(batches[-1]) + 1) * lengths[i] > tokens_per_batch:
+            batches.append([])
+        batches[-1].append(i)
+    return batches
+
+
+def encode_demos(
+    tokenizer: PreTrainedTokenizerBase, prompts: list[str], answers: list[str]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-padded ``(input_ids, attention_mask, labels)``; loss only on answer + EOS tokens."""
+    rows, labels = [], []
+    for prompt, answer in zip(prompts, answers):
+        p = tokenizer(prompt)["input_ids"]
+        a = [*tokenizer(answer)["input_ids"], tokenizer.eos_token_id]
+        rows.append(p + a)
+        labels.append([-100] * len(p) + a)
+    width = max(len(r) for r in rows)
+    pad = tokenizer.pad_token_id
+    input_ids = torch.tensor([r + [pad] * (width - len(r)) for r in rows])  # [batch, seq]
+    mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows])  # [batch, seq]
+    target = torch.tensor([lab + [-100] * (width - len(lab)) for lab in labels])  # [batch, seq]
+    return input_ids, mask, target
+
+
+def sft_train(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    demos: datasets.Dataset,
+    config: SFTConfig,
+    show_progress: bool = True,
+) -> list[float]:
+    """Train ``model`` in place on ``demos`` (``prompt``/``answer`` columns); returns the losses.
+
+    Each step samples ``batch_size`` demonstrations and corrupts each answer with probability
+    ``demo_noise``.
+    """
+    rng = random.Random(config.seed)
+    torch.manual_seed(config.seed)
+    alphabet = "".join(sorted(set("".join(demos["answer"])))) or "a"
+    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=0.01)
+    warmup = max(1, config.steps // 20)
+
+    def lr_factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        return 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, config.steps - warmup)))
+
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
+    prompts, answers = demos["prompt"], demos["answer"]
+    batches = token_budget_batches([len(p) + len(a) + 1 for p, a in zip(prompts, answers)],
+                                   config.tokens_per_batch)  # fmt: skip
+    losses: list[float] = []
+    model.train()
+    bar = progress_bar(range(config.steps), "sft", enabled=show_progress)
+    for step in bar:
+        if step % len(batches) == 0:
+            rng.shuffle(batches)
+        idx = batches[step % len(batches)]
+        batch_answers = [
+            corrupt_answer(answers[i], rng, alphabet)
+            if rng.random() < config.demo_noise else answers[i]
+            for i in idx
+        ]  # fmt: skip
+        input_ids, mask, labels = encode_demos(tokenizer, [prompts[i] for i in idx], batch_answers)
+        loss = model(input_ids=input_ids, attention_mask=mask, labels=labels).loss
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        scheduler.step()
+        losses.append(loss.item())
+        bar.set_postfix(loss=f"{losses[-1]:.3f}")
+    model.eval()
+    return losses
+
+
+def warm_start(
+    config: SFTConfig, cache_dir: str | Path, show_progress: bool = True, force: bool = False
+) -> Path:
+    """Return the directory of the warm-started policy, training it only if not cached.
+
+    Args:
+        config: the recipe; its hash names the cache entry.
+        cache_dir: where cached policies live (one sub-directory per recipe).
+        show_progress: draw a progress bar while training.
+        force: retrain even when a cached policy exists.
+
+    Returns:
+        A Hugging Face model directory (``load_policy`` reads it) with ``sft_meta.json`` beside
+        the weights: the recipe, the loss curve and the training time.
+    """
+    target = Path(cache_dir) / f"sft-{config.model_size}-{config.cache_key()}"
+    if (target / "sft_meta.json").is_file() and not force:
+        return target
+    tokenizer = build_tokenizer()
+    model = build_tiny_model(tokenizer, size=config.model_size, seed=config.seed)  # type: ignore[arg-type]
+    demos = make_prompt_set(
+        config.n_demos, config.tasks, median_len=config.median_len, tail=config.tail,
+        max_len=config.max_len, seed=config.seed, id_prefix="demo-",
+    )  # fmt: skip
+    started = time.perf_counter()
+    losses = sft_train(model, tokenizer, demos, config, show_progress)
+    train_s = time.perf_counter() - started
+    partial = target.with_name(target.name + ".partial")
+    save_policy(model, tokenizer, partial)
+    meta = {"config": asdict(config), "losses": losses, "train_s": train_s}
+    (partial / "sft_meta.json").write_text(json.dumps(meta))
+    # Rename last so that an interrupted run never leaves a half-written cache entry.
+    if target.exists():
+        shutil.rmtree(target)
+    partial.rename(target)
+    return target

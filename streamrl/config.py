@@ -61,8 +61,8 @@ class WarmStartConfig:
     """
 
     model_size: str = "demo"
-    steps: int = 600
-    lr: float = 3e-3
+    steps: int = 1200
+    lr: float = 1e-3
     demo_noise: float = 0.3
 
 

@@ -53,9 +53,9 @@ class SFTConfig:
     """
 
     model_size: str = "demo"
-    steps: int = 600
-    tokens_per_batch: int = 2048
-    lr: float = 3e-3
+    steps: int = 1200
+    tokens_per_batch: int = 1024
+    lr: float = 1e-3
     demo_noise: float = 0.3
     n_demos: int = 8192
     tasks: tuple[str, ...] = tuple(FAMILIES)

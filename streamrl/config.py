@@ -67,6 +67,39 @@ class WarmStartConfig:
 
 
 @dataclass
+class RLConfig:
+    """The disaggregated RL loop.
+
+    Attributes:
+        algorithm: ``"grpo"``.
+        iterations: optimizer steps (one per iteration); 0 only warm-starts and evaluates.
+        prompts_per_iteration: prompts dealt per iteration.
+        group_size: samples per prompt.
+        generators: generator instances (one process each).
+        max_batch_size: batch slots per generator instance.
+        lr: policy learning rate (AdamW).
+        clip_eps: PPO clip range.
+        kl_coef: KL penalty to the starting policy; 0 disables it.
+        reward: ``"exact"`` or ``"partial"`` (see ``streamrl.tasks.rewards``).
+        temperature: sampling temperature of the generators.
+        max_tokens: generation budget per sample (capped by the context).
+    """
+
+    algorithm: str = "grpo"
+    iterations: int = 40
+    prompts_per_iteration: int = 32
+    group_size: int = 8
+    generators: int = 2
+    max_batch_size: int = 64
+    lr: float = 2e-4
+    clip_eps: float = 0.2
+    kl_coef: float = 0.0
+    reward: str = "partial"
+    temperature: float = 1.0
+    max_tokens: int = 112
+
+
+@dataclass
 class RunConfig:
     """Everything ``streamrl fit`` needs.
 
@@ -79,6 +112,7 @@ class RunConfig:
             ``~/.cache/streamrl``.
         data: the prompt sets.
         sft: the warm start (used when ``model`` is ``"tiny"``).
+        rl: the RL loop.
     """
 
     model: str = "tiny"
@@ -87,6 +121,7 @@ class RunConfig:
     cache_dir: str | None = None
     data: DataConfig = field(default_factory=DataConfig)
     sft: WarmStartConfig = field(default_factory=WarmStartConfig)
+    rl: RLConfig = field(default_factory=RLConfig)
 
     def resolved_cache_dir(self) -> Path:
         if self.cache_dir:
@@ -175,8 +210,36 @@ def check_values(config: RunConfig) -> None:
         raise ConfigError(
             f"sft.model_size: {unknown_name('size', sft.model_size, ['test', 'demo'])}"
         )
+    check_rl(config.rl)
     if sft.steps < 0 or sft.lr <= 0 or not 0 <= sft.demo_noise <= 1:
         raise ConfigError(
             "sft: need steps >= 0, lr > 0 and 0 <= demo_noise <= 1, got "
             f"steps={sft.steps}, lr={sft.lr}, demo_noise={sft.demo_noise}."
+        )
+
+
+def check_rl(rl: RLConfig) -> None:
+    """Check the RL section; raises ``ConfigError``."""
+    from streamrl.algorithms import ALGORITHMS
+    from streamrl.tasks.rewards import REWARDS
+
+    if rl.algorithm not in ALGORITHMS:
+        raise ConfigError(f"rl.algorithm: {unknown_name('algorithm', rl.algorithm, ALGORITHMS)}")
+    if rl.reward not in REWARDS:
+        raise ConfigError(f"rl.reward: {unknown_name('reward', rl.reward, REWARDS)}")
+    positive = dict(prompts_per_iteration=rl.prompts_per_iteration, generators=rl.generators,
+                    max_batch_size=rl.max_batch_size, max_tokens=rl.max_tokens)  # fmt: skip
+    for name, value in positive.items():
+        if value < 1:
+            raise ConfigError(f"rl.{name} must be >= 1, got {value}.")
+    if rl.iterations < 0 or rl.group_size < 2:
+        raise ConfigError(
+            f"rl: need iterations >= 0 and group_size >= 2 (GRPO compares samples of a prompt), "
+            f"got iterations={rl.iterations}, group_size={rl.group_size}."
+        )
+    if rl.lr <= 0 or rl.temperature <= 0 or rl.clip_eps <= 0 or rl.kl_coef < 0:
+        raise ConfigError(
+            "rl: need lr > 0, temperature > 0, clip_eps > 0 and kl_coef >= 0, got "
+            f"lr={rl.lr}, temperature={rl.temperature}, clip_eps={rl.clip_eps}, "
+            f"kl_coef={rl.kl_coef}."
         )

@@ -1,46 +1,119 @@
-"""The jobs behind ``streamrl fit`` and ``streamrl demo``: plain functions a notebook can call."""
+"""The jobs behind ``streamrl fit`` and ``streamrl demo``: plain functions a notebook can call.
+
+``run_fit`` is the whole main job, top to bottom: check inputs, warm-start, evaluate, start the
+stream generation service, let Lightning drive the disaggregated RL loop, evaluate again.
+"""
 
 from __future__ import annotations
 
+import copy
 import json
 import time
 from pathlib import Path
 
+import lightning as L
 import torch
+from lightning.pytorch.loggers import CSVLogger
 
-from streamrl.config import RunConfig
+from streamrl.algorithms import ALGORITHMS
+from streamrl.components.generation_service import StreamGenerationService
+from streamrl.config import RunConfig, check_values
 from streamrl.evaluation import evaluate
 from streamrl.models import load_policy
+from streamrl.module import StreamRLModule
 from streamrl.prepare import ensure_policy, prepare_run
+from streamrl.rollout import PromptSource, RolloutStream
+from streamrl.tasks.rewards import get_reward
 
 
 def run_fit(config: RunConfig, show_progress: bool = True) -> dict:
-    """Check the inputs, warm-start the policy (cached) and evaluate it on held-out prompts.
+    """Run the main job and return its summary (also written to ``<output_dir>/summary.json``).
 
     Returns:
-        The run's summary (also written to ``<output_dir>/summary.json``): held-out greedy
-        accuracy and the output-length distribution of the starting policy.
+        ``reward_first`` / ``reward_last`` (mean reward of the first / last 3 iterations),
+        ``heldout_acc_before`` / ``heldout_acc_after`` (greedy exact match on held-out prompts),
+        ``samples_per_s``, ``trainer_wait_frac`` (share of RL time the trainer waited for
+        samples), ``iterations``, ``wall_s``, and the starting policy's output lengths.
     """
     started = time.perf_counter()
-    torch.manual_seed(config.seed)
+    check_values(config)
+    L.seed_everything(config.seed, verbose=False)
     run = prepare_run(config)  # every input check happens here, before any training
     model_dir = ensure_policy(config, run, show_progress=show_progress)
-    model, tokenizer = load_policy(model_dir)
-    before = evaluate(model, tokenizer, run.heldout)
-    summary = {
-        "model_dir": str(model_dir),
-        "n_train": len(run.train),
-        "n_heldout": len(run.heldout),
+    policy, tokenizer = load_policy(model_dir)
+    before = evaluate(policy, tokenizer, run.heldout)
+    summary: dict = {
         "heldout_acc_before": before.accuracy,
-        "heldout_partial_before": before.partial,
         "length_median": before.length_median,
         "length_p90": before.length_p90,
         "length_max": before.length_max,
-        "length_corr": before.length_corr,
-        "accuracy_by_task": before.accuracy_by_task,
-        "wall_s": time.perf_counter() - started,
     }
+    rl = config.rl
+    if rl.iterations > 0:
+        module = _train(config, run.train, run.context, model_dir, policy, tokenizer, show_progress)
+        after = evaluate(policy, tokenizer, run.heldout)
+        summary.update(_rl_summary(module, rl.iterations), heldout_acc_after=after.accuracy)
+        summary["accuracy_by_task_after"] = after.accuracy_by_task
+    summary.update(
+        accuracy_by_task_before=before.accuracy_by_task,
+        iterations=rl.iterations,
+        model_dir=str(model_dir),
+        output_dir=config.output_dir,
+        wall_s=time.perf_counter() - started,
+    )
     out = Path(config.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
+
+
+def _train(config, train_set, context, model_dir, policy, tokenizer, show_progress):
+    rl = config.rl
+    algorithm = ALGORITHMS[rl.algorithm](
+        get_reward(rl.reward), group_size=rl.group_size, clip_eps=rl.clip_eps, kl_coef=rl.kl_coef
+    )
+    reference = copy.deepcopy(policy) if rl.kl_coef > 0 else None
+    torch.set_num_threads(1)  # one thread per process: the generators need the other cores
+    service = StreamGenerationService(
+        model_dir, rl.generators, max_batch_size=rl.max_batch_size,
+        temperature=rl.temperature, seed=config.seed,
+    )  # fmt: skip
+    with service:
+        rollouts = RolloutStream(
+            service, PromptSource(train_set, rl.prompts_per_iteration, seed=config.seed),
+            tokenizer, algorithm, max_tokens=rl.max_tokens, context=context,
+        )  # fmt: skip
+        module = StreamRLModule(
+            policy.train(),
+            algorithm,
+            rollouts,
+            rl.iterations,
+            lr=rl.lr,
+            reference=reference,
+            temperature=rl.temperature,
+        )
+        trainer = L.Trainer(
+            max_steps=rl.iterations, max_epochs=1, accelerator="cpu", devices=1,
+            logger=CSVLogger(config.output_dir, name="logs"), default_root_dir=config.output_dir,
+            log_every_n_steps=1, enable_model_summary=False, enable_progress_bar=show_progress,
+        )  # fmt: skip
+        trainer.fit(module)
+    policy.eval()
+    return module
+
+
+def _rl_summary(module: StreamRLModule, iterations: int) -> dict:
+    history = module.history
+    rewards = [h["rollout/reward"] for h in history]
+    rl_wall = sum(h["time/iteration_s"] for h in history)
+    samples = iterations * module.rollouts.samples_per_iteration
+    head = rewards[: min(3, len(rewards))]
+    tail = rewards[-min(3, len(rewards)) :]
+    return {
+        "reward_first": sum(head) / len(head),
+        "reward_last": sum(tail) / len(tail),
+        "samples_per_s": samples / rl_wall,
+        "trainer_wait_frac": sum(h["time/wait_s"] for h in history) / rl_wall,
+        "sync_s_total": sum(h["time/sync_s"] for h in history),
+        "rl_wall_s": rl_wall,
+    }

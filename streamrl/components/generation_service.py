@@ -197,7 +197,9 @@ class StreamGenerationService:
         """
         self._require_started()
         started = time.perf_counter()
-        tensors = dict(weights.named_parameters()) if isinstance(weights, torch.nn.Module) else weights
+        tensors = (
+            dict(weights.named_parameters()) if isinstance(weights, torch.nn.Module) else weights
+        )
         for inbox in self._inboxes:
             inbox.put(("update", version))
         with torch.no_grad():
@@ -221,10 +223,26 @@ class StreamGenerationService:
             for i, p in enumerate(self._procs)
         ]
 
+    def fingerprints(self) -> dict[int, str]:
+        """Each instance's weight hash (compare with ``generator_worker.fingerprint(policy)``)."""
+        self._require_started()
+        for inbox in self._inboxes:
+            inbox.put(("fingerprint",))
+        found: dict[int, str] = {}
+        while len(found) < self.num_instances:
+            kind, payload = self._next_message()
+            if kind == "fingerprint":
+                found[payload[0]] = payload[1]
+            elif kind == "sample":
+                self._backlog.append(payload)
+        return found
+
     # -- internals ---------------------------------------------------------------------------
     def _require_started(self) -> None:
         if not self._procs:
-            raise RuntimeError("StreamGenerationService is not started; call start() or use `with`.")
+            raise RuntimeError(
+                "StreamGenerationService is not started; call start() or use `with`."
+            )
 
     def _wait_ready(self) -> None:
         ready: set[int] = set()

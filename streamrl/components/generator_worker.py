@@ -4,13 +4,15 @@ It loads the policy, then loops: take requests and weight updates from its inbox
 continuous-batching step, push every finished sample to the shared outbox at once. Messages are
 plain tuples of picklable values; samples hold lists, never tensors.
 
-Inbox:  ``("submit", [Request, ...])``, ``("update", version)``, ``("stop",)``.
+Inbox:  ``("submit", [Request, ...])``, ``("update", version)``, ``("fingerprint",)``,
+``("stop",)``.
 Outbox: ``("ready", instance_id, pid)``, ``("sample", Sample)``, ``("updated", instance_id,
-version)``, ``("error", instance_id, traceback_text)``.
+version)``, ``("fingerprint", instance_id, hex)``, ``("error", instance_id, traceback_text)``.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import queue
 import signal
@@ -66,6 +68,8 @@ def worker_main(spec: WorkerSpec, inbox: Any, outbox: Any) -> None:
                     return
                 if kind == "submit":
                     generator.submit(message[1])
+                elif kind == "fingerprint":
+                    _put(outbox, ("fingerprint", spec.instance_id, fingerprint(model)), parent)
                 elif kind == "update":
                     buffers = {name: torch.empty_like(p) for name, p in params.items()}
                     group.broadcast(buffers.values())
@@ -76,6 +80,15 @@ def worker_main(spec: WorkerSpec, inbox: Any, outbox: Any) -> None:
                 _put(outbox, ("sample", sample), parent)
     except BaseException:  # report everything, including SystemExit from a broken import
         _put(outbox, ("error", spec.instance_id, traceback.format_exc()), parent)
+
+
+def fingerprint(model: torch.nn.Module) -> str:
+    """A hash of every parameter's bytes: equal fingerprints mean equal weights."""
+    digest = hashlib.sha256()
+    for name, param in model.named_parameters():
+        digest.update(name.encode())
+        digest.update(param.detach().cpu().contiguous().numpy().tobytes())
+    return digest.hexdigest()
 
 
 def _next_message(inbox: Any, block: bool) -> tuple | None:

@@ -22,7 +22,11 @@ DEFAULT_TIMEOUT_S = 120.0
 def make_store(world_size: int, timeout_s: float = DEFAULT_TIMEOUT_S) -> dist.TCPStore:
     """The rendezvous store, hosted by the trainer on a free loopback port (``store.port``)."""
     return dist.TCPStore(
-        "127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False,
+        "127.0.0.1",
+        0,
+        world_size,
+        is_master=True,
+        wait_for_workers=False,
         timeout=datetime.timedelta(seconds=timeout_s),
     )
 
@@ -50,7 +54,9 @@ class WeightGroup:
         if store is None:
             store = dist.TCPStore("127.0.0.1", port, world_size, False, timeout=timeout)
         self.rank, self.world_size = rank, world_size
-        self._group = dist.ProcessGroupGloo(dist.PrefixStore("weights", store), rank, world_size, timeout)
+        self._group = dist.ProcessGroupGloo(
+            dist.PrefixStore("weights", store), rank, world_size, timeout
+        )
 
     def broadcast(self, tensors: Iterable[torch.Tensor]) -> int:
         """Broadcast ``tensors`` in place from rank 0 (send there, receive elsewhere).

@@ -1,0 +1,66 @@
+"""The console script: help, unknown commands, and bad input that fails before any work."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from streamrl.cli import build_parser, main
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "streamrl.cli", *args], capture_output=True,
+                          text=True, timeout=120)  # fmt: skip
+
+
+def test_every_command_has_help(capsys):
+    for argv in (["--help"], ["demo", "--help"], ["fit", "--help"], ["bench", "--help"],
+                 ["bench", "generate", "--help"]):  # fmt: skip
+        with pytest.raises(SystemExit) as exit_info:
+            build_parser().parse_args(argv)
+        assert exit_info.value.code == 0
+    assert "demo" in capsys.readouterr().out
+
+
+def test_unknown_command_is_a_clear_error(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        build_parser().parse_args(["trian"])
+    assert exit_info.value.code == 2
+    assert "invalid choice: 'trian'" in capsys.readouterr().err
+
+
+def test_fit_with_missing_config_fails_before_work(tmp_path, capsys):
+    assert main(["fit", "--config", str(tmp_path / "nope.yaml")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
+def test_fit_with_config_typo_subprocess(tmp_path):
+    config = tmp_path / "c.yaml"
+    config.write_text("rl:\n  iteratons: 3\n")
+    result = run_cli("fit", "--config", str(config))
+    assert result.returncode == 2
+    assert "Unknown key 'iteratons' (did you mean 'iterations'?)" in result.stderr
+    assert result.stdout == ""
+
+
+@pytest.mark.timeout(300)
+def test_fit_small_run_prints_json_summary(tmp_path, capsys):
+    config = tmp_path / "c.yaml"
+    config.write_text(
+        f"output_dir: {tmp_path / 'out'}\n"
+        "data: {tasks: [copy, count], n_train: 32, n_heldout: 8, median_len: 3, max_len: 6}\n"
+        "sft: {model_size: test, steps: 20}\n"
+        "rl: {iterations: 2, prompts_per_iteration: 4, group_size: 2, generators: 1,"
+        " max_tokens: 12}\n"
+    )
+    assert main(["fit", "--config", str(config), "--no-progress"]) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    for key in ("reward_first", "reward_last", "heldout_acc_before", "heldout_acc_after",
+                "samples_per_s", "iterations", "wall_s"):  # fmt: skip
+        assert key in summary
+    assert summary["iterations"] == 2 and summary["samples_per_s"] > 0
+    assert (tmp_path / "out" / "summary.json").is_file()
+    assert list((tmp_path / "out" / "logs").rglob("metrics.csv"))

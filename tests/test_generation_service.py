@@ -1,0 +1,79 @@
+"""The stream generation service with real spawned processes (few, bounded: each costs seconds)."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+
+import pytest
+import torch
+
+from streamrl.components.generation_service import GeneratorError, StreamGenerationService
+from streamrl.components.generator_worker import fingerprint
+from streamrl.models import build_tiny_model, save_policy
+from streamrl.records import Request
+
+pytestmark = pytest.mark.timeout(180)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory, tokenizer):
+    path = tmp_path_factory.mktemp("policy")
+    save_policy(build_tiny_model(tokenizer, "test", seed=0), tokenizer, path)
+    return path
+
+
+def requests_for(tokenizer, n_prompts: int, group: int, forced: list[int] | None = None):
+    out = []
+    for i in range(n_prompts):
+        ids = tokenizer(f"copy {'abc'[: 1 + i % 3]}=")["input_ids"]
+        for s in range(group):
+            length = forced[i] if forced else None
+            out.append(Request(f"p{i}", ids, max_tokens=24, sample_index=s, forced_length=length))
+    return out
+
+
+def test_two_instances_stream_every_request_once_in_completion_order(model_dir, tokenizer):
+    forced = [20, 2, 12, 4, 16, 6]  # prompt i gets forced length forced[i]
+    reqs = requests_for(tokenizer, 6, 2, forced)
+    with StreamGenerationService(model_dir, 2, max_batch_size=8) as sgs:
+        samples = list(sgs.generate(reqs))
+        assert sorted(s.key for s in samples) == sorted(r.key for r in reqs)
+        assert {s.instance_id for s in samples} == {0, 1}
+        assert all(s.length == forced[int(s.prompt_id[1:])] for s in samples)
+        # Streamed in completion order: within an instance, shorter forced lengths come first.
+        for instance in (0, 1):
+            lengths = [s.length for s in samples if s.instance_id == instance]
+            assert lengths == sorted(lengths)
+        finished = [s.finished_s for s in samples]
+        assert finished == sorted(finished)
+        assert all(s.weight_version == 0 and len(s.logprobs) == s.length for s in samples)
+
+
+def test_update_makes_generator_weights_equal_trainer_weights(model_dir, tokenizer):
+    policy = build_tiny_model(tokenizer, "test", seed=0)
+    with StreamGenerationService(model_dir, 2, max_batch_size=4) as sgs:
+        assert set(sgs.fingerprints().values()) == {fingerprint(policy)}
+        with torch.no_grad():
+            for p in policy.parameters():
+                p.add_(torch.randn_like(p) * 0.05)
+        sgs.update(policy, version=7)
+        assert set(sgs.fingerprints().values()) == {fingerprint(policy)}
+        assert [i.weight_version for i in sgs.instances()] == [7, 7]
+        samples = list(sgs.generate(requests_for(tokenizer, 2, 1)))
+        assert {s.weight_version for s in samples} == {7}
+    assert not [p for p in mp.active_children() if p.name.startswith("streamrl-generator")]
+
+
+def test_instance_that_dies_at_start_is_named_and_cleaned_up(tmp_path):
+    with pytest.raises(GeneratorError, match=r"instance 0 failed:(.|\n)*No model directory"):
+        StreamGenerationService(tmp_path / "missing", 1, start_timeout_s=60).start()
+    assert not [p for p in mp.active_children() if p.name.startswith("streamrl-generator")]
+
+
+def test_instance_killed_mid_generation_raises_instead_of_hanging(model_dir, tokenizer):
+    reqs = requests_for(tokenizer, 4, 2, [200] * 4)
+    with StreamGenerationService(model_dir, 1, max_batch_size=2, sample_timeout_s=30) as sgs:
+        stream = sgs.generate(reqs)
+        sgs._procs[0].kill()
+        with pytest.raises(GeneratorError, match="instance 0 .* died"):
+            list(stream)

@@ -1,0 +1,74 @@
+"""End to end: GRPO on samples streamed from 2 generator processes, driven by Lightning."""
+
+from __future__ import annotations
+
+import math
+
+import lightning as L
+import pytest
+import torch
+
+from streamrl.algorithms import GRPO, RewardError
+from streamrl.algorithms.base import LossInputs
+from streamrl.components.generation_service import StreamGenerationService
+from streamrl.components.generator_worker import fingerprint
+from streamrl.models import build_tiny_model, save_policy
+from streamrl.module import StreamRLModule
+from streamrl.rollout import PromptSource, RolloutStream
+from streamrl.tasks import make_prompt_set, partial_credit
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def test_grpo_advantages_hand_computed():
+    grpo = GRPO(partial_credit, group_size=4)
+    # rewards 1, 0, 0, 1: mean 0.5, population std 0.5 -> advantages +-1
+    assert grpo.score_group([1.0, 0.0, 0.0, 1.0]) == pytest.approx([1, -1, -1, 1], abs=1e-5)
+    assert grpo.score_group([0.3, 0.3, 0.3, 0.3]) == [0.0] * 4
+    with pytest.raises(ValueError, match="group_size >= 2"):
+        GRPO(partial_credit, group_size=1)
+
+
+def test_grpo_clipped_loss_hand_computed():
+    grpo = GRPO(partial_credit, group_size=2, clip_eps=0.2)
+    logprobs = torch.log(torch.tensor([[0.5, 0.6], [0.5, 0.5]]))
+    old = torch.log(torch.tensor([[0.25, 0.6], [0.5, 0.25]]))
+    batch = LossInputs(logprobs, old, torch.tensor([1.0, -1.0]), torch.tensor([[1, 1], [1, 0]]))
+    # Sample 0 (A=+1): ratios 2.0 (clipped to 1.2) and 1.0 -> mean of -1.2, -1.0 = -1.1.
+    # Sample 1 (A=-1): ratio 1.0 on its only real token -> +1.0 (the padded ratio 2.0 is masked).
+    assert grpo.loss(batch).tolist() == pytest.approx([-1.1, 1.0])
+
+
+def test_reward_errors_name_the_prompt():
+    from streamrl.records import Sample
+
+    sample = Sample("q7", 2, [5], [6], [-0.1], 0, 1)
+    with pytest.raises(RewardError, match="prompt 'q7' .*sample 2, instance 1.*ZeroDivisionError"):
+        GRPO(lambda c, a: 1 / 0, 2).score_sample(sample, "x", "y")
+    with pytest.raises(RewardError, match="returned nan for prompt 'q7'"):
+        GRPO(lambda c, a: math.nan, 2).score_sample(sample, "x", "y")
+
+
+def test_grpo_iterations_with_two_generator_processes(tmp_path, tokenizer):
+    policy = build_tiny_model(tokenizer, "test", seed=0)
+    save_policy(policy, tokenizer, tmp_path / "policy")
+    before = {k: v.clone() for k, v in policy.state_dict().items()}
+    prompts = make_prompt_set(32, ["copy", "count"], median_len=3, max_len=6, seed=0)
+    algorithm = GRPO(partial_credit, group_size=4)
+    with StreamGenerationService(tmp_path / "policy", 2, max_batch_size=8) as sgs:
+        rollouts = RolloutStream(sgs, PromptSource(prompts, 4), tokenizer, algorithm, 12, 256)
+        module = StreamRLModule(policy, algorithm, rollouts, iterations=3, lr=1e-3)
+        trainer = L.Trainer(max_steps=3, max_epochs=1, accelerator="cpu", logger=False,
+                            enable_checkpointing=False, enable_progress_bar=False,
+                            enable_model_summary=False)  # fmt: skip
+        trainer.fit(module)
+        assert trainer.global_step == 3 and module.weight_version == 3
+        assert len(module.history) == 3
+        assert all(h["rollout/tokens"] > 0 for h in module.history)
+        changed = [k for k, v in policy.state_dict().items() if not torch.equal(v, before[k])]
+        assert len(changed) > len(before) // 2
+        # Generators hold exactly the trainer's weights after update().
+        assert set(sgs.fingerprints().values()) == {fingerprint(policy)}
+        assert [i.weight_version for i in sgs.instances()] == [3, 3]
+        # 3 iterations x 4 prompts: the source dealt 12 prompts, each exactly once per epoch.
+        assert rollouts.prompts.state_dict() == {"epoch": 0, "position": 12}

@@ -75,5 +75,5 @@ def test_instance_killed_mid_generation_raises_instead_of_hanging(model_dir, tok
     with StreamGenerationService(model_dir, 1, max_batch_size=2, sample_timeout_s=30) as sgs:
         stream = sgs.generate(reqs)
         sgs._procs[0].kill()
-        with pytest.raises(GeneratorError, match="instance 0 .* died"):
+        with pytest.raises(GeneratorError, match=r"instance 0 .* died"):
             list(stream)

@@ -43,7 +43,7 @@ def test_reward_errors_name_the_prompt():
     from streamrl.records import Sample
 
     sample = Sample("q7", 2, [5], [6], [-0.1], 0, 1)
-    with pytest.raises(RewardError, match="prompt 'q7' .*sample 2, instance 1.*ZeroDivisionError"):
+    with pytest.raises(RewardError, match=r"prompt 'q7' .*sample 2, instance 1.*ZeroDivisionError"):
         GRPO(lambda c, a: 1 / 0, 2).score_sample(sample, "x", "y")
     with pytest.raises(RewardError, match="returned nan for prompt 'q7'"):
         GRPO(lambda c, a: math.nan, 2).score_sample(sample, "x", "y")

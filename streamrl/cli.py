@@ -90,11 +90,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``streamrl`` console script."""
     args = build_parser().parse_args(argv)
     _quiet_libraries()
+    from streamrl.algorithms.base import RewardError
+    from streamrl.components.generation_service import GeneratorError
+
     try:
         result = args.func(args)
-    except (ConfigError, FileNotFoundError) as err:
+    except (ConfigError, FileNotFoundError) as err:  # bad input, found before any work
         print(f"streamrl {args.command}: error: {err}", file=sys.stderr)
         return 2
+    except (RewardError, GeneratorError) as err:  # the run stopped; every process is cleaned up
+        print(f"streamrl {args.command}: stopped: {err}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print(f"streamrl {args.command}: interrupted", file=sys.stderr)
         return 130

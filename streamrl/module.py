@@ -133,8 +133,14 @@ class StreamRLModule(L.LightningModule):
         }
         self.history.append({"iteration": iteration, **metrics})
         self.log_dict(metrics, on_step=True, prog_bar=False)
-        self.log("reward", metrics["rollout/reward"], prog_bar=True, on_step=True)
-        self.log("samples/s", metrics["perf/samples_per_s"], prog_bar=True, on_step=True)
+        progress = {
+            "reward": metrics["rollout/reward"],
+            "samples/s": metrics["perf/samples_per_s"],
+            "wait_s": stats.wait_s,
+            "train_s": train_s,
+            "sync_s": sync_s,
+        }
+        self.log_dict(progress, prog_bar=True, on_step=True, logger=False)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.AdamW(self.policy.parameters(), lr=self.lr, weight_decay=0.0)

@@ -46,6 +46,8 @@ class SFTConfig:
         lr: peak AdamW learning rate (linear warm-up, cosine decay).
         demo_noise: share of demonstrations whose answer is corrupted (one character replaced,
             dropped or repeated), so the warm start is imperfect and RL has room to improve it.
+        early_stop: share of demonstrations (of ``early_stop_tasks``) that stop one item early.
+        early_stop_tasks: the tasks whose demonstrator has that flaw.
         n_demos: distinct demonstration prompts (drawn like the RL prompts, other seed).
         tasks: task families to demonstrate.
         median_len / tail / max_len: answer-length distribution of the demonstrations.
@@ -57,6 +59,8 @@ class SFTConfig:
     tokens_per_batch: int = 1024
     lr: float = 1e-3
     demo_noise: float = 0.3
+    early_stop: float = 0.0
+    early_stop_tasks: tuple[str, ...] = ("count", "sort")
     n_demos: int = 8192
     tasks: tuple[str, ...] = tuple(FAMILIES)
     median_len: int = 8
@@ -78,6 +82,26 @@ def corrupt_answer(answer: str, rng: random.Random, alphabet: str) -> str:
     if kind == "drop" and len(answer) > 1:
         return answer[:i] + answer[i + 1 :]
     return answer[: i + 1] + answer[i:]
+
+
+def stop_early(answer: str) -> str:
+    """Drop the answer's last item: its last number if it is a list, else its last character."""
+    if " " in answer:
+        return answer.rsplit(" ", 1)[0]
+    return answer[:-1] if len(answer) > 1 else answer
+
+
+def imperfect(answer: str, task: str, rng: random.Random, config: SFTConfig, alphabet: str) -> str:
+    """The demonstrator's version of ``answer``: with probability ``early_stop`` (for the tasks
+    in ``early_stop_tasks``) it stops one item early, and with probability ``demo_noise`` it
+    makes one typo. A systematic flaw seen in most demonstrations becomes the warm start's
+    greedy answer while the right one is still sampled often: room that a verifiable reward
+    lets RL reclaim, as RL from imperfect SFT does at scale."""
+    if task in config.early_stop_tasks and rng.random() < config.early_stop:
+        answer = stop_early(answer)
+    if rng.random() < config.demo_noise:
+        answer = corrupt_answer(answer, rng, alphabet)
+    return answer
 
 
 def token_budget_batches(lengths: list[int], tokens_per_batch: int) -> list[list[int]]:
@@ -123,8 +147,8 @@ def sft_train(
 ) -> list[float]:
     """Train ``model`` in place on ``demos`` (``prompt``/``answer`` columns); returns the losses.
 
-    Each step samples ``batch_size`` demonstrations and corrupts each answer with probability
-    ``demo_noise``.
+    Each step takes a batch of demonstrations of similar length and makes each imperfect the
+    way ``imperfect`` describes.
     """
     rng = random.Random(config.seed)
     torch.manual_seed(config.seed)
@@ -138,7 +162,7 @@ def sft_train(
         return 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, config.steps - warmup)))
 
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
-    prompts, answers = demos["prompt"], demos["answer"]
+    prompts, answers, tasks = demos["prompt"], demos["answer"], demos["task"]
     batches = token_budget_batches([len(p) + len(a) + 1 for p, a in zip(prompts, answers)],
                                    config.tokens_per_batch)  # fmt: skip
     losses: list[float] = []
@@ -148,11 +172,7 @@ def sft_train(
         if step % len(batches) == 0:
             rng.shuffle(batches)
         idx = batches[step % len(batches)]
-        batch_answers = [
-            corrupt_answer(answers[i], rng, alphabet)
-            if rng.random() < config.demo_noise else answers[i]
-            for i in idx
-        ]  # fmt: skip
+        batch_answers = [imperfect(answers[i], tasks[i], rng, config, alphabet) for i in idx]
         input_ids, mask, labels = encode_demos(tokenizer, [prompts[i] for i in idx], batch_answers)
         loss = model(input_ids=input_ids, attention_mask=mask, labels=labels).loss
         optimizer.zero_grad(set_to_none=True)

@@ -64,3 +64,48 @@ def test_fit_small_run_prints_json_summary(tmp_path, capsys):
     assert summary["iterations"] == 2 and summary["samples_per_s"] > 0
     assert (tmp_path / "out" / "summary.json").is_file()
     assert list((tmp_path / "out" / "logs").rglob("metrics.csv"))
+
+
+def _children(pid: int) -> list[int]:
+    """Spawned worker processes whose parent is ``pid`` (read from /proc; Linux only)."""
+    from pathlib import Path
+
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            cmdline = (stat.parent / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if int(fields[1]) == pid and b"spawn_main" in cmdline:
+            found.append(int(stat.parent.name))
+    return found
+
+
+@pytest.mark.timeout(300)
+def test_ctrl_c_stops_every_generator_process(tmp_path):
+    import os
+    import signal
+    import time
+
+    config = tmp_path / "c.yaml"
+    config.write_text(
+        f"output_dir: {tmp_path / 'out'}\n"
+        "data: {tasks: [copy], n_train: 16, n_heldout: 4, median_len: 3, max_len: 6}\n"
+        "sft: {model_size: test, steps: 2}\n"
+        "rl: {iterations: 100000, prompts_per_iteration: 2, group_size: 2, generators: 2}\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-m", "streamrl.cli", "fit", "--config", str(config),
+                             "--no-progress"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+    deadline = time.monotonic() + 200
+    while len(_children(proc.pid)) < 2 and time.monotonic() < deadline:
+        time.sleep(0.5)
+    generators = _children(proc.pid)
+    assert len(generators) >= 2, "generator processes never started"
+    time.sleep(3)  # let training run
+    proc.send_signal(signal.SIGINT)
+    proc.wait(timeout=60)
+    assert proc.returncode != 0
+    time.sleep(1)
+    alive = [pid for pid in generators if os.path.exists(f"/proc/{pid}")]
+    assert not alive, f"generator processes {alive} outlived Ctrl-C"

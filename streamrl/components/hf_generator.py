@@ -26,78 +26,17 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 import torch
 from transformers import PreTrainedModel
-from transformers.cache_utils import Cache
 
+from streamrl.components.kv_cache import SlotCache
 from streamrl.components.schedulers import AdmissionScheduler, FIFOScheduler
 from streamrl.records import Request, Sample
 
 #: Parameter/buffer name -> new value, as a torch tensor or a numpy array.
 WeightMap = Mapping[str, torch.Tensor | np.ndarray]
-
-
-class _SlotCache(Cache):
-    """KV cache with one row per batch slot, written in place.
-
-    All layers share one tensor ``[layers, 2 (key/value), slots, kv_heads, capacity, head_dim]``,
-    so dropping rows and growing the capacity are single tensor ops, not loops over layers.
-    ``prepare`` is called before each forward to say which rows run and where they write.
-    """
-
-    def __init__(self, num_layers: int, slots: int) -> None:
-        super().__init__(layers=[])  # we override update(); HF's per-layer objects are unused
-        self.num_layers, self.slots = num_layers, slots
-        self.kv: torch.Tensor | None = None
-        self.capacity = 0
-        self.rows, self.kv_len = slice(0, 0), 0
-        self.write_pos: tuple[torch.Tensor, torch.Tensor] | None = None
-
-    def prepare(self, rows: slice, kv_len: int, write_pos: torch.Tensor | None = None) -> None:
-        """Next forward runs ``rows`` and attends to ``kv_len`` columns; it writes one token per
-        row at column ``write_pos[i]`` (decode) or, if ``None``, its whole input from column 0."""
-        self.rows, self.kv_len, self.write_pos = rows, kv_len, None
-        if write_pos is not None:
-            # Built once per forward and reused by every layer's update().
-            row_idx = torch.arange(rows.start, rows.stop, device=write_pos.device)
-            self.write_pos = (row_idx, write_pos)
-
-    def update(
-        self, new_k: torch.Tensor, new_v: torch.Tensor, layer_idx: int, *_: Any, **__: Any
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write this layer's new keys/values in place; return the rows' visible columns."""
-        self._ensure_capacity(new_k)
-        keys, values = self.kv[layer_idx, 0], self.kv[layer_idx, 1]
-        if self.write_pos is None:
-            keys[self.rows, :, : new_k.shape[2]] = new_k
-            values[self.rows, :, : new_v.shape[2]] = new_v
-        else:
-            row_idx, cols = self.write_pos  # each row's new token lands at that row's own length
-            keys[row_idx, :, cols] = new_k[:, :, 0]
-            values[row_idx, :, cols] = new_v[:, :, 0]
-        return keys[self.rows, :, : self.kv_len], values[self.rows, :, : self.kv_len]
-
-    def _ensure_capacity(self, like: torch.Tensor) -> None:
-        if self.kv is not None and self.kv.shape[-2] >= self.capacity:
-            return
-        # Shaped from real key states so heads, head_dim, dtype and device always match.
-        _, heads, _, head_dim = like.shape
-        shape = (self.num_layers, 2, self.slots, heads, self.capacity, head_dim)
-        grown = like.new_zeros(shape)
-        if self.kv is not None:
-            grown[..., : self.kv.shape[-2], :] = self.kv
-        self.kv = grown
-
-    def move_rows(self, src: list[int], dst: list[int], columns: int) -> None:
-        """Copy rows ``src`` onto rows ``dst`` (first ``columns`` columns only)."""
-        if self.kv is not None and src:
-            self.kv[:, :, dst, :, :columns] = self.kv[:, :, src, :, :columns]
-
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        return self.kv_len
 
 
 @dataclass
@@ -175,7 +114,7 @@ class HFStreamGenerator:
         self._scheduler = scheduler if scheduler is not None else FIFOScheduler()
         self._rng = torch.Generator(device=model.device).manual_seed(seed)
         self._weight_version = weight_version
-        self._cache = _SlotCache(config.num_hidden_layers, max_batch_size)
+        self._cache = SlotCache(config.num_hidden_layers, max_batch_size)
         self._rows: list[_Running] = []
         self._submitted_s: dict[int, float] = {}  # id(request) -> submission time
 

@@ -1,0 +1,1 @@
+"""Benchmarks behind ``streamrl bench ...``: medians over repeats, baseline in the same run."""

@@ -95,8 +95,9 @@ def test_ctrl_c_stops_every_generator_process(tmp_path):
         "sft: {model_size: test, steps: 2}\n"
         "rl: {iterations: 100000, prompts_per_iteration: 2, group_size: 2, generators: 2}\n"
     )
-    proc = subprocess.Popen([sys.executable, "-m", "streamrl.cli", "fit", "--config", str(config),
-                             "--no-progress"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+    command = [sys.executable, "-m", "streamrl.cli", "fit", "--no-progress", "--config"]
+    command.append(str(config))
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 200
     while len(_children(proc.pid)) < 2 and time.monotonic() < deadline:
         time.sleep(0.5)

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
+import warnings
 from collections.abc import Sequence
 
 from streamrl.errors import ConfigError
@@ -26,6 +28,10 @@ def _quiet_libraries() -> None:
     import datasets
 
     datasets.disable_progress_bars()
+    # Lightning's start-up banners ("GPU available", install tips) say nothing about this run.
+    for name in ("lightning.pytorch", "lightning.fabric", "lightning"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    warnings.filterwarnings("ignore", message=".*treespec.*", category=Warning)
 
 
 def _cmd_fit(args: argparse.Namespace) -> dict:

@@ -44,9 +44,9 @@ class DataConfig:
     prompt_file: str | None = None
     n_train: int = 2048
     n_heldout: int = 256
-    median_len: int = 8
+    median_len: int = 6
     tail: float = 0.8
-    max_len: int = 96
+    max_len: int = 48
 
 
 @dataclass
@@ -57,13 +57,18 @@ class WarmStartConfig:
         model_size: ``"test"`` (~150K parameters) or ``"demo"`` (~1M parameters).
         steps: optimizer steps; 0 skips the warm start (the policy stays random).
         lr: peak learning rate.
-        demo_noise: share of corrupted demonstrations.
+        demo_noise: share of demonstrations with one typo.
+        early_stop: share of demonstrations (of ``early_stop_tasks``) that stop one item early:
+            a systematic flaw of the demonstrator that RL, rewarded by the verifier, can fix.
+        early_stop_tasks: the tasks whose demonstrator has that flaw.
     """
 
     model_size: str = "demo"
-    steps: int = 1200
+    steps: int = 1800
     lr: float = 1e-3
     demo_noise: float = 0.3
+    early_stop: float = 0.6
+    early_stop_tasks: list[str] = field(default_factory=lambda: ["copy", "count", "sort"])
 
 
 @dataclass
@@ -86,17 +91,17 @@ class RLConfig:
     """
 
     algorithm: str = "grpo"
-    iterations: int = 40
+    iterations: int = 60
     prompts_per_iteration: int = 32
     group_size: int = 8
     generators: int = 2
     max_batch_size: int = 64
-    lr: float = 2e-4
+    lr: float = 1e-4
     clip_eps: float = 0.2
     kl_coef: float = 0.0
-    reward: str = "partial"
-    temperature: float = 1.0
-    max_tokens: int = 112
+    reward: str = "exact"
+    temperature: float = 0.7
+    max_tokens: int = 64
 
 
 @dataclass
@@ -211,11 +216,15 @@ def check_values(config: RunConfig) -> None:
             f"sft.model_size: {unknown_name('size', sft.model_size, ['test', 'demo'])}"
         )
     check_rl(config.rl)
-    if sft.steps < 0 or sft.lr <= 0 or not 0 <= sft.demo_noise <= 1:
+    if sft.steps < 0 or sft.lr <= 0 or not 0 <= sft.demo_noise <= 1 or not 0 <= sft.early_stop <= 1:
         raise ConfigError(
-            "sft: need steps >= 0, lr > 0 and 0 <= demo_noise <= 1, got "
-            f"steps={sft.steps}, lr={sft.lr}, demo_noise={sft.demo_noise}."
+            "sft: need steps >= 0, lr > 0, 0 <= demo_noise <= 1 and 0 <= early_stop <= 1, got "
+            f"steps={sft.steps}, lr={sft.lr}, demo_noise={sft.demo_noise}, "
+            f"early_stop={sft.early_stop}."
         )
+    for task in sft.early_stop_tasks:
+        if task not in FAMILIES:
+            raise ConfigError(f"sft.early_stop_tasks: {unknown_name('task', task, FAMILIES)}")
 
 
 def check_rl(rl: RLConfig) -> None:

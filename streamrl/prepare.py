@@ -73,7 +73,8 @@ def ensure_policy(config: RunConfig, run: PreparedRun, show_progress: bool = Tru
         return run.model_dir
     sft = SFTConfig(
         model_size=config.sft.model_size, steps=config.sft.steps, lr=config.sft.lr,
-        demo_noise=config.sft.demo_noise, tasks=tuple(config.data.tasks),
+        demo_noise=config.sft.demo_noise, early_stop=config.sft.early_stop,
+        early_stop_tasks=tuple(config.sft.early_stop_tasks), tasks=tuple(config.data.tasks),
         median_len=config.data.median_len, tail=config.data.tail, max_len=config.data.max_len,
     )  # fmt: skip
     run.model_dir = warm_start(sft, config.resolved_cache_dir(), show_progress=show_progress)

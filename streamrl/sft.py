@@ -55,17 +55,17 @@ class SFTConfig:
     """
 
     model_size: str = "demo"
-    steps: int = 1200
+    steps: int = 1800
     tokens_per_batch: int = 1024
     lr: float = 1e-3
     demo_noise: float = 0.3
-    early_stop: float = 0.0
-    early_stop_tasks: tuple[str, ...] = ("count", "sort")
+    early_stop: float = 0.6
+    early_stop_tasks: tuple[str, ...] = ("copy", "count", "sort")
     n_demos: int = 8192
     tasks: tuple[str, ...] = tuple(FAMILIES)
-    median_len: int = 8
+    median_len: int = 6
     tail: float = 0.8
-    max_len: int = 96
+    max_len: int = 48
     seed: int = 1234
 
     def cache_key(self) -> str:
@@ -181,7 +181,7 @@ def sft_train(
         optimizer.step()
         scheduler.step()
         losses.append(loss.item())
-        bar.set_postfix(loss=f"{losses[-1]:.3f}")
+        bar.set_postfix(loss=f"{losses[-1]:.3f}", refresh=False)
     model.eval()
     return losses
 

@@ -110,3 +110,13 @@ def test_ctrl_c_stops_every_generator_process(tmp_path):
     time.sleep(1)
     alive = [pid for pid in generators if os.path.exists(f"/proc/{pid}")]
     assert not alive, f"generator processes {alive} outlived Ctrl-C"
+
+
+def test_bench_generate_reports_both_decoders(capsys):
+    argv = ["bench", "generate", "--batch-sizes", "2,4", "--prompts", "4", "--max-tokens", "4"]
+    assert main([*argv, "--repeats", "1"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    for decoder in ("stream", "hf_generate"):
+        assert set(result["tokens_per_s"][decoder]) == {"2", "4"}
+        assert all(v > 0 for v in result["tokens_per_s"][decoder].values())
+    assert set(result["ratio"]) == {"2", "4"}

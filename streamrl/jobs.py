@@ -11,9 +11,11 @@ import json
 import time
 from pathlib import Path
 
+import datasets
 import lightning as L
 import torch
 from lightning.pytorch.loggers import CSVLogger
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from streamrl.algorithms import ALGORITHMS
 from streamrl.components.generation_service import StreamGenerationService
@@ -67,7 +69,16 @@ def run_fit(config: RunConfig, show_progress: bool = True) -> dict:
     return summary
 
 
-def _train(config, train_set, context, model_dir, policy, tokenizer, show_progress):
+def _train(
+    config: RunConfig,
+    train_set: datasets.Dataset,
+    context: int,
+    model_dir: Path,
+    policy: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    show_progress: bool,
+) -> StreamRLModule:
+    """Start the generation service and let a Lightning ``Trainer`` run the RL iterations."""
     rl = config.rl
     algorithm = ALGORITHMS[rl.algorithm](
         get_reward(rl.reward), group_size=rl.group_size, clip_eps=rl.clip_eps, kl_coef=rl.kl_coef

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import datasets
+from transformers import PreTrainedTokenizerBase
 
 from streamrl.config import RunConfig
 from streamrl.errors import ConfigError
@@ -81,7 +82,7 @@ def ensure_policy(config: RunConfig, run: PreparedRun, show_progress: bool = Tru
     return run.model_dir
 
 
-def _tokenizer_and_context(config: RunConfig):
+def _tokenizer_and_context(config: RunConfig) -> tuple[PreTrainedTokenizerBase, int]:
     if config.model == "tiny":
         return build_tokenizer(), TINY_CONTEXT
     path = Path(config.model)
@@ -97,7 +98,9 @@ def _tokenizer_and_context(config: RunConfig):
     return load_tokenizer(path), context
 
 
-def _check_fits_context(split: datasets.Dataset, tokenizer, context: int) -> None:
+def _check_fits_context(
+    split: datasets.Dataset, tokenizer: PreTrainedTokenizerBase, context: int
+) -> None:
     for row in split:
         prompt_len = len(tokenizer(row["prompt"])["input_ids"])
         answer_len = len(tokenizer(row["answer"])["input_ids"]) + 1  # + EOS

@@ -202,3 +202,10 @@ def test_bad_input_raises_with_prompt_id(tok, prompt, max_tokens, forced):
     with pytest.raises(ValueError, match="bad-7"):
         gen.submit([good, bad])
     assert gen.num_waiting == 0  # validated before anything was queued
+
+
+def test_hf_generator_satisfies_the_stream_generator_protocol(tokenizer):
+    from streamrl.components.protocols import StreamGenerator
+    from streamrl.models import build_tiny_model
+
+    assert isinstance(HFStreamGenerator(build_tiny_model(tokenizer, "test")), StreamGenerator)

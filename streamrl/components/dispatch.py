@@ -8,25 +8,11 @@ together and the whole prompt is requeued together if its instance fails.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
 
+from streamrl.components.protocols import Dispatcher
 from streamrl.records import Request
 
-
-class Dispatcher(Protocol):
-    """Splits requests over instances."""
-
-    def plan(
-        self, requests: Sequence[Request], scores: Sequence[float] | None, instances: int
-    ) -> list[list[Request]]:
-        """Return one list of requests per instance (every request exactly once).
-
-        Args:
-            requests: the iteration's requests.
-            scores: predicted output length per request (same order), or ``None``.
-            instances: number of generator instances.
-        """
-        ...
+__all__ = ["Dispatcher", "RoundRobinDispatcher"]
 
 
 class RoundRobinDispatcher:

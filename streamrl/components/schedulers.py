@@ -9,26 +9,11 @@ the same protocol to start long-tail samples early.
 from __future__ import annotations
 
 from collections import deque
-from typing import Protocol, runtime_checkable
 
+from streamrl.components.protocols import AdmissionScheduler
 from streamrl.records import Request
 
-
-@runtime_checkable
-class AdmissionScheduler(Protocol):
-    """Queue of waiting requests, consulted each time a batch slot frees."""
-
-    def push(self, request: Request) -> None:
-        """Add a waiting request."""
-        ...
-
-    def pop(self) -> Request:
-        """Remove and return the request to admit next; raises ``IndexError`` when empty."""
-        ...
-
-    def __len__(self) -> int:
-        """Number of waiting requests."""
-        ...
+__all__ = ["AdmissionScheduler", "FIFOScheduler"]
 
 
 class FIFOScheduler:

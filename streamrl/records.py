@@ -21,6 +21,8 @@ class Request:
         forced_length: if set, ignore EOS and generate exactly this many tokens (the paper's
             throughput protocol, §7).
         predicted_length: a length estimate used by schedulers (e.g. LPT); ``None`` if unknown.
+        min_weight_version: the instance holds the request until it has at least this weight
+            version (paces admission so that no sample exceeds the staleness bound, §4.1).
     """
 
     prompt_id: str
@@ -29,6 +31,7 @@ class Request:
     sample_index: int = 0
     forced_length: int | None = None
     predicted_length: float | None = None
+    min_weight_version: int = 0
 
     @property
     def key(self) -> tuple[str, int]:

@@ -18,15 +18,14 @@ import multiprocessing as mp
 import queue
 import time
 from collections import deque
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from streamrl.components.dispatch import Dispatcher, RoundRobinDispatcher
 from streamrl.components.generator_worker import WorkerSpec, worker_main
+from streamrl.components.weight_sync import AsyncWeightSync, Weights
 from streamrl.components.weight_transport import WeightGroup, make_store
 from streamrl.records import Request, Sample
 
@@ -91,10 +90,11 @@ class StreamGenerationService:
         self._procs: list[Any] = []
         self._inboxes: list[Any] = []
         self._outbox: Any = None
-        self._group: WeightGroup | None = None
+        self.weight_sync: AsyncWeightSync | None = None
         self._backlog: deque[Sample] = deque()
-        self._versions: list[int] = []
+        self._outstanding: set[tuple[str, int]] = set()
         self.weight_version = 0
+        self._versions = [0] * num_instances
 
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self) -> StreamGenerationService:
@@ -119,14 +119,18 @@ class StreamGenerationService:
                 self._procs.append(proc)
                 self._inboxes.append(inbox)
             self._wait_ready()
-            self._group = WeightGroup(
+            group = WeightGroup(
                 store.port, 0, self.num_instances + 1, store=store, timeout_s=self.start_timeout_s
             )
+            self.weight_sync = AsyncWeightSync(group, self._announce, self.start_timeout_s)
         except BaseException:
             self.close()
             raise
-        self._versions = [self.weight_version] * self.num_instances
         return self
+
+    def _announce(self, version: int) -> None:
+        for inbox in self._inboxes:
+            inbox.put(("update", version))
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Stop every instance: ask politely, then terminate, then kill. Safe to call twice."""
@@ -146,7 +150,11 @@ class StreamGenerationService:
             if q is not None:
                 q.cancel_join_thread()  # never block our own exit on undelivered messages
                 q.close()
-        self._procs, self._inboxes, self._outbox, self._group = [], [], None, None
+        if self.weight_sync is not None:
+            self.weight_sync.close()
+        self._procs, self._inboxes, self._outbox, self.weight_sync = [], [], None, None
+        self._outstanding.clear()
+        self._backlog.clear()
 
     def __enter__(self) -> StreamGenerationService:
         return self.start()
@@ -155,71 +163,102 @@ class StreamGenerationService:
         self.close()
 
     # -- the two calls -----------------------------------------------------------------------
+    def submit(self, requests: Sequence[Request], scores: Sequence[float] | None = None) -> None:
+        """Dispatch ``requests`` to the instances and return at once (see ``next_sample``).
+
+        Args:
+            requests: one per sample; ``(prompt_id, sample_index)`` must be unique among all
+                requests not yet returned.
+            scores: optional predicted lengths, passed to the dispatcher.
+        """
+        self._require_started()
+        keys = {r.key for r in requests}
+        if len(keys) != len(requests) or keys & self._outstanding:
+            raise ValueError("submit: duplicate (prompt_id, sample_index) among open requests.")
+        self._outstanding |= keys
+        for instance, batch in enumerate(
+            self.dispatcher.plan(requests, scores, self.num_instances)
+        ):
+            if batch:
+                self._inboxes[instance].put(("submit", list(batch)))
+
+    def next_sample(self) -> Sample:
+        """The next finished sample from any instance, in completion order.
+
+        Raises:
+            GeneratorError: an instance died or reported an error, sent a sample nobody asked
+                for, or no sample arrived within ``sample_timeout_s``.
+        """
+        self._require_started()
+        if not self._outstanding:
+            raise RuntimeError("next_sample: no request is open; submit() some first.")
+        while not self._backlog:
+            kind, payload = self._next_message(time.monotonic() + self.sample_timeout_s)
+            if kind == "sample":
+                self._backlog.append(payload)
+        sample = self._backlog.popleft()
+        if sample.key not in self._outstanding:
+            raise GeneratorError(f"Instance {sample.instance_id} sent an unexpected or "
+                                 f"duplicate sample {sample.key}.")  # fmt: skip
+        self._outstanding.discard(sample.key)
+        return sample
+
+    @property
+    def num_outstanding(self) -> int:
+        """Requests submitted whose sample has not been returned yet."""
+        return len(self._outstanding)
+
     def generate(
         self, requests: Sequence[Request], scores: Sequence[float] | None = None
     ) -> Iterator[Sample]:
-        """Dispatch ``requests`` and yield each sample as soon as any instance finishes it.
-
-        Args:
-            requests: one per sample to generate; ``(prompt_id, sample_index)`` must be unique.
-            scores: optional predicted lengths, passed to the dispatcher.
-
-        Raises:
-            GeneratorError: an instance died or reported an error, or no sample arrived within
-                ``sample_timeout_s``; the message names the instance and the cause.
+        """Dispatch ``requests`` and yield each sample as soon as any instance finishes it
+        (the paper's ``generate``; ``submit`` + ``next_sample`` when several batches overlap).
         """
-        self._require_started()
-        pending = {r.key for r in requests}
-        if len(pending) != len(requests):
-            raise ValueError("generate: duplicate (prompt_id, sample_index) in requests.")
-        plan = self.dispatcher.plan(requests, scores, self.num_instances)
-        for instance, batch in enumerate(plan):
-            if batch:
-                self._inboxes[instance].put(("submit", list(batch)))
-        while pending:
-            sample = self._next_sample()
-            if sample.key not in pending:
-                raise GeneratorError(f"Instance {sample.instance_id} sent an unexpected or "
-                                     f"duplicate sample {sample.key}.")  # fmt: skip
-            pending.discard(sample.key)
-            yield sample
+        self.submit(requests, scores)
+        for _ in range(len(requests)):
+            yield self.next_sample()
 
-    def update(self, weights: torch.nn.Module | Mapping[str, torch.Tensor], version: int) -> float:
+    def update(self, weights: Weights, version: int) -> float:
         """Push new weights to every instance and wait until each has loaded them.
 
         Args:
             weights: the policy (its ``named_parameters``) or a name -> tensor mapping in the
                 same order as the policy's parameters.
-            version: the new weight version; later samples carry it.
+            version: the new weight version; samples admitted afterwards carry it.
 
         Returns:
             Seconds spent, broadcast and acknowledgements included.
         """
-        self._require_started()
         started = time.perf_counter()
-        tensors = (
-            dict(weights.named_parameters()) if isinstance(weights, torch.nn.Module) else weights
-        )
-        for inbox in self._inboxes:
-            inbox.put(("update", version))
-        with torch.no_grad():
-            self._group.broadcast(tensors.values())
-        acked: set[int] = set()
-        while len(acked) < self.num_instances:
+        self.push_weights(weights, version)
+        self.wait_weights(version)
+        return time.perf_counter() - started
+
+    def push_weights(self, weights: Weights, version: int) -> float:
+        """Start sending ``version`` in the background and return (one-step async mode, §4.1).
+
+        Instances load it between two decode steps, without stopping their batch. Returns the
+        seconds the caller was blocked (taking the snapshot).
+        """
+        self._require_started()
+        return self.weight_sync.push(weights, version)
+
+    def wait_weights(self, version: int) -> float:
+        """Block until every instance has loaded ``version``; returns the seconds blocked."""
+        started = time.perf_counter()
+        self.weight_sync.wait_sent(version)
+        while min(self._versions) < version:
             kind, payload = self._next_message()
-            if kind == "updated":
-                acked.add(payload[0])
-                self._versions[payload[0]] = payload[1]
-            elif kind == "sample":  # finished before the update (async use): keep it
+            if kind == "sample":  # finished meanwhile: keep it for next_sample
                 self._backlog.append(payload)
-        self.weight_version = version
+        self.weight_version = max(self.weight_version, version)
         return time.perf_counter() - started
 
     # -- inspection --------------------------------------------------------------------------
     def instances(self) -> list[InstanceInfo]:
         """Pid, liveness and weight version of every instance (for operators and tests)."""
         return [
-            InstanceInfo(i, p.pid, p.is_alive(), self._versions[i] if self._versions else 0)
+            InstanceInfo(i, p.pid, p.is_alive(), self._versions[i])
             for i, p in enumerate(self._procs)
         ]
 
@@ -233,7 +272,7 @@ class StreamGenerationService:
             kind, payload = self._next_message()
             if kind == "fingerprint":
                 found[payload[0]] = payload[1]
-            elif kind == "sample":
+            elif kind == "sample":  # finished meanwhile: keep it for next_sample
                 self._backlog.append(payload)
         return found
 
@@ -256,14 +295,6 @@ class StreamGenerationService:
             if kind == "ready":
                 ready.add(payload[0])
 
-    def _next_sample(self) -> Sample:
-        if self._backlog:
-            return self._backlog.popleft()
-        while True:
-            kind, payload = self._next_message(time.monotonic() + self.sample_timeout_s)
-            if kind == "sample":
-                return payload
-
     def _next_message(self, deadline: float | None = None) -> tuple[str, Any]:
         """Next message from any instance; raises if one died, reported an error, or timed out."""
         deadline = deadline if deadline is not None else time.monotonic() + self.sample_timeout_s
@@ -281,6 +312,8 @@ class StreamGenerationService:
             kind = message[0]
             if kind == "error":
                 raise GeneratorError(f"Generator instance {message[1]} failed:\n{message[2]}")
+            if kind == "updated":  # bookkeeping here, so no reader can miss an acknowledgement
+                self._versions[message[1]] = max(self._versions[message[1]], message[2])
             if kind == "sample" and len(message) == 2:
                 return kind, message[1]
             return kind, message[1:]

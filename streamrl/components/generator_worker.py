@@ -16,11 +16,14 @@ import hashlib
 import os
 import queue
 import signal
+import threading
 import traceback
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+from streamrl.records import Request
 
 #: How often an idle or blocked worker checks that its parent is still alive.
 POLL_S = 0.5
@@ -46,40 +49,113 @@ def worker_main(spec: WorkerSpec, inbox: Any, outbox: Any) -> None:
     torch.set_num_threads(1)
     parent = os.getppid()
     try:
+        _Instance(spec, outbox, parent).run(inbox)
+    except BaseException:  # report everything, including SystemExit from a broken import
+        _put(outbox, ("error", spec.instance_id, traceback.format_exc()), parent)
+
+
+class _Instance:
+    """The generator plus what it waits for: requests held until their weight version arrives
+    (admission pacing for the staleness bound) and weights being received in the background."""
+
+    def __init__(self, spec: WorkerSpec, outbox: Any, parent: int) -> None:
         from streamrl.components.hf_generator import HFStreamGenerator
         from streamrl.components.weight_transport import WeightGroup
         from streamrl.models import load_policy
 
-        model, _ = load_policy(spec.model_dir)
-        generator = HFStreamGenerator(
-            model, instance_id=spec.instance_id, weight_version=spec.weight_version,
+        self.spec, self.outbox, self.parent = spec, outbox, parent
+        self.model, _ = load_policy(spec.model_dir)
+        self.generator = HFStreamGenerator(
+            self.model, instance_id=spec.instance_id, weight_version=spec.weight_version,
             **spec.generator_kwargs,
         )  # fmt: skip
         outbox.put(("ready", spec.instance_id, os.getpid()))
         group = WeightGroup(
             spec.store_port, 1 + spec.instance_id, spec.world_size, timeout_s=spec.timeout_s
         )
-        params = dict(model.named_parameters())
-        while os.getppid() == parent:
-            message = _next_message(inbox, block=generator.idle)
+        self.receiver = _WeightReceiver(group, dict(self.model.named_parameters()))
+        self.held: list[Request] = []
+
+    def run(self, inbox: Any) -> None:
+        while os.getppid() == self.parent:
+            self._apply_received_weights()
+            idle = self.generator.idle
+            message = _next_message(
+                inbox, block=idle, poll_s=0.005 if self.receiver.busy else POLL_S
+            )
             if message is not None:
-                kind = message[0]
-                if kind == "stop":
+                if message[0] == "stop":
                     return
-                if kind == "submit":
-                    generator.submit(message[1])
-                elif kind == "fingerprint":
-                    _put(outbox, ("fingerprint", spec.instance_id, fingerprint(model)), parent)
-                elif kind == "update":
-                    buffers = {name: torch.empty_like(p) for name, p in params.items()}
-                    group.broadcast(buffers.values())
-                    generator.load_weights(buffers, message[1])
-                    _put(outbox, ("updated", spec.instance_id, message[1]), parent)
+                self._handle(message)
                 continue  # drain the inbox before decoding: requests join this step's batch
-            for sample in generator.step():
-                _put(outbox, ("sample", sample), parent)
-    except BaseException:  # report everything, including SystemExit from a broken import
-        _put(outbox, ("error", spec.instance_id, traceback.format_exc()), parent)
+            for sample in self.generator.step():
+                _put(self.outbox, ("sample", sample), self.parent)
+
+    def _handle(self, message: tuple) -> None:
+        kind = message[0]
+        if kind == "submit":
+            self.held.extend(message[1])
+            self._release_held()
+        elif kind == "update":
+            self.receiver.receive(message[1])  # joins the broadcast in the background
+        elif kind == "fingerprint":
+            hexdigest = fingerprint(self.model)
+            _put(self.outbox, ("fingerprint", self.spec.instance_id, hexdigest), self.parent)
+
+    def _apply_received_weights(self) -> None:
+        for version, buffers in self.receiver.ready():
+            # Between two decode steps: running sequences keep their slots (no batch restart).
+            self.generator.load_weights(buffers, version)
+            _put(self.outbox, ("updated", self.spec.instance_id, version), self.parent)
+            self._release_held()
+
+    def _release_held(self) -> None:
+        version = self.generator.weight_version
+        ready = [r for r in self.held if r.min_weight_version <= version]
+        if ready:
+            self.held = [r for r in self.held if r.min_weight_version > version]
+            self.generator.submit(ready)
+
+
+class _WeightReceiver:
+    """Receives broadcast weights on a background thread, so decoding goes on meanwhile."""
+
+    def __init__(self, group: Any, params: dict[str, torch.Tensor]) -> None:
+        self.group, self.params = group, params
+        self._todo: queue.Queue[int] = queue.Queue()
+        self._done: queue.Queue[tuple[int, dict] | BaseException] = queue.Queue()
+        self._pending = 0
+        threading.Thread(target=self._loop, daemon=True, name="weight-receiver").start()
+
+    @property
+    def busy(self) -> bool:
+        return self._pending > 0
+
+    def receive(self, version: int) -> None:
+        self._pending += 1
+        self._todo.put(version)
+
+    def ready(self) -> list[tuple[int, dict]]:
+        out = []
+        while True:
+            try:
+                item = self._done.get_nowait()
+            except queue.Empty:
+                return out
+            self._pending -= 1
+            if isinstance(item, BaseException):
+                raise RuntimeError("Receiving weights failed") from item
+            out.append(item)
+
+    def _loop(self) -> None:
+        while True:
+            version = self._todo.get()
+            try:
+                buffers = {name: torch.empty_like(p) for name, p in self.params.items()}
+                self.group.broadcast(buffers.values())
+                self._done.put((version, buffers))
+            except BaseException as err:  # handed to the main loop, which reports it
+                self._done.put(err)
 
 
 def fingerprint(model: torch.nn.Module) -> str:
@@ -91,9 +167,9 @@ def fingerprint(model: torch.nn.Module) -> str:
     return digest.hexdigest()
 
 
-def _next_message(inbox: Any, block: bool) -> tuple | None:
+def _next_message(inbox: Any, block: bool, poll_s: float = POLL_S) -> tuple | None:
     try:
-        return inbox.get(timeout=POLL_S) if block else inbox.get_nowait()
+        return inbox.get(timeout=poll_s) if block else inbox.get_nowait()
     except queue.Empty:
         return None
 

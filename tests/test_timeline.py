@@ -1,0 +1,185 @@
+"""Pipeline timelines: span recording, trace files, busy fractions and the Gantt chart."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import pytest
+
+from streamrl.records import Sample
+from streamrl.timeline import (
+    Span,
+    TraceRecorder,
+    add_timeline_command,
+    busy_fraction,
+    draw_timeline,
+    load_trace,
+)
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def _sample(instance_id: int, started: float, finished: float, index: int = 0) -> Sample:
+    return Sample(
+        prompt_id=f"p{index}", sample_index=index, prompt_ids=[1, 2], token_ids=[3, 4, 5],
+        logprobs=[-0.1] * 3, weight_version=7, instance_id=instance_id,
+        submitted_s=started - 0.5, started_s=started, finished_s=finished,
+    )  # fmt: skip
+
+
+def _pipeline(iterations: int = 3) -> list[Span]:
+    """Two generators and a trainer: generate, wait, train, step, sync per iteration."""
+    spans, t = [], 100.0
+    for it in range(iterations):
+        spans += [
+            Span("generator-0", "generate", t, t + 2.0, it),
+            Span("generator-0", "generate", t + 0.5, t + 3.0, it),
+            Span("generator-1", "generate", t, t + 4.0, it),
+            Span("trainer", "wait", t, t + 1.0, it),
+            Span("trainer", "train", t + 1.0, t + 4.0, it),
+            Span("trainer", "step", t + 4.0, t + 4.5, it),
+            Span("trainer", "sync", t + 4.5, t + 5.0, it),
+        ]
+        t += 5.0
+    return spans
+
+
+def test_busy_fraction_counts_overlaps_once():
+    spans = [
+        Span("g", "generate", 0.0, 2.0),
+        Span("g", "generate", 1.0, 3.0),
+        Span("g", "generate", 5.0, 6.0),
+        Span("other", "generate", 0.0, 10.0),  # another lane does not count
+    ]
+    assert busy_fraction(spans, "g", 0.0, 10.0) == pytest.approx(0.4)
+    assert busy_fraction(spans, "g", 2.0, 6.0) == pytest.approx(0.5)  # clipped to the window
+    assert busy_fraction(spans, "g") == pytest.approx(0.4)  # default window: the whole trace
+    assert busy_fraction(spans, "missing") == 0.0
+
+
+def test_busy_fraction_treats_wait_as_idle():
+    spans = [Span("trainer", "wait", 0.0, 3.0), Span("trainer", "train", 3.0, 4.0)]
+    assert busy_fraction(spans, "trainer") == pytest.approx(0.25)
+
+
+def test_recorder_busy_fraction_matches_function():
+    recorder = TraceRecorder()
+    for span in _pipeline():
+        recorder.add(span)
+    assert recorder.busy_fraction("generator-0") == pytest.approx(9.0 / 15.0)
+
+
+def test_span_rejects_unknown_stage_and_reversed_times():
+    with pytest.raises(ValueError, match="did you mean 'train'"):
+        Span("trainer", "trian", 0.0, 1.0)
+    with pytest.raises(ValueError, match="ends before it starts"):
+        Span("trainer", "train", 2.0, 1.0)
+
+
+def test_bounded_recorder_drops_oldest_and_counts():
+    recorder = TraceRecorder(max_spans=3)
+    for i in range(5):
+        recorder.add(Span("trainer", "train", float(i), i + 0.5, iteration=i))
+    assert [s.iteration for s in recorder.spans] == [2, 3, 4]
+    assert recorder.dropped == 2
+    assert recorder.recorded == 5
+
+
+def test_span_context_manager_times_block_even_on_error():
+    recorder = TraceRecorder()
+    before = time.time()
+    with recorder.span("trainer", "step", iteration=4, tokens=12) as meta:
+        meta["extra"] = True
+    with pytest.raises(RuntimeError), recorder.span("trainer", "sync", iteration=4):
+        raise RuntimeError("boom")
+    step, sync = recorder.spans
+    assert (step.lane, step.name, step.iteration) == ("trainer", "step", 4)
+    assert step.meta == {"tokens": 12, "extra": True}
+    assert before <= step.start_s <= step.end_s <= sync.start_s <= sync.end_s <= time.time()
+    assert sync.name == "sync"
+
+
+def test_add_samples_builds_generator_lanes():
+    recorder = TraceRecorder()
+    samples = [_sample(0, 10.0, 12.0, 0), _sample(1, 10.5, 11.0, 1), _sample(0, 11.0, 13.0, 2)]
+    unstamped = _sample(2, 0.0, 0.0)  # never admitted: no timestamps, must not reach the chart
+    assert recorder.add_samples([*samples, unstamped], iteration=3) == 3
+    spans = recorder.spans
+    assert [s.lane for s in spans] == ["generator-0", "generator-1", "generator-0"]
+    assert [(s.start_s, s.end_s) for s in spans] == [(10.0, 12.0), (10.5, 11.0), (11.0, 13.0)]
+    assert all(s.name == "generate" and s.iteration == 3 for s in spans)
+    assert spans[1].meta == {"prompt_id": "p1", "sample_index": 1, "length": 3, "weight_version": 7}
+
+
+def test_json_round_trip(tmp_path):
+    recorder = TraceRecorder(max_spans=20)
+    for span in _pipeline():
+        recorder.add(span)
+    recorder.add(Span("generator-0", "generate", 90.0, 91.0, meta={"prompt_id": "x", "length": 5}))
+    path = recorder.to_json(tmp_path / "sub" / "trace.json")
+    raw = json.loads(path.read_text())
+    assert raw["version"] == 1 and raw["dropped"] == 2
+    assert raw["t0"] == min(s.start_s for s in recorder.spans)
+    assert load_trace(path) == recorder.spans
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        ('{"spans": []}', "missing key.*version"),
+        ('{"epochs": 3, "loss": 0.1}', "missing key.*version, spans"),
+        ("[1, 2]", "expected a JSON object"),
+        ("not json", "not valid JSON"),
+        (
+            '{"version": 1, "spans": [{"lane": "trainer", "name": "train"}]}',
+            "#0 is missing start_s",
+        ),
+        ('{"version": 2, "spans": []}', "unsupported trace version"),
+    ],
+)
+def test_load_trace_rejects_non_traces(tmp_path, content, message):
+    path = tmp_path / "metrics.json"
+    path.write_text(content)
+    with pytest.raises(ValueError, match=f"{message}"):
+        load_trace(path)
+
+
+def test_draw_timeline_writes_png(tmp_path):
+    import matplotlib.image
+
+    path = draw_timeline(_pipeline(), tmp_path / "timeline.png", title="three iterations")
+    assert path == tmp_path / "timeline.png"
+    assert path.read_bytes()[:8] == PNG_MAGIC
+    height, width = matplotlib.image.imread(path).shape[:2]
+    assert width > 0 and height > 0
+
+
+def test_draw_timeline_rejects_empty(tmp_path):
+    with pytest.raises(ValueError, match="empty"):
+        draw_timeline([], tmp_path / "empty.png")
+
+
+def test_timeline_command_end_to_end(tmp_path):
+    recorder = TraceRecorder()
+    for span in _pipeline():
+        recorder.add(span)
+    trace = recorder.to_json(tmp_path / "run.json")
+    parser = argparse.ArgumentParser()
+    add_timeline_command(parser.add_subparsers(dest="command"))
+
+    args = parser.parse_args(["timeline", str(trace)])
+    result = args.func(args)
+    assert result["png"] == str(tmp_path / "run.png")
+    assert result["spans"] == 21
+    assert result["lanes"] == pytest.approx(
+        {"generator-0": 0.6, "generator-1": 0.8, "trainer": 0.8}
+    )
+    assert list(result["lanes"]) == ["generator-0", "generator-1", "trainer"]
+    assert (tmp_path / "run.png").read_bytes()[:8] == PNG_MAGIC
+    json.dumps(result)  # the CLI prints it as JSON
+
+    out = tmp_path / "charts" / "custom.png"
+    args = parser.parse_args(["timeline", str(trace), "-o", str(out), "--title", "run 1"])
+    assert args.func(args)["png"] == str(out) and out.read_bytes()[:8] == PNG_MAGIC

@@ -89,6 +89,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--prompts", type=int, default=32, help="prompts per measurement")
     gen.add_argument("--repeats", type=int, default=3, help="runs per setting (median reported)")
     gen.set_defaults(func=_cmd_bench_generate)
+
+    from streamrl.timeline import add_timeline_command
+
+    add_timeline_command(sub)
     return parser
 
 

@@ -77,6 +77,9 @@ class RLConfig:
 
     Attributes:
         algorithm: ``"grpo"``.
+        mode: ``"sync"`` (each step trains on samples of the current weights) or ``"async"``
+            (StreamRL's one-step asynchronous mode: the next step's samples are generated while
+            this step trains; a sample is at most one weight version stale).
         iterations: optimizer steps (one per iteration); 0 only warm-starts and evaluates.
         prompts_per_iteration: prompts dealt per iteration.
         group_size: samples per prompt.
@@ -88,9 +91,12 @@ class RLConfig:
         reward: ``"exact"`` or ``"partial"`` (see ``streamrl.tasks.rewards``).
         temperature: sampling temperature of the generators.
         max_tokens: generation budget per sample (capped by the context).
+        token_budget: padded tokens per micro-batch of the dynamic-batch pipeline.
+        min_samples: samples gathered before an iteration's first backward pass.
     """
 
     algorithm: str = "grpo"
+    mode: str = "sync"
     iterations: int = 60
     prompts_per_iteration: int = 32
     group_size: int = 8
@@ -102,6 +108,8 @@ class RLConfig:
     reward: str = "exact"
     temperature: float = 0.7
     max_tokens: int = 64
+    token_budget: int = 4096
+    min_samples: int = 1
 
 
 @dataclass
@@ -236,8 +244,11 @@ def check_rl(rl: RLConfig) -> None:
         raise ConfigError(f"rl.algorithm: {unknown_name('algorithm', rl.algorithm, ALGORITHMS)}")
     if rl.reward not in REWARDS:
         raise ConfigError(f"rl.reward: {unknown_name('reward', rl.reward, REWARDS)}")
+    if rl.mode not in ("sync", "async"):
+        raise ConfigError(f"rl.mode: {unknown_name('mode', rl.mode, ['sync', 'async'])}")
     positive = dict(prompts_per_iteration=rl.prompts_per_iteration, generators=rl.generators,
-                    max_batch_size=rl.max_batch_size, max_tokens=rl.max_tokens)  # fmt: skip
+                    max_batch_size=rl.max_batch_size, max_tokens=rl.max_tokens,
+                    token_budget=rl.token_budget, min_samples=rl.min_samples)  # fmt: skip
     for name, value in positive.items():
         if value < 1:
             raise ConfigError(f"rl.{name} must be >= 1, got {value}.")

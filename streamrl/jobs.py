@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from streamrl.algorithms import ALGORITHMS
 from streamrl.components.generation_service import StreamGenerationService
+from streamrl.components.pipeline import DynamicBatchPipeline
 from streamrl.config import RunConfig, check_values
 from streamrl.evaluation import evaluate
 from streamrl.models import load_policy
@@ -26,6 +28,7 @@ from streamrl.module import StreamRLModule
 from streamrl.prepare import ensure_policy, prepare_run
 from streamrl.rollout import PromptSource, RolloutStream
 from streamrl.tasks.rewards import get_reward
+from streamrl.timeline import draw_timeline
 
 
 def run_fit(config: RunConfig, show_progress: bool = True) -> dict:
@@ -94,15 +97,13 @@ def _train(
             service, PromptSource(train_set, rl.prompts_per_iteration, seed=config.seed),
             tokenizer, algorithm, max_tokens=rl.max_tokens, context=context,
         )  # fmt: skip
-        module = StreamRLModule(
-            policy.train(),
-            algorithm,
-            rollouts,
-            rl.iterations,
-            lr=rl.lr,
-            reference=reference,
-            temperature=rl.temperature,
+        pipeline = DynamicBatchPipeline(
+            rl.token_budget, rl.min_samples, staleness_bound=int(rl.mode == "async")
         )
+        module = StreamRLModule(
+            policy.train(), algorithm, rollouts, rl.iterations, lr=rl.lr, reference=reference,
+            temperature=rl.temperature, mode=rl.mode, pipeline=pipeline,
+        )  # fmt: skip
         trainer = L.Trainer(
             max_steps=rl.iterations, max_epochs=1, accelerator="cpu", devices=1,
             logger=CSVLogger(config.output_dir, name="logs"), default_root_dir=config.output_dir,
@@ -110,6 +111,11 @@ def _train(
         )  # fmt: skip
         trainer.fit(module)
     policy.eval()
+    out = Path(config.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    trace_path = rollouts.trace.to_json(out / "trace.json")
+    draw_timeline(rollouts.trace.spans, out / "timeline.png", title=f"streamrl {rl.mode}")
+    print(f"timeline: {trace_path} -> {out / 'timeline.png'}", file=sys.stderr)
     return module
 
 
@@ -127,4 +133,9 @@ def _rl_summary(module: StreamRLModule, iterations: int) -> dict:
         "trainer_wait_frac": sum(h["time/wait_s"] for h in history) / rl_wall,
         "sync_s_total": sum(h["time/sync_s"] for h in history),
         "rl_wall_s": rl_wall,
+        "mode": module.mode,
+        "staleness_max": max(h["train/staleness_max"] for h in history),
+        "dropped_stale": module.pipeline.dropped_stale,
+        "sync_exposed_s_total": sum(h["time/sync_exposed_s"] for h in history),
+        "sync_transfer_s_total": module.sync_transfer_s,
     }

@@ -10,6 +10,7 @@ loggers and checkpoints keep working.
 from __future__ import annotations
 
 import time
+from typing import Literal
 
 import lightning as L
 import torch
@@ -17,7 +18,9 @@ from torch.utils.data import IterableDataset
 from transformers import PreTrainedModel
 
 from streamrl.algorithms.base import Algorithm, LossInputs
-from streamrl.rollout import RolloutStream, ScoredGroup
+from streamrl.components.pipeline import DynamicBatchPipeline, MicroBatch
+from streamrl.rollout import RolloutStream
+from streamrl.timeline import TraceRecorder
 
 
 class IterationTicker(IterableDataset):
@@ -47,6 +50,12 @@ class StreamRLModule(L.LightningModule):
         reference: frozen reference policy for a KL penalty, or ``None``.
         temperature: the generators' sampling temperature; the trainer scores tokens under the
             same tempered distribution, so behaviour and current log-probs are comparable.
+        mode: ``"sync"`` (generate step k with weights k, then train) or ``"async"`` (StreamRL's
+            one-step asynchronous mode: step k+1 is generated while step k trains, and the
+            weight transfer overlaps the next step).
+        pipeline: micro-batching and staleness policy; by default a token budget of 4096 and a
+            staleness bound of 0 (sync) or 1 (async).
+        trace: records spans for the timeline (bounded); the rollouts' recorder if ``None``.
     """
 
     def __init__(
@@ -59,58 +68,102 @@ class StreamRLModule(L.LightningModule):
         max_grad_norm: float = 1.0,
         reference: PreTrainedModel | None = None,
         temperature: float = 1.0,
+        mode: Literal["sync", "async"] = "sync",
+        pipeline: DynamicBatchPipeline | None = None,
+        trace: TraceRecorder | None = None,
     ) -> None:
         super().__init__()
+        if mode not in ("sync", "async"):
+            raise ValueError(f"mode must be 'sync' or 'async', got {mode!r}.")
         self.automatic_optimization = False
         self.policy, self.algorithm, self.rollouts = policy, algorithm, rollouts
         self.reference = reference.eval().requires_grad_(False) if reference is not None else None
         self.iterations, self.lr, self.max_grad_norm = iterations, lr, max_grad_norm
-        self.weight_version, self.temperature = 0, temperature
+        self.weight_version, self.temperature, self.mode = 0, temperature, mode
+        self.pipeline = pipeline or DynamicBatchPipeline(staleness_bound=int(mode == "async"))
+        self.trace = trace if trace is not None else rollouts.trace
         self.history: list[dict] = []
+        self.sync_transfer_s = 0.0  # seconds spent broadcasting weights, background included
+        self._ahead: int | None = None  # async: the iteration generated one step ahead
 
     def training_step(self, iteration: int) -> None:
         optimizer = self.optimizers()
         started = time.perf_counter()
         train_s, total = 0.0, self.rollouts.samples_per_iteration
-        for group in self.rollouts.iteration():  # groups arrive as they complete
+        groups = self.rollouts.groups(self._dispatch(iteration))
+        for micro in self.pipeline.micro_batches(groups, self.weight_version):
             t0 = time.perf_counter()
-            per_sample = self.algorithm.loss(self.loss_inputs(group))  # [group]
-            self.manual_backward(per_sample.sum() / total)
+            with self.trace.span("trainer", "train", iteration, samples=len(micro.samples)):
+                per_sample = self.algorithm.loss(self.loss_inputs(micro))  # [micro]
+                self.manual_backward(per_sample.sum() / total)
             train_s += time.perf_counter() - t0
         t0 = time.perf_counter()
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), self.max_grad_norm)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        with self.trace.span("trainer", "step", iteration):
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), self.max_grad_norm)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
         train_s += time.perf_counter() - t0
         self.weight_version += 1
-        sync_s = self.rollouts.service.update(self.policy, self.weight_version)
+        with self.trace.span("trainer", "sync", iteration, version=self.weight_version):
+            if self.mode == "async":  # the transfer overlaps the next step (§4.1)
+                sync_s = self.rollouts.service.push_weights(self.policy, self.weight_version)
+            else:
+                sync_s = self.rollouts.service.update(self.policy, self.weight_version)
         self.log_iteration(iteration, time.perf_counter() - started, train_s, sync_s, grad_norm)
 
-    def loss_inputs(self, group: ScoredGroup) -> LossInputs:
-        """Pad a group into tensors and compute the current (and reference) log-probs."""
-        samples = group.samples
-        prompt_len = len(samples[0].prompt_ids)
+    def _dispatch(self, iteration: int) -> int:
+        """The rollout iteration this step trains on; in async mode also dispatch the next."""
+        if self.mode == "sync":
+            return self.rollouts.dispatch(min_weight_version=self.weight_version)
+        if self._ahead is None:
+            self._ahead = self.rollouts.dispatch(min_weight_version=self.weight_version)
+        current, self._ahead = self._ahead, None
+        if iteration + 1 < self.iterations:
+            # Generated while this step trains, by weights >= the current version: trained at
+            # the next step, it is at most one version stale.
+            self._ahead = self.rollouts.dispatch(min_weight_version=self.weight_version)
+        return current
+
+    def on_train_end(self) -> None:
+        # Leave the generators on the final weights (async pushes may still be in flight).
+        service = self.rollouts.service
+        if service.weight_sync is not None:
+            service.wait_weights(self.weight_version)
+            self.sync_transfer_s = service.weight_sync.transfer_s
+
+    def loss_inputs(self, batch: MicroBatch) -> LossInputs:
+        """Pad a micro-batch into tensors and compute current (and reference) log-probs.
+
+        Rows are ``prompt + completion``, right-padded; prompts may differ in length.
+        """
+        samples = batch.samples
+        prompt_lens = [len(s.prompt_ids) for s in samples]
         width = max(s.length for s in samples)
+        seq = max(p + s.length for p, s in zip(prompt_lens, samples))
         pad = int(self.policy.config.pad_token_id or 0)
-        rows = [s.prompt_ids + s.token_ids + [pad] * (width - s.length) for s in samples]
-        input_ids = torch.tensor(rows, device=self.device)  # [group, prompt + width]
-        mask = torch.tensor([[1] * s.length + [0] * (width - s.length) for s in samples],
-                            device=self.device)  # fmt: skip  # [group, width]
-        attention = torch.cat([torch.ones_like(input_ids[:, :prompt_len]), mask], dim=1)
+        rows = [s.prompt_ids + s.token_ids + [pad] * (seq - p - s.length)
+                for p, s in zip(prompt_lens, samples)]  # fmt: skip
+        input_ids = torch.tensor(rows, device=self.device)  # [batch, seq]
+        lengths = torch.tensor([s.length for s in samples], device=self.device)
+        total = torch.tensor(prompt_lens, device=self.device) + lengths
+        attention = (torch.arange(seq, device=self.device) < total[:, None]).long()
+        mask = (torch.arange(width, device=self.device) < lengths[:, None]).long()  # [batch, width]
         old = torch.tensor([s.logprobs + [0.0] * (width - s.length) for s in samples],
                            device=self.device)  # fmt: skip
+        starts = torch.tensor(prompt_lens, device=self.device)
         ref = None
         if self.reference is not None:
             with torch.no_grad():
                 ref = completion_logprobs(
-                    self.reference, input_ids, attention, prompt_len, self.temperature
+                    self.reference, input_ids, attention, starts, width, self.temperature
                 )
+        current = completion_logprobs(
+            self.policy, input_ids, attention, starts, width, self.temperature
+        )
         return LossInputs(
-            logprobs=completion_logprobs(
-                self.policy, input_ids, attention, prompt_len, self.temperature
-            ),
+            logprobs=current * mask,
             old_logprobs=old,
-            advantages=torch.tensor(group.advantages, dtype=old.dtype, device=self.device),
+            advantages=torch.tensor(batch.advantages, dtype=old.dtype, device=self.device),
             mask=mask,
             ref_logprobs=ref,
         )
@@ -118,7 +171,7 @@ class StreamRLModule(L.LightningModule):
     def log_iteration(
         self, iteration: int, wall_s: float, train_s: float, sync_s: float, grad_norm: torch.Tensor
     ) -> None:
-        stats = self.rollouts.stats
+        stats, lags = self.rollouts.stats, self.pipeline.staleness
         metrics = {
             "rollout/reward": sum(stats.rewards) / max(1, len(stats.rewards)),
             "rollout/tokens": float(stats.tokens),
@@ -130,6 +183,11 @@ class StreamRLModule(L.LightningModule):
             "time/sync_s": sync_s,
             "train/grad_norm": float(grad_norm),
             "train/weight_version": float(self.weight_version),
+            "train/staleness_mean": sum(lags) / max(1, len(lags)),
+            "train/staleness_max": float(max(lags, default=0)),
+            "train/dropped_stale": float(self.pipeline.dropped_stale),
+            "time/sync_exposed_s": sync_s,
+            "time/sync_transfer_total_s": self.rollouts.service.weight_sync.transfer_s,
         }
         self.history.append({"iteration": iteration, **metrics})
         self.log_dict(metrics, on_step=True, prog_bar=False)
@@ -155,13 +213,27 @@ def completion_logprobs(
     model: PreTrainedModel,
     input_ids: torch.Tensor,
     attention: torch.Tensor,
-    prompt_len: int,
+    starts: torch.Tensor,
+    width: int,
     temperature: float = 1.0,
 ) -> torch.Tensor:
-    """Log-probs of the completion tokens (positions ``prompt_len:``) under ``logits /
-    temperature``, ``[batch, completion]``."""
+    """Log-probs of each row's completion tokens under ``logits / temperature``.
+
+    Args:
+        input_ids / attention: ``[batch, seq]``, each row ``prompt + completion + padding``.
+        starts: ``[batch]``, where each row's completion starts (its prompt length).
+        width: completion positions to return (longer rows are cut, shorter ones padded).
+
+    Returns:
+        ``[batch, width]``; positions past a row's completion hold junk, mask them.
+    """
     logits = model(input_ids=input_ids, attention_mask=attention).logits  # [batch, seq, vocab]
+    logprobs = torch.log_softmax(logits.float() / temperature, dim=-1)
     # The token at position t is predicted by the logits at t - 1.
-    logits = logits[:, prompt_len - 1 : -1].float() / temperature
-    targets = input_ids[:, prompt_len:]
-    return torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    positions = starts[:, None] + torch.arange(width, device=input_ids.device)  # [batch, width]
+    positions = positions.clamp(max=input_ids.shape[1] - 1)
+    targets = input_ids.gather(1, positions)  # [batch, width]
+    predicted_at = logprobs.gather(
+        1, (positions - 1)[:, :, None].expand(-1, -1, logprobs.shape[-1])
+    )
+    return predicted_at.gather(-1, targets[:, :, None]).squeeze(-1)

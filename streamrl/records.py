@@ -23,6 +23,7 @@ class Request:
         predicted_length: a length estimate used by schedulers (e.g. LPT); ``None`` if unknown.
         min_weight_version: the instance holds the request until it has at least this weight
             version (paces admission so that no sample exceeds the staleness bound, §4.1).
+        iteration: the RL iteration the request belongs to (several may be in flight).
     """
 
     prompt_id: str
@@ -32,11 +33,12 @@ class Request:
     forced_length: int | None = None
     predicted_length: float | None = None
     min_weight_version: int = 0
+    iteration: int = 0
 
     @property
-    def key(self) -> tuple[str, int]:
-        """``(prompt_id, sample_index)``: unique per sample in an iteration."""
-        return (self.prompt_id, self.sample_index)
+    def key(self) -> tuple[str, int, int]:
+        """``(prompt_id, sample_index, iteration)``: unique per sample in a run."""
+        return (self.prompt_id, self.sample_index, self.iteration)
 
 
 @dataclass
@@ -55,6 +57,7 @@ class Sample:
             submission, admission into a batch slot and completion.
         finish_reason: ``"eos"``, ``"length"`` (hit ``max_tokens``) or ``"forced"``.
         reward: filled in by the trainer once scored.
+        iteration: the RL iteration of its request.
     """
 
     prompt_id: str
@@ -69,6 +72,7 @@ class Sample:
     finished_s: float = 0.0
     finish_reason: str = "eos"
     reward: float | None = None
+    iteration: int = 0
     extras: dict = field(default_factory=dict)
 
     @property
@@ -77,6 +81,6 @@ class Sample:
         return len(self.token_ids)
 
     @property
-    def key(self) -> tuple[str, int]:
-        """``(prompt_id, sample_index)``."""
-        return (self.prompt_id, self.sample_index)
+    def key(self) -> tuple[str, int, int]:
+        """``(prompt_id, sample_index, iteration)``, the key of its request."""
+        return (self.prompt_id, self.sample_index, self.iteration)

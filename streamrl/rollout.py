@@ -19,6 +19,7 @@ from transformers import PreTrainedTokenizerBase
 from streamrl.algorithms.base import Algorithm
 from streamrl.components.generation_service import StreamGenerationService
 from streamrl.records import Request, Sample
+from streamrl.timeline import TraceRecorder
 
 
 class PromptSource:
@@ -69,6 +70,7 @@ class ScoredGroup:
     samples: list[Sample]
     rewards: list[float]
     advantages: list[float]
+    iteration: int = 0
 
 
 @dataclass
@@ -80,10 +82,28 @@ class IterationStats:
     generate_s: float = 0.0
     wait_s: float = 0.0  # time the trainer spent blocked waiting for the next sample
     rewards: list[float] = field(default_factory=list)
+    weight_versions: list[int] = field(default_factory=list)
+
+
+@dataclass
+class _Batch:
+    """One dispatched iteration: its prompts, groups being filled and groups ready to train."""
+
+    rows: dict[str, dict]
+    dispatched_s: float
+    partial: dict[str, list[Sample]] = field(default_factory=dict)
+    ready: list[ScoredGroup] = field(default_factory=list)
+    delivered: int = 0
+    stats: IterationStats = field(default_factory=IterationStats)
 
 
 class RolloutStream:
-    """Streams scored groups of one iteration at a time from the service.
+    """Streams scored groups from the service; several iterations may be in flight.
+
+    ``dispatch`` sends the next iteration's prompts and returns its number at once; ``groups``
+    yields that iteration's groups as they complete. Samples of a later iteration that arrive
+    meanwhile are scored on arrival and kept for it (one-step asynchronous mode, §4.1).
+    ``iteration()`` is ``groups(dispatch())``, the synchronous case.
 
     Args:
         service: a started ``StreamGenerationService``.
@@ -92,6 +112,7 @@ class RolloutStream:
         algorithm: scores samples and groups (its ``group_size`` samples per prompt).
         max_tokens: generation budget per sample.
         context: the policy's context length; a sample's budget never runs past it.
+        trace: where sample spans and the trainer's waits are recorded for the timeline.
     """
 
     def __init__(
@@ -102,17 +123,23 @@ class RolloutStream:
         algorithm: Algorithm,
         max_tokens: int,
         context: int,
+        trace: TraceRecorder | None = None,
     ) -> None:
         self.service, self.prompts, self.tokenizer = service, prompts, tokenizer
+        self.trace = trace if trace is not None else TraceRecorder()
         self.algorithm, self.max_tokens, self.context = algorithm, max_tokens, context
         self.stats = IterationStats()
+        self._batches: dict[int, _Batch] = {}
+        self._next_iteration = 0
 
     @property
     def samples_per_iteration(self) -> int:
         return self.prompts.batch_size * self.algorithm.group_size
 
-    def iteration(self) -> Iterator[ScoredGroup]:
-        """Generate one iteration and yield each prompt's group as soon as it is complete."""
+    def dispatch(self, min_weight_version: int = 0) -> int:
+        """Send the next iteration's requests; instances admit them once they hold at least
+        ``min_weight_version``. Returns the iteration number."""
+        iteration, self._next_iteration = self._next_iteration, self._next_iteration + 1
         rows = {row["prompt_id"]: row for row in self.prompts.next_batch()}
         requests = []
         for pid, row in rows.items():
@@ -121,26 +148,51 @@ class RolloutStream:
             if budget < 1:
                 raise ValueError(f"Prompt {pid!r} has {len(ids)} tokens: no room left in the "
                                  f"context of {self.context}; shorten it.")  # fmt: skip
-            requests += [Request(pid, ids, budget, i) for i in range(self.algorithm.group_size)]
-        self.stats = stats = IterationStats()
-        started = time.perf_counter()
-        partial: dict[str, list[tuple[Sample, float]]] = {pid: [] for pid in rows}
-        stream = self.service.generate(requests)
-        while True:
+            requests += [
+                Request(pid, ids, budget, i, min_weight_version=min_weight_version,
+                        iteration=iteration)
+                for i in range(self.algorithm.group_size)
+            ]  # fmt: skip
+        self._batches[iteration] = _Batch(rows, time.perf_counter(), {pid: [] for pid in rows})
+        self.service.submit(requests)
+        return iteration
+
+    def groups(self, iteration: int) -> Iterator[ScoredGroup]:
+        """Yield the groups of ``iteration`` as they complete (scored on arrival)."""
+        batch = self._batches[iteration]
+        self.stats = batch.stats
+        while batch.delivered < len(batch.rows):
+            if batch.ready:
+                batch.delivered += 1
+                yield batch.ready.pop(0)
+                continue
             waited = time.perf_counter()
-            sample = next(stream, None)
-            stats.wait_s += time.perf_counter() - waited
-            if sample is None:
-                break
-            text = self.tokenizer.decode(sample.token_ids, skip_special_tokens=True)
-            reward = self.algorithm.score_sample(sample, text, rows[sample.prompt_id]["answer"])
-            sample.reward = reward
-            stats.samples, stats.tokens = stats.samples + 1, stats.tokens + sample.length
-            stats.rewards.append(reward)
-            group = partial[sample.prompt_id]
-            group.append((sample, reward))
-            if len(group) == self.algorithm.group_size:
-                samples, rewards = [s for s, _ in group], [r for _, r in group]
-                yield ScoredGroup(sample.prompt_id, samples, rewards,
-                                  self.algorithm.score_group(rewards))  # fmt: skip
-        stats.generate_s = time.perf_counter() - started
+            with self.trace.span("trainer", "wait", iteration):
+                sample = self.service.next_sample()
+            batch.stats.wait_s += time.perf_counter() - waited
+            self._receive(sample)
+        batch.stats.generate_s = time.perf_counter() - batch.dispatched_s
+        del self._batches[iteration]
+
+    def iteration(self) -> Iterator[ScoredGroup]:
+        """Dispatch one iteration and yield its groups as soon as each is complete."""
+        return self.groups(self.dispatch())
+
+    def _receive(self, sample: Sample) -> None:
+        batch = self._batches[sample.iteration]
+        row = batch.rows[sample.prompt_id]
+        text = self.tokenizer.decode(sample.token_ids, skip_special_tokens=True)
+        sample.reward = self.algorithm.score_sample(sample, text, row["answer"])
+        stats = batch.stats
+        stats.samples, stats.tokens = stats.samples + 1, stats.tokens + sample.length
+        stats.rewards.append(sample.reward)
+        stats.weight_versions.append(sample.weight_version)
+        self.trace.add_samples([sample], sample.iteration)
+        group = batch.partial[sample.prompt_id]
+        group.append(sample)
+        if len(group) == self.algorithm.group_size:
+            rewards = [s.reward for s in group]
+            advantages = self.algorithm.score_group(rewards)
+            batch.ready.append(
+                ScoredGroup(sample.prompt_id, group, rewards, advantages, sample.iteration)
+            )

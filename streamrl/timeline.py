@@ -30,15 +30,9 @@ STAGES = ("generate", "train", "step", "sync", "sync-bg", "wait", "colocated-swi
 IDLE_STAGES = frozenset({"wait"})
 
 TRACE_VERSION = 1
-_COLOURS = {
-    "generate": "#1f77b4",
-    "train": "#ff7f0e",
-    "step": "#d62728",
-    "sync": "#9467bd",
-    "sync-bg": "#c5b0d5",
-    "wait": "#c7c7c7",
-    "colocated-switch": "#8c564b",
-}
+# Same order as STAGES; "wait" in grey, as it is idle time.
+_COLOURS = dict(zip(STAGES, ("#1f77b4", "#ff7f0e", "#d62728", "#9467bd", "#c5b0d5", "#c7c7c7",
+                             "#8c564b")))  # fmt: skip
 _SPAN_KEYS = ("lane", "name", "start_s", "end_s")
 
 
@@ -99,7 +93,8 @@ class TraceRecorder:
         try:
             yield meta
         finally:
-            self.add(Span(lane, name, start, time.time(), iteration, meta))
+            # max(): the wall clock can step back (NTP); a timing aid must never raise.
+            self.add(Span(lane, name, start, max(time.time(), start), iteration, meta))
 
     def add_samples(self, samples: Iterable[Sample], iteration: int) -> int:
         """Record each sample's decoding, admission to finish, on ``generator-<instance_id>``.
@@ -150,11 +145,12 @@ class TraceRecorder:
 
     def to_json(self, path: str | Path) -> Path:
         """Write the trace as ``{"version", "t0", "dropped", "spans"}``; returns the path."""
-        spans = self.spans
+        with self._lock:  # one snapshot, so "dropped" matches "spans"
+            spans, dropped = list(self._spans), self._recorded - len(self._spans)
         trace = {
             "version": TRACE_VERSION,
             "t0": min((s.start_s for s in spans), default=None),
-            "dropped": self.dropped,
+            "dropped": dropped,
             "spans": [asdict(s) for s in spans],
         }
         path = Path(path)
@@ -198,14 +194,9 @@ def _span_from_dict(item: object, index: int, path: Path) -> Span:
     if missing:
         raise ConfigError(f"{where} is missing {', '.join(missing)}.")
     try:
-        return Span(
-            lane=str(item["lane"]),
-            name=str(item["name"]),
-            start_s=float(item["start_s"]),
-            end_s=float(item["end_s"]),
-            iteration=int(item.get("iteration", -1)),
-            meta=dict(item.get("meta") or {}),
-        )
+        lane, name, start, end = (item[key] for key in _SPAN_KEYS)
+        iteration, meta = int(item.get("iteration", -1)), dict(item.get("meta") or {})
+        return Span(str(lane), str(name), float(start), float(end), iteration, meta)
     except (TypeError, ValueError) as err:
         raise ConfigError(f"{where}: {err}") from err
 
@@ -225,11 +216,12 @@ def busy_fraction(
         end_s = max((s.end_s for s in spans), default=0.0)
     if end_s <= start_s:
         return 0.0
-    intervals = sorted(
+    clipped = (
         (max(s.start_s, start_s), min(s.end_s, end_s))
         for s in spans
         if s.lane == lane and s.name not in IDLE_STAGES
     )
+    intervals = sorted((lo, hi) for lo, hi in clipped if hi > lo)  # drop spans outside the window
     busy, reach = 0.0, start_s  # reach: the end of the union so far
     for lo, hi in intervals:
         if hi > reach:

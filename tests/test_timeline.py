@@ -55,6 +55,7 @@ def test_busy_fraction_counts_overlaps_once():
     ]
     assert busy_fraction(spans, "g", 0.0, 10.0) == pytest.approx(0.4)
     assert busy_fraction(spans, "g", 2.0, 6.0) == pytest.approx(0.5)  # clipped to the window
+    assert busy_fraction(spans, "g", 0.0, 4.0) == pytest.approx(0.75)  # [5, 6] lies outside
     assert busy_fraction(spans, "g") == pytest.approx(0.4)  # default window: the whole trace
     assert busy_fraction(spans, "missing") == 0.0
 

@@ -21,7 +21,7 @@ class RoundRobinDispatcher:
     Example:
         >>> reqs = [Request(f"p{i}", [3], 4, sample_index=s) for i in range(3) for s in range(2)]
         >>> [[r.key for r in part] for part in RoundRobinDispatcher().plan(reqs, None, 2)]
-        [[('p0', 0), ('p0', 1), ('p2', 0), ('p2', 1)], [('p1', 0), ('p1', 1)]]
+        [[('p0', 0, 0), ('p0', 1, 0), ('p2', 0, 0), ('p2', 1, 0)], [('p1', 0, 0), ('p1', 1, 0)]]
     """
 
     def __init__(self) -> None:

@@ -324,7 +324,8 @@ class HFStreamGenerator:
     def _to_sample(self, row: _Running, reason: str, now: float) -> Sample:
         req = row.request
         return Sample(
-            prompt_id=req.prompt_id, sample_index=req.sample_index, prompt_ids=list(req.prompt_ids),
+            prompt_id=req.prompt_id, sample_index=req.sample_index, iteration=req.iteration,
+            prompt_ids=list(req.prompt_ids),
             token_ids=row.token_ids, logprobs=row.logprobs, weight_version=row.weight_version,
             instance_id=self.instance_id, submitted_s=row.submitted_s, started_s=row.started_s,
             finished_s=now, finish_reason=reason,

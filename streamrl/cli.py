@@ -28,16 +28,23 @@ def _quiet_libraries() -> None:
     import datasets
 
     datasets.disable_progress_bars()
-    # Lightning's start-up banners ("GPU available", install tips) say nothing about this run.
-    for name in ("lightning.pytorch", "lightning.fabric", "lightning"):
-        logging.getLogger(name).setLevel(logging.WARNING)
     warnings.filterwarnings("ignore", message=".*treespec.*", category=Warning)
+
+
+def _quiet_lightning() -> None:
+    # Lightning's start-up banners ("GPU available", install tips) say nothing about this run.
+    # Its import sets its loggers to INFO, so this runs after the import.
+    import lightning.pytorch  # noqa: F401
+
+    for name in ("lightning.pytorch", "lightning.fabric"):
+        logging.getLogger(name).setLevel(logging.WARNING)
 
 
 def _cmd_fit(args: argparse.Namespace) -> dict:
     from streamrl.config import load_config
     from streamrl.jobs import run_fit
 
+    _quiet_lightning()
     config = load_config(args.config)
     if args.output_dir:
         config.output_dir = args.output_dir
@@ -48,6 +55,7 @@ def _cmd_demo(args: argparse.Namespace) -> dict:
     from streamrl.config import RunConfig
     from streamrl.jobs import run_fit
 
+    _quiet_lightning()
     config = RunConfig(output_dir=args.output_dir)
     print(f"streamrl demo: writing to {config.output_dir}", file=sys.stderr)
     return run_fit(config, show_progress=not args.no_progress)
@@ -58,6 +66,13 @@ def _cmd_bench_generate(args: argparse.Namespace) -> dict:
 
     sizes = [int(s) for s in args.batch_sizes.split(",")]
     return bench_generate(args.model, sizes, args.max_tokens, args.repeats, args.prompts)
+
+
+def _cmd_bench_pipeline(args: argparse.Namespace) -> dict:
+    from streamrl.bench.pipeline import bench_pipeline
+
+    _quiet_lightning()
+    return bench_pipeline(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -89,6 +104,24 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--prompts", type=int, default=32, help="prompts per measurement")
     gen.add_argument("--repeats", type=int, default=3, help="runs per setting (median reported)")
     gen.set_defaults(func=_cmd_bench_generate)
+
+    pipe = bench_sub.add_parser(
+        "pipeline", help="colocated vs disaggregated sync vs one-step async, same cores and lengths"
+    )
+    pipe.add_argument("--modes", default="colocated,sync,async", help="any of colocated,sync,async")
+    pipe.add_argument("--lengths", help="JSON list (or JSONL with 'length') of forced output "
+                      "lengths, cycled; default: the shipped long-tailed file")  # fmt: skip
+    pipe.add_argument("--batch", type=int, default=16, help="prompts per iteration")
+    pipe.add_argument("--group-size", type=int, default=4, help="samples per prompt")
+    pipe.add_argument("--iterations", type=int, default=6, help="measured iterations per run")
+    pipe.add_argument("--warmup", type=int, default=1, help="unmeasured iterations per run")
+    pipe.add_argument("--repeats", type=int, default=3, help="runs per mode (median reported)")
+    pipe.add_argument("--model", default="tiny", help="'tiny' (~1M params, random) or a model dir")
+    pipe.add_argument("--max-batch-size", type=int, default=64, help="slots per generator")
+    pipe.add_argument("--token-budget", type=int, default=1024, help="tokens per micro-batch")
+    pipe.add_argument("--timeline-dir", help="write each mode's trace JSON and timeline PNG here")
+    pipe.add_argument("--seed", type=int, default=0)
+    pipe.set_defaults(func=_cmd_bench_pipeline)
 
     from streamrl.timeline import add_timeline_command
 

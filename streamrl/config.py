@@ -77,9 +77,10 @@ class RLConfig:
 
     Attributes:
         algorithm: ``"grpo"``.
-        mode: ``"sync"`` (each step trains on samples of the current weights) or ``"async"``
-            (StreamRL's one-step asynchronous mode: the next step's samples are generated while
-            this step trains; a sample is at most one weight version stale).
+        mode: ``"sync"`` (each step trains on samples of the current weights, as they stream
+            in), ``"async"`` (StreamRL's one-step asynchronous mode: the next step's samples are
+            generated while this step trains; a sample is at most one weight version stale) or
+            ``"colocated"`` (the baseline: all samples first, then training on every core).
         iterations: optimizer steps (one per iteration); 0 only warm-starts and evaluates.
         prompts_per_iteration: prompts dealt per iteration.
         group_size: samples per prompt.
@@ -108,7 +109,7 @@ class RLConfig:
     reward: str = "exact"
     temperature: float = 0.7
     max_tokens: int = 64
-    token_budget: int = 4096
+    token_budget: int = 1024
     min_samples: int = 1
 
 
@@ -244,8 +245,10 @@ def check_rl(rl: RLConfig) -> None:
         raise ConfigError(f"rl.algorithm: {unknown_name('algorithm', rl.algorithm, ALGORITHMS)}")
     if rl.reward not in REWARDS:
         raise ConfigError(f"rl.reward: {unknown_name('reward', rl.reward, REWARDS)}")
-    if rl.mode not in ("sync", "async"):
-        raise ConfigError(f"rl.mode: {unknown_name('mode', rl.mode, ['sync', 'async'])}")
+    if rl.mode not in ("sync", "async", "colocated"):
+        raise ConfigError(
+            f"rl.mode: {unknown_name('mode', rl.mode, ['sync', 'async', 'colocated'])}"
+        )
     positive = dict(prompts_per_iteration=rl.prompts_per_iteration, generators=rl.generators,
                     max_batch_size=rl.max_batch_size, max_tokens=rl.max_tokens,
                     token_budget=rl.token_budget, min_samples=rl.min_samples)  # fmt: skip

@@ -9,7 +9,10 @@ loggers and checkpoints keep working.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import time
+from collections.abc import Iterator
 from typing import Literal
 
 import lightning as L
@@ -21,6 +24,23 @@ from streamrl.algorithms.base import Algorithm, LossInputs
 from streamrl.components.pipeline import DynamicBatchPipeline, MicroBatch
 from streamrl.rollout import RolloutStream
 from streamrl.timeline import TraceRecorder
+
+Mode = Literal["sync", "async", "colocated"]
+MODES: tuple[str, ...] = ("sync", "async", "colocated")
+
+
+@contextlib.contextmanager
+def _colocated_training(enabled: bool) -> Iterator[bool]:
+    """In colocated mode the trainer has every core while it trains (generators are idle)."""
+    if not enabled:
+        yield False
+        return
+    threads = torch.get_num_threads()
+    torch.set_num_threads(os.cpu_count() or 1)
+    try:
+        yield True
+    finally:
+        torch.set_num_threads(threads)
 
 
 class IterationTicker(IterableDataset):
@@ -50,10 +70,12 @@ class StreamRLModule(L.LightningModule):
         reference: frozen reference policy for a KL penalty, or ``None``.
         temperature: the generators' sampling temperature; the trainer scores tokens under the
             same tempered distribution, so behaviour and current log-probs are comparable.
-        mode: ``"sync"`` (generate step k with weights k, then train) or ``"async"`` (StreamRL's
-            one-step asynchronous mode: step k+1 is generated while step k trains, and the
-            weight transfer overlaps the next step).
-        pipeline: micro-batching and staleness policy; by default a token budget of 4096 and a
+        mode: ``"sync"`` (step k trains on samples of weights k, streamed as they finish),
+            ``"async"`` (StreamRL's one-step asynchronous mode: step k+1 is generated while step
+            k trains, and the weight transfer overlaps the next step) or ``"colocated"`` (the
+            baseline of §7: generation and training time-share the cores, one after the other:
+            all samples first, then training with every core).
+        pipeline: micro-batching and staleness policy; by default a token budget of 1024 and a
             staleness bound of 0 (sync) or 1 (async).
         trace: records spans for the timeline (bounded); the rollouts' recorder if ``None``.
     """
@@ -68,13 +90,13 @@ class StreamRLModule(L.LightningModule):
         max_grad_norm: float = 1.0,
         reference: PreTrainedModel | None = None,
         temperature: float = 1.0,
-        mode: Literal["sync", "async"] = "sync",
+        mode: Mode = "sync",
         pipeline: DynamicBatchPipeline | None = None,
         trace: TraceRecorder | None = None,
     ) -> None:
         super().__init__()
-        if mode not in ("sync", "async"):
-            raise ValueError(f"mode must be 'sync' or 'async', got {mode!r}.")
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}.")
         self.automatic_optimization = False
         self.policy, self.algorithm, self.rollouts = policy, algorithm, rollouts
         self.reference = reference.eval().requires_grad_(False) if reference is not None else None
@@ -91,12 +113,15 @@ class StreamRLModule(L.LightningModule):
         started = time.perf_counter()
         train_s, total = 0.0, self.rollouts.samples_per_iteration
         groups = self.rollouts.groups(self._dispatch(iteration))
-        for micro in self.pipeline.micro_batches(groups, self.weight_version):
-            t0 = time.perf_counter()
-            with self.trace.span("trainer", "train", iteration, samples=len(micro.samples)):
-                per_sample = self.algorithm.loss(self.loss_inputs(micro))  # [micro]
-                self.manual_backward(per_sample.sum() / total)
-            train_s += time.perf_counter() - t0
+        with _colocated_training(self.mode == "colocated") as time_shared:
+            if time_shared:  # generation first, on all cores; then training, on all cores
+                groups = list(groups)
+            for micro in self.pipeline.micro_batches(groups, self.weight_version):
+                t0 = time.perf_counter()
+                with self.trace.span("trainer", "train", iteration, samples=len(micro.samples)):
+                    per_sample = self.algorithm.loss(self.loss_inputs(micro))  # [micro]
+                    self.manual_backward(per_sample.sum() / total)
+                train_s += time.perf_counter() - t0
         t0 = time.perf_counter()
         with self.trace.span("trainer", "step", iteration):
             grad_norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), self.max_grad_norm)
@@ -113,7 +138,7 @@ class StreamRLModule(L.LightningModule):
 
     def _dispatch(self, iteration: int) -> int:
         """The rollout iteration this step trains on; in async mode also dispatch the next."""
-        if self.mode == "sync":
+        if self.mode != "async":
             return self.rollouts.dispatch(min_weight_version=self.weight_version)
         if self._ahead is None:
             self._ahead = self.rollouts.dispatch(min_weight_version=self.weight_version)

@@ -113,6 +113,8 @@ class RolloutStream:
         max_tokens: generation budget per sample.
         context: the policy's context length; a sample's budget never runs past it.
         trace: where sample spans and the trainer's waits are recorded for the timeline.
+        forced_lengths: if given, each request ignores EOS and generates the next length from
+            it (the paper's throughput protocol, §7); used by benchmarks.
     """
 
     def __init__(
@@ -124,9 +126,11 @@ class RolloutStream:
         max_tokens: int,
         context: int,
         trace: TraceRecorder | None = None,
+        forced_lengths: Iterator[int] | None = None,
     ) -> None:
         self.service, self.prompts, self.tokenizer = service, prompts, tokenizer
         self.trace = trace if trace is not None else TraceRecorder()
+        self.forced_lengths = forced_lengths
         self.algorithm, self.max_tokens, self.context = algorithm, max_tokens, context
         self.stats = IterationStats()
         self._batches: dict[int, _Batch] = {}
@@ -148,11 +152,13 @@ class RolloutStream:
             if budget < 1:
                 raise ValueError(f"Prompt {pid!r} has {len(ids)} tokens: no room left in the "
                                  f"context of {self.context}; shorten it.")  # fmt: skip
-            requests += [
-                Request(pid, ids, budget, i, min_weight_version=min_weight_version,
-                        iteration=iteration)
-                for i in range(self.algorithm.group_size)
-            ]  # fmt: skip
+            for index in range(self.algorithm.group_size):
+                forced = None
+                if self.forced_lengths is not None:
+                    forced = min(next(self.forced_lengths), self.context - len(ids))
+                requests.append(Request(pid, ids, budget if forced is None else forced, index,
+                                        forced_length=forced, iteration=iteration,
+                                        min_weight_version=min_weight_version))  # fmt: skip
         self._batches[iteration] = _Batch(rows, time.perf_counter(), {pid: [] for pid in rows})
         self.service.submit(requests)
         return iteration

@@ -18,7 +18,7 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
 
 def test_every_command_has_help(capsys):
     for argv in (["--help"], ["demo", "--help"], ["fit", "--help"], ["bench", "--help"],
-                 ["bench", "generate", "--help"]):  # fmt: skip
+                 ["bench", "generate", "--help"], ["timeline", "--help"]):  # fmt: skip
         with pytest.raises(SystemExit) as exit_info:
             build_parser().parse_args(argv)
         assert exit_info.value.code == 0
@@ -120,3 +120,25 @@ def test_bench_generate_reports_both_decoders(capsys):
         assert set(result["tokens_per_s"][decoder]) == {"2", "4"}
         assert all(v > 0 for v in result["tokens_per_s"][decoder].values())
     assert set(result["ratio"]) == {"2", "4"}
+
+
+@pytest.mark.timeout(300)
+def test_bench_pipeline_runs_every_mode_and_reports_speedups(tmp_path, capsys):
+    lengths = tmp_path / "lengths.jsonl"
+    lengths.write_text("\n".join(json.dumps({"length": n}) for n in (3, 9, 4, 20)))
+    argv = ["bench", "pipeline", "--lengths", str(lengths), "--batch", "2", "--group-size", "2",
+            "--iterations", "2", "--warmup", "1", "--repeats", "1", "--model", "tiny",
+            "--timeline-dir", str(tmp_path / "tl")]  # fmt: skip
+    assert main(argv) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert set(result["modes"]) == {"colocated", "sync", "async"}
+    assert set(result["speedup"]) == {"sync", "async"}
+    for row in result["modes"].values():
+        assert row["samples_per_s"] > 0 and 0 <= row["trainer_idle_frac"] <= 1
+        assert 0 <= row["generator_idle_frac"] <= 1
+    assert (tmp_path / "tl" / "pipeline-async.png").stat().st_size > 0
+
+
+def test_bench_pipeline_rejects_unknown_mode(capsys):
+    assert main(["bench", "pipeline", "--modes", "sync,coloc"]) == 2
+    assert "unknown ['coloc']" in capsys.readouterr().err

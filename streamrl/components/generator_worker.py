@@ -49,6 +49,9 @@ def worker_main(spec: WorkerSpec, inbox: Any, outbox: Any) -> None:
     torch.set_num_threads(1)
     parent = os.getppid()
     try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()  # one bar per instance would only clutter the log
         _Instance(spec, outbox, parent).run(inbox)
     except BaseException:  # report everything, including SystemExit from a broken import
         _put(outbox, ("error", spec.instance_id, traceback.format_exc()), parent)

@@ -48,7 +48,7 @@ class DynamicBatchPipeline:
         ...     loss = algorithm.loss(module.loss_inputs(micro))
     """
 
-    def __init__(self, token_budget: int = 4096, min_samples: int = 1, staleness_bound: int = 0):
+    def __init__(self, token_budget: int = 1024, min_samples: int = 1, staleness_bound: int = 0):
         if token_budget < 1 or min_samples < 1 or staleness_bound < 0:
             raise ValueError(
                 "DynamicBatchPipeline: need token_budget >= 1, min_samples >= 1 and "
@@ -62,9 +62,14 @@ class DynamicBatchPipeline:
     def micro_batches(
         self, groups: Iterable[ScoredGroup], trainer_version: int
     ) -> Iterator[MicroBatch]:
-        """Yield micro-batches as soon as each is full; the rest when the groups end."""
+        """Yield micro-batches as soon as each is full; the rest when the groups end.
+
+        Samples wait in buckets of similar length (powers of two of prompt + completion), so a
+        long-tail sample never pads a micro-batch of short ones: padding stays under 2x.
+        """
         self.staleness = []
-        current, started = MicroBatch(), False
+        buckets: dict[int, MicroBatch] = {}
+        started = False
         for group in groups:
             for sample, advantage in zip(group.samples, group.advantages):
                 lag = trainer_version - sample.weight_version
@@ -72,12 +77,18 @@ class DynamicBatchPipeline:
                     self.dropped_stale += 1
                     continue
                 self.staleness.append(lag)
-                current.samples.append(sample)
-                current.advantages.append(advantage)
-            enough = started or len(current.samples) >= self.min_samples
-            if enough and current.tokens >= self.token_budget:
-                started = True
-                yield current
-                current = MicroBatch()
-        if current.samples:
-            yield current
+                size = (len(sample.prompt_ids) + sample.length - 1).bit_length()
+                bucket = buckets.setdefault(size, MicroBatch())
+                bucket.samples.append(sample)
+                bucket.advantages.append(advantage)
+            for size, bucket in list(buckets.items()):
+                enough = started or self._buffered(buckets) >= self.min_samples
+                if enough and bucket.tokens >= self.token_budget:
+                    started = True
+                    yield buckets.pop(size)
+        for size in sorted(buckets):
+            yield buckets[size]
+
+    @staticmethod
+    def _buffered(buckets: dict[int, MicroBatch]) -> int:
+        return sum(len(b.samples) for b in buckets.values())

@@ -1,0 +1,152 @@
+"""``streamrl bench pipeline``: colocated vs disaggregated sync vs one-step async, same run.
+
+Every mode uses the same generator and trainer code, the same model, prompts and forced output
+lengths (the paper's throughput protocol, §7), and the same two cores:
+
+- ``colocated``: two generator instances decode on both cores, then the trainer trains on both
+  cores (time-sharing, as verl and the paper's ColocationRL do; no overlap);
+- ``sync``: the same two instances and a one-thread trainer that back-propagates each micro-batch
+  as soon as it has streamed in (dynamic-batch pipelining, §4.1);
+- ``async``: as ``sync``, plus the next iteration is generated while this one trains and the
+  weight transfer runs in the background (one-step staleness, §4.1).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+import lightning as L
+import torch
+
+from streamrl.algorithms import GRPO
+from streamrl.components.generation_service import StreamGenerationService
+from streamrl.components.pipeline import DynamicBatchPipeline
+from streamrl.errors import ConfigError
+from streamrl.models import build_tiny_model, build_tokenizer, load_policy, save_policy
+from streamrl.module import MODES, StreamRLModule
+from streamrl.rollout import PromptSource, RolloutStream
+from streamrl.tasks import exact_match, make_prompt_set
+from streamrl.timeline import busy_fraction, draw_timeline
+
+DEFAULT_LENGTHS = Path(__file__).resolve().parents[1] / "data" / "lengths_longtail.json"
+
+
+def load_lengths(path: str | Path) -> list[int]:
+    """Output lengths from a JSON list or a JSONL file with a ``length`` field."""
+    text = Path(path).read_text()
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError:
+        try:
+            data = [json.loads(line)["length"] for line in text.splitlines() if line.strip()]
+        except (json.JSONDecodeError, KeyError, TypeError) as err:
+            raise ConfigError(
+                f"{path}: not a JSON list of lengths nor JSONL rows with a 'length' field ({err})."
+            ) from err
+    lengths = [int(x) for x in data]
+    if not lengths or min(lengths) < 1:
+        raise ConfigError(f"{path}: need a non-empty list of positive lengths.")
+    return lengths
+
+
+def run_mode(mode: str, model_dir: Path, lengths: list[int], args) -> dict:
+    """One timed run of ``mode``; medians over the measured (post-warm-up) iterations."""
+    torch.set_num_threads(1)
+    L.seed_everything(args.seed, verbose=False)
+    policy, tokenizer = load_policy(model_dir)
+    prompts = make_prompt_set(max(64, args.batch * 4), seed=args.seed, max_len=8)
+    algorithm = GRPO(exact_match, group_size=args.group_size)
+    steps = args.warmup + args.iterations
+    with StreamGenerationService(model_dir, 2, max_batch_size=args.max_batch_size) as sgs:
+        rollouts = RolloutStream(
+            sgs, PromptSource(prompts, args.batch, args.seed), tokenizer, algorithm,
+            max_tokens=max(lengths), context=policy.config.max_position_embeddings,
+            forced_lengths=itertools.cycle(lengths),
+        )  # fmt: skip
+        pipeline = DynamicBatchPipeline(args.token_budget, staleness_bound=int(mode == "async"))
+        module = StreamRLModule(policy.train(), algorithm, rollouts, steps, lr=1e-5, mode=mode,
+                                pipeline=pipeline)  # fmt: skip
+        trainer = L.Trainer(max_steps=steps, max_epochs=1, accelerator="cpu", logger=False,
+                            enable_checkpointing=False, enable_progress_bar=False,
+                            enable_model_summary=False)  # fmt: skip
+        trainer.fit(module)
+    measured = module.history[args.warmup :]
+    spans = rollouts.trace.spans
+    # The measured window: from the first trainer span of the first measured iteration to the
+    # end of the last one (the trainer's spans carry their iteration).
+    trainer = [s for s in spans if s.lane == "trainer" and s.iteration >= args.warmup]
+    start, end = min(s.start_s for s in trainer), max(s.end_s for s in trainer)
+    lanes = sorted({s.lane for s in spans if s.lane.startswith("generator")})
+    gen_busy = [busy_fraction(spans, lane, start, end) for lane in lanes]
+    iteration_s = statistics.median(h["time/iteration_s"] for h in measured)
+    return {
+        "samples_per_s": rollouts.samples_per_iteration / iteration_s,
+        "iteration_s": iteration_s,
+        "gen_s": statistics.median(h["time/generate_s"] for h in measured),
+        "train_s": statistics.median(h["time/train_s"] for h in measured),
+        "trainer_idle_frac": statistics.median(
+            h["time/wait_s"] / h["time/iteration_s"] for h in measured
+        ),
+        "generator_idle_frac": 1 - statistics.mean(gen_busy) if gen_busy else 1.0,
+        "exposed_sync_s": statistics.median(h["time/sync_exposed_s"] for h in measured),
+        "_trace": rollouts.trace,
+    }
+
+
+def bench_pipeline(args) -> dict:
+    """Run every mode ``args.repeats`` times; report medians and speedups over colocated."""
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    unknown = [m for m in modes if m not in MODES]
+    if unknown or not modes:
+        raise ConfigError(f"--modes: unknown {unknown}; choose from {', '.join(MODES)}.")
+    lengths = load_lengths(args.lengths or DEFAULT_LENGTHS)
+    with tempfile.TemporaryDirectory(prefix="streamrl-bench-") as tmp:
+        model_dir = Path(args.model) if args.model != "tiny" else Path(tmp) / "tiny"
+        if args.model == "tiny":
+            tokenizer = build_tokenizer()
+            save_policy(build_tiny_model(tokenizer, "demo", seed=args.seed), tokenizer, model_dir)
+        runs: dict[str, list[dict]] = {m: [] for m in modes}
+        for repeat in range(args.repeats):
+            for mode in modes:  # interleaved, so drift on the machine hits every mode alike
+                runs[mode].append(run_mode(mode, model_dir, lengths, args))
+                rate = runs[mode][-1]["samples_per_s"]
+                tag = f"[{repeat + 1}/{args.repeats}] {mode}"
+                print(f"{tag}: {rate:.1f} samples/s", file=sys.stderr)
+    result = {"modes": {m: _median_run(r) for m, r in runs.items()}}
+    if "colocated" in runs:
+        base = result["modes"]["colocated"]["samples_per_s"]
+        result["speedup"] = {
+            m: round(v["samples_per_s"] / base, 3) for m, v in result["modes"].items()
+            if m != "colocated"
+        }  # fmt: skip
+    if args.timeline_dir:
+        out = Path(args.timeline_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        for mode, mode_runs in runs.items():
+            trace = mode_runs[-1]["_trace"]
+            trace.to_json(out / f"pipeline-{mode}.json")
+            draw_timeline(
+                trace.spans, out / f"pipeline-{mode}.png", title=f"bench pipeline: {mode}"
+            )
+    _print_table(result)
+    return result
+
+
+def _median_run(runs: list[dict]) -> dict:
+    keys = [k for k in runs[0] if not k.startswith("_")]
+    return {k: round(statistics.median(r[k] for r in runs), 4) for k in keys}
+
+
+def _print_table(result: dict) -> None:
+    cols = ["samples_per_s", "iteration_s", "gen_s", "train_s", "trainer_idle_frac",
+            "generator_idle_frac", "exposed_sync_s"]  # fmt: skip
+    print(f"{'mode':<10}" + "".join(f"{c:>20}" for c in cols), file=sys.stderr)
+    for mode, row in result["modes"].items():
+        print(f"{mode:<10}" + "".join(f"{row[c]:>20.3f}" for c in cols), file=sys.stderr)
+    for mode, speedup in result.get("speedup", {}).items():
+        print(f"speedup {mode}/colocated: {speedup:.2f}x", file=sys.stderr)

@@ -118,7 +118,25 @@ def build_parser() -> argparse.ArgumentParser:
     pipe.add_argument("--repeats", type=int, default=3, help="runs per mode (median reported)")
     pipe.add_argument("--model", default="tiny", help="'tiny' (~1M params, random) or a model dir")
     pipe.add_argument("--max-batch-size", type=int, default=64, help="slots per generator")
-    pipe.add_argument("--token-budget", type=int, default=1024, help="tokens per micro-batch")
+    pipe.add_argument(
+        "--generators",
+        type=int,
+        default=1,
+        help="generator instances in the sync and async modes (one core each)",
+    )
+    pipe.add_argument("--colocated-generators", type=int, default=2,
+                      help="generator instances in the colocated mode (they share the cores "
+                      "with training, one phase after the other)")  # fmt: skip
+    pipe.add_argument(
+        "--token-budget",
+        type=int,
+        default=256,
+        help="tokens per micro-batch in the sync and async modes (small: training "
+        "starts as soon as a few samples have streamed in)",
+    )
+    pipe.add_argument("--colocated-token-budget", type=int, default=4096,
+                      help="tokens per micro-batch in the colocated mode (large: every sample is "
+                      "there already, and fewer passes are faster)")  # fmt: skip
     pipe.add_argument("--timeline-dir", help="write each mode's trace JSON and timeline PNG here")
     pipe.add_argument("--seed", type=int, default=0)
     pipe.set_defaults(func=_cmd_bench_pipeline)

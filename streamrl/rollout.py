@@ -113,8 +113,9 @@ class RolloutStream:
         max_tokens: generation budget per sample.
         context: the policy's context length; a sample's budget never runs past it.
         trace: where sample spans and the trainer's waits are recorded for the timeline.
-        forced_lengths: if given, each request ignores EOS and generates the next length from
-            it (the paper's throughput protocol, §7); used by benchmarks.
+        forced_lengths: if given, each prompt takes the next length from it and its samples
+            ignore EOS and generate exactly that many tokens (the paper's throughput protocol,
+            §7); used by benchmarks.
     """
 
     def __init__(
@@ -152,13 +153,14 @@ class RolloutStream:
             if budget < 1:
                 raise ValueError(f"Prompt {pid!r} has {len(ids)} tokens: no room left in the "
                                  f"context of {self.context}; shorten it.")  # fmt: skip
-            for index in range(self.algorithm.group_size):
-                forced = None
-                if self.forced_lengths is not None:
-                    forced = min(next(self.forced_lengths), self.context - len(ids))
-                requests.append(Request(pid, ids, budget if forced is None else forced, index,
-                                        forced_length=forced, iteration=iteration,
-                                        min_weight_version=min_weight_version))  # fmt: skip
+            forced = None  # one length per prompt: a group's samples finish together
+            if self.forced_lengths is not None:
+                forced = budget = min(next(self.forced_lengths), self.context - len(ids))
+            requests += [
+                Request(pid, ids, budget, index, forced_length=forced, iteration=iteration,
+                        min_weight_version=min_weight_version)
+                for index in range(self.algorithm.group_size)
+            ]  # fmt: skip
         self._batches[iteration] = _Batch(rows, time.perf_counter(), {pid: [] for pid in rows})
         self.service.submit(requests)
         return iteration

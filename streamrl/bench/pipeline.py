@@ -5,8 +5,9 @@ lengths (the paper's throughput protocol, §7), and the same two cores:
 
 - ``colocated``: two generator instances decode on both cores, then the trainer trains on both
   cores (time-sharing, as verl and the paper's ColocationRL do; no overlap);
-- ``sync``: the same two instances and a one-thread trainer that back-propagates each micro-batch
-  as soon as it has streamed in (dynamic-batch pipelining, §4.1);
+- ``sync``: one generator instance on one core and a one-thread trainer on the other, which
+  back-propagates each micro-batch as soon as it has streamed in (dynamic-batch pipelining,
+  §4.1);
 - ``async``: as ``sync``, plus the next iteration is generated while this one trains and the
   weight transfer runs in the background (one-step staleness, §4.1).
 """
@@ -62,13 +63,17 @@ def run_mode(mode: str, model_dir: Path, lengths: list[int], args) -> dict:
     prompts = make_prompt_set(max(64, args.batch * 4), seed=args.seed, max_len=8)
     algorithm = GRPO(exact_match, group_size=args.group_size)
     steps = args.warmup + args.iterations
-    with StreamGenerationService(model_dir, 2, max_batch_size=args.max_batch_size) as sgs:
+    # Two cores: colocated decodes on both, then trains on both; the disaggregated modes give
+    # the generators --generators cores and the trainer the rest (default one each).
+    instances = args.colocated_generators if mode == "colocated" else args.generators
+    with StreamGenerationService(model_dir, instances, max_batch_size=args.max_batch_size) as sgs:
         rollouts = RolloutStream(
             sgs, PromptSource(prompts, args.batch, args.seed), tokenizer, algorithm,
             max_tokens=max(lengths), context=policy.config.max_position_embeddings,
             forced_lengths=itertools.cycle(lengths),
         )  # fmt: skip
-        pipeline = DynamicBatchPipeline(args.token_budget, staleness_bound=int(mode == "async"))
+        budget = args.colocated_token_budget if mode == "colocated" else args.token_budget
+        pipeline = DynamicBatchPipeline(budget, staleness_bound=int(mode == "async"))
         module = StreamRLModule(policy.train(), algorithm, rollouts, steps, lr=1e-5, mode=mode,
                                 pipeline=pipeline)  # fmt: skip
         trainer = L.Trainer(max_steps=steps, max_epochs=1, accelerator="cpu", logger=False,

@@ -1,0 +1,91 @@
+"""Skewness bubbles: latency model (Eq. 1, 2), Algorithm 2, LPT admission (hand-worked values)."""
+
+from __future__ import annotations
+
+import pytest
+
+from streamrl.components import HFStreamGenerator
+from streamrl.components.latency import PAPER_7B_H800_MS, LatencyModel, simulate_instance
+from streamrl.components.schedulers import LPTScheduler
+from streamrl.components.skew_dispatch import RandomDispatcher, SkewAwareDispatcher
+from streamrl.models import build_tiny_model
+from streamrl.records import Request
+
+TABLE_MS = {1: 1.0, 2: 1.0, 4: 1.1, 8: 1.2, 16: 1.5, 32: 2.0}
+D = [10] * 60 + [100] * 40  # P50 = 10, P90 = 100
+
+
+def test_latency_model_interpolates_and_applies_eq_1_and_2():
+    model = LatencyModel.from_table_ms(TABLE_MS)
+    assert model.ptl(3) == pytest.approx(0.00105)  # halfway between 1.0 ms and 1.1 ms
+    assert model.ptl(11) == pytest.approx(0.0013125)  # 1.2 + 0.3 * 3 / 8 ms
+    assert model.ptl(64) == pytest.approx(0.0030)  # last segment extended: 2.0 + 0.5 * 32/16
+    assert model.sample_latency(100, 8) == pytest.approx(0.12)  # Eq. 1: 1.2 ms x 100
+    # Eq. 2: 40 samples, at most 16 per batch -> 3 rounds of PTL(16) x 10 tokens.
+    assert model.instance_latency(40, 10, 16) == pytest.approx(0.0015 * 10 * 3)
+    paper = LatencyModel.from_table_ms(PAPER_7B_H800_MS)
+    assert paper.ptl(512) == pytest.approx(0.037)
+
+
+def test_simulated_continuous_batching_rewards_lpt_order():
+    model = LatencyModel([1, 2], [1.0, 1.5])  # 1 s per step alone, 1.5 s with two running
+    # FIFO [1, 1, 4]: both 1s together (1.5), then the 4 alone (4 x 1.0) = 5.5 s.
+    assert simulate_instance([1, 1, 4], 2, model) == pytest.approx(5.5)
+    # LPT [4, 1, 1]: (4,1) one step 1.5, (3,1) one step 1.5, then 2 alone = 5.0 s.
+    assert simulate_instance([4, 1, 1], 2, model) == pytest.approx(5.0)
+
+
+@pytest.mark.parametrize(("objective", "expected"), [("sum", (2, 2)), ("max", (3, 1))])
+def test_algorithm_2_hand_worked(objective, expected):
+    # 40 samples on 4 instances, alpha 0.2 -> 8 tail samples (L_a = P90 = 100) and 32 regular
+    # (L_r = P50 = 10), at most 32 per batch. Eq. 2 per pool (ms):
+    #   N_l=1: tail 8 -> 1.2*100 = 120;   regular ceil(32/3)=11 -> 1.3125*10 = 13.1
+    #   N_l=2: tail 4 -> 1.1*100 = 110;   regular 16 -> 1.5*10 = 15      sum 125, max 110
+    #   N_l=3: tail 3 -> 1.05*100 = 105;  regular 32 -> 2.0*10 = 20      sum 125, max 105
+    dispatcher = SkewAwareDispatcher(
+        LatencyModel.from_table_ms(TABLE_MS), 32, objective=objective, recent_lengths=D
+    )
+    assert dispatcher.split(40, 4) == expected
+
+
+def test_plan_isolates_the_predicted_tail_and_keeps_groups_together():
+    dispatcher = SkewAwareDispatcher(LatencyModel.from_table_ms(TABLE_MS), 32, recent_lengths=D)
+    scores_by_prompt = {f"p{i}": float(10 + i) for i in range(20)}  # p19 longest
+    requests = [Request(p, [3], 200, s) for p in scores_by_prompt for s in range(2)]
+    scores = [scores_by_prompt[r.prompt_id] for r in requests]
+    parts = dispatcher.plan(requests, scores, 4)
+    n_long, _ = dispatcher.last_split
+    assert sorted(r.key for part in parts for r in part) == sorted(r.key for r in requests)
+    tail = {r.prompt_id for part in parts[:n_long] for r in part}
+    assert tail == {f"p{i}" for i in range(16, 20)}  # top 20% of 20 prompts
+    for part in parts:
+        for r in part:
+            assert all(r.prompt_id not in {q.prompt_id for q in other}
+                       for other in parts if other is not part)  # fmt: skip
+            assert r.predicted_length == scores_by_prompt[r.prompt_id]
+    with pytest.raises(ValueError, match="one predicted length per request"):
+        dispatcher.plan(requests, None, 4)
+
+
+def test_random_dispatcher_keeps_groups_together_and_covers_all():
+    requests = [Request(f"p{i}", [3], 8, s) for i in range(30) for s in range(3)]
+    parts = RandomDispatcher(seed=1).plan(requests, None, 4)
+    assert sum(len(p) for p in parts) == 90
+    assert all(len({r.prompt_id for r in p}) * 3 == len(p) for p in parts)
+
+
+def test_lpt_scheduler_orders_longest_first_and_breaks_ties_fifo():
+    s = LPTScheduler()
+    for pid, n in [("a", 3), ("b", 9), ("c", 5), ("d", 9), ("e", None)]:
+        s.push(Request(pid, [3], 16, predicted_length=n))
+    assert [s.pop().prompt_id for _ in range(5)] == ["b", "d", "c", "a", "e"]
+    with pytest.raises(IndexError):
+        s.pop()
+
+
+def test_generator_admits_in_lpt_order(tokenizer):
+    generator = HFStreamGenerator(build_tiny_model(tokenizer, "test"), max_batch_size=1,
+                                  scheduler=LPTScheduler(), greedy=True)  # fmt: skip
+    generator.submit(Request(pid, [5, 6], 8, forced_length=n, predicted_length=n)
+                     for pid, n in [("a", 2), ("b", 6), ("c", 4)])  # fmt: skip
+    assert [s.prompt_id for s in generator.stream()] == ["b", "c", "a"]

@@ -89,3 +89,26 @@ def test_generator_admits_in_lpt_order(tokenizer):
     generator.submit(Request(pid, [5, 6], 8, forced_length=n, predicted_length=n)
                      for pid, n in [("a", 2), ("b", 6), ("c", 4)])  # fmt: skip
     assert [s.prompt_id for s in generator.stream()] == ["b", "c", "a"]
+
+
+def test_bench_dispatch_simulated_orders_policies(capsys):
+    import json
+
+    from streamrl.cli import main
+
+    argv = ["bench", "dispatch", "--simulate", "--instances", "8", "--latency", "paper-7b-h800"]
+    assert main(argv) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    ratio = result["ratio_to_random"]
+    assert ratio["random"] == 1.0
+    assert ratio["oracle"] <= ratio["skew"] < 1.0  # a better ranker never loses to a worse one
+    assert 0.8 <= result["recall@20"] <= 0.92 and result["prompts"] == 512
+
+
+def test_recall_and_kendall_hand_computed():
+    from streamrl.metrics import kendall_tau, recall_at_k
+
+    assert recall_at_k([5, 4, 3, 2, 1], [9, 1, 8, 2, 0], 0.4) == 0.5
+    assert recall_at_k([1, 2, 3, 4, 5], [1, 2, 3, 4, 5], 0.2) == 1.0
+    assert kendall_tau([1, 2, 3, 4], [10, 20, 40, 30]) == pytest.approx(4 / 6)
+    assert kendall_tau([1, 2, 3], [3, 2, 1]) == pytest.approx(-1.0)

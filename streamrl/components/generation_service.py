@@ -57,6 +57,8 @@ class StreamGenerationService:
         temperature / greedy: sampling settings.
         seed: base sampling seed (instance ``i`` uses ``seed + i``).
         dispatcher: which instance gets which request; round-robin by prompt if ``None``.
+        scheduler: admission order inside each instance: ``"fifo"`` or ``"lpt"`` (longest
+            ``predicted_length`` first, §5.3).
         queue_size: capacity of the sample queue.
         start_timeout_s: how long instances may take to load the model.
         sample_timeout_s: the longest wait for the next sample before giving up.
@@ -72,6 +74,7 @@ class StreamGenerationService:
         greedy: bool = False,
         seed: int = 0,
         dispatcher: Dispatcher | None = None,
+        scheduler: str = "fifo",
         queue_size: int = 1024,
         start_timeout_s: float = 180.0,
         sample_timeout_s: float = 300.0,
@@ -82,9 +85,12 @@ class StreamGenerationService:
         self.num_instances = num_instances
         self.dispatcher = dispatcher if dispatcher is not None else RoundRobinDispatcher()
         self.start_timeout_s, self.sample_timeout_s = start_timeout_s, sample_timeout_s
+        if scheduler not in ("fifo", "lpt"):
+            raise ValueError(f"scheduler must be 'fifo' or 'lpt', got {scheduler!r}.")
         self._generator_kwargs = dict(
-            max_batch_size=max_batch_size, temperature=temperature, greedy=greedy
-        )
+            max_batch_size=max_batch_size, temperature=temperature, greedy=greedy,
+            scheduler=scheduler,
+        )  # fmt: skip
         self._seed, self._queue_size = seed, queue_size
         self._ctx = mp.get_context("spawn")
         self._procs: list[Any] = []

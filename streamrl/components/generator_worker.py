@@ -23,7 +23,11 @@ from typing import Any
 
 import torch
 
+from streamrl.components.schedulers import FIFOScheduler, LPTScheduler
 from streamrl.records import Request
+
+#: Admission schedulers an instance can be started with, by name.
+SCHEDULERS = {"fifo": FIFOScheduler, "lpt": LPTScheduler}
 
 #: How often an idle or blocked worker checks that its parent is still alive.
 POLL_S = 0.5
@@ -68,9 +72,11 @@ class _Instance:
 
         self.spec, self.outbox, self.parent = spec, outbox, parent
         self.model, _ = load_policy(spec.model_dir)
+        kwargs = dict(spec.generator_kwargs)
+        scheduler = SCHEDULERS[kwargs.pop("scheduler", "fifo")]()
         self.generator = HFStreamGenerator(
             self.model, instance_id=spec.instance_id, weight_version=spec.weight_version,
-            **spec.generator_kwargs,
+            scheduler=scheduler, **kwargs,
         )  # fmt: skip
         outbox.put(("ready", spec.instance_id, os.getpid()))
         group = WeightGroup(

@@ -101,7 +101,7 @@ def test_bench_dispatch_simulated_orders_policies(capsys):
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     ratio = result["ratio_to_random"]
     assert ratio["random"] == 1.0
-    assert ratio["oracle"] <= ratio["skew"] < 1.0  # a better ranker never loses to a worse one
+    assert ratio["oracle"] <= ratio["skew"] < 1.0  # measured for this seed: 0.862 <= 0.871
     assert 0.8 <= result["recall@20"] <= 0.92 and result["prompts"] == 512
 
 

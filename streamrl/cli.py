@@ -81,6 +81,22 @@ def _cmd_bench_dispatch(args: argparse.Namespace) -> dict:
     return bench_dispatch(args)
 
 
+def _cmd_profile(args: argparse.Namespace) -> dict:
+    from streamrl.bench.generate import load_model
+    from streamrl.components.profiler import Profiler
+
+    policy, tokenizer = load_model(args.model)
+    prompt = tokenizer("copy abcdefgh=")["input_ids"]
+    sizes = [int(b) for b in args.batch_sizes.split(",")]
+    model = Profiler(policy, prompt, args.tokens, args.repeats).fit(sizes)
+    print(f"{'batch':>6} {'ms/token':>10}", file=sys.stderr)
+    for size, ptl in zip(model.batch_sizes, model.ptl_s):
+        print(f"{size:>6} {ptl * 1000:>10.2f}", file=sys.stderr)
+    path = model.to_json(args.output)
+    return {"batch_sizes": model.batch_sizes, "ptl_ms": [round(p * 1000, 3) for p in model.ptl_s],
+            "output": str(path)}  # fmt: skip
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="streamrl",
@@ -178,6 +194,14 @@ def build_parser() -> argparse.ArgumentParser:
     disp.add_argument("--model", default="tiny", help="'tiny' (~1M params, random) or a model dir")
     disp.add_argument("--seed", type=int, default=0)
     disp.set_defaults(func=_cmd_bench_dispatch)
+
+    prof = sub.add_parser("profile", help="measure PTL(BS), the per-token decode latency")
+    prof.add_argument("--model", default="tiny", help="'tiny' (~1M params, random) or a model dir")
+    prof.add_argument("--batch-sizes", default="1,2,4,8,16,32,64", help="comma-separated")
+    prof.add_argument("--tokens", type=int, default=32, help="forced output length per sequence")
+    prof.add_argument("--repeats", type=int, default=3, help="runs per batch size (median)")
+    prof.add_argument("-o", "--output", default="profile.json", help="where to save the model")
+    prof.set_defaults(func=_cmd_profile)
 
     from streamrl.timeline import add_timeline_command
 

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
+from streamrl.bench import model_dir_for
 from streamrl.bench.pipeline import DEFAULT_LENGTHS, load_lengths
 from streamrl.components.generation_service import StreamGenerationService
 from streamrl.components.latency import PAPER_7B_H800_MS, LatencyModel, simulate_instance
@@ -30,7 +31,7 @@ from streamrl.components.profiler import Profiler
 from streamrl.components.skew_dispatch import RandomDispatcher, SkewAwareDispatcher
 from streamrl.errors import ConfigError
 from streamrl.metrics import kendall_tau, recall_at_k
-from streamrl.models import build_tiny_model, build_tokenizer, load_policy, save_policy
+from streamrl.models import load_policy
 from streamrl.records import Request
 
 POLICIES = ("random", "skew", "oracle")
@@ -128,10 +129,7 @@ def _model_and_latency(args, tmp: Path) -> tuple[Path | None, LatencyModel]:
         latency = None
     if args.simulate and latency is not None:
         return None, latency
-    model_dir = Path(args.model) if args.model != "tiny" else tmp / "tiny"
-    if args.model == "tiny":
-        tokenizer = build_tokenizer()
-        save_policy(build_tiny_model(tokenizer, "demo", seed=args.seed), tokenizer, model_dir)
+    model_dir = model_dir_for(args.model, tmp, args.seed)
     if latency is None:  # measure the backend that runs: PTL up to the batch size used
         policy, _ = load_policy(model_dir)
         sizes = [b for b in (1, 2, 4, 8, 16, 32, 64, 128) if b <= args.max_batch_size]

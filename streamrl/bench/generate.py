@@ -16,7 +16,7 @@ from streamrl.records import Request
 from streamrl.tasks import make_prompt_set
 
 
-def _load(model: str):
+def load_model(model: str):
     if model == "tiny":
         tokenizer = build_tokenizer()
         return build_tiny_model(tokenizer, "demo", seed=0).eval(), tokenizer
@@ -56,7 +56,7 @@ def bench_generate(
         ``{"tokens_per_s": {"stream": {bs: ..}, "hf_generate": {bs: ..}}, "ratio": {bs: ..}}``.
     """
     torch.set_num_threads(1)
-    policy, tokenizer = _load(model)
+    policy, tokenizer = load_model(model)
     texts = make_prompt_set(n_prompts, seed=random.Random(0).randint(0, 999))["prompt"]
     prompts = [tokenizer(t)["input_ids"] for t in texts]
     result: dict = {"tokens_per_s": {"stream": {}, "hf_generate": {}}, "ratio": {}}

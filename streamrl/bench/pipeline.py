@@ -25,10 +25,11 @@ import lightning as L
 import torch
 
 from streamrl.algorithms import GRPO
+from streamrl.bench import model_dir_for
 from streamrl.components.generation_service import StreamGenerationService
 from streamrl.components.pipeline import DynamicBatchPipeline
 from streamrl.errors import ConfigError
-from streamrl.models import build_tiny_model, build_tokenizer, load_policy, save_policy
+from streamrl.models import load_policy
 from streamrl.module import MODES, StreamRLModule
 from streamrl.rollout import PromptSource, RolloutStream
 from streamrl.tasks import exact_match, make_prompt_set
@@ -111,10 +112,7 @@ def bench_pipeline(args) -> dict:
         raise ConfigError(f"--modes: unknown {unknown}; choose from {', '.join(MODES)}.")
     lengths = load_lengths(args.lengths or DEFAULT_LENGTHS)
     with tempfile.TemporaryDirectory(prefix="streamrl-bench-") as tmp:
-        model_dir = Path(args.model) if args.model != "tiny" else Path(tmp) / "tiny"
-        if args.model == "tiny":
-            tokenizer = build_tokenizer()
-            save_policy(build_tiny_model(tokenizer, "demo", seed=args.seed), tokenizer, model_dir)
+        model_dir = model_dir_for(args.model, Path(tmp), args.seed)
         runs: dict[str, list[dict]] = {m: [] for m in modes}
         for repeat in range(args.repeats):
             for mode in modes:  # interleaved, so drift on the machine hits every mode alike

@@ -97,6 +97,12 @@ def _cmd_profile(args: argparse.Namespace) -> dict:
             "output": str(path)}  # fmt: skip
 
 
+def _bench_ranker(args: argparse.Namespace) -> dict:
+    from streamrl.bench.ranker import bench_ranker
+
+    return bench_ranker(args.data, args.seed)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="streamrl",
@@ -194,6 +200,11 @@ def build_parser() -> argparse.ArgumentParser:
     disp.add_argument("--model", default="tiny", help="'tiny' (~1M params, random) or a model dir")
     disp.add_argument("--seed", type=int, default=0)
     disp.set_defaults(func=_cmd_bench_dispatch)
+
+    rank = bench_sub.add_parser("ranker", help="recall@k of the length ranker on a 80/20 split")
+    rank.add_argument("--data", required=True, help='JSONL rows {"prompt": str, "length": int}')
+    rank.add_argument("--seed", type=int, default=0, help="split and initialisation seed")
+    rank.set_defaults(func=_bench_ranker)
 
     prof = sub.add_parser("profile", help="measure PTL(BS), the per-token decode latency")
     prof.add_argument("--model", default="tiny", help="'tiny' (~1M params, random) or a model dir")

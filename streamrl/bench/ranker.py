@@ -1,0 +1,55 @@
+"""``streamrl bench ranker``: recall@k and Kendall tau of the default length ranker (§5.2)."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import torch
+
+from streamrl.components.ranker import LengthRanker
+from streamrl.errors import ConfigError
+from streamrl.metrics import kendall_tau, recall_at_k
+
+
+def load_length_rows(path: str | Path) -> tuple[list[str], list[int]]:
+    """``(prompts, lengths)`` from JSONL rows ``{"prompt": str, "length": int}``."""
+    prompts, lengths = [], []
+    for line_no, line in enumerate(Path(path).read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            prompts.append(str(row["prompt"]))
+            lengths.append(int(row["length"]))
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as err:
+            raise ConfigError(
+                f"{path}:{line_no}: need {{'prompt': str, 'length': int}} ({err})."
+            ) from err
+    if len(prompts) < 10:
+        raise ConfigError(f"{path}: {len(prompts)} rows; need at least 10 to split 80/20.")
+    return prompts, lengths
+
+
+def bench_ranker(data: str, seed: int = 0) -> dict:
+    """Train on a seeded 80% split, score the other 20%."""
+    torch.set_num_threads(1)
+    prompts, lengths = load_length_rows(data)
+    order = list(range(len(prompts)))
+    random.Random(seed).shuffle(order)
+    cut = int(0.8 * len(order))
+    train, test = order[:cut], order[cut:]
+    ranker = LengthRanker(seed=seed)
+    ranker.fit([prompts[i] for i in train], [lengths[i] for i in train])
+    predicted = ranker.predict([prompts[i] for i in test])
+    true = [lengths[i] for i in test]
+    return {
+        "recall@20": round(recall_at_k(predicted, true, 0.20), 4),
+        "recall@10": round(recall_at_k(predicted, true, 0.10), 4),
+        "recall@5": round(recall_at_k(predicted, true, 0.05), 4),
+        "kendall_tau": round(kendall_tau(predicted, true), 4),
+        "train_s": round(ranker.train_s, 2),
+        "n_train": len(train),
+        "n_test": len(test),
+    }

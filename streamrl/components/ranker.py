@@ -1,0 +1,168 @@
+"""Output-length ranker: predicts which prompts the policy will answer at length (StreamRL §5.2).
+
+"Rankability over predictability": exact lengths are hard to predict, their order much less so.
+The fast default here trains in seconds on a CPU: a small MLP on features that any prompt text
+has (hashed character n-grams, the numbers it contains and their spreads, its length), fitted by
+regression on log-length plus a pairwise ranking term, and refreshed online from finished
+samples as the policy's lengths drift. The paper fine-tunes a 1.5B-7B LLM instead; that backbone
+option is for GPUs.
+
+Example:
+    >>> ranker = LengthRanker(seed=0)
+    >>> ranker.fit(["count 1 3=", "count 1 90="], [5, 260])  # doctest: +SKIP
+    >>> ranker.predict(["count 5 80="])  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import time
+import zlib
+from collections import deque
+from collections.abc import Iterable, Sequence
+
+import numpy as np
+import torch
+
+from streamrl.records import Sample
+
+_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+
+
+def prompt_features(prompt: str, buckets: int = 1024) -> np.ndarray:
+    """Features of one prompt: hashed char 1-3-grams (counts, log-scaled) + numeric summary."""
+    grams = np.zeros(buckets, dtype=np.float32)
+    text = f"^{prompt}$"
+    for n in (1, 2, 3):
+        for i in range(len(text) - n + 1):
+            grams[zlib.crc32(text[i : i + n].encode()) % buckets] += 1.0
+    numbers = [float(x) for x in _NUMBER.findall(prompt)][:64]
+    arr = np.asarray(numbers or [0.0])
+    spread = arr.max() - arr.min()
+    first_two = abs(arr[1] - arr[0]) if len(arr) > 1 else 0.0
+    digits = sum(len(x) for x in _NUMBER.findall(prompt))
+    numeric = [len(prompt), len(prompt.split()), len(numbers), digits, spread, first_two,
+               first_two * math.log10(max(arr.max(), 1.0) + 1), arr.mean()]  # fmt: skip
+    return np.concatenate([np.log1p(grams), np.log1p(np.abs(numeric)).astype(np.float32)])
+
+
+class LengthRanker:
+    """Predicts an output-length score per prompt (higher means longer); fit / predict / update.
+
+    Args:
+        hidden: MLP width.
+        epochs: full-batch training epochs for ``fit``.
+        lr: Adam learning rate.
+        rank_weight: weight of the pairwise ranking loss next to the log-length regression.
+        buffer: finished samples kept for online refresh (``update``).
+        seed: initialisation and shuffling seed.
+    """
+
+    def __init__(
+        self,
+        hidden: int = 128,
+        epochs: int = 600,
+        lr: float = 3e-3,
+        rank_weight: float = 0.5,
+        buffer: int = 8192,
+        seed: int = 0,
+    ) -> None:
+        self.hidden, self.epochs, self.lr = hidden, epochs, lr
+        self.rank_weight, self.seed = rank_weight, seed
+        self.recent: deque[tuple[str, int]] = deque(maxlen=buffer)
+        self.net: torch.nn.Module | None = None
+        self._mean = self._std = None
+        self.train_s = 0.0
+
+    def _features(self, prompts: Sequence[str]) -> torch.Tensor:
+        x = np.stack([prompt_features(p) for p in prompts])
+        if self._mean is None:
+            std = x.std(0)
+            # A feature constant in training (an n-gram never seen) keeps its raw scale.
+            self._mean, self._std = x.mean(0), np.where(std < 1e-3, 1.0, std)
+        # Clipped: text unlike anything seen in training must not blow the MLP up.
+        return torch.from_numpy(np.clip((x - self._mean) / self._std, -10, 10)).float()
+
+    def fit(
+        self, prompts: Sequence[str], lengths: Sequence[int], epochs: int | None = None
+    ) -> None:
+        """Train from scratch on ``(prompt, output length)`` pairs of the policy."""
+        if len(prompts) != len(lengths) or len(prompts) < 2:
+            raise ValueError("LengthRanker.fit: need >= 2 prompts and one length per prompt.")
+        started = time.perf_counter()
+        torch.manual_seed(self.seed)
+        self._mean = self._std = None
+        x = self._features(prompts)
+        y = torch.log1p(torch.tensor(lengths, dtype=torch.float32))
+        self.net = torch.nn.Sequential(
+            torch.nn.Linear(x.shape[1], self.hidden), torch.nn.GELU(),
+            torch.nn.Linear(self.hidden, self.hidden), torch.nn.GELU(),
+            torch.nn.Linear(self.hidden, 1),
+        )  # fmt: skip
+        self._train(x, y, epochs or self.epochs)
+        self.recent.extend(zip(prompts, (int(n) for n in lengths)))
+        self.train_s = time.perf_counter() - started
+
+    def _train(self, x: torch.Tensor, y: torch.Tensor, epochs: int) -> None:
+        optimizer = torch.optim.Adam(self.net.parameters(), lr=self.lr, weight_decay=1e-4)
+        generator = torch.Generator().manual_seed(self.seed)
+        for _ in range(epochs):
+            pred = self.net(x).squeeze(-1)  # [n]
+            loss = torch.nn.functional.mse_loss(pred, y)
+            # Pairwise ranking on random pairs: order matters more than the value (§5.2).
+            i = torch.randint(len(y), (min(4096, len(y) * 4),), generator=generator)
+            j = torch.randint(len(y), i.shape, generator=generator)
+            sign = torch.sign(y[i] - y[j])
+            loss = (
+                loss
+                + self.rank_weight
+                * torch.nn.functional.softplus(-sign * (pred[i] - pred[j])).mean()
+            )
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+
+    @torch.no_grad()
+    def predict(self, prompts: Sequence[str]) -> list[float]:
+        """Predicted output lengths (tokens) of ``prompts``; their order is what matters."""
+        if self.net is None:
+            raise RuntimeError("LengthRanker.predict: call fit() first.")
+        return torch.expm1(self.net(self._features(prompts)).squeeze(-1)).clamp(min=0).tolist()
+
+    def update(self, samples: Iterable[Sample], texts: dict[str, str], epochs: int = 30) -> None:
+        """Refresh online from finished samples (policy lengths drift during RL).
+
+        Args:
+            samples: finished samples of the policy.
+            texts: prompt text by ``prompt_id``.
+            epochs: fine-tuning epochs over the recent buffer.
+        """
+        self.recent.extend((texts[s.prompt_id], s.length) for s in samples)
+        if self.net is None:
+            prompts, lengths = zip(*self.recent)
+            self.fit(list(prompts), list(lengths))
+            return
+        prompts, lengths = zip(*self.recent)
+        x = self._features(list(prompts))
+        self._train(x, torch.log1p(torch.tensor(lengths, dtype=torch.float32)), epochs)
+
+    def state_dict(self) -> dict:
+        return {
+            "net": None if self.net is None else self.net.state_dict(),
+            "mean": self._mean, "std": self._std, "recent": list(self.recent),
+            "hidden": self.hidden,
+        }  # fmt: skip
+
+    def load_state_dict(self, state: dict) -> None:
+        self._mean, self._std, self.hidden = state["mean"], state["std"], state["hidden"]
+        self.recent.clear()
+        self.recent.extend(state["recent"])
+        if state["net"] is not None:
+            width = len(self._mean)
+            self.net = torch.nn.Sequential(
+                torch.nn.Linear(width, self.hidden), torch.nn.GELU(),
+                torch.nn.Linear(self.hidden, self.hidden), torch.nn.GELU(),
+                torch.nn.Linear(self.hidden, 1),
+            )  # fmt: skip
+            self.net.load_state_dict(state["net"])

@@ -98,9 +98,19 @@ def _cmd_profile(args: argparse.Namespace) -> dict:
 
 
 def _bench_ranker(args: argparse.Namespace) -> dict:
-    from streamrl.bench.ranker import bench_ranker
+    from streamrl.bench.ranker import bench_ranker, policy_lengths, sampling_ceiling
 
-    return bench_ranker(args.data, args.seed)
+    if bool(args.data) == bool(args.from_policy):
+        raise ConfigError("bench ranker: pass exactly one of --data and --from-policy.")
+    if args.data:
+        return bench_ranker(args.data, args.seed)
+    rows = policy_lengths(args.from_policy, args.prompts, args.samples, seed=args.seed)
+    with open(args.write_data, "w") as f:
+        f.writelines(json.dumps(row) + "\n" for row in rows)
+    result = bench_ranker(args.write_data, args.seed)
+    result["ceiling@20"] = round(sampling_ceiling(rows, args.seed), 4)
+    result["data"] = args.write_data
+    return result
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -202,7 +212,15 @@ def build_parser() -> argparse.ArgumentParser:
     disp.set_defaults(func=_cmd_bench_dispatch)
 
     rank = bench_sub.add_parser("ranker", help="recall@k of the length ranker on a 80/20 split")
-    rank.add_argument("--data", required=True, help='JSONL rows {"prompt": str, "length": int}')
+    rank.add_argument("--data", help='JSONL rows {"prompt": str, "length": int}')
+    rank.add_argument(
+        "--from-policy",
+        help="instead of --data: sample this model directory's "
+        "lengths on the built-in task mix, write them to --write-data, then bench",
+    )
+    rank.add_argument("--prompts", type=int, default=2000, help="prompts sampled (--from-policy)")
+    rank.add_argument("--samples", type=int, default=4, help="samples per prompt (--from-policy)")
+    rank.add_argument("--write-data", default="policy_lengths.jsonl", help="data file written")
     rank.add_argument("--seed", type=int, default=0, help="split and initialisation seed")
     rank.set_defaults(func=_bench_ranker)
 

@@ -57,3 +57,23 @@ def test_bench_ranker_command(tmp_path, capsys):
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert result["n_train"] == 160 and result["n_test"] == 40
     assert set(result) >= {"recall@20", "recall@10", "recall@5", "kendall_tau", "train_s"}
+
+
+def test_sampling_ceiling_is_perfect_when_lengths_do_not_vary():
+    from streamrl.bench.ranker import sampling_ceiling
+
+    rows = [{"prompt": f"p{i}", "length": i, "lengths": [i] * 4} for i in range(50)]
+    assert sampling_ceiling(rows) == 1.0
+
+
+def test_bench_ranker_from_policy_samples_the_policy(tmp_path, capsys, tokenizer):
+    from streamrl.models import build_tiny_model, save_policy
+
+    save_policy(build_tiny_model(tokenizer, "test", seed=0), tokenizer, tmp_path / "m")
+    argv = ["bench", "ranker", "--from-policy", str(tmp_path / "m"), "--prompts", "30",
+            "--samples", "3", "--write-data", str(tmp_path / "d.jsonl")]  # fmt: skip
+    assert main(argv) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    rows = [json.loads(line) for line in (tmp_path / "d.jsonl").read_text().splitlines()]
+    assert len(rows) == 30 and all(len(r["lengths"]) == 3 for r in rows)
+    assert 0.0 <= result["ceiling@20"] <= 1.0 and result["n_test"] == 6

@@ -53,3 +53,36 @@ def bench_ranker(data: str, seed: int = 0) -> dict:
         "n_train": len(train),
         "n_test": len(test),
     }
+
+
+def policy_lengths(
+    model_dir: str | Path, n_prompts: int, samples: int, temperature: float = 0.7, seed: int = 0
+) -> list[dict]:
+    """Sample the policy ``samples`` times on ``n_prompts`` task prompts; one row per prompt with
+    every sampled length (the ranker is trained and scored on the policy's own lengths)."""
+    from streamrl.components.generation_service import StreamGenerationService
+    from streamrl.models import load_tokenizer
+    from streamrl.records import Request
+    from streamrl.tasks import make_prompt_set
+
+    tokenizer = load_tokenizer(model_dir)
+    prompts = make_prompt_set(n_prompts, seed=seed + 17, median_len=6, max_len=48)["prompt"]
+    requests = [Request(f"p{i}", tokenizer(p)["input_ids"], 64, s)
+                for i, p in enumerate(prompts) for s in range(samples)]  # fmt: skip
+    lengths: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
+    with StreamGenerationService(model_dir, 2, temperature=temperature, seed=seed) as sgs:
+        for sample in sgs.generate(requests):
+            lengths[int(sample.prompt_id[1:])].append(sample.length)
+    return [{"prompt": p, "length": lengths[i][0], "lengths": lengths[i]}
+            for i, p in enumerate(prompts)]  # fmt: skip
+
+
+def sampling_ceiling(rows: list[dict], seed: int = 0) -> float:
+    """recall@20 of the best possible ranker when lengths are sampled: rank each test prompt by
+    its mean length over the *other* samples, score against the one sample used as truth."""
+    order = list(range(len(rows)))
+    random.Random(seed).shuffle(order)
+    test = order[int(0.8 * len(order)) :]
+    truth = [rows[i]["lengths"][0] for i in test]
+    mean_rest = [sum(rows[i]["lengths"][1:]) / max(1, len(rows[i]["lengths"]) - 1) for i in test]
+    return recall_at_k(mean_rest, truth, 0.20)

@@ -94,6 +94,10 @@ class RLConfig:
         max_tokens: generation budget per sample (capped by the context).
         token_budget: padded tokens per micro-batch of the dynamic-batch pipeline.
         min_samples: samples gathered before an iteration's first backward pass.
+        skew_dispatch: with >= 2 generators, predict output lengths with a ``LengthRanker``
+            trained online on the policy's samples, dispatch with Algorithm 2 and admit longest
+            first (LPT); otherwise round-robin and FIFO.
+        ranker_refresh_every: iterations between online refreshes of the ranker.
     """
 
     algorithm: str = "grpo"
@@ -111,6 +115,8 @@ class RLConfig:
     max_tokens: int = 64
     token_budget: int = 1024
     min_samples: int = 1
+    skew_dispatch: bool = False
+    ranker_refresh_every: int = 10
 
 
 @dataclass
@@ -251,7 +257,8 @@ def check_rl(rl: RLConfig) -> None:
         )
     positive = dict(prompts_per_iteration=rl.prompts_per_iteration, generators=rl.generators,
                     max_batch_size=rl.max_batch_size, max_tokens=rl.max_tokens,
-                    token_budget=rl.token_budget, min_samples=rl.min_samples)  # fmt: skip
+                    token_budget=rl.token_budget, min_samples=rl.min_samples,
+                    ranker_refresh_every=rl.ranker_refresh_every)  # fmt: skip
     for name, value in positive.items():
         if value < 1:
             raise ConfigError(f"rl.{name} must be >= 1, got {value}.")

@@ -21,6 +21,9 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from streamrl.algorithms import ALGORITHMS
 from streamrl.components.generation_service import StreamGenerationService
 from streamrl.components.pipeline import DynamicBatchPipeline
+from streamrl.components.profiler import Profiler
+from streamrl.components.ranker import LengthRanker
+from streamrl.components.skew_dispatch import SkewAwareDispatcher
 from streamrl.config import RunConfig, check_values
 from streamrl.evaluation import evaluate
 from streamrl.models import load_policy
@@ -88,14 +91,19 @@ def _train(
     )
     reference = copy.deepcopy(policy) if rl.kl_coef > 0 else None
     torch.set_num_threads(1)  # one thread per process: the generators need the other cores
+    skew = rl.skew_dispatch and rl.generators >= 2
+    dispatcher = _skew_dispatcher(policy, tokenizer, rl.max_batch_size) if skew else None
     service = StreamGenerationService(
         model_dir, rl.generators, max_batch_size=rl.max_batch_size,
-        temperature=rl.temperature, seed=config.seed,
+        temperature=rl.temperature, seed=config.seed, dispatcher=dispatcher,
+        scheduler="lpt" if skew else "fifo",
     )  # fmt: skip
     with service:
         rollouts = RolloutStream(
             service, PromptSource(train_set, rl.prompts_per_iteration, seed=config.seed),
             tokenizer, algorithm, max_tokens=rl.max_tokens, context=context,
+            ranker=LengthRanker(seed=config.seed) if skew else None,
+            ranker_refresh_every=rl.ranker_refresh_every,
         )  # fmt: skip
         pipeline = DynamicBatchPipeline(
             rl.token_budget, rl.min_samples, staleness_bound=int(rl.mode == "async")
@@ -117,6 +125,16 @@ def _train(
     draw_timeline(rollouts.trace.spans, out / "timeline.png", title=f"streamrl {rl.mode}")
     print(f"timeline: {trace_path} -> {out / 'timeline.png'}", file=sys.stderr)
     return module
+
+
+def _skew_dispatcher(
+    policy: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, max_batch_size: int
+) -> SkewAwareDispatcher:
+    """Algorithm 2 with a latency model measured on this policy now (§5.1: never assumed)."""
+    sizes = [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b <= max_batch_size]
+    prompt = tokenizer("copy abcdefgh=")["input_ids"]
+    latency = Profiler(policy.eval(), prompt, tokens=16, repeats=1).fit(sizes)
+    return SkewAwareDispatcher(latency, max_batch_size)
 
 
 def _rl_summary(module: StreamRLModule, iterations: int) -> dict:

@@ -149,6 +149,23 @@ class StreamRLModule(L.LightningModule):
             self._ahead = self.rollouts.dispatch(min_weight_version=self.weight_version)
         return current
 
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        # What a resumed run needs beyond the weights: where the trainer and the ranker are.
+        checkpoint["streamrl"] = {
+            "weight_version": self.weight_version,
+            "prompt_source": self.rollouts.prompts.state_dict(),
+            "length_ranker": self.rollouts.ranker.state_dict() if self.rollouts.ranker else None,
+        }
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        state = checkpoint.get("streamrl")
+        if state is None:
+            return
+        self.weight_version = state["weight_version"]
+        self.rollouts.prompts.load_state_dict(state["prompt_source"])
+        if self.rollouts.ranker is not None and state["length_ranker"] is not None:
+            self.rollouts.ranker.load_state_dict(state["length_ranker"])
+
     def on_train_end(self) -> None:
         # Leave the generators on the final weights (async pushes may still be in flight).
         service = self.rollouts.service

@@ -18,6 +18,7 @@ from transformers import PreTrainedTokenizerBase
 
 from streamrl.algorithms.base import Algorithm
 from streamrl.components.generation_service import StreamGenerationService
+from streamrl.components.ranker import LengthRanker
 from streamrl.records import Request, Sample
 from streamrl.timeline import TraceRecorder
 
@@ -116,6 +117,9 @@ class RolloutStream:
         forced_lengths: if given, each prompt takes the next length from it and its samples
             ignore EOS and generate exactly that many tokens (the paper's throughput protocol,
             §7); used by benchmarks.
+        ranker: predicts each prompt's output length for the dispatcher and LPT admission
+            (§5.2-5.3); trained on the policy's own finished samples every
+            ``ranker_refresh_every`` iterations (until its first fit, no scores are sent).
     """
 
     def __init__(
@@ -128,10 +132,14 @@ class RolloutStream:
         context: int,
         trace: TraceRecorder | None = None,
         forced_lengths: Iterator[int] | None = None,
+        ranker: LengthRanker | None = None,
+        ranker_refresh_every: int = 10,
     ) -> None:
         self.service, self.prompts, self.tokenizer = service, prompts, tokenizer
         self.trace = trace if trace is not None else TraceRecorder()
         self.forced_lengths = forced_lengths
+        self.ranker, self.ranker_refresh_every = ranker, ranker_refresh_every
+        self._finished_lengths: list[tuple[str, int]] = []  # (prompt text, length) since refresh
         self.algorithm, self.max_tokens, self.context = algorithm, max_tokens, context
         self.stats = IterationStats()
         self._batches: dict[int, _Batch] = {}
@@ -162,7 +170,7 @@ class RolloutStream:
                 for index in range(self.algorithm.group_size)
             ]  # fmt: skip
         self._batches[iteration] = _Batch(rows, time.perf_counter(), {pid: [] for pid in rows})
-        self.service.submit(requests)
+        self.service.submit(requests, self._predicted_lengths(requests, rows))
         return iteration
 
     def groups(self, iteration: int) -> Iterator[ScoredGroup]:
@@ -181,10 +189,32 @@ class RolloutStream:
             self._receive(sample)
         batch.stats.generate_s = time.perf_counter() - batch.dispatched_s
         del self._batches[iteration]
+        self._refresh_ranker(iteration)
 
     def iteration(self) -> Iterator[ScoredGroup]:
         """Dispatch one iteration and yield its groups as soon as each is complete."""
         return self.groups(self.dispatch())
+
+    def _predicted_lengths(self, requests: list[Request], rows: dict) -> list[float] | None:
+        if self.ranker is None or self.ranker.net is None:
+            return None
+        by_prompt = dict(zip(rows, self.ranker.predict([r["prompt"] for r in rows.values()])))
+        return [by_prompt[r.prompt_id] for r in requests]
+
+    def _refresh_ranker(self, iteration: int) -> None:
+        """Online refresh (§5.2): the policy's lengths drift, so the ranker follows them."""
+        if self.ranker is None or (iteration + 1) % self.ranker_refresh_every:
+            return
+        lengths = [n for _, n in self._finished_lengths]
+        if hasattr(self.service.dispatcher, "observe"):
+            self.service.dispatcher.observe(lengths)  # the recent length distribution D
+        prompts = [p for p, _ in self._finished_lengths]
+        if self.ranker.net is None:
+            self.ranker.fit(prompts, lengths, epochs=100)
+        else:
+            self.ranker.recent.extend(self._finished_lengths)
+            self.ranker.refresh(epochs=10)
+        self._finished_lengths = []
 
     def _receive(self, sample: Sample) -> None:
         batch = self._batches[sample.iteration]
@@ -195,6 +225,8 @@ class RolloutStream:
         stats.samples, stats.tokens = stats.samples + 1, stats.tokens + sample.length
         stats.rewards.append(sample.reward)
         stats.weight_versions.append(sample.weight_version)
+        if self.ranker is not None:
+            self._finished_lengths.append((row["prompt"], sample.length))
         self.trace.add_samples([sample], sample.iteration)
         group = batch.partial[sample.prompt_id]
         group.append(sample)

@@ -72,3 +72,32 @@ def test_grpo_iterations_with_two_generator_processes(tmp_path, tokenizer):
         assert [i.weight_version for i in sgs.instances()] == [3, 3]
         # 3 iterations x 4 prompts: the source dealt 12 prompts, each exactly once per epoch.
         assert rollouts.prompts.state_dict() == {"epoch": 0, "position": 12}
+
+
+def test_ranker_dispatch_and_lpt_wired_into_the_loop(tmp_path, tokenizer):
+    from streamrl.components.latency import LatencyModel
+    from streamrl.components.ranker import LengthRanker
+    from streamrl.components.skew_dispatch import SkewAwareDispatcher
+
+    policy = build_tiny_model(tokenizer, "test", seed=0)
+    save_policy(policy, tokenizer, tmp_path / "policy")
+    prompts = make_prompt_set(64, ["copy", "count"], median_len=4, max_len=16, seed=0)
+    algorithm = GRPO(partial_credit, group_size=2)
+    dispatcher = SkewAwareDispatcher(LatencyModel([1, 8], [0.001, 0.002]), max_batch_size=8)
+    ranker = LengthRanker(epochs=50, seed=0)
+    with StreamGenerationService(tmp_path / "policy", 2, max_batch_size=8, dispatcher=dispatcher,
+                                 scheduler="lpt") as sgs:  # fmt: skip
+        rollouts = RolloutStream(sgs, PromptSource(prompts, 10), tokenizer, algorithm, 16, 256,
+                                 ranker=ranker, ranker_refresh_every=1)  # fmt: skip
+        module = StreamRLModule(policy, algorithm, rollouts, iterations=3, lr=1e-3)
+        trainer = L.Trainer(max_steps=3, max_epochs=1, accelerator="cpu", logger=False,
+                            enable_checkpointing=False, enable_progress_bar=False,
+                            enable_model_summary=False)  # fmt: skip
+        trainer.fit(module)
+    assert ranker.net is not None and len(ranker.recent) == 3 * 10 * 2  # refreshed from samples
+    assert len(dispatcher.recent) == 3 * 10 * 2  # the length distribution D follows the policy
+    n_long, n_regular = dispatcher.last_split
+    assert n_long >= 1 and n_long + n_regular == 2  # once scored, a tail pool is isolated
+    checkpoint: dict = {}
+    module.on_save_checkpoint(checkpoint)
+    assert checkpoint["streamrl"]["length_ranker"]["recent"]

@@ -64,7 +64,10 @@ def test_plan_isolates_the_predicted_tail_and_keeps_groups_together():
                        for other in parts if other is not part)  # fmt: skip
             assert r.predicted_length == scores_by_prompt[r.prompt_id]
     with pytest.raises(ValueError, match="one predicted length per request"):
-        dispatcher.plan(requests, None, 4)
+        dispatcher.plan(requests, scores[:3], 4)
+    # No ranker yet: no tail pool, prompts balanced over every instance.
+    unscored = dispatcher.plan(requests, None, 4)
+    assert [len(part) for part in unscored] == [10, 10, 10, 10]
 
 
 def test_random_dispatcher_keeps_groups_together_and_covers_all():

@@ -15,6 +15,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 import time
@@ -30,8 +31,13 @@ from streamrl.records import Sample
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 
 
+@functools.lru_cache(maxsize=65_536)
 def prompt_features(prompt: str, buckets: int = 1024) -> np.ndarray:
-    """Features of one prompt: hashed char 1-3-grams (counts, log-scaled) + numeric summary."""
+    """Features of one prompt: hashed char 1-3-grams (counts, log-scaled) + numeric summary.
+
+    Cached: RL deals the same prompts again every epoch, and online refreshes re-read them.
+    The returned array is shared; do not modify it.
+    """
     grams = np.zeros(buckets, dtype=np.float32)
     text = f"^{prompt}$"
     for n in (1, 2, 3):
@@ -139,13 +145,18 @@ class LengthRanker:
             epochs: fine-tuning epochs over the recent buffer.
         """
         self.recent.extend((texts[s.prompt_id], s.length) for s in samples)
+        self.refresh(epochs)
+
+    def refresh(self, epochs: int = 30) -> None:
+        """Fine-tune on the recent buffer (or fit from scratch if never fitted)."""
+        prompts, lengths = zip(*self.recent)
         if self.net is None:
-            prompts, lengths = zip(*self.recent)
             self.fit(list(prompts), list(lengths))
             return
-        prompts, lengths = zip(*self.recent)
+        started = time.perf_counter()
         x = self._features(list(prompts))
         self._train(x, torch.log1p(torch.tensor(lengths, dtype=torch.float32)), epochs)
+        self.train_s += time.perf_counter() - started
 
     def state_dict(self) -> dict:
         return {

@@ -98,7 +98,9 @@ class SkewAwareDispatcher:
         ``scores`` (predicted lengths, one per request) also become each request's
         ``predicted_length`` for LPT admission. A prompt's samples stay on one instance.
         """
-        if scores is None or len(scores) != len(requests):
+        if scores is None:  # no ranker yet: balance prompt counts, as round-robin would
+            scores = [0.0] * len(requests)
+        if len(scores) != len(requests):
             raise ValueError("SkewAwareDispatcher.plan needs one predicted length per request.")
         by_prompt: dict[str, list[Request]] = {}
         score_of: dict[str, float] = {}
@@ -107,17 +109,24 @@ class SkewAwareDispatcher:
             by_prompt.setdefault(request.prompt_id, []).append(request)
             score_of[request.prompt_id] = max(score_of.get(request.prompt_id, 0.0), float(score))
         order = sorted(by_prompt, key=lambda p: -score_of[p])  # longest predicted first
-        n_long, n_regular = self.split(len(requests), instances, fallback=list(scores))
+        if not any(scores):  # nothing to isolate: one pool over every instance
+            n_long, n_regular = 0, instances
+        else:
+            n_long, n_regular = self.split(len(requests), instances, fallback=list(scores))
         self.last_split = (n_long, n_regular)
         n_tail = round(self.alpha * len(order)) if n_long else 0
         parts: list[list[Request]] = [[] for _ in range(instances)]
         pools = [(order[:n_tail], range(n_long)), (order[n_tail:], range(n_long, instances))]
         for prompts, pool in pools:
-            loads = {i: 0.0 for i in pool}
-            for pid in prompts:  # LPT over instances: longest prompt to the least loaded one
+            # LPT over instances: the longest prompt goes to the least loaded instance (by
+            # predicted tokens, then by request count when predictions tie or are missing).
+            loads = {i: (0.0, 0) for i in pool}
+            for pid in prompts:
                 target = min(loads, key=loads.__getitem__)
                 parts[target].extend(by_prompt[pid])
-                loads[target] += score_of[pid] * len(by_prompt[pid])
+                tokens, count = loads[target]
+                n = len(by_prompt[pid])
+                loads[target] = (tokens + score_of[pid] * n, count + n)
         return parts
 
 

@@ -172,8 +172,3 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
 def count_parameters(model: torch.nn.Module) -> int:
     """Number of distinct parameters (tied weights counted once)."""
     return sum(p.numel() for p in model.parameters())
-
-
-def context_length(model: PreTrainedModel) -> int:
-    """The model's context length in tokens, from its config."""
-    return int(model.config.max_position_embeddings)

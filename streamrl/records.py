@@ -6,7 +6,7 @@ torch tensors (a tensor on a queue costs ~30x more and breaks when its producer 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass
@@ -73,7 +73,6 @@ class Sample:
     finish_reason: str = "eos"
     reward: float | None = None
     iteration: int = 0
-    extras: dict = field(default_factory=dict)
 
     @property
     def length(self) -> int:

@@ -25,10 +25,11 @@ import numpy as np
 
 from streamrl.bench import model_dir_for
 from streamrl.bench.pipeline import DEFAULT_LENGTHS, load_lengths
+from streamrl.components.dispatch import RandomDispatcher
 from streamrl.components.generation_service import StreamGenerationService
 from streamrl.components.latency import PAPER_7B_H800_MS, LatencyModel, simulate_instance
 from streamrl.components.profiler import Profiler
-from streamrl.components.skew_dispatch import RandomDispatcher, SkewAwareDispatcher
+from streamrl.components.skew_dispatch import SkewAwareDispatcher
 from streamrl.errors import ConfigError
 from streamrl.metrics import kendall_tau, recall_at_k
 from streamrl.models import load_policy

@@ -7,12 +7,27 @@ together and the whole prompt is requeued together if its instance fails.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import random
+from collections.abc import Callable, Sequence
 
 from streamrl.components.protocols import Dispatcher
 from streamrl.records import Request
 
-__all__ = ["Dispatcher", "RoundRobinDispatcher"]
+__all__ = ["Dispatcher", "RandomDispatcher", "RoundRobinDispatcher", "split_by_prompt"]
+
+
+def split_by_prompt(
+    requests: Sequence[Request], instances: int, choose: Callable[[], int]
+) -> list[list[Request]]:
+    """One list per instance; ``choose()`` picks the instance of each new prompt, and every
+    later sample of that prompt follows it."""
+    parts: list[list[Request]] = [[] for _ in range(instances)]
+    where: dict[str, int] = {}
+    for request in requests:
+        if request.prompt_id not in where:
+            where[request.prompt_id] = choose()
+        parts[where[request.prompt_id]].append(request)
+    return parts
 
 
 class RoundRobinDispatcher:
@@ -30,17 +45,26 @@ class RoundRobinDispatcher:
     def plan(
         self, requests: Sequence[Request], scores: Sequence[float] | None, instances: int
     ) -> list[list[Request]]:
-        parts: list[list[Request]] = [[] for _ in range(instances)]
-        where: dict[str, int] = {}
-        for request in requests:
-            if request.prompt_id not in where:
-                where[request.prompt_id] = self._next % instances
-                self._next += 1
-            parts[where[request.prompt_id]].append(request)
-        return parts
+        def next_instance() -> int:
+            self._next += 1
+            return (self._next - 1) % instances
+
+        return split_by_prompt(requests, instances, next_instance)
 
     def state_dict(self) -> dict:
         return {"next": self._next}
 
     def load_state_dict(self, state: dict) -> None:
         self._next = int(state["next"])
+
+
+class RandomDispatcher:
+    """Random dispatch (the paper's baseline, §7): each prompt to a uniformly random instance."""
+
+    def __init__(self, seed: int = 0) -> None:
+        self._rng = random.Random(seed)
+
+    def plan(
+        self, requests: Sequence[Request], scores: Sequence[float] | None, instances: int
+    ) -> list[list[Request]]:
+        return split_by_prompt(requests, instances, lambda: self._rng.randrange(instances))

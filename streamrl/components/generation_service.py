@@ -209,11 +209,6 @@ class StreamGenerationService:
         self._outstanding.discard(sample.key)
         return sample
 
-    @property
-    def num_outstanding(self) -> int:
-        """Requests submitted whose sample has not been returned yet."""
-        return len(self._outstanding)
-
     def generate(
         self, requests: Sequence[Request], scores: Sequence[float] | None = None
     ) -> Iterator[Sample]:

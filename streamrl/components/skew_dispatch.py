@@ -10,7 +10,6 @@ pools run in parallel, so the default here is their makespan (``"max"``).
 
 from __future__ import annotations
 
-import random
 from collections import deque
 from collections.abc import Iterable, Sequence
 from typing import Literal
@@ -127,22 +126,4 @@ class SkewAwareDispatcher:
                 tokens, count = loads[target]
                 n = len(by_prompt[pid])
                 loads[target] = (tokens + score_of[pid] * n, count + n)
-        return parts
-
-
-class RandomDispatcher:
-    """Random dispatch (the paper's baseline): each prompt to a uniformly random instance."""
-
-    def __init__(self, seed: int = 0) -> None:
-        self._rng = random.Random(seed)
-
-    def plan(
-        self, requests: Sequence[Request], scores: Sequence[float] | None, instances: int
-    ) -> list[list[Request]]:
-        parts: list[list[Request]] = [[] for _ in range(instances)]
-        where: dict[str, int] = {}
-        for request in requests:
-            if request.prompt_id not in where:
-                where[request.prompt_id] = self._rng.randrange(instances)
-            parts[where[request.prompt_id]].append(request)
         return parts

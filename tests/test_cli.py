@@ -18,7 +18,9 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
 
 def test_every_command_has_help(capsys):
     for argv in (["--help"], ["demo", "--help"], ["fit", "--help"], ["bench", "--help"],
-                 ["bench", "generate", "--help"], ["timeline", "--help"]):  # fmt: skip
+                 ["bench", "generate", "--help"], ["timeline", "--help"],
+                 ["bench", "pipeline", "--help"], ["bench", "dispatch", "--help"],
+                 ["bench", "ranker", "--help"], ["profile", "--help"]):  # fmt: skip
         with pytest.raises(SystemExit) as exit_info:
             build_parser().parse_args(argv)
         assert exit_info.value.code == 0
@@ -142,3 +144,18 @@ def test_bench_pipeline_runs_every_mode_and_reports_speedups(tmp_path, capsys):
 def test_bench_pipeline_rejects_unknown_mode(capsys):
     assert main(["bench", "pipeline", "--modes", "sync,coloc"]) == 2
     assert "unknown ['coloc']" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(180)
+def test_readme_python_snippet_runs(tmp_path):
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    snippet = readme.split("```python\n", 1)[1].split("```", 1)[0]
+    script = tmp_path / "snippet.py"
+    script.write_text(snippet.replace("/tmp/tiny-policy", str(tmp_path / "policy")))
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                            timeout=150)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    lines = [line for line in result.stdout.splitlines() if line.startswith("p")]
+    assert len(lines) == 8  # one line per prompt group

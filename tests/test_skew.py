@@ -116,3 +116,17 @@ def test_recall_and_kendall_hand_computed():
     assert recall_at_k([1, 2, 3, 4, 5], [1, 2, 3, 4, 5], 0.2) == 1.0
     assert kendall_tau([1, 2, 3, 4], [10, 20, 40, 30]) == pytest.approx(4 / 6)
     assert kendall_tau([1, 2, 3], [3, 2, 1]) == pytest.approx(-1.0)
+
+
+def test_profile_command_measures_ptl(tmp_path, capsys):
+    import json
+
+    from streamrl.cli import main
+
+    out = tmp_path / "profile.json"
+    argv = ["profile", "--batch-sizes", "1,4", "--tokens", "4", "--repeats", "1", "-o", str(out)]
+    assert main(argv) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["batch_sizes"] == [1, 4] and all(p > 0 for p in result["ptl_ms"])
+    model = LatencyModel.from_json(out)
+    assert model.batch_sizes == [1, 4] and model.ptl(2) > 0

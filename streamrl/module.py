@@ -30,15 +30,15 @@ MODES: tuple[str, ...] = ("sync", "async", "colocated")
 
 
 @contextlib.contextmanager
-def _colocated_training(enabled: bool) -> Iterator[bool]:
+def _all_cores(enabled: bool) -> Iterator[None]:
     """In colocated mode the trainer has every core while it trains (generators are idle)."""
     if not enabled:
-        yield False
+        yield
         return
     threads = torch.get_num_threads()
     torch.set_num_threads(os.cpu_count() or 1)
     try:
-        yield True
+        yield
     finally:
         torch.set_num_threads(threads)
 
@@ -113,9 +113,9 @@ class StreamRLModule(L.LightningModule):
         started = time.perf_counter()
         train_s, total = 0.0, self.rollouts.samples_per_iteration
         groups = self.rollouts.groups(self._dispatch(iteration))
-        with _colocated_training(self.mode == "colocated") as time_shared:
-            if time_shared:  # generation first, on all cores; then training, on all cores
-                groups = list(groups)
+        if self.mode == "colocated":  # time-sharing: every sample first, then training
+            groups = list(groups)
+        with _all_cores(self.mode == "colocated"):
             for micro in self.pipeline.micro_batches(groups, self.weight_version):
                 t0 = time.perf_counter()
                 with self.trace.span("trainer", "train", iteration, samples=len(micro.samples)):

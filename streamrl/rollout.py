@@ -119,7 +119,8 @@ class RolloutStream:
             §7); used by benchmarks.
         ranker: predicts each prompt's output length for the dispatcher and LPT admission
             (§5.2-5.3); trained on the policy's own finished samples every
-            ``ranker_refresh_every`` iterations (until its first fit, no scores are sent).
+            ``ranker_refresh_every`` iterations, right after the next dispatch so that it runs
+            while the instances generate (until its first fit, no scores are sent).
     """
 
     def __init__(
@@ -140,6 +141,7 @@ class RolloutStream:
         self.forced_lengths = forced_lengths
         self.ranker, self.ranker_refresh_every = ranker, ranker_refresh_every
         self._finished_lengths: list[tuple[str, int]] = []  # (prompt text, length) since refresh
+        self._refresh_due = False
         self.algorithm, self.max_tokens, self.context = algorithm, max_tokens, context
         self.stats = IterationStats()
         self._batches: dict[int, _Batch] = {}
@@ -171,6 +173,8 @@ class RolloutStream:
             ]  # fmt: skip
         self._batches[iteration] = _Batch(rows, time.perf_counter(), {pid: [] for pid in rows})
         self.service.submit(requests, self._predicted_lengths(requests, rows))
+        if self._refresh_due:  # while the instances generate, not on the trainer's critical path
+            self._refresh_ranker()
         return iteration
 
     def groups(self, iteration: int) -> Iterator[ScoredGroup]:
@@ -189,7 +193,8 @@ class RolloutStream:
             self._receive(sample)
         batch.stats.generate_s = time.perf_counter() - batch.dispatched_s
         del self._batches[iteration]
-        self._refresh_ranker(iteration)
+        if self.ranker is not None and (iteration + 1) % self.ranker_refresh_every == 0:
+            self._refresh_due = True
 
     def iteration(self) -> Iterator[ScoredGroup]:
         """Dispatch one iteration and yield its groups as soon as each is complete."""
@@ -201,10 +206,9 @@ class RolloutStream:
         by_prompt = dict(zip(rows, self.ranker.predict([r["prompt"] for r in rows.values()])))
         return [by_prompt[r.prompt_id] for r in requests]
 
-    def _refresh_ranker(self, iteration: int) -> None:
+    def _refresh_ranker(self) -> None:
         """Online refresh (§5.2): the policy's lengths drift, so the ranker follows them."""
-        if self.ranker is None or (iteration + 1) % self.ranker_refresh_every:
-            return
+        self._refresh_due = False
         lengths = [n for _, n in self._finished_lengths]
         if hasattr(self.service.dispatcher, "observe"):
             self.service.dispatcher.observe(lengths)  # the recent length distribution D

@@ -59,6 +59,12 @@ def worker_main(spec: WorkerSpec, inbox: Any, outbox: Any) -> None:
         _Instance(spec, outbox, parent).run(inbox)
     except BaseException:  # report everything, including SystemExit from a broken import
         _put(outbox, ("error", spec.instance_id, traceback.format_exc()), parent)
+        return
+    # Stopped: leave at once. A normal interpreter exit would wait on the outbox's feeder
+    # thread (the trainer no longer reads it) and tear down gloo's threads mid-receive, which
+    # aborts with "terminate called without an active exception".
+    outbox.cancel_join_thread()
+    os._exit(0)
 
 
 class _Instance:

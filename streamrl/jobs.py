@@ -149,7 +149,6 @@ def _rl_summary(module: StreamRLModule, iterations: int) -> dict:
         "reward_last": sum(tail) / len(tail),
         "samples_per_s": samples / rl_wall,
         "trainer_wait_frac": sum(h["time/wait_s"] for h in history) / rl_wall,
-        "sync_s_total": sum(h["time/sync_s"] for h in history),
         "rl_wall_s": rl_wall,
         "mode": module.mode,
         "staleness_max": max(h["train/staleness_max"] for h in history),

@@ -222,7 +222,6 @@ class StreamRLModule(L.LightningModule):
             "time/generate_s": stats.generate_s,
             "time/wait_s": stats.wait_s,
             "time/train_s": train_s,
-            "time/sync_s": sync_s,
             "train/grad_norm": float(grad_norm),
             "train/weight_version": float(self.weight_version),
             "train/staleness_mean": sum(lags) / max(1, len(lags)),

@@ -83,7 +83,6 @@ class IterationStats:
     generate_s: float = 0.0
     wait_s: float = 0.0  # time the trainer spent blocked waiting for the next sample
     rewards: list[float] = field(default_factory=list)
-    weight_versions: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -228,7 +227,6 @@ class RolloutStream:
         stats = batch.stats
         stats.samples, stats.tokens = stats.samples + 1, stats.tokens + sample.length
         stats.rewards.append(sample.reward)
-        stats.weight_versions.append(sample.weight_version)
         if self.ranker is not None:
             self._finished_lengths.append((row["prompt"], sample.length))
         self.trace.add_samples([sample], sample.iteration)

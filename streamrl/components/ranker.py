@@ -101,14 +101,17 @@ class LengthRanker:
         self._mean = self._std = None
         x = self._features(prompts)
         y = torch.log1p(torch.tensor(lengths, dtype=torch.float32))
-        self.net = torch.nn.Sequential(
-            torch.nn.Linear(x.shape[1], self.hidden), torch.nn.GELU(),
-            torch.nn.Linear(self.hidden, self.hidden), torch.nn.GELU(),
-            torch.nn.Linear(self.hidden, 1),
-        )  # fmt: skip
+        self.net = self._make_net(x.shape[1])
         self._train(x, y, epochs or self.epochs)
         self.recent.extend(zip(prompts, (int(n) for n in lengths)))
         self.train_s = time.perf_counter() - started
+
+    def _make_net(self, width: int) -> torch.nn.Module:
+        return torch.nn.Sequential(
+            torch.nn.Linear(width, self.hidden), torch.nn.GELU(),
+            torch.nn.Linear(self.hidden, self.hidden), torch.nn.GELU(),
+            torch.nn.Linear(self.hidden, 1),
+        )  # fmt: skip
 
     def _train(self, x: torch.Tensor, y: torch.Tensor, epochs: int) -> None:
         optimizer = torch.optim.Adam(self.net.parameters(), lr=self.lr, weight_decay=1e-4)
@@ -170,10 +173,5 @@ class LengthRanker:
         self.recent.clear()
         self.recent.extend(state["recent"])
         if state["net"] is not None:
-            width = len(self._mean)
-            self.net = torch.nn.Sequential(
-                torch.nn.Linear(width, self.hidden), torch.nn.GELU(),
-                torch.nn.Linear(self.hidden, self.hidden), torch.nn.GELU(),
-                torch.nn.Linear(self.hidden, 1),
-            )  # fmt: skip
+            self.net = self._make_net(len(self._mean))
             self.net.load_state_dict(state["net"])

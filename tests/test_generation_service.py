@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
+import signal
 
 import pytest
 import torch
@@ -64,6 +66,39 @@ def test_update_makes_generator_weights_equal_trainer_weights(model_dir, tokeniz
     assert not [p for p in mp.active_children() if p.name.startswith("streamrl-generator")]
 
 
+def test_added_instance_gets_current_weights_then_requests_and_nothing_is_lost(
+    model_dir, tokenizer
+):
+    policy = build_tiny_model(tokenizer, "test", seed=0)
+    with StreamGenerationService(model_dir, 1, max_batch_size=4) as sgs:
+        with torch.no_grad():
+            for p in policy.parameters():
+                p.add_(torch.randn_like(p) * 0.05)
+        sgs.update(policy, version=3)
+        # Requests in flight while the new instance starts: none may be lost or repeated.
+        first = requests_for(tokenizer, 4, 2, [30] * 4)
+        sgs.submit(first)
+        new_id = sgs.add_instance()
+        assert sgs.instances()[new_id].state == "starting"
+        done = [sgs.next_sample() for _ in first]
+        assert sorted(s.key for s in done) == sorted(r.key for r in first)
+        assert {s.instance_id for s in done} == {0}
+        sgs.add_instance(wait=True)  # a third, while the second may still be joining
+        assert [i.state for i in sgs.instances()] == ["active"] * 3
+        assert [i.weight_version for i in sgs.instances()] == [3, 3, 3]
+        assert set(sgs.fingerprints().values()) == {fingerprint(policy)}
+        second = requests_for(tokenizer, 6, 1)
+        samples = list(sgs.generate(second))
+        assert {s.instance_id for s in samples} == {0, 1, 2}
+        assert {s.weight_version for s in samples} == {3}
+        with torch.no_grad():  # later versions reach the added instances too
+            for p in policy.parameters():
+                p.mul_(0.9)
+        sgs.update(policy, version=4)
+        assert set(sgs.fingerprints().values()) == {fingerprint(policy)}
+    assert not [p for p in mp.active_children() if p.name.startswith("streamrl-generator")]
+
+
 def test_instance_that_dies_at_start_is_named_and_cleaned_up(tmp_path):
     with pytest.raises(GeneratorError, match=r"instance 0 failed:(.|\n)*No model directory"):
         StreamGenerationService(tmp_path / "missing", 1, start_timeout_s=60).start()
@@ -74,6 +109,6 @@ def test_instance_killed_mid_generation_raises_instead_of_hanging(model_dir, tok
     reqs = requests_for(tokenizer, 4, 2, [200] * 4)
     with StreamGenerationService(model_dir, 1, max_batch_size=2, sample_timeout_s=30) as sgs:
         stream = sgs.generate(reqs)
-        sgs._procs[0].kill()
+        os.kill(sgs.instances()[0].pid, signal.SIGKILL)
         with pytest.raises(GeneratorError, match=r"instance 0 .* died"):
             list(stream)

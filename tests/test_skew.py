@@ -50,7 +50,9 @@ def test_algorithm_2_hand_worked(objective, expected):
 
 
 def test_plan_isolates_the_predicted_tail_and_keeps_groups_together():
-    dispatcher = SkewAwareDispatcher(LatencyModel.from_table_ms(TABLE_MS), 32, recent_lengths=D)
+    dispatcher = SkewAwareDispatcher(
+        LatencyModel.from_table_ms(TABLE_MS), 32, objective="sum", recent_lengths=D
+    )
     scores_by_prompt = {f"p{i}": float(10 + i) for i in range(20)}  # p19 longest
     requests = [Request(p, [3], 200, s) for p in scores_by_prompt for s in range(2)]
     scores = [scores_by_prompt[r.prompt_id] for r in requests]
@@ -69,6 +71,29 @@ def test_plan_isolates_the_predicted_tail_and_keeps_groups_together():
     # No ranker yet: no tail pool, prompts balanced over every instance.
     unscored = dispatcher.plan(requests, None, 4)
     assert [len(part) for part in unscored] == [10, 10, 10, 10]
+
+
+def test_max_objective_isolates_only_when_the_replayed_makespan_says_so():
+    model = LatencyModel([1, 2], [1.0, 2.0])  # a second running sequence doubles the step
+    dispatcher = SkewAwareDispatcher(model, 2, recent_lengths=[1] * 8 + [20] * 2)
+    # 8 prompts of 1 token and 2 of 20 on 2 instances, 2 slots each.
+    # Isolated (N_l = 1): the two 20s share instance 0: 20 steps x 2 s = 40 s.
+    # Balanced: one 20 per instance with four 1s: a step of (20, 1) costs 2 s, four times,
+    # then 16 steps alone at 1 s -> 24 s. Balancing wins.
+    scores = [1.0] * 8 + [20.0] * 2
+    requests = [Request(f"p{i}", [3], 32, forced_length=int(s)) for i, s in enumerate(scores)]
+    parts = dispatcher.plan(requests, scores, 2)
+    assert dispatcher.last_split == (0, 2)
+    assert sorted(max(r.forced_length for r in part) for part in parts) == [20, 20]
+    # On 3 instances with 1-slot tail instances, isolation runs each 20 alone (20 s) and the
+    # eight 1s on the third instance (4 steps x 2 s); balancing puts 1s beside a 20 (> 20 s).
+    wide = SkewAwareDispatcher(model, 2, alpha=0.2, recent_lengths=scores, tail_batch_size=1)
+    parts = wide.plan(requests, scores, 3)
+    n_long, _ = wide.last_split
+    assert n_long == 2 and wide.batch_limits(3) == [1, 1, 2]
+    assert all(max(r.forced_length for r in part) == 20 for part in parts[:n_long])
+    with pytest.raises(ValueError, match="tail_batch_size"):
+        SkewAwareDispatcher(model, 2, tail_batch_size=3)
 
 
 def test_random_dispatcher_keeps_groups_together_and_covers_all():

@@ -36,6 +36,7 @@ from streamrl.models import load_policy
 from streamrl.records import Request
 
 POLICIES = ("random", "skew", "oracle")
+RANDOM_DRAWS = 20  # simulated random dispatch: mean makespan over this many draws
 PROMPT = [5, 6, 7, 8]  # every prompt is the same 4 tokens: only the output length differs
 
 
@@ -51,22 +52,33 @@ def _policy(name: str, latency: LatencyModel, args, true: list[int]):
     if name == "random":
         return RandomDispatcher(args.seed), "fifo", None
     dispatcher = SkewAwareDispatcher(
-        latency, args.max_batch_size, objective=args.objective, recent_lengths=true
-    )
+        latency, args.max_batch_size, objective=args.objective, recent_lengths=true,
+        tail_batch_size=args.tail_batch_size,
+    )  # fmt: skip
     return dispatcher, "lpt", "true" if name == "oracle" else "predicted"
 
 
 def _simulate(name, latency, args, true, predicted) -> float:
+    """Replayed makespan; for ``random``, the mean over ``RANDOM_DRAWS`` dispatches (one
+    random draw alone can be far from what random dispatch costs on average)."""
     dispatcher, scheduler, which = _policy(name, latency, args, true)
     scores = None if which is None else (true if which == "true" else predicted)
-    parts = dispatcher.plan(_requests(true, predicted), scores, args.instances)
-    makespans = []
-    for part in parts:
-        if scheduler == "lpt":
-            part = sorted(part, key=lambda r: -r.predicted_length)  # stable: FIFO among ties
-        makespans.append(simulate_instance([r.forced_length for r in part],
-                                           args.max_batch_size, latency))  # fmt: skip
-    return max(makespans)
+    draws = RANDOM_DRAWS if name == "random" else 1
+    total = 0.0
+    for _ in range(draws):
+        parts = dispatcher.plan(_requests(true, predicted), scores, args.instances)
+        limits = (
+            dispatcher.batch_limits(args.instances)
+            if isinstance(dispatcher, SkewAwareDispatcher)
+            else [args.max_batch_size] * args.instances
+        )
+        makespans = []
+        for part, limit in zip(parts, limits):
+            if scheduler == "lpt":
+                part = sorted(part, key=lambda r: -r.predicted_length)  # stable: FIFO on ties
+            makespans.append(simulate_instance([r.forced_length for r in part], limit, latency))
+        total += max(makespans)
+    return total / draws
 
 
 def _run_real(name, latency, args, true, predicted, model_dir: Path) -> float:

@@ -4,6 +4,8 @@ StreamRL §3: generation runs apart from training, on its own resources, and eve
 is pushed to the trainer the moment it completes. The service has the paper's two calls:
 ``generate(requests)`` yields samples in completion order, and ``update(weights, version)``
 pushes new weights to every instance. A dispatcher decides which instance gets which prompt.
+``add_instance`` grows the pool while it runs (elastic generation, §6): the new instance loads the
+model, receives the current weights, and only then takes requests.
 
 Example:
     >>> with StreamGenerationService("path/to/model", num_instances=2) as sgs:  # doctest: +SKIP
@@ -18,7 +20,7 @@ import multiprocessing as mp
 import queue
 import time
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,12 +38,29 @@ class GeneratorError(RuntimeError):
 
 @dataclass
 class InstanceInfo:
-    """What the service knows about one generator instance."""
+    """What the service knows about one generator instance.
+
+    ``state``: ``"starting"`` (loading the model), ``"joining"`` (receiving current weights),
+    ``"active"`` (takes requests) or ``"stopped"``.
+    """
 
     instance_id: int
     pid: int | None
     alive: bool
     weight_version: int
+    state: str
+
+
+@dataclass
+class _Instance:
+    """The service's handle on one instance process."""
+
+    instance_id: int
+    proc: Any
+    inbox: Any
+    state: str = "starting"
+    version: int = 0
+    store: Any = None  # the rendezvous store of an instance's own weight group (elastic)
 
 
 class StreamGenerationService:
@@ -93,58 +112,114 @@ class StreamGenerationService:
         )  # fmt: skip
         self._seed, self._queue_size = seed, queue_size
         self._ctx = mp.get_context("spawn")
-        self._procs: list[Any] = []
-        self._inboxes: list[Any] = []
+        self._instances: list[_Instance] = []
         self._outbox: Any = None
         self.weight_sync: AsyncWeightSync | None = None
         self._backlog: deque[Sample] = deque()
-        self._outstanding: set[tuple[str, int]] = set()
-        self.weight_version = 0
-        self._versions = [0] * num_instances
+        self._outstanding: set[tuple[str, int, int]] = set()
+        self.weight_version = 0  # loaded by every active instance
+        self._pushed_version = 0  # the newest version handed to the weight sync
 
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self) -> StreamGenerationService:
         """Spawn the instances and wait until each has loaded the model and joined the group."""
-        if self._procs:
+        if self._instances:
             return self
         store = make_store(self.num_instances + 1, self.start_timeout_s)
         self._outbox = self._ctx.Queue(maxsize=self._queue_size)
         try:
             for i in range(self.num_instances):
-                spec = WorkerSpec(
-                    i, self.model_dir, store.port, self.num_instances + 1,
-                    {**self._generator_kwargs, "seed": self._seed + i}, self.weight_version,
-                    self.start_timeout_s,
-                )  # fmt: skip
-                inbox = self._ctx.Queue()
-                proc = self._ctx.Process(
-                    target=worker_main, args=(spec, inbox, self._outbox), daemon=True,
-                    name=f"streamrl-generator-{i}",
-                )  # fmt: skip
-                proc.start()
-                self._procs.append(proc)
-                self._inboxes.append(inbox)
-            self._wait_ready()
+                self._spawn(i, store.port, rank=1 + i, world_size=self.num_instances + 1)
+            self._wait_for(lambda: all(h.state != "starting" for h in self._instances),
+                           "did not start", self.start_timeout_s)  # fmt: skip
             group = WeightGroup(
                 store.port, 0, self.num_instances + 1, store=store, timeout_s=self.start_timeout_s
             )
-            self.weight_sync = AsyncWeightSync(group, self._announce, self.start_timeout_s)
+            self.weight_sync = AsyncWeightSync(
+                group, self._announcer(list(self._instances)), self.start_timeout_s
+            )
+            for handle in self._instances:
+                handle.state, handle.version = "active", self.weight_version
         except BaseException:
             self.close()
             raise
         return self
 
-    def _announce(self, version: int) -> None:
-        for inbox in self._inboxes:
-            inbox.put(("update", version))
+    def add_instance(self, wait: bool = False) -> int:
+        """Start one more generator instance while the service runs (elastic scale-out, §6).
+
+        It loads the model in its own process, joins a weight group of its own, receives the
+        newest weights pushed, and only then takes requests (its state goes ``starting`` ->
+        ``joining`` -> ``active`` as the service reads its messages). Nothing running stops.
+
+        Args:
+            wait: block until it is active (samples finished meanwhile are kept).
+
+        Returns:
+            The new instance's id.
+        """
+        self._require_started()
+        instance_id = len(self._instances)
+        store = make_store(2, self.start_timeout_s)
+        handle = self._spawn(instance_id, store.port, rank=1, world_size=2)
+        handle.store = store
+        if wait:
+            self.wait_active()
+        return instance_id
+
+    def wait_active(self, timeout_s: float | None = None) -> None:
+        """Block until every instance started is active (samples finished meanwhile are kept).
+
+        Raises:
+            GeneratorError: one did not load the model or receive weights within ``timeout_s``
+                (default: twice the start timeout).
+        """
+        self._require_started()
+        timeout_s = 2 * self.start_timeout_s if timeout_s is None else timeout_s
+        self._wait_for(lambda: all(h.state == "active" for h in self._instances),
+                       "did not become active", timeout_s)  # fmt: skip
+
+    def _spawn(self, instance_id: int, port: int, rank: int, world_size: int) -> _Instance:
+        spec = WorkerSpec(
+            instance_id, self.model_dir, port, world_size, rank,
+            {**self._generator_kwargs, "seed": self._seed + instance_id}, 0, self.start_timeout_s,
+        )  # fmt: skip
+        inbox = self._ctx.Queue()
+        proc = self._ctx.Process(
+            target=worker_main, args=(spec, inbox, self._outbox), daemon=True,
+            name=f"streamrl-generator-{instance_id}",
+        )  # fmt: skip
+        proc.start()
+        handle = _Instance(instance_id, proc, inbox)
+        self._instances.append(handle)
+        return handle
+
+    def _join(self, handle: _Instance) -> None:
+        """A late instance has loaded the model: connect its weight group, queue its catch-up."""
+        group = WeightGroup(handle.store.port, 0, 2, store=handle.store,
+                            timeout_s=self.start_timeout_s)  # fmt: skip
+        handle.state = "joining"
+        self.weight_sync.add_group(group, self._announcer([handle]))
+        if self._pushed_version == 0:  # nothing pushed yet: the model directory is current
+            handle.state = "active"
+
+    @staticmethod
+    def _announcer(handles: list[_Instance]) -> Callable[[int], None]:
+        def announce(version: int) -> None:
+            for handle in handles:
+                if handle.state != "stopped":
+                    handle.inbox.put(("update", version))
+
+        return announce
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Stop every instance: ask politely, then terminate, then kill. Safe to call twice."""
-        for inbox, proc in zip(self._inboxes, self._procs):
-            if proc.is_alive():
-                inbox.put(("stop",))
+        for handle in self._instances:
+            if handle.proc.is_alive():
+                handle.inbox.put(("stop",))
         deadline = time.monotonic() + timeout_s
-        for proc in self._procs:
+        for handle in self._instances:
+            proc = handle.proc
             proc.join(max(0.0, deadline - time.monotonic()))
             if proc.is_alive():
                 proc.terminate()
@@ -152,13 +227,14 @@ class StreamGenerationService:
             if proc.is_alive():
                 proc.kill()
                 proc.join(1.0)
-        for q in [*self._inboxes, self._outbox]:
+            handle.state = "stopped"
+        for q in [*(h.inbox for h in self._instances), self._outbox]:
             if q is not None:
                 q.cancel_join_thread()  # never block our own exit on undelivered messages
                 q.close()
         if self.weight_sync is not None:
             self.weight_sync.close()
-        self._procs, self._inboxes, self._outbox, self.weight_sync = [], [], None, None
+        self._instances, self._outbox, self.weight_sync = [], None, None
         self._outstanding.clear()
         self._backlog.clear()
 
@@ -182,11 +258,14 @@ class StreamGenerationService:
         if len(keys) != len(requests) or keys & self._outstanding:
             raise ValueError("submit: duplicate (prompt_id, sample_index) among open requests.")
         self._outstanding |= keys
-        for instance, batch in enumerate(
-            self.dispatcher.plan(requests, scores, self.num_instances)
-        ):
+        active = self._active()
+        parts = self.dispatcher.plan(requests, scores, len(active))
+        limits = getattr(self.dispatcher, "batch_limits", None)  # per-pool batch sizes (§5.3)
+        for i, (handle, batch) in enumerate(zip(active, parts)):
+            if limits is not None:
+                handle.inbox.put(("limit", limits(len(active))[i]))
             if batch:
-                self._inboxes[instance].put(("submit", list(batch)))
+                handle.inbox.put(("submit", list(batch)))
 
     def next_sample(self) -> Sample:
         """The next finished sample from any instance, in completion order.
@@ -242,34 +321,35 @@ class StreamGenerationService:
         seconds the caller was blocked (taking the snapshot).
         """
         self._require_started()
+        self._pushed_version = max(self._pushed_version, version)
         return self.weight_sync.push(weights, version)
 
     def wait_weights(self, version: int) -> float:
         """Block until every instance has loaded ``version``; returns the seconds blocked."""
         started = time.perf_counter()
         self.weight_sync.wait_sent(version)
-        while min(self._versions) < version:
-            kind, payload = self._next_message()
-            if kind == "sample":  # finished meanwhile: keep it for next_sample
-                self._backlog.append(payload)
+        self._wait_for(lambda: min(h.version for h in self._active()) >= version,
+                       f"did not load weights {version}", self.sample_timeout_s)  # fmt: skip
         self.weight_version = max(self.weight_version, version)
         return time.perf_counter() - started
 
     # -- inspection --------------------------------------------------------------------------
     def instances(self) -> list[InstanceInfo]:
-        """Pid, liveness and weight version of every instance (for operators and tests)."""
+        """Pid, liveness, weight version and state of every instance (for operators, tests)."""
         return [
-            InstanceInfo(i, p.pid, p.is_alive(), self._versions[i])
-            for i, p in enumerate(self._procs)
+            InstanceInfo(h.instance_id, h.proc.pid, h.proc.is_alive(), h.version, h.state)
+            for h in self._instances
         ]
 
     def fingerprints(self) -> dict[int, str]:
-        """Each instance's weight hash (compare with ``generator_worker.fingerprint(policy)``)."""
+        """Each active instance's weight hash (compare with
+        ``generator_worker.fingerprint(policy)``)."""
         self._require_started()
-        for inbox in self._inboxes:
-            inbox.put(("fingerprint",))
+        active = self._active()
+        for handle in active:
+            handle.inbox.put(("fingerprint",))
         found: dict[int, str] = {}
-        while len(found) < self.num_instances:
+        while len(found) < len(active):
             kind, payload = self._next_message()
             if kind == "fingerprint":
                 found[payload[0]] = payload[1]
@@ -279,22 +359,25 @@ class StreamGenerationService:
 
     # -- internals ---------------------------------------------------------------------------
     def _require_started(self) -> None:
-        if not self._procs:
+        if not self._instances:
             raise RuntimeError(
                 "StreamGenerationService is not started; call start() or use `with`."
             )
 
-    def _wait_ready(self) -> None:
-        ready: set[int] = set()
-        deadline = time.monotonic() + self.start_timeout_s
-        while len(ready) < self.num_instances:
+    def _active(self) -> list[_Instance]:
+        return [h for h in self._instances if h.state == "active"]
+
+    def _wait_for(self, done: Callable[[], bool], what: str, timeout_s: float) -> None:
+        """Read messages (keeping samples for ``next_sample``) until ``done()``; raise
+        ``GeneratorError`` naming the instances that are not there yet after ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        while not done():
             if time.monotonic() > deadline:
-                missing = sorted(set(range(self.num_instances)) - ready)
-                raise GeneratorError(f"Generator instances {missing} did not start within "
-                                     f"{self.start_timeout_s:.0f} s.")  # fmt: skip
+                raise GeneratorError(f"Generator instances {what} within {timeout_s:.0f} s: "
+                                     f"{self.instances()}.")  # fmt: skip
             kind, payload = self._next_message(deadline)
-            if kind == "ready":
-                ready.add(payload[0])
+            if kind == "sample":
+                self._backlog.append(payload)
 
     def _next_message(self, deadline: float | None = None) -> tuple[str, Any]:
         """Next message from any instance; raises if one died, reported an error, or timed out."""
@@ -310,18 +393,33 @@ class StreamGenerationService:
                         f"{self.instances()}."
                     ) from None
                 continue
+            self._track(message)
             kind = message[0]
             if kind == "error":
                 raise GeneratorError(f"Generator instance {message[1]} failed:\n{message[2]}")
-            if kind == "updated":  # bookkeeping here, so no reader can miss an acknowledgement
-                self._versions[message[1]] = max(self._versions[message[1]], message[2])
             if kind == "sample" and len(message) == 2:
                 return kind, message[1]
             return kind, message[1:]
 
+    def _track(self, message: tuple) -> None:
+        """Instance bookkeeping, here so that no reader can miss a state change."""
+        kind = message[0]
+        if kind == "ready":
+            handle = self._instances[message[1]]
+            if handle.store is None:  # first cohort: start() connects the group
+                handle.state = "loaded"
+            else:
+                self._join(handle)
+        elif kind == "updated":
+            handle = self._instances[message[1]]
+            handle.version = max(handle.version, message[2])
+            if handle.state == "joining" and handle.version >= self._pushed_version:
+                handle.state = "active"
+
     def _check_alive(self) -> None:
-        for i, proc in enumerate(self._procs):
-            if not proc.is_alive():
+        for h in self._instances:
+            if not h.proc.is_alive():
                 raise GeneratorError(
-                    f"Generator instance {i} (pid {proc.pid}) died with exit code {proc.exitcode}."
+                    f"Generator instance {h.instance_id} (pid {h.proc.pid}) died with exit code "
+                    f"{h.proc.exitcode}."
                 )

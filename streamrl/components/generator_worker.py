@@ -4,8 +4,8 @@ It loads the policy, then loops: take requests and weight updates from its inbox
 continuous-batching step, push every finished sample to the shared outbox at once. Messages are
 plain tuples of picklable values; samples hold lists, never tensors.
 
-Inbox:  ``("submit", [Request, ...])``, ``("update", version)``, ``("fingerprint",)``,
-``("stop",)``.
+Inbox:  ``("submit", [Request, ...])``, ``("limit", batch_size)``, ``("update", version)``,
+``("fingerprint",)``, ``("stop",)``.
 Outbox: ``("ready", instance_id, pid)``, ``("sample", Sample)``, ``("updated", instance_id,
 version)``, ``("fingerprint", instance_id, hex)``, ``("error", instance_id, traceback_text)``.
 """
@@ -41,6 +41,7 @@ class WorkerSpec:
     model_dir: str
     store_port: int
     world_size: int
+    rank: int
     generator_kwargs: dict[str, Any] = field(default_factory=dict)
     weight_version: int = 0
     timeout_s: float = 120.0
@@ -85,9 +86,7 @@ class _Instance:
             scheduler=scheduler, **kwargs,
         )  # fmt: skip
         outbox.put(("ready", spec.instance_id, os.getpid()))
-        group = WeightGroup(
-            spec.store_port, 1 + spec.instance_id, spec.world_size, timeout_s=spec.timeout_s
-        )
+        group = WeightGroup(spec.store_port, spec.rank, spec.world_size, timeout_s=spec.timeout_s)
         self.receiver = _WeightReceiver(group, dict(self.model.named_parameters()))
         self.held: list[Request] = []
 
@@ -111,6 +110,8 @@ class _Instance:
         if kind == "submit":
             self.held.extend(message[1])
             self._release_held()
+        elif kind == "limit":
+            self.generator.set_batch_limit(message[1])
         elif kind == "update":
             self.receiver.receive(message[1])  # joins the broadcast in the background
         elif kind == "fingerprint":

@@ -102,6 +102,7 @@ class HFStreamGenerator:
         config = model.config
         self.model = model.eval()
         self.max_batch_size = max_batch_size
+        self._batch_limit = max_batch_size
         self.instance_id = instance_id
         self.temperature = 1.0 if greedy else float(temperature)
         self.greedy = greedy
@@ -138,6 +139,18 @@ class HFStreamGenerator:
     def idle(self) -> bool:
         """True when nothing is running or waiting."""
         return not self._rows and not len(self._scheduler)
+
+    @property
+    def batch_limit(self) -> int:
+        """How many sequences may run at once now (at most ``max_batch_size``)."""
+        return self._batch_limit
+
+    def set_batch_limit(self, limit: int) -> None:
+        """Run at most ``limit`` sequences at once from now on (a skewness-aware dispatcher
+        gives long-tail instances small batches, §5.3); running ones keep their slots."""
+        if not 1 <= limit <= self.max_batch_size:
+            raise ValueError(f"batch limit must be in [1, {self.max_batch_size}], got {limit}.")
+        self._batch_limit = int(limit)
 
     def submit(self, requests: Iterable[Request]) -> None:
         """Queue requests for admission; all are validated before any is queued.
@@ -213,7 +226,7 @@ class HFStreamGenerator:
     def _admit(self) -> None:
         now = time.time()
         needed = 0
-        while len(self._rows) < self.max_batch_size and len(self._scheduler):
+        while len(self._rows) < self._batch_limit and len(self._scheduler):
             req = self._scheduler.pop()
             prompt = req.prompt_ids
             submitted = self._submitted_s.pop(id(req), now)

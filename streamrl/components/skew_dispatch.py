@@ -4,8 +4,19 @@ Long outputs want small batches (low per-token latency), regular ones want large
 throughput). The dispatcher sorts prompts by predicted length, calls the top ``alpha`` share the
 long tail, and chooses how many of the N instances serve the tail so that the predicted latency
 of the two pools (Eq. 2, with the tail's length estimated by the P90 and the regular length by
-the P50 of recent outputs) is smallest. The paper adds the two pools' latencies (``"sum"``); the
-pools run in parallel, so the default here is their makespan (``"max"``).
+the P50 of recent outputs) is smallest. The tail pool may run a smaller batch than the regular
+one (per-pool batch sizes).
+
+Objectives:
+
+- ``"sum"``: the paper's Algorithm 2 as published: the two pools' Eq. 2 latencies added, the tail
+  always isolated on 1..N-1 instances.
+- ``"max"`` (default): the pools run in parallel, so their makespan counts. Algorithm 2's best
+  split by ``max`` competes with a plan that isolates nothing (every prompt balanced over all
+  instances by predicted tokens, longest first); the plan whose replayed continuous batching
+  (``simulate_instance`` on the predicted lengths) finishes first wins. Isolation pays when the
+  tail is long against a batch's worth of regular work; with few samples per instance, balancing
+  alone is as good and less exposed to ranker error.
 """
 
 from __future__ import annotations
@@ -16,7 +27,7 @@ from typing import Literal
 
 import numpy as np
 
-from streamrl.components.latency import LatencyModel
+from streamrl.components.latency import LatencyModel, simulate_instance
 from streamrl.records import Request
 
 Objective = Literal["max", "sum"]
@@ -27,12 +38,14 @@ class SkewAwareDispatcher:
 
     Args:
         latency: the instances' ``PTL(BS)``.
-        max_batch_size: batch slots per instance.
+        max_batch_size: batch slots per instance (the regular pool's batch size).
         alpha: share of prompts treated as the long tail.
-        objective: ``"max"`` (makespan of the two pools) or ``"sum"`` (the paper's Algorithm 2).
+        objective: ``"max"`` (makespan, default) or ``"sum"`` (the paper's Algorithm 2).
         recent_lengths: the output-length distribution ``D`` (e.g. last iterations' lengths);
             refreshed by ``observe``. Until it has data, the scores stand in for it.
         window: how many recent lengths ``D`` keeps.
+        tail_batch_size: batch size of the tail pool's instances (default: ``max_batch_size``);
+            ``batch_limits`` tells the service which instance runs which.
 
     Example:
         >>> model = LatencyModel.from_table_ms({1: 1.0, 2: 1.0, 4: 1.1, 8: 1.2, 16: 1.5, 32: 2.0})
@@ -49,12 +62,20 @@ class SkewAwareDispatcher:
         objective: Objective = "max",
         recent_lengths: Iterable[int] = (),
         window: int = 4096,
+        tail_batch_size: int | None = None,
     ) -> None:
         if not 0 < alpha < 1:
             raise ValueError(f"alpha must be in (0, 1), got {alpha}.")
         if objective not in ("max", "sum"):
             raise ValueError(f"objective must be 'max' or 'sum', got {objective!r}.")
+        tail_batch_size = max_batch_size if tail_batch_size is None else tail_batch_size
+        if not 1 <= tail_batch_size <= max_batch_size:
+            raise ValueError(
+                f"tail_batch_size must be in [1, max_batch_size={max_batch_size}], "
+                f"got {tail_batch_size}."
+            )
         self.latency, self.max_batch_size = latency, max_batch_size
+        self.tail_batch_size = tail_batch_size
         self.alpha, self.objective = alpha, objective
         self.recent: deque[int] = deque(recent_lengths, maxlen=window)
         self.last_split: tuple[int, int] | None = None
@@ -77,17 +98,24 @@ class SkewAwareDispatcher:
         best, best_cost = (1, instances - 1), float("inf")
         for n_long in range(1, instances):
             n_regular = instances - n_long
-            costs = (self._pool(tail, tail_len, n_long), self._pool(samples - tail, regular_len,
-                                                                      n_regular))  # fmt: skip
+            costs = (
+                self._pool(tail, tail_len, n_long, self.tail_batch_size),
+                self._pool(samples - tail, regular_len, n_regular, self.max_batch_size),
+            )
             cost = max(costs) if self.objective == "max" else sum(costs)
             if cost < best_cost:
                 best, best_cost = (n_long, n_regular), cost
         return best
 
-    def _pool(self, samples: int, length: float, instances: int) -> float:
+    def _pool(self, samples: int, length: float, instances: int, batch: int) -> float:
         # Eq. 2 on the most loaded instance of the pool.
         per_instance = -(-samples // instances)
-        return self.latency.instance_latency(per_instance, length, self.max_batch_size)
+        return self.latency.instance_latency(per_instance, length, batch)
+
+    def batch_limits(self, instances: int) -> list[int]:
+        """Each instance's batch size under the last plan: the tail pool's come first."""
+        n_long = self.last_split[0] if self.last_split else 0
+        return [self.tail_batch_size] * n_long + [self.max_batch_size] * (instances - n_long)
 
     def plan(
         self, requests: Sequence[Request], scores: Sequence[float] | None, instances: int
@@ -101,29 +129,53 @@ class SkewAwareDispatcher:
             scores = [0.0] * len(requests)
         if len(scores) != len(requests):
             raise ValueError("SkewAwareDispatcher.plan needs one predicted length per request.")
-        by_prompt: dict[str, list[Request]] = {}
+        groups: dict[str, list[Request]] = {}
         score_of: dict[str, float] = {}
         for request, score in zip(requests, scores):
             request.predicted_length = float(score)
-            by_prompt.setdefault(request.prompt_id, []).append(request)
+            groups.setdefault(request.prompt_id, []).append(request)
             score_of[request.prompt_id] = max(score_of.get(request.prompt_id, 0.0), float(score))
-        order = sorted(by_prompt, key=lambda p: -score_of[p])  # longest predicted first
-        if not any(scores):  # nothing to isolate: one pool over every instance
-            n_long, n_regular = 0, instances
-        else:
-            n_long, n_regular = self.split(len(requests), instances, fallback=list(scores))
-        self.last_split = (n_long, n_regular)
-        n_tail = round(self.alpha * len(order)) if n_long else 0
-        parts: list[list[Request]] = [[] for _ in range(instances)]
-        pools = [(order[:n_tail], range(n_long)), (order[n_tail:], range(n_long, instances))]
-        for prompts, pool in pools:
-            # LPT over instances: the longest prompt goes to the least loaded instance (by
-            # predicted tokens, then by request count when predictions tie or are missing).
-            loads = {i: (0.0, 0) for i in pool}
-            for pid in prompts:
-                target = min(loads, key=loads.__getitem__)
-                parts[target].extend(by_prompt[pid])
-                tokens, count = loads[target]
-                n = len(by_prompt[pid])
-                loads[target] = (tokens + score_of[pid] * n, count + n)
-        return parts
+        order = sorted(groups, key=lambda p: -score_of[p])  # longest predicted first
+        if not any(scores) or instances < 2:  # nothing to isolate: one pool over every instance
+            self.last_split = (0, instances)
+            return _balance(order, groups, score_of, instances)
+        split = self.split(len(requests), instances, fallback=list(scores))
+        n_tail = round(self.alpha * len(order))
+        isolated = _balance(order[:n_tail], groups, score_of, split[0]) + _balance(
+            order[n_tail:], groups, score_of, split[1]
+        )
+        self.last_split = split
+        if self.objective == "sum":
+            return isolated
+        balanced = _balance(order, groups, score_of, instances)
+        if self._replay(balanced, [self.max_batch_size] * instances) < self._replay(
+            isolated, self.batch_limits(instances)
+        ):
+            self.last_split = (0, instances)
+            return balanced
+        return isolated
+
+    def _replay(self, parts: list[list[Request]], batches: list[int]) -> float:
+        """Predicted makespan of ``parts``: continuous batching replayed on predicted lengths,
+        each instance admitting longest first."""
+        makespan = 0.0
+        for part, batch in zip(parts, batches):
+            lengths = sorted((max(1, round(r.predicted_length or 1)) for r in part), reverse=True)
+            makespan = max(makespan, simulate_instance(lengths, batch, self.latency))
+        return makespan
+
+
+def _balance(
+    order: Sequence[str], groups: dict[str, list[Request]], score_of: dict[str, float], n: int
+) -> list[list[Request]]:
+    """LPT over instances: each prompt, longest predicted first, goes to the least loaded of
+    ``n`` instances (by predicted tokens, then by request count when predictions tie)."""
+    parts: list[list[Request]] = [[] for _ in range(n)]
+    loads = [(0.0, 0)] * n
+    for pid in order:
+        target = min(range(n), key=loads.__getitem__)
+        parts[target].extend(groups[pid])
+        tokens, count = loads[target]
+        size = len(groups[pid])
+        loads[target] = (tokens + score_of[pid] * size, count + size)
+    return parts

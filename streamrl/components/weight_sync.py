@@ -6,6 +6,9 @@ keeps updating its own copy in place) and returns; a background thread announces
 every generator instance and broadcasts the snapshot. ``wait_sent`` blocks until a version is out
 (synchronous mode). The time the trainer is blocked (``exposed_s``) is logged apart from the
 whole transfer time (``transfer_s``).
+
+Instances added while training runs (elastic generation, §6) form a group of their own:
+``add_group`` first sends them the last version pushed (catch-up), then every later one.
 """
 
 from __future__ import annotations
@@ -22,24 +25,28 @@ from streamrl.components.weight_transport import WeightGroup
 Weights = torch.nn.Module | Mapping[str, torch.Tensor]
 
 
+Announce = Callable[[int], None]
+
+
 class AsyncWeightSync:
-    """Background broadcaster of weight versions over a ``WeightGroup`` (rank 0).
+    """Background broadcaster of weight versions over ``WeightGroup``s (rank 0 in each).
 
     Args:
         group: the trainer's member of the weight group.
-        announce: tells every instance that ``version`` is about to be broadcast (they must join).
+        announce: tells the group's instances that ``version`` is about to be broadcast (they
+            must join it).
         timeout_s: the longest ``wait_sent`` blocks before raising ``TimeoutError``.
     """
 
-    def __init__(
-        self, group: WeightGroup, announce: Callable[[int], None], timeout_s: float = 120.0
-    ) -> None:
-        self.group, self.announce, self.timeout_s = group, announce, timeout_s
+    def __init__(self, group: WeightGroup, announce: Announce, timeout_s: float = 120.0) -> None:
+        self.groups: list[tuple[WeightGroup, Announce]] = [(group, announce)]
+        self.timeout_s = timeout_s
         self.sent_version = -1
+        self._last: tuple[int, dict[str, torch.Tensor]] | None = None  # for catch-up
         self.exposed_s = 0.0  # trainer time blocked in push/wait_sent
         self.transfer_s = 0.0  # background time spent broadcasting
         self.bytes_sent = 0
-        self._todo: queue.Queue[tuple[int, dict[str, torch.Tensor]] | None] = queue.Queue()
+        self._todo: queue.Queue[tuple | None] = queue.Queue()
         self._sent = threading.Condition()
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._loop, daemon=True, name="weight-sync")
@@ -54,7 +61,7 @@ class AsyncWeightSync:
         )
         with torch.no_grad():  # a snapshot: training goes on changing the live tensors
             snapshot = {name: t.detach().clone() for name, t in named}
-        self._todo.put((version, snapshot))
+        self._todo.put(("push", version, snapshot))
         blocked = time.perf_counter() - started
         self.exposed_s += blocked
         return blocked
@@ -73,6 +80,12 @@ class AsyncWeightSync:
         self.exposed_s += blocked
         return blocked
 
+    def add_group(self, group: WeightGroup, announce: Announce) -> None:
+        """Serve one more group from now on; it first receives the last version pushed, if any
+        (in order with pushes: a version queued before this call reaches it too)."""
+        self._raise_if_failed()
+        self._todo.put(("join", group, announce))
+
     def close(self, timeout_s: float = 1.0) -> None:
         """Stop the background thread (a daemon: a transfer stuck on a dead peer never blocks
         the trainer's exit)."""
@@ -81,20 +94,33 @@ class AsyncWeightSync:
 
     def _loop(self) -> None:
         while (item := self._todo.get()) is not None:
-            version, snapshot = item
             started = time.perf_counter()
             try:
-                self.announce(version)
-                self.bytes_sent += self.group.broadcast(snapshot.values())
+                if item[0] == "join":
+                    self._join(item[1], item[2])
+                else:
+                    self._send(item[1], item[2], self.groups)
             except BaseException as err:  # surfaced on the trainer's next push or wait
                 with self._sent:
                     self._error = err
                     self._sent.notify_all()
                 return
             self.transfer_s += time.perf_counter() - started
-            with self._sent:
-                self.sent_version = version
-                self._sent.notify_all()
+            if item[0] == "push":
+                with self._sent:
+                    self.sent_version = item[1]
+                    self._sent.notify_all()
+
+    def _join(self, group: WeightGroup, announce: Announce) -> None:
+        if self._last is not None:
+            self._send(*self._last, [(group, announce)])
+        self.groups.append((group, announce))
+
+    def _send(self, version: int, snapshot: dict, groups: list[tuple[WeightGroup, Announce]]):
+        for group, announce in groups:
+            announce(version)
+            self.bytes_sent += group.broadcast(snapshot.values())
+        self._last = (version, snapshot)
 
     def _raise_if_failed(self) -> None:
         if self._error is not None:

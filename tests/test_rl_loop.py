@@ -83,7 +83,9 @@ def test_ranker_dispatch_and_lpt_wired_into_the_loop(tmp_path, tokenizer):
     save_policy(policy, tokenizer, tmp_path / "policy")
     prompts = make_prompt_set(64, ["copy", "count"], median_len=4, max_len=16, seed=0)
     algorithm = GRPO(partial_credit, group_size=2)
-    dispatcher = SkewAwareDispatcher(LatencyModel([1, 8], [0.001, 0.002]), max_batch_size=8)
+    # "sum" always isolates a tail pool once prompts are scored (what this test checks).
+    latency = LatencyModel([1, 8], [0.001, 0.002])
+    dispatcher = SkewAwareDispatcher(latency, max_batch_size=8, objective="sum")
     ranker = LengthRanker(epochs=50, seed=0)
     with StreamGenerationService(tmp_path / "policy", 2, max_batch_size=8, dispatcher=dispatcher,
                                  scheduler="lpt") as sgs:  # fmt: skip

@@ -1,4 +1,4 @@
-"""``streamrl bench ranker``: recall@k and Kendall tau of the default length ranker (§5.2)."""
+"""``streamrl bench ranker``: recall@k and Kendall tau of the length rankers (§5.2)."""
 
 from __future__ import annotations
 
@@ -32,26 +32,48 @@ def load_length_rows(path: str | Path) -> tuple[list[str], list[int]]:
     return prompts, lengths
 
 
-def bench_ranker(data: str, seed: int = 0) -> dict:
-    """Train on a seeded 80% split, score the other 20%."""
+def bench_ranker(data: str, seed: int = 0, backbone: str | None = None) -> dict:
+    """Train on a seeded 80% split, score the other 20%.
+
+    Args:
+        data: JSONL rows ``{"prompt": str, "length": int}``.
+        seed: split and initialisation seed.
+        backbone: a local causal-LM directory: bench the ``BackboneLengthRanker`` on it (LoRA +
+            length head) instead of the fast ``LengthRanker``, which then runs on the same split
+            as the baseline (under ``"baseline"``).
+
+    Returns:
+        recall@20/10/5, Kendall tau and training seconds of the ranker on the held-out 20%.
+    """
     torch.set_num_threads(1)
     prompts, lengths = load_length_rows(data)
     order = list(range(len(prompts)))
     random.Random(seed).shuffle(order)
     cut = int(0.8 * len(order))
-    train, test = order[:cut], order[cut:]
-    ranker = LengthRanker(seed=seed)
-    ranker.fit([prompts[i] for i in train], [lengths[i] for i in train])
-    predicted = ranker.predict([prompts[i] for i in test])
-    true = [lengths[i] for i in test]
+    train = ([prompts[i] for i in order[:cut]], [lengths[i] for i in order[:cut]])
+    test = ([prompts[i] for i in order[cut:]], [lengths[i] for i in order[cut:]])
+    result = _score(LengthRanker(seed=seed), "fast", train, test)
+    if backbone is not None:
+        from streamrl.components.backbone_ranker import BackboneLengthRanker
+
+        baseline = result
+        result = _score(BackboneLengthRanker(backbone, seed=seed), "backbone", train, test)
+        result["baseline"] = baseline
+    return result
+
+
+def _score(ranker, name: str, train: tuple[list, list], test: tuple[list, list]) -> dict:
+    ranker.fit(*train)
+    predicted, true = ranker.predict(test[0]), test[1]
     return {
+        "ranker": name,
         "recall@20": round(recall_at_k(predicted, true, 0.20), 4),
         "recall@10": round(recall_at_k(predicted, true, 0.10), 4),
         "recall@5": round(recall_at_k(predicted, true, 0.05), 4),
         "kendall_tau": round(kendall_tau(predicted, true), 4),
         "train_s": round(ranker.train_s, 2),
-        "n_train": len(train),
-        "n_test": len(test),
+        "n_train": len(train[0]),
+        "n_test": len(true),
     }
 
 

@@ -103,11 +103,11 @@ def _bench_ranker(args: argparse.Namespace) -> dict:
     if bool(args.data) == bool(args.from_policy):
         raise ConfigError("bench ranker: pass exactly one of --data and --from-policy.")
     if args.data:
-        return bench_ranker(args.data, args.seed)
+        return bench_ranker(args.data, args.seed, backbone=args.backbone)
     rows = policy_lengths(args.from_policy, args.prompts, args.samples, seed=args.seed)
     with open(args.write_data, "w") as f:
         f.writelines(json.dumps(row) + "\n" for row in rows)
-    result = bench_ranker(args.write_data, args.seed)
+    result = bench_ranker(args.write_data, args.seed, backbone=args.backbone)
     result["ceiling@20"] = round(sampling_ceiling(rows, args.seed), 4)
     result["data"] = args.write_data
     return result
@@ -206,6 +206,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     disp.add_argument("--prompts", type=int, help="prompts (default: one per length in the file)")
     disp.add_argument("--max-batch-size", type=int, default=32, help="slots per instance")
+    disp.add_argument("--tail-batch-size", type=int, default=None,
+                      help="batch size of the skew policies' long-tail instances (default: "
+                      "--max-batch-size)")  # fmt: skip
     disp.add_argument("--repeats", type=int, default=3, help="real runs per policy (median)")
     disp.add_argument("--model", default="tiny", help="'tiny' (~1M params, random) or a model dir")
     disp.add_argument("--seed", type=int, default=0)
@@ -222,6 +225,11 @@ def build_parser() -> argparse.ArgumentParser:
     rank.add_argument("--samples", type=int, default=4, help="samples per prompt (--from-policy)")
     rank.add_argument("--write-data", default="policy_lengths.jsonl", help="data file written")
     rank.add_argument("--seed", type=int, default=0, help="split and initialisation seed")
+    rank.add_argument(
+        "--backbone",
+        help="local causal-LM dir: train the LoRA backbone ranker (needs streamrl[peft]) "
+        "instead; the fast ranker runs as baseline",
+    )
     rank.set_defaults(func=_bench_ranker)
 
     prof = sub.add_parser("profile", help="measure PTL(BS), the per-token decode latency")
@@ -232,9 +240,12 @@ def build_parser() -> argparse.ArgumentParser:
     prof.add_argument("-o", "--output", default="profile.json", help="where to save the model")
     prof.set_defaults(func=_cmd_profile)
 
+    from streamrl.sim.cli import add_plan_command, add_simulate_command
     from streamrl.timeline import add_timeline_command
 
     add_timeline_command(sub)
+    add_simulate_command(sub)
+    add_plan_command(sub)
     return parser
 
 

@@ -115,7 +115,7 @@ class RLConfig:
     max_tokens: int = 64
     token_budget: int = 1024
     min_samples: int = 1
-    skew_dispatch: bool = False
+    skew_dispatch: bool = True
     ranker_refresh_every: int = 10
 
 

@@ -4,8 +4,14 @@ StreamRL §3: generation runs apart from training, on its own resources, and eve
 is pushed to the trainer the moment it completes. The service has the paper's two calls:
 ``generate(requests)`` yields samples in completion order, and ``update(weights, version)``
 pushes new weights to every instance. A dispatcher decides which instance gets which prompt.
-``add_instance`` grows the pool while it runs (elastic generation, §6): the new instance loads the
-model, receives the current weights, and only then takes requests.
+
+The pool changes while it runs:
+
+- ``add_instance`` grows it (elastic generation, §6): the new instance loads the model, receives
+  the current weights, and only then takes requests;
+- an instance that dies, or stays silent past ``heartbeat_timeout_s`` (then it is killed), is
+  replaced the same way, and the requests it held go to the others: nothing is lost and nothing
+  is returned twice (a late sample of a failed instance is discarded).
 
 Example:
     >>> with StreamGenerationService("path/to/model", num_instances=2) as sgs:  # doctest: +SKIP
@@ -16,12 +22,17 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
+import json
 import multiprocessing as mp
-import queue
+import os
+import pickle
+import signal
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
+from multiprocessing import connection
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +41,9 @@ from streamrl.components.generator_worker import WorkerSpec, worker_main
 from streamrl.components.weight_sync import AsyncWeightSync, Weights
 from streamrl.components.weight_transport import WeightGroup, make_store
 from streamrl.records import Request, Sample
+
+#: How often an instance says it is alive while it runs (see ``generator_worker``).
+HEARTBEAT_S = 1.0
 
 
 class GeneratorError(RuntimeError):
@@ -41,7 +55,7 @@ class InstanceInfo:
     """What the service knows about one generator instance.
 
     ``state``: ``"starting"`` (loading the model), ``"joining"`` (receiving current weights),
-    ``"active"`` (takes requests) or ``"stopped"``.
+    ``"active"`` (takes requests), ``"failed"`` (died or hung; replaced) or ``"stopped"``.
     """
 
     instance_id: int
@@ -58,16 +72,20 @@ class _Instance:
     instance_id: int
     proc: Any
     inbox: Any
+    link: Any  # the read end of its pipe of results (None once it is closed)
+    store: Any  # the rendezvous store of its weight group (kept alive with the group)
     state: str = "starting"
     version: int = 0
-    store: Any = None  # the rendezvous store of an instance's own weight group (elastic)
+    last_seen: float = field(default_factory=time.monotonic)
+    open: dict[tuple, Request] = field(default_factory=dict)  # requests it holds, by key
 
 
 class StreamGenerationService:
     """N generator instances, each a spawned process running continuous batching (§3, §5).
 
-    Samples come back on one bounded queue (back-pressure: instances pause when the trainer
-    falls behind, memory stays bounded); weights go out over a torch.distributed group.
+    Samples come back over one pipe per instance (bounded by the pipe's buffer: instances pause
+    when the trainer falls behind, memory stays bounded); weights go out over one
+    torch.distributed group per instance.
 
     Args:
         model_dir: the policy's model directory; every instance loads it at start.
@@ -78,9 +96,14 @@ class StreamGenerationService:
         dispatcher: which instance gets which request; round-robin by prompt if ``None``.
         scheduler: admission order inside each instance: ``"fifo"`` or ``"lpt"`` (longest
             ``predicted_length`` first, §5.3).
-        queue_size: capacity of the sample queue.
         start_timeout_s: how long instances may take to load the model.
         sample_timeout_s: the longest wait for the next sample before giving up.
+        max_restarts: failed instances replaced over the service's life; one more failure
+            raises ``GeneratorError`` (0: every failure raises).
+        heartbeat_timeout_s: an active instance silent this long, while the service is
+            reading, is taken as hung: killed and replaced.
+        status_path: a JSON file rewritten on every change of the pool (instance id -> pid,
+            state, weight version), for operators.
     """
 
     def __init__(
@@ -94,52 +117,53 @@ class StreamGenerationService:
         seed: int = 0,
         dispatcher: Dispatcher | None = None,
         scheduler: str = "fifo",
-        queue_size: int = 1024,
         start_timeout_s: float = 180.0,
         sample_timeout_s: float = 300.0,
+        max_restarts: int = 3,
+        heartbeat_timeout_s: float = 60.0,
+        status_path: str | Path | None = None,
     ) -> None:
         if num_instances < 1:
             raise ValueError(f"num_instances must be >= 1, got {num_instances}.")
+        if scheduler not in ("fifo", "lpt"):
+            raise ValueError(f"scheduler must be 'fifo' or 'lpt', got {scheduler!r}.")
         self.model_dir = str(model_dir)
         self.num_instances = num_instances
         self.dispatcher = dispatcher if dispatcher is not None else RoundRobinDispatcher()
         self.start_timeout_s, self.sample_timeout_s = start_timeout_s, sample_timeout_s
-        if scheduler not in ("fifo", "lpt"):
-            raise ValueError(f"scheduler must be 'fifo' or 'lpt', got {scheduler!r}.")
+        self.max_restarts, self.heartbeat_timeout_s = max_restarts, heartbeat_timeout_s
+        self.status_path = Path(status_path) if status_path is not None else None
         self._generator_kwargs = dict(
             max_batch_size=max_batch_size, temperature=temperature, greedy=greedy,
             scheduler=scheduler,
         )  # fmt: skip
-        self._seed, self._queue_size = seed, queue_size
+        self._seed = seed
         self._ctx = mp.get_context("spawn")
         self._instances: list[_Instance] = []
-        self._outbox: Any = None
+        self._received: deque[tuple] = deque()  # read from the pipes, not yet handled
         self.weight_sync: AsyncWeightSync | None = None
         self._backlog: deque[Sample] = deque()
-        self._outstanding: set[tuple[str, int, int]] = set()
+        self._outstanding: set[tuple] = set()
+        self._orphans: list[Request] = []  # requeued while no instance was active
+        self._reading_since = time.monotonic()
+        self._last_read = 0.0
+        self._checked = 0.0  # when instance health was last checked
         self.weight_version = 0  # loaded by every active instance
         self._pushed_version = 0  # the newest version handed to the weight sync
+        #: Ledger of the service: requests submitted and requeued, samples returned and
+        #: discarded (late copies from failed instances), instances restarted.
+        self.counts: Counter[str] = Counter()
 
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self) -> StreamGenerationService:
-        """Spawn the instances and wait until each has loaded the model and joined the group."""
+        """Spawn the instances and wait until each has loaded the model and joined its group."""
         if self._instances:
             return self
-        store = make_store(self.num_instances + 1, self.start_timeout_s)
-        self._outbox = self._ctx.Queue(maxsize=self._queue_size)
+        self.weight_sync = AsyncWeightSync(self.start_timeout_s)
         try:
-            for i in range(self.num_instances):
-                self._spawn(i, store.port, rank=1 + i, world_size=self.num_instances + 1)
-            self._wait_for(lambda: all(h.state != "starting" for h in self._instances),
-                           "did not start", self.start_timeout_s)  # fmt: skip
-            group = WeightGroup(
-                store.port, 0, self.num_instances + 1, store=store, timeout_s=self.start_timeout_s
-            )
-            self.weight_sync = AsyncWeightSync(
-                group, self._announcer(list(self._instances)), self.start_timeout_s
-            )
-            for handle in self._instances:
-                handle.state, handle.version = "active", self.weight_version
+            for _ in range(self.num_instances):
+                self._spawn()
+            self.wait_active(self.start_timeout_s)
         except BaseException:
             self.close()
             raise
@@ -148,9 +172,9 @@ class StreamGenerationService:
     def add_instance(self, wait: bool = False) -> int:
         """Start one more generator instance while the service runs (elastic scale-out, §6).
 
-        It loads the model in its own process, joins a weight group of its own, receives the
-        newest weights pushed, and only then takes requests (its state goes ``starting`` ->
-        ``joining`` -> ``active`` as the service reads its messages). Nothing running stops.
+        It loads the model in its own process, receives the newest weights pushed, and only
+        then takes requests (its state goes ``starting`` -> ``joining`` -> ``active`` as the
+        service reads its messages). Nothing running stops.
 
         Args:
             wait: block until it is active (samples finished meanwhile are kept).
@@ -159,13 +183,10 @@ class StreamGenerationService:
             The new instance's id.
         """
         self._require_started()
-        instance_id = len(self._instances)
-        store = make_store(2, self.start_timeout_s)
-        handle = self._spawn(instance_id, store.port, rank=1, world_size=2)
-        handle.store = store
+        handle = self._spawn()
         if wait:
             self.wait_active()
-        return instance_id
+        return handle.instance_id
 
     def wait_active(self, timeout_s: float | None = None) -> None:
         """Block until every instance started is active (samples finished meanwhile are kept).
@@ -176,41 +197,8 @@ class StreamGenerationService:
         """
         self._require_started()
         timeout_s = 2 * self.start_timeout_s if timeout_s is None else timeout_s
-        self._wait_for(lambda: all(h.state == "active" for h in self._instances),
+        self._wait_for(lambda: all(h.state in ("active", "failed") for h in self._instances),
                        "did not become active", timeout_s)  # fmt: skip
-
-    def _spawn(self, instance_id: int, port: int, rank: int, world_size: int) -> _Instance:
-        spec = WorkerSpec(
-            instance_id, self.model_dir, port, world_size, rank,
-            {**self._generator_kwargs, "seed": self._seed + instance_id}, 0, self.start_timeout_s,
-        )  # fmt: skip
-        inbox = self._ctx.Queue()
-        proc = self._ctx.Process(
-            target=worker_main, args=(spec, inbox, self._outbox), daemon=True,
-            name=f"streamrl-generator-{instance_id}",
-        )  # fmt: skip
-        proc.start()
-        handle = _Instance(instance_id, proc, inbox)
-        self._instances.append(handle)
-        return handle
-
-    def _join(self, handle: _Instance) -> None:
-        """A late instance has loaded the model: connect its weight group, queue its catch-up."""
-        group = WeightGroup(handle.store.port, 0, 2, store=handle.store,
-                            timeout_s=self.start_timeout_s)  # fmt: skip
-        handle.state = "joining"
-        self.weight_sync.add_group(group, self._announcer([handle]))
-        if self._pushed_version == 0:  # nothing pushed yet: the model directory is current
-            handle.state = "active"
-
-    @staticmethod
-    def _announcer(handles: list[_Instance]) -> Callable[[int], None]:
-        def announce(version: int) -> None:
-            for handle in handles:
-                if handle.state != "stopped":
-                    handle.inbox.put(("update", version))
-
-        return announce
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Stop every instance: ask politely, then terminate, then kill. Safe to call twice."""
@@ -219,22 +207,18 @@ class StreamGenerationService:
                 handle.inbox.put(("stop",))
         deadline = time.monotonic() + timeout_s
         for handle in self._instances:
-            proc = handle.proc
-            proc.join(max(0.0, deadline - time.monotonic()))
-            if proc.is_alive():
-                proc.terminate()
-                proc.join(1.0)
-            if proc.is_alive():
-                proc.kill()
-                proc.join(1.0)
-            handle.state = "stopped"
-        for q in [*(h.inbox for h in self._instances), self._outbox]:
-            if q is not None:
-                q.cancel_join_thread()  # never block our own exit on undelivered messages
-                q.close()
+            _stop_process(handle.proc, max(0.0, deadline - time.monotonic()))
+            handle.state = "stopped" if handle.state != "failed" else "failed"
+        for handle in self._instances:
+            handle.inbox.cancel_join_thread()  # never block our exit on undelivered messages
+            handle.inbox.close()
+            if handle.link is not None:
+                handle.link.close()
         if self.weight_sync is not None:
             self.weight_sync.close()
-        self._instances, self._outbox, self.weight_sync = [], None, None
+        self._write_status()
+        self._instances, self.weight_sync = [], None
+        self._received.clear()
         self._outstanding.clear()
         self._backlog.clear()
 
@@ -249,8 +233,7 @@ class StreamGenerationService:
         """Dispatch ``requests`` to the instances and return at once (see ``next_sample``).
 
         Args:
-            requests: one per sample; ``(prompt_id, sample_index)`` must be unique among all
-                requests not yet returned.
+            requests: one per sample; their keys must be unique among requests not returned.
             scores: optional predicted lengths, passed to the dispatcher.
         """
         self._require_started()
@@ -258,21 +241,15 @@ class StreamGenerationService:
         if len(keys) != len(requests) or keys & self._outstanding:
             raise ValueError("submit: duplicate (prompt_id, sample_index) among open requests.")
         self._outstanding |= keys
-        active = self._active()
-        parts = self.dispatcher.plan(requests, scores, len(active))
-        limits = getattr(self.dispatcher, "batch_limits", None)  # per-pool batch sizes (§5.3)
-        for i, (handle, batch) in enumerate(zip(active, parts)):
-            if limits is not None:
-                handle.inbox.put(("limit", limits(len(active))[i]))
-            if batch:
-                handle.inbox.put(("submit", list(batch)))
+        self.counts["requests_submitted"] += len(requests)
+        self._dispatch(list(requests), scores)
 
     def next_sample(self) -> Sample:
         """The next finished sample from any instance, in completion order.
 
         Raises:
-            GeneratorError: an instance died or reported an error, sent a sample nobody asked
-                for, or no sample arrived within ``sample_timeout_s``.
+            GeneratorError: instances failed more often than ``max_restarts`` allows, or no
+                sample arrived within ``sample_timeout_s``.
         """
         self._require_started()
         if not self._outstanding:
@@ -282,10 +259,8 @@ class StreamGenerationService:
             if kind == "sample":
                 self._backlog.append(payload)
         sample = self._backlog.popleft()
-        if sample.key not in self._outstanding:
-            raise GeneratorError(f"Instance {sample.instance_id} sent an unexpected or "
-                                 f"duplicate sample {sample.key}.")  # fmt: skip
         self._outstanding.discard(sample.key)
+        self.counts["samples_returned"] += 1
         return sample
 
     def generate(
@@ -325,10 +300,10 @@ class StreamGenerationService:
         return self.weight_sync.push(weights, version)
 
     def wait_weights(self, version: int) -> float:
-        """Block until every instance has loaded ``version``; returns the seconds blocked."""
+        """Block until every active instance has loaded ``version``; returns seconds blocked."""
         started = time.perf_counter()
         self.weight_sync.wait_sent(version)
-        self._wait_for(lambda: min(h.version for h in self._active()) >= version,
+        self._wait_for(lambda: all(h.version >= version for h in self._active()),
                        f"did not load weights {version}", self.sample_timeout_s)  # fmt: skip
         self.weight_version = max(self.weight_version, version)
         return time.perf_counter() - started
@@ -357,7 +332,93 @@ class StreamGenerationService:
                 self._backlog.append(payload)
         return found
 
-    # -- internals ---------------------------------------------------------------------------
+    # -- the pool ----------------------------------------------------------------------------
+    def _spawn(self) -> _Instance:
+        instance_id = len(self._instances)
+        store = make_store(2, self.start_timeout_s)
+        spec = WorkerSpec(
+            instance_id, self.model_dir, store.port, 2, 1,
+            {**self._generator_kwargs, "seed": self._seed + instance_id}, 0, self.start_timeout_s,
+            heartbeat_s=HEARTBEAT_S,
+        )  # fmt: skip
+        inbox = self._ctx.Queue()
+        link, outbox = self._ctx.Pipe(duplex=False)
+        proc = self._ctx.Process(
+            target=worker_main, args=(spec, inbox, outbox), daemon=True,
+            name=f"streamrl-generator-{instance_id}",
+        )  # fmt: skip
+        proc.start()
+        outbox.close()  # the child holds the write end: its death reads as end-of-file here
+        handle = _Instance(instance_id, proc, inbox, link, store)
+        self._instances.append(handle)
+        self._write_status()
+        return handle
+
+    def _join(self, handle: _Instance) -> None:
+        """An instance has loaded the model: connect its weight group, queue its catch-up."""
+        group = WeightGroup(handle.store.port, 0, 2, store=handle.store,
+                            timeout_s=self.start_timeout_s)  # fmt: skip
+
+        def announce(version: int) -> None:
+            handle.inbox.put(("update", version))
+
+        self.weight_sync.add_group(handle.instance_id, group, announce)
+        # Nothing pushed yet: the model directory is the current version.
+        self._set_state(handle, "joining" if self._pushed_version > 0 else "active")
+
+    def _set_state(self, handle: _Instance, state: str) -> None:
+        handle.state = state
+        if state == "active" and self._orphans:
+            orphans, self._orphans = self._orphans, []
+            self._dispatch(orphans, [r.predicted_length or 0.0 for r in orphans])
+        self._write_status()
+
+    def _fail(self, handle: _Instance, reason: str) -> None:
+        """Replace a dead or hung instance and requeue what it held, or raise past the limit."""
+        if handle.state in ("failed", "stopped"):
+            return
+        restarts = self.counts["instances_restarted"]
+        if restarts >= self.max_restarts:
+            raise GeneratorError(
+                f"Generator instance {handle.instance_id} (pid {handle.proc.pid}) {reason}; "
+                f"{restarts} of max_restarts={self.max_restarts} replacements already used."
+            )
+        _stop_process(handle.proc, 0.0)
+        self.weight_sync.remove_group(handle.instance_id)
+        requests = list(handle.open.values())
+        handle.open.clear()
+        self._set_state(handle, "failed")
+        self.counts["instances_restarted"] += 1
+        self.counts["requests_requeued"] += len(requests)
+        self._spawn()
+        self._dispatch(requests, [r.predicted_length or 0.0 for r in requests])
+
+    def _dispatch(self, requests: list[Request], scores: Sequence[float] | None) -> None:
+        if not requests:
+            return
+        active = self._active()
+        if not active:  # every instance is (re)starting: held until one is active
+            self._orphans.extend(requests)
+            return
+        parts = self.dispatcher.plan(requests, scores, len(active))
+        limits = getattr(self.dispatcher, "batch_limits", None)  # per-pool batch sizes (§5.3)
+        for i, (handle, batch) in enumerate(zip(active, parts)):
+            if limits is not None:
+                handle.inbox.put(("limit", limits(len(active))[i]))
+            if batch:
+                handle.open.update((r.key, r) for r in batch)
+                handle.inbox.put(("submit", list(batch)))
+
+    def _write_status(self) -> None:
+        if self.status_path is None:
+            return
+        status = {str(i.instance_id): asdict(i) for i in self.instances()}
+        tmp = self.status_path.with_suffix(".tmp")
+        tmp.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps(status, indent=1))
+        os.replace(tmp, self.status_path)  # readers never see half a file
+
+    # -- messages ----------------------------------------------------------------------------
     def _require_started(self) -> None:
         if not self._instances:
             raise RuntimeError(
@@ -369,7 +430,7 @@ class StreamGenerationService:
 
     def _wait_for(self, done: Callable[[], bool], what: str, timeout_s: float) -> None:
         """Read messages (keeping samples for ``next_sample``) until ``done()``; raise
-        ``GeneratorError`` naming the instances that are not there yet after ``timeout_s``."""
+        ``GeneratorError`` naming the instances after ``timeout_s``."""
         deadline = time.monotonic() + timeout_s
         while not done():
             if time.monotonic() > deadline:
@@ -380,46 +441,99 @@ class StreamGenerationService:
                 self._backlog.append(payload)
 
     def _next_message(self, deadline: float | None = None) -> tuple[str, Any]:
-        """Next message from any instance; raises if one died, reported an error, or timed out."""
+        """Next message from any instance (failures handled on the way); raises on timeout."""
         deadline = deadline if deadline is not None else time.monotonic() + self.sample_timeout_s
-        while True:
-            try:
-                message = self._outbox.get(timeout=0.25)
-            except queue.Empty:
-                self._check_alive()
-                if time.monotonic() > deadline:
-                    raise GeneratorError(
-                        "No message from any generator instance within the timeout; instances: "
-                        f"{self.instances()}."
-                    ) from None
-                continue
-            self._track(message)
-            kind = message[0]
-            if kind == "error":
-                raise GeneratorError(f"Generator instance {message[1]} failed:\n{message[2]}")
-            if kind == "sample" and len(message) == 2:
-                return kind, message[1]
-            return kind, message[1:]
+        now = time.monotonic()
+        if now - self._last_read > 1.0:  # the caller was away: silence meant nothing meanwhile
+            self._reading_since = now
+        try:
+            while True:
+                message = self._receive(0.25)
+                if message is None or time.monotonic() - self._checked > 1.0:
+                    self._check_health()
+                if message is None:
+                    if time.monotonic() > deadline:
+                        raise GeneratorError(
+                            "No message from any generator instance within the timeout; "
+                            f"instances: {self.instances()}."
+                        )
+                    continue
+                if not self._accept(message):  # bookkeeping only: let the caller re-check
+                    return "handled", None
+                if message[0] == "sample":
+                    return "sample", message[1]
+                return message[0], message[1:]
+        finally:
+            self._last_read = time.monotonic()
 
-    def _track(self, message: tuple) -> None:
-        """Instance bookkeeping, here so that no reader can miss a state change."""
+    def _receive(self, timeout_s: float) -> tuple | None:
+        """One message from any instance's pipe (taking one from each ready pipe in turn, so
+        none starves), or ``None`` after ``timeout_s``."""
+        if not self._received:
+            links = {h.link: h for h in self._instances if h.link is not None}
+            for link in connection.wait(list(links), timeout_s):
+                handle = links[link]
+                try:
+                    self._received.append(link.recv())
+                except (EOFError, OSError, pickle.UnpicklingError):  # it died, maybe mid-write
+                    link.close()
+                    handle.link = None
+        return self._received.popleft() if self._received else None
+
+    def _accept(self, message: tuple) -> bool:
+        """Bookkeeping of one message; False for messages no caller needs to see."""
         kind = message[0]
+        sender = message[1].instance_id if kind == "sample" else message[1]
+        handle = self._instances[sender]
+        handle.last_seen = time.monotonic()
+        if kind == "error":
+            reason = f"failed:\n{message[2]}"
+            if handle.state == "starting":  # it never ran: a setup problem, not a transient one
+                raise GeneratorError(f"Generator instance {sender} {reason}")
+            self._fail(handle, reason)
+            return False
+        if handle.state == "failed":  # a late message of a replaced instance
+            self.counts["samples_discarded"] += kind == "sample"
+            return False
         if kind == "ready":
-            handle = self._instances[message[1]]
-            if handle.store is None:  # first cohort: start() connects the group
-                handle.state = "loaded"
-            else:
-                self._join(handle)
+            self._join(handle)
         elif kind == "updated":
-            handle = self._instances[message[1]]
             handle.version = max(handle.version, message[2])
             if handle.state == "joining" and handle.version >= self._pushed_version:
-                handle.state = "active"
+                self._set_state(handle, "active")
+            self._write_status()
+        elif kind == "sample" and handle.open.pop(message[1].key, None) is None:
+            raise GeneratorError(f"Instance {handle.instance_id} sent an unexpected or "
+                                 f"duplicate sample {message[1].key}.")  # fmt: skip
+        return kind not in ("heartbeat", "ready")
 
-    def _check_alive(self) -> None:
-        for h in self._instances:
-            if not h.proc.is_alive():
-                raise GeneratorError(
-                    f"Generator instance {h.instance_id} (pid {h.proc.pid}) died with exit code "
-                    f"{h.proc.exitcode}."
-                )
+    def _check_health(self) -> None:
+        """Replace instances that died, or that stayed silent while we were reading."""
+        now = self._checked = time.monotonic()
+        for key, error in self.weight_sync.failed:
+            self._fail(self._instances[key], f"failed to receive weights ({error})")
+        self.weight_sync.failed.clear()
+        for handle in list(self._instances):
+            if handle.state in ("failed", "stopped"):
+                continue
+            if not handle.proc.is_alive():
+                self._fail(handle, f"died with exit code {handle.proc.exitcode}")
+            elif (
+                handle.state == "active"
+                and now - self._reading_since > self.heartbeat_timeout_s
+                and now - handle.last_seen > self.heartbeat_timeout_s
+            ):
+                self._fail(handle, f"sent nothing for {now - handle.last_seen:.0f} s (hung)")
+
+
+def _stop_process(proc: Any, timeout_s: float) -> None:
+    """Join, then terminate, then kill (a stopped — SIGSTOP — process needs SIGCONT first)."""
+    proc.join(timeout_s)
+    if proc.is_alive():
+        proc.terminate()
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(proc.pid, signal.SIGCONT)
+        proc.join(1.0)
+    if proc.is_alive():
+        proc.kill()
+        proc.join(1.0)

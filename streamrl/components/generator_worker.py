@@ -1,13 +1,15 @@
 """The body of one generator instance process of the stream generation service (StreamRL §3).
 
 It loads the policy, then loops: take requests and weight updates from its inbox, run one
-continuous-batching step, push every finished sample to the shared outbox at once. Messages are
-plain tuples of picklable values; samples hold lists, never tensors.
+continuous-batching step, push every finished sample to its outbox (a pipe of its own to the
+service) at once. Messages are plain tuples of picklable values; samples hold lists, never
+tensors. A pipe per instance means an instance killed mid-write can garble only its own pipe.
 
 Inbox:  ``("submit", [Request, ...])``, ``("limit", batch_size)``, ``("update", version)``,
 ``("fingerprint",)``, ``("stop",)``.
 Outbox: ``("ready", instance_id, pid)``, ``("sample", Sample)``, ``("updated", instance_id,
-version)``, ``("fingerprint", instance_id, hex)``, ``("error", instance_id, traceback_text)``.
+version)``, ``("fingerprint", instance_id, hex)``, ``("heartbeat", instance_id)`` (every
+``heartbeat_s`` while it runs), ``("error", instance_id, traceback_text)``.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import os
 import queue
 import signal
 import threading
+import time
 import traceback
 from dataclasses import dataclass, field
 from typing import Any
@@ -45,6 +48,7 @@ class WorkerSpec:
     generator_kwargs: dict[str, Any] = field(default_factory=dict)
     weight_version: int = 0
     timeout_s: float = 120.0
+    heartbeat_s: float = 1.0
 
 
 def worker_main(spec: WorkerSpec, inbox: Any, outbox: Any) -> None:
@@ -61,10 +65,9 @@ def worker_main(spec: WorkerSpec, inbox: Any, outbox: Any) -> None:
     except BaseException:  # report everything, including SystemExit from a broken import
         _put(outbox, ("error", spec.instance_id, traceback.format_exc()), parent)
         return
-    # Stopped: leave at once. A normal interpreter exit would wait on the outbox's feeder
-    # thread (the trainer no longer reads it) and tear down gloo's threads mid-receive, which
-    # aborts with "terminate called without an active exception".
-    outbox.cancel_join_thread()
+    # Stopped: leave at once. A normal interpreter exit would tear down gloo's threads
+    # mid-receive, which aborts with "terminate called without an active exception".
+    outbox.close()
     os._exit(0)
 
 
@@ -85,13 +88,17 @@ class _Instance:
             self.model, instance_id=spec.instance_id, weight_version=spec.weight_version,
             scheduler=scheduler, **kwargs,
         )  # fmt: skip
-        outbox.put(("ready", spec.instance_id, os.getpid()))
+        _put(outbox, ("ready", spec.instance_id, os.getpid()), parent)
         group = WeightGroup(spec.store_port, spec.rank, spec.world_size, timeout_s=spec.timeout_s)
         self.receiver = _WeightReceiver(group, dict(self.model.named_parameters()))
         self.held: list[Request] = []
 
     def run(self, inbox: Any) -> None:
+        beat = time.monotonic()
         while os.getppid() == self.parent:
+            if time.monotonic() - beat > self.spec.heartbeat_s:
+                beat = time.monotonic()
+                _put(self.outbox, ("heartbeat", self.spec.instance_id), self.parent)
             self._apply_received_weights()
             idle = self.generator.idle
             message = _next_message(
@@ -191,11 +198,9 @@ def _next_message(inbox: Any, block: bool, poll_s: float = POLL_S) -> tuple | No
 
 
 def _put(outbox: Any, item: tuple, parent: int) -> None:
-    # The outbox is bounded (back-pressure): wait while the trainer catches up, but give up
-    # once the parent is gone so an orphan never blocks forever.
-    while os.getppid() == parent:
-        try:
-            outbox.put(item, timeout=POLL_S)
-            return
-        except queue.Full:
-            continue
+    """Send ``item`` to the service. A full pipe blocks (back-pressure: the trainer catches up);
+    once the service is gone the pipe is broken, and the instance leaves."""
+    try:
+        outbox.send(item)
+    except (BrokenPipeError, ConnectionResetError, EOFError):
+        os._exit(0)  # nobody reads our results any more

@@ -3,12 +3,14 @@
 StreamRL §4.1 (one-step asynchronous pipelining): the transfer of weights version k overlaps the
 training of step k+1, so it leaves the critical path. ``push`` snapshots the weights (the trainer
 keeps updating its own copy in place) and returns; a background thread announces the version to
-every generator instance and broadcasts the snapshot. ``wait_sent`` blocks until a version is out
+the generator instances and broadcasts the snapshot. ``wait_sent`` blocks until a version is out
 (synchronous mode). The time the trainer is blocked (``exposed_s``) is logged apart from the
 whole transfer time (``transfer_s``).
 
-Instances added while training runs (elastic generation, §6) form a group of their own:
-``add_group`` first sends them the last version pushed (catch-up), then every later one.
+Each generator instance has a group of its own (trainer + instance), so instances come and go
+while training runs (elastic generation, §6; replacement of a failed one): ``add_group`` first
+sends a newcomer the last version pushed (catch-up), then every later one; a group whose peer
+fails is dropped (``failed``) without stopping the others.
 """
 
 from __future__ import annotations
@@ -23,29 +25,28 @@ import torch
 from streamrl.components.weight_transport import WeightGroup
 
 Weights = torch.nn.Module | Mapping[str, torch.Tensor]
-
-
 Announce = Callable[[int], None]
 
 
 class AsyncWeightSync:
-    """Background broadcaster of weight versions over ``WeightGroup``s (rank 0 in each).
+    """Background sender of weight versions to keyed ``WeightGroup``s (rank 0 in each).
 
     Args:
-        group: the trainer's member of the weight group.
-        announce: tells the group's instances that ``version`` is about to be broadcast (they
-            must join it).
         timeout_s: the longest ``wait_sent`` blocks before raising ``TimeoutError``.
+
+    Attributes:
+        failed: ``(key, error)`` of every group dropped because a transfer to it failed.
     """
 
-    def __init__(self, group: WeightGroup, announce: Announce, timeout_s: float = 120.0) -> None:
-        self.groups: list[tuple[WeightGroup, Announce]] = [(group, announce)]
+    def __init__(self, timeout_s: float = 120.0) -> None:
         self.timeout_s = timeout_s
+        self.groups: dict[int, tuple[WeightGroup, Announce]] = {}
+        self.failed: list[tuple[int, str]] = []
         self.sent_version = -1
-        self._last: tuple[int, dict[str, torch.Tensor]] | None = None  # for catch-up
         self.exposed_s = 0.0  # trainer time blocked in push/wait_sent
         self.transfer_s = 0.0  # background time spent broadcasting
         self.bytes_sent = 0
+        self._last: tuple[int, dict[str, torch.Tensor]] | None = None  # for catch-up
         self._todo: queue.Queue[tuple | None] = queue.Queue()
         self._sent = threading.Condition()
         self._error: BaseException | None = None
@@ -67,7 +68,7 @@ class AsyncWeightSync:
         return blocked
 
     def wait_sent(self, version: int) -> float:
-        """Block until ``version`` has been broadcast; returns the seconds it blocked."""
+        """Block until ``version`` has been sent to every group; returns the seconds blocked."""
         started = time.perf_counter()
         with self._sent:
             done = self._sent.wait_for(
@@ -80,11 +81,15 @@ class AsyncWeightSync:
         self.exposed_s += blocked
         return blocked
 
-    def add_group(self, group: WeightGroup, announce: Announce) -> None:
+    def add_group(self, key: int, group: WeightGroup, announce: Announce) -> None:
         """Serve one more group from now on; it first receives the last version pushed, if any
         (in order with pushes: a version queued before this call reaches it too)."""
         self._raise_if_failed()
-        self._todo.put(("join", group, announce))
+        self._todo.put(("join", key, (group, announce)))
+
+    def remove_group(self, key: int) -> None:
+        """Stop sending to ``key`` (after versions already queued)."""
+        self._todo.put(("leave", key, None))
 
     def close(self, timeout_s: float = 1.0) -> None:
         """Stop the background thread (a daemon: a transfer stuck on a dead peer never blocks
@@ -94,33 +99,37 @@ class AsyncWeightSync:
 
     def _loop(self) -> None:
         while (item := self._todo.get()) is not None:
+            kind, key, payload = item
             started = time.perf_counter()
             try:
-                if item[0] == "join":
-                    self._join(item[1], item[2])
+                if kind == "join":
+                    if self._last is not None:
+                        self._send(*self._last, {key: payload})
+                    self.groups[key] = payload
+                elif kind == "leave":
+                    self.groups.pop(key, None)
                 else:
-                    self._send(item[1], item[2], self.groups)
-            except BaseException as err:  # surfaced on the trainer's next push or wait
+                    self._send(key, payload, dict(self.groups))
+                    self._last = (key, payload)
+            except BaseException as err:  # a bug, not a peer: surfaced on the next push or wait
                 with self._sent:
                     self._error = err
                     self._sent.notify_all()
                 return
-            self.transfer_s += time.perf_counter() - started
-            if item[0] == "push":
+            if kind == "push":
+                self.transfer_s += time.perf_counter() - started
                 with self._sent:
-                    self.sent_version = item[1]
+                    self.sent_version = key
                     self._sent.notify_all()
 
-    def _join(self, group: WeightGroup, announce: Announce) -> None:
-        if self._last is not None:
-            self._send(*self._last, [(group, announce)])
-        self.groups.append((group, announce))
-
-    def _send(self, version: int, snapshot: dict, groups: list[tuple[WeightGroup, Announce]]):
-        for group, announce in groups:
-            announce(version)
-            self.bytes_sent += group.broadcast(snapshot.values())
-        self._last = (version, snapshot)
+    def _send(self, version: int, snapshot: dict, groups: dict[int, tuple]) -> None:
+        for key, (group, announce) in groups.items():
+            try:
+                announce(version)
+                self.bytes_sent += group.broadcast(snapshot.values())
+            except Exception as err:  # the peer died or timed out: drop it, serve the others
+                self.groups.pop(key, None)
+                self.failed.append((key, f"{type(err).__name__}: {err}"))
 
     def _raise_if_failed(self) -> None:
         if self._error is not None:

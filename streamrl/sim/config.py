@@ -1,0 +1,162 @@
+"""What a simulated StreamRL run is made of: hardware pools, workload, mode (StreamRL §3-§5).
+
+Plain dataclasses, no behaviour beyond validation and two derived numbers (weight transfer time
+and the micro-batch bucket of a sample); ``streamrl.sim.engine`` runs them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Literal
+
+from streamrl.components.allocator import TrainerCostModel
+from streamrl.components.elastic import ElasticController
+from streamrl.components.latency import LatencyModel
+
+SimMode = Literal["colocated", "sync", "async"]
+DispatchPolicy = Literal["random", "round-robin", "skew"]
+Admission = Literal["fifo", "lpt"]
+MODES: tuple[str, ...] = ("colocated", "sync", "async")
+
+
+@dataclass
+class GeneratorPool:
+    """The stream generation service's hardware (§3): identical instances.
+
+    Attributes:
+        latency: ``PTL(BS)`` of one instance.
+        instances: instances at the start of the run.
+        max_batch_size: batch slots per instance (count and KV-cache bound).
+        gpus_per_instance: GPUs (or CPU cores) one instance occupies (its TP degree).
+        price_per_gpu_s: cost of one GPU for one second, in any currency unit.
+        slowdown: multiplies ``PTL`` in the disaggregated modes, where the trainer computes at
+            the same time (on a 2-core CPU; 1.0 on separate GPUs).
+        colocated_slowdown: the same in colocated mode (instances share the cores with each
+            other and with the process that receives the samples).
+        prefill_s: one prefill pass, paid each time an instance admits samples.
+    """
+
+    latency: LatencyModel
+    instances: int
+    max_batch_size: int
+    gpus_per_instance: int = 1
+    price_per_gpu_s: float = 1.0
+    slowdown: float = 1.0
+    colocated_slowdown: float = 1.0
+    prefill_s: float = 0.0
+
+
+@dataclass
+class TrainerPool:
+    """The trainer's hardware (§3) and its micro-batching (§4.1).
+
+    Attributes:
+        cost: per-token cost and data-parallel scaling (``TrainerCostModel``).
+        units: trainer units (``cost.unit_gpus`` GPUs each).
+        token_budget: padded tokens per micro-batch.
+        price_per_gpu_s: cost of one GPU for one second.
+    """
+
+    cost: TrainerCostModel
+    units: int
+    token_budget: int
+    price_per_gpu_s: float = 1.0
+
+    @property
+    def gpus(self) -> int:
+        return self.units * self.cost.unit_gpus
+
+
+@dataclass
+class Workload:
+    """One iteration's prompts and their output lengths.
+
+    Attributes:
+        lengths: ``lengths(iteration)`` gives one output length per prompt of that iteration
+            (forced lengths, the paper's throughput protocol §7; a prompt's samples share it).
+        prompts: prompts per iteration.
+        group_size: samples per prompt (GRPO groups; 1 for the paper's PPO).
+        prompt_tokens: prompt length, counted in training tokens (prefill is not simulated).
+        ranker_noise: sigma of the log-normal noise on true lengths that gives the ranker's
+            predictions for skew dispatch and LPT (0: oracle).
+    """
+
+    lengths: Callable[[int], list[int]]
+    prompts: int
+    group_size: int = 1
+    prompt_tokens: int = 0
+    ranker_noise: float = 0.25
+
+    @property
+    def samples(self) -> int:
+        return self.prompts * self.group_size
+
+
+@dataclass
+class SimConfig:
+    """A simulated run.
+
+    Attributes:
+        generators / trainer: the two pools (in colocated mode both describe the same GPUs,
+            used one phase after the other, and are priced once, as the larger of the two).
+        workload: prompts and lengths.
+        mode: ``"colocated"``, ``"sync"`` (dynamic-batch pipelining) or ``"async"`` (one-step
+            staleness, weight transfer in the background).
+        dispatch / admission: Algorithm 2 or a baseline; LPT or FIFO inside an instance.
+        iterations / warmup: measured iterations after unmeasured ones.
+        weight_bytes / link_gbps / sync_latency_s: the weight transfer, ``bytes / bandwidth``
+            plus a fixed latency (loading, resharding).
+        switch_s: colocated only: seconds to switch the GPUs between the stages, paid twice per
+            iteration (generation -> training -> generation).
+        colocated_cost: the trainer's cost model in colocated mode when it differs (e.g. two CPU
+            threads instead of one); ``None`` keeps ``trainer.cost``.
+        colocated_token_budget: micro-batch budget in colocated mode; ``None`` keeps the pool's.
+        iteration_overhead_s: fixed per-iteration time of the training loop (logging, Python).
+        elastic: adds / removes generator instances between iterations (§4.2), or ``None``.
+        seed: dispatch and ranker-noise seed.
+    """
+
+    generators: GeneratorPool
+    trainer: TrainerPool
+    workload: Workload
+    mode: SimMode = "sync"
+    dispatch: DispatchPolicy = "round-robin"
+    admission: Admission = "fifo"
+    iterations: int = 6
+    warmup: int = 1
+    weight_bytes: float = 0.0
+    link_gbps: float = 100.0
+    sync_latency_s: float = 0.0
+    switch_s: float = 0.0
+    colocated_cost: TrainerCostModel | None = None
+    colocated_token_budget: int | None = None
+    iteration_overhead_s: float = 0.0
+    elastic: ElasticController | None = None
+    seed: int = 0
+    labels: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}.")
+        if self.dispatch not in ("random", "round-robin", "skew"):
+            raise ValueError(
+                f"dispatch must be random, round-robin or skew, got {self.dispatch!r}."
+            )
+        if self.admission not in ("fifo", "lpt"):
+            raise ValueError(f"admission must be 'fifo' or 'lpt', got {self.admission!r}.")
+        if self.iterations < 1 or self.warmup < 0:
+            raise ValueError("Need iterations >= 1 and warmup >= 0.")
+        if self.link_gbps <= 0:
+            raise ValueError(f"link_gbps must be > 0, got {self.link_gbps}.")
+
+    @property
+    def weight_transfer_s(self) -> float:
+        """Seconds to move the weights: ``bytes x 8 / (Gbit/s x 1e9)`` plus the fixed latency."""
+        return self.weight_bytes * 8 / (self.link_gbps * 1e9) + self.sync_latency_s
+
+
+def bucket_of(prompt_tokens: int, length: int) -> int:
+    """The micro-batch bucket of a sample: powers of two of prompt + completion, as in
+    ``DynamicBatchPipeline`` (so a long sample never pads a batch of short ones)."""
+    return (prompt_tokens + length - 1).bit_length()

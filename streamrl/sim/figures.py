@@ -1,0 +1,192 @@
+"""Reproduce the simulator's validation tables and figures: ``python -m streamrl.sim.figures OUT``.
+
+Prints JSON tables (simulated vs real on this machine; simulated vs the paper's Table 3, Fig. 9,
+Fig. 10, Fig. 11 and Fig. 12) and writes ``sim-*.png`` into ``OUT`` (docs/img).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from streamrl.components.allocator import ResourceAllocator
+from streamrl.components.elastic import ElasticController
+from streamrl.components.latency import LatencyModel
+from streamrl.sim.ablation import ablation_summary, run_ablation
+from streamrl.sim.dispatch import generation_makespan_s
+from streamrl.sim.engine import simulate
+from streamrl.sim.hardware import H800, QWEN25, decode_latency, kv_batch_limit, trainer_cost
+from streamrl.sim.presets import (
+    CPU_COLOCATED_SLOWDOWN,
+    CPU_PROFILE,
+    DEFAULT_LENGTHS,
+    PAPER_PROMPT_TOKENS,
+    cpu_config,
+    paper_config,
+    paper_lengths,
+)
+
+REAL_PIPELINE = {"colocated": 82.8, "sync": 89.7, "async": 129.4}
+REAL_DISPATCH = {"random": 2.267, "skew": 1.913, "oracle": 1.701}
+
+
+def _figure(width: float = 7.0, height: float = 3.6):
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(width, height), dpi=110, layout="constrained")
+    FigureCanvasAgg(fig)
+    return fig
+
+
+def cpu_validation(out: Path) -> dict:
+    """Simulated vs real ``bench pipeline`` and ``bench dispatch --instances 2``."""
+    pipeline = {m: simulate(cpu_config(m)).samples_per_s for m in REAL_PIPELINE}
+    latency = LatencyModel.from_json(CPU_PROFILE)
+    true = [int(n) for n in json.loads(DEFAULT_LENGTHS.read_text())]
+    predicted = (np.asarray(true) * np.random.default_rng(0).lognormal(0, 0.25, len(true))).tolist()
+    dispatch = {
+        p: generation_makespan_s(
+            p, true, predicted, 2, latency, 32, CPU_COLOCATED_SLOWDOWN, latency.ptl(1)
+        )
+        for p in REAL_DISPATCH
+    }
+    fig = _figure(9, 3.4)
+    for ax, sim, real, unit in [
+        (fig.add_subplot(1, 2, 1), pipeline, REAL_PIPELINE, "samples/s (bench pipeline)"),
+        (fig.add_subplot(1, 2, 2), dispatch, REAL_DISPATCH, "makespan s (bench dispatch, 2 inst.)"),
+    ]:
+        x = np.arange(len(sim))
+        ax.bar(x - 0.2, [real[k] for k in sim], 0.4, label="real (docs)", color="0.55")
+        ax.bar(x + 0.2, list(sim.values()), 0.4, label="simulated", color="#1f77b4")
+        for i, k in enumerate(sim):
+            ax.annotate(f"{sim[k] / real[k] - 1:+.0%}", (i + 0.2, sim[k]), ha="center",
+                        xytext=(0, 2), textcoords="offset points", fontsize=8)  # fmt: skip
+        ax.set_xticks(x, list(sim))
+        ax.set_ylabel(unit)
+        ax.legend(fontsize=8, loc="lower right")
+    fig.suptitle("Simulator vs the real benches on the 2-core machine")
+    fig.savefig(out / "sim-vs-real.png")
+    return {
+        "pipeline": {
+            m: {"sim": round(v, 1), "real": REAL_PIPELINE[m]} for m, v in pipeline.items()
+        },
+        "dispatch": {
+            p: {"sim": round(v, 3), "real": REAL_DISPATCH[p]} for p, v in dispatch.items()
+        },
+    }
+
+
+def allocation(out: Path) -> dict:
+    """Fig. 10: T_gen and T_train over the split, 32B on 64 and 72B on 128 GPUs (20K)."""
+    lengths = paper_lengths(1024, 20000, seed=0)
+    context = PAPER_PROMPT_TOKENS + float(np.mean(lengths))
+    fig, table = _figure(9, 3.4), {}
+    for i, name in enumerate(("32b", "72b")):
+        model = QWEN25[name]
+        alloc = ResourceAllocator(decode_latency(model), trainer_cost(model), model.gen_tp,
+                                  kv_batch_limit(model, H800, context))  # fmt: skip
+        unit, total = model.train_unit_gpus, model.total_gpus
+        splits = [(total - y, y) for y in range(unit, total, unit)]
+        plans = [alloc.evaluate(x, y, lengths, PAPER_PROMPT_TOKENS) for x, y in splits]
+        best = alloc.plan(total, lengths, PAPER_PROMPT_TOKENS)
+        even = alloc.evaluate(total // 2, total // 2, lengths, PAPER_PROMPT_TOKENS)
+        norm = even.gen_s
+        ax = fig.add_subplot(1, 2, i + 1)
+        xs = [p.gen_gpus for p in plans]
+        ax.plot(xs, [p.gen_s / norm for p in plans], "o-", label="T_gen")
+        ax.plot(xs, [p.train_s / norm for p in plans], "s-", label="T_train")
+        ax.axvline(best.gen_gpus, color="0.3", ls="--", lw=0.8)
+        ax.set_title(f"{model.name}, {total} H800 (plan {best.gen_gpus}/{best.train_gpus})")
+        ax.set_xlabel("generator GPUs (rest: trainer)")
+        ax.set_ylabel("time / even-split T_gen")
+        ax.legend(fontsize=8)
+        table[name] = {
+            "plan": [best.gen_gpus, best.train_gpus],
+            "even": {"gen": 1.0, "train": round(even.train_s / norm, 3)},
+            "ours": {"gen": round(best.gen_s / norm, 3), "train": round(best.train_s / norm, 3)},
+            "speedup_async": round(max(even.gen_s, even.train_s) / best.iteration_s, 3),
+        }
+    fig.savefig(out / "sim-allocation.png")
+    return table
+
+
+def dispatch_gains() -> dict:
+    """Fig. 9: generation makespan, random vs skew (noisy ranker) vs oracle, 20K lengths."""
+    lengths = paper_lengths(1024, 20000, seed=0)
+    pred = (np.asarray(lengths) * np.random.default_rng(1).lognormal(0, 0.25, 1024)).tolist()
+    table = {}
+    for name in ("7b", "32b", "72b"):
+        config = paper_config(f"paper-{name}-20k", "async")
+        gen = config.generators
+        spans = {
+            p: generation_makespan_s(p, lengths, pred, gen.instances, gen.latency,
+                                     gen.max_batch_size)
+            for p in ("random", "skew", "oracle")
+        }  # fmt: skip
+        table[name] = {p: round(v / spans["random"], 3) for p, v in spans.items()}
+        table[name]["instances"] = gen.instances
+    return table
+
+
+def elastic(out: Path) -> dict:
+    """Fig. 11: 7B, 10K lengths growing linearly toward 20K, one node (8 instances) per step."""
+    config = paper_config("paper-7b-10k", "async", gen_gpus=16, train_gpus=16, iterations=24,
+                          growth=0.04)  # fmt: skip
+    config.warmup = 0
+    config.elastic = ElasticController(config.generators.latency, config.generators.max_batch_size,
+                                       step=8)  # fmt: skip
+    result = simulate(config)
+    its = result.per_iteration
+    fig = _figure(8, 3.4)
+    ax = fig.add_subplot()
+    ax.bar([it["iteration"] for it in its], [it["delta_s"] for it in its], color="#1f77b4")
+    ax.set_xlabel("iteration")
+    ax.set_ylabel("delta = T_gen - T_train (s)")
+    twin = ax.twinx()
+    twin.step([it["iteration"] for it in its], [it["instances"] + 16 for it in its], "r-",
+              where="mid")  # fmt: skip
+    twin.set_ylabel("total GPUs", color="r")
+    ax.set_title("Elastic generation, simulated (paper-7b-10k, lengths +4%/iteration)")
+    fig.savefig(out / "sim-elastic.png")
+    rows = [{"iteration": it["iteration"], "delta_s": round(it["delta_s"], 1),
+             "delta_prime_s": round(it["delta_prime_s"], 1), "action": it["action"],
+             "gpus": it["instances"] + 16} for it in its]  # fmt: skip
+    return {"steps": rows}
+
+
+def cross_dc() -> dict:
+    """Fig. 12: 32 H20 (generation) + 16 H800 (training) across 80 Gbps vs 32 H800, 7B."""
+    table = {}
+    for size in ("5k", "10k", "20k"):
+        name = f"paper-7b-{size}"
+        single = simulate(paper_config(name, "async"))
+        cross = simulate(paper_config(name, "async", 32, 16, gen_gpu="h20", cross_dc=True))
+        table[size] = {
+            "single_samples_per_s": round(single.samples_per_s, 3),
+            "cross_samples_per_s": round(cross.samples_per_s, 3),
+            "throughput_per_cost_ratio": round(single.cost_per_sample / cross.cost_per_sample, 3),
+        }
+    return table
+
+
+def main(out: str) -> dict:
+    path = Path(out)
+    path.mkdir(parents=True, exist_ok=True)
+    tables = {
+        "cpu": cpu_validation(path),
+        "ablation": {p: ablation_summary(run_ablation(p))["ablation"]
+                     for p in ("paper-7b-20k", "paper-32b-20k", "paper-72b-20k")},
+        "allocation": allocation(path),
+        "dispatch": dispatch_gains(),
+        "elastic": elastic(path),
+        "cross_dc": cross_dc(),
+    }  # fmt: skip
+    return tables
+
+
+if __name__ == "__main__":
+    print(json.dumps(main(sys.argv[1] if len(sys.argv) > 1 else "docs/img"), indent=1))

@@ -1,0 +1,115 @@
+"""The backbone length ranker (LoRA on a causal LM + length head) learns, saves and refreshes."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+
+import pytest
+
+from streamrl.components.backbone_ranker import BackboneLengthRanker
+from streamrl.errors import ConfigError
+from streamrl.metrics import kendall_tau, recall_at_k
+from streamrl.records import Sample
+from streamrl.tasks import make_prompt_set
+
+COPY_PROMPTS = [f"copy {'a' * n}=" for n in range(1, 30)]
+
+
+@pytest.fixture(scope="module")
+def backbone_dir(tmp_path_factory):
+    from streamrl.models import build_tiny_model, build_tokenizer, save_policy
+
+    tokenizer = build_tokenizer()
+    path = tmp_path_factory.mktemp("backbone") / "test-model"
+    return str(save_policy(build_tiny_model(tokenizer, "test", seed=0), tokenizer, path))
+
+
+def test_learns_length_order_on_held_out_prompts(backbone_dir):
+    ds = make_prompt_set(600, seed=3, median_len=6, max_len=48)
+    prompts, lengths = ds["prompt"], ds["answer_len"]
+    ranker = BackboneLengthRanker(backbone_dir, epochs=8, seed=0)
+    ranker.fit(prompts[:480], lengths[:480])
+    predicted = ranker.predict(prompts[480:])
+    # Random order: recall@20 0.2 and tau 0 in expectation. Measured with this setting over five
+    # model/data seeds: recall@20 0.625-0.75 (24 true top items), tau 0.73-0.80; with the
+    # adapters frozen (head only) recall@20 0.46-0.63 and tau 0.49-0.59, so LoRA matters.
+    assert recall_at_k(predicted, lengths[480:], 0.2) >= 0.5
+    assert kendall_tau(predicted, lengths[480:]) >= 0.65
+
+
+def test_only_adapters_and_head_train_and_state_holds_no_backbone(backbone_dir):
+    ranker = BackboneLengthRanker(backbone_dir, lora_r=4, seed=0)
+    trainable = ranker.trainable_parameters()
+    assert trainable and all("lora_" in n or n.startswith("head.") for n in trainable)
+    frozen = {n for n, p in ranker.model.named_parameters() if not p.requires_grad}
+    assert any("embed_tokens" in n for n in frozen)
+    assert any("q_proj.base_layer" in n for n in frozen)
+    state = ranker.state_dict()
+    assert set(state["trainable"]) == set(trainable)
+    saved = sum(t.numel() for t in state["trainable"].values())
+    total = sum(p.numel() for p in ranker.model.parameters())
+    assert saved < 0.15 * total  # r=4 adapters on 4 projections x 3 layers + a 65-weight head
+
+
+def test_state_dict_round_trip_gives_identical_predictions(backbone_dir):
+    ranker = BackboneLengthRanker(backbone_dir, epochs=2, seed=0)
+    ranker.fit(COPY_PROMPTS, list(range(1, 30)))
+    odd = ["Écris un poème de 200 mots 🙂", "", "sort 3 1 2=", "copy abc="]
+    before = ranker.predict(odd)
+    assert all(math.isfinite(v) and v >= 0 for v in before)
+    copy = BackboneLengthRanker(backbone_dir, seed=1)  # other init: load must overwrite it all
+    copy.load_state_dict(ranker.state_dict())
+    assert copy.predict(odd) == before
+    other = BackboneLengthRanker(backbone_dir, lora_r=4)
+    with pytest.raises(ConfigError, match="saved with"):
+        other.load_state_dict(ranker.state_dict())
+
+
+def test_online_update_follows_drifting_lengths(backbone_dir):
+    probe = ["copy a=", "copy aaaaaaaaaaaaaaaaaaaaaaaa="]
+    ranker = BackboneLengthRanker(backbone_dir, epochs=10, batch_size=16, seed=0)
+    ranker.fit(COPY_PROMPTS, list(range(1, 30)))  # length grows with the string
+    before = ranker.predict(probe)
+    assert before[1] > before[0]
+    # The policy drifts: now short strings get long answers. The refresh must notice.
+    texts = {f"q{n}": p for n, p in enumerate(COPY_PROMPTS)}
+    samples = [Sample(f"q{n}", 0, [], [7] * (60 - 2 * n), [], 0, 0) for n in range(29)]
+    for _ in range(3):  # the buffer still holds the old lengths: new ones must outnumber them
+        ranker.update(samples, texts, epochs=10)
+    after = ranker.predict(probe)
+    assert after != before and after[0] > after[1]
+
+
+def test_missing_peft_says_how_to_install(backbone_dir, monkeypatch):
+    monkeypatch.setitem(sys.modules, "peft", None)  # what an environment without peft sees
+    with pytest.raises(ConfigError, match=r"pip install 'streamrl\[peft\]'"):
+        BackboneLengthRanker(backbone_dir)
+
+
+def test_bad_inputs_fail_at_construction(backbone_dir, tmp_path, tokenizer):
+    with pytest.raises(ConfigError, match="target_modules"):
+        BackboneLengthRanker(backbone_dir, target_modules=["c_attn"])
+    with pytest.raises(ConfigError, match="no model directory"):
+        BackboneLengthRanker(tmp_path / "missing")
+    from streamrl.models import build_tiny_model
+
+    with pytest.raises(ConfigError, match="tokenizer"):
+        BackboneLengthRanker(build_tiny_model(tokenizer, "test"))
+    ranker = BackboneLengthRanker(build_tiny_model(tokenizer, "test"), tokenizer)
+    with pytest.raises(RuntimeError, match="fit"):
+        ranker.predict(["copy a="])
+
+
+def test_bench_ranker_trains_the_backbone_next_to_the_fast_baseline(backbone_dir, tmp_path):
+    from streamrl.bench.ranker import bench_ranker
+
+    ds = make_prompt_set(60, seed=5)
+    data = tmp_path / "d.jsonl"
+    data.write_text("\n".join(json.dumps({"prompt": p, "length": n})
+                              for p, n in zip(ds["prompt"], ds["answer_len"])))  # fmt: skip
+    result = bench_ranker(str(data), backbone=backbone_dir)
+    assert result["ranker"] == "backbone" and result["baseline"]["ranker"] == "fast"
+    assert result["n_train"] == 48 and result["n_test"] == 12
+    assert 0.0 <= result["recall@20"] <= 1.0

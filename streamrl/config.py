@@ -98,6 +98,10 @@ class RLConfig:
             trained online on the policy's samples, dispatch with Algorithm 2 and admit longest
             first (LPT); otherwise round-robin and FIFO.
         ranker_refresh_every: iterations between online refreshes of the ranker.
+        elastic: add generator instances while training runs when generation lags training
+            by more than one more instance would save (§4.2), up to ``max_generators``.
+        max_generators: the most generator instances elastic scaling may reach.
+        max_restarts: failed generator instances replaced before the run stops.
     """
 
     algorithm: str = "grpo"
@@ -117,6 +121,9 @@ class RLConfig:
     min_samples: int = 1
     skew_dispatch: bool = True
     ranker_refresh_every: int = 10
+    elastic: bool = False
+    max_generators: int = 4
+    max_restarts: int = 3
 
 
 @dataclass
@@ -262,6 +269,12 @@ def check_rl(rl: RLConfig) -> None:
     for name, value in positive.items():
         if value < 1:
             raise ConfigError(f"rl.{name} must be >= 1, got {value}.")
+    if rl.max_generators < rl.generators or rl.max_restarts < 0:
+        raise ConfigError(
+            f"rl: need max_generators >= generators and max_restarts >= 0, got "
+            f"max_generators={rl.max_generators}, generators={rl.generators}, "
+            f"max_restarts={rl.max_restarts}."
+        )
     if rl.iterations < 0 or rl.group_size < 2:
         raise ConfigError(
             f"rl: need iterations >= 0 and group_size >= 2 (GRPO compares samples of a prompt), "

@@ -19,7 +19,9 @@ from lightning.pytorch.loggers import CSVLogger
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from streamrl.algorithms import ALGORITHMS
+from streamrl.components.elastic import ElasticController
 from streamrl.components.generation_service import StreamGenerationService
+from streamrl.components.latency import LatencyModel
 from streamrl.components.pipeline import DynamicBatchPipeline
 from streamrl.components.profiler import Profiler
 from streamrl.components.ranker import LengthRanker
@@ -92,11 +94,16 @@ def _train(
     reference = copy.deepcopy(policy) if rl.kl_coef > 0 else None
     torch.set_num_threads(1)  # one thread per process: the generators need the other cores
     skew = rl.skew_dispatch and rl.generators >= 2
-    dispatcher = _skew_dispatcher(policy, tokenizer, rl.max_batch_size) if skew else None
+    latency = _measure_latency(policy, tokenizer, rl.max_batch_size) if skew or rl.elastic else None
+    dispatcher = SkewAwareDispatcher(latency, rl.max_batch_size) if skew else None
+    elastic = None
+    if rl.elastic:
+        elastic = ElasticController(latency, rl.max_batch_size, max_instances=rl.max_generators)
     service = StreamGenerationService(
         model_dir, rl.generators, max_batch_size=rl.max_batch_size,
         temperature=rl.temperature, seed=config.seed, dispatcher=dispatcher,
-        scheduler="lpt" if skew else "fifo",
+        scheduler="lpt" if skew else "fifo", max_restarts=rl.max_restarts,
+        status_path=Path(config.output_dir) / "instances.json",
     )  # fmt: skip
     with service:
         rollouts = RolloutStream(
@@ -110,7 +117,7 @@ def _train(
         )
         module = StreamRLModule(
             policy.train(), algorithm, rollouts, rl.iterations, lr=rl.lr, reference=reference,
-            temperature=rl.temperature, mode=rl.mode, pipeline=pipeline,
+            temperature=rl.temperature, mode=rl.mode, pipeline=pipeline, elastic=elastic,
         )  # fmt: skip
         trainer = L.Trainer(
             max_steps=rl.iterations, max_epochs=1, accelerator="cpu", devices=1,
@@ -127,14 +134,14 @@ def _train(
     return module
 
 
-def _skew_dispatcher(
+def _measure_latency(
     policy: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, max_batch_size: int
-) -> SkewAwareDispatcher:
-    """Algorithm 2 with a latency model measured on this policy now (§5.1: never assumed)."""
+) -> LatencyModel:
+    """``PTL(BS)`` measured on this policy now, for Algorithm 2 and the elastic controller
+    (§5.1: never assumed)."""
     sizes = [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b <= max_batch_size]
     prompt = tokenizer("copy abcdefgh=")["input_ids"]
-    latency = Profiler(policy.eval(), prompt, tokens=16, repeats=1).fit(sizes)
-    return SkewAwareDispatcher(latency, max_batch_size)
+    return Profiler(policy.eval(), prompt, tokens=16, repeats=1).fit(sizes)
 
 
 def _rl_summary(module: StreamRLModule, iterations: int) -> dict:
@@ -155,4 +162,24 @@ def _rl_summary(module: StreamRLModule, iterations: int) -> dict:
         "dropped_stale": module.pipeline.dropped_stale,
         "sync_exposed_s_total": sum(h["time/sync_exposed_s"] for h in history),
         "sync_transfer_s_total": module.sync_transfer_s,
+        **ledger(module),
+    }
+
+
+def ledger(module: StreamRLModule) -> dict:
+    """Where every requested sample went; ``samples_lost`` must be 0 (see docs/failures.md)."""
+    service, rollouts = module.rollouts.service, module.rollouts
+    requested = rollouts.prompts_dispatched * rollouts.algorithm.group_size
+    filtered = module.pipeline.dropped_stale
+    return {
+        "prompts_dispatched": rollouts.prompts_dispatched,
+        "samples_requested": requested,
+        "samples_generated": service.counts["samples_returned"],
+        "samples_trained": module.samples_trained,
+        "samples_filtered": filtered,
+        "samples_requeued": service.counts["requests_requeued"],
+        "samples_discarded_late": service.counts["samples_discarded"],
+        "samples_lost": requested - module.samples_trained - filtered,
+        "instances_restarted": service.counts["instances_restarted"],
+        "generators_final": sum(i.state != "failed" for i in service.instances()),
     }

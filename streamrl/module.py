@@ -21,6 +21,7 @@ from torch.utils.data import IterableDataset
 from transformers import PreTrainedModel
 
 from streamrl.algorithms.base import Algorithm, LossInputs
+from streamrl.components.elastic import ElasticController
 from streamrl.components.pipeline import DynamicBatchPipeline, MicroBatch
 from streamrl.rollout import RolloutStream
 from streamrl.timeline import TraceRecorder
@@ -78,6 +79,8 @@ class StreamRLModule(L.LightningModule):
         pipeline: micro-batching and staleness policy; by default a token budget of 1024 and a
             staleness bound of 0 (sync) or 1 (async).
         trace: records spans for the timeline (bounded); the rollouts' recorder if ``None``.
+        elastic: decides after each iteration whether generation needs another instance
+            (§4.2); the service adds it while training goes on.
     """
 
     def __init__(
@@ -93,6 +96,7 @@ class StreamRLModule(L.LightningModule):
         mode: Mode = "sync",
         pipeline: DynamicBatchPipeline | None = None,
         trace: TraceRecorder | None = None,
+        elastic: ElasticController | None = None,
     ) -> None:
         super().__init__()
         if mode not in MODES:
@@ -105,6 +109,8 @@ class StreamRLModule(L.LightningModule):
         self.pipeline = pipeline or DynamicBatchPipeline(staleness_bound=int(mode == "async"))
         self.trace = trace if trace is not None else rollouts.trace
         self.history: list[dict] = []
+        self.elastic = elastic
+        self.samples_trained = 0
         self.sync_transfer_s = 0.0  # seconds spent broadcasting weights, background included
         self._ahead: int | None = None  # async: the iteration generated one step ahead
 
@@ -121,6 +127,7 @@ class StreamRLModule(L.LightningModule):
                 with self.trace.span("trainer", "train", iteration, samples=len(micro.samples)):
                     per_sample = self.algorithm.loss(self.loss_inputs(micro))  # [micro]
                     self.manual_backward(per_sample.sum() / total)
+                self.samples_trained += len(micro.samples)
                 train_s += time.perf_counter() - t0
         t0 = time.perf_counter()
         with self.trace.span("trainer", "step", iteration):
@@ -135,6 +142,20 @@ class StreamRLModule(L.LightningModule):
             else:
                 sync_s = self.rollouts.service.update(self.policy, self.weight_version)
         self.log_iteration(iteration, time.perf_counter() - started, train_s, sync_s, grad_norm)
+        if self.elastic is not None:
+            self._scale(train_s)
+
+    def _scale(self, train_s: float) -> None:
+        """Elastic generation (§4.2): one more instance when generation lags training."""
+        service, stats = self.rollouts.service, self.rollouts.stats
+        running = sum(i.state in ("starting", "joining", "active") for i in service.instances())
+        decision = self.elastic.observe(stats.generate_s, train_s, running, stats.lengths)
+        if decision.action == "add":
+            for _ in range(decision.instances - running):
+                service.add_instance()  # joins once it holds the current weights
+        self.history[-1]["elastic/instances"] = float(decision.instances)
+        self.history[-1]["elastic/delta_s"] = decision.delta_s
+        self.history[-1]["elastic/delta_prime_s"] = decision.delta_prime_s
 
     def _dispatch(self, iteration: int) -> int:
         """The rollout iteration this step trains on; in async mode also dispatch the next."""
@@ -153,6 +174,7 @@ class StreamRLModule(L.LightningModule):
         # What a resumed run needs beyond the weights: where the trainer and the ranker are.
         checkpoint["streamrl"] = {
             "weight_version": self.weight_version,
+            "elastic": self.elastic.state_dict() if self.elastic else None,
             "prompt_source": self.rollouts.prompts.state_dict(),
             "length_ranker": self.rollouts.ranker.state_dict() if self.rollouts.ranker else None,
         }
@@ -163,6 +185,8 @@ class StreamRLModule(L.LightningModule):
             return
         self.weight_version = state["weight_version"]
         self.rollouts.prompts.load_state_dict(state["prompt_source"])
+        if self.elastic is not None and state.get("elastic") is not None:
+            self.elastic.load_state_dict(state["elastic"])
         if self.rollouts.ranker is not None and state["length_ranker"] is not None:
             self.rollouts.ranker.load_state_dict(state["length_ranker"])
 

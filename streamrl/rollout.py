@@ -83,6 +83,7 @@ class IterationStats:
     generate_s: float = 0.0
     wait_s: float = 0.0  # time the trainer spent blocked waiting for the next sample
     rewards: list[float] = field(default_factory=list)
+    lengths: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -145,6 +146,7 @@ class RolloutStream:
         self.stats = IterationStats()
         self._batches: dict[int, _Batch] = {}
         self._next_iteration = 0
+        self.prompts_dispatched = 0
 
     @property
     def samples_per_iteration(self) -> int:
@@ -171,6 +173,7 @@ class RolloutStream:
                 for index in range(self.algorithm.group_size)
             ]  # fmt: skip
         self._batches[iteration] = _Batch(rows, time.perf_counter(), {pid: [] for pid in rows})
+        self.prompts_dispatched += len(rows)
         self.service.submit(requests, self._predicted_lengths(requests, rows))
         if self._refresh_due:  # while the instances generate, not on the trainer's critical path
             self._refresh_ranker()
@@ -227,6 +230,7 @@ class RolloutStream:
         stats = batch.stats
         stats.samples, stats.tokens = stats.samples + 1, stats.tokens + sample.length
         stats.rewards.append(sample.reward)
+        stats.lengths.append(sample.length)
         if self.ranker is not None:
             self._finished_lengths.append((row["prompt"], sample.length))
         self.trace.add_samples([sample], sample.iteration)

@@ -140,6 +140,7 @@ class StreamGenerationService:
         self._seed = seed
         self._ctx = mp.get_context("spawn")
         self._instances: list[_Instance] = []
+        self._running = False
         self._received: deque[tuple] = deque()  # read from the pipes, not yet handled
         self.weight_sync: AsyncWeightSync | None = None
         self._backlog: deque[Sample] = deque()
@@ -157,8 +158,9 @@ class StreamGenerationService:
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self) -> StreamGenerationService:
         """Spawn the instances and wait until each has loaded the model and joined its group."""
-        if self._instances:
+        if self._running:
             return self
+        self._running, self._instances = True, []
         self.weight_sync = AsyncWeightSync(self.start_timeout_s)
         try:
             for _ in range(self.num_instances):
@@ -217,7 +219,7 @@ class StreamGenerationService:
         if self.weight_sync is not None:
             self.weight_sync.close()
         self._write_status()
-        self._instances, self.weight_sync = [], None
+        self._running, self.weight_sync = False, None  # instances() still tells their fate
         self._received.clear()
         self._outstanding.clear()
         self._backlog.clear()
@@ -420,7 +422,7 @@ class StreamGenerationService:
 
     # -- messages ----------------------------------------------------------------------------
     def _require_started(self) -> None:
-        if not self._instances:
+        if not self._running:
             raise RuntimeError(
                 "StreamGenerationService is not started; call start() or use `with`."
             )

@@ -114,6 +114,10 @@ class _Instance:
 
     def _handle(self, message: tuple) -> None:
         kind = message[0]
+        if kind not in ("submit", "limit", "update", "fingerprint") or (
+            kind == "update" and not isinstance(message[1], int)
+        ):  # fail loudly: the service replaces this instance and requeues its requests
+            raise ValueError(f"Corrupt message from the service: {message!r:.200}")
         if kind == "submit":
             self.held.extend(message[1])
             self._release_held()

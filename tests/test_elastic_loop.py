@@ -1,0 +1,80 @@
+"""Elastic generation in the live loop (§4.2): output lengths grow, an instance joins mid-run."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import lightning as L
+import pytest
+
+from streamrl.algorithms import GRPO
+from streamrl.components.elastic import ElasticController
+from streamrl.components.generation_service import StreamGenerationService
+from streamrl.components.latency import LatencyModel
+from streamrl.models import build_tiny_model, save_policy
+from streamrl.module import StreamRLModule
+from streamrl.rollout import PromptSource, RolloutStream
+from streamrl.tasks import make_prompt_set, partial_credit
+
+pytestmark = pytest.mark.timeout(300)
+
+
+class RecordingModule(StreamRLModule):
+    """Counts every (prompt, sample, iteration) it trains on."""
+
+    trained: Counter
+
+    def loss_inputs(self, batch):
+        self.trained.update(s.key for s in batch.samples)
+        return super().loss_inputs(batch)
+
+
+def growing_lengths(prompts_per_iteration: int):
+    """Forced output lengths that grow each iteration: 8, 8, 40, 80, 120 ... tokens."""
+    iteration = 0
+    while True:
+        length = 8 if iteration < 2 else 40 * (iteration - 1)
+        yield from [min(length, 150)] * prompts_per_iteration
+        iteration += 1
+
+
+def test_elastic_run_adds_an_instance_when_generation_lags_and_trains_everything_once(
+    tmp_path, tokenizer
+):
+    policy = build_tiny_model(tokenizer, "test", seed=0)
+    save_policy(policy, tokenizer, tmp_path / "policy")
+    prompts = make_prompt_set(64, ["copy"], median_len=3, max_len=6, seed=0)
+    algorithm = GRPO(partial_credit, group_size=4)
+    # PTL rises with the batch: spreading 16 samples over more instances pays.
+    latency = LatencyModel([1, 4, 8, 16], [0.001, 0.0012, 0.0016, 0.0024])
+    controller = ElasticController(latency, max_batch_size=16, max_instances=2)
+    with StreamGenerationService(tmp_path / "policy", 1, max_batch_size=16,
+                                 status_path=tmp_path / "instances.json") as sgs:  # fmt: skip
+        rollouts = RolloutStream(sgs, PromptSource(prompts, 4), tokenizer, algorithm, 160, 256,
+                                 forced_lengths=growing_lengths(4))  # fmt: skip
+        module = RecordingModule(policy, algorithm, rollouts, iterations=5, lr=1e-3,
+                                 elastic=controller)  # fmt: skip
+        module.trained = Counter()
+        trainer = L.Trainer(max_steps=5, max_epochs=1, accelerator="cpu", logger=False,
+                            enable_checkpointing=False, enable_progress_bar=False,
+                            enable_model_summary=False)  # fmt: skip
+        trainer.fit(module)
+        sizes = [h["elastic/instances"] for h in module.history]
+        # Short outputs first: training keeps up; then generation lags and one instance joins.
+        assert sizes[0] == 1 and sizes[-1] == 2, module.history
+        added_at = sizes.index(2)
+        assert any(h["elastic/delta_s"] > h["elastic/delta_prime_s"] > 0
+                   for h in module.history[added_at : added_at + 1])  # fmt: skip
+        sgs.wait_active()
+        assert [i.state for i in sgs.instances()] == ["active", "active"]
+        assert [i.weight_version for i in sgs.instances()] == [5, 5]
+    # Every sample of every prompt of every iteration trained exactly once.
+    expected = {(p, s, it) for it in range(5) for p in _dealt(prompts, it) for s in range(4)}
+    assert set(module.trained) == expected and set(module.trained.values()) == {1}
+
+
+def _dealt(prompts, iteration: int) -> list[str]:
+    source = PromptSource(prompts, 4)
+    for _ in range(iteration):
+        source.next_batch()
+    return [row["prompt_id"] for row in source.next_batch()]

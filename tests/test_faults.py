@@ -1,0 +1,94 @@
+"""Fault injection in the live loop: each run finishes (or stops with the documented error) and
+the ledger balances: every requested sample is trained exactly once or accounted for."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+from collections import Counter
+
+import lightning as L
+import pytest
+
+from streamrl.algorithms import GRPO, RewardError
+from streamrl.components.generation_service import StreamGenerationService
+from streamrl.jobs import ledger
+from streamrl.models import build_tiny_model, save_policy
+from streamrl.module import StreamRLModule
+from streamrl.rollout import PromptSource, RolloutStream
+from streamrl.tasks import make_prompt_set, partial_credit
+
+pytestmark = [pytest.mark.faults, pytest.mark.timeout(300)]
+
+ITERATIONS, PROMPTS, GROUP = 4, 4, 4
+
+
+class FaultyRun(StreamRLModule):
+    """Counts every sample it trains on and injects ``fault`` into generator instance 0 right
+    after iteration 1's prompts are dispatched (they, and in async mode iteration 2's, are
+    being generated)."""
+
+    def loss_inputs(self, batch):
+        self.trained.update(s.key for s in batch.samples)
+        return super().loss_inputs(batch)
+
+    def _dispatch(self, iteration: int) -> int:
+        current = super()._dispatch(iteration)
+        if self.fault and iteration == 1:
+            fault, self.fault = self.fault, None
+            service = self.rollouts.service
+            if fault == "corrupt":
+                service._instances[0].inbox.put(("update", "not a version"))
+            else:
+                sig = signal.SIGKILL if fault == "kill" else signal.SIGSTOP
+                os.kill(service.instances()[0].pid, sig)
+        return current
+
+
+def run_with_fault(tmp_path, tokenizer, fault: str | None, mode: str = "sync", reward=None):
+    policy = build_tiny_model(tokenizer, "test", seed=0)
+    save_policy(policy, tokenizer, tmp_path / "policy")
+    prompts = make_prompt_set(64, ["copy"], median_len=3, max_len=6, seed=0)
+    algorithm = GRPO(reward or partial_credit, group_size=GROUP)
+    sgs = StreamGenerationService(tmp_path / "policy", 2, max_batch_size=8, heartbeat_timeout_s=4)
+    with sgs:
+        lengths = iter([10, 10, 120, 120] * 100)
+        rollouts = RolloutStream(sgs, PromptSource(prompts, PROMPTS), tokenizer, algorithm, 64,
+                                 256, forced_lengths=lengths)  # fmt: skip
+        module = FaultyRun(policy, algorithm, rollouts, ITERATIONS, lr=1e-3, mode=mode)
+        module.trained, module.fault = Counter(), fault
+        trainer = L.Trainer(max_steps=ITERATIONS, max_epochs=1, accelerator="cpu", logger=False,
+                            enable_checkpointing=False, enable_progress_bar=False,
+                            enable_model_summary=False)  # fmt: skip
+        trainer.fit(module)
+        sgs.wait_active()
+        states = [i.state for i in sgs.instances()]
+    return module, states
+
+
+@pytest.mark.parametrize(
+    ("fault", "mode"), [("kill", "sync"), ("kill", "async"), ("hang", "sync"), ("corrupt", "sync")]
+)
+def test_a_failed_generator_is_replaced_and_nothing_is_lost(tmp_path, tokenizer, fault, mode):
+    module, states = run_with_fault(tmp_path, tokenizer, fault, mode)
+    books = ledger(module)
+    assert books["samples_lost"] == 0 and books["instances_restarted"] == 1
+    assert books["samples_requeued"] > 0
+    assert books["samples_trained"] == ITERATIONS * PROMPTS * GROUP
+    assert set(module.trained.values()) == {1}  # nothing trained twice
+    assert states == ["failed", "active", "active"]
+    assert not [p for p in mp.active_children() if p.name.startswith("streamrl-generator")]
+
+
+def test_a_reward_that_raises_stops_the_run_naming_the_prompt(tmp_path, tokenizer):
+    def reward(completion: str, answer: str) -> float:
+        if answer == poison:
+            raise ZeroDivisionError("bad row")
+        return 0.0
+
+    rows = make_prompt_set(64, ["copy"], median_len=3, max_len=6, seed=0)
+    poison = PromptSource(rows, PROMPTS).next_batch()[1]["answer"]
+    with pytest.raises(RewardError, match=r"prompt 'p\d+'.*ZeroDivisionError\('bad row'\)"):
+        run_with_fault(tmp_path, tokenizer, None, reward=reward)
+    assert not [p for p in mp.active_children() if p.name.startswith("streamrl-generator")]

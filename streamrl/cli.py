@@ -14,7 +14,7 @@ import sys
 import warnings
 from collections.abc import Sequence
 
-from streamrl.errors import ConfigError
+from streamrl.errors import ConfigError, NonFiniteLossError
 
 
 def _quiet_libraries() -> None:
@@ -261,7 +261,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ConfigError, FileNotFoundError) as err:  # bad input, found before any work
         print(f"streamrl {args.command}: error: {err}", file=sys.stderr)
         return 2
-    except (RewardError, GeneratorError) as err:  # the run stopped; every process is cleaned up
+    except (RewardError, GeneratorError, NonFiniteLossError) as err:  # stopped, all cleaned up
         print(f"streamrl {args.command}: stopped: {err}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

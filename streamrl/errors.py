@@ -10,6 +10,11 @@ class ConfigError(ValueError):
     """A configuration or input problem found before any work starts."""
 
 
+class NonFiniteLossError(FloatingPointError):
+    """A micro-batch's loss was NaN or infinite; names the iteration and the samples. The run
+    stops before the optimizer step, so the weights (and any checkpoint) stay finite."""
+
+
 def unknown_name(kind: str, name: str, choices: Iterable[str]) -> str:
     """A message for an unknown name, with a "did you mean" when one is close.
 

@@ -10,6 +10,7 @@ loggers and checkpoints keep working.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import time
 from collections.abc import Iterator
@@ -23,6 +24,7 @@ from transformers import PreTrainedModel
 from streamrl.algorithms.base import Algorithm, LossInputs
 from streamrl.components.elastic import ElasticController
 from streamrl.components.pipeline import DynamicBatchPipeline, MicroBatch
+from streamrl.errors import NonFiniteLossError
 from streamrl.rollout import RolloutStream
 from streamrl.timeline import TraceRecorder
 
@@ -126,6 +128,7 @@ class StreamRLModule(L.LightningModule):
                 t0 = time.perf_counter()
                 with self.trace.span("trainer", "train", iteration, samples=len(micro.samples)):
                     per_sample = self.algorithm.loss(self.loss_inputs(micro))  # [micro]
+                    _check_finite(per_sample, micro.samples, iteration)
                     self.manual_backward(per_sample.sum() / total)
                 self.samples_trained += len(micro.samples)
                 train_s += time.perf_counter() - t0
@@ -226,12 +229,15 @@ class StreamRLModule(L.LightningModule):
         current = completion_logprobs(
             self.policy, input_ids, attention, starts, width, self.temperature
         )
+        # Per-token critic values for algorithms with a critic (PPO); None for the others.
+        values = self.algorithm.token_values(self.policy, input_ids, attention, starts, width)
         return LossInputs(
             logprobs=current * mask,
             old_logprobs=old,
             advantages=torch.tensor(batch.advantages, dtype=old.dtype, device=self.device),
             mask=mask,
             ref_logprobs=ref,
+            values=values,
         )
 
     def log_iteration(
@@ -272,6 +278,17 @@ class StreamRLModule(L.LightningModule):
         return torch.utils.data.DataLoader(
             IterationTicker(self.iterations), batch_size=None, collate_fn=lambda x: x
         )
+
+
+def _check_finite(per_sample: torch.Tensor, samples: list, iteration: int) -> None:
+    if bool(torch.isfinite(per_sample).all()):
+        return
+    bad = [s.key for s, v in zip(samples, per_sample.tolist()) if not math.isfinite(v)]
+    raise NonFiniteLossError(
+        f"Non-finite loss at iteration {iteration} on {len(bad)} sample(s) "
+        f"(prompt_id, sample_index, iteration): {bad[:8]}. Stopped before the optimizer step; "
+        "lower rl.lr, check the reward function, or enable rl.kl_coef."
+    )
 
 
 def completion_logprobs(

@@ -10,6 +10,7 @@ import pytest
 from streamrl.config import RunConfig, load_config
 from streamrl.errors import ConfigError
 from streamrl.prepare import prepare_run
+from streamrl.tasks.prompt_sets import load_prompt_file
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -80,3 +81,29 @@ def test_prompt_longer_than_context(tmp_path):
     config.data.n_heldout = 1
     with pytest.raises(ConfigError, match="Prompt 'too-long' needs 306 prompt"):
         prepare_run(config)
+
+
+def test_duplicate_prompt_ids_name_the_line(tmp_path):
+    path = tmp_path / "dup.jsonl"
+    rows = [{"prompt_id": "a", "prompt": "copy ab=", "answer": "ab"}] * 2
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    with pytest.raises(ConfigError, match=r"dup.jsonl:2: duplicate prompt_id 'a'"):
+        load_prompt_file(path)
+
+
+@pytest.mark.parametrize(
+    ("yaml_text", "message"),
+    [
+        ("rl:\n  max_tokens: 0\n", r"rl.max_tokens must be >= 1, got 0"),
+        ("rl:\n  group_size: 1\n", r"group_size >= 2"),
+        ("rl:\n  algorithm: grop\n", r"Unknown algorithm 'grop' \(did you mean 'grpo'\?\)"),
+        ("rl:\n  mode: asynch\n", r"Unknown mode 'asynch' \(did you mean 'async'\?\)"),
+        ("rl:\n  reward: exakt\n", r"Unknown reward 'exakt' \(did you mean 'exact'\?\)"),
+        ("rl:\n  generators: 3\n  max_generators: 2\n", r"max_generators >= generators"),
+        ("rl:\n  max_restarts: -1\n", r"max_restarts >= 0"),
+        ("rl:\n  skew_dispach: true\n", r"Unknown key 'skew_dispach'.*'skew_dispatch'"),
+    ],
+)
+def test_bad_rl_values_fail_before_work(tmp_path, yaml_text, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(write(tmp_path, yaml_text))

@@ -10,9 +10,11 @@ from collections import Counter
 
 import lightning as L
 import pytest
+import torch
 
 from streamrl.algorithms import GRPO, RewardError
 from streamrl.components.generation_service import StreamGenerationService
+from streamrl.errors import NonFiniteLossError
 from streamrl.jobs import ledger
 from streamrl.models import build_tiny_model, save_policy
 from streamrl.module import StreamRLModule
@@ -92,3 +94,25 @@ def test_a_reward_that_raises_stops_the_run_naming_the_prompt(tmp_path, tokenize
     with pytest.raises(RewardError, match=r"prompt 'p\d+'.*ZeroDivisionError\('bad row'\)"):
         run_with_fault(tmp_path, tokenizer, None, reward=reward)
     assert not [p for p in mp.active_children() if p.name.startswith("streamrl-generator")]
+
+
+def test_non_finite_loss_stops_naming_the_samples_before_the_weights_change(tmp_path, tokenizer):
+    class NaNAtIterationOne(GRPO):
+        def loss(self, batch):
+            per_sample = super().loss(batch)
+            return per_sample * float("nan") if module.weight_version == 1 else per_sample
+
+    policy = build_tiny_model(tokenizer, "test", seed=0)
+    save_policy(policy, tokenizer, tmp_path / "policy")
+    prompts = make_prompt_set(16, ["copy"], median_len=3, max_len=6, seed=0)
+    algorithm = NaNAtIterationOne(partial_credit, group_size=2)
+    with StreamGenerationService(tmp_path / "policy", 1, max_batch_size=8) as sgs:
+        rollouts = RolloutStream(sgs, PromptSource(prompts, 2), tokenizer, algorithm, 8, 256)
+        module = StreamRLModule(policy, algorithm, rollouts, 3, lr=1e-3)
+        trainer = L.Trainer(max_steps=3, max_epochs=1, accelerator="cpu", logger=False,
+                            enable_checkpointing=False, enable_progress_bar=False,
+                            enable_model_summary=False)  # fmt: skip
+        with pytest.raises(NonFiniteLossError, match=r"iteration 1 on 2 sample\(s\).*'p\d+', 0, 1"):
+            trainer.fit(module)
+    assert all(torch.isfinite(p).all() for p in policy.parameters())
+    assert module.weight_version == 1

@@ -1,8 +1,10 @@
 """Algorithm hooks that follow RL timing.
 
 A sample is scored the moment it arrives (``score_sample``), a prompt's group once all its samples
-are in (``score_group``: advantages), and a micro-batch when the trainer reaches it (``loss``). A
-new algorithm overrides only the hooks it changes, in tens of lines.
+are in (``score_group``: advantages; ``keep_group``: train on it or not), and a micro-batch when
+the trainer reaches it (``loss``, with per-token values from ``token_values`` for algorithms with
+a critic). A new algorithm overrides only the hooks it changes, in tens of lines; see
+docs/algorithms.md.
 """
 
 from __future__ import annotations
@@ -28,9 +30,12 @@ class LossInputs:
     Attributes:
         logprobs: log-probs of the sampled tokens under the current policy (with grad).
         old_logprobs: behaviour log-probs recorded by the generator.
-        advantages: one per sample, ``[batch]``.
+        advantages: one per sample, ``[batch]``: what ``score_group`` returned (for PPO, the
+            sequence reward, which GAE turns into token advantages inside ``loss``).
         mask: 1 for real completion tokens, 0 for padding.
         ref_logprobs: log-probs under the frozen reference policy, or ``None`` without KL.
+        values: the critic's value of the state before each completion token (with grad), from
+            ``Algorithm.token_values``; ``None`` for algorithms without a critic.
     """
 
     logprobs: torch.Tensor
@@ -38,6 +43,7 @@ class LossInputs:
     advantages: torch.Tensor
     mask: torch.Tensor
     ref_logprobs: torch.Tensor | None = None
+    values: torch.Tensor | None = None
 
 
 class Algorithm:
@@ -77,9 +83,42 @@ class Algorithm:
         """Advantages of one prompt's samples, given their rewards (same order)."""
         raise NotImplementedError
 
+    def keep_group(self, rewards: Sequence[float]) -> bool:
+        """Whether a complete group is trained on; ``False`` filters it out (the rollout then
+        asks the stream for another prompt). Default: keep every group."""
+        del rewards
+        return True
+
     def loss(self, batch: LossInputs) -> torch.Tensor:
-        """Per-sample loss, ``[batch]``; the trainer averages it over the iteration's samples."""
+        """Per-sample loss, ``[batch]``; the trainer sums it and divides by the iteration's
+        samples (``RolloutStream.samples_per_iteration``)."""
         raise NotImplementedError
+
+    def token_values(
+        self,
+        policy: torch.nn.Module,
+        input_ids: torch.Tensor,
+        attention: torch.Tensor,
+        starts: torch.Tensor,
+        width: int,
+    ) -> torch.Tensor | None:
+        """Critic values of each completion position, ``[batch, width]``, or ``None`` (default).
+
+        Called by the trainer on every micro-batch, with the padded rows it feeds the policy.
+
+        Args:
+            policy: the policy being trained.
+            input_ids / attention: ``[batch, seq]``, each row ``prompt + completion + padding``.
+            starts: ``[batch]``, where each row's completion starts.
+            width: completion positions wanted.
+        """
+        del policy, input_ids, attention, starts, width
+        return None
+
+    def trainable_parameters(self) -> list[torch.nn.Parameter]:
+        """Parameters the algorithm owns (a value head) that the optimizer must update with the
+        policy's. Default: none."""
+        return []
 
     def state_dict(self) -> dict:
         return {}

@@ -139,6 +139,7 @@ def load_prompt_file(path: str | Path) -> datasets.Dataset:
     if not path.is_file():
         raise ConfigError(f"Prompt file {str(path)!r} does not exist.")
     rows = []
+    seen: dict[str, int] = {}  # prompt id -> line
     for line_no, line in enumerate(path.read_text().splitlines(), start=1):
         if not line.strip():
             continue
@@ -149,9 +150,16 @@ def load_prompt_file(path: str | Path) -> datasets.Dataset:
         if not isinstance(row, dict) or "prompt" not in row or "answer" not in row:
             raise ConfigError(f"{path}:{line_no}: each row needs 'prompt' and 'answer' fields.")
         answer = str(row["answer"])
+        prompt_id = str(row.get("prompt_id", f"{path.stem}-{len(rows):06d}"))
+        if prompt_id in seen:
+            raise ConfigError(
+                f"{path}:{line_no}: duplicate prompt_id {prompt_id!r} (first on line "
+                f"{seen[prompt_id]}); prompt ids must be unique."
+            )
+        seen[prompt_id] = line_no
         rows.append(
             dict(
-                prompt_id=str(row.get("prompt_id", f"{path.stem}-{len(rows):06d}")),
+                prompt_id=prompt_id,
                 task=str(row.get("task", "custom")),
                 prompt=str(row["prompt"]),
                 answer=answer,
@@ -160,8 +168,4 @@ def load_prompt_file(path: str | Path) -> datasets.Dataset:
         )
     if not rows:
         raise ConfigError(f"Prompt file {str(path)!r} has no rows; add JSONL rows with a prompt.")
-    ids = [r["prompt_id"] for r in rows]
-    if len(set(ids)) != len(ids):
-        dup = next(i for i in ids if ids.count(i) > 1)
-        raise ConfigError(f"Prompt file {str(path)!r}: duplicate prompt_id {dup!r}.")
     return datasets.Dataset.from_list(rows)

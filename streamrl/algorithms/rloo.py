@@ -1,0 +1,50 @@
+"""RLOO: REINFORCE with a leave-one-out baseline (Ahmadian et al. 2024, "Back to Basics")."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from streamrl.algorithms.base import Algorithm, LossInputs
+from streamrl.algorithms.losses import policy_loss
+from streamrl.tasks.rewards import RewardFn
+
+
+class RLOO(Algorithm):
+    """REINFORCE Leave-One-Out.
+
+    Each of a prompt's ``k`` samples is baselined by the mean reward of the *other* ``k - 1``:
+    ``A_i = r_i - (sum_j r_j - r_i) / (k - 1)``, an unbiased baseline (it does not depend on
+    sample ``i``). The loss is the same clipped surrogate as GRPO's (``losses.policy_loss``); with
+    on-policy samples the ratio is 1 and it reduces to RLOO's REINFORCE gradient.
+
+    Args:
+        reward_fn: rule-based reward.
+        group_size: samples per prompt (``k >= 2``).
+        clip_eps: PPO clip range.
+        kl_coef: weight of the k3 KL penalty to the reference policy; 0 disables it.
+
+    Example:
+        >>> from streamrl.tasks import partial_credit
+        >>> RLOO(partial_credit, group_size=3).score_group([1.0, 0.0, 0.5])
+        [0.75, -0.75, 0.0]
+    """
+
+    def __init__(
+        self, reward_fn: RewardFn, group_size: int = 8, clip_eps: float = 0.2, kl_coef: float = 0.0
+    ) -> None:
+        super().__init__(reward_fn)
+        if group_size < 2:
+            raise ValueError(
+                f"RLOO needs group_size >= 2 for a leave-one-out baseline, got {group_size}."
+            )
+        self.group_size, self.clip_eps, self.kl_coef = group_size, clip_eps, kl_coef
+
+    def score_group(self, rewards: Sequence[float]) -> list[float]:
+        r = torch.tensor(rewards, dtype=torch.float64)
+        others_mean = (r.sum() - r) / (len(rewards) - 1)
+        return (r - others_mean).tolist()
+
+    def loss(self, batch: LossInputs) -> torch.Tensor:
+        return policy_loss(batch, self.clip_eps, kl_coef=self.kl_coef)

@@ -1,0 +1,299 @@
+"""RLOO, REINFORCE++, DAPO options and PPO: hand-computed values, then the real loop."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+
+from streamrl.algorithms import (
+    ALGORITHMS,
+    GRPO,
+    PPO,
+    RLOO,
+    Algorithm,
+    LossInputs,
+    ReinforcePlusPlus,
+    build_algorithm,
+    dapo,
+    reinforce_pp_baseline,
+)
+from streamrl.algorithms.grpo import overlong_penalty
+from streamrl.algorithms.losses import policy_loss
+from streamrl.algorithms.ppo import clipped_value_loss, gae, terminal_rewards
+from streamrl.algorithms.reinforce_pp import RunningMoments
+from streamrl.errors import ConfigError
+from streamrl.records import Sample
+from streamrl.tasks import exact_match, partial_credit
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _batch(advantages, ratios, mask, **kw) -> LossInputs:
+    """A micro-batch whose current / behaviour ratios are the given numbers."""
+    old = torch.log(torch.full((len(ratios), len(ratios[0])), 0.5))
+    logprobs = old + torch.log(torch.tensor(ratios))
+    return LossInputs(logprobs, old, torch.tensor(advantages), torch.tensor(mask), **kw)
+
+
+# -- RLOO ----------------------------------------------------------------------------------------
+def test_rloo_leave_one_out_advantages():
+    rloo = RLOO(partial_credit, group_size=3)
+    # Sum 1.5. Others' means: (1.5-1)/2 = 0.25, (1.5-0)/2 = 0.75, (1.5-0.5)/2 = 0.5.
+    assert rloo.score_group([1.0, 0.0, 0.5]) == pytest.approx([0.75, -0.75, 0.0])
+    # Sum 2: a 1 is baselined by 1/3, a 0 by 2/3.
+    assert rloo.score_group([1.0, 0.0, 0.0, 1.0]) == pytest.approx([2 / 3, -2 / 3, -2 / 3, 2 / 3])
+    with pytest.raises(ValueError, match="group_size >= 2"):
+        RLOO(partial_credit, group_size=1)
+
+
+def test_rloo_loss_is_the_shared_clipped_surrogate_with_k3_kl():
+    rloo = RLOO(partial_credit, group_size=2, clip_eps=0.2, kl_coef=0.1)
+    batch = _batch([0.75, -0.75], [[1.0, 2.0], [1.0, 1.0]], [[1, 1], [1, 0]])
+    batch.ref_logprobs = batch.logprobs.detach() + torch.log(torch.tensor(2.0))
+    # k3 with ref - cur = ln 2: 2 - ln 2 - 1 = 0.30685 per token, x 0.1 = 0.030685.
+    # Sample 0 (A=0.75): ratios 1 and 2 (clipped to 1.2): -(0.75 + 0.9) / 2 = -0.825.
+    # Sample 1 (A=-0.75): ratio 1 on its only real token: 0.75.
+    kl = 0.1 * (2 - torch.log(torch.tensor(2.0)).item() - 1)
+    assert rloo.loss(batch).tolist() == pytest.approx([-0.825 + kl, 0.75 + kl])
+    # GRPO computes the very same loss from the same pieces.
+    grpo = GRPO(partial_credit, group_size=2, clip_eps=0.2, kl_coef=0.1)
+    assert torch.allclose(grpo.loss(batch), rloo.loss(batch))
+    assert torch.allclose(policy_loss(batch, 0.2, kl_coef=0.1), rloo.loss(batch))
+
+
+# -- REINFORCE++ ---------------------------------------------------------------------------------
+def test_running_moments_window_and_state():
+    m = RunningMoments(window=None)
+    m.update([1.0, 0.0, 1.0, 1.0])  # mean 0.75, var 3/4 - 0.75^2 = 0.1875
+    assert (m.mean, m.std) == pytest.approx((0.75, 0.1875**0.5))
+    w = RunningMoments(window=2)  # each new value halves the weight of the older ones
+    w.update([1.0])
+    w.update([0.0])  # (0.5 * 1 + 1 * 0) / 1.5
+    assert w.mean == pytest.approx(1 / 3)
+    restored = RunningMoments(window=2)
+    restored.load_state_dict(w.state_dict())
+    assert (restored.mean, restored.std) == (w.mean, w.std)
+
+
+def test_reinforce_pp_normalises_over_the_stream_not_the_group():
+    algo = ReinforcePlusPlus(partial_credit, group_size=2, norm_window=None)
+    # First group alone: mean 0.5, std 0.5 -> +-1.
+    assert algo.score_group([1.0, 0.0]) == pytest.approx([1, -1], abs=1e-5)
+    # Stream {1, 0, 1, 1}: mean 0.75, std 0.4330 -> 0.25 / 0.4330 = 0.5774 each. A group of equal
+    # rewards still gets a signal (GRPO would give it 0).
+    assert algo.score_group([1.0, 1.0]) == pytest.approx([0.57735] * 2, abs=1e-4)
+    # Stream {1, 0, 1, 1, 0, 0}: mean 0.5, std 0.5 -> -1 each.
+    assert algo.score_group([0.0, 0.0]) == pytest.approx([-1, -1], abs=1e-5)
+    assert ReinforcePlusPlus(partial_credit).score_group([0.3]) == [0.0]  # one value: no std
+
+
+def test_reinforce_pp_baseline_subtracts_group_mean_then_stream_std():
+    algo = reinforce_pp_baseline(partial_credit, group_size=2, norm_window=None)
+    # x = [0.5, -0.5]: std 0.5 -> +-1.
+    assert algo.score_group([1.0, 0.0]) == pytest.approx([1, -1], abs=1e-5)
+    assert algo.score_group([1.0, 1.0]) == [0.0, 0.0]  # x = [0, 0]
+    # x = [0.25, -0.25]; stream {.5, -.5, 0, 0, .25, -.25}: mean 0 (each group sums to 0),
+    # var 0.625 / 6 = 0.10417, std 0.32275 -> 0.25 / 0.32275 = 0.77460.
+    assert algo.score_group([0.5, 0.0]) == pytest.approx([0.7746, -0.7746], abs=1e-4)
+    assert algo.moments.mean == pytest.approx(0.0, abs=1e-12)
+    with pytest.raises(ValueError, match="baseline needs group_size >= 2"):
+        reinforce_pp_baseline(partial_credit, group_size=1)
+    restored = reinforce_pp_baseline(partial_credit, group_size=2, norm_window=None)
+    restored.load_state_dict(algo.state_dict())
+    assert restored.score_group([1.0, 0.0]) == algo.score_group([1.0, 0.0])
+
+
+# -- DAPO options on GRPO ------------------------------------------------------------------------
+def test_clip_higher_is_asymmetric():
+    batch = _batch([1.0, -1.0], [[1.5], [0.5]], [[1], [1]])
+    symmetric = GRPO(partial_credit, 2, clip_eps=0.2)
+    higher = GRPO(partial_credit, 2, clip_eps=0.2, clip_eps_high=0.28)
+    # A = +1, ratio 1.5: clipped at 1.2 (symmetric) or 1.28 (clip-higher): loss -1.2 / -1.28.
+    # A = -1, ratio 0.5: min(-0.5, -0.8) = -0.8 either way (the lower clip is unchanged): 0.8.
+    assert symmetric.loss(batch).tolist() == pytest.approx([-1.2, 0.8])
+    assert higher.loss(batch).tolist() == pytest.approx([-1.28, 0.8])
+
+
+def test_token_level_loss_weighs_every_token_the_same():
+    batch = _batch([1.0, -1.0], [[1.0, 1.0], [1.0, 1.0]], [[1, 1], [1, 0]])
+    # Ratio 1: each token's loss is -A. Sample mean: [-1, 1]; token level: sums [-2, 1] / 4.
+    assert GRPO(partial_credit, 2).loss(batch).tolist() == pytest.approx([-1.0, 1.0])
+    token = GRPO(partial_credit, 2, token_level=True, max_tokens=4)
+    assert token.loss(batch).tolist() == pytest.approx([-0.5, 0.25])
+    # The trainer divides the sum by N = 2 samples: (-1 - 1 + 1) / (2 * 4) = -1/8, the same
+    # however the samples are split into micro-batches.
+    split = [token.loss(_batch([a], [r], [m])) for a, r, m in
+             [(1.0, [1.0, 1.0], [1, 1]), (-1.0, [1.0, 1.0], [1, 0])]]  # fmt: skip
+    assert float(sum(s.sum() for s in split)) / 2 == pytest.approx(-1 / 8)
+    with pytest.raises(ValueError, match="need max_tokens"):
+        GRPO(partial_credit, 2, token_level=True)
+
+
+def test_overlong_penalty_values_and_score_sample():
+    # Budget 16, buffer 4: free up to 12 tokens, then 1/4 per token, capped at 1.
+    got = [overlong_penalty(n, max_tokens=16, buffer=4) for n in (1, 12, 13, 14, 16, 20)]
+    assert got == [0.0, 0.0, 0.25, 0.5, 1.0, 1.0]
+    grpo = GRPO(exact_match, 2, max_tokens=16, overlong_buffer=4)
+    sample = Sample("q", 0, [5], [7] * 14, [-0.1] * 14, 0, 0)
+    assert grpo.score_sample(sample, "ab", "ab") == pytest.approx(1.0 - 0.5)
+    assert GRPO(exact_match, 2).score_sample(sample, "ab", "ab") == 1.0  # off by default
+    with pytest.raises(ValueError, match="overlong_buffer must be in"):
+        GRPO(exact_match, 2, max_tokens=16, overlong_buffer=17)
+
+
+def test_keep_group_filters_zero_variance_groups():
+    assert Algorithm(partial_credit).keep_group([1.0, 1.0])  # the default keeps everything
+    assert GRPO(partial_credit, 2).keep_group([0.0, 0.0])  # off by default
+    grpo = GRPO(partial_credit, 2, dynamic_sampling=True)
+    assert not grpo.keep_group([1.0, 1.0, 1.0]) and not grpo.keep_group([0.0, 0.0])
+    assert grpo.keep_group([1.0, 0.0]) and grpo.keep_group([0.5, 0.501])
+
+
+def test_dapo_turns_every_option_on():
+    algo = dapo(partial_credit, group_size=4, max_tokens=64)
+    assert (algo.clip_eps, algo.clip_eps_high, algo.token_level) == (0.2, 0.28, True)
+    assert (algo.overlong_buffer, algo.dynamic_sampling) == (12, True)  # 64 // 5
+
+
+# -- PPO -----------------------------------------------------------------------------------------
+def test_gae_hand_computed():
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    rewards = terminal_rewards(torch.tensor([1.0, 2.0]), mask)
+    assert rewards.tolist() == [[0, 0, 1], [0, 2, 0]]
+    values = torch.tensor([[0.5, 0.25, 0.5], [1.0, 0.5, 9.0]])  # 9.0 sits on padding
+    advantages, returns = gae(rewards, values, mask, gamma=0.9, lam=0.5)
+    # Row 0: d2 = 1 - 0.5 = 0.5; d1 = 0.9*0.5 - 0.25 = 0.2; d0 = 0.9*0.25 - 0.5 = -0.275.
+    #   A2 = 0.5; A1 = 0.2 + 0.45*0.5 = 0.425; A0 = -0.275 + 0.45*0.425 = -0.08375.
+    # Row 1 (length 2, V after it is 0): d1 = 2 - 0.5 = 1.5; d0 = 0.9*0.5 - 1 = -0.55;
+    #   A1 = 1.5; A0 = -0.55 + 0.45*1.5 = 0.125; the padded position stays 0.
+    expected = [[-0.08375, 0.425, 0.5], [0.125, 1.5, 0.0]]
+    assert advantages.tolist() == [pytest.approx(row) for row in expected]
+    # Returns = A + V: [0.41625, 0.675, 1.0] and [1.125, 2.0, 0].
+    assert returns.tolist() == [pytest.approx(r) for r in [[0.41625, 0.675, 1], [1.125, 2, 0]]]
+    # gamma = lambda = 1: Monte-Carlo, A_t = R - V_t.
+    mc, _ = gae(rewards[:1], values[:1], mask[:1], gamma=1.0, lam=1.0)
+    assert mc.tolist()[0] == pytest.approx([0.5, 0.75, 0.5])
+
+
+def test_value_loss_clipping():
+    values = torch.tensor([1.0, 0.0], requires_grad=True)
+    old, returns = torch.tensor([0.5, 0.5]), torch.tensor([2.0, 2.0])
+    loss = clipped_value_loss(values, old, returns, clip_eps=0.2)
+    # Token 0: (1-2)^2 = 1 vs clipped V = 0.5+0.2 = 0.7: (0.7-2)^2 = 1.69 -> 0.5 * 1.69 = 0.845.
+    # Token 1: (0-2)^2 = 4 vs clipped V = 0.5-0.2 = 0.3: 2.89 -> 0.5 * 4 = 2.
+    assert loss.tolist() == pytest.approx([0.845, 2.0])
+    loss.sum().backward()
+    # The pessimistic max picks the clipped term for token 0: no gradient; token 1: V - R = -2.
+    assert values.grad.tolist() == pytest.approx([0.0, -2.0])
+
+
+def test_ppo_loss_hand_computed():
+    ppo = PPO(partial_credit, hidden_size=4, gamma=1.0, lam=1.0, value_coef=0.5)
+    values = torch.tensor([[0.5, 0.5]], requires_grad=True)
+    batch = _batch([1.0], [[1.0, 1.0]], [[1, 1]], values=values)
+    # Reward 1 on the last token; V = 0.5: A = [0.5, 0.5], returns [1, 1].
+    # Per token: policy -0.5, value 0.5 * 0.5 * (0.5 - 1)^2 = 0.0625: total -0.4375.
+    assert ppo.loss(batch).tolist() == pytest.approx([-0.4375])
+    with pytest.raises(ValueError, match=r"needs LossInputs\.values"):
+        ppo.loss(_batch([1.0], [[1.0]], [[1]]))
+
+
+def test_ppo_value_head_on_the_policy(tiny_model):
+    ppo = PPO(partial_credit, hidden_size=tiny_model.config.hidden_size)
+    input_ids = torch.tensor([[5, 6, 7, 8, 0], [5, 6, 7, 8, 9]])
+    attention = torch.tensor([[1, 1, 1, 1, 0], [1, 1, 1, 1, 1]])
+    values = ppo.token_values(tiny_model, input_ids, attention, torch.tensor([2, 3]), width=2)
+    assert values.shape == (2, 2) and values.abs().sum() == 0  # zero-initialised head
+    torch.nn.init.normal_(ppo.value_head.weight)
+    values = ppo.token_values(tiny_model, input_ids, attention, torch.tensor([2, 3]), width=2)
+    values.sum().backward()
+    assert ppo.value_head.weight.grad.abs().sum() > 0
+    assert all(p.grad is None for p in tiny_model.parameters())  # train_trunk=False
+    assert ppo.trainable_parameters() == [ppo.value_head.weight, ppo.value_head.bias]
+    restored = PPO(partial_credit, hidden_size=tiny_model.config.hidden_size)
+    restored.load_state_dict(ppo.state_dict())
+    assert torch.equal(restored.value_head.weight, ppo.value_head.weight)
+
+
+# -- Registry ------------------------------------------------------------------------------------
+def test_every_config_name_builds():
+    expected = {"grpo": GRPO, "rloo": RLOO, "reinforce++": ReinforcePlusPlus,
+                "reinforce++-baseline": ReinforcePlusPlus, "ppo": PPO, "dapo": GRPO}  # fmt: skip
+    assert set(ALGORITHMS) == set(expected)
+    facts = dict(group_size=4, max_tokens=32, hidden_size=8, samples_per_iteration=16)
+    for name, cls in expected.items():
+        assert type(build_algorithm(name, partial_credit, **facts)) is cls
+    assert build_algorithm("dapo", partial_credit, **facts).dynamic_sampling
+    assert build_algorithm("reinforce++-baseline", partial_credit, **facts).baseline
+    with pytest.raises(ConfigError, match="did you mean 'rloo'"):
+        build_algorithm("rlo", partial_credit, **facts)
+
+
+# -- The real loop -------------------------------------------------------------------------------
+def _doc_snippet() -> str:
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "algorithms.md").read_text()
+    section = doc.split("## Write your own algorithm", 1)[1]
+    return section.split("```python\n", 1)[1].split("```", 1)[0]
+
+
+def test_docs_write_your_own_snippet_runs(capsys):
+    namespace: dict = {}
+    exec(compile(_doc_snippet(), "docs/algorithms.md", "exec"), namespace)
+    first, second = capsys.readouterr().out.splitlines()[:2]
+    assert first == "[1.0, 0.0]" and second.startswith("[0.91")
+    assert len(_doc_snippet().split("\n\nalgo =")[0].splitlines()) < 40
+
+
+@pytest.mark.timeout(240)
+def test_rloo_ppo_and_the_doc_algorithm_train_in_the_real_loop(tmp_path, tokenizer):
+    from streamrl.components.generation_service import StreamGenerationService
+    from streamrl.models import build_tiny_model, save_policy
+    from streamrl.module import StreamRLModule
+    from streamrl.rollout import PromptSource, RolloutStream
+    from streamrl.tasks import make_prompt_set
+
+    class Module(StreamRLModule):
+        # The optimizer must see the algorithm's own parameters (PPO's value head); this is the
+        # change proposed for StreamRLModule.configure_optimizers (issue 8).
+        def configure_optimizers(self):
+            params = [*self.policy.parameters(), *self.algorithm.trainable_parameters()]
+            return torch.optim.AdamW(params, lr=self.lr, weight_decay=0.0)
+
+    namespace: dict = {}
+    exec(compile(_doc_snippet(), "docs/algorithms.md", "exec"), namespace)
+    policy = build_tiny_model(tokenizer, "test", seed=0)
+    save_policy(policy, tokenizer, tmp_path / "policy")
+    prompts = make_prompt_set(32, ["copy", "count"], median_len=3, max_len=6, seed=0)
+    hidden = policy.config.hidden_size
+
+    def varied(completion: str, answer: str) -> float:
+        # The untrained policy scores ~0 on the tasks. Distinct characters differ between random
+        # completions (signal for RLOO) and the offset keeps rewards off 0 (with V = 0 at the
+        # start, all-zero rewards would give PPO no gradient at all).
+        return 0.5 + len(set(completion)) / 16
+
+    runs = [RLOO(varied, group_size=2), PPO(varied, hidden_size=hidden),
+            namespace["MovingAverageReinforce"](varied)]  # fmt: skip
+    # One generator process for all three runs (each spawn costs seconds of imports); each run
+    # continues the weight versions of the one before.
+    with StreamGenerationService(tmp_path / "policy", 1, max_batch_size=8) as sgs:
+        for algorithm in runs:
+            before = {k: v.clone() for k, v in policy.state_dict().items()}
+            head = [p.detach().clone() for p in algorithm.trainable_parameters()]
+            rollouts = RolloutStream(sgs, PromptSource(prompts, 4), tokenizer, algorithm, 8, 256)
+            module = Module(policy, algorithm, rollouts, iterations=2, lr=1e-3)
+            module.weight_version = start = sgs.weight_version
+            trainer = L.Trainer(max_steps=2, max_epochs=1, accelerator="cpu", logger=False,
+                                enable_checkpointing=False, enable_progress_bar=False,
+                                enable_model_summary=False)  # fmt: skip
+            trainer.fit(module)
+            assert module.weight_version == start + 2 and len(module.history) == 2
+            assert module.samples_trained == 2 * 4 * algorithm.group_size
+            changed = [k for k, v in policy.state_dict().items() if not torch.equal(v, before[k])]
+            assert len(changed) > len(before) // 2, type(algorithm).__name__
+            for old, new in zip(head, algorithm.trainable_parameters()):
+                assert not torch.equal(old, new)  # PPO's value head trained too
+    assert len(runs[1].trainable_parameters()) == 2

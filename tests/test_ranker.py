@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import random
 
 from streamrl.cli import main
 from streamrl.components.ranker import LengthRanker, prompt_features
@@ -77,3 +78,23 @@ def test_bench_ranker_from_policy_samples_the_policy(tmp_path, capsys, tokenizer
     rows = [json.loads(line) for line in (tmp_path / "d.jsonl").read_text().splitlines()]
     assert len(rows) == 30 and all(len(r["lengths"]) == 3 for r in rows)
     assert 0.0 <= result["ceiling@20"] <= 1.0 and result["n_test"] == 6
+
+
+def test_ranker_learns_free_text_prompts_unlike_the_task_templates():
+    # Natural-language prompts with no task template: the output length follows a number in the
+    # text (a word count) or the length of a passage to translate.
+    rng = random.Random(0)
+    topics = ["rivers", "the moon", "bread", "old trains", "jazz", "glaciers", "tea"]
+    prompts, lengths = [], []
+    for _ in range(600):
+        if rng.random() < 0.5:
+            n = rng.randint(3, 120)
+            prompts.append(f"Please write about {rng.choice(topics)} in roughly {n} words.")
+            lengths.append(int(n * 1.3 + rng.randint(0, 5)))
+        else:
+            passage = " ".join(rng.choice(topics) for _ in range(rng.randint(1, 40)))
+            prompts.append(f"Translate into French: {passage}")
+            lengths.append(int(len(passage) * 0.4) + rng.randint(0, 3))
+    ranker = LengthRanker(epochs=200, seed=0)
+    ranker.fit(prompts[:480], lengths[:480])
+    assert recall_at_k(ranker.predict(prompts[480:]), lengths[480:], 0.2) >= 0.6

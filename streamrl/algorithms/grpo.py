@@ -46,8 +46,8 @@ class GRPO(Algorithm):
 
     Example:
         >>> from streamrl.tasks import partial_credit
-        >>> GRPO(partial_credit, group_size=2).score_group([1.0, 0.0])
-        [0.7071..., -0.7071...]  # doctest: +SKIP
+        >>> [round(a, 4) for a in GRPO(partial_credit, group_size=2).score_group([1.0, 0.0])]
+        [1.0, -1.0]
     """
 
     def __init__(

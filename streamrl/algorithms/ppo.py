@@ -150,7 +150,8 @@ class PPO(Algorithm):
     ) -> torch.Tensor:
         trunk = getattr(policy, "base_model", policy)  # a Hugging Face model without its LM head
         with torch.set_grad_enabled(self.train_trunk and torch.is_grad_enabled()):
-            hidden = trunk(input_ids=input_ids, attention_mask=attention).last_hidden_state
+            out = trunk(input_ids=input_ids, attention_mask=attention, use_cache=False)
+        hidden = out.last_hidden_state  # [batch, seq, hidden]
         # Token t is chosen in the state after position start + t - 1, like its logits.
         offsets = torch.arange(width, device=input_ids.device) - 1
         positions = (starts[:, None] + offsets).clamp(0, input_ids.shape[1] - 1)  # [batch, width]

@@ -156,6 +156,9 @@ class StreamRLModule(L.LightningModule):
         if decision.action == "add":
             for _ in range(decision.instances - running):
                 service.add_instance()  # joins once it holds the current weights
+        elif decision.action == "remove":
+            for _ in range(running - decision.instances):
+                service.remove_instance()  # finishes what it holds, then stops
         self.history[-1]["elastic/instances"] = float(decision.instances)
         self.history[-1]["elastic/delta_s"] = decision.delta_s
         self.history[-1]["elastic/delta_prime_s"] = decision.delta_prime_s

@@ -201,6 +201,15 @@ def test_ppo_loss_hand_computed():
         ppo.loss(_batch([1.0], [[1.0]], [[1]]))
 
 
+def test_ppo_kl_penalty_goes_into_the_token_rewards():
+    ppo = PPO(partial_credit, hidden_size=4, kl_coef=0.5, gamma=1.0, lam=1.0, value_coef=0.0)
+    batch = _batch([1.0], [[1.0, 1.0]], [[1, 1]], values=torch.zeros(1, 2))
+    batch.ref_logprobs = batch.old_logprobs - torch.log(torch.tensor(2.0))  # log old - ref = ln 2
+    # Token rewards: -0.5 ln 2 = -0.34657 each, plus 1 on the last: [-0.34657, 0.65343].
+    # V = 0, gamma = lambda = 1: A = returns-to-go = [0.30685, 0.65343]; loss = -mean(A).
+    assert ppo.loss(batch).tolist() == pytest.approx([-(0.306853 + 0.653426) / 2])
+
+
 def test_ppo_value_head_on_the_policy(tiny_model):
     ppo = PPO(partial_credit, hidden_size=tiny_model.config.hidden_size)
     input_ids = torch.tensor([[5, 6, 7, 8, 0], [5, 6, 7, 8, 9]])
@@ -212,6 +221,10 @@ def test_ppo_value_head_on_the_policy(tiny_model):
     values.sum().backward()
     assert ppo.value_head.weight.grad.abs().sum() > 0
     assert all(p.grad is None for p in tiny_model.parameters())  # train_trunk=False
+    shared = PPO(partial_credit, hidden_size=tiny_model.config.hidden_size, train_trunk=True)
+    torch.nn.init.normal_(shared.value_head.weight)
+    shared.token_values(tiny_model, input_ids, attention, torch.tensor([2, 3]), 2).sum().backward()
+    assert any(p.grad is not None for p in tiny_model.parameters())
     assert ppo.trainable_parameters() == [ppo.value_head.weight, ppo.value_head.bias]
     restored = PPO(partial_credit, hidden_size=tiny_model.config.hidden_size)
     restored.load_state_dict(ppo.state_dict())

@@ -100,6 +100,23 @@ def test_added_instance_gets_current_weights_then_requests_and_nothing_is_lost(
     assert not [p for p in mp.active_children() if p.name.startswith("streamrl-generator")]
 
 
+def test_removed_instance_finishes_what_it_holds_then_stops(model_dir, tokenizer):
+    with StreamGenerationService(model_dir, 2, max_batch_size=4) as sgs:
+        first = requests_for(tokenizer, 4, 2, [40] * 4)
+        sgs.submit(first)
+        assert sgs.remove_instance() == 1  # the newest active one, while it holds requests
+        assert sgs.instances()[1].state == "draining"
+        done = [sgs.next_sample() for _ in first]
+        assert sorted(s.key for s in done) == sorted(r.key for r in first)
+        assert {s.instance_id for s in done} == {0, 1}  # its requests were finished, not cut
+        assert sgs.instances()[1].state == "stopped"
+        second = list(sgs.generate(requests_for(tokenizer, 3, 1)))
+        assert {s.instance_id for s in second} == {0}
+        with pytest.raises(ValueError, match="at least one active instance"):
+            sgs.remove_instance()
+    assert not [p for p in mp.active_children() if p.name.startswith("streamrl-generator")]
+
+
 def test_instance_that_dies_at_start_is_named_and_cleaned_up(tmp_path):
     with pytest.raises(GeneratorError, match=r"instance 0 failed:(.|\n)*No model directory"):
         StreamGenerationService(tmp_path / "missing", 1, start_timeout_s=60).start()

@@ -55,7 +55,8 @@ class InstanceInfo:
     """What the service knows about one generator instance.
 
     ``state``: ``"starting"`` (loading the model), ``"joining"`` (receiving current weights),
-    ``"active"`` (takes requests), ``"failed"`` (died or hung; replaced) or ``"stopped"``.
+    ``"active"`` (takes requests), ``"draining"`` (finishing its requests before it stops),
+    ``"failed"`` (died or hung; replaced) or ``"stopped"``.
     """
 
     instance_id: int
@@ -190,8 +191,37 @@ class StreamGenerationService:
             self.wait_active()
         return handle.instance_id
 
+    def remove_instance(self, instance_id: int | None = None) -> int:
+        """Retire one instance gracefully (elastic scale-in): it takes no new requests, finishes
+        those it holds, then stops. Nothing is lost or cut short.
+
+        Args:
+            instance_id: which one; by default the newest active instance.
+
+        Returns:
+            The retired instance's id.
+        """
+        self._require_started()
+        active = self._active()
+        if len(active) < 2:
+            raise ValueError("remove_instance: the service needs at least one active instance.")
+        handle = active[-1] if instance_id is None else self._instances[instance_id]
+        if handle.state != "active":
+            raise ValueError(f"remove_instance: instance {handle.instance_id} is {handle.state}.")
+        self._set_state(handle, "draining")
+        self._retire_drained()
+        return handle.instance_id
+
+    def _retire_drained(self) -> None:
+        for handle in self._instances:
+            if handle.state == "draining" and not handle.open:
+                handle.inbox.put(("stop",))
+                self.weight_sync.remove_group(handle.instance_id)
+                self._set_state(handle, "stopped")
+
     def wait_active(self, timeout_s: float | None = None) -> None:
-        """Block until every instance started is active (samples finished meanwhile are kept).
+        """Block until no instance is still starting or joining (samples finished meanwhile are
+        kept).
 
         Raises:
             GeneratorError: one did not load the model or receive weights within ``timeout_s``
@@ -199,7 +229,7 @@ class StreamGenerationService:
         """
         self._require_started()
         timeout_s = 2 * self.start_timeout_s if timeout_s is None else timeout_s
-        self._wait_for(lambda: all(h.state in ("active", "failed") for h in self._instances),
+        self._wait_for(lambda: not any(h.state in ("starting", "joining") for h in self._instances),
                        "did not become active", timeout_s)  # fmt: skip
 
     def close(self, timeout_s: float = 5.0) -> None:
@@ -504,9 +534,12 @@ class StreamGenerationService:
             if handle.state == "joining" and handle.version >= self._pushed_version:
                 self._set_state(handle, "active")
             self._write_status()
-        elif kind == "sample" and handle.open.pop(message[1].key, None) is None:
-            raise GeneratorError(f"Instance {handle.instance_id} sent an unexpected or "
-                                 f"duplicate sample {message[1].key}.")  # fmt: skip
+        elif kind == "sample":
+            if handle.open.pop(message[1].key, None) is None:
+                raise GeneratorError(f"Instance {handle.instance_id} sent an unexpected or "
+                                     f"duplicate sample {message[1].key}.")  # fmt: skip
+            if handle.state == "draining":
+                self._retire_drained()
         return kind not in ("heartbeat", "ready")
 
     def _check_health(self) -> None:

@@ -76,7 +76,8 @@ class RLConfig:
     """The disaggregated RL loop.
 
     Attributes:
-        algorithm: ``"grpo"``.
+        algorithm: ``"grpo"``, ``"rloo"``, ``"reinforce++"``, ``"reinforce++-baseline"``, ``"ppo"``
+            or ``"dapo"`` (see docs/algorithms.md).
         mode: ``"sync"`` (each step trains on samples of the current weights, as they stream
             in), ``"async"`` (StreamRL's one-step asynchronous mode: the next step's samples are
             generated while this step trains; a sample is at most one weight version stale) or
@@ -251,7 +252,7 @@ def check_values(config: RunConfig) -> None:
 
 def check_rl(rl: RLConfig) -> None:
     """Check the RL section; raises ``ConfigError``."""
-    from streamrl.algorithms import ALGORITHMS
+    from streamrl.algorithms import ALGORITHMS, build_algorithm
     from streamrl.tasks.rewards import REWARDS
 
     if rl.algorithm not in ALGORITHMS:
@@ -275,11 +276,19 @@ def check_rl(rl: RLConfig) -> None:
             f"max_generators={rl.max_generators}, generators={rl.generators}, "
             f"max_restarts={rl.max_restarts}."
         )
-    if rl.iterations < 0 or rl.group_size < 2:
+    if rl.iterations < 0 or rl.group_size < 1:
         raise ConfigError(
-            f"rl: need iterations >= 0 and group_size >= 2 (GRPO compares samples of a prompt), "
-            f"got iterations={rl.iterations}, group_size={rl.group_size}."
+            f"rl: need iterations >= 0 and group_size >= 1, got iterations={rl.iterations}, "
+            f"group_size={rl.group_size}."
         )
+    try:  # each algorithm checks its own needs (GRPO and RLOO compare samples of a prompt)
+        build_algorithm(
+            rl.algorithm, REWARDS[rl.reward], group_size=rl.group_size, clip_eps=rl.clip_eps,
+            kl_coef=rl.kl_coef, max_tokens=rl.max_tokens, hidden_size=1,
+            samples_per_iteration=rl.prompts_per_iteration * rl.group_size,
+        )  # fmt: skip
+    except ValueError as err:
+        raise ConfigError(f"rl: {err}") from err
     if rl.lr <= 0 or rl.temperature <= 0 or rl.clip_eps <= 0 or rl.kl_coef < 0:
         raise ConfigError(
             "rl: need lr > 0, temperature > 0, clip_eps > 0 and kl_coef >= 0, got "

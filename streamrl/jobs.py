@@ -18,7 +18,7 @@ import torch
 from lightning.pytorch.loggers import CSVLogger
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from streamrl.algorithms import ALGORITHMS
+from streamrl.algorithms import build_algorithm
 from streamrl.components.elastic import ElasticController
 from streamrl.components.generation_service import StreamGenerationService
 from streamrl.components.latency import LatencyModel
@@ -88,8 +88,15 @@ def _train(
 ) -> StreamRLModule:
     """Start the generation service and let a Lightning ``Trainer`` run the RL iterations."""
     rl = config.rl
-    algorithm = ALGORITHMS[rl.algorithm](
-        get_reward(rl.reward), group_size=rl.group_size, clip_eps=rl.clip_eps, kl_coef=rl.kl_coef
+    algorithm = build_algorithm(
+        rl.algorithm,
+        get_reward(rl.reward),
+        group_size=rl.group_size,
+        clip_eps=rl.clip_eps,
+        kl_coef=rl.kl_coef,
+        max_tokens=rl.max_tokens,
+        hidden_size=policy.config.hidden_size,
+        samples_per_iteration=rl.prompts_per_iteration * rl.group_size,
     )
     reference = copy.deepcopy(policy) if rl.kl_coef > 0 else None
     torch.set_num_threads(1)  # one thread per process: the generators need the other cores
@@ -170,7 +177,7 @@ def ledger(module: StreamRLModule) -> dict:
     """Where every requested sample went; ``samples_lost`` must be 0 (see docs/failures.md)."""
     service, rollouts = module.rollouts.service, module.rollouts
     requested = rollouts.prompts_dispatched * rollouts.algorithm.group_size
-    filtered = module.pipeline.dropped_stale
+    filtered = module.pipeline.dropped_stale + rollouts.samples_filtered
     return {
         "prompts_dispatched": rollouts.prompts_dispatched,
         "samples_requested": requested,

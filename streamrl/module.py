@@ -181,6 +181,7 @@ class StreamRLModule(L.LightningModule):
         checkpoint["streamrl"] = {
             "weight_version": self.weight_version,
             "elastic": self.elastic.state_dict() if self.elastic else None,
+            "algorithm": self.algorithm.state_dict(),
             "prompt_source": self.rollouts.prompts.state_dict(),
             "length_ranker": self.rollouts.ranker.state_dict() if self.rollouts.ranker else None,
         }
@@ -191,6 +192,8 @@ class StreamRLModule(L.LightningModule):
             return
         self.weight_version = state["weight_version"]
         self.rollouts.prompts.load_state_dict(state["prompt_source"])
+        if "algorithm" in state:
+            self.algorithm.load_state_dict(state["algorithm"])
         if self.elastic is not None and state.get("elastic") is not None:
             self.elastic.load_state_dict(state["elastic"])
         if self.rollouts.ranker is not None and state["length_ranker"] is not None:
@@ -275,7 +278,9 @@ class StreamRLModule(L.LightningModule):
         self.log_dict(progress, prog_bar=True, on_step=True, logger=False)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(self.policy.parameters(), lr=self.lr, weight_decay=0.0)
+        # The algorithm's own parameters (PPO's value head) train with the policy.
+        params = [*self.policy.parameters(), *self.algorithm.trainable_parameters()]
+        return torch.optim.AdamW(params, lr=self.lr, weight_decay=0.0)
 
     def train_dataloader(self) -> torch.utils.data.DataLoader:
         return torch.utils.data.DataLoader(

@@ -46,14 +46,15 @@ class PromptSource:
 
     def next_batch(self) -> list[dict]:
         """The next ``batch_size`` rows (wrapping into a new epoch when needed)."""
-        rows = []
-        while len(rows) < self.batch_size:
-            if self.position == len(self._order):
-                self.epoch, self.position = self.epoch + 1, 0
-                self._order = self._shuffled(self.epoch)
-            rows.append(self.dataset[self._order[self.position]])
-            self.position += 1
-        return rows
+        return [self.next_row() for _ in range(self.batch_size)]
+
+    def next_row(self) -> dict:
+        """The next row (wrapping into a new epoch when needed)."""
+        if self.position == len(self._order):
+            self.epoch, self.position = self.epoch + 1, 0
+            self._order = self._shuffled(self.epoch)
+        self.position += 1
+        return self.dataset[self._order[self.position - 1]]
 
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "position": self.position}
@@ -92,6 +93,8 @@ class _Batch:
 
     rows: dict[str, dict]
     dispatched_s: float
+    min_weight_version: int = 0
+    refills: int = 0
     partial: dict[str, list[Sample]] = field(default_factory=dict)
     ready: list[ScoredGroup] = field(default_factory=list)
     delivered: int = 0
@@ -121,6 +124,9 @@ class RolloutStream:
             (§5.2-5.3); trained on the policy's own finished samples every
             ``ranker_refresh_every`` iterations, right after the next dispatch so that it runs
             while the instances generate (until its first fit, no scores are sent).
+        max_refills: groups an algorithm filters out (``keep_group``, e.g. DAPO's dynamic
+            sampling) are replaced by new prompts from the stream, at most this many per
+            iteration (default: twice the prompts per iteration).
     """
 
     def __init__(
@@ -135,6 +141,7 @@ class RolloutStream:
         forced_lengths: Iterator[int] | None = None,
         ranker: LengthRanker | None = None,
         ranker_refresh_every: int = 10,
+        max_refills: int | None = None,
     ) -> None:
         self.service, self.prompts, self.tokenizer = service, prompts, tokenizer
         self.trace = trace if trace is not None else TraceRecorder()
@@ -147,6 +154,8 @@ class RolloutStream:
         self._batches: dict[int, _Batch] = {}
         self._next_iteration = 0
         self.prompts_dispatched = 0
+        self.samples_filtered = 0  # in groups an algorithm's keep_group dropped
+        self.max_refills = 2 * prompts.batch_size if max_refills is None else max_refills
 
     @property
     def samples_per_iteration(self) -> int:
@@ -157,27 +166,36 @@ class RolloutStream:
         ``min_weight_version``. Returns the iteration number."""
         iteration, self._next_iteration = self._next_iteration, self._next_iteration + 1
         rows = {row["prompt_id"]: row for row in self.prompts.next_batch()}
-        requests = []
-        for pid, row in rows.items():
-            ids = self.tokenizer(row["prompt"])["input_ids"]
-            budget = min(self.max_tokens, self.context - len(ids))
-            if budget < 1:
-                raise ValueError(f"Prompt {pid!r} has {len(ids)} tokens: no room left in the "
-                                 f"context of {self.context}; shorten it.")  # fmt: skip
-            forced = None  # one length per prompt: a group's samples finish together
-            if self.forced_lengths is not None:
-                forced = budget = min(next(self.forced_lengths), self.context - len(ids))
-            requests += [
-                Request(pid, ids, budget, index, forced_length=forced, iteration=iteration,
-                        min_weight_version=min_weight_version)
-                for index in range(self.algorithm.group_size)
-            ]  # fmt: skip
-        self._batches[iteration] = _Batch(rows, time.perf_counter(), {pid: [] for pid in rows})
+        requests = [
+            r for pid, row in rows.items()
+            for r in self._requests(pid, row, iteration, min_weight_version)
+        ]  # fmt: skip
+        self._batches[iteration] = _Batch(
+            rows, time.perf_counter(), min_weight_version, partial={pid: [] for pid in rows}
+        )
         self.prompts_dispatched += len(rows)
         self.service.submit(requests, self._predicted_lengths(requests, rows))
         if self._refresh_due:  # while the instances generate, not on the trainer's critical path
             self._refresh_ranker()
         return iteration
+
+    def _requests(
+        self, pid: str, row: dict, iteration: int, min_weight_version: int
+    ) -> list[Request]:
+        """One request per sample of the prompt's group."""
+        ids = self.tokenizer(row["prompt"])["input_ids"]
+        budget = min(self.max_tokens, self.context - len(ids))
+        if budget < 1:
+            raise ValueError(f"Prompt {pid!r} has {len(ids)} tokens: no room left in the "
+                             f"context of {self.context}; shorten it.")  # fmt: skip
+        forced = None  # one length per prompt: a group's samples finish together
+        if self.forced_lengths is not None:
+            forced = budget = min(next(self.forced_lengths), self.context - len(ids))
+        return [
+            Request(pid, ids, budget, index, forced_length=forced, iteration=iteration,
+                    min_weight_version=min_weight_version)
+            for index in range(self.algorithm.group_size)
+        ]  # fmt: skip
 
     def groups(self, iteration: int) -> Iterator[ScoredGroup]:
         """Yield the groups of ``iteration`` as they complete (scored on arrival)."""
@@ -222,6 +240,23 @@ class RolloutStream:
             self.ranker.refresh(epochs=10)
         self._finished_lengths = []
 
+    def _refill(self, batch: _Batch, prompt_id: str, iteration: int) -> None:
+        """Replace a filtered group by the stream's next prompt, in the same iteration (at most
+        ``max_refills`` times per iteration; past that the iteration trains one group fewer)."""
+        del batch.rows[prompt_id], batch.partial[prompt_id]
+        self.samples_filtered += self.algorithm.group_size
+        if batch.refills >= self.max_refills:
+            return
+        batch.refills += 1
+        row = self.prompts.next_row()
+        while row["prompt_id"] in batch.rows:  # a small set can wrap into this iteration
+            row = self.prompts.next_row()
+        pid = row["prompt_id"]
+        batch.rows[pid], batch.partial[pid] = row, []
+        requests = self._requests(pid, row, iteration, batch.min_weight_version)
+        self.prompts_dispatched += 1
+        self.service.submit(requests, self._predicted_lengths(requests, {pid: row}))
+
     def _receive(self, sample: Sample) -> None:
         batch = self._batches[sample.iteration]
         row = batch.rows[sample.prompt_id]
@@ -238,6 +273,9 @@ class RolloutStream:
         group.append(sample)
         if len(group) == self.algorithm.group_size:
             rewards = [s.reward for s in group]
+            if not self.algorithm.keep_group(rewards):  # dynamic sampling (DAPO)
+                self._refill(batch, sample.prompt_id, sample.iteration)
+                return
             advantages = self.algorithm.score_group(rewards)
             batch.ready.append(
                 ScoredGroup(sample.prompt_id, group, rewards, advantages, sample.iteration)

@@ -95,7 +95,7 @@ def test_duplicate_prompt_ids_name_the_line(tmp_path):
     ("yaml_text", "message"),
     [
         ("rl:\n  max_tokens: 0\n", r"rl.max_tokens must be >= 1, got 0"),
-        ("rl:\n  group_size: 1\n", r"group_size >= 2"),
+        ("rl:\n  group_size: 1\n", r"rl: GRPO needs group_size >= 2"),
         ("rl:\n  algorithm: grop\n", r"Unknown algorithm 'grop' \(did you mean 'grpo'\?\)"),
         ("rl:\n  mode: asynch\n", r"Unknown mode 'asynch' \(did you mean 'async'\?\)"),
         ("rl:\n  reward: exakt\n", r"Unknown reward 'exakt' \(did you mean 'exact'\?\)"),

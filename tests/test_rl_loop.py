@@ -105,3 +105,28 @@ def test_ranker_dispatch_and_lpt_wired_into_the_loop(tmp_path, tokenizer):
     checkpoint: dict = {}
     module.on_save_checkpoint(checkpoint)
     assert checkpoint["streamrl"]["length_ranker"]["recent"]
+
+
+def test_dynamic_sampling_refills_filtered_groups_and_the_ledger_balances(tmp_path, tokenizer):
+    from streamrl.jobs import ledger
+
+    policy = build_tiny_model(tokenizer, "test", seed=0)
+    save_policy(policy, tokenizer, tmp_path / "policy")
+    prompts = make_prompt_set(64, ["copy"], median_len=3, max_len=6, seed=0)
+
+    def parity(completion: str, answer: str) -> float:  # varies at random between samples
+        return float(len(completion) % 2)
+
+    algorithm = GRPO(parity, group_size=2, dynamic_sampling=True)
+    with StreamGenerationService(tmp_path / "policy", 1, max_batch_size=8) as sgs:
+        rollouts = RolloutStream(sgs, PromptSource(prompts, 4), tokenizer, algorithm, 12, 256)
+        module = StreamRLModule(policy, algorithm, rollouts, iterations=3, lr=1e-3)
+        trainer = L.Trainer(max_steps=3, max_epochs=1, accelerator="cpu", logger=False,
+                            enable_checkpointing=False, enable_progress_bar=False,
+                            enable_model_summary=False)  # fmt: skip
+        trainer.fit(module)
+    books = ledger(module)
+    # Two samples agree half the time: some groups were filtered and replaced from the stream.
+    assert books["samples_filtered"] > 0 and books["prompts_dispatched"] > 3 * 4
+    assert books["samples_lost"] == 0
+    assert books["samples_trained"] + books["samples_filtered"] == books["samples_requested"]

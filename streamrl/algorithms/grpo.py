@@ -37,7 +37,7 @@ class GRPO(Algorithm):
             by ``max_tokens`` (see ``losses.per_sample`` for why a constant, not the batch's
             total tokens, in a streaming trainer).
         max_tokens: the generation budget; needed by ``token_level`` and ``overlong_buffer``.
-        overlong_buffer: DAPO overlong reward shaping (§3.4, Eq. 13): completions longer than
+        overlong_buffer: DAPO overlong reward shaping (§3.4): completions longer than
             ``max_tokens - overlong_buffer`` get a penalty growing linearly to
             ``overlong_penalty`` at ``max_tokens``; 0 disables it.
         overlong_penalty: the penalty at ``max_tokens``.
@@ -107,7 +107,7 @@ class GRPO(Algorithm):
 
 
 def overlong_penalty(length: int, max_tokens: int, buffer: int, penalty: float = 1.0) -> float:
-    """DAPO's soft overlong punishment (Yu et al. 2025, Eq. 13), as a positive number to subtract.
+    """DAPO's soft overlong punishment (Yu et al. 2025, §3.4), as a positive number to subtract.
 
     0 up to ``max_tokens - buffer`` tokens, then linear up to ``penalty`` at ``max_tokens``, and
     ``penalty`` past it. The sample's own budget may be lower than ``max_tokens`` when its prompt

@@ -2,10 +2,10 @@
 
 REINFORCE++ whitens advantages over the whole global batch. A streaming trainer has no whole
 batch: groups are scored and trained on one at a time as they arrive (StreamRL §4.1, dynamic-batch
-pipelining), and whole-batch statistics are exactly the batch barrier it removes (the "whole-batch
-steps" question the paper leaves open: advantage whitening needs a barrier). We normalise with
+pipelining), and whole-batch statistics are exactly the batch barrier it removes; the paper does
+not say how such "whole-batch steps" (advantage whitening) fit its pipeline. We normalise with
 running statistics of the stream instead: an exponentially weighted mean and variance over about
-the last ``norm_window`` values, including the group being scored. The choice, honestly:
+the last ``norm_window`` values, including the group being scored. What that costs:
 
 - a group is normalised by statistics of groups that arrived before it (and itself), not by the
   batch it is trained in, so the advantages of one iteration are not exactly zero-mean, unit-std;

@@ -24,6 +24,8 @@ from streamrl.sim.presets import (
     CPU_COLOCATED_SLOWDOWN,
     CPU_PROFILE,
     DEFAULT_LENGTHS,
+    REAL_DISPATCH,
+    REAL_PIPELINE,
     cpu_config,
     paper_lengths,
 )
@@ -125,8 +127,6 @@ def test_decode_latency_scaling():
 
 
 # -- validation against the real benches on this machine (documented figures) ---------------
-REAL_PIPELINE = {"colocated": 82.8, "sync": 89.7, "async": 129.4}  # docs/pipeline.md
-REAL_DISPATCH = {"random": 2.267, "skew": 1.913, "oracle": 1.701}  # docs/skewness.md
 
 
 @pytest.mark.parametrize("mode", ["colocated", "sync", "async"])

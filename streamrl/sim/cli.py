@@ -17,6 +17,7 @@ from streamrl.sim.engine import SimResult, simulate
 from streamrl.sim.hardware import GPUS, LINK_GBPS, SYNC_LATENCY_S, kv_batch_limit
 from streamrl.sim.presets import (
     PAPER_PROMPT_TOKENS,
+    REAL_PIPELINE,
     _paper_workload,
     _parse,
     cpu_config,
@@ -24,9 +25,6 @@ from streamrl.sim.presets import (
     paper_config,
     trainer_cost,
 )
-
-#: The documented real ``streamrl bench pipeline`` figures (docs/pipeline.md), samples/s.
-CPU_REAL_SAMPLES_PER_S = {"colocated": 82.8, "sync": 89.7, "async": 129.4}
 
 
 def add_simulate_command(subparsers: argparse._SubParsersAction) -> None:
@@ -99,7 +97,7 @@ def _simulate_cpu(args: argparse.Namespace) -> dict:
     print(f"{'mode':<10}{'sim samples/s':>15}{'real samples/s':>16}{'sim/real':>10}",
           file=sys.stderr)  # fmt: skip
     for m, r in results.items():
-        real = CPU_REAL_SAMPLES_PER_S[m]
+        real = REAL_PIPELINE[m]
         print(f"{m:<10}{r.samples_per_s:>15.1f}{real:>16.1f}{r.samples_per_s / real:>10.3f}",
               file=sys.stderr)  # fmt: skip
     if args.trace:
@@ -110,7 +108,7 @@ def _simulate_cpu(args: argparse.Namespace) -> dict:
         "ablation": {m: round(r.samples_per_s / base.samples_per_s, 3) for m, r in results.items()}
         if base else {},
         "samples_per_s": {m: round(r.samples_per_s, 3) for m, r in results.items()},
-        "real_samples_per_s": {m: CPU_REAL_SAMPLES_PER_S[m] for m in results},
+        "real_samples_per_s": {m: REAL_PIPELINE[m] for m in results},
         "idle_frac": {m: {"trainer": round(r.trainer_idle_frac, 4),
                           "generator": round(r.generator_idle_frac, 4)}
                       for m, r in results.items()},

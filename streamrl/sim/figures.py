@@ -24,13 +24,12 @@ from streamrl.sim.presets import (
     CPU_PROFILE,
     DEFAULT_LENGTHS,
     PAPER_PROMPT_TOKENS,
+    REAL_DISPATCH,
+    REAL_PIPELINE,
     cpu_config,
     paper_config,
     paper_lengths,
 )
-
-REAL_PIPELINE = {"colocated": 82.8, "sync": 89.7, "async": 129.4}
-REAL_DISPATCH = {"random": 2.267, "skew": 1.913, "oracle": 1.701}
 
 
 def _figure(width: float = 7.0, height: float = 3.6):

@@ -137,6 +137,13 @@ def preset_gpu(name: str) -> GPU:
 #: docs/simulator.md for the fit and ``streamrl.sim.calibrate`` to measure them again.
 CPU_TRAINER_1_THREAD = TrainerCostModel(1.39e-4, microbatch_overhead_s=0.0015, step_s=0.006)
 CPU_TRAINER_2_THREADS = TrainerCostModel(7.5e-5, microbatch_overhead_s=0.004, step_s=0.008)
+#: The real benches on the 2-core machine (2026-11-30, current code), for validation:
+#: ``streamrl bench pipeline`` (samples/s, medians of 3) and
+#: ``streamrl bench dispatch --instances 2`` (makespan s, medians of 3). ``CPU_PROFILE`` was
+#: measured the same hour: ``streamrl profile --batch-sizes 1,2,4,8,16,32,64 --repeats 5``.
+REAL_PIPELINE = {"colocated": 87.1, "sync": 99.7, "async": 132.2}
+REAL_DISPATCH = {"random": 1.848, "skew": 1.515, "oracle": 1.422}
+
 #: PTL multipliers on 2 cores, from the same traces: a generator decodes 1.31x slower than its
 #: clean profile while the trainer computes on the other core, 1.07x when two generators share
 #: the cores with the receiving process (colocated).

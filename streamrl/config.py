@@ -90,6 +90,8 @@ class RLConfig:
         lr: policy learning rate (AdamW).
         clip_eps: PPO clip range.
         kl_coef: KL penalty to the starting policy; 0 disables it.
+        is_cap: truncation of the importance ratio that corrects samples from older weights in
+            async mode (decoupled PPO with truncated IS, docs/algorithms.md).
         reward: ``"exact"`` or ``"partial"`` (see ``streamrl.tasks.rewards``).
         temperature: sampling temperature of the generators.
         max_tokens: generation budget per sample (capped by the context).
@@ -115,6 +117,7 @@ class RLConfig:
     lr: float = 1e-4
     clip_eps: float = 0.2
     kl_coef: float = 0.0
+    is_cap: float = 2.0
     reward: str = "exact"
     temperature: float = 0.7
     max_tokens: int = 64
@@ -289,6 +292,8 @@ def check_rl(rl: RLConfig) -> None:
         )  # fmt: skip
     except ValueError as err:
         raise ConfigError(f"rl: {err}") from err
+    if rl.is_cap < 1:
+        raise ConfigError(f"rl.is_cap must be >= 1 (a truncation of ratios), got {rl.is_cap}.")
     if rl.lr <= 0 or rl.temperature <= 0 or rl.clip_eps <= 0 or rl.kl_coef < 0:
         raise ConfigError(
             "rl: need lr > 0, temperature > 0, clip_eps > 0 and kl_coef >= 0, got "

@@ -125,6 +125,7 @@ def _train(
         module = StreamRLModule(
             policy.train(), algorithm, rollouts, rl.iterations, lr=rl.lr, reference=reference,
             temperature=rl.temperature, mode=rl.mode, pipeline=pipeline, elastic=elastic,
+            is_cap=rl.is_cap,
         )  # fmt: skip
         trainer = L.Trainer(
             max_steps=rl.iterations, max_epochs=1, accelerator="cpu", devices=1,

@@ -127,6 +127,9 @@ def test_async_mode_overlaps_generation_and_training(tmp_path, tokenizer):
         assert max(h["train/staleness_max"] for h in module.history) <= 1
         assert module.pipeline.dropped_stale == 0
         assert sum(h["train/staleness_mean"] for h in module.history[1:]) > 0  # really async
+        # Stale samples were corrected (importance ratio to the proximal policy, logged).
+        corrected = [h for h in module.history if h["train/stale_samples"] > 0]
+        assert corrected and all(0 < h["train/is_ratio_mean"] < 10 for h in corrected)
         assert set(sgs.fingerprints().values()) == {fingerprint(policy)}
     spans = rollouts.trace.spans
     generate = [s for s in spans if s.name == "generate"]

@@ -36,6 +36,8 @@ class LossInputs:
         ref_logprobs: log-probs under the frozen reference policy, or ``None`` without KL.
         values: the critic's value of the state before each completion token (with grad), from
             ``Algorithm.token_values``; ``None`` for algorithms without a critic.
+        token_weights: truncated importance weights of stale samples' tokens in async mode
+            (``streamrl.components.off_policy``); ``None`` when every sample is fresh.
     """
 
     logprobs: torch.Tensor
@@ -44,6 +46,7 @@ class LossInputs:
     mask: torch.Tensor
     ref_logprobs: torch.Tensor | None = None
     values: torch.Tensor | None = None
+    token_weights: torch.Tensor | None = None
 
 
 class Algorithm:

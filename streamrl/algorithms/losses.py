@@ -84,6 +84,8 @@ def policy_loss(
     per_token = clipped_surrogate(
         batch.logprobs, batch.old_logprobs, batch.advantages, eps_low, eps_high
     )
+    if batch.token_weights is not None:  # off-policy correction of stale samples
+        per_token = per_token * batch.token_weights
     if kl_coef > 0 and batch.ref_logprobs is not None:
         per_token = per_token + kl_coef * k3_kl(batch.logprobs, batch.ref_logprobs)
     return per_sample(per_token, batch.mask, token_norm)

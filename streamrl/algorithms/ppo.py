@@ -173,6 +173,8 @@ class PPO(Algorithm):
             rewards = rewards - self.kl_coef * (batch.old_logprobs - batch.ref_logprobs) * mask
         advantages, returns = gae(rewards, old_values, mask, self.gamma, self.lam)
         policy = clipped_surrogate(batch.logprobs, batch.old_logprobs, advantages, self.clip_eps)
+        if batch.token_weights is not None:  # off-policy correction of stale samples
+            policy = policy * batch.token_weights
         value = clipped_value_loss(batch.values, old_values, returns, self.value_clip_eps)
         return per_sample(policy + self.value_coef * value, mask)  # [batch]
 

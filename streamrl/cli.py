@@ -48,7 +48,9 @@ def _cmd_fit(args: argparse.Namespace) -> dict:
     config = load_config(args.config)
     if args.output_dir:
         config.output_dir = args.output_dir
-    return run_fit(config, show_progress=not args.no_progress)
+    if args.resume and not os.path.isfile(args.resume):
+        raise ConfigError(f"--resume: no checkpoint at {args.resume!r}.")
+    return run_fit(config, show_progress=not args.no_progress, resume=args.resume)
 
 
 def _cmd_demo(args: argparse.Namespace) -> dict:
@@ -129,6 +131,8 @@ def build_parser() -> argparse.ArgumentParser:
     fit.add_argument("--config", required=True, help="YAML file with the run's settings")
     fit.add_argument("--output-dir", help="override the config's output_dir")
     fit.add_argument("--no-progress", action="store_true", help="draw no progress bars")
+    fit.add_argument("--resume", help="checkpoint to continue from, e.g. "
+                     "<output_dir>/checkpoints/last.ckpt")  # fmt: skip
     fit.set_defaults(func=_cmd_fit)
 
     bench = sub.add_parser("bench", help="measurements; the last stdout line is JSON")

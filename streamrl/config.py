@@ -105,6 +105,8 @@ class RLConfig:
             by more than one more instance would save (§4.2), up to ``max_generators``.
         max_generators: the most generator instances elastic scaling may reach.
         max_restarts: failed generator instances replaced before the run stops.
+        checkpoint_every: iterations between checkpoints (``<output_dir>/checkpoints/last.ckpt``,
+            resumable with ``streamrl fit --resume``); 0 saves only at the end.
     """
 
     algorithm: str = "grpo"
@@ -128,6 +130,7 @@ class RLConfig:
     elastic: bool = False
     max_generators: int = 4
     max_restarts: int = 3
+    checkpoint_every: int = 10
 
 
 @dataclass
@@ -273,6 +276,8 @@ def check_rl(rl: RLConfig) -> None:
     for name, value in positive.items():
         if value < 1:
             raise ConfigError(f"rl.{name} must be >= 1, got {value}.")
+    if rl.checkpoint_every < 0:
+        raise ConfigError(f"rl.checkpoint_every must be >= 0, got {rl.checkpoint_every}.")
     if rl.max_generators < rl.generators or rl.max_restarts < 0:
         raise ConfigError(
             f"rl: need max_generators >= generators and max_restarts >= 0, got "

@@ -15,6 +15,7 @@ from pathlib import Path
 import datasets
 import lightning as L
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
@@ -36,8 +37,13 @@ from streamrl.tasks.rewards import get_reward
 from streamrl.timeline import draw_timeline
 
 
-def run_fit(config: RunConfig, show_progress: bool = True) -> dict:
+def run_fit(config: RunConfig, show_progress: bool = True, resume: str | None = None) -> dict:
     """Run the main job and return its summary (also written to ``<output_dir>/summary.json``).
+
+    Args:
+        config: the run's settings.
+        show_progress: draw progress bars on stderr.
+        resume: a checkpoint (``<output_dir>/checkpoints/last.ckpt``) to continue from.
 
     Returns:
         ``reward_first`` / ``reward_last`` (mean reward of the first / last 3 iterations),
@@ -60,9 +66,13 @@ def run_fit(config: RunConfig, show_progress: bool = True) -> dict:
     }
     rl = config.rl
     if rl.iterations > 0:
-        module = _train(config, run.train, run.context, model_dir, policy, tokenizer, show_progress)
+        module = _train(
+            config, run.train, run.context, model_dir, policy, tokenizer, show_progress, resume
+        )
         after = evaluate(policy, tokenizer, run.heldout)
-        summary.update(_rl_summary(module, rl.iterations), heldout_acc_after=after.accuracy)
+        if module.history:  # a resumed run may have had no iteration left
+            summary.update(_rl_summary(module, len(module.history)))
+        summary.update(ledger(module), heldout_acc_after=after.accuracy)
         summary["accuracy_by_task_after"] = after.accuracy_by_task
     summary.update(
         accuracy_by_task_before=before.accuracy_by_task,
@@ -85,8 +95,11 @@ def _train(
     policy: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
     show_progress: bool,
+    resume: str | None = None,
 ) -> StreamRLModule:
-    """Start the generation service and let a Lightning ``Trainer`` run the RL iterations."""
+    """Start the generation service and let a Lightning ``Trainer`` run the RL iterations
+    (from the checkpoint ``resume``, if given: weights, optimizer, stream position, in-flight
+    prompts, component states)."""
     rl = config.rl
     algorithm = build_algorithm(
         rl.algorithm,
@@ -127,18 +140,25 @@ def _train(
             temperature=rl.temperature, mode=rl.mode, pipeline=pipeline, elastic=elastic,
             is_cap=rl.is_cap,
         )  # fmt: skip
+        checkpoints = ModelCheckpoint(
+            Path(config.output_dir) / "checkpoints", save_last=True,
+            every_n_train_steps=rl.checkpoint_every or None,
+            save_top_k=1 if rl.checkpoint_every else 0,
+        )  # fmt: skip
         trainer = L.Trainer(
-            max_steps=rl.iterations, max_epochs=1, accelerator="cpu", devices=1,
+            max_steps=rl.iterations, max_epochs=-1, accelerator="cpu", devices=1,
             logger=CSVLogger(config.output_dir, name="logs"), default_root_dir=config.output_dir,
             log_every_n_steps=1, enable_model_summary=False, enable_progress_bar=show_progress,
+            callbacks=[checkpoints],
         )  # fmt: skip
-        trainer.fit(module)
+        trainer.fit(module, ckpt_path=resume)
     policy.eval()
     out = Path(config.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     trace_path = rollouts.trace.to_json(out / "trace.json")
-    draw_timeline(rollouts.trace.spans, out / "timeline.png", title=f"streamrl {rl.mode}")
-    print(f"timeline: {trace_path} -> {out / 'timeline.png'}", file=sys.stderr)
+    if rollouts.trace.spans:  # a resumed run may have had nothing left to do
+        draw_timeline(rollouts.trace.spans, out / "timeline.png", title=f"streamrl {rl.mode}")
+        print(f"timeline: {trace_path} -> {out / 'timeline.png'}", file=sys.stderr)
     return module
 
 
@@ -170,7 +190,6 @@ def _rl_summary(module: StreamRLModule, iterations: int) -> dict:
         "dropped_stale": module.pipeline.dropped_stale,
         "sync_exposed_s_total": sum(h["time/sync_exposed_s"] for h in history),
         "sync_transfer_s_total": module.sync_transfer_s,
-        **ledger(module),
     }
 
 

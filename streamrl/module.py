@@ -12,11 +12,13 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import random
 import time
 from collections.abc import Iterator
 from typing import Literal
 
 import lightning as L
+import numpy as np
 import torch
 from torch.utils.data import IterableDataset
 from transformers import PreTrainedModel
@@ -121,7 +123,9 @@ class StreamRLModule(L.LightningModule):
         self.sync_transfer_s = 0.0  # seconds spent broadcasting weights, background included
         self._ahead: int | None = None  # async: the iteration generated one step ahead
 
-    def training_step(self, iteration: int) -> None:
+    def training_step(self, batch: int) -> None:
+        del batch  # the ticker's number; the iteration is the weight version (survives resume)
+        iteration = self.weight_version
         optimizer = self.optimizers()
         started = time.perf_counter()
         train_s, total = 0.0, self.rollouts.samples_per_iteration
@@ -182,13 +186,17 @@ class StreamRLModule(L.LightningModule):
         return current
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
-        # What a resumed run needs beyond the weights: where the trainer and the ranker are.
+        # What a resumed run needs beyond weights and optimizer (Lightning saves those): where the
+        # trainer, the prompt stream and the in-flight iterations are, and every component's state.
         checkpoint["streamrl"] = {
             "weight_version": self.weight_version,
+            "samples_trained": self.samples_trained,
+            "rollouts": self.rollouts.state_dict(),
             "elastic": self.elastic.state_dict() if self.elastic else None,
             "algorithm": self.algorithm.state_dict(),
             "prompt_source": self.rollouts.prompts.state_dict(),
             "length_ranker": self.rollouts.ranker.state_dict() if self.rollouts.ranker else None,
+            "rng": _rng_state(),
         }
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
@@ -196,13 +204,24 @@ class StreamRLModule(L.LightningModule):
         if state is None:
             return
         self.weight_version = state["weight_version"]
+        self.samples_trained = state.get("samples_trained", 0)
         self.rollouts.prompts.load_state_dict(state["prompt_source"])
+        if "rollouts" in state:  # in-flight iterations are dispatched again, same prompts
+            self.rollouts.load_state_dict(state["rollouts"])
         if "algorithm" in state:
             self.algorithm.load_state_dict(state["algorithm"])
         if self.elastic is not None and state.get("elastic") is not None:
             self.elastic.load_state_dict(state["elastic"])
         if self.rollouts.ranker is not None and state["length_ranker"] is not None:
             self.rollouts.ranker.load_state_dict(state["length_ranker"])
+        if "rng" in state:
+            _set_rng_state(state["rng"])
+
+    def on_train_start(self) -> None:
+        # A resumed run starts new generator processes from the model directory: give them the
+        # checkpoint's weights before any prompt is dispatched.
+        if self.weight_version > 0:
+            self.rollouts.service.update(self.policy, self.weight_version)
 
     def on_train_end(self) -> None:
         # Leave the generators on the final weights (async pushes may still be in flight).
@@ -312,6 +331,20 @@ class StreamRLModule(L.LightningModule):
         return torch.utils.data.DataLoader(
             IterationTicker(self.iterations), batch_size=None, collate_fn=lambda x: x
         )
+
+
+def _rng_state() -> dict:
+    """Random states as plain values and tensors (checkpoints load with ``weights_only``)."""
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    return {"python": random.getstate(), "torch": torch.get_rng_state(),
+            "numpy": [kind, keys.tolist(), int(pos), int(has_gauss), float(gauss)]}  # fmt: skip
+
+
+def _set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    kind, keys, pos, has_gauss, gauss = state["numpy"]
+    np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, gauss))
+    torch.set_rng_state(state["torch"])
 
 
 def _check_finite(per_sample: torch.Tensor, samples: list, iteration: int) -> None:

@@ -155,6 +155,7 @@ class RolloutStream:
         self._next_iteration = 0
         self.prompts_dispatched = 0
         self.samples_filtered = 0  # in groups an algorithm's keep_group dropped
+        self._redispatch: dict[int, list[dict]] = {}  # in-flight iterations of a checkpoint
         self.max_refills = 2 * prompts.batch_size if max_refills is None else max_refills
 
     @property
@@ -165,7 +166,10 @@ class RolloutStream:
         """Send the next iteration's requests; instances admit them once they hold at least
         ``min_weight_version``. Returns the iteration number."""
         iteration, self._next_iteration = self._next_iteration, self._next_iteration + 1
-        rows = {row["prompt_id"]: row for row in self.prompts.next_batch()}
+        if iteration in self._redispatch:  # resumed: the same prompts as before the stop
+            rows = {row["prompt_id"]: row for row in self._redispatch.pop(iteration)}
+        else:
+            rows = {row["prompt_id"]: row for row in self.prompts.next_batch()}
         requests = [
             r for pid, row in rows.items()
             for r in self._requests(pid, row, iteration, min_weight_version)
@@ -178,6 +182,24 @@ class RolloutStream:
         if self._refresh_due:  # while the instances generate, not on the trainer's critical path
             self._refresh_ranker()
         return iteration
+
+    def state_dict(self) -> dict:
+        """Where the stream is, for checkpoints: the next iteration number and the prompts of
+        iterations dispatched but not yet delivered (generated again on resume: samples that
+        were generated but not trained are regenerated, never trained twice nor lost)."""
+        in_flight = {it: list(batch.rows.values()) for it, batch in self._batches.items()}
+        return {
+            "next_iteration": self._next_iteration,
+            "in_flight": in_flight,
+            "prompts_dispatched": self.prompts_dispatched - sum(map(len, in_flight.values())),
+            "samples_filtered": self.samples_filtered,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self._redispatch = {int(it): rows for it, rows in state["in_flight"].items()}
+        self._next_iteration = min(self._redispatch, default=state["next_iteration"])
+        self.prompts_dispatched = state["prompts_dispatched"]
+        self.samples_filtered = state["samples_filtered"]
 
     def _requests(
         self, pid: str, row: dict, iteration: int, min_weight_version: int

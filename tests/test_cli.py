@@ -66,6 +66,16 @@ def test_fit_small_run_prints_json_summary(tmp_path, capsys):
     assert summary["iterations"] == 2 and summary["samples_per_s"] > 0
     assert (tmp_path / "out" / "summary.json").is_file()
     assert list((tmp_path / "out" / "logs").rglob("metrics.csv"))
+    assert summary["samples_lost"] == 0 and summary["samples_trained"] == 2 * 4 * 2
+    assert (tmp_path / "out" / "instances.json").is_file()
+    # Resume from the last checkpoint and go on to 3 iterations: only the third one runs.
+    last = tmp_path / "out" / "checkpoints" / "last.ckpt"
+    assert last.is_file()
+    config.write_text(config.read_text().replace("iterations: 2", "iterations: 3"))
+    assert main(["fit", "--config", str(config), "--no-progress", "--resume", str(last)]) == 0
+    resumed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert resumed["samples_trained"] == 3 * 4 * 2 and resumed["samples_lost"] == 0
+    assert main(["fit", "--config", str(config), "--resume", str(tmp_path / "nope.ckpt")]) == 2
 
 
 def _children(pid: int) -> list[int]:

@@ -40,6 +40,7 @@ from streamrl.components.dispatch import Dispatcher, RoundRobinDispatcher
 from streamrl.components.generator_worker import WorkerSpec, worker_main
 from streamrl.components.weight_sync import AsyncWeightSync, Weights
 from streamrl.components.weight_transport import WeightGroup, make_store
+from streamrl.lora import LoRASpec
 from streamrl.records import Request, Sample
 
 #: How often an instance says it is alive while it runs (see ``generator_worker``).
@@ -105,6 +106,8 @@ class StreamGenerationService:
             reading, is taken as hung: killed and replaced.
         status_path: a JSON file rewritten on every change of the pool (instance id -> pid,
             state, weight version), for operators.
+        lora: wrap every instance's model with these adapters; updates then carry only the
+            adapter tensors (push ``streamrl.lora.adapter_weights(policy)``).
     """
 
     def __init__(
@@ -123,6 +126,7 @@ class StreamGenerationService:
         max_restarts: int = 3,
         heartbeat_timeout_s: float = 60.0,
         status_path: str | Path | None = None,
+        lora: LoRASpec | None = None,
     ) -> None:
         if num_instances < 1:
             raise ValueError(f"num_instances must be >= 1, got {num_instances}.")
@@ -138,6 +142,8 @@ class StreamGenerationService:
             max_batch_size=max_batch_size, temperature=temperature, greedy=greedy,
             scheduler=scheduler,
         )  # fmt: skip
+        if lora is not None:
+            self._generator_kwargs["lora"] = lora.to_dict()
         self._seed = seed
         self._ctx = mp.get_context("spawn")
         self._instances: list[_Instance] = []

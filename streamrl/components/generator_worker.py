@@ -4,6 +4,9 @@ It loads the policy, then loops: take requests and weight updates from its inbox
 continuous-batching step, push every finished sample to its outbox (a pipe of its own to the
 service) at once. Messages are plain tuples of picklable values; samples hold lists, never
 tensors. A pipe per instance means an instance killed mid-write can garble only its own pipe.
+With ``generator_kwargs["lora"]`` (a ``LoRASpec.to_dict()``) the instance wraps the model with
+the same adapters as the trainer, receives only the adapter tensors and keeps them merged into
+the base weights while decoding (``streamrl.lora``).
 
 Inbox:  ``("submit", [Request, ...])``, ``("limit", batch_size)``, ``("update", version)``,
 ``("fingerprint",)``, ``("stop",)``.
@@ -14,6 +17,7 @@ version)``, ``("fingerprint", instance_id, hex)``, ``("heartbeat", instance_id)`
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import queue
@@ -22,12 +26,15 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from streamrl.components.schedulers import FIFOScheduler, LPTScheduler
 from streamrl.records import Request
+
+if TYPE_CHECKING:
+    from streamrl.lora import MergedLoRA
 
 #: Admission schedulers an instance can be started with, by name.
 SCHEDULERS = {"fifo": FIFOScheduler, "lpt": LPTScheduler}
@@ -84,14 +91,27 @@ class _Instance:
         self.model, _ = load_policy(spec.model_dir)
         kwargs = dict(spec.generator_kwargs)
         scheduler = SCHEDULERS[kwargs.pop("scheduler", "fifo")]()
+        lora = kwargs.pop("lora", None)  # a LoRASpec.to_dict(): only the adapters get updates
+        synced = dict(self.model.named_parameters())
+        self.merged: MergedLoRA | None = None
+        if lora is not None:
+            from streamrl.lora import LoRASpec, MergedLoRA, adapter_weights, apply_lora
+
+            self.model = apply_lora(self.model, LoRASpec.from_dict(lora)).eval()
+            synced = adapter_weights(self.model)  # same names and order as on the trainer
+            self.merged = MergedLoRA(self.model)  # decodes at base-model speed between loads
         self.generator = HFStreamGenerator(
             self.model, instance_id=spec.instance_id, weight_version=spec.weight_version,
             scheduler=scheduler, **kwargs,
         )  # fmt: skip
         _put(outbox, ("ready", spec.instance_id, os.getpid()), parent)
         group = WeightGroup(spec.store_port, spec.rank, spec.world_size, timeout_s=spec.timeout_s)
-        self.receiver = _WeightReceiver(group, dict(self.model.named_parameters()))
+        self.receiver = _WeightReceiver(group, synced)
         self.held: list[Request] = []
+
+    def _unmerged(self) -> contextlib.AbstractContextManager:
+        """LoRA: adapters and base weights apart inside the block, as the trainer holds them."""
+        return self.merged.unmerged() if self.merged is not None else contextlib.nullcontext()
 
     def run(self, inbox: Any) -> None:
         beat = time.monotonic()
@@ -126,13 +146,15 @@ class _Instance:
         elif kind == "update":
             self.receiver.receive(message[1])  # joins the broadcast in the background
         elif kind == "fingerprint":
-            hexdigest = fingerprint(self.model)
+            with self._unmerged():  # comparable with fingerprint(policy) on the trainer
+                hexdigest = fingerprint(self.model)
             _put(self.outbox, ("fingerprint", self.spec.instance_id, hexdigest), self.parent)
 
     def _apply_received_weights(self) -> None:
         for version, buffers in self.receiver.ready():
             # Between two decode steps: running sequences keep their slots (no batch restart).
-            self.generator.load_weights(buffers, version)
+            with self._unmerged():
+                self.generator.load_weights(buffers, version)
             _put(self.outbox, ("updated", self.spec.instance_id, version), self.parent)
             self._release_held()
 

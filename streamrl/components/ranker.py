@@ -164,12 +164,16 @@ class LengthRanker:
     def state_dict(self) -> dict:
         return {
             "net": None if self.net is None else self.net.state_dict(),
-            "mean": self._mean, "std": self._std, "recent": list(self.recent),
-            "hidden": self.hidden,
+            # Tensors, not numpy arrays: checkpoints load with torch.load(weights_only=True).
+            "mean": None if self._mean is None else torch.from_numpy(self._mean),
+            "std": None if self._std is None else torch.from_numpy(self._std),
+            "recent": list(self.recent), "hidden": self.hidden,
         }  # fmt: skip
 
     def load_state_dict(self, state: dict) -> None:
-        self._mean, self._std, self.hidden = state["mean"], state["std"], state["hidden"]
+        self._mean, self._std = (None if state[k] is None else np.asarray(state[k])
+                                 for k in ("mean", "std"))  # fmt: skip
+        self.hidden = state["hidden"]
         self.recent.clear()
         self.recent.extend(state["recent"])
         if state["net"] is not None:

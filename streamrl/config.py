@@ -105,6 +105,10 @@ class RLConfig:
             by more than one more instance would save (§4.2), up to ``max_generators``.
         max_generators: the most generator instances elastic scaling may reach.
         max_restarts: failed generator instances replaced before the run stops.
+        lora_r: LoRA rank of the policy's adapters; 0 trains the full model. With LoRA only the
+            adapters train and only they are sent to the generators (docs/lora.md).
+        lora_alpha: LoRA scaling numerator (scale = alpha / r).
+        lora_target_modules: module-name suffixes that get adapters.
         checkpoint_every: iterations between checkpoints (``<output_dir>/checkpoints/last.ckpt``,
             resumable with ``streamrl fit --resume``); 0 saves only at the end.
     """
@@ -131,6 +135,11 @@ class RLConfig:
     max_generators: int = 4
     max_restarts: int = 3
     checkpoint_every: int = 10
+    lora_r: int = 0
+    lora_alpha: float = 16.0
+    lora_target_modules: list[str] = field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"]
+    )
 
 
 @dataclass
@@ -276,6 +285,12 @@ def check_rl(rl: RLConfig) -> None:
     for name, value in positive.items():
         if value < 1:
             raise ConfigError(f"rl.{name} must be >= 1, got {value}.")
+    if rl.lora_r < 0:
+        raise ConfigError(f"rl.lora_r must be >= 0 (0 = full fine-tuning), got {rl.lora_r}.")
+    if rl.lora_r > 0:
+        from streamrl.lora import LoRASpec
+
+        LoRASpec(rl.lora_r, rl.lora_alpha, 0.0, tuple(rl.lora_target_modules))  # ConfigError
     if rl.checkpoint_every < 0:
         raise ConfigError(f"rl.checkpoint_every must be >= 0, got {rl.checkpoint_every}.")
     if rl.max_generators < rl.generators or rl.max_restarts < 0:

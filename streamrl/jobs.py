@@ -29,6 +29,7 @@ from streamrl.components.ranker import LengthRanker
 from streamrl.components.skew_dispatch import SkewAwareDispatcher
 from streamrl.config import RunConfig, check_values
 from streamrl.evaluation import evaluate
+from streamrl.lora import LoRASpec, apply_lora
 from streamrl.models import load_policy
 from streamrl.module import StreamRLModule
 from streamrl.prepare import ensure_policy, prepare_run
@@ -119,11 +120,15 @@ def _train(
     elastic = None
     if rl.elastic:
         elastic = ElasticController(latency, rl.max_batch_size, max_instances=rl.max_generators)
+    lora = None
+    if rl.lora_r > 0:  # adapters only: they train, and only they travel to the generators
+        lora = LoRASpec(rl.lora_r, rl.lora_alpha, 0.0, tuple(rl.lora_target_modules))
+        policy = apply_lora(policy, lora)
     service = StreamGenerationService(
         model_dir, rl.generators, max_batch_size=rl.max_batch_size,
         temperature=rl.temperature, seed=config.seed, dispatcher=dispatcher,
         scheduler="lpt" if skew else "fifo", max_restarts=rl.max_restarts,
-        status_path=Path(config.output_dir) / "instances.json",
+        status_path=Path(config.output_dir) / "instances.json", lora=lora,
     )  # fmt: skip
     with service:
         rollouts = RolloutStream(

@@ -28,6 +28,7 @@ from streamrl.components.elastic import ElasticController
 from streamrl.components.off_policy import Correction, correct_stale
 from streamrl.components.pipeline import DynamicBatchPipeline, MicroBatch
 from streamrl.errors import NonFiniteLossError
+from streamrl.lora import synced_weights
 from streamrl.rollout import RolloutStream
 from streamrl.timeline import TraceRecorder
 
@@ -148,11 +149,12 @@ class StreamRLModule(L.LightningModule):
             optimizer.zero_grad(set_to_none=True)
         train_s += time.perf_counter() - t0
         self.weight_version += 1
+        weights, service = synced_weights(self.policy), self.rollouts.service  # LoRA: adapters
         with self.trace.span("trainer", "sync", iteration, version=self.weight_version):
             if self.mode == "async":  # the transfer overlaps the next step (§4.1)
-                sync_s = self.rollouts.service.push_weights(self.policy, self.weight_version)
+                sync_s = service.push_weights(weights, self.weight_version)
             else:
-                sync_s = self.rollouts.service.update(self.policy, self.weight_version)
+                sync_s = service.update(weights, self.weight_version)
         self.log_iteration(iteration, time.perf_counter() - started, train_s, sync_s, grad_norm)
         if self.elastic is not None:
             self._scale(train_s)
@@ -221,7 +223,7 @@ class StreamRLModule(L.LightningModule):
         # A resumed run starts new generator processes from the model directory: give them the
         # checkpoint's weights before any prompt is dispatched.
         if self.weight_version > 0:
-            self.rollouts.service.update(self.policy, self.weight_version)
+            self.rollouts.service.update(synced_weights(self.policy), self.weight_version)
 
     def on_train_end(self) -> None:
         # Leave the generators on the final weights (async pushes may still be in flight).

@@ -84,3 +84,18 @@ def test_validation_and_state_round_trip():
     clone = ElasticController(CONST, 1, patience=3)
     clone.load_state_dict(ctl.state_dict())
     assert clone.state_dict() == {"add": 1, "remove": 0, "cooling": 0}
+
+
+def test_min_saving_stops_adding_instances_that_cannot_help():
+    from streamrl.components.elastic import ElasticController
+    from streamrl.components.latency import LatencyModel
+
+    # Four 1000-token samples dominate: a third instance only lowers their batch from 4 to 2
+    # (PTL 10.48 -> 10.16 ms): 0.5% of T_gen, while generation lags training by 15 s.
+    lengths = [1000] * 4 + [10] * 60
+    latency = LatencyModel([1, 64], [0.01, 0.02])
+    bare = ElasticController(latency, max_batch_size=64)
+    guarded = ElasticController(latency, max_batch_size=64, min_saving=0.05)
+    first = bare.observe(t_gen_s=20.0, t_train_s=5.0, instances=2, lengths=lengths)
+    assert first.action == "add" and 0 < first.delta_prime_s < 0.05 * 20.0
+    assert guarded.observe(20.0, 5.0, instances=2, lengths=lengths).action == "keep"

@@ -57,6 +57,10 @@ class ElasticController:
         patience: consecutive iterations a condition must hold before acting.
         cooldown: iterations ignored after a change (their timings mix old and new pools).
         method: how the latency model predicts ``T_gen`` (``predict_generation_s``).
+        min_saving: add only when one more step would save at least this share of ``T_gen``
+            (0, the paper's rule, adds whenever ``delta > delta'``; when generation is bound by
+            its longest sample, ``delta'`` stays tiny and the bare rule adds instances that
+            cannot help).
 
     Example:
         >>> from streamrl.components.latency import LatencyModel
@@ -80,7 +84,10 @@ class ElasticController:
         patience: int = 1,
         cooldown: int = 0,
         method: Method = "replay",
+        min_saving: float = 0.0,
     ) -> None:
+        if not 0 <= min_saving < 1:
+            raise ValueError(f"ElasticController: min_saving must be in [0, 1), got {min_saving}.")
         if step < 1 or min_instances < 1 or max_instances < min_instances:
             raise ValueError(
                 "ElasticController: need step >= 1 and 1 <= min_instances <= max_instances; got "
@@ -92,6 +99,7 @@ class ElasticController:
         self.min_instances, self.max_instances = min_instances, max_instances
         self.threshold, self.scale_in = threshold, scale_in
         self.patience, self.cooldown, self.method = patience, cooldown, method
+        self.min_saving = min_saving
         self._add_streak = self._remove_streak = self._cooling = 0
 
     def predicted_gen_s(self, instances: int, lengths: Sequence[float]) -> float:
@@ -131,7 +139,8 @@ class ElasticController:
             self._cooling -= 1
             return ElasticDecision("keep", instances, delta, prime, "cooling down after a change")
         can_add = instances + self.step <= self.max_instances
-        want_add = can_add and prime > 0 and delta > self.threshold * prime
+        worth_it = prime > 0 and prime >= self.min_saving * t_gen_s  # tail-bound: adding is waste
+        want_add = can_add and worth_it and delta > self.threshold * prime
         self._add_streak = self._add_streak + 1 if want_add else 0
         want_remove = False
         if self.scale_in and instances - self.step >= self.min_instances and delta < 0:

@@ -24,29 +24,24 @@ if __name__ == "__main__":  # generator instances are spawned processes: keep th
     cli = argparse.ArgumentParser()
     cli.add_argument("--iterations", type=int, default=30)
     cli.add_argument("--prompts", type=int, default=16, help="prompts per iteration")
-    cli.add_argument("--sft-steps", type=int, default=1800, help="warm start of the tiny model "
-                     "(cached; `make demo` trains the same one)")  # fmt: skip
+    cli.add_argument("--sft-steps", type=int, default=1800, help="SFT warm start (cached)")
+    cli.add_argument("--cache", default=RunConfig().resolved_cache_dir(), help="warm starts")
     cli.add_argument("--model", help="a local Hugging Face model dir instead of the tiny model")
     args = cli.parse_args()
     torch.set_num_threads(1)  # one core for the trainer, the others for the generators
-    # The built-in ~1M-parameter Qwen2 warm-started by SFT, or any local HF model dir.
-    model_dir = args.model or warm_start(
-        SFTConfig(steps=args.sft_steps), RunConfig().resolved_cache_dir()
-    )
+    model_dir = args.model or warm_start(SFTConfig(steps=args.sft_steps), args.cache)  # ~1M
     policy, tokenizer = load_policy(model_dir)
     latency = Profiler(policy, tokenizer("copy ab=").input_ids, 8, 1).fit([1, 8, 32])  # §5.1
     dispatcher = SkewAwareDispatcher(latency, max_batch_size=32)  # §5.3, Algorithm 2
     algorithm = GRPO(partial_credit, group_size=4)
-    with StreamGenerationService(
-        model_dir, 2, max_batch_size=32, dispatcher=dispatcher, scheduler="lpt", temperature=0.7
-    ) as sgs:  # §3; LPT: §5.3
+    with StreamGenerationService(model_dir, 2, max_batch_size=32, dispatcher=dispatcher,
+                                 scheduler="lpt", temperature=0.7) as sgs:  # §3  # fmt: skip
         prompts = PromptSource(make_prompt_set(512, median_len=6, max_len=48), args.prompts)
         rollouts = RolloutStream(  # §5.2: the ranker learns the policy's own output lengths
             sgs, prompts, tokenizer, algorithm, max_tokens=64,
             context=policy.config.max_position_embeddings, ranker=LengthRanker(epochs=100),
         )  # fmt: skip
-        # §4.1: micro-batches train as groups stream in; "async" overlaps step k+1's generation
-        pipeline = DynamicBatchPipeline(1024, staleness_bound=1)  # with step k's training
+        pipeline = DynamicBatchPipeline(1024, staleness_bound=1)  # §4.1: train as they stream
         module = StreamRLModule(policy.train(), algorithm, rollouts, args.iterations, lr=1e-4,
                                 temperature=0.7, mode="async", pipeline=pipeline)  # fmt: skip
         L.Trainer(max_steps=args.iterations, accelerator="cpu", logger=False,

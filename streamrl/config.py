@@ -13,6 +13,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import os
 import typing
 from dataclasses import dataclass, field
@@ -142,6 +143,10 @@ class RLConfig:
     )
 
 
+#: Lightning loggers a run can write to, and the package each needs.
+LOGGERS = {"csv": None, "tensorboard": "tensorboard", "wandb": "wandb"}
+
+
 @dataclass
 class RunConfig:
     """Everything ``streamrl fit`` needs.
@@ -151,6 +156,8 @@ class RunConfig:
             local Hugging Face model directory.
         seed: seeds data, initialisation and sampling.
         output_dir: where logs, metrics and checkpoints go.
+        logger: ``"csv"`` (default), ``"tensorboard"`` or ``"wandb"`` (the last two need their
+            package installed; offline W&B runs are written under ``output_dir``).
         cache_dir: where warm-started policies are cached; ``None`` means ``$STREAMRL_CACHE`` or
             ``~/.cache/streamrl``.
         data: the prompt sets.
@@ -161,6 +168,7 @@ class RunConfig:
     model: str = "tiny"
     seed: int = 0
     output_dir: str = "runs/demo"
+    logger: str = "csv"
     cache_dir: str | None = None
     data: DataConfig = field(default_factory=DataConfig)
     sft: WarmStartConfig = field(default_factory=WarmStartConfig)
@@ -253,6 +261,11 @@ def check_values(config: RunConfig) -> None:
         raise ConfigError(
             f"sft.model_size: {unknown_name('size', sft.model_size, ['test', 'demo'])}"
         )
+    if config.logger not in LOGGERS:
+        raise ConfigError(f"logger: {unknown_name('logger', config.logger, LOGGERS)}")
+    needed = LOGGERS[config.logger]
+    if needed is not None and importlib.util.find_spec(needed) is None:
+        raise ConfigError(f"logger: {config.logger!r} needs {needed!r}: pip install {needed}")
     check_rl(config.rl)
     if sft.steps < 0 or sft.lr <= 0 or not 0 <= sft.demo_noise <= 1 or not 0 <= sft.early_stop <= 1:
         raise ConfigError(

@@ -16,7 +16,7 @@ import datasets
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.loggers import CSVLogger, Logger, TensorBoardLogger, WandbLogger
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from streamrl.algorithms import build_algorithm
@@ -152,7 +152,7 @@ def _train(
         )  # fmt: skip
         trainer = L.Trainer(
             max_steps=rl.iterations, max_epochs=-1, accelerator="cpu", devices=1,
-            logger=CSVLogger(config.output_dir, name="logs"), default_root_dir=config.output_dir,
+            logger=make_logger(config), default_root_dir=config.output_dir,
             log_every_n_steps=1, enable_model_summary=False, enable_progress_bar=show_progress,
             callbacks=[checkpoints],
         )  # fmt: skip
@@ -165,6 +165,15 @@ def _train(
         draw_timeline(rollouts.trace.spans, out / "timeline.png", title=f"streamrl {rl.mode}")
         print(f"timeline: {trace_path} -> {out / 'timeline.png'}", file=sys.stderr)
     return module
+
+
+def make_logger(config: RunConfig) -> Logger:
+    """The run's Lightning logger; metrics are namespaced ``stage/metric``."""
+    if config.logger == "tensorboard":
+        return TensorBoardLogger(config.output_dir, name="logs")
+    if config.logger == "wandb":
+        return WandbLogger(project="streamrl", save_dir=config.output_dir, offline=True)
+    return CSVLogger(config.output_dir, name="logs")
 
 
 def _measure_latency(

@@ -107,3 +107,16 @@ def test_duplicate_prompt_ids_name_the_line(tmp_path):
 def test_bad_rl_values_fail_before_work(tmp_path, yaml_text, message):
     with pytest.raises(ConfigError, match=message):
         load_config(write(tmp_path, yaml_text))
+
+
+def test_logger_choice_is_checked_before_work(tmp_path):
+    with pytest.raises(ConfigError, match=r"Unknown logger 'tensorbord' \(did you mean"):
+        load_config(write(tmp_path, "logger: tensorbord\n"))
+
+
+def test_logger_without_its_package_says_how_to_install(tmp_path, monkeypatch):
+    import importlib.util
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
+    with pytest.raises(ConfigError, match=r"logger: 'wandb' needs 'wandb': pip install wandb"):
+        load_config(write(tmp_path, "logger: wandb\n"))

@@ -23,8 +23,8 @@ demo: $(STAMP)
 	$(VENV)/bin/streamrl demo $(DEMO_ARGS)
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check streamrl tests
-	$(VENV)/bin/ruff format --check streamrl tests
+	$(VENV)/bin/ruff check streamrl tests examples notebooks
+	$(VENV)/bin/ruff format --check streamrl tests examples notebooks
 
 test: lint
 	$(PY) -m pytest $(PYTEST_ARGS)

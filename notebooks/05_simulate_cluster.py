@@ -117,6 +117,9 @@ for mode, r in results.items():
           f"{r.generator_idle_frac:5.1%}")  # fmt: skip
 
 # %% [markdown]
+# Async's generator idle share is inflated by the end of the run: its last iteration was
+# generated during the one before, and nothing is left to generate while it trains.
+#
 # ## Plot
 #
 # Left: predicted stage times of every split; the plan sits where generation and training

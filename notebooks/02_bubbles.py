@@ -93,7 +93,7 @@ if __name__ == "__main__":
 #
 # One PNG per mode from `draw_timeline` (the same picture every `streamrl fit` run writes):
 # generator lanes on top, darker where more samples decode at once; the trainer below (grey:
-# waiting for samples, orange: micro-batches, purple: weight sync). Then the three side by side.
+# waiting for samples, orange: micro-batches, purple: weight sync). Then the three together.
 
 # %%
 if __name__ == "__main__":
@@ -101,7 +101,7 @@ if __name__ == "__main__":
     for mode in MODES:
         spans = results[mode]["_trace"].spans
         paths[mode] = draw_timeline(spans, OUT / f"02_timeline_{mode}.png", title=mode)
-    fig, axes = plt.subplots(1, 3, figsize=(18, 4.5))
+    fig, axes = plt.subplots(3, 1, figsize=(12, 11))  # one above the other, same width
     for ax, mode in zip(axes, MODES):
         ax.imshow(mpimg.imread(paths[mode]))
         ax.set_title(f"{mode}: {results[mode]['samples_per_s']:.0f} samples/s")

@@ -422,6 +422,7 @@ class StreamGenerationService:
                 f"{restarts} of max_restarts={self.max_restarts} replacements already used."
             )
         _stop_process(handle.proc, 0.0)
+        self._salvage(handle)
         self.weight_sync.remove_group(handle.instance_id)
         requests = list(handle.open.values())
         handle.open.clear()
@@ -430,6 +431,21 @@ class StreamGenerationService:
         self.counts["requests_requeued"] += len(requests)
         self._spawn()
         self._dispatch(requests, [r.predicted_length or 0.0 for r in requests])
+
+    def _salvage(self, handle: _Instance) -> None:
+        """Keep the samples a failed instance finished and sent before it went: they are whole
+        (each is one pickled message), so only what it still held is requeued."""
+        link = handle.link
+        try:
+            while link is not None and link.poll(0):
+                message = link.recv()
+                if message[0] == "sample" and handle.open.pop(message[1].key, None) is not None:
+                    self._backlog.append(message[1])
+        except (EOFError, OSError, pickle.UnpicklingError):
+            pass  # a message cut by the kill: its request is still open, so it is requeued
+        if link is not None:
+            link.close()
+            handle.link = None
 
     def _dispatch(self, requests: list[Request], scores: Sequence[float] | None) -> None:
         if not requests:

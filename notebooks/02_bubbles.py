@@ -99,12 +99,12 @@ if __name__ == "__main__":
 if __name__ == "__main__":
     paths = {}
     for mode in MODES:
-        spans = results[mode]["_trace"].spans
-        paths[mode] = draw_timeline(spans, OUT / f"02_timeline_{mode}.png", title=mode)
+        spans, rate = results[mode]["_trace"].spans, results[mode]["samples_per_s"]
+        title = f"{mode}: {rate:.0f} samples/s"
+        paths[mode] = draw_timeline(spans, OUT / f"02_timeline_{mode}.png", title=title)
     fig, axes = plt.subplots(3, 1, figsize=(12, 11))  # one above the other, same width
     for ax, mode in zip(axes, MODES):
         ax.imshow(mpimg.imread(paths[mode]))
-        ax.set_title(f"{mode}: {results[mode]['samples_per_s']:.0f} samples/s")
         ax.axis("off")
     fig.tight_layout()
     fig.savefig(OUT / "02_bubbles.png", dpi=120)

@@ -70,7 +70,7 @@ class TraceRecorder:
             long run cannot exhaust memory; the newest part of the timeline is the one kept.
     """
 
-    def __init__(self, max_spans: int = 200_000) -> None:
+    def __init__(self, max_spans: int = 50_000) -> None:
         if max_spans < 1:
             raise ValueError(f"max_spans must be at least 1, got {max_spans}.")
         self._spans: deque[Span] = deque(maxlen=max_spans)

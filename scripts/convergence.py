@@ -54,6 +54,10 @@ def _rewards(run_dir: Path) -> list[float]:
         return [float(r["rollout/reward"]) for r in csv.DictReader(f) if r.get("rollout/reward")]
 
 
+def _smooth(values: list[float], window: int = 5) -> list[float]:
+    return [statistics.mean(values[max(0, i - window + 1) : i + 1]) for i in range(len(values))]
+
+
 def plot(results: dict[str, list[dict]], path: Path, title: str) -> None:
     import matplotlib
 
@@ -64,13 +68,14 @@ def plot(results: dict[str, list[dict]], path: Path, title: str) -> None:
     for name, runs in results.items():
         curves = [r["rewards"] for r in runs]
         n = min(map(len, curves))
-        mean = [statistics.mean(c[i] for c in curves) for i in range(n)]
+        mean = _smooth([statistics.mean(c[i] for c in curves) for i in range(n)])
         acc = statistics.mean(r["heldout_acc_after"] for r in runs)
+        line = ax.plot(range(n), mean, linewidth=2,
+                       label=f"{name} (held-out {acc:.1%}, {len(runs)} runs)")[0]  # fmt: skip
         for c in curves:
-            ax.plot(range(n), c[:n], alpha=0.25, linewidth=0.8)
-        ax.plot(range(n), mean, linewidth=2, label=f"{name} (held-out {acc:.1%}, {len(runs)} runs)")
+            ax.plot(range(n), c[:n], alpha=0.2, linewidth=0.7, color=line.get_color())
     ax.set_xlabel("iteration (same samples per iteration in every run)")
-    ax.set_ylabel("mean reward")
+    ax.set_ylabel("mean reward (5-iteration average)")
     ax.set_title(title)
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -82,8 +87,20 @@ def main() -> int:
     parser.add_argument("experiment", choices=sorted(EXPERIMENTS))
     parser.add_argument("--seeds", default="0")
     parser.add_argument("--out", default="runs/convergence")
+    parser.add_argument("--replot", action="store_true", help="redraw from the saved JSON")
     args = parser.parse_args()
     out = Path(args.out)
+    if args.replot:
+        saved = json.loads((out / f"{args.experiment}.json").read_text())
+        runs = {
+            name: [
+                {"rewards": c, "heldout_acc_after": a}
+                for c, a in zip(v["rewards"], v["heldout_acc_after"])
+            ]
+            for name, v in saved.items()
+        }
+        plot(runs, out / f"convergence-{args.experiment}.png", f"demo task: {args.experiment}")
+        return 0
     results: dict[str, list[dict]] = {}
     for seed in (int(s) for s in args.seeds.split(",")):
         for name, rl, s in EXPERIMENTS[args.experiment](seed):
@@ -94,6 +111,7 @@ def main() -> int:
             "heldout_acc_after": [r["heldout_acc_after"] for r in runs],
             "mean_after": statistics.mean(r["heldout_acc_after"] for r in runs),
             "samples_per_s": [round(r["samples_per_s"], 1) for r in runs],
+            "rewards": [r["rewards"] for r in runs],
         }
         for name, runs in results.items()
     }

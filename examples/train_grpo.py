@@ -8,8 +8,11 @@ import lightning as L
 import torch
 
 from streamrl.algorithms import GRPO
-from streamrl.components import (DynamicBatchPipeline, LengthRanker, Profiler,
-                                 SkewAwareDispatcher, StreamGenerationService)  # fmt: skip
+from streamrl.components import StreamGenerationService
+from streamrl.components.pipeline import DynamicBatchPipeline
+from streamrl.components.profiler import Profiler
+from streamrl.components.ranker import LengthRanker
+from streamrl.components.skew_dispatch import SkewAwareDispatcher
 from streamrl.config import RunConfig
 from streamrl.models import load_policy
 from streamrl.module import StreamRLModule

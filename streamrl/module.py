@@ -27,6 +27,7 @@ from streamrl.algorithms.base import Algorithm, LossInputs
 from streamrl.components.elastic import ElasticController
 from streamrl.components.off_policy import Correction, correct_stale
 from streamrl.components.pipeline import DynamicBatchPipeline, MicroBatch
+from streamrl.components.weight_sync import Weights
 from streamrl.errors import NonFiniteLossError
 from streamrl.lora import synced_weights
 from streamrl.rollout import RolloutStream
@@ -149,7 +150,7 @@ class StreamRLModule(L.LightningModule):
             optimizer.zero_grad(set_to_none=True)
         train_s += time.perf_counter() - t0
         self.weight_version += 1
-        weights, service = synced_weights(self.policy), self.rollouts.service  # LoRA: adapters
+        weights, service = self.weights_to_sync(), self.rollouts.service
         with self.trace.span("trainer", "sync", iteration, version=self.weight_version):
             if self.mode == "async":  # the transfer overlaps the next step (§4.1)
                 sync_s = service.push_weights(weights, self.weight_version)
@@ -158,6 +159,11 @@ class StreamRLModule(L.LightningModule):
         self.log_iteration(iteration, time.perf_counter() - started, train_s, sync_s, grad_norm)
         if self.elastic is not None:
             self._scale(train_s)
+
+    def weights_to_sync(self) -> Weights:
+        """What the generators receive: the policy, only its adapters (LoRA), or its gathered
+        full weights (a sharded subclass overrides this, see ``streamrl.fsdp``)."""
+        return synced_weights(self.policy)
 
     def _scale(self, train_s: float) -> None:
         """Elastic generation (§4.2): one more instance when generation lags training."""
@@ -223,7 +229,7 @@ class StreamRLModule(L.LightningModule):
         # A resumed run starts new generator processes from the model directory: give them the
         # checkpoint's weights before any prompt is dispatched.
         if self.weight_version > 0:
-            self.rollouts.service.update(synced_weights(self.policy), self.weight_version)
+            self.rollouts.service.update(self.weights_to_sync(), self.weight_version)
 
     def on_train_end(self) -> None:
         # Leave the generators on the final weights (async pushes may still be in flight).

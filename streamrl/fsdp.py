@@ -1,0 +1,151 @@
+"""FSDP2 trainer: the policy sharded with ``fully_shard`` across data-parallel trainer ranks.
+
+Each rank holds a 1/N shard of every parameter, its gradients and AdamW states; a layer's full
+weights exist only while that layer runs forward or backward. Gradients are averaged across the
+ranks by FSDP's reduce-scatter, so every rank must back-propagate its own share of the
+iteration's samples, with the loss divided by that share (``samples_per_iteration`` of its
+stream). The generators need whole tensors: ``full_state`` gathers them (see docs/fsdp.md).
+
+Lightning's ``fsdp`` strategy refuses the CPU; ``ModelParallelStrategy`` (FSDP2, DTensor) runs on
+it with the gloo backend, which is how the 2-process CPU test runs it.
+
+Example:
+    >>> import lightning as L
+    >>> from streamrl.fsdp import ShardedStreamRLModule, fsdp_strategy
+    >>> strategy = fsdp_strategy(data_parallel_size=2)
+    >>> # trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=...)
+    >>> # trainer.fit(ShardedStreamRLModule(policy, algorithm, rollouts, iterations=...))
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Literal
+
+import torch
+from lightning.pytorch.strategies import ModelParallelStrategy
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor import DTensor
+
+from streamrl.module import StreamRLModule
+
+
+def fsdp_strategy(
+    data_parallel_size: int,
+    backend: Literal["gloo", "nccl"] = "gloo",
+    timeout_s: float = 300.0,
+) -> ModelParallelStrategy:
+    """Lightning's FSDP2 strategy with data parallelism only (no tensor parallelism).
+
+    Args:
+        data_parallel_size: trainer ranks that shard the policy (the Trainer's ``devices``
+            times ``num_nodes``).
+        backend: the process-group backend: ``"gloo"`` on CPUs, ``"nccl"`` on GPUs.
+        timeout_s: how long a collective waits for the other ranks before it fails, so a
+            crashed rank stops the run instead of hanging it.
+
+    Returns:
+        A ``ModelParallelStrategy`` whose device mesh has a ``"data_parallel"`` dimension of
+        ``data_parallel_size`` and a ``"tensor_parallel"`` dimension of 1.
+    """
+    if data_parallel_size < 1:
+        raise ValueError(f"data_parallel_size must be at least 1, got {data_parallel_size}.")
+    return ModelParallelStrategy(
+        data_parallel_size=data_parallel_size,
+        tensor_parallel_size=1,
+        process_group_backend=backend,
+        timeout=timedelta(seconds=timeout_s),
+    )
+
+
+def shard_policy(policy: torch.nn.Module, device_mesh: DeviceMesh) -> torch.nn.Module:
+    """Shard ``policy`` in place with FSDP2: each decoder layer, then the root.
+
+    One ``fully_shard`` per decoder layer lets FSDP gather one layer at a time (and free it after
+    its forward), as the FSDP2 docs recommend; the root call takes the remaining parameters
+    (embeddings, final norm, a tied LM head) as one more group.
+
+    Args:
+        policy: a Hugging Face causal LM; its decoder layers are the modules whose class is
+            named in ``policy._no_split_modules`` (``Qwen2DecoderLayer`` for our tiny models).
+        device_mesh: a 1-D mesh of the data-parallel ranks (``module.device_mesh
+            ["data_parallel"]`` under ``ModelParallelStrategy``).
+
+    Returns:
+        ``policy`` itself: its parameters are now ``DTensor`` shards, names unchanged.
+
+    Raises:
+        ValueError: no decoder layer was found (one group for the whole model would gather
+            every weight at once; pass a model that names its layers in ``_no_split_modules``).
+    """
+    layer_classes = set(getattr(policy, "_no_split_modules", None) or ())
+    layers = [m for m in policy.modules() if type(m).__name__ in layer_classes]
+    if not layers:
+        raise ValueError(
+            f"shard_policy: found no decoder layer in {type(policy).__name__} (looked for the "
+            f"classes in _no_split_modules: {sorted(layer_classes)}). Pass a Hugging Face causal "
+            "LM, or shard its layers with fully_shard yourself."
+        )
+    for layer in layers:
+        fully_shard(layer, mesh=device_mesh)
+    fully_shard(policy, mesh=device_mesh)
+    return policy
+
+
+def full_state(policy: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The policy's full (unsharded) parameters, for the generators' weight update.
+
+    A collective: every rank must call it, in the same order; every rank gets the full tensors
+    (all-gathered shard by shard, on the parameters' device). Names and order are those of
+    ``policy.named_parameters()``, what ``StreamGenerationService.update`` expects; a tied
+    LM head appears once, under the embedding's name, as on an unsharded policy.
+
+    Args:
+        policy: a policy sharded by ``shard_policy`` (an unsharded one is returned as is).
+
+    Returns:
+        ``{name: tensor}``, detached plain tensors.
+    """
+    with torch.no_grad():
+        return {
+            name: (p.full_tensor() if isinstance(p, DTensor) else p).detach()
+            for name, p in policy.named_parameters()
+        }
+
+
+class ShardedStreamRLModule(StreamRLModule):
+    """``StreamRLModule`` whose policy is sharded with FSDP2 across the trainer ranks.
+
+    Takes ``StreamRLModule``'s arguments; run it under ``fsdp_strategy(...)``. Each rank's
+    ``rollouts`` must stream that rank's share of the iteration's samples (see docs/fsdp.md).
+
+    Raises:
+        ValueError: the algorithm trains parameters of its own (PPO's value head): they would
+            be replicated without gradient averaging, so the ranks would drift apart.
+
+    Example:
+        >>> import lightning as L
+        >>> from streamrl.fsdp import ShardedStreamRLModule, fsdp_strategy
+        >>> # module = ShardedStreamRLModule(policy, GRPO(reward, 4), rollouts, iterations=10)
+        >>> # L.Trainer(accelerator="cpu", devices=2, strategy=fsdp_strategy(2)).fit(module)
+    """
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        if list(self.algorithm.trainable_parameters()):
+            raise ValueError(
+                f"ShardedStreamRLModule: {type(self.algorithm).__name__} has trainable "
+                "parameters of its own (a value head); they are not sharded, so their gradients "
+                "would not be averaged across ranks. Use a critic-free algorithm (GRPO) or "
+                "StreamRLModule on one process."
+            )
+
+    def configure_model(self) -> None:
+        # Lightning may call this hook more than once (e.g. fit after validate): shard once.
+        if not isinstance(self.policy, FSDPModule):
+            shard_policy(self.policy, self.device_mesh["data_parallel"])
+
+    def weights_to_sync(self) -> dict[str, torch.Tensor]:
+        """The full weights the generators load after each step (a collective: all ranks)."""
+        return full_state(self.policy)

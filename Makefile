@@ -10,7 +10,7 @@ PIP_INSTALL := $(PY) -m pip install -q --disable-pip-version-check -c constraint
 # Quiet the harmless "Location ... is ignored" notices of this machine's pip configuration.
 PIP_FILTER := { grep -v "is ignored: it is neither" || true; }
 
-.PHONY: demo test lint install clean
+.PHONY: demo test lint install docs clean
 
 $(STAMP): pyproject.toml constraints-cpu.txt
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -29,5 +29,10 @@ lint: $(STAMP)
 test: lint
 	$(PY) -m pytest $(PYTEST_ARGS)
 
+# The docs site (mkdocs.yml): any warning, such as a broken link or a malformed docstring, fails.
+# NO_MKDOCS_2_WARNING quiets Material's notice about its own future, which is not about our docs.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict -d site
+
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache
+	rm -rf $(VENV) .pytest_cache .ruff_cache site

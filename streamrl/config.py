@@ -4,7 +4,7 @@ The Python constructors are the primary API; YAML files only fill them in. Unkno
 types and impossible values are errors with a "did you mean" where one fits, raised before any
 work starts.
 
-Example:
+Examples:
     >>> cfg = RunConfig(seed=3)
     >>> cfg.data.tasks
     ['copy', 'rev', 'count', 'sort']

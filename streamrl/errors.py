@@ -18,7 +18,7 @@ class NonFiniteLossError(FloatingPointError):
 def unknown_name(kind: str, name: str, choices: Iterable[str]) -> str:
     """A message for an unknown name, with a "did you mean" when one is close.
 
-    Example:
+    Examples:
         >>> unknown_name("task", "cnt", ["copy", "count"])
         "Unknown task 'cnt' (did you mean 'count'?). Known: copy, count."
     """

@@ -9,7 +9,7 @@ stream). The generators need whole tensors: ``full_state`` gathers them (see doc
 Lightning's ``fsdp`` strategy refuses the CPU; ``ModelParallelStrategy`` (FSDP2, DTensor) runs on
 it with the gloo backend, which is how the 2-process CPU test runs it.
 
-Example:
+Examples:
     >>> import lightning as L
     >>> from streamrl.fsdp import ShardedStreamRLModule, fsdp_strategy
     >>> strategy = fsdp_strategy(data_parallel_size=2)
@@ -124,7 +124,7 @@ class ShardedStreamRLModule(StreamRLModule):
         ValueError: the algorithm trains parameters of its own (PPO's value head): they would
             be replicated without gradient averaging, so the ranks would drift apart.
 
-    Example:
+    Examples:
         >>> import lightning as L
         >>> from streamrl.fsdp import ShardedStreamRLModule, fsdp_strategy
         >>> # module = ShardedStreamRLModule(policy, GRPO(reward, 4), rollouts, iterations=10)

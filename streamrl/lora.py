@@ -12,7 +12,7 @@ Trainer and generator wrap the same base model with the same ``LoRASpec``, so th
 parameters have identical names, shapes and order: ``adapter_weights`` of the trainer's policy is
 exactly what the generator's receiver expects.
 
-Example:
+Examples:
     >>> from streamrl.models import build_tokenizer, build_tiny_model
     >>> policy = apply_lora(build_tiny_model(build_tokenizer(), "test"), LoRASpec(r=4))
     >>> weights = adapter_weights(policy)

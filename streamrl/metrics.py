@@ -12,7 +12,7 @@ def recall_at_k(predicted: Sequence[float], true: Sequence[float], fraction: flo
 
     Ties in ``true`` are broken by position, so the true top-k has exactly k items.
 
-    Example:
+    Examples:
         >>> recall_at_k([5, 4, 3, 2, 1], [9, 1, 8, 2, 0], 0.4)  # top-2: {0, 1} vs {0, 2}
         0.5
     """
@@ -27,7 +27,7 @@ def recall_at_k(predicted: Sequence[float], true: Sequence[float], fraction: flo
 def kendall_tau(predicted: Sequence[float], true: Sequence[float]) -> float:
     """Kendall's tau-b between two scorings (1: same order, -1: reversed; ties handled).
 
-    Example:
+    Examples:
         >>> kendall_tau([1, 2, 3, 4], [10, 20, 40, 30])  # one discordant pair of six
         0.6666666666666666
     """

@@ -5,7 +5,7 @@ Nothing here downloads anything. Both halves save and load with the Hugging Face
 ``save_pretrained`` / ``from_pretrained`` API, so a real local model directory can be passed
 wherever a tiny one is built (``load_policy(path)``).
 
-Example:
+Examples:
     >>> from streamrl.models import build_tokenizer, build_tiny_model
     >>> tok = build_tokenizer()
     >>> model = build_tiny_model(tok, size="test")

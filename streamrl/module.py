@@ -377,7 +377,8 @@ def completion_logprobs(
     """Log-probs of each row's completion tokens under ``logits / temperature``.
 
     Args:
-        input_ids / attention: ``[batch, seq]``, each row ``prompt + completion + padding``.
+        input_ids: ``[batch, seq]``, each row ``prompt + completion + padding``.
+        attention: ``[batch, seq]``, the attention mask of ``input_ids``.
         starts: ``[batch]``, where each row's completion starts (its prompt length).
         width: completion positions to return (longer rows are cut, shorter ones padded).
 

@@ -5,7 +5,7 @@ the prompt (so the length ranker has something to learn), and that is wrong ofte
 improve it. A short supervised run on demonstrations of which a share is corrupted gives that.
 The result is cached on disk, keyed by everything that shapes it, so ``make demo`` trains it once.
 
-Example:
+Examples:
     >>> from streamrl.sft import SFTConfig, warm_start
     >>> path = warm_start(SFTConfig(steps=5), cache_dir="/tmp/streamrl-cache")  # doctest: +SKIP
 """

@@ -41,7 +41,9 @@ def build_algorithm(
     Args:
         name: a key of ``ALGORITHMS``.
         reward_fn: rule-based reward.
-        group_size / clip_eps / kl_coef: shared by every algorithm.
+        group_size: samples per prompt (shared by every algorithm).
+        clip_eps: PPO clip range (shared by every algorithm).
+        kl_coef: weight of the KL penalty (shared by every algorithm).
         max_tokens: the generation budget (DAPO's token-level loss and overlong penalty).
         hidden_size: the policy's hidden size (PPO's value head).
         samples_per_iteration: prompts x group size (REINFORCE++'s normalisation window).

@@ -111,7 +111,8 @@ class Algorithm:
 
         Args:
             policy: the policy being trained.
-            input_ids / attention: ``[batch, seq]``, each row ``prompt + completion + padding``.
+            input_ids: ``[batch, seq]``, each row ``prompt + completion + padding``.
+            attention: ``[batch, seq]``, the attention mask of ``input_ids``.
             starts: ``[batch]``, where each row's completion starts.
             width: completion positions wanted.
         """

@@ -44,7 +44,7 @@ class GRPO(Algorithm):
         dynamic_sampling: DAPO dynamic sampling (§3.2): ``keep_group`` is ``False`` for groups
             whose rewards are all equal (no learning signal).
 
-    Example:
+    Examples:
         >>> from streamrl.tasks import partial_credit
         >>> [round(a, 4) for a in GRPO(partial_credit, group_size=2).score_group([1.0, 0.0])]
         [1.0, -1.0]
@@ -113,7 +113,7 @@ def overlong_penalty(length: int, max_tokens: int, buffer: int, penalty: float =
     ``penalty`` past it. The sample's own budget may be lower than ``max_tokens`` when its prompt
     fills most of the context; the penalty still counts from ``max_tokens``.
 
-    Example:
+    Examples:
         >>> overlong_penalty(14, max_tokens=16, buffer=4)
         0.5
     """

@@ -24,7 +24,8 @@ def clipped_surrogate(
     """Per-token ``-min(ratio * A, clip(ratio, 1 - eps_low, 1 + eps_high) * A)``.
 
     Args:
-        logprobs / old_logprobs: ``[batch, seq]``; the ratio is ``exp(logprobs - old_logprobs)``.
+        logprobs: ``[batch, seq]``; the ratio is ``exp(logprobs - old_logprobs)``.
+        old_logprobs: ``[batch, seq]``.
         advantages: ``[batch]`` (one per sample, broadcast over its tokens) or ``[batch, seq]``.
         eps_low: lower clip range.
         eps_high: upper clip range; ``None`` uses ``eps_low`` (symmetric, as in PPO). DAPO's

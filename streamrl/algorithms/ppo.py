@@ -32,7 +32,9 @@ def gae(
     ``A_t = delta_t + gamma * lam * A_{t+1}``; returns ``A_t + V_t`` are the value targets.
 
     Args:
-        rewards / values / mask: ``[batch, seq]``; mask is 1 on each row's real tokens (a prefix).
+        rewards: ``[batch, seq]`` per-token rewards.
+        values: ``[batch, seq]`` critic values.
+        mask: ``[batch, seq]``; 1 on each row's real tokens (a prefix).
         gamma: discount.
         lam: GAE lambda (1: Monte-Carlo returns minus V; 0: one-step TD).
 
@@ -90,7 +92,8 @@ class PPO(Algorithm):
         clip_eps: policy ratio clip range.
         kl_coef: KL penalty to the reference policy, subtracted from each token's reward as
             ``kl_coef * (log pi_old - log pi_ref)`` (Ouyang et al. 2022); 0 disables it.
-        gamma / lam: GAE discount and lambda.
+        gamma: GAE discount.
+        lam: GAE lambda.
         value_coef: weight of the value loss in the total loss.
         value_clip_eps: clip range of the value loss.
         train_trunk: let the value loss train the policy's transformer too (a shared
@@ -100,7 +103,7 @@ class PPO(Algorithm):
     The value head's parameters are in ``trainable_parameters()``: the trainer's optimizer must
     include them. ``token_values`` runs the policy's transformer once more per micro-batch.
 
-    Example:
+    Examples:
         >>> from streamrl.tasks import partial_credit
         >>> ppo = PPO(partial_credit, hidden_size=64)
         >>> ppo.score_group([0.5])  # the sequence reward; GAE makes token advantages in loss()

@@ -35,7 +35,7 @@ class RunningMoments:
     Each new value has weight 1 and every older one is discounted by ``1 - 1 / window`` per new
     value, so about the last ``window`` values count; ``window=None`` weighs all values equally.
 
-    Example:
+    Examples:
         >>> m = RunningMoments(window=None)
         >>> m.update([1.0, 0.0, 1.0, 1.0]); (m.mean, round(m.std, 4))
         (0.75, 0.433)
@@ -90,7 +90,7 @@ class ReinforcePlusPlus(Algorithm):
         norm_window: about how many recent values the statistics cover; one iteration's samples
             is a good choice (the paper's global batch, 1024, by default); ``None``: all.
 
-    Example:
+    Examples:
         >>> from streamrl.tasks import partial_credit
         >>> algo = ReinforcePlusPlus(partial_credit, group_size=2, norm_window=None)
         >>> algo.score_group([1.0, 0.0]), algo.score_group([1.0, 1.0])  # doctest: +SKIP

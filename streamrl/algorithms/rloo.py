@@ -25,7 +25,7 @@ class RLOO(Algorithm):
         clip_eps: PPO clip range.
         kl_coef: weight of the k3 KL penalty to the reference policy; 0 disables it.
 
-    Example:
+    Examples:
         >>> from streamrl.tasks import partial_credit
         >>> RLOO(partial_credit, group_size=3).score_group([1.0, 0.0, 0.5])
         [0.75, -0.75, 0.0]

@@ -48,7 +48,7 @@ class TrainerCostModel:
         unit_gpus: GPUs per unit.
         dp_efficiency: marginal efficiency of each extra unit, in ``(0, 1]``.
 
-    Example:
+    Examples:
         >>> cost = TrainerCostModel(s_per_token=0.001, unit_gpus=8, dp_efficiency=0.5)
         >>> cost.train_s(tokens=3000, units=3)  # 3 s on one unit, speed-up 1 + 2 x 0.5 = 2
         1.5
@@ -197,7 +197,7 @@ class ResourceAllocator:
         method: how ``T_gen`` is predicted (see ``predict_generation_s``).
         alternatives: how many runner-up splits a plan lists.
 
-    Example:
+    Examples:
         >>> from streamrl.components.latency import LatencyModel
         >>> alloc = ResourceAllocator(LatencyModel([1], [0.01]), TrainerCostModel(1e-4),
         ...                           max_batch_size=2)

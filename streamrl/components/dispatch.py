@@ -33,7 +33,7 @@ def split_by_prompt(
 class RoundRobinDispatcher:
     """Deal prompts to instances in turn, continuing where the last call stopped.
 
-    Example:
+    Examples:
         >>> reqs = [Request(f"p{i}", [3], 4, sample_index=s) for i in range(3) for s in range(2)]
         >>> [[r.key for r in part] for part in RoundRobinDispatcher().plan(reqs, None, 2)]
         [[('p0', 0, 0), ('p0', 1, 0), ('p2', 0, 0), ('p2', 1, 0)], [('p1', 0, 0), ('p1', 1, 0)]]

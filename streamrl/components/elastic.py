@@ -50,7 +50,8 @@ class ElasticController:
         max_batch_size: batch slots per instance.
         step: instances added or removed at a time (a "DP unit": e.g. 8 for one 8-GPU node of
             TP=1 instances, Fig. 11).
-        min_instances / max_instances: bounds on the instance count.
+        min_instances: lower bound on the instance count.
+        max_instances: upper bound on the instance count.
         threshold: scale out when ``delta > threshold x delta'``; 1.0 never makes training the
             bottleneck by adding; 0.5 adds whenever that shrinks ``|delta|`` (closer to Fig. 11).
         scale_in: also remove instances when training lags by more than one step would cost.
@@ -62,7 +63,7 @@ class ElasticController:
             its longest sample, ``delta'`` stays tiny and the bare rule adds instances that
             cannot help).
 
-    Example:
+    Examples:
         >>> from streamrl.components.latency import LatencyModel
         >>> ctl = ElasticController(LatencyModel([1], [0.01]), max_batch_size=1)
         >>> d = ctl.observe(t_gen_s=10.0, t_train_s=4.0, instances=2, lengths=[100] * 4)
@@ -126,7 +127,8 @@ class ElasticController:
         """Decide after one iteration.
 
         Args:
-            t_gen_s / t_train_s: the iteration's measured stage times.
+            t_gen_s: the iteration's measured generation time.
+            t_train_s: the iteration's measured training time.
             instances: generator instances that ran it.
             lengths: output lengths of its samples (the workload the next one resembles).
 

@@ -13,7 +13,7 @@ The pool changes while it runs:
   replaced the same way, and the requests it held go to the others: nothing is lost and nothing
   is returned twice (a late sample of a failed instance is discarded).
 
-Example:
+Examples:
     >>> with StreamGenerationService("path/to/model", num_instances=2) as sgs:  # doctest: +SKIP
     ...     for sample in sgs.generate(requests):
     ...         print(sample.prompt_id, sample.length)
@@ -93,7 +93,8 @@ class StreamGenerationService:
         model_dir: the policy's model directory; every instance loads it at start.
         num_instances: generator processes.
         max_batch_size: batch slots per instance.
-        temperature / greedy: sampling settings.
+        temperature: sampling temperature.
+        greedy: decode greedily instead of sampling.
         seed: base sampling seed (instance ``i`` uses ``seed + i``).
         dispatcher: which instance gets which request; round-robin by prompt if ``None``.
         scheduler: admission order inside each instance: ``"fifo"`` or ``"lpt"`` (longest

@@ -11,7 +11,7 @@ per-row attention mask hides each row's unused columns and explicit ``position_i
 row its own positions. Finished rows are dropped by moving the last rows into their place, so the
 running rows always form the prefix ``[0, n)`` of the buffer and no step re-pads or re-allocates.
 
-Example:
+Examples:
     >>> from streamrl.models import build_tokenizer, build_tiny_model
     >>> from streamrl.records import Request
     >>> model = build_tiny_model(build_tokenizer(), size="test")

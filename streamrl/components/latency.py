@@ -35,7 +35,7 @@ class LatencyModel:
         batch_sizes: measured batch sizes, ascending.
         ptl_s: seconds per decode step at each of them.
 
-    Example:
+    Examples:
         >>> model = LatencyModel([1, 4], [0.010, 0.016])
         >>> round(model.ptl(2), 4), round(model.instance_latency(8, 100, 4), 2)
         (0.012, 3.2)

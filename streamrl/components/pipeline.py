@@ -41,7 +41,7 @@ class DynamicBatchPipeline:
         staleness_bound: the most weight versions a trained sample may lag the trainer by:
             0 is synchronous RL, 1 is StreamRL's one-step asynchronous mode.
 
-    Example:
+    Examples:
         >>> pipe = DynamicBatchPipeline(token_budget=4096, staleness_bound=1)
         >>> groups = rollouts.groups(k)  # doctest: +SKIP
         >>> for micro in pipe.micro_batches(groups, trainer_version=k):  # doctest: +SKIP

@@ -7,7 +7,7 @@ regression on log-length plus a pairwise ranking term, and refreshed online from
 samples as the policy's lengths drift. The paper fine-tunes a 1.5B-7B LLM instead; that backbone
 option is for GPUs.
 
-Example:
+Examples:
     >>> ranker = LengthRanker(seed=0)
     >>> ranker.fit(["count 1 3=", "count 1 90="], [5, 260])  # doctest: +SKIP
     >>> ranker.predict(["count 5 80="])  # doctest: +SKIP

@@ -20,7 +20,7 @@ __all__ = ["AdmissionScheduler", "FIFOScheduler", "LPTScheduler"]
 class FIFOScheduler:
     """Admit requests in submission order.
 
-    Example:
+    Examples:
         >>> from streamrl.records import Request
         >>> s = FIFOScheduler()
         >>> s.push(Request("a", [3], 4)); s.push(Request("b", [3], 4))
@@ -53,7 +53,7 @@ class LPTScheduler:
     (Graham's LPT: makespan within 4/3 of optimal). Requests without a prediction count as
     length 0; equal predictions keep submission order.
 
-    Example:
+    Examples:
         >>> from streamrl.records import Request
         >>> s = LPTScheduler()
         >>> for pid, n in [("a", 3), ("b", 9), ("c", 5)]:

@@ -47,7 +47,7 @@ class SkewAwareDispatcher:
         tail_batch_size: batch size of the tail pool's instances (default: ``max_batch_size``);
             ``batch_limits`` tells the service which instance runs which.
 
-    Example:
+    Examples:
         >>> model = LatencyModel.from_table_ms({1: 1.0, 2: 1.0, 4: 1.1, 8: 1.2, 16: 1.5, 32: 2.0})
         >>> d = SkewAwareDispatcher(model, max_batch_size=32, recent_lengths=[10] * 9 + [100])
         >>> d.split(samples=40, instances=4)  # 8 tail samples on 3 instances, 32 on 1

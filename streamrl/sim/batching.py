@@ -29,7 +29,7 @@ def decode_schedule(
         start_s: when the instance starts (all samples are waiting then).
         slowdown: multiplies every step's ``PTL`` (e.g. a CPU core shared with a trainer).
 
-    Example:
+    Examples:
         >>> m = LatencyModel([1, 2], [1.0, 1.5])
         >>> decode_schedule([2, 4], 2, m)  # 2 steps at BS 2, then 2 at BS 1
         [(0.0, 3.0), (0.0, 5.0)]

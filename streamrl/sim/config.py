@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from streamrl.components.allocator import TrainerCostModel
+from streamrl.components.broadcast_tree import plan_broadcast, plan_time_s
 from streamrl.components.elastic import ElasticController
 from streamrl.components.latency import LatencyModel
 
@@ -107,6 +108,9 @@ class SimConfig:
         iterations / warmup: measured iterations after unmeasured ones.
         weight_bytes / link_gbps / sync_latency_s: the weight transfer, ``bytes / bandwidth``
             plus a fixed latency (loading, resharding).
+        sites / trainer_site / trainer_ranks / local_gbps: with ``sites`` (site -> instance
+            ids), the transfer is the network-aware broadcast plan of §6 instead
+            (``broadcast_tree.plan_time_s``): ``link_gbps`` across sites, ``local_gbps`` inside.
         switch_s: colocated only: seconds to switch the GPUs between the stages, paid twice per
             iteration (generation -> training -> generation).
         colocated_cost: the trainer's cost model in colocated mode when it differs (e.g. two CPU
@@ -135,6 +139,10 @@ class SimConfig:
     elastic: ElasticController | None = None
     seed: int = 0
     labels: dict = field(default_factory=dict)
+    sites: dict[str, list[int]] | None = None
+    trainer_site: str = ""
+    trainer_ranks: int = 1
+    local_gbps: float = 200.0
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -147,12 +155,19 @@ class SimConfig:
             raise ValueError(f"admission must be 'fifo' or 'lpt', got {self.admission!r}.")
         if self.iterations < 1 or self.warmup < 0:
             raise ValueError("Need iterations >= 1 and warmup >= 0.")
-        if self.link_gbps <= 0:
-            raise ValueError(f"link_gbps must be > 0, got {self.link_gbps}.")
+        if self.link_gbps <= 0 or self.local_gbps <= 0:
+            raise ValueError(f"Bandwidths must be > 0, got {self.link_gbps=}, {self.local_gbps=}.")
+        if self.sites is not None:  # a bad site map fails here, not mid-run
+            plan_broadcast(self.sites, self.trainer_site, self.trainer_ranks)
 
     @property
     def weight_transfer_s(self) -> float:
-        """Seconds to move the weights: ``bytes x 8 / (Gbit/s x 1e9)`` plus the fixed latency."""
+        """Seconds to move the weights: ``bytes x 8 / (Gbit/s x 1e9)`` (or the broadcast plan's
+        time when ``sites`` is set) plus the fixed latency."""
+        if self.sites is not None:
+            plan = plan_broadcast(self.sites, self.trainer_site, self.trainer_ranks)
+            transfer_s = plan_time_s(plan, self.weight_bytes, self.local_gbps, self.link_gbps)
+            return transfer_s + self.sync_latency_s
         return self.weight_bytes * 8 / (self.link_gbps * 1e9) + self.sync_latency_s
 
 

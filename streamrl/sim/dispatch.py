@@ -36,7 +36,8 @@ def generation_makespan_s(
     Args:
         policy: ``random`` (+ FIFO), ``skew`` (Algorithm 2 + LPT on ``predicted``) or
             ``oracle`` (the same on ``true``).
-        true / predicted: output lengths, one per prompt (one sample each).
+        true: output lengths, one per prompt (one sample each).
+        predicted: predicted output lengths, in the same order.
     """
     requests = [Request(f"p{i}", [0], n, forced_length=n, predicted_length=p)
                 for i, (n, p) in enumerate(zip(true, predicted))]  # fmt: skip

@@ -79,7 +79,8 @@ def paper_config(
     Args:
         name: ``paper-<7b|32b|72b>-<5k|10k|20k>``.
         mode: ``colocated`` uses every GPU of the model's budget for both stages.
-        gen_gpus / train_gpus: the split; ``None`` asks ``ResourceAllocator`` (budget of §7).
+        gen_gpus: generator GPUs of the split; ``None`` asks ``ResourceAllocator`` (budget of §7).
+        train_gpus: trainer GPUs of the split; ``None`` as for ``gen_gpus``.
         gen_gpu: the generators' GPU type (``h800`` or ``h20``, Fig. 12).
         cross_dc: weights cross the 80 Gbps link instead of the datacenter network.
         skew: Algorithm 2 + LPT, else random dispatch + FIFO.

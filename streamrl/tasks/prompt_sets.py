@@ -70,7 +70,9 @@ def make_prompt_set(
     Args:
         n: number of prompts (distinct prompt strings).
         tasks: task family names (see ``streamrl.tasks.FAMILIES``).
-        median_len / tail / max_len: the answer-length distribution (``long_tail_lengths``).
+        median_len: median answer length (see ``long_tail_lengths``).
+        tail: spread of the answer-length distribution (see ``long_tail_lengths``).
+        max_len: longest answer (see ``long_tail_lengths``).
         seed: makes the set reproducible.
         id_prefix: prefix of the ``prompt_id`` column (ids are unique within the set).
         exclude: prompt strings to leave out, e.g. the training set when building a held-out set.
@@ -78,7 +80,7 @@ def make_prompt_set(
     Returns:
         A ``datasets.Dataset`` with columns ``prompt_id, task, prompt, answer, answer_len``.
 
-    Example:
+    Examples:
         >>> ds = make_prompt_set(4, ["count"], seed=1)
         >>> ds[0]["prompt"], ds[0]["answer"]  # doctest: +SKIP
         ('count 17 20=', '17 18 19 20')

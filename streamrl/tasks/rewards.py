@@ -18,7 +18,7 @@ class RewardFn(Protocol):
 def exact_match(completion: str, answer: str) -> float:
     """1.0 when the completion equals the answer exactly, else 0.0.
 
-    Example:
+    Examples:
         >>> exact_match("1 2 3", "1 2 3"), exact_match("1 2 3 ", "1 2 3")
         (1.0, 0.0)
     """
@@ -30,7 +30,7 @@ def partial_credit(completion: str, answer: str) -> float:
 
     Too long and too short are both penalised, so the reward also teaches the right length.
 
-    Example:
+    Examples:
         >>> partial_credit("abcd", "abxd"), partial_credit("ab", "abcd"), partial_credit("", "")
         (0.75, 0.5, 1.0)
     """

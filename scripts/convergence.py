@@ -5,7 +5,7 @@ run uses both cores), collects every run's summary and reward curve, writes ``re
 a PNG of the reward curves. Async and sync train on the same number of samples (same iterations,
 prompts and group size); only ``rl.mode`` differs.
 
-    python scripts/convergence.py modes --seeds 0,1,2 --out docs/img     # async vs sync
+    python scripts/convergence.py modes --seeds 0,1,2 --out runs/modes   # async vs sync
     python scripts/convergence.py algorithms --out runs/algorithms        # grpo, ppo, rloo
 """
 

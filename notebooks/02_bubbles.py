@@ -22,7 +22,6 @@
 # (default `notebooks/out/`).
 
 # %%
-import os
 import tempfile
 from pathlib import Path
 from types import SimpleNamespace
@@ -32,15 +31,10 @@ import matplotlib.pyplot as plt
 
 from streamrl.bench import model_dir_for
 from streamrl.bench.pipeline import DEFAULT_LENGTHS, load_lengths, run_mode
+from streamrl.notebook import notebook_settings
 from streamrl.timeline import draw_timeline
 
-BUDGET = os.environ.get("STREAMRL_NOTEBOOK_BUDGET", "full")
-if BUDGET not in ("small", "full"):
-    raise ValueError(f"STREAMRL_NOTEBOOK_BUDGET must be 'small' or 'full', got {BUDGET!r}.")
-SMALL = BUDGET == "small"
-OUT = Path(os.environ.get("STREAMRL_NOTEBOOK_OUT", "out" if Path.cwd().name == "notebooks"
-                          else "notebooks/out"))  # fmt: skip
-OUT.mkdir(parents=True, exist_ok=True)
+SMALL, OUT = notebook_settings()  # STREAMRL_NOTEBOOK_BUDGET=small|full, STREAMRL_NOTEBOOK_OUT
 MODES = ("colocated", "sync", "async")
 
 # %% [markdown]

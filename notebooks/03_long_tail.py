@@ -24,8 +24,6 @@
 
 # %%
 import json
-import os
-from pathlib import Path
 from types import SimpleNamespace
 
 import matplotlib.pyplot as plt
@@ -35,15 +33,10 @@ import torch
 from streamrl.bench.dispatch import bench_dispatch
 from streamrl.components.ranker import LengthRanker
 from streamrl.metrics import kendall_tau, recall_at_k
+from streamrl.notebook import notebook_settings
 from streamrl.tasks import make_prompt_set
 
-BUDGET = os.environ.get("STREAMRL_NOTEBOOK_BUDGET", "full")
-if BUDGET not in ("small", "full"):
-    raise ValueError(f"STREAMRL_NOTEBOOK_BUDGET must be 'small' or 'full', got {BUDGET!r}.")
-SMALL = BUDGET == "small"
-OUT = Path(os.environ.get("STREAMRL_NOTEBOOK_OUT", "out" if Path.cwd().name == "notebooks"
-                          else "notebooks/out"))  # fmt: skip
-OUT.mkdir(parents=True, exist_ok=True)
+SMALL, OUT = notebook_settings()  # STREAMRL_NOTEBOOK_BUDGET=small|full, STREAMRL_NOTEBOOK_OUT
 torch.set_num_threads(1)
 
 # %% [markdown]

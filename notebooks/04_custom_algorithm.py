@@ -21,9 +21,7 @@
 
 # %%
 import math
-import os
 from collections.abc import Sequence
-from pathlib import Path
 
 import lightning as L
 import matplotlib.pyplot as plt
@@ -34,17 +32,12 @@ from streamrl.components import StreamGenerationService
 from streamrl.config import RunConfig
 from streamrl.models import load_policy
 from streamrl.module import StreamRLModule
+from streamrl.notebook import notebook_settings
 from streamrl.rollout import PromptSource, RolloutStream
 from streamrl.sft import SFTConfig, warm_start
 from streamrl.tasks import make_prompt_set, partial_credit
 
-BUDGET = os.environ.get("STREAMRL_NOTEBOOK_BUDGET", "full")
-if BUDGET not in ("small", "full"):
-    raise ValueError(f"STREAMRL_NOTEBOOK_BUDGET must be 'small' or 'full', got {BUDGET!r}.")
-SMALL = BUDGET == "small"
-OUT = Path(os.environ.get("STREAMRL_NOTEBOOK_OUT", "out" if Path.cwd().name == "notebooks"
-                          else "notebooks/out"))  # fmt: skip
-OUT.mkdir(parents=True, exist_ok=True)
+SMALL, OUT = notebook_settings()  # STREAMRL_NOTEBOOK_BUDGET=small|full, STREAMRL_NOTEBOOK_OUT
 torch.set_num_threads(1)
 
 # %% [markdown]

@@ -19,25 +19,18 @@
 # (default `notebooks/out/`).
 
 # %%
-import os
-from pathlib import Path
 
 import matplotlib.pyplot as plt
 import numpy as np
 
 from streamrl.components.allocator import ResourceAllocator
+from streamrl.notebook import notebook_settings
 from streamrl.sim.engine import simulate
 from streamrl.sim.hardware import H800, QWEN25, decode_latency, kv_batch_limit, trainer_cost
 from streamrl.sim.presets import PAPER_BATCH, PAPER_PROMPT_TOKENS, paper_config, paper_lengths
 from streamrl.timeline import draw_timeline
 
-BUDGET = os.environ.get("STREAMRL_NOTEBOOK_BUDGET", "full")
-if BUDGET not in ("small", "full"):
-    raise ValueError(f"STREAMRL_NOTEBOOK_BUDGET must be 'small' or 'full', got {BUDGET!r}.")
-SMALL = BUDGET == "small"
-OUT = Path(os.environ.get("STREAMRL_NOTEBOOK_OUT", "out" if Path.cwd().name == "notebooks"
-                          else "notebooks/out"))  # fmt: skip
-OUT.mkdir(parents=True, exist_ok=True)
+SMALL, OUT = notebook_settings()  # STREAMRL_NOTEBOOK_BUDGET=small|full, STREAMRL_NOTEBOOK_OUT
 ITERATIONS = 2 if SMALL else 4  # measured simulated iterations (after one warm-up)
 
 # %% [markdown]

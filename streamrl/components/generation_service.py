@@ -22,64 +22,27 @@ Examples:
 
 from __future__ import annotations
 
-import contextlib
 import json
 import multiprocessing as mp
 import os
-import pickle
-import signal
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from multiprocessing import connection
 from pathlib import Path
 from typing import Any
 
 from streamrl.components.dispatch import Dispatcher, RoundRobinDispatcher
-from streamrl.components.generator_worker import WorkerSpec, worker_main
+from streamrl.components.instance_handle import InstanceHandle, InstanceInfo
 from streamrl.components.weight_sync import AsyncWeightSync, Weights
-from streamrl.components.weight_transport import WeightGroup, make_store
+from streamrl.components.weight_transport import WeightGroup
 from streamrl.lora import LoRASpec
 from streamrl.records import Request, Sample
-
-#: How often an instance says it is alive while it runs (see ``generator_worker``).
-HEARTBEAT_S = 1.0
 
 
 class GeneratorError(RuntimeError):
     """A generator instance failed; the message names the instance and the cause."""
-
-
-@dataclass
-class InstanceInfo:
-    """What the service knows about one generator instance.
-
-    ``state``: ``"starting"`` (loading the model), ``"joining"`` (receiving current weights),
-    ``"active"`` (takes requests), ``"draining"`` (finishing its requests before it stops),
-    ``"failed"`` (died or hung; replaced) or ``"stopped"``.
-    """
-
-    instance_id: int
-    pid: int | None
-    alive: bool
-    weight_version: int
-    state: str
-
-
-@dataclass
-class _Instance:
-    """The service's handle on one instance process."""
-
-    instance_id: int
-    proc: Any
-    inbox: Any
-    link: Any  # the read end of its pipe of results (None once it is closed)
-    store: Any  # the rendezvous store of its weight group (kept alive with the group)
-    state: str = "starting"
-    version: int = 0
-    last_seen: float = field(default_factory=time.monotonic)
-    open: dict[tuple, Request] = field(default_factory=dict)  # requests it holds, by key
 
 
 class StreamGenerationService:
@@ -147,7 +110,7 @@ class StreamGenerationService:
             self._generator_kwargs["lora"] = lora.to_dict()
         self._seed = seed
         self._ctx = mp.get_context("spawn")
-        self._instances: list[_Instance] = []
+        self._instances: list[InstanceHandle] = []
         self._running = False
         self._received: deque[tuple] = deque()  # read from the pipes, not yet handled
         self.weight_sync: AsyncWeightSync | None = None
@@ -246,13 +209,12 @@ class StreamGenerationService:
                 handle.inbox.put(("stop",))
         deadline = time.monotonic() + timeout_s
         for handle in self._instances:
-            _stop_process(handle.proc, max(0.0, deadline - time.monotonic()))
+            handle.stop(max(0.0, deadline - time.monotonic()))
             handle.state = "stopped" if handle.state != "failed" else "failed"
         for handle in self._instances:
             handle.inbox.cancel_join_thread()  # never block our exit on undelivered messages
             handle.inbox.close()
-            if handle.link is not None:
-                handle.link.close()
+            handle.close_link()
         if self.weight_sync is not None:
             self.weight_sync.close()
         self._write_status()
@@ -350,10 +312,7 @@ class StreamGenerationService:
     # -- inspection --------------------------------------------------------------------------
     def instances(self) -> list[InstanceInfo]:
         """Pid, liveness, weight version and state of every instance (for operators, tests)."""
-        return [
-            InstanceInfo(h.instance_id, h.proc.pid, h.proc.is_alive(), h.version, h.state)
-            for h in self._instances
-        ]
+        return [h.info() for h in self._instances]
 
     def fingerprints(self) -> dict[int, str]:
         """Each active instance's weight hash (compare with
@@ -372,28 +331,17 @@ class StreamGenerationService:
         return found
 
     # -- the pool ----------------------------------------------------------------------------
-    def _spawn(self) -> _Instance:
+    def _spawn(self) -> InstanceHandle:
         instance_id = len(self._instances)
-        store = make_store(2, self.start_timeout_s)
-        spec = WorkerSpec(
-            instance_id, self.model_dir, store.port, 2, 1,
-            {**self._generator_kwargs, "seed": self._seed + instance_id}, 0, self.start_timeout_s,
-            heartbeat_s=HEARTBEAT_S,
-        )  # fmt: skip
-        inbox = self._ctx.Queue()
-        link, outbox = self._ctx.Pipe(duplex=False)
-        proc = self._ctx.Process(
-            target=worker_main, args=(spec, inbox, outbox), daemon=True,
-            name=f"streamrl-generator-{instance_id}",
-        )  # fmt: skip
-        proc.start()
-        outbox.close()  # the child holds the write end: its death reads as end-of-file here
-        handle = _Instance(instance_id, proc, inbox, link, store)
+        kwargs = {**self._generator_kwargs, "seed": self._seed + instance_id}
+        handle = InstanceHandle.spawn(
+            self._ctx, instance_id, self.model_dir, kwargs, self.start_timeout_s
+        )
         self._instances.append(handle)
         self._write_status()
         return handle
 
-    def _join(self, handle: _Instance) -> None:
+    def _join(self, handle: InstanceHandle) -> None:
         """An instance has loaded the model: connect its weight group, queue its catch-up."""
         group = WeightGroup(handle.store.port, 0, 2, store=handle.store,
                             timeout_s=self.start_timeout_s)  # fmt: skip
@@ -405,14 +353,14 @@ class StreamGenerationService:
         # Nothing pushed yet: the model directory is the current version.
         self._set_state(handle, "joining" if self._pushed_version > 0 else "active")
 
-    def _set_state(self, handle: _Instance, state: str) -> None:
+    def _set_state(self, handle: InstanceHandle, state: str) -> None:
         handle.state = state
         if state == "active" and self._orphans:
             orphans, self._orphans = self._orphans, []
             self._dispatch(orphans, [r.predicted_length or 0.0 for r in orphans])
         self._write_status()
 
-    def _fail(self, handle: _Instance, reason: str) -> None:
+    def _fail(self, handle: InstanceHandle, reason: str) -> None:
         """Replace a dead or hung instance and requeue what it held, or raise past the limit."""
         if handle.state in ("failed", "stopped"):
             return
@@ -422,8 +370,8 @@ class StreamGenerationService:
                 f"Generator instance {handle.instance_id} (pid {handle.proc.pid}) {reason}; "
                 f"{restarts} of max_restarts={self.max_restarts} replacements already used."
             )
-        _stop_process(handle.proc, 0.0)
-        self._salvage(handle)
+        handle.stop(0.0)
+        self._backlog.extend(handle.salvage())  # finished before it went: kept, not redone
         self.weight_sync.remove_group(handle.instance_id)
         requests = list(handle.open.values())
         handle.open.clear()
@@ -432,21 +380,6 @@ class StreamGenerationService:
         self.counts["requests_requeued"] += len(requests)
         self._spawn()
         self._dispatch(requests, [r.predicted_length or 0.0 for r in requests])
-
-    def _salvage(self, handle: _Instance) -> None:
-        """Keep the samples a failed instance finished and sent before it went: they are whole
-        (each is one pickled message), so only what it still held is requeued."""
-        link = handle.link
-        try:
-            while link is not None and link.poll(0):
-                message = link.recv()
-                if message[0] == "sample" and handle.open.pop(message[1].key, None) is not None:
-                    self._backlog.append(message[1])
-        except (EOFError, OSError, pickle.UnpicklingError):
-            pass  # a message cut by the kill: its request is still open, so it is requeued
-        if link is not None:
-            link.close()
-            handle.link = None
 
     def _dispatch(self, requests: list[Request], scores: Sequence[float] | None) -> None:
         if not requests:
@@ -480,7 +413,7 @@ class StreamGenerationService:
                 "StreamGenerationService is not started; call start() or use `with`."
             )
 
-    def _active(self) -> list[_Instance]:
+    def _active(self) -> list[InstanceHandle]:
         return [h for h in self._instances if h.state == "active"]
 
     def _wait_for(self, done: Callable[[], bool], what: str, timeout_s: float) -> None:
@@ -527,12 +460,9 @@ class StreamGenerationService:
         if not self._received:
             links = {h.link: h for h in self._instances if h.link is not None}
             for link in connection.wait(list(links), timeout_s):
-                handle = links[link]
-                try:
-                    self._received.append(link.recv())
-                except (EOFError, OSError, pickle.UnpicklingError):  # it died, maybe mid-write
-                    link.close()
-                    handle.link = None
+                message = links[link].read()  # None: it died, maybe mid-write
+                if message is not None:
+                    self._received.append(message)
         return self._received.popleft() if self._received else None
 
     def _accept(self, message: tuple) -> bool:
@@ -582,16 +512,3 @@ class StreamGenerationService:
                 and now - handle.last_seen > self.heartbeat_timeout_s
             ):
                 self._fail(handle, f"sent nothing for {now - handle.last_seen:.0f} s (hung)")
-
-
-def _stop_process(proc: Any, timeout_s: float) -> None:
-    """Join, then terminate, then kill (a stopped — SIGSTOP — process needs SIGCONT first)."""
-    proc.join(timeout_s)
-    if proc.is_alive():
-        proc.terminate()
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(proc.pid, signal.SIGCONT)
-        proc.join(1.0)
-    if proc.is_alive():
-        proc.kill()
-        proc.join(1.0)

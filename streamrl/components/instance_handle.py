@@ -1,0 +1,113 @@
+"""The service's handle on one generator instance process (StreamRL §3): how it is started, how
+its messages are read, and how it is stopped, whatever state it is in.
+
+Each instance gets its own inbox, its own pipe of results and its own weight-group rendezvous
+store, so one that dies, hangs or is killed mid-write affects nothing but itself.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pickle
+import signal
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from streamrl.components.generator_worker import WorkerSpec, worker_main
+from streamrl.components.weight_transport import make_store
+from streamrl.records import Request, Sample
+
+#: How often an instance says it is alive while it runs (see ``generator_worker``).
+HEARTBEAT_S = 1.0
+
+
+@dataclass
+class InstanceInfo:
+    """What the service knows about one generator instance.
+
+    ``state``: ``"starting"`` (loading the model), ``"joining"`` (receiving current weights),
+    ``"active"`` (takes requests), ``"draining"`` (finishing its requests before it stops),
+    ``"failed"`` (died or hung; replaced) or ``"stopped"``.
+    """
+
+    instance_id: int
+    pid: int | None
+    alive: bool
+    weight_version: int
+    state: str
+
+
+@dataclass
+class InstanceHandle:
+    """One instance process and what the service tracks about it."""
+
+    instance_id: int
+    proc: Any
+    inbox: Any
+    link: Any  # the read end of its pipe of results (None once it is closed)
+    store: Any  # the rendezvous store of its weight group (kept alive with the group)
+    state: str = "starting"
+    version: int = 0
+    last_seen: float = field(default_factory=time.monotonic)
+    open: dict[tuple, Request] = field(default_factory=dict)  # requests it holds, by key
+
+    @classmethod
+    def spawn(
+        cls, ctx: Any, instance_id: int, model_dir: str, generator_kwargs: dict, timeout_s: float
+    ) -> InstanceHandle:
+        """Start the process; it loads the model and says ``ready`` on its pipe."""
+        store = make_store(2, timeout_s)
+        spec = WorkerSpec(instance_id, model_dir, store.port, 2, 1, generator_kwargs, 0,
+                          timeout_s, heartbeat_s=HEARTBEAT_S)  # fmt: skip
+        inbox = ctx.Queue()
+        link, outbox = ctx.Pipe(duplex=False)
+        proc = ctx.Process(target=worker_main, args=(spec, inbox, outbox), daemon=True,
+                           name=f"streamrl-generator-{instance_id}")  # fmt: skip
+        proc.start()
+        outbox.close()  # the child holds the write end: its death reads as end-of-file here
+        return cls(instance_id, proc, inbox, link, store)
+
+    def info(self) -> InstanceInfo:
+        return InstanceInfo(
+            self.instance_id, self.proc.pid, self.proc.is_alive(), self.version, self.state
+        )
+
+    def read(self) -> tuple | None:
+        """One message from the pipe, or ``None`` (and the pipe closed) if the process died,
+        maybe mid-write."""
+        try:
+            return self.link.recv()
+        except (EOFError, OSError, pickle.UnpicklingError):
+            self.close_link()
+            return None
+
+    def salvage(self) -> list[Sample]:
+        """After a failure: the samples it finished and sent before it went (each is one whole
+        pickled message); they leave ``open``, so only what it still held gets requeued."""
+        kept = []
+        while self.link is not None and self.link.poll(0):
+            message = self.read()
+            if message and message[0] == "sample" and self.open.pop(message[1].key, None):
+                kept.append(message[1])
+        self.close_link()
+        return kept
+
+    def close_link(self) -> None:
+        if self.link is not None:
+            self.link.close()
+            self.link = None
+
+    def stop(self, timeout_s: float) -> None:
+        """Join, then terminate, then kill (a stopped — SIGSTOP — process needs SIGCONT)."""
+        proc = self.proc
+        proc.join(timeout_s)
+        if proc.is_alive():
+            proc.terminate()
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(proc.pid, signal.SIGCONT)
+            proc.join(1.0)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(1.0)

@@ -10,6 +10,7 @@ import copy
 import json
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import datasets
@@ -145,6 +146,8 @@ def _train(
             temperature=rl.temperature, mode=rl.mode, pipeline=pipeline, elastic=elastic,
             is_cap=rl.is_cap,
         )  # fmt: skip
+        # A checkpoint holds the state after an iteration's optimizer step: what a resume needs.
+        warnings.filterwarnings("ignore", "Using ModelCheckpoint with manual optimization")
         checkpoints = ModelCheckpoint(
             Path(config.output_dir) / "checkpoints", save_last=True,
             every_n_train_steps=rl.checkpoint_every or None,

@@ -23,8 +23,8 @@ demo: $(STAMP)
 	$(VENV)/bin/streamrl demo $(DEMO_ARGS)
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check streamrl tests examples notebooks
-	$(VENV)/bin/ruff format --check streamrl tests examples notebooks
+	$(VENV)/bin/ruff check streamrl tests examples notebooks benchmarks
+	$(VENV)/bin/ruff format --check streamrl tests examples notebooks benchmarks
 
 test: lint
 	$(PY) -m pytest $(PYTEST_ARGS)

@@ -341,6 +341,16 @@ class StreamRLModule(L.LightningModule):
         )
 
 
+def rl_trainer(iterations: int, **overrides) -> L.Trainer:
+    """A Lightning ``Trainer`` for ``iterations`` RL steps on the CPU with nothing extra (no
+    logger, checkpoints, progress bar or model summary); any ``Trainer`` argument overrides."""
+    settings = dict(
+        max_steps=iterations, max_epochs=-1, accelerator="cpu", logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    return L.Trainer(**{**settings, **overrides})
+
+
 def _rng_state() -> dict:
     """Random states as plain values and tensors (checkpoints load with ``weights_only``)."""
     kind, keys, pos, has_gauss, gauss = np.random.get_state()

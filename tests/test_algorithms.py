@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import lightning as L
 import pytest
 import torch
 
@@ -264,7 +263,7 @@ def test_docs_write_your_own_snippet_runs(capsys):
 def test_rloo_ppo_and_the_doc_algorithm_train_in_the_real_loop(tmp_path, tokenizer):
     from streamrl.components.generation_service import StreamGenerationService
     from streamrl.models import build_tiny_model, save_policy
-    from streamrl.module import StreamRLModule
+    from streamrl.module import StreamRLModule, rl_trainer
     from streamrl.rollout import PromptSource, RolloutStream
     from streamrl.tasks import make_prompt_set
 
@@ -299,9 +298,7 @@ def test_rloo_ppo_and_the_doc_algorithm_train_in_the_real_loop(tmp_path, tokeniz
             rollouts = RolloutStream(sgs, PromptSource(prompts, 4), tokenizer, algorithm, 8, 256)
             module = Module(policy, algorithm, rollouts, iterations=2, lr=1e-3)
             module.weight_version = start = sgs.weight_version
-            trainer = L.Trainer(max_steps=2, max_epochs=1, accelerator="cpu", logger=False,
-                                enable_checkpointing=False, enable_progress_bar=False,
-                                enable_model_summary=False)  # fmt: skip
+            trainer = rl_trainer(2)
             trainer.fit(module)
             assert module.weight_version == start + 2 and len(module.history) == 2
             assert module.samples_trained == 2 * 4 * algorithm.group_size

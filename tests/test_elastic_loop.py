@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from collections import Counter
 
-import lightning as L
 import pytest
 
 from streamrl.algorithms import GRPO
@@ -12,7 +11,7 @@ from streamrl.components.elastic import ElasticController
 from streamrl.components.generation_service import StreamGenerationService
 from streamrl.components.latency import LatencyModel
 from streamrl.models import build_tiny_model, save_policy
-from streamrl.module import StreamRLModule
+from streamrl.module import StreamRLModule, rl_trainer
 from streamrl.rollout import PromptSource, RolloutStream
 from streamrl.tasks import make_prompt_set, partial_credit
 
@@ -55,9 +54,7 @@ def test_elastic_run_adds_an_instance_when_generation_lags_and_trains_everything
         module = RecordingModule(policy, algorithm, rollouts, iterations=5, lr=1e-3,
                                  elastic=controller)  # fmt: skip
         module.trained = Counter()
-        trainer = L.Trainer(max_steps=5, max_epochs=1, accelerator="cpu", logger=False,
-                            enable_checkpointing=False, enable_progress_bar=False,
-                            enable_model_summary=False)  # fmt: skip
+        trainer = rl_trainer(5)
         trainer.fit(module)
         sizes = [h["elastic/instances"] for h in module.history]
         # Short outputs first: training keeps up; then generation lags and one instance joins.

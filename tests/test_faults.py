@@ -8,7 +8,6 @@ import os
 import signal
 from collections import Counter
 
-import lightning as L
 import pytest
 import torch
 
@@ -17,7 +16,7 @@ from streamrl.components.generation_service import StreamGenerationService
 from streamrl.errors import NonFiniteLossError
 from streamrl.jobs import ledger
 from streamrl.models import build_tiny_model, save_policy
-from streamrl.module import StreamRLModule
+from streamrl.module import StreamRLModule, rl_trainer
 from streamrl.rollout import PromptSource, RolloutStream
 from streamrl.tasks import make_prompt_set, partial_credit
 
@@ -60,9 +59,7 @@ def run_with_fault(tmp_path, tokenizer, fault: str | None, mode: str = "sync", r
                                  256, forced_lengths=lengths)  # fmt: skip
         module = FaultyRun(policy, algorithm, rollouts, ITERATIONS, lr=1e-3, mode=mode)
         module.trained, module.fault = Counter(), fault
-        trainer = L.Trainer(max_steps=ITERATIONS, max_epochs=1, accelerator="cpu", logger=False,
-                            enable_checkpointing=False, enable_progress_bar=False,
-                            enable_model_summary=False)  # fmt: skip
+        trainer = rl_trainer(ITERATIONS)
         trainer.fit(module)
         sgs.wait_active()
         states = [i.state for i in sgs.instances()]
@@ -109,9 +106,7 @@ def test_non_finite_loss_stops_naming_the_samples_before_the_weights_change(tmp_
     with StreamGenerationService(tmp_path / "policy", 1, max_batch_size=8) as sgs:
         rollouts = RolloutStream(sgs, PromptSource(prompts, 2), tokenizer, algorithm, 8, 256)
         module = StreamRLModule(policy, algorithm, rollouts, 3, lr=1e-3)
-        trainer = L.Trainer(max_steps=3, max_epochs=1, accelerator="cpu", logger=False,
-                            enable_checkpointing=False, enable_progress_bar=False,
-                            enable_model_summary=False)  # fmt: skip
+        trainer = rl_trainer(3)
         with pytest.raises(NonFiniteLossError, match=r"iteration 1 on 2 sample\(s\).*'p\d+', 0, 1"):
             trainer.fit(module)
     assert all(torch.isfinite(p).all() for p in policy.parameters())

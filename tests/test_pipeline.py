@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import random
 
-import lightning as L
 import pytest
 import torch
 from hypothesis import given, settings
@@ -15,7 +14,7 @@ from streamrl.components.generation_service import StreamGenerationService
 from streamrl.components.generator_worker import fingerprint
 from streamrl.components.pipeline import DynamicBatchPipeline, MicroBatch
 from streamrl.models import build_tiny_model, save_policy
-from streamrl.module import StreamRLModule, completion_logprobs
+from streamrl.module import StreamRLModule, completion_logprobs, rl_trainer
 from streamrl.records import Sample
 from streamrl.rollout import PromptSource, RolloutStream, ScoredGroup
 from streamrl.tasks import make_prompt_set, partial_credit
@@ -119,9 +118,7 @@ def test_async_mode_overlaps_generation_and_training(tmp_path, tokenizer):
         pipeline = DynamicBatchPipeline(token_budget=64, staleness_bound=1)
         module = StreamRLModule(policy, algorithm, rollouts, iterations=4, lr=1e-3, mode="async",
                                 pipeline=pipeline)  # fmt: skip
-        trainer = L.Trainer(max_steps=4, max_epochs=1, accelerator="cpu", logger=False,
-                            enable_checkpointing=False, enable_progress_bar=False,
-                            enable_model_summary=False)  # fmt: skip
+        trainer = rl_trainer(4)
         trainer.fit(module)
         assert module.weight_version == 4
         assert max(h["train/staleness_max"] for h in module.history) <= 1

@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 from collections import Counter
 
-import lightning as L
 import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
@@ -14,7 +13,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from streamrl.algorithms import GRPO
 from streamrl.components.generation_service import StreamGenerationService
 from streamrl.models import build_tiny_model, save_policy
-from streamrl.module import StreamRLModule
+from streamrl.module import StreamRLModule, rl_trainer
 from streamrl.rollout import PromptSource, RolloutStream
 from streamrl.tasks import make_prompt_set, partial_credit
 
@@ -55,11 +54,9 @@ def fit(run_dir, model_dir, tokenizer, policy, crash_at=None, ckpt_path=None) ->
                                  256, forced_lengths=iter([4, 24] * 1000))  # fmt: skip
         module = Recorded(policy, algorithm, rollouts, ITERATIONS, lr=1e-3, mode="async",
                           crash_at=crash_at)  # fmt: skip
-        trainer = L.Trainer(
-            max_steps=ITERATIONS, max_epochs=1, accelerator="cpu", logger=False,
-            enable_progress_bar=False, enable_model_summary=False, default_root_dir=run_dir,
-            callbacks=[ModelCheckpoint(run_dir / "ckpt", every_n_train_steps=1, save_last=True)],
-        )  # fmt: skip
+        checkpoints = ModelCheckpoint(run_dir / "ckpt", every_n_train_steps=1, save_last=True)
+        trainer = rl_trainer(ITERATIONS, default_root_dir=run_dir, enable_checkpointing=True,
+                             callbacks=[checkpoints])  # fmt: skip
         with contextlib.suppress(Crash):
             trainer.fit(module, ckpt_path=ckpt_path)
     return module

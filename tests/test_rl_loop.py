@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 
-import lightning as L
 import pytest
 import torch
 
@@ -13,7 +12,7 @@ from streamrl.algorithms.base import LossInputs
 from streamrl.components.generation_service import StreamGenerationService
 from streamrl.components.generator_worker import fingerprint
 from streamrl.models import build_tiny_model, save_policy
-from streamrl.module import StreamRLModule
+from streamrl.module import StreamRLModule, rl_trainer
 from streamrl.rollout import PromptSource, RolloutStream
 from streamrl.tasks import make_prompt_set, partial_credit
 
@@ -58,9 +57,7 @@ def test_grpo_iterations_with_two_generator_processes(tmp_path, tokenizer):
     with StreamGenerationService(tmp_path / "policy", 2, max_batch_size=8) as sgs:
         rollouts = RolloutStream(sgs, PromptSource(prompts, 4), tokenizer, algorithm, 12, 256)
         module = StreamRLModule(policy, algorithm, rollouts, iterations=3, lr=1e-3)
-        trainer = L.Trainer(max_steps=3, max_epochs=1, accelerator="cpu", logger=False,
-                            enable_checkpointing=False, enable_progress_bar=False,
-                            enable_model_summary=False)  # fmt: skip
+        trainer = rl_trainer(3)
         trainer.fit(module)
         assert trainer.global_step == 3 and module.weight_version == 3
         assert len(module.history) == 3
@@ -92,9 +89,7 @@ def test_ranker_dispatch_and_lpt_wired_into_the_loop(tmp_path, tokenizer):
         rollouts = RolloutStream(sgs, PromptSource(prompts, 10), tokenizer, algorithm, 16, 256,
                                  ranker=ranker, ranker_refresh_every=1)  # fmt: skip
         module = StreamRLModule(policy, algorithm, rollouts, iterations=3, lr=1e-3)
-        trainer = L.Trainer(max_steps=3, max_epochs=1, accelerator="cpu", logger=False,
-                            enable_checkpointing=False, enable_progress_bar=False,
-                            enable_model_summary=False)  # fmt: skip
+        trainer = rl_trainer(3)
         trainer.fit(module)
     # Refreshed from the policy's samples right after the next dispatch: iterations 0 and 1
     # (the last iteration's samples wait for a dispatch that never comes).
@@ -121,9 +116,7 @@ def test_dynamic_sampling_refills_filtered_groups_and_the_ledger_balances(tmp_pa
     with StreamGenerationService(tmp_path / "policy", 1, max_batch_size=8) as sgs:
         rollouts = RolloutStream(sgs, PromptSource(prompts, 4), tokenizer, algorithm, 12, 256)
         module = StreamRLModule(policy, algorithm, rollouts, iterations=3, lr=1e-3)
-        trainer = L.Trainer(max_steps=3, max_epochs=1, accelerator="cpu", logger=False,
-                            enable_checkpointing=False, enable_progress_bar=False,
-                            enable_model_summary=False)  # fmt: skip
+        trainer = rl_trainer(3)
         trainer.fit(module)
     books = ledger(module)
     # Two samples agree half the time: some groups were filtered and replaced from the stream.

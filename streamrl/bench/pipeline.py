@@ -30,7 +30,7 @@ from streamrl.components.generation_service import StreamGenerationService
 from streamrl.components.pipeline import DynamicBatchPipeline
 from streamrl.errors import ConfigError
 from streamrl.models import load_policy
-from streamrl.module import MODES, StreamRLModule
+from streamrl.module import MODES, StreamRLModule, rl_trainer
 from streamrl.rollout import PromptSource, RolloutStream
 from streamrl.tasks import exact_match, make_prompt_set
 from streamrl.timeline import busy_fraction, draw_timeline
@@ -77,10 +77,7 @@ def run_mode(mode: str, model_dir: Path, lengths: list[int], args) -> dict:
         pipeline = DynamicBatchPipeline(budget, staleness_bound=int(mode == "async"))
         module = StreamRLModule(policy.train(), algorithm, rollouts, steps, lr=1e-5, mode=mode,
                                 pipeline=pipeline)  # fmt: skip
-        trainer = L.Trainer(max_steps=steps, max_epochs=1, accelerator="cpu", logger=False,
-                            enable_checkpointing=False, enable_progress_bar=False,
-                            enable_model_summary=False)  # fmt: skip
-        trainer.fit(module)
+        rl_trainer(steps).fit(module)
     measured = module.history[args.warmup :]
     spans = rollouts.trace.spans
     # The measured window: from the first trainer span of the first measured iteration to the

@@ -41,13 +41,16 @@ def _quiet_lightning() -> None:
 
 
 def _cmd_fit(args: argparse.Namespace) -> dict:
-    from streamrl.config import load_config
+    from streamrl.config import check_rl, load_config
     from streamrl.jobs import run_fit
 
     _quiet_lightning()
     config = load_config(args.config)
     if args.output_dir:
         config.output_dir = args.output_dir
+    if args.gpus is not None:
+        config.rl.gpus = args.gpus
+        check_rl(config.rl)  # no GPU here: fail now, with the reason
     if args.resume and not os.path.isfile(args.resume):
         raise ConfigError(f"--resume: no checkpoint at {args.resume!r}.")
     return run_fit(config, show_progress=not args.no_progress, resume=args.resume)
@@ -133,6 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
     fit.add_argument("--no-progress", action="store_true", help="draw no progress bars")
     fit.add_argument("--resume", help="checkpoint to continue from, e.g. "
                      "<output_dir>/checkpoints/last.ckpt")  # fmt: skip
+    fit.add_argument("--gpus", type=int, help="GPUs per generator instance (overrides rl.gpus)")
     fit.set_defaults(func=_cmd_fit)
 
     bench = sub.add_parser("bench", help="measurements; the last stdout line is JSON")

@@ -22,6 +22,7 @@ from typing import Any
 
 import yaml
 
+from streamrl.components.backends import check_engines
 from streamrl.errors import ConfigError, unknown_name
 from streamrl.tasks.families import FAMILIES
 
@@ -86,7 +87,13 @@ class RLConfig:
         iterations: optimizer steps (one per iteration); 0 only warm-starts and evaluates.
         prompts_per_iteration: prompts dealt per iteration.
         group_size: samples per prompt.
-        generators: generator instances (one process each).
+        generators: generator instances (one process or Ray actor each).
+        backend: the generation engine: ``"hf"`` (continuous batching on ``transformers``) or
+            ``"vllm"`` (vLLM's engine; the ``[vllm]`` extra).
+        cluster: where generator instances run: ``"local"`` (processes of this machine) or
+            ``"ray"`` (Ray actors on the cluster ``RAY_ADDRESS`` names, or a local one; the
+            ``[ray]`` extra).
+        gpus: GPUs per generator instance; 0 generates on the CPU.
         max_batch_size: batch slots per generator instance.
         lr: policy learning rate (AdamW).
         clip_eps: PPO clip range.
@@ -120,6 +127,9 @@ class RLConfig:
     prompts_per_iteration: int = 32
     group_size: int = 8
     generators: int = 2
+    backend: str = "hf"
+    cluster: str = "local"
+    gpus: int = 0
     max_batch_size: int = 64
     lr: float = 1e-4
     clip_eps: float = 0.2
@@ -300,6 +310,10 @@ def check_rl(rl: RLConfig) -> None:
             raise ConfigError(f"rl.{name} must be >= 1, got {value}.")
     if rl.lora_r < 0:
         raise ConfigError(f"rl.lora_r must be >= 0 (0 = full fine-tuning), got {rl.lora_r}.")
+    try:  # a missing extra or absent GPUs fail here, not inside a generator process
+        check_engines(rl.backend, rl.cluster, rl.gpus, lora=rl.lora_r > 0)
+    except ConfigError as err:
+        raise ConfigError(f"rl.{err}") from err
     if rl.lora_r > 0:
         from streamrl.lora import LoRASpec
 

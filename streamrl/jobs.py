@@ -130,6 +130,7 @@ def _train(
         temperature=rl.temperature, seed=config.seed, dispatcher=dispatcher,
         scheduler="lpt" if skew else "fifo", max_restarts=rl.max_restarts,
         status_path=Path(config.output_dir) / "instances.json", lora=lora,
+        backend=rl.backend, cluster=rl.cluster, gpus_per_instance=rl.gpus,
     )  # fmt: skip
     with service:
         rollouts = RolloutStream(

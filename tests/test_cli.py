@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from streamrl.cli import build_parser, main
 
@@ -46,6 +47,16 @@ def test_fit_with_config_typo_subprocess(tmp_path):
     assert result.returncode == 2
     assert "Unknown key 'iteratons' (did you mean 'iterations'?)" in result.stderr
     assert result.stdout == ""
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a GPU-less machine")
+def test_fit_with_gpus_on_a_cpu_machine_fails_at_once(tmp_path, capsys):
+    config = tmp_path / "c.yaml"
+    config.write_text("rl:\n  iterations: 1\n")
+    assert main(["fit", "--config", str(config), "--gpus", "1", "--output-dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "gpus=1 but this machine has no CUDA GPU" in err and "drop --gpus" in err
+    assert not (tmp_path / "instances.json").exists()  # no generator was started
 
 
 @pytest.mark.timeout(300)

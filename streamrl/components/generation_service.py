@@ -28,13 +28,15 @@ import os
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from multiprocessing import connection
 from pathlib import Path
 from typing import Any
 
+from streamrl.components.backends import check_engines, instance_device
 from streamrl.components.dispatch import Dispatcher, RoundRobinDispatcher
 from streamrl.components.instance_handle import InstanceHandle, InstanceInfo
+from streamrl.components.ray_instance import RayInstanceHandle, RayOptions
 from streamrl.components.weight_sync import AsyncWeightSync, Weights
 from streamrl.components.weight_transport import WeightGroup
 from streamrl.lora import LoRASpec
@@ -72,6 +74,12 @@ class StreamGenerationService:
             state, weight version), for operators.
         lora: wrap every instance's model with these adapters; updates then carry only the
             adapter tensors (push ``streamrl.lora.adapter_weights(policy)``).
+        backend: the generation engine of every instance: ``"hf"`` (``HFStreamGenerator``) or
+            ``"vllm"`` (``VLLMStreamGenerator``, the ``[vllm]`` extra).
+        cluster: where instances run: ``"local"`` (processes of this machine) or ``"ray"``
+            (Ray actors, the ``[ray]`` extra; see ``ray_instance``).
+        gpus_per_instance: GPUs each instance runs on (0: the CPU).
+        ray: Ray cluster options (address, local cluster size, temp dir) for ``cluster="ray"``.
     """
 
     def __init__(
@@ -91,11 +99,18 @@ class StreamGenerationService:
         heartbeat_timeout_s: float = 60.0,
         status_path: str | Path | None = None,
         lora: LoRASpec | None = None,
+        backend: str = "hf",
+        cluster: str = "local",
+        gpus_per_instance: int = 0,
+        ray: RayOptions | None = None,
     ) -> None:
         if num_instances < 1:
             raise ValueError(f"num_instances must be >= 1, got {num_instances}.")
         if scheduler not in ("fifo", "lpt"):
             raise ValueError(f"scheduler must be 'fifo' or 'lpt', got {scheduler!r}.")
+        check_engines(backend, cluster, gpus_per_instance, lora=lora is not None)
+        self.backend, self.cluster, self.gpus_per_instance = backend, cluster, gpus_per_instance
+        self._ray = replace(ray or RayOptions(), gpus_per_instance=gpus_per_instance)
         self.model_dir = str(model_dir)
         self.num_instances = num_instances
         self.dispatcher = dispatcher if dispatcher is not None else RoundRobinDispatcher()
@@ -334,9 +349,18 @@ class StreamGenerationService:
     def _spawn(self) -> InstanceHandle:
         instance_id = len(self._instances)
         kwargs = {**self._generator_kwargs, "seed": self._seed + instance_id}
-        handle = InstanceHandle.spawn(
-            self._ctx, instance_id, self.model_dir, kwargs, self.start_timeout_s
+        what = dict(
+            model_dir=self.model_dir,
+            generator_kwargs=kwargs,
+            backend=self.backend,
+            device=instance_device(instance_id, self.gpus_per_instance, self.cluster),
         )
+        if self.cluster == "ray":
+            handle: InstanceHandle = RayInstanceHandle.spawn_actor(
+                self._ray, instance_id, what, self.start_timeout_s
+            )
+        else:
+            handle = InstanceHandle.spawn(self._ctx, instance_id, what, self.start_timeout_s)
         self._instances.append(handle)
         self._write_status()
         return handle

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from streamrl.components.hf_generator import HFStreamGenerator
 from streamrl.components.schedulers import FIFOScheduler, LPTScheduler
 from streamrl.records import Request
 
@@ -56,12 +57,20 @@ class WorkerSpec:
     weight_version: int = 0
     timeout_s: float = 120.0
     heartbeat_s: float = 1.0
+    store_host: str = "127.0.0.1"  # where the trainer hosts the weight group's store
+    backend: str = "hf"  # "hf" (HFStreamGenerator) or "vllm" (VLLMStreamGenerator)
+    device: str = "cpu"  # where the model runs: "cpu", or "cuda" with a GPU of its own
 
 
-def worker_main(spec: WorkerSpec, inbox: Any, outbox: Any) -> None:
-    """Run one generator instance until told to stop or its parent dies."""
+def worker_main(spec: WorkerSpec, inbox: Any, outbox: Any, leave: Any = None) -> None:
+    """Run one generator instance until told to stop or its parent dies.
+
+    ``leave``: how the process ends once stopped (default ``os._exit(0)``; a Ray actor passes
+    ``ray.actor.exit_actor``, so Ray sees a clean exit).
+    """
     # Ctrl-C goes to the whole process group; the parent decides and stops us cleanly.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    with contextlib.suppress(ValueError):  # not the main thread (a Ray actor may be threaded)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
     torch.set_num_threads(1)
     parent = os.getppid()
     try:
@@ -75,7 +84,7 @@ def worker_main(spec: WorkerSpec, inbox: Any, outbox: Any) -> None:
     # Stopped: leave at once. A normal interpreter exit would tear down gloo's threads
     # mid-receive, which aborts with "terminate called without an active exception".
     outbox.close()
-    os._exit(0)
+    leave() if leave is not None else os._exit(0)
 
 
 class _Instance:
@@ -83,31 +92,42 @@ class _Instance:
     (admission pacing for the staleness bound) and weights being received in the background."""
 
     def __init__(self, spec: WorkerSpec, outbox: Any, parent: int) -> None:
-        from streamrl.components.hf_generator import HFStreamGenerator
         from streamrl.components.weight_transport import WeightGroup
-        from streamrl.models import load_policy
 
         self.spec, self.outbox, self.parent = spec, outbox, parent
-        self.model, _ = load_policy(spec.model_dir)
         kwargs = dict(spec.generator_kwargs)
         scheduler = SCHEDULERS[kwargs.pop("scheduler", "fifo")]()
         lora = kwargs.pop("lora", None)  # a LoRASpec.to_dict(): only the adapters get updates
-        synced = dict(self.model.named_parameters())
+        self.model: torch.nn.Module | None = None  # the HF model (None: vLLM holds its own)
         self.merged: MergedLoRA | None = None
-        if lora is not None:
-            from streamrl.lora import LoRASpec, MergedLoRA, adapter_weights, apply_lora
+        common = dict(instance_id=spec.instance_id, weight_version=spec.weight_version,
+                      scheduler=scheduler, **kwargs)  # fmt: skip
+        if spec.backend == "vllm":
+            from streamrl.components.vllm_generator import VLLMStreamGenerator
 
-            self.model = apply_lora(self.model, LoRASpec.from_dict(lora)).eval()
-            synced = adapter_weights(self.model)  # same names and order as on the trainer
-            self.merged = MergedLoRA(self.model)  # decodes at base-model speed between loads
-        self.generator = HFStreamGenerator(
-            self.model, instance_id=spec.instance_id, weight_version=spec.weight_version,
-            scheduler=scheduler, **kwargs,
-        )  # fmt: skip
+            self.generator = VLLMStreamGenerator(spec.model_dir, device=spec.device, **common)
+            synced = self.generator.weight_templates()  # the trainer's names, shapes and dtypes
+        else:
+            synced = self._load_hf(spec, lora)
+            self.generator = HFStreamGenerator(self.model, **common)
         _put(outbox, ("ready", spec.instance_id, os.getpid()), parent)
-        group = WeightGroup(spec.store_port, spec.rank, spec.world_size, timeout_s=spec.timeout_s)
+        group = WeightGroup(spec.store_port, spec.rank, spec.world_size, timeout_s=spec.timeout_s,
+                            host=spec.store_host)  # fmt: skip
         self.receiver = _WeightReceiver(group, synced)
         self.held: list[Request] = []
+
+    def _load_hf(self, spec: WorkerSpec, lora: dict | None) -> dict[str, torch.Tensor]:
+        """Load the policy onto ``spec.device``; returns the tensors that weight updates fill."""
+        from streamrl.models import load_policy
+
+        self.model = load_policy(spec.model_dir)[0].to(spec.device)
+        if lora is None:
+            return dict(self.model.named_parameters())
+        from streamrl.lora import LoRASpec, MergedLoRA, adapter_weights, apply_lora
+
+        self.model = apply_lora(self.model, LoRASpec.from_dict(lora)).eval()
+        self.merged = MergedLoRA(self.model)  # decodes at base-model speed between loads
+        return adapter_weights(self.model)  # same names and order as on the trainer
 
     def _unmerged(self) -> contextlib.AbstractContextManager:
         """LoRA: adapters and base weights apart inside the block, as the trainer holds them."""
@@ -146,6 +166,8 @@ class _Instance:
         elif kind == "update":
             self.receiver.receive(message[1])  # joins the broadcast in the background
         elif kind == "fingerprint":
+            if self.model is None:
+                raise ValueError("fingerprint: the vllm backend keeps no HF copy of the weights.")
             with self._unmerged():  # comparable with fingerprint(policy) on the trainer
                 hexdigest = fingerprint(self.model)
             _put(self.outbox, ("fingerprint", self.spec.instance_id, hexdigest), self.parent)
@@ -200,7 +222,8 @@ class _WeightReceiver:
         while True:
             version = self._todo.get()
             try:
-                buffers = {name: torch.empty_like(p) for name, p in self.params.items()}
+                # torch.empty, not empty_like: templates may live on the meta device (vLLM).
+                buffers = {n: torch.empty(p.shape, dtype=p.dtype) for n, p in self.params.items()}
                 self.group.broadcast(buffers.values())
                 self._done.put((version, buffers))
             except BaseException as err:  # handed to the main loop, which reports it

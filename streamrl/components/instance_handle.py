@@ -55,12 +55,16 @@ class InstanceHandle:
 
     @classmethod
     def spawn(
-        cls, ctx: Any, instance_id: int, model_dir: str, generator_kwargs: dict, timeout_s: float
+        cls, ctx: Any, instance_id: int, spec_fields: dict[str, Any], timeout_s: float
     ) -> InstanceHandle:
-        """Start the process; it loads the model and says ``ready`` on its pipe."""
+        """Start the process; it loads the model and says ``ready`` on its pipe.
+
+        ``spec_fields``: the ``WorkerSpec`` fields that say what to run (``model_dir``,
+        ``generator_kwargs``, ``backend``, ``device``).
+        """
         store = make_store(2, timeout_s)
-        spec = WorkerSpec(instance_id, model_dir, store.port, 2, 1, generator_kwargs, 0,
-                          timeout_s, heartbeat_s=HEARTBEAT_S)  # fmt: skip
+        spec = WorkerSpec(instance_id, store_port=store.port, world_size=2, rank=1,
+                          timeout_s=timeout_s, heartbeat_s=HEARTBEAT_S, **spec_fields)  # fmt: skip
         inbox = ctx.Queue()
         link, outbox = ctx.Pipe(duplex=False)
         proc = ctx.Process(target=worker_main, args=(spec, inbox, outbox), daemon=True,

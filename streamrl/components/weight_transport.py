@@ -40,6 +40,8 @@ class WeightGroup:
         world_size: 1 + number of generator instances.
         store: the trainer passes the store it hosts; members connect to ``port``.
         timeout_s: rendezvous and per-broadcast timeout; a silent peer raises instead of hanging.
+        host: the trainer's address as members reach it (loopback by default; a Ray actor on
+            another node needs the trainer node's IP).
     """
 
     def __init__(
@@ -49,10 +51,11 @@ class WeightGroup:
         world_size: int,
         store: dist.Store | None = None,
         timeout_s: float = DEFAULT_TIMEOUT_S,
+        host: str = "127.0.0.1",
     ) -> None:
         timeout = datetime.timedelta(seconds=timeout_s)
         if store is None:
-            store = dist.TCPStore("127.0.0.1", port, world_size, False, timeout=timeout)
+            store = dist.TCPStore(host, port, world_size, False, timeout=timeout)
         self.rank, self.world_size = rank, world_size
         self._group = dist.ProcessGroupGloo(
             dist.PrefixStore("weights", store), rank, world_size, timeout

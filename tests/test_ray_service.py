@@ -1,0 +1,114 @@
+"""The stream generation service on a real local Ray cluster: instances are Ray actors.
+
+One cluster for the module (num_cpus=2, no dashboard, no token auth, its session folder under the
+test's tmp). Actors take half a CPU each so three fit beside the driver.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from streamrl.components.generation_service import StreamGenerationService
+from streamrl.components.generator_worker import fingerprint
+from streamrl.components.ray_instance import RayOptions
+from streamrl.models import build_tiny_model, save_policy
+from streamrl.records import Request
+
+ray = pytest.importorskip("ray")
+pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
+
+
+@pytest.fixture(scope="module")
+def ray_options(tmp_path_factory):
+    options = RayOptions(num_cpus=2, cpus_per_instance=0.5,
+                         temp_dir=str(tmp_path_factory.mktemp("ray")))  # fmt: skip
+    yield options
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory, tokenizer):
+    path = tmp_path_factory.mktemp("policy")
+    save_policy(build_tiny_model(tokenizer, "test", seed=0), tokenizer, path)
+    return path
+
+
+def requests_for(tokenizer, lengths: list[int], iteration: int = 0) -> list[Request]:
+    ids = tokenizer("copy ab=")["input_ids"]
+    return [Request(f"p{i}", ids, max_tokens=32, iteration=iteration, forced_length=n)
+            for i, n in enumerate(lengths)]  # fmt: skip
+
+
+def test_ray_actors_stream_update_grow_and_survive_a_kill(model_dir, tokenizer, ray_options):
+    policy = build_tiny_model(tokenizer, "test", seed=0)
+    service = StreamGenerationService(model_dir, 2, max_batch_size=4, cluster="ray",
+                                      ray=ray_options, heartbeat_timeout_s=30)  # fmt: skip
+    with service:
+        # The instances are Ray actors: their processes are Ray workers, not our children.
+        infos = service.instances()
+        assert all(i.state == "active" and i.pid not in (None, os.getpid()) for i in infos)
+
+        # generate: every request once, streamed in completion order.
+        lengths = [18, 2, 10, 4, 14, 6]
+        samples = list(service.generate(requests_for(tokenizer, lengths)))
+        assert sorted(s.prompt_id for s in samples) == sorted(f"p{i}" for i in range(6))
+        assert all(s.length == lengths[int(s.prompt_id[1:])] for s in samples)
+        assert {s.instance_id for s in samples} == {0, 1}
+        for instance in (0, 1):  # streamed as they finish: shorter forced lengths first
+            mine = [s.length for s in samples if s.instance_id == instance]
+            assert mine == sorted(mine)
+
+        # update: weights cross a torch.distributed group that includes the actors.
+        with torch.no_grad():
+            for p in policy.parameters():
+                p.add_(0.01)
+        service.update(policy, version=1)
+        assert set(service.fingerprints().values()) == {fingerprint(policy)}
+
+        # add_instance: a new actor catches up to version 1 before it takes requests.
+        new = service.add_instance(wait=True)
+        assert service.instances()[new].weight_version == 1
+        assert service.fingerprints()[new] == fingerprint(policy)
+
+        # kill an actor while it holds requests: replaced, its requests requeued, none lost.
+        reqs = requests_for(tokenizer, [24] * 9, iteration=1)
+        service.submit(reqs)
+        victim = service._instances[0]
+        ray.kill(victim.proc.actor, no_restart=True)
+        got = [service.next_sample() for _ in reqs]
+        assert sorted(s.key for s in got) == sorted(r.key for r in reqs)
+        assert service.counts["instances_restarted"] == 1
+        assert service.instances()[0].state == "failed"
+        service.wait_active()  # the replacement actor, with the current weights
+        assert sum(i.state == "active" for i in service.instances()) == 3
+        assert service.fingerprints()[3] == fingerprint(policy)
+
+        retired = service.remove_instance()
+        assert service.instances()[retired].state == "stopped"
+    assert not any(i.alive for i in service.instances())
+
+
+def test_fit_config_switches_to_ray_with_one_field(tmp_path, capsys, ray_options):
+    """The same `streamrl fit` config as a local run, plus `cluster: ray`."""
+    from streamrl.cli import main
+    from streamrl.components.ray_instance import connect
+
+    connect(ray_options)  # the module's cluster (a run would otherwise start one of its own)
+    config = tmp_path / "c.yaml"
+    config.write_text(
+        f"output_dir: {tmp_path / 'out'}\n"
+        "data: {tasks: [copy, count], n_train: 32, n_heldout: 8, median_len: 3, max_len: 6}\n"
+        "sft: {model_size: test, steps: 20}\n"
+        "rl: {iterations: 2, prompts_per_iteration: 4, group_size: 2, generators: 2,"
+        " max_tokens: 12, cluster: ray}\n"
+    )
+    assert main(["fit", "--config", str(config), "--no-progress"]) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["samples_trained"] == 2 * 4 * 2 and summary["samples_lost"] == 0
+    status = json.loads((tmp_path / "out" / "instances.json").read_text())
+    assert [s["state"] for s in status.values()] == ["stopped", "stopped"]
+    assert all(s["pid"] not in (None, os.getpid()) for s in status.values())

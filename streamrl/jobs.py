@@ -131,6 +131,7 @@ def _train(
         scheduler="lpt" if skew else "fifo", max_restarts=rl.max_restarts,
         status_path=Path(config.output_dir) / "instances.json", lora=lora,
         backend=rl.backend, cluster=rl.cluster, gpus_per_instance=rl.gpus,
+        weight_transport=rl.weight_transport,
     )  # fmt: skip
     with service:
         rollouts = RolloutStream(

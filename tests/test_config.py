@@ -106,6 +106,7 @@ def test_duplicate_prompt_ids_name_the_line(tmp_path):
         ("rl:\n  backend: vlm\n", r"rl.backend: Unknown backend 'vlm' \(did you mean 'vllm'\?\)"),
         ("rl:\n  cluster: rey\n", r"rl.cluster: Unknown cluster 'rey' \(did you mean 'ray'\?\)"),
         ("rl:\n  gpus: -1\n", r"rl.gpus must be >= 0"),
+        ("rl:\n  weight_transport: ncl\n", r"Unknown transport 'ncl' \(did you mean 'nccl'\?\)"),
     ],
 )
 def test_bad_rl_values_fail_before_work(tmp_path, yaml_text, message):
@@ -150,6 +151,12 @@ def test_engine_without_its_extra_says_how_to_install(tmp_path, monkeypatch, yam
 def test_gpus_on_a_machine_without_gpus_fail_before_work(tmp_path):
     with pytest.raises(ConfigError, match=r"rl.gpus=1 but this machine has no CUDA GPU"):
         load_config(write(tmp_path, "rl:\n  gpus: 1\n"))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a GPU-less machine")
+def test_nccl_transport_without_cupy_or_gpu_says_why(tmp_path):
+    with pytest.raises(ConfigError, match=r"rl.weight_transport: The NCCL weight transport needs"):
+        load_config(write(tmp_path, "rl:\n  weight_transport: nccl\n"))
 
 
 def test_lora_with_the_vllm_backend_is_refused(tmp_path, monkeypatch):

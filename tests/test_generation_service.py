@@ -52,9 +52,19 @@ def test_two_instances_stream_every_request_once_in_completion_order(model_dir, 
         assert all(s.weight_version == 0 and len(s.logprobs) == s.length for s in samples)
 
 
-def test_update_makes_generator_weights_equal_trainer_weights(model_dir, tokenizer):
+@pytest.mark.parametrize(
+    ("transport", "gpus"),
+    [
+        ("gloo", 0),
+        ("bucketed", 0),
+        pytest.param("gloo", 1, marks=pytest.mark.gpu, id="gloo-generators-on-gpu"),
+    ],
+)  # fmt: skip
+def test_update_makes_generator_weights_equal_trainer_weights(model_dir, tokenizer, transport,
+                                                              gpus):  # fmt: skip
     policy = build_tiny_model(tokenizer, "test", seed=0)
-    with StreamGenerationService(model_dir, 2, max_batch_size=4) as sgs:
+    with StreamGenerationService(model_dir, 2, max_batch_size=4, weight_transport=transport,
+                                 gpus_per_instance=gpus) as sgs:  # fmt: skip
         assert set(sgs.fingerprints().values()) == {fingerprint(policy)}
         with torch.no_grad():
             for p in policy.parameters():

@@ -36,9 +36,11 @@ from typing import Any
 from streamrl.components.backends import check_engines, instance_device
 from streamrl.components.dispatch import Dispatcher, RoundRobinDispatcher
 from streamrl.components.instance_handle import InstanceHandle, InstanceInfo
+from streamrl.components.nccl_transport import import_nccl
 from streamrl.components.ray_instance import RayInstanceHandle, RayOptions
 from streamrl.components.weight_sync import AsyncWeightSync, Weights
-from streamrl.components.weight_transport import WeightGroup
+from streamrl.components.weight_transport import TRANSPORTS, WeightGroup
+from streamrl.errors import ConfigError, unknown_name
 from streamrl.lora import LoRASpec
 from streamrl.records import Request, Sample
 
@@ -80,6 +82,8 @@ class StreamGenerationService:
             (Ray actors, the ``[ray]`` extra; see ``ray_instance``).
         gpus_per_instance: GPUs each instance runs on (0: the CPU).
         ray: Ray cluster options (address, local cluster size, temp dir) for ``cluster="ray"``.
+        weight_transport: ``"gloo"``, ``"bucketed"`` or ``"nccl"`` (GPU to GPU through CuPy):
+            how each instance's weight group moves tensors (``WeightGroup``).
     """
 
     def __init__(
@@ -103,6 +107,7 @@ class StreamGenerationService:
         cluster: str = "local",
         gpus_per_instance: int = 0,
         ray: RayOptions | None = None,
+        weight_transport: str = "gloo",
     ) -> None:
         if num_instances < 1:
             raise ValueError(f"num_instances must be >= 1, got {num_instances}.")
@@ -111,6 +116,13 @@ class StreamGenerationService:
         check_engines(backend, cluster, gpus_per_instance, lora=lora is not None)
         self.backend, self.cluster, self.gpus_per_instance = backend, cluster, gpus_per_instance
         self._ray = replace(ray or RayOptions(), gpus_per_instance=gpus_per_instance)
+        if weight_transport not in TRANSPORTS:
+            raise ConfigError(
+                f"weight_transport: {unknown_name('transport', weight_transport, TRANSPORTS)}"
+            )
+        if weight_transport == "nccl":
+            import_nccl()  # CuPy and a GPU, or a ConfigError saying how to get them
+        self.weight_transport = weight_transport
         self.model_dir = str(model_dir)
         self.num_instances = num_instances
         self.dispatcher = dispatcher if dispatcher is not None else RoundRobinDispatcher()
@@ -354,6 +366,7 @@ class StreamGenerationService:
             generator_kwargs=kwargs,
             backend=self.backend,
             device=instance_device(instance_id, self.gpus_per_instance, self.cluster),
+            transport=self.weight_transport,
         )
         if self.cluster == "ray":
             handle: InstanceHandle = RayInstanceHandle.spawn_actor(
@@ -367,8 +380,10 @@ class StreamGenerationService:
 
     def _join(self, handle: InstanceHandle) -> None:
         """An instance has loaded the model: connect its weight group, queue its catch-up."""
-        group = WeightGroup(handle.store.port, 0, 2, store=handle.store,
-                            timeout_s=self.start_timeout_s)  # fmt: skip
+        group = WeightGroup(
+            handle.store.port, 0, 2, store=handle.store, timeout_s=self.start_timeout_s,
+            transport=self.weight_transport,
+        )  # fmt: skip
 
         def announce(version: int) -> None:
             handle.inbox.put(("update", version))

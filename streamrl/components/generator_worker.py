@@ -60,6 +60,7 @@ class WorkerSpec:
     store_host: str = "127.0.0.1"  # where the trainer hosts the weight group's store
     backend: str = "hf"  # "hf" (HFStreamGenerator) or "vllm" (VLLMStreamGenerator)
     device: str = "cpu"  # where the model runs: "cpu", or "cuda" with a GPU of its own
+    transport: str = "gloo"  # how weights arrive: "gloo", "bucketed" or "nccl" (WeightGroup)
 
 
 def worker_main(spec: WorkerSpec, inbox: Any, outbox: Any, leave: Any = None) -> None:
@@ -111,9 +112,12 @@ class _Instance:
             synced = self._load_hf(spec, lora)
             self.generator = HFStreamGenerator(self.model, **common)
         _put(outbox, ("ready", spec.instance_id, os.getpid()), parent)
-        group = WeightGroup(spec.store_port, spec.rank, spec.world_size, timeout_s=spec.timeout_s,
-                            host=spec.store_host)  # fmt: skip
-        self.receiver = _WeightReceiver(group, synced)
+        group = WeightGroup(
+            spec.store_port, spec.rank, spec.world_size, timeout_s=spec.timeout_s,
+            host=spec.store_host, transport=spec.transport, device=spec.device,
+        )  # fmt: skip
+        on = spec.device if spec.transport == "nccl" else "cpu"  # NCCL receives GPU to GPU
+        self.receiver = _WeightReceiver(group, synced, on)
         self.held: list[Request] = []
 
     def _load_hf(self, spec: WorkerSpec, lora: dict | None) -> dict[str, torch.Tensor]:
@@ -191,8 +195,8 @@ class _Instance:
 class _WeightReceiver:
     """Receives broadcast weights on a background thread, so decoding goes on meanwhile."""
 
-    def __init__(self, group: Any, params: dict[str, torch.Tensor]) -> None:
-        self.group, self.params = group, params
+    def __init__(self, group: Any, params: dict[str, torch.Tensor], device: str = "cpu") -> None:
+        self.group, self.params, self.device = group, params, device
         self._todo: queue.Queue[int] = queue.Queue()
         self._done: queue.Queue[tuple[int, dict] | BaseException] = queue.Queue()
         self._pending = 0
@@ -223,7 +227,8 @@ class _WeightReceiver:
             version = self._todo.get()
             try:
                 # torch.empty, not empty_like: templates may live on the meta device (vLLM).
-                buffers = {n: torch.empty(p.shape, dtype=p.dtype) for n, p in self.params.items()}
+                buffers = {n: torch.empty(p.shape, dtype=p.dtype, device=self.device)
+                           for n, p in self.params.items()}  # fmt: skip
                 self.group.broadcast(buffers.values())
                 self._done.put((version, buffers))
             except BaseException as err:  # handed to the main loop, which reports it

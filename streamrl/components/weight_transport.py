@@ -15,8 +15,17 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 
+from streamrl.components.nccl_transport import (
+    BucketedTransport,
+    Communicator,
+    GlooCommunicator,
+    NcclCommunicator,
+)
+
 #: How long a rendezvous or a broadcast may wait for its peers before failing.
 DEFAULT_TIMEOUT_S = 120.0
+#: Ways weights travel (see ``WeightGroup``).
+TRANSPORTS = ("gloo", "bucketed", "nccl")
 
 
 def make_store(world_size: int, timeout_s: float = DEFAULT_TIMEOUT_S) -> dist.TCPStore:
@@ -42,6 +51,11 @@ class WeightGroup:
         timeout_s: rendezvous and per-broadcast timeout; a silent peer raises instead of hanging.
         host: the trainer's address as members reach it (loopback by default; a Ray actor on
             another node needs the trainer node's IP).
+        transport: ``"gloo"`` (one broadcast per tensor), ``"bucketed"`` (tensors packed into
+            large flat buffers, one gloo broadcast each) or ``"nccl"`` (the same buckets over
+            NCCL through CuPy, GPU to GPU; see ``nccl_transport``).
+        device: where a member receives with ``"nccl"`` (its GPU); the sender's tensors move
+            there too if they are not on a GPU already.
     """
 
     def __init__(
@@ -52,20 +66,35 @@ class WeightGroup:
         store: dist.Store | None = None,
         timeout_s: float = DEFAULT_TIMEOUT_S,
         host: str = "127.0.0.1",
+        transport: str = "gloo",
+        device: str = "cuda",
     ) -> None:
         timeout = datetime.timedelta(seconds=timeout_s)
         if store is None:
             store = dist.TCPStore(host, port, world_size, False, timeout=timeout)
-        self.rank, self.world_size = rank, world_size
-        self._group = dist.ProcessGroupGloo(
-            dist.PrefixStore("weights", store), rank, world_size, timeout
-        )
+        if transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}.")
+        self.rank, self.world_size, self.transport = rank, world_size, transport
+        self.device = torch.device(device)
+        prefix = dist.PrefixStore("weights", store)
+        self._buckets: BucketedTransport | None = None
+        if transport == "nccl":
+            communicator: Communicator = NcclCommunicator.connect(prefix, rank, world_size)
+        else:
+            self._group = dist.ProcessGroupGloo(prefix, rank, world_size, timeout)
+            communicator = GlooCommunicator(self._group)
+        if transport != "gloo":
+            self._buckets = BucketedTransport(communicator, rank)
 
     def broadcast(self, tensors: Iterable[torch.Tensor]) -> int:
         """Broadcast ``tensors`` in place from rank 0 (send there, receive elsewhere).
 
         Every member must pass tensors of the same shapes in the same order. Returns bytes moved.
         """
+        if self._buckets is not None:
+            if self.transport == "nccl" and self.rank == 0:
+                tensors = [t if t.is_cuda else t.to(self.device) for t in tensors]
+            return self._buckets.broadcast(tensors)
         options = dist.BroadcastOptions()
         options.rootRank = 0
         moved = 0

@@ -18,7 +18,6 @@ pytest.importorskip("vllm.sampling_params", reason="needs vllm: make test-vllm")
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from streamrl.components.hf_generator import HFStreamGenerator
 from streamrl.components.schedulers import LPTScheduler
 from streamrl.components.vllm_generator import VLLMStreamGenerator
 from streamrl.errors import ConfigError
@@ -29,6 +28,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.timeout(300)]
 
 PROMPTS = [[5, 6, 7], [9, 10, 11, 12], [20], [30, 31, 32, 33, 34, 35]]
 CONTEXT = 128
+EOS = build_tokenizer().eos_token_id
 # Small engine: the KV cache and context fit a few short sequences; no graph compilation.
 ENGINE = dict(max_model_len=CONTEXT, enforce_eager=True, kv_cache_memory_bytes=16 << 20)
 
@@ -71,6 +71,23 @@ def _forced(lengths: list[int], tag: str = "r") -> list[Request]:
     ]
 
 
+def _hf_greedy(model: Qwen2ForCausalLM, req: Request) -> tuple[list[int], list[float], str]:
+    """Reference decode on plain transformers, one full forward per token: (tokens, logprobs,
+    finish reason). EOS is masked while a forced length runs, as vLLM's min_tokens does."""
+    ids, tokens, logprobs = list(req.prompt_ids), [], []
+    for _ in range(req.forced_length or req.max_tokens):
+        with torch.no_grad():
+            logits = model(torch.tensor([ids]), use_cache=False).logits[0, -1]  # [vocab]
+        if req.forced_length is not None:
+            logits[EOS] = float("-inf")
+        logp = torch.log_softmax(logits, dim=-1)
+        token = int(logp.argmax())
+        ids.append(token), tokens.append(token), logprobs.append(float(logp[token]))
+        if token == EOS and req.forced_length is None:
+            return tokens, logprobs, "eos"
+    return tokens, logprobs, "forced" if req.forced_length is not None else "length"
+
+
 def _run(gen: VLLMStreamGenerator) -> list[tuple[int, Sample]]:
     """Step until idle; every sample with the number of the step that returned it."""
     out, step = [], 0
@@ -80,7 +97,7 @@ def _run(gen: VLLMStreamGenerator) -> list[tuple[int, Sample]]:
     return out
 
 
-def _greedy(gen: VLLMStreamGenerator | HFStreamGenerator) -> dict[str, Sample]:
+def _greedy(gen: VLLMStreamGenerator) -> dict[str, Sample]:
     gen.submit(_forced([8] * len(PROMPTS), tag="g"))
     return {s.prompt_id: s for s in gen.stream()}
 
@@ -106,19 +123,18 @@ def test_forced_lengths_are_exact_with_finite_logprobs(gen):
         assert all(math.isfinite(lp) and lp <= 0 for lp in s.logprobs)
 
 
-def test_free_running_requests_stop_like_the_hf_generator(gen):
+def test_free_running_requests_stop_on_eos_like_hf(gen):
     requests = [Request(f"f{i}", p, max_tokens=30) for i, p in enumerate(PROMPTS)]
     gen.submit(requests)
     samples = {s.prompt_id: s for s in gen.stream()}
-    reference = HFStreamGenerator(_policy(seed=0), greedy=True)
-    reference.submit(requests)
-    for ref in reference.stream():
-        s = samples[ref.prompt_id]
-        assert (s.token_ids, s.finish_reason) == (ref.token_ids, ref.finish_reason)
-        if s.finish_reason == "eos":
-            assert s.token_ids.index(1) == s.length - 1  # <eos> (id 1) ends it and is kept
+    model = _policy(seed=0)
+    for req in requests:
+        s, (tokens, _, reason) = samples[req.prompt_id], _hf_greedy(model, req)
+        assert (s.token_ids, s.finish_reason) == (tokens, reason)
+        if reason == "eos":
+            assert s.token_ids.index(EOS) == s.length - 1  # EOS ends it and is kept
         else:
-            assert s.finish_reason == "length" and s.length == 30
+            assert s.length == 30
 
 
 def test_weight_reload_changes_outputs_and_restores_them(gen, policy_dir):
@@ -132,10 +148,10 @@ def test_weight_reload_changes_outputs_and_restores_them(gen, policy_dir):
     assert gen.weight_version == 1 and all(s.weight_version == 1 for s in after.values())
     assert [s.token_ids for s in after.values()] != [s.token_ids for s in before.values()]
     # The engine now computes what the HF reference computes with the same weights.
-    reference = _greedy(HFStreamGenerator(other_model, greedy=True))
-    for pid, s in after.items():
-        assert s.token_ids == reference[pid].token_ids
-        torch.testing.assert_close(s.logprobs, reference[pid].logprobs, atol=1e-4, rtol=0)
+    for req in _forced([8] * len(PROMPTS), tag="g"):
+        tokens, logprobs, _ = _hf_greedy(other_model, req)
+        assert after[req.prompt_id].token_ids == tokens
+        torch.testing.assert_close(after[req.prompt_id].logprobs, logprobs, atol=1e-4, rtol=0)
 
     gen.load_weights({n: original[n].detach() for n in templates}, version=2)
     restored = _greedy(gen)
@@ -232,7 +248,7 @@ def test_sampled_logprobs_are_under_the_temperature(policy_dir):
         ids = torch.tensor([s.prompt_ids + s.token_ids])
         with torch.no_grad():
             logits = model(ids).logits[0, len(s.prompt_ids) - 1 : -1]  # [length, vocab]
-        logits[:, 1] = float("-inf")  # <eos>, masked by min_tokens
+        logits[:, EOS] = float("-inf")  # masked by min_tokens while the forced length runs
         logp = torch.log_softmax(logits / temperature, dim=-1)
         expected = logp.gather(1, torch.tensor(s.token_ids)[:, None]).squeeze(1)
         torch.testing.assert_close(torch.tensor(s.logprobs), expected, atol=1e-4, rtol=0)

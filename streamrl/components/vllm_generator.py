@@ -43,6 +43,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from streamrl.components.schedulers import AdmissionScheduler, FIFOScheduler
 from streamrl.errors import ConfigError
@@ -64,6 +65,10 @@ class _Admitted:
     submitted_s: float
     started_s: float
     weight_version: int
+
+
+#: KV cache of one instance on the CPU build, unless ``kv_cache_memory_bytes`` is passed.
+CPU_KV_CACHE_BYTES = 512 << 20
 
 
 class VLLMStreamGenerator:
@@ -142,13 +147,22 @@ class VLLMStreamGenerator:
         self.greedy = greedy
         self._scheduler = scheduler if scheduler is not None else FIFOScheduler()
         self._weight_version = weight_version
-        self._templates = _hf_parameters_on_meta(self.model_dir)
-        self._eos = _eos_token_ids(self.model_dir)
+        config = AutoConfig.from_pretrained(self.model_dir, local_files_only=True)
+        self._templates = _parameters_on_meta(config)
+        eos = config.eos_token_id
+        self._eos = [] if eos is None else [int(e) for e in np.atleast_1d(eos)]
+        # dtype: vLLM's "auto" runs float32 checkpoints in 16 bits; float32 keeps the behaviour
+        # log-probs equal to the trainer's (it computes in float32). Pass dtype= to trade that.
         args = dict(
             model=str(model_dir), skip_tokenizer_init=True, max_num_seqs=max_batch_size,
-            seed=seed, logprobs_mode="processed_logprobs", scheduling_policy="priority",
-            enable_prefix_caching=False, disable_log_stats=True,
+            seed=seed, dtype="float32", logprobs_mode="processed_logprobs",
+            scheduling_policy="priority", enable_prefix_caching=False, disable_log_stats=True,
         )  # fmt: skip
+        if device == "cpu":
+            # vLLM's CPU build reserves gpu_memory_utilization (0.92) of the machine's RAM for
+            # its KV cache and compiles graphs at start; several instances on one machine need a
+            # bounded cache and eager mode instead. Pass either argument to choose otherwise.
+            args.update(kv_cache_memory_bytes=CPU_KV_CACHE_BYTES, enforce_eager=True)
         args.update(engine_kwargs)
         self._engine = vllm.LLMEngine.from_engine_args(vllm.EngineArgs(**args))
         self.context_length = int(self._engine.model_config.max_model_len)
@@ -341,22 +355,12 @@ def _import_vllm() -> Any:
     return vllm
 
 
-def _hf_parameters_on_meta(model_dir: Path) -> dict[str, torch.Tensor]:
+def _parameters_on_meta(config: PretrainedConfig) -> dict[str, torch.Tensor]:
     """The trainer's parameters without memory: the HF model built on the meta device."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
     with torch.device("meta"):
         # float32, as the trainer loads the policy (streamrl.models.load_policy).
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     return {name: p.detach() for name, p in model.named_parameters()}
-
-
-def _eos_token_ids(model_dir: Path) -> list[int]:
-    from transformers import AutoConfig
-
-    eos = AutoConfig.from_pretrained(model_dir, local_files_only=True).eos_token_id
-    return [] if eos is None else [int(e) for e in np.atleast_1d(eos)]
 
 
 def _reprocess_lm_heads(model: torch.nn.Module) -> None:

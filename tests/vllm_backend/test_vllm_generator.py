@@ -11,9 +11,7 @@ from pathlib import Path
 
 import pytest
 
-# Not importorskip("vllm"): tests/ is on sys.path (its conftest.py), so without vLLM this very
-# folder imports as an empty namespace package named "vllm". A real submodule tells them apart.
-pytest.importorskip("vllm.sampling_params", reason="needs vllm: make test-vllm")
+pytest.importorskip("vllm", reason="needs vllm: make test-vllm")
 
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
@@ -24,7 +22,12 @@ from streamrl.errors import ConfigError
 from streamrl.models import build_tokenizer, save_policy
 from streamrl.records import Request, Sample
 
-pytestmark = [pytest.mark.vllm, pytest.mark.timeout(300)]
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.timeout(300),
+    # vLLM's own use of a deprecated torch.distributed name; nothing for us to fix.
+    pytest.mark.filterwarnings("ignore:.*reduce_op.*:FutureWarning"),
+]
 
 PROMPTS = [[5, 6, 7], [9, 10, 11, 12], [20], [30, 31, 32, 33, 34, 35]]
 CONTEXT = 128
@@ -137,7 +140,7 @@ def test_free_running_requests_stop_on_eos_like_hf(gen):
             assert s.length == 30
 
 
-def test_weight_reload_changes_outputs_and_restores_them(gen, policy_dir):
+def test_weight_reload_changes_outputs_and_restores_them(gen):
     templates = gen.weight_templates()
     original = dict(_policy(seed=0).named_parameters())
     other_model = _policy(seed=1)

@@ -1,0 +1,69 @@
+"""The vLLM backend behind the stream generation service and `streamrl fit` (one config field).
+
+Runs in ``make test-vllm``'s virtualenv: generator instances are spawned processes whose
+generator is ``VLLMStreamGenerator``; weights reach them over their gloo group and are loaded
+into the running engine.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("vllm", reason="needs vllm: make test-vllm")
+
+import torch
+
+from streamrl.components.generation_service import StreamGenerationService
+from streamrl.models import build_tiny_model, build_tokenizer, save_policy
+from streamrl.records import Request
+
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.timeout(600),
+    pytest.mark.filterwarnings("ignore:.*reduce_op.*:FutureWarning"),
+]
+ENGINE = dict(enforce_eager=True, kv_cache_memory_bytes=16 << 20)
+
+
+def _requests(iteration: int) -> list[Request]:
+    prompts = [[5, 6, 7], [9, 10, 11, 12], [20, 21]]
+    return [Request(f"p{i}", ids, max_tokens=12, iteration=iteration, forced_length=4 + 4 * i)
+            for i, ids in enumerate(prompts)]  # fmt: skip
+
+
+def test_service_streams_from_vllm_instances_and_updates_their_weights(tmp_path):
+    tokenizer = build_tokenizer()
+    policy = build_tiny_model(tokenizer, "demo", seed=0)  # head size 32: vLLM's CPU attention
+    model_dir = save_policy(policy, tokenizer, tmp_path / "policy")
+    service = StreamGenerationService(model_dir, 2, max_batch_size=4, greedy=True,
+                                      backend="vllm", engine_options=ENGINE)  # fmt: skip
+    with service:
+        before = {s.prompt_id: s for s in service.generate(_requests(0))}
+        assert [before[f"p{i}"].length for i in range(3)] == [4, 8, 12]
+        assert all(s.weight_version == 0 and len(s.logprobs) == s.length for s in before.values())
+        with torch.no_grad():
+            for p in policy.parameters():
+                p.add_(torch.randn_like(p) * 0.2)
+        service.update(policy, version=1)
+        after = {s.prompt_id: s for s in service.generate(_requests(1))}
+        assert {s.weight_version for s in after.values()} == {1}
+        assert any(after[k].token_ids != before[k].token_ids for k in before)  # new weights used
+        assert service.counts["samples_returned"] == 6
+
+
+def test_fit_switches_to_vllm_with_one_field(tmp_path, capsys):
+    from streamrl.cli import main
+
+    config = tmp_path / "c.yaml"
+    config.write_text(
+        f"output_dir: {tmp_path / 'out'}\n"
+        "data: {tasks: [copy, count], n_train: 32, n_heldout: 8, median_len: 3, max_len: 6}\n"
+        "sft: {model_size: demo, steps: 20}\n"
+        "rl: {iterations: 2, prompts_per_iteration: 4, group_size: 2, generators: 1,"
+        " max_tokens: 12, backend: vllm}\n"
+    )
+    assert main(["fit", "--config", str(config), "--no-progress"]) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["samples_trained"] == 2 * 4 * 2 and summary["samples_lost"] == 0

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import queue
 import secrets
 import threading
 import time
@@ -128,8 +129,6 @@ class _ConnectionInbox:
         self.conn = conn
 
     def get(self, timeout: float | None = None) -> tuple:
-        import queue
-
         if not self.conn.poll(timeout):
             raise queue.Empty
         return self.conn.recv()  # EOFError once the service is gone: the worker leaves

@@ -96,6 +96,9 @@ class RLConfig:
             ``"ray"`` (Ray actors on the cluster ``RAY_ADDRESS`` names, or a local one; the
             ``[ray]`` extra).
         gpus: GPUs per generator instance; 0 generates on the CPU.
+        trainer_ranks: trainer processes sharing the policy with FSDP2 (``streamrl.fsdp``); rank
+            0 runs the generation service and deals each micro-batch to the ranks. 1 trains in
+            this process.
         weight_transport: how weights reach each generator: ``"gloo"`` (a broadcast per
             tensor), ``"bucketed"`` (tensors packed into large buffers) or ``"nccl"`` (buckets
             GPU to GPU through CuPy's NCCL; needs CuPy and GPUs).
@@ -136,6 +139,7 @@ class RLConfig:
     cluster: str = "local"
     gpus: int = 0
     weight_transport: str = "gloo"
+    trainer_ranks: int = 1
     max_batch_size: int = 64
     lr: float = 1e-4
     clip_eps: float = 0.2
@@ -294,6 +298,25 @@ def check_values(config: RunConfig) -> None:
             raise ConfigError(f"sft.early_stop_tasks: {unknown_name('task', task, FAMILIES)}")
 
 
+def check_trainer_ranks(rl: RLConfig) -> None:
+    """What a sharded trainer (``rl.trainer_ranks > 1``) does not support yet; ``ConfigError``."""
+    if rl.trainer_ranks < 1:
+        raise ConfigError(f"rl.trainer_ranks must be >= 1, got {rl.trainer_ranks}.")
+    if rl.trainer_ranks == 1:
+        return
+    unsupported = {
+        "rl.algorithm: ppo (its value head is not sharded)": rl.algorithm == "ppo",
+        "rl.lora_r > 0": rl.lora_r > 0,
+        "rl.checkpoint_every > 0 (set it to 0)": rl.checkpoint_every > 0,
+    }
+    found = [name for name, bad in unsupported.items() if bad]
+    if found:
+        raise ConfigError(
+            f"rl.trainer_ranks={rl.trainer_ranks} (FSDP2) does not support {', '.join(found)} "
+            "yet; use rl.trainer_ranks: 1 for them."
+        )
+
+
 def check_rl(rl: RLConfig) -> None:
     """Check the RL section; raises ``ConfigError``."""
     from streamrl.algorithms import ALGORITHMS, build_algorithm
@@ -320,6 +343,7 @@ def check_rl(rl: RLConfig) -> None:
         check_engines(rl.backend, rl.cluster, rl.gpus, lora=rl.lora_r > 0)
     except ConfigError as err:
         raise ConfigError(f"rl.{err}") from err
+    check_trainer_ranks(rl)
     if rl.weight_transport not in TRANSPORTS:
         raise ConfigError(
             f"rl.weight_transport: {unknown_name('transport', rl.weight_transport, TRANSPORTS)}"

@@ -20,15 +20,21 @@ Examples:
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Literal
+from typing import Any, Literal
 
+import lightning as L
 import torch
+import torch.distributed as dist
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
-from streamrl.module import StreamRLModule
+from streamrl.components.pipeline import MicroBatch
+from streamrl.module import StreamRLModule, rl_trainer
+
+#: How long a trainer rank > 0 waits for its next share: rank 0 may wait that long for samples.
+SHARE_TIMEOUT_S = 900.0
 
 
 def fsdp_strategy(
@@ -57,6 +63,11 @@ def fsdp_strategy(
         process_group_backend=backend,
         timeout=timedelta(seconds=timeout_s),
     )
+
+
+def sharded_trainer(world: int, iterations: int, **overrides: Any) -> L.Trainer:
+    """``rl_trainer`` on ``world`` CPU ranks of FSDP2 (every rank builds the same one)."""
+    return rl_trainer(iterations, devices=world, strategy=fsdp_strategy(world), **overrides)
 
 
 def shard_policy(policy: torch.nn.Module, device_mesh: DeviceMesh) -> torch.nn.Module:
@@ -117,8 +128,15 @@ def full_state(policy: torch.nn.Module) -> dict[str, torch.Tensor]:
 class ShardedStreamRLModule(StreamRLModule):
     """``StreamRLModule`` whose policy is sharded with FSDP2 across the trainer ranks.
 
-    Takes ``StreamRLModule``'s arguments; run it under ``fsdp_strategy(...)``. Each rank's
-    ``rollouts`` must stream that rank's share of the iteration's samples (see docs/fsdp.md).
+    Takes ``StreamRLModule``'s arguments; run it under ``fsdp_strategy(...)``. Two ways to feed
+    the ranks:
+
+    - every rank has ``rollouts`` streaming its own share of the iteration's samples;
+    - ``share_stream=True``: only rank 0 has ``rollouts`` (one generation service); it splits
+      each micro-batch of its stream across the ranks as it forms (``split_micro_batch``), so
+      every rank runs the same number of forward/backward passes, which FSDP's collectives
+      need. The other ranks pass ``rollouts=None``. This is how ``streamrl fit`` runs
+      ``rl.trainer_ranks > 1``.
 
     Raises:
         ValueError: the algorithm trains parameters of its own (PPO's value head): they would
@@ -131,8 +149,14 @@ class ShardedStreamRLModule(StreamRLModule):
         >>> # L.Trainer(accelerator="cpu", devices=2, strategy=fsdp_strategy(2)).fit(module)
     """
 
-    def __init__(self, *args, **kwargs) -> None:
+    def __init__(self, *args, share_stream: bool = False, **kwargs) -> None:
         super().__init__(*args, **kwargs)
+        self.share_stream = share_stream
+        self._shares: dist.ProcessGroup | None = None
+        #: Rank 0's full weights after the last step (gathered at the end of ``fit``).
+        self.final_weights: dict[str, torch.Tensor] | None = None
+        if self.rollouts is None and not share_stream:
+            raise ValueError("ShardedStreamRLModule: rollouts=None needs share_stream=True.")
         if list(self.algorithm.trainable_parameters()):
             raise ValueError(
                 f"ShardedStreamRLModule: {type(self.algorithm).__name__} has trainable "
@@ -149,3 +173,65 @@ class ShardedStreamRLModule(StreamRLModule):
     def weights_to_sync(self) -> dict[str, torch.Tensor]:
         """The full weights the generators load after each step (a collective: all ranks)."""
         return full_state(self.policy)
+
+    def on_fit_start(self) -> None:
+        if self.share_stream:  # gloo carries the shares whatever backend FSDP uses
+            timeout = timedelta(seconds=SHARE_TIMEOUT_S)
+            self._shares = dist.new_group(backend="gloo", timeout=timeout)
+
+    def on_train_end(self) -> None:
+        self.final_weights = full_state(self.policy)  # a collective: every rank is here
+        super().on_train_end()
+
+    def train_on_stream(self, iteration: int) -> float:
+        if not self.share_stream:
+            return super().train_on_stream(iteration)
+        if self.rollouts is None:  # a rank > 0: train on what rank 0 sends, until it says done
+            train_s = 0.0
+            while (share := self._exchange(None)) is not None:
+                train_s += self.backward_micro(share[0], iteration, share[1])
+            return train_s
+        train_s, total = 0.0, self.rollouts.samples_per_iteration
+        world = self.trainer.world_size
+        groups = self.rollouts.groups(self._dispatch(iteration))
+        for micro in self.pipeline.micro_batches(groups, self.weight_version):
+            # Each rank's loss is scaled by world/total: FSDP averages the ranks' gradients, so
+            # the update equals one process back-propagating every sample divided by total.
+            shares = [(part, world / total if real else 0.0)
+                      for part, real in split_micro_batch(micro, world)]  # fmt: skip
+            mine = self._exchange(shares)
+            train_s += self.backward_micro(mine[0], iteration, mine[1])
+            self.samples_trained += len(micro.samples)
+        self._exchange([None] * world)  # the iteration's stream is over
+        return train_s
+
+    def _exchange(self, shares: list | None) -> tuple[MicroBatch, float] | None:
+        """Rank 0 sends ``shares[r]`` to each rank ``r``; every rank returns its own."""
+        mine: list = [None]
+        dist.scatter_object_list(mine, shares, src=0, group=self._shares)
+        return mine[0]
+
+
+def split_micro_batch(micro: MicroBatch, world: int) -> list[tuple[MicroBatch, bool]]:
+    """``micro`` dealt to ``world`` ranks, longest samples first, round-robin (similar padded
+    tokens per rank). A rank left without a sample gets a copy of the first one, flagged
+    ``False``: it still runs forward and backward (FSDP's collectives need every rank), with its
+    loss scaled by 0.
+
+    Examples:
+        >>> from streamrl.records import Sample
+        >>> s = [Sample(f"p{n}", 0, [1], [2] * n, [0.0] * n, 0, 0) for n in (3, 1, 2)]
+        >>> [[x.length for x in part.samples] for part, _ in split_micro_batch(
+        ...     MicroBatch(s, [1.0, 2.0, 3.0]), 2)]
+        [[3, 1], [2]]
+    """
+    order = sorted(range(len(micro.samples)), key=lambda i: -micro.samples[i].length)
+    parts: list[tuple[MicroBatch, bool]] = []
+    for rank in range(world):
+        picked = order[rank::world]
+        if picked:
+            samples = [micro.samples[i] for i in picked]
+            parts.append((MicroBatch(samples, [micro.advantages[i] for i in picked]), True))
+        else:
+            parts.append((MicroBatch(micro.samples[:1], micro.advantages[:1]), False))
+    return parts

@@ -21,6 +21,7 @@ from lightning.pytorch.loggers import CSVLogger, Logger, TensorBoardLogger, Wand
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from streamrl.algorithms import build_algorithm
+from streamrl.algorithms.base import Algorithm
 from streamrl.components.elastic import ElasticController
 from streamrl.components.generation_service import StreamGenerationService
 from streamrl.components.latency import LatencyModel
@@ -30,13 +31,15 @@ from streamrl.components.ranker import LengthRanker
 from streamrl.components.skew_dispatch import SkewAwareDispatcher
 from streamrl.config import RunConfig, check_values
 from streamrl.evaluation import evaluate
+from streamrl.fsdp import ShardedStreamRLModule, sharded_trainer
 from streamrl.lora import LoRASpec, apply_lora
-from streamrl.models import load_policy
-from streamrl.module import StreamRLModule
+from streamrl.models import load_policy, save_policy
+from streamrl.module import StreamRLModule, rl_trainer
 from streamrl.prepare import ensure_policy, prepare_run
 from streamrl.rollout import PromptSource, RolloutStream
 from streamrl.tasks.rewards import get_reward
 from streamrl.timeline import draw_timeline
+from streamrl.trainer_ranks import trainer_ranks
 
 
 def run_fit(config: RunConfig, show_progress: bool = True, resume: str | None = None) -> dict:
@@ -51,7 +54,8 @@ def run_fit(config: RunConfig, show_progress: bool = True, resume: str | None = 
         ``reward_first`` / ``reward_last`` (mean reward of the first / last 3 iterations),
         ``heldout_acc_before`` / ``heldout_acc_after`` (greedy exact match on held-out prompts),
         ``samples_per_s``, ``trainer_wait_frac`` (share of RL time the trainer waited for
-        samples), ``iterations``, ``wall_s``, and the starting policy's output lengths.
+        samples), ``iterations``, ``wall_s``, the starting policy's output lengths, and
+        ``policy_dir``: the trained policy saved as a model directory (``<output_dir>/policy``).
     """
     started = time.perf_counter()
     check_values(config)
@@ -68,7 +72,7 @@ def run_fit(config: RunConfig, show_progress: bool = True, resume: str | None = 
     }
     rl = config.rl
     if rl.iterations > 0:
-        module = _train(
+        module, policy = _train(
             config, run.train, run.context, model_dir, policy, tokenizer, show_progress, resume
         )
         after = evaluate(policy, tokenizer, run.heldout)
@@ -76,6 +80,9 @@ def run_fit(config: RunConfig, show_progress: bool = True, resume: str | None = 
             summary.update(_rl_summary(module, len(module.history)))
         summary.update(ledger(module), heldout_acc_after=after.accuracy)
         summary["accuracy_by_task_after"] = after.accuracy_by_task
+        # The trained policy as a model directory: `--config` with `model: <this dir>` goes on.
+        trained = save_policy(_plain(policy), tokenizer, Path(config.output_dir) / "policy")
+        summary["policy_dir"] = str(trained)
     summary.update(
         accuracy_by_task_before=before.accuracy_by_task,
         iterations=rl.iterations,
@@ -89,6 +96,16 @@ def run_fit(config: RunConfig, show_progress: bool = True, resume: str | None = 
     return summary
 
 
+def build_run_algorithm(config: RunConfig, policy: PreTrainedModel) -> Algorithm:
+    """The run's RL algorithm, as every trainer rank builds it."""
+    rl = config.rl
+    return build_algorithm(
+        rl.algorithm, get_reward(rl.reward), group_size=rl.group_size, clip_eps=rl.clip_eps,
+        kl_coef=rl.kl_coef, max_tokens=rl.max_tokens, hidden_size=policy.config.hidden_size,
+        samples_per_iteration=rl.prompts_per_iteration * rl.group_size,
+    )  # fmt: skip
+
+
 def _train(
     config: RunConfig,
     train_set: datasets.Dataset,
@@ -98,21 +115,12 @@ def _train(
     tokenizer: PreTrainedTokenizerBase,
     show_progress: bool,
     resume: str | None = None,
-) -> StreamRLModule:
+) -> tuple[StreamRLModule, PreTrainedModel]:
     """Start the generation service and let a Lightning ``Trainer`` run the RL iterations
     (from the checkpoint ``resume``, if given: weights, optimizer, stream position, in-flight
-    prompts, component states)."""
+    prompts, component states). Returns the module and the trained policy (unsharded)."""
     rl = config.rl
-    algorithm = build_algorithm(
-        rl.algorithm,
-        get_reward(rl.reward),
-        group_size=rl.group_size,
-        clip_eps=rl.clip_eps,
-        kl_coef=rl.kl_coef,
-        max_tokens=rl.max_tokens,
-        hidden_size=policy.config.hidden_size,
-        samples_per_iteration=rl.prompts_per_iteration * rl.group_size,
-    )
+    algorithm = build_run_algorithm(config, policy)
     reference = copy.deepcopy(policy) if rl.kl_coef > 0 else None
     torch.set_num_threads(1)  # one thread per process: the generators need the other cores
     skew = rl.skew_dispatch and rl.generators >= 2
@@ -143,25 +151,33 @@ def _train(
         pipeline = DynamicBatchPipeline(
             rl.token_budget, rl.min_samples, staleness_bound=int(rl.mode == "async")
         )
-        module = StreamRLModule(
+        sharded = rl.trainer_ranks > 1
+        module_class = ShardedStreamRLModule if sharded else StreamRLModule
+        extra = dict(share_stream=True) if sharded else {}
+        module = module_class(
             policy.train(), algorithm, rollouts, rl.iterations, lr=rl.lr, reference=reference,
             temperature=rl.temperature, mode=rl.mode, pipeline=pipeline, elastic=elastic,
-            is_cap=rl.is_cap,
+            is_cap=rl.is_cap, **extra,
         )  # fmt: skip
-        # A checkpoint holds the state after an iteration's optimizer step: what a resume needs.
-        warnings.filterwarnings("ignore", "Using ModelCheckpoint with manual optimization")
-        checkpoints = ModelCheckpoint(
-            Path(config.output_dir) / "checkpoints", save_last=True,
-            every_n_train_steps=rl.checkpoint_every or None,
-            save_top_k=1 if rl.checkpoint_every else 0,
-        )  # fmt: skip
-        trainer = L.Trainer(
-            max_steps=rl.iterations, max_epochs=-1, accelerator="cpu", devices=1,
-            logger=make_logger(config), default_root_dir=config.output_dir,
-            log_every_n_steps=1, enable_model_summary=False, enable_progress_bar=show_progress,
-            callbacks=[checkpoints],
-        )  # fmt: skip
-        trainer.fit(module, ckpt_path=resume)
+        settings = dict(logger=make_logger(config), default_root_dir=config.output_dir,
+                        log_every_n_steps=1, enable_progress_bar=show_progress)  # fmt: skip
+        if sharded:  # rank 0 of rl.trainer_ranks FSDP2 ranks; the others are spawned here
+            with trainer_ranks(config, model_dir, rl.trainer_ranks):
+                sharded_trainer(rl.trainer_ranks, rl.iterations, **settings).fit(module)
+            policy = load_policy(model_dir)[0]  # the sharded copy's full weights, unsharded
+            policy.load_state_dict(module.final_weights, strict=False)
+        else:
+            # A checkpoint holds the state after an iteration's optimizer step: what a resume
+            # needs.
+            warnings.filterwarnings("ignore", "Using ModelCheckpoint with manual optimization")
+            checkpoints = ModelCheckpoint(
+                Path(config.output_dir) / "checkpoints", save_last=True,
+                every_n_train_steps=rl.checkpoint_every or None,
+                save_top_k=1 if rl.checkpoint_every else 0,
+            )  # fmt: skip
+            trainer = rl_trainer(rl.iterations, enable_checkpointing=True,
+                                 callbacks=[checkpoints], **settings)  # fmt: skip
+            trainer.fit(module, ckpt_path=resume)
     policy.eval()
     out = Path(config.output_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -169,7 +185,14 @@ def _train(
     if rollouts.trace.spans:  # a resumed run may have had nothing left to do
         draw_timeline(rollouts.trace.spans, out / "timeline.png", title=f"streamrl {rl.mode}")
         print(f"timeline: {trace_path} -> {out / 'timeline.png'}", file=sys.stderr)
-    return module
+    return module, policy
+
+
+def _plain(policy: PreTrainedModel) -> PreTrainedModel:
+    """The policy without LoRA wrappers (adapters merged into a copy), ready to save."""
+    if hasattr(policy, "merge_and_unload"):
+        return copy.deepcopy(policy).merge_and_unload()
+    return policy
 
 
 def make_logger(config: RunConfig) -> Logger:

@@ -71,7 +71,8 @@ class StreamRLModule(L.LightningModule):
     Args:
         policy: the causal LM being trained (its weights are pushed to the generators).
         algorithm: scoring and loss hooks (e.g. ``GRPO``).
-        rollouts: the iteration-by-iteration stream of scored groups.
+        rollouts: the iteration-by-iteration stream of scored groups (``None`` only on the
+            FSDP trainer ranks that receive their share from rank 0, see ``streamrl.fsdp``).
         iterations: optimizer steps to run.
         lr: AdamW learning rate.
         max_grad_norm: gradient clipping.
@@ -96,7 +97,7 @@ class StreamRLModule(L.LightningModule):
         self,
         policy: PreTrainedModel,
         algorithm: Algorithm,
-        rollouts: RolloutStream,
+        rollouts: RolloutStream | None,
         iterations: int,
         lr: float = 1e-4,
         max_grad_norm: float = 1.0,
@@ -117,7 +118,9 @@ class StreamRLModule(L.LightningModule):
         self.iterations, self.lr, self.max_grad_norm = iterations, lr, max_grad_norm
         self.weight_version, self.temperature, self.mode = 0, temperature, mode
         self.pipeline = pipeline or DynamicBatchPipeline(staleness_bound=int(mode == "async"))
-        self.trace = trace if trace is not None else rollouts.trace
+        if trace is None:
+            trace = rollouts.trace if rollouts is not None else TraceRecorder()
+        self.trace = trace
         self.history: list[dict] = []
         self.elastic, self.is_cap = elastic, is_cap
         self.off_policy: list[Correction] = []  # this iteration's corrections, for the log
@@ -130,19 +133,7 @@ class StreamRLModule(L.LightningModule):
         iteration = self.weight_version
         optimizer = self.optimizers()
         started = time.perf_counter()
-        train_s, total = 0.0, self.rollouts.samples_per_iteration
-        groups = self.rollouts.groups(self._dispatch(iteration))
-        if self.mode == "colocated":  # time-sharing: every sample first, then training
-            groups = list(groups)
-        with _all_cores(self.mode == "colocated"):
-            for micro in self.pipeline.micro_batches(groups, self.weight_version):
-                t0 = time.perf_counter()
-                with self.trace.span("trainer", "train", iteration, samples=len(micro.samples)):
-                    per_sample = self.algorithm.loss(self.loss_inputs(micro))  # [micro]
-                    _check_finite(per_sample, micro.samples, iteration)
-                    self.manual_backward(per_sample.sum() / total)
-                self.samples_trained += len(micro.samples)
-                train_s += time.perf_counter() - t0
+        train_s = self.train_on_stream(iteration)
         t0 = time.perf_counter()
         with self.trace.span("trainer", "step", iteration):
             grad_norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), self.max_grad_norm)
@@ -150,7 +141,10 @@ class StreamRLModule(L.LightningModule):
             optimizer.zero_grad(set_to_none=True)
         train_s += time.perf_counter() - t0
         self.weight_version += 1
-        weights, service = self.weights_to_sync(), self.rollouts.service
+        weights = self.weights_to_sync()  # a collective when the policy is sharded (FSDP)
+        if self.rollouts is None:  # a trainer rank without the service (FSDP ranks > 0)
+            return
+        service = self.rollouts.service
         with self.trace.span("trainer", "sync", iteration, version=self.weight_version):
             if self.mode == "async":  # the transfer overlaps the next step (§4.1)
                 sync_s = service.push_weights(weights, self.weight_version)
@@ -159,6 +153,29 @@ class StreamRLModule(L.LightningModule):
         self.log_iteration(iteration, time.perf_counter() - started, train_s, sync_s, grad_norm)
         if self.elastic is not None:
             self._scale(train_s)
+
+    def train_on_stream(self, iteration: int) -> float:
+        """Back-propagate the iteration's samples micro-batch by micro-batch as they stream in
+        (dynamic-batch pipelining, §4.1); returns the seconds spent training."""
+        train_s, total = 0.0, self.rollouts.samples_per_iteration
+        groups = self.rollouts.groups(self._dispatch(iteration))
+        if self.mode == "colocated":  # time-sharing: every sample first, then training
+            groups = list(groups)
+        with _all_cores(self.mode == "colocated"):
+            for micro in self.pipeline.micro_batches(groups, self.weight_version):
+                train_s += self.backward_micro(micro, iteration, 1.0 / total)
+                self.samples_trained += len(micro.samples)
+        return train_s
+
+    def backward_micro(self, micro: MicroBatch, iteration: int, scale: float) -> float:
+        """One forward/backward of ``micro`` with its summed loss times ``scale`` (gradients
+        accumulate until the iteration's optimizer step); returns the seconds it took."""
+        started = time.perf_counter()
+        with self.trace.span("trainer", "train", iteration, samples=len(micro.samples)):
+            per_sample = self.algorithm.loss(self.loss_inputs(micro))  # [micro]
+            _check_finite(per_sample, micro.samples, iteration)
+            self.manual_backward(per_sample.sum() * scale)
+        return time.perf_counter() - started
 
     def weights_to_sync(self) -> Weights:
         """What the generators receive: the policy, only its adapters (LoRA), or its gathered
@@ -233,6 +250,8 @@ class StreamRLModule(L.LightningModule):
 
     def on_train_end(self) -> None:
         # Leave the generators on the final weights (async pushes may still be in flight).
+        if self.rollouts is None:
+            return
         service = self.rollouts.service
         if service.weight_sync is not None:
             service.wait_weights(self.weight_version)

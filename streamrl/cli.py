@@ -185,6 +185,10 @@ def build_parser() -> argparse.ArgumentParser:
                       help="tokens per micro-batch in the colocated mode (large: every sample is "
                       "there already, and fewer passes are faster)")  # fmt: skip
     pipe.add_argument("--timeline-dir", help="write each mode's trace JSON and timeline PNG here")
+    pipe.add_argument("--cluster", choices=["local", "ray"], default="local",
+                      help="generators as local processes or Ray actors")  # fmt: skip
+    pipe.add_argument("--weight-transport", choices=["gloo", "bucketed", "nccl"], default="gloo",
+                      help="how weights reach the generators")  # fmt: skip
     pipe.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                       help="cuda: generators and trainer share this machine's GPU(s)")  # fmt: skip
     pipe.add_argument("--seed", type=int, default=0)

@@ -68,8 +68,12 @@ def run_mode(mode: str, model_dir: Path, lengths: list[int], args) -> dict:
     # the generators --generators cores and the trainer the rest (default one each).
     instances = args.colocated_generators if mode == "colocated" else args.generators
     on_gpu = getattr(args, "device", "cpu") == "cuda"
-    with StreamGenerationService(model_dir, instances, max_batch_size=args.max_batch_size,
-                                 gpus_per_instance=int(on_gpu)) as sgs:  # fmt: skip
+    service = StreamGenerationService(
+        model_dir, instances, max_batch_size=args.max_batch_size, gpus_per_instance=int(on_gpu),
+        cluster=getattr(args, "cluster", "local"),
+        weight_transport=getattr(args, "weight_transport", "gloo"),
+    )  # fmt: skip
+    with service as sgs:
         rollouts = RolloutStream(
             sgs, PromptSource(prompts, args.batch, args.seed), tokenizer, algorithm,
             max_tokens=max(lengths), context=policy.config.max_position_embeddings,

@@ -96,6 +96,11 @@ class RLConfig:
             ``"ray"`` (Ray actors on the cluster ``RAY_ADDRESS`` names, or a local one; the
             ``[ray]`` extra).
         gpus: GPUs per generator instance; 0 generates on the CPU.
+        sites: the site (datacenter) of each generator instance, in order, e.g. ``[home, cloud,
+            cloud]``; an instance at a site other than ``trainer_site`` receives the weights from
+            its site's first instance, so one copy per version crosses to each site (§6). Empty:
+            every generator beside the trainer.
+        trainer_site: the trainer's site.
         trainer_ranks: trainer processes sharing the policy with FSDP2 (``streamrl.fsdp``); rank
             0 runs the generation service and deals each micro-batch to the ranks. 1 trains in
             this process.
@@ -139,6 +144,8 @@ class RLConfig:
     cluster: str = "local"
     gpus: int = 0
     weight_transport: str = "gloo"
+    sites: list[str] = field(default_factory=list)
+    trainer_site: str = "local"
     trainer_ranks: int = 1
     max_batch_size: int = 64
     lr: float = 1e-4
@@ -344,6 +351,11 @@ def check_rl(rl: RLConfig) -> None:
     except ConfigError as err:
         raise ConfigError(f"rl.{err}") from err
     check_trainer_ranks(rl)
+    if rl.sites and len(rl.sites) != rl.generators:
+        raise ConfigError(
+            f"rl.sites names {len(rl.sites)} sites for rl.generators={rl.generators} instances; "
+            "give one site per generator, or none."
+        )
     if rl.weight_transport not in TRANSPORTS:
         raise ConfigError(
             f"rl.weight_transport: {unknown_name('transport', rl.weight_transport, TRANSPORTS)}"

@@ -139,7 +139,8 @@ def _train(
         scheduler="lpt" if skew else "fifo", max_restarts=rl.max_restarts,
         status_path=Path(config.output_dir) / "instances.json", lora=lora,
         backend=rl.backend, cluster=rl.cluster, gpus_per_instance=rl.gpus,
-        weight_transport=rl.weight_transport,
+        weight_transport=rl.weight_transport, sites=rl.sites or None,
+        trainer_site=rl.trainer_site,
     )  # fmt: skip
     with service:
         rollouts = RolloutStream(

@@ -107,6 +107,7 @@ def test_duplicate_prompt_ids_name_the_line(tmp_path):
         ("rl:\n  cluster: rey\n", r"rl.cluster: Unknown cluster 'rey' \(did you mean 'ray'\?\)"),
         ("rl:\n  gpus: -1\n", r"rl.gpus must be >= 0"),
         ("rl:\n  trainer_ranks: 0\n", r"rl.trainer_ranks must be >= 1"),
+        ("rl:\n  sites: [a, b, c]\n", r"rl.sites names 3 sites for rl.generators=2"),
         (
             "rl:\n  trainer_ranks: 2\n  algorithm: ppo\n",
             r"trainer_ranks=2 \(FSDP2\) does not support rl.algorithm: ppo.*checkpoint_every > 0",

@@ -38,6 +38,7 @@ from streamrl.components.dispatch import Dispatcher, RoundRobinDispatcher
 from streamrl.components.instance_handle import InstanceHandle, InstanceInfo
 from streamrl.components.nccl_transport import import_nccl
 from streamrl.components.ray_instance import RayInstanceHandle, RayOptions
+from streamrl.components.weight_relay import RelayedGroup
 from streamrl.components.weight_sync import AsyncWeightSync, Weights
 from streamrl.components.weight_transport import TRANSPORTS, WeightGroup
 from streamrl.errors import ConfigError, unknown_name
@@ -86,6 +87,11 @@ class StreamGenerationService:
             how each instance's weight group moves tensors (``WeightGroup``).
         engine_options: more keyword arguments for every instance's generator (for ``"vllm"``,
             engine arguments such as ``max_model_len`` or ``kv_cache_memory_bytes``).
+        sites: the site of each instance, in order (``num_instances`` names); instances at a
+            site other than ``trainer_site`` get the weights from their site's first instance
+            (its *head*), so one copy per version crosses to each remote site (§6,
+            ``weight_relay``). ``None``: every instance beside the trainer.
+        trainer_site: the trainer's site.
     """
 
     def __init__(
@@ -111,6 +117,8 @@ class StreamGenerationService:
         ray: RayOptions | None = None,
         weight_transport: str = "gloo",
         engine_options: dict[str, Any] | None = None,
+        sites: Sequence[str] | None = None,
+        trainer_site: str = "local",
     ) -> None:
         if num_instances < 1:
             raise ValueError(f"num_instances must be >= 1, got {num_instances}.")
@@ -139,6 +147,10 @@ class StreamGenerationService:
         if lora is not None:
             self._generator_kwargs["lora"] = lora.to_dict()
         self._generator_kwargs.update(engine_options or {})
+        if sites is not None and len(sites) != num_instances:
+            raise ValueError(f"sites: one site per instance ({num_instances}), got {list(sites)}.")
+        self._sites = list(sites) if sites is not None else [trainer_site] * num_instances
+        self.trainer_site = trainer_site
         self._seed = seed
         self._ctx = mp.get_context("spawn")
         self._instances: list[InstanceHandle] = []
@@ -165,15 +177,15 @@ class StreamGenerationService:
         self._running, self._instances = True, []
         self.weight_sync = AsyncWeightSync(self.start_timeout_s)
         try:
-            for _ in range(self.num_instances):
-                self._spawn()
+            for site in self._sites:
+                self._spawn(site)
             self.wait_active(self.start_timeout_s)
         except BaseException:
             self.close()
             raise
         return self
 
-    def add_instance(self, wait: bool = False) -> int:
+    def add_instance(self, wait: bool = False, site: str | None = None) -> int:
         """Start one more generator instance while the service runs (elastic scale-out, §6).
 
         It loads the model in its own process, receives the newest weights pushed, and only
@@ -182,12 +194,13 @@ class StreamGenerationService:
 
         Args:
             wait: block until it is active (samples finished meanwhile are kept).
+            site: where it runs; the trainer's site by default.
 
         Returns:
             The new instance's id.
         """
         self._require_started()
-        handle = self._spawn()
+        handle = self._spawn(site if site is not None else self.trainer_site)
         if wait:
             self.wait_active()
         return handle.instance_id
@@ -206,9 +219,16 @@ class StreamGenerationService:
         active = self._active()
         if len(active) < 2:
             raise ValueError("remove_instance: the service needs at least one active instance.")
-        handle = active[-1] if instance_id is None else self._instances[instance_id]
+        if instance_id is None:  # the newest that feeds no other instance
+            handle = next(h for h in reversed(active) if not h.members)
+        else:
+            handle = self._instances[instance_id]
         if handle.state != "active":
             raise ValueError(f"remove_instance: instance {handle.instance_id} is {handle.state}.")
+        if handle.members:
+            raise ValueError(f"remove_instance: instance {handle.instance_id} forwards weights "
+                             f"to instances {sorted(handle.members)} of its site; remove them "
+                             "first.")  # fmt: skip
         self._set_state(handle, "draining")
         self._retire_drained()
         return handle.instance_id
@@ -218,6 +238,7 @@ class StreamGenerationService:
             if handle.state == "draining" and not handle.open:
                 handle.inbox.put(("stop",))
                 self.weight_sync.remove_group(handle.instance_id)
+                self._leave_head(handle)
                 self._set_state(handle, "stopped")
 
     def wait_active(self, timeout_s: float | None = None) -> None:
@@ -362,7 +383,7 @@ class StreamGenerationService:
         return found
 
     # -- the pool ----------------------------------------------------------------------------
-    def _spawn(self) -> InstanceHandle:
+    def _spawn(self, site: str) -> InstanceHandle:
         instance_id = len(self._instances)
         kwargs = {**self._generator_kwargs, "seed": self._seed + instance_id}
         what = dict(
@@ -371,6 +392,7 @@ class StreamGenerationService:
             backend=self.backend,
             device=instance_device(instance_id, self.gpus_per_instance, self.cluster),
             transport=self.weight_transport,
+            relays=site != self.trainer_site,
         )
         if self.cluster == "ray":
             handle: InstanceHandle = RayInstanceHandle.spawn_actor(
@@ -378,23 +400,56 @@ class StreamGenerationService:
             )
         else:
             handle = InstanceHandle.spawn(self._ctx, instance_id, what, self.start_timeout_s)
+        handle.site = site
         self._instances.append(handle)
         self._write_status()
         return handle
 
     def _join(self, handle: InstanceHandle) -> None:
-        """An instance has loaded the model: connect its weight group, queue its catch-up."""
-        group = WeightGroup(
-            handle.store.port, 0, 2, store=handle.store, timeout_s=self.start_timeout_s,
-            transport=self.weight_transport,
-        )  # fmt: skip
+        """An instance has loaded the model: connect its weight group (or have its site's head
+        connect to it), queue its catch-up."""
 
         def announce(version: int) -> None:
             handle.inbox.put(("update", version))
 
-        self.weight_sync.add_group(handle.instance_id, group, announce)
+        head = self._site_head(handle)
+        if head is None:  # the trainer sends it every version
+            group = WeightGroup(
+                handle.store.port, 0, 2, store=handle.store, timeout_s=self.start_timeout_s,
+                transport=self.weight_transport,
+            )  # fmt: skip
+            self.weight_sync.add_group(handle.instance_id, group, announce)
+        else:  # its site's head forwards every version; the trainer only announces them
+
+            def start_relay(last: int | None) -> None:
+                first = last if last is not None else 0
+                head.inbox.put(("relay", handle.instance_id, handle.store.port, first))
+
+            handle.head = head.instance_id
+            head.members.add(handle.instance_id)
+            self.weight_sync.add_group(handle.instance_id, RelayedGroup(), announce, start_relay)
         # Nothing pushed yet: the model directory is the current version.
         self._set_state(handle, "joining" if self._pushed_version > 0 else "active")
+
+    def _site_head(self, handle: InstanceHandle) -> InstanceHandle | None:
+        """The instance that forwards weights to ``handle``: the first one of its remote site
+        fed by the trainer; ``None`` if ``handle`` is at the trainer's site, or is that one."""
+        if handle.site == self.trainer_site:
+            return None
+        for other in self._instances:
+            if (other is not handle and other.site == handle.site and other.head is None
+                    and other.state in ("joining", "active")):  # fmt: skip
+                return other
+        return None
+
+    def _leave_head(self, handle: InstanceHandle) -> None:
+        """``handle`` stops or fails: its head forwards nothing more to it."""
+        if handle.head is None:
+            return
+        head = self._instances[handle.head]
+        head.members.discard(handle.instance_id)
+        if head.state not in ("failed", "stopped"):
+            head.inbox.put(("unrelay", handle.instance_id))
 
     def _set_state(self, handle: InstanceHandle, state: str) -> None:
         handle.state = state
@@ -403,12 +458,16 @@ class StreamGenerationService:
             self._dispatch(orphans, [r.predicted_length or 0.0 for r in orphans])
         self._write_status()
 
-    def _fail(self, handle: InstanceHandle, reason: str) -> None:
-        """Replace a dead or hung instance and requeue what it held, or raise past the limit."""
+    def _fail(self, handle: InstanceHandle, reason: str, own_fault: bool = True) -> None:
+        """Replace a dead or hung instance and requeue what it held, or raise past the limit.
+
+        ``own_fault=False``: a healthy instance replaced because its site's head failed
+        (counted as ``instances_replaced_with_head``, not against ``max_restarts``).
+        """
         if handle.state in ("failed", "stopped"):
             return
         restarts = self.counts["instances_restarted"]
-        if restarts >= self.max_restarts:
+        if own_fault and restarts >= self.max_restarts:
             raise GeneratorError(
                 f"Generator instance {handle.instance_id} (pid {handle.proc.pid}) {reason}; "
                 f"{restarts} of max_restarts={self.max_restarts} replacements already used."
@@ -416,13 +475,18 @@ class StreamGenerationService:
         handle.stop(0.0)
         self._backlog.extend(handle.salvage())  # finished before it went: kept, not redone
         self.weight_sync.remove_group(handle.instance_id)
+        self._leave_head(handle)
         requests = list(handle.open.values())
         handle.open.clear()
         self._set_state(handle, "failed")
-        self.counts["instances_restarted"] += 1
+        self.counts["instances_restarted" if own_fault else "instances_replaced_with_head"] += 1
         self.counts["requests_requeued"] += len(requests)
-        self._spawn()
+        self._spawn(handle.site)
         self._dispatch(requests, [r.predicted_length or 0.0 for r in requests])
+        for member in sorted(handle.members):  # nothing would reach them any more
+            head_lost = f"lost instance {handle.instance_id}, its head"
+            self._fail(self._instances[member], head_lost, own_fault=False)
+        handle.members.clear()
 
     def _dispatch(self, requests: list[Request], scores: Sequence[float] | None) -> None:
         if not requests:

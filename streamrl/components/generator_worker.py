@@ -9,7 +9,8 @@ the same adapters as the trainer, receives only the adapter tensors and keeps th
 the base weights while decoding (``streamrl.lora``).
 
 Inbox:  ``("submit", [Request, ...])``, ``("limit", batch_size)``, ``("update", version)``,
-``("fingerprint",)``, ``("stop",)``.
+``("fingerprint",)``, ``("relay", member, port, first)`` / ``("unrelay", member)`` (a site's head
+forwards weights to a member, ``weight_relay``), ``("stop",)``.
 Outbox: ``("ready", instance_id, pid)``, ``("sample", Sample)``, ``("updated", instance_id,
 version)``, ``("fingerprint", instance_id, hex)``, ``("heartbeat", instance_id)`` (every
 ``heartbeat_s`` while it runs), ``("error", instance_id, traceback_text)``.
@@ -32,6 +33,7 @@ import torch
 
 from streamrl.components.hf_generator import HFStreamGenerator
 from streamrl.components.schedulers import FIFOScheduler, LPTScheduler
+from streamrl.components.weight_relay import WeightRelay, relay_messages
 from streamrl.records import Request
 
 if TYPE_CHECKING:
@@ -61,6 +63,7 @@ class WorkerSpec:
     backend: str = "hf"  # "hf" (HFStreamGenerator) or "vllm" (VLLMStreamGenerator)
     device: str = "cpu"  # where the model runs: "cpu", or "cuda" with a GPU of its own
     transport: str = "gloo"  # how weights arrive: "gloo", "bucketed" or "nccl" (WeightGroup)
+    relays: bool = False  # at a remote site: may forward weights to its site (weight_relay)
 
 
 def worker_main(spec: WorkerSpec, inbox: Any, outbox: Any, leave: Any = None) -> None:
@@ -117,7 +120,10 @@ class _Instance:
             host=spec.store_host, transport=spec.transport, device=spec.device,
         )  # fmt: skip
         on = spec.device if spec.transport == "nccl" else "cpu"  # NCCL receives GPU to GPU
-        self.receiver = _WeightReceiver(group, synced, on)
+        relay = (
+            WeightRelay(spec.store_host, spec.timeout_s, spec.transport) if spec.relays else None
+        )
+        self.receiver = _WeightReceiver(group, synced, on, relay)
         self.held: list[Request] = []
 
     def _load_hf(self, spec: WorkerSpec, lora: dict | None) -> dict[str, torch.Tensor]:
@@ -158,6 +164,10 @@ class _Instance:
 
     def _handle(self, message: tuple) -> None:
         kind = message[0]
+        relay = relay_messages(message)
+        if relay is not None:
+            self.receiver.relay(*relay)  # in order with the receives, on the receiving thread
+            return
         if kind not in ("submit", "limit", "update", "fingerprint") or (
             kind == "update" and not isinstance(message[1], int)
         ):  # fail loudly: the service replaces this instance and requeues its requests
@@ -193,11 +203,15 @@ class _Instance:
 
 
 class _WeightReceiver:
-    """Receives broadcast weights on a background thread, so decoding goes on meanwhile."""
+    """Receives broadcast weights on a background thread, so decoding goes on meanwhile; a
+    site's head also forwards them there to its members (``WeightRelay``)."""
 
-    def __init__(self, group: Any, params: dict[str, torch.Tensor], device: str = "cpu") -> None:
-        self.group, self.params, self.device = group, params, device
-        self._todo: queue.Queue[int] = queue.Queue()
+    def __init__(
+        self, group: Any, params: dict[str, torch.Tensor], device: str = "cpu",
+        relay: WeightRelay | None = None,
+    ) -> None:  # fmt: skip
+        self.group, self.params, self.device, self._relay = group, params, device, relay
+        self._todo: queue.Queue[tuple] = queue.Queue()
         self._done: queue.Queue[tuple[int, dict] | BaseException] = queue.Queue()
         self._pending = 0
         threading.Thread(target=self._loop, daemon=True, name="weight-receiver").start()
@@ -208,7 +222,12 @@ class _WeightReceiver:
 
     def receive(self, version: int) -> None:
         self._pending += 1
-        self._todo.put(version)
+        self._todo.put(("receive", version))
+
+    def relay(self, kind: str, args: tuple) -> None:
+        if self._relay is None:
+            raise ValueError("relay: this instance was not started at a remote site.")
+        self._todo.put((kind, args))
 
     def ready(self) -> list[tuple[int, dict]]:
         out = []
@@ -224,15 +243,28 @@ class _WeightReceiver:
 
     def _loop(self) -> None:
         while True:
-            version = self._todo.get()
+            kind, payload = self._todo.get()
             try:
-                # torch.empty, not empty_like: templates may live on the meta device (vLLM).
-                buffers = {n: torch.empty(p.shape, dtype=p.dtype, device=self.device)
-                           for n, p in self.params.items()}  # fmt: skip
-                self.group.broadcast(buffers.values())
-                self._done.put((version, buffers))
+                if kind == "relay":
+                    self._relay.add(*payload)
+                elif kind == "unrelay":
+                    self._relay.remove(*payload)
+                else:
+                    self._done.put((payload, self._receive(payload)))
             except BaseException as err:  # handed to the main loop, which reports it
-                self._done.put(err)
+                if kind == "receive":
+                    self._done.put(err)
+                else:  # a member that never connected: the service replaces it
+                    self._relay.remove(payload[0])
+
+    def _receive(self, version: int) -> dict[str, torch.Tensor]:
+        # torch.empty, not empty_like: templates may live on the meta device (vLLM).
+        buffers = {n: torch.empty(p.shape, dtype=p.dtype, device=self.device)
+                   for n, p in self.params.items()}  # fmt: skip
+        self.group.broadcast(buffers.values())
+        if self._relay is not None:
+            self._relay.forward(version, buffers)
+        return buffers
 
 
 def fingerprint(model: torch.nn.Module) -> str:

@@ -52,6 +52,9 @@ class InstanceHandle:
     version: int = 0
     last_seen: float = field(default_factory=time.monotonic)
     open: dict[tuple, Request] = field(default_factory=dict)  # requests it holds, by key
+    site: str = "local"  # where it runs (the trainer's site unless the service was given sites)
+    head: int | None = None  # the instance forwarding it weights (remote sites), else None
+    members: set[int] = field(default_factory=set)  # instances it forwards weights to
 
     @classmethod
     def spawn(

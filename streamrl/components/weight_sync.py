@@ -81,11 +81,18 @@ class AsyncWeightSync:
         self.exposed_s += blocked
         return blocked
 
-    def add_group(self, key: int, group: WeightGroup, announce: Announce) -> None:
+    def add_group(
+        self, key: int, group: WeightGroup, announce: Announce,
+        on_join: Callable[[int | None], None] | None = None,
+    ) -> None:  # fmt: skip
         """Serve one more group from now on; it first receives the last version pushed, if any
-        (in order with pushes: a version queued before this call reaches it too)."""
+        (in order with pushes: a version queued before this call reaches it too).
+
+        ``on_join(last)`` runs first, in order with the pushes, with the last version pushed
+        (``None`` if none): a relayed group uses it to tell its sender where to start.
+        """
         self._raise_if_failed()
-        self._todo.put(("join", key, (group, announce)))
+        self._todo.put(("join", key, (group, announce, on_join)))
 
     def remove_group(self, key: int) -> None:
         """Stop sending to ``key`` (after versions already queued)."""
@@ -103,9 +110,12 @@ class AsyncWeightSync:
             started = time.perf_counter()
             try:
                 if kind == "join":
+                    group, announce, on_join = payload
+                    if on_join is not None:
+                        on_join(self._last[0] if self._last is not None else None)
                     if self._last is not None:
-                        self._send(*self._last, {key: payload})
-                    self.groups[key] = payload
+                        self._send(*self._last, {key: (group, announce)})
+                    self.groups[key] = (group, announce)
                 elif kind == "leave":
                     self.groups.pop(key, None)
                 else:

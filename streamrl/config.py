@@ -314,7 +314,6 @@ def check_trainer_ranks(rl: RLConfig) -> None:
     unsupported = {
         "rl.algorithm: ppo (its value head is not sharded)": rl.algorithm == "ppo",
         "rl.lora_r > 0": rl.lora_r > 0,
-        "rl.checkpoint_every > 0 (set it to 0)": rl.checkpoint_every > 0,
     }
     found = [name for name, bad in unsupported.items() if bad]
     if found:

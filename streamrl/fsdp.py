@@ -41,6 +41,7 @@ def fsdp_strategy(
     data_parallel_size: int,
     backend: Literal["gloo", "nccl"] = "gloo",
     timeout_s: float = 300.0,
+    full_checkpoints: bool = True,
 ) -> ModelParallelStrategy:
     """Lightning's FSDP2 strategy with data parallelism only (no tensor parallelism).
 
@@ -50,6 +51,9 @@ def fsdp_strategy(
         backend: the process-group backend: ``"gloo"`` on CPUs, ``"nccl"`` on GPUs.
         timeout_s: how long a collective waits for the other ranks before it fails, so a
             crashed rank stops the run instead of hanging it.
+        full_checkpoints: checkpoints as one file with the full (gathered) weights and
+            optimizer state, written by rank 0, which resume with any number of ranks; ``False``
+            writes a folder of shards (faster for very large models).
 
     Returns:
         A ``ModelParallelStrategy`` whose device mesh has a ``"data_parallel"`` dimension of
@@ -62,6 +66,7 @@ def fsdp_strategy(
         tensor_parallel_size=1,
         process_group_backend=backend,
         timeout=timedelta(seconds=timeout_s),
+        save_distributed_checkpoint=not full_checkpoints,
     )
 
 

@@ -161,24 +161,16 @@ def _train(
             is_cap=rl.is_cap, **extra,
         )  # fmt: skip
         settings = dict(logger=make_logger(config), default_root_dir=config.output_dir,
-                        log_every_n_steps=1, enable_progress_bar=show_progress)  # fmt: skip
+                        log_every_n_steps=1, enable_progress_bar=show_progress,
+                        enable_checkpointing=True, callbacks=[checkpoints(config)])  # fmt: skip
         if sharded:  # rank 0 of rl.trainer_ranks FSDP2 ranks; the others are spawned here
-            with trainer_ranks(config, model_dir, rl.trainer_ranks):
-                sharded_trainer(rl.trainer_ranks, rl.iterations, **settings).fit(module)
+            with trainer_ranks(config, model_dir, rl.trainer_ranks, resume):
+                trainer = sharded_trainer(rl.trainer_ranks, rl.iterations, **settings)
+                trainer.fit(module, ckpt_path=resume)
             policy = load_policy(model_dir)[0]  # the sharded copy's full weights, unsharded
             policy.load_state_dict(module.final_weights, strict=False)
         else:
-            # A checkpoint holds the state after an iteration's optimizer step: what a resume
-            # needs.
-            warnings.filterwarnings("ignore", "Using ModelCheckpoint with manual optimization")
-            checkpoints = ModelCheckpoint(
-                Path(config.output_dir) / "checkpoints", save_last=True,
-                every_n_train_steps=rl.checkpoint_every or None,
-                save_top_k=1 if rl.checkpoint_every else 0,
-            )  # fmt: skip
-            trainer = rl_trainer(rl.iterations, enable_checkpointing=True,
-                                 callbacks=[checkpoints], **settings)  # fmt: skip
-            trainer.fit(module, ckpt_path=resume)
+            rl_trainer(rl.iterations, **settings).fit(module, ckpt_path=resume)
     policy.eval()
     out = Path(config.output_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -194,6 +186,18 @@ def _plain(policy: PreTrainedModel) -> PreTrainedModel:
     if hasattr(policy, "merge_and_unload"):
         return copy.deepcopy(policy).merge_and_unload()
     return policy
+
+
+def checkpoints(config: RunConfig) -> ModelCheckpoint:
+    """Checkpoints every ``rl.checkpoint_every`` iterations, and ``last.ckpt`` (every trainer
+    rank builds the same callback: saving is collective under FSDP)."""
+    # A checkpoint holds the state after an iteration's optimizer step: what a resume needs.
+    warnings.filterwarnings("ignore", "Using ModelCheckpoint with manual optimization")
+    every = config.rl.checkpoint_every
+    return ModelCheckpoint(
+        Path(config.output_dir) / "checkpoints", save_last=True,
+        every_n_train_steps=every or None, save_top_k=1 if every else 0,
+    )  # fmt: skip
 
 
 def make_logger(config: RunConfig) -> Logger:

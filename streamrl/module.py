@@ -213,6 +213,8 @@ class StreamRLModule(L.LightningModule):
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         # What a resumed run needs beyond weights and optimizer (Lightning saves those): where the
         # trainer, the prompt stream and the in-flight iterations are, and every component's state.
+        if self.rollouts is None:  # an FSDP rank > 0: rank 0 writes the checkpoint
+            return
         checkpoint["streamrl"] = {
             "weight_version": self.weight_version,
             "samples_trained": self.samples_trained,
@@ -230,23 +232,27 @@ class StreamRLModule(L.LightningModule):
             return
         self.weight_version = state["weight_version"]
         self.samples_trained = state.get("samples_trained", 0)
+        if "algorithm" in state:
+            self.algorithm.load_state_dict(state["algorithm"])
+        if "rng" in state:
+            _set_rng_state(state["rng"])
+        if self.rollouts is None:  # an FSDP rank > 0: the stream's state is rank 0's
+            return
         self.rollouts.prompts.load_state_dict(state["prompt_source"])
         if "rollouts" in state:  # in-flight iterations are dispatched again, same prompts
             self.rollouts.load_state_dict(state["rollouts"])
-        if "algorithm" in state:
-            self.algorithm.load_state_dict(state["algorithm"])
         if self.elastic is not None and state.get("elastic") is not None:
             self.elastic.load_state_dict(state["elastic"])
         if self.rollouts.ranker is not None and state["length_ranker"] is not None:
             self.rollouts.ranker.load_state_dict(state["length_ranker"])
-        if "rng" in state:
-            _set_rng_state(state["rng"])
 
     def on_train_start(self) -> None:
         # A resumed run starts new generator processes from the model directory: give them the
         # checkpoint's weights before any prompt is dispatched.
         if self.weight_version > 0:
-            self.rollouts.service.update(self.weights_to_sync(), self.weight_version)
+            weights = self.weights_to_sync()  # a collective when sharded: every rank calls it
+            if self.rollouts is not None:
+                self.rollouts.service.update(weights, self.weight_version)
 
     def on_train_end(self) -> None:
         # Leave the generators on the final weights (async pushes may still be in flight).

@@ -27,13 +27,16 @@ LEAVE_TIMEOUT_S = 30.0
 
 
 @contextlib.contextmanager
-def trainer_ranks(config: Any, model_dir: Path, world: int) -> Iterator[None]:
+def trainer_ranks(
+    config: Any, model_dir: Path, world: int, resume: str | None = None
+) -> Iterator[None]:
     """Start ranks ``1..world-1`` and make this process rank 0 for the block.
 
     Args:
         config: the run's ``RunConfig`` (each rank builds the same algorithm from it).
         model_dir: the policy every rank starts from.
         world: trainer ranks in all.
+        resume: the checkpoint every rank resumes from, if any.
     """
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -43,7 +46,7 @@ def trainer_ranks(config: Any, model_dir: Path, world: int) -> Iterator[None]:
     ctx = mp.get_context("spawn")
     ranks = []
     for rank in range(1, world):
-        args = (config, str(model_dir), rank, job)
+        args = (config, str(model_dir), rank, job, resume)
         name = f"streamrl-trainer-rank-{rank}"
         ranks.append(ctx.Process(target=_rank_main, args=args, daemon=True, name=name))
     saved = {k: os.environ.get(k) for k in (*job, "RANK", "LOCAL_RANK")}
@@ -69,12 +72,14 @@ def trainer_ranks(config: Any, model_dir: Path, world: int) -> Iterator[None]:
         raise RuntimeError(f"Trainer ranks {failed} exited with an error; see their log above.")
 
 
-def _rank_main(config: Any, model_dir: str, rank: int, job: dict[str, str]) -> None:
+def _rank_main(
+    config: Any, model_dir: str, rank: int, job: dict[str, str], resume: str | None
+) -> None:
     """Trainer rank ``rank`` > 0: the sharded module without rollouts, fed by rank 0."""
     os.environ.update(job, RANK=str(rank), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
     from streamrl.fsdp import ShardedStreamRLModule, sharded_trainer
-    from streamrl.jobs import build_run_algorithm
+    from streamrl.jobs import build_run_algorithm, checkpoints
     from streamrl.models import load_policy
 
     rl = config.rl
@@ -85,6 +90,8 @@ def _rank_main(config: Any, model_dir: str, rank: int, job: dict[str, str]) -> N
         reference=reference, temperature=rl.temperature, mode=rl.mode, is_cap=rl.is_cap,
         share_stream=True,
     )  # fmt: skip
-    sharded_trainer(int(job["WORLD_SIZE"]), rl.iterations).fit(module)
+    trainer = sharded_trainer(int(job["WORLD_SIZE"]), rl.iterations, enable_checkpointing=True,
+                              callbacks=[checkpoints(config)])  # fmt: skip
+    trainer.fit(module, ckpt_path=resume)
     # Leave at once: a normal exit tears down gloo's threads mid-receive and aborts.
     os._exit(0)

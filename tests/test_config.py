@@ -110,7 +110,7 @@ def test_duplicate_prompt_ids_name_the_line(tmp_path):
         ("rl:\n  sites: [a, b, c]\n", r"rl.sites names 3 sites for rl.generators=2"),
         (
             "rl:\n  trainer_ranks: 2\n  algorithm: ppo\n",
-            r"trainer_ranks=2 \(FSDP2\) does not support rl.algorithm: ppo.*checkpoint_every > 0",
+            r"trainer_ranks=2 \(FSDP2\) does not support rl.algorithm: ppo",
         ),
         ("rl:\n  weight_transport: ncl\n", r"Unknown transport 'ncl' \(did you mean 'nccl'\?\)"),
     ],

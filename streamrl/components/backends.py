@@ -62,11 +62,17 @@ def check_engines(
         )
 
 
-def instance_device(instance_id: int, gpus_per_instance: int, cluster: str) -> str:
+def instance_device(
+    instance_id: int, gpus_per_instance: int, cluster: str, spare_first: bool = False
+) -> str:
     """The torch device an instance's model runs on.
 
-    Local instances take the machine's GPUs round-robin; a Ray actor sees only the GPUs Ray gave
-    it (``CUDA_VISIBLE_DEVICES``), so ``"cuda"`` is its own.
+    Local instances take the machine's GPUs round-robin, leaving ``cuda:0`` to the trainer when
+    ``spare_first`` (NCCL refuses two members of a group on one GPU); a Ray actor sees only the
+    GPUs Ray gave it (``CUDA_VISIBLE_DEVICES``), so ``"cuda"`` is its own.
+
+    Raises:
+        ConfigError: ``spare_first`` on a machine with fewer than 2 GPUs.
     """
     if gpus_per_instance <= 0:
         return "cpu"
@@ -74,4 +80,13 @@ def instance_device(instance_id: int, gpus_per_instance: int, cluster: str) -> s
         return "cuda"
     import torch
 
-    return f"cuda:{instance_id % max(torch.cuda.device_count(), 1)}"
+    count = max(torch.cuda.device_count(), 1)
+    if not spare_first:
+        return f"cuda:{instance_id % count}"
+    if count < 2:
+        raise ConfigError(
+            f"weight_transport 'nccl' needs the trainer and each generator on GPUs of their own "
+            f"(NCCL refuses two members on one GPU); this machine has {count}. Use 'gloo' or "
+            "'bucketed' here."
+        )
+    return f"cuda:{1 + instance_id % (count - 1)}"

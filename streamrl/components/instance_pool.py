@@ -48,7 +48,12 @@ class InstancePool:
             model_dir=self.model_dir,
             generator_kwargs=kwargs,
             backend=self.backend,
-            device=instance_device(instance_id, self.gpus_per_instance, self.cluster),
+            device=instance_device(
+                instance_id,
+                self.gpus_per_instance,
+                self.cluster,
+                spare_first=self.weight_transport == "nccl",
+            ),
             transport=self.weight_transport,
             relays=site != self.trainer_site,
         )

@@ -24,15 +24,16 @@ Examples:
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 from transformers import PreTrainedModel
 
+from streamrl.components.admission import AdmissionQueue, budget
 from streamrl.components.kv_cache import SlotCache
-from streamrl.components.schedulers import AdmissionScheduler, FIFOScheduler
+from streamrl.components.schedulers import AdmissionScheduler
 from streamrl.records import Request, Sample
 
 #: Parameter/buffer name -> new value, as a torch tensor or a numpy array.
@@ -53,7 +54,7 @@ class _Running:
     logprobs: list[float] = field(default_factory=list)
 
 
-class HFStreamGenerator:
+class HFStreamGenerator(AdmissionQueue):
     """Generate samples with continuous batching and emit each one as soon as it finishes.
 
     StreamRL §3 (stream generation) / §5 (continuous batching in an SGS instance). At most
@@ -95,77 +96,26 @@ class HFStreamGenerator:
         seed: int = 0,
         weight_version: int = 0,
     ) -> None:
-        if max_batch_size < 1:
-            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}.")
-        if not greedy and temperature <= 0:
-            raise ValueError(f"temperature must be > 0, got {temperature}; or pass greedy=True.")
+        super().__init__(
+            max_batch_size=max_batch_size, scheduler=scheduler, instance_id=instance_id,
+            temperature=temperature, greedy=greedy, weight_version=weight_version,
+        )  # fmt: skip
         config = model.config
         self.model = model.eval()
-        self.max_batch_size = max_batch_size
-        self._batch_limit = max_batch_size
-        self.instance_id = instance_id
-        self.temperature = 1.0 if greedy else float(temperature)
-        self.greedy = greedy
         self.context_length = int(config.max_position_embeddings)
         eos = config.eos_token_id if eos_token_id is None else eos_token_id
         self._eos = [] if eos is None else [int(e) for e in np.atleast_1d(eos)]
         pad = config.pad_token_id if pad_token_id is None else pad_token_id
         self.pad_token_id = 0 if pad is None else int(pad)
-        # Not `scheduler or ...`: an empty scheduler has len() 0 and would be falsy.
-        self._scheduler = scheduler if scheduler is not None else FIFOScheduler()
         self._rng = torch.Generator(device=model.device).manual_seed(seed)
-        self._weight_version = weight_version
         self._cache = SlotCache(config.num_hidden_layers, max_batch_size)
         self._rows: list[_Running] = []
-        self._submitted_s: dict[int, float] = {}  # id(request) -> submission time
 
     # ----------------------------------------------------------------- public API
-    @property
-    def weight_version(self) -> int:
-        """Version of the weights the model holds now."""
-        return self._weight_version
-
     @property
     def num_running(self) -> int:
         """Sequences occupying a batch slot."""
         return len(self._rows)
-
-    @property
-    def num_waiting(self) -> int:
-        """Submitted requests not yet admitted."""
-        return len(self._scheduler)
-
-    @property
-    def idle(self) -> bool:
-        """True when nothing is running or waiting."""
-        return not self._rows and not len(self._scheduler)
-
-    @property
-    def batch_limit(self) -> int:
-        """How many sequences may run at once now (at most ``max_batch_size``)."""
-        return self._batch_limit
-
-    def set_batch_limit(self, limit: int) -> None:
-        """Run at most ``limit`` sequences at once from now on (a skewness-aware dispatcher
-        gives long-tail instances small batches, §5.3); running ones keep their slots."""
-        if not 1 <= limit <= self.max_batch_size:
-            raise ValueError(f"batch limit must be in [1, {self.max_batch_size}], got {limit}.")
-        self._batch_limit = int(limit)
-
-    def submit(self, requests: Iterable[Request]) -> None:
-        """Queue requests for admission; all are validated before any is queued.
-
-        Raises:
-            ValueError: a prompt is empty, ``max_tokens`` (or ``forced_length``) is below 1, or
-                the prompt plus its token budget exceeds the model's context length.
-        """
-        requests = list(requests)
-        for req in requests:
-            self._validate(req)
-        now = time.time()
-        for req in requests:
-            self._submitted_s[id(req)] = now
-            self._scheduler.push(req)
 
     def step(self) -> list[Sample]:
         """Admit, prefill, decode one token per running sequence; return the finished samples."""
@@ -178,11 +128,6 @@ class HFStreamGenerator:
                 return []
             tokens, logprobs = self._decode()
             return self._advance(tokens, logprobs)
-
-    def stream(self) -> Iterator[Sample]:
-        """Step until idle, yielding samples in completion order."""
-        while not self.idle:
-            yield from self.step()
 
     def load_weights(self, state_dict: WeightMap, version: int) -> None:
         """Copy ``state_dict`` into the model's tensors in place and set ``weight_version``.
@@ -208,21 +153,6 @@ class HFStreamGenerator:
         self._weight_version = int(version)
 
     # ----------------------------------------------------------------- internals
-    def _validate(self, req: Request) -> None:
-        if not req.prompt_ids:
-            raise ValueError(f"Request {req.prompt_id!r}: empty prompt; pass >= 1 token id.")
-        if req.max_tokens < 1:
-            raise ValueError(f"Request {req.prompt_id!r}: max_tokens={req.max_tokens}; use >= 1.")
-        if req.forced_length is not None and req.forced_length < 1:
-            raise ValueError(f"Request {req.prompt_id!r}: forced_length must be >= 1 or None.")
-        total = len(req.prompt_ids) + _budget(req)
-        if total > self.context_length:
-            raise ValueError(
-                f"Request {req.prompt_id!r}: prompt ({len(req.prompt_ids)}) + tokens to generate "
-                f"({_budget(req)}) = {total} exceeds the model context of {self.context_length}; "
-                "shorten the prompt or lower max_tokens/forced_length."
-            )
-
     def _admit(self) -> None:
         now = time.time()
         needed = 0
@@ -233,7 +163,7 @@ class HFStreamGenerator:
             # The last prompt token is fed by the shared decode forward, which yields token one.
             row = _Running(req, submitted, now, self._weight_version, len(prompt) - 1, prompt[-1])
             self._rows.append(row)
-            needed = max(needed, len(prompt) + _budget(req) - 1)
+            needed = max(needed, len(prompt) + budget(req) - 1)
         if needed > self._cache.capacity:
             # Doubling keeps growth copies amortised O(1) per token.
             self._cache.capacity = min(max(needed, 2 * self._cache.capacity), self.context_length)
@@ -343,8 +273,3 @@ class HFStreamGenerator:
             instance_id=self.instance_id, submitted_s=row.submitted_s, started_s=row.started_s,
             finished_s=now, finish_reason=reason,
         )  # fmt: skip
-
-
-def _budget(req: Request) -> int:
-    """Most tokens the request may generate."""
-    return req.forced_length if req.forced_length is not None else req.max_tokens

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -45,7 +45,8 @@ import numpy as np
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
-from streamrl.components.schedulers import AdmissionScheduler, FIFOScheduler
+from streamrl.components.admission import AdmissionQueue, budget
+from streamrl.components.schedulers import AdmissionScheduler
 from streamrl.errors import ConfigError
 from streamrl.records import Request, Sample
 
@@ -71,7 +72,7 @@ class _Admitted:
 CPU_KV_CACHE_BYTES = 512 << 20
 
 
-class VLLMStreamGenerator:
+class VLLMStreamGenerator(AdmissionQueue):
     """Generate samples with vLLM and emit each one as soon as it finishes.
 
     StreamRL §3 / §5; same public API and ``Sample`` fields as ``HFStreamGenerator``. A sample's
@@ -113,10 +114,10 @@ class VLLMStreamGenerator:
         device: str = "cpu",
         **engine_kwargs: Any,
     ) -> None:
-        if max_batch_size < 1:
-            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}.")
-        if not greedy and temperature <= 0:
-            raise ValueError(f"temperature must be > 0, got {temperature}; or pass greedy=True.")
+        super().__init__(
+            max_batch_size=max_batch_size, scheduler=scheduler, instance_id=instance_id,
+            temperature=temperature, greedy=greedy, weight_version=weight_version,
+        )  # fmt: skip
         if not (Path(model_dir) / "config.json").is_file():
             raise FileNotFoundError(
                 f"No model directory at {str(model_dir)!r} (no config.json there). Pass a "
@@ -140,13 +141,6 @@ class VLLMStreamGenerator:
                 f"build: {INSTALL_HINT}"
             )
         self.model_dir = Path(model_dir)
-        self.max_batch_size = max_batch_size
-        self._batch_limit = max_batch_size
-        self.instance_id = instance_id
-        self.temperature = 1.0 if greedy else float(temperature)
-        self.greedy = greedy
-        self._scheduler = scheduler if scheduler is not None else FIFOScheduler()
-        self._weight_version = weight_version
         config = AutoConfig.from_pretrained(self.model_dir, local_files_only=True)
         self._templates = _parameters_on_meta(config)
         eos = config.eos_token_id
@@ -167,55 +161,13 @@ class VLLMStreamGenerator:
         self._engine = vllm.LLMEngine.from_engine_args(vllm.EngineArgs(**args))
         self.context_length = int(self._engine.model_config.max_model_len)
         self._running: dict[str, _Admitted] = {}  # vLLM request id -> admission record
-        self._submitted_s: dict[int, float] = {}  # id(request) -> submission time
         self._admitted = 0  # admissions so far: request ids and vLLM priorities
 
     # ----------------------------------------------------------------- public API
     @property
-    def weight_version(self) -> int:
-        """Version of the weights the engine holds now."""
-        return self._weight_version
-
-    @property
     def num_running(self) -> int:
         """Requests inside the engine."""
         return len(self._running)
-
-    @property
-    def num_waiting(self) -> int:
-        """Submitted requests not yet admitted."""
-        return len(self._scheduler)
-
-    @property
-    def idle(self) -> bool:
-        """True when nothing is running or waiting."""
-        return not self._running and not len(self._scheduler)
-
-    @property
-    def batch_limit(self) -> int:
-        """How many requests may be in the engine at once now (at most ``max_batch_size``)."""
-        return self._batch_limit
-
-    def set_batch_limit(self, limit: int) -> None:
-        """Keep at most ``limit`` requests in the engine from now on (§5.3); running ones stay."""
-        if not 1 <= limit <= self.max_batch_size:
-            raise ValueError(f"batch limit must be in [1, {self.max_batch_size}], got {limit}.")
-        self._batch_limit = int(limit)
-
-    def submit(self, requests: Iterable[Request]) -> None:
-        """Queue requests for admission; all are validated before any is queued.
-
-        Raises:
-            ValueError: a prompt is empty, ``max_tokens`` (or ``forced_length``) is below 1, or
-                the prompt plus its token budget exceeds the engine's context length.
-        """
-        requests = list(requests)
-        for req in requests:
-            self._validate(req)
-        now = time.time()
-        for req in requests:
-            self._submitted_s[id(req)] = now
-            self._scheduler.push(req)
 
     def step(self) -> list[Sample]:
         """Admit into free slots, run one engine step, return the samples finished in it."""
@@ -225,11 +177,6 @@ class VLLMStreamGenerator:
         finished = [out for out in self._engine.step() if out.finished]
         now = time.time()
         return [self._to_sample(out, now) for out in finished]
-
-    def stream(self) -> Iterator[Sample]:
-        """Step until idle, yielding samples in completion order."""
-        while not self.idle:
-            yield from self.step()
 
     def load_weights(
         self, state_dict: Mapping[str, torch.Tensor | np.ndarray], version: int
@@ -264,21 +211,6 @@ class VLLMStreamGenerator:
         self._engine.engine_core.shutdown()
 
     # ----------------------------------------------------------------- internals
-    def _validate(self, req: Request) -> None:
-        if not req.prompt_ids:
-            raise ValueError(f"Request {req.prompt_id!r}: empty prompt; pass >= 1 token id.")
-        if req.max_tokens < 1:
-            raise ValueError(f"Request {req.prompt_id!r}: max_tokens={req.max_tokens}; use >= 1.")
-        if req.forced_length is not None and req.forced_length < 1:
-            raise ValueError(f"Request {req.prompt_id!r}: forced_length must be >= 1 or None.")
-        total = len(req.prompt_ids) + _budget(req)
-        if total > self.context_length:
-            raise ValueError(
-                f"Request {req.prompt_id!r}: prompt ({len(req.prompt_ids)}) + tokens to generate "
-                f"({_budget(req)}) = {total} exceeds the model context of {self.context_length}; "
-                "shorten the prompt or lower max_tokens/forced_length."
-            )
-
     def _admit(self) -> None:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
@@ -290,9 +222,9 @@ class VLLMStreamGenerator:
             forced = req.forced_length is not None
             params = SamplingParams(
                 temperature=0.0 if self.greedy else self.temperature,  # vLLM: 0 means argmax
-                max_tokens=_budget(req),
+                max_tokens=budget(req),
                 # Forced: exactly forced_length tokens; min_tokens also masks EOS meanwhile.
-                min_tokens=_budget(req) if forced else 0,
+                min_tokens=budget(req) if forced else 0,
                 ignore_eos=forced,
                 stop_token_ids=self._eos,  # no tokenizer, so vLLM knows EOS only from here
                 logprobs=0,  # the sampled token's log-prob only
@@ -370,8 +302,3 @@ def _reprocess_lm_heads(model: torch.nn.Module) -> None:
     for module in model.modules():
         if isinstance(module, ParallelLMHead):
             module.quant_method.process_weights_after_loading(module)
-
-
-def _budget(req: Request) -> int:
-    """Most tokens the request may generate."""
-    return req.forced_length if req.forced_length is not None else req.max_tokens

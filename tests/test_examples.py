@@ -26,6 +26,7 @@ NOTEBOOKS = {
     "03_long_tail.py": ["03_ranker.png", "03_dispatch.png"],
     "04_custom_algorithm.py": ["04_custom_algorithm.png"],
     "05_simulate_cluster.py": ["05_cluster.png", "05_timeline_async.png"],
+    "06_scale_out.py": ["06_weight_bytes.png", "06_fsdp.png"],
 }
 
 pytestmark = pytest.mark.timeout(RUN_TIMEOUT_S + 60)

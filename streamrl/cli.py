@@ -17,8 +17,9 @@ from collections.abc import Sequence
 from streamrl.errors import ConfigError, NonFiniteLossError
 
 
-def _quiet_libraries() -> None:
-    # Keep stderr for our own progress; these libraries otherwise draw bars of their own.
+def quiet_libraries() -> None:
+    """Keep stderr for our own progress (also called by spawned trainer ranks)."""
+    # These libraries otherwise draw progress bars of their own.
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     from transformers.utils import logging as hf_logging
@@ -31,20 +32,23 @@ def _quiet_libraries() -> None:
     warnings.filterwarnings("ignore", message=".*treespec.*", category=Warning)
 
 
-def _quiet_lightning() -> None:
+def quiet_lightning() -> None:
+    """Lightning at WARNING level (also called by spawned trainer ranks)."""
     # Lightning's start-up banners ("GPU available", install tips) say nothing about this run.
     # Its import sets its loggers to INFO, so this runs after the import.
     import lightning.pytorch  # noqa: F401
 
     for name in ("lightning.pytorch", "lightning.fabric"):
         logging.getLogger(name).setLevel(logging.WARNING)
+    # A KL reference policy is frozen in eval mode on purpose.
+    warnings.filterwarnings("ignore", message=r"Found \d+ module\(s\) in eval mode")
 
 
 def _cmd_fit(args: argparse.Namespace) -> dict:
     from streamrl.config import check_rl, load_config
     from streamrl.jobs import run_fit
 
-    _quiet_lightning()
+    quiet_lightning()
     config = load_config(args.config)
     if args.output_dir:
         config.output_dir = args.output_dir
@@ -60,7 +64,7 @@ def _cmd_demo(args: argparse.Namespace) -> dict:
     from streamrl.config import RunConfig
     from streamrl.jobs import run_fit
 
-    _quiet_lightning()
+    quiet_lightning()
     config = RunConfig(output_dir=args.output_dir)
     print(f"streamrl demo: writing to {config.output_dir}", file=sys.stderr)
     return run_fit(config, show_progress=not args.no_progress)
@@ -76,7 +80,7 @@ def _cmd_bench_generate(args: argparse.Namespace) -> dict:
 def _cmd_bench_pipeline(args: argparse.Namespace) -> dict:
     from streamrl.bench.pipeline import bench_pipeline
 
-    _quiet_lightning()
+    quiet_lightning()
     return bench_pipeline(args)
 
 
@@ -267,7 +271,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``streamrl`` console script."""
     args = build_parser().parse_args(argv)
-    _quiet_libraries()
+    quiet_libraries()
     from streamrl.algorithms.base import RewardError
     from streamrl.components.generation_service import GeneratorError
 

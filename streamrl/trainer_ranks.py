@@ -78,6 +78,10 @@ def _rank_main(
     """Trainer rank ``rank`` > 0: the sharded module without rollouts, fed by rank 0."""
     os.environ.update(job, RANK=str(rank), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
+    from streamrl.cli import quiet_libraries, quiet_lightning
+
+    quiet_libraries()  # rank 0's stderr is the run's log: the other ranks add nothing to it
+    quiet_lightning()
     from streamrl.fsdp import ShardedStreamRLModule, sharded_trainer
     from streamrl.jobs import build_run_algorithm, checkpoints
     from streamrl.models import load_policy

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 #: How long ranks may take to leave after rank 0 finished (they are killed afterwards).
 LEAVE_TIMEOUT_S = 30.0
@@ -62,6 +63,8 @@ def trainer_ranks(
             if process.is_alive():
                 process.kill()
                 process.join(5.0)
+        if dist.is_initialized():  # so a later run in this process (a notebook) starts afresh
+            dist.destroy_process_group()
         for key, value in saved.items():
             if value is None:
                 os.environ.pop(key, None)

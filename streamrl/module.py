@@ -12,13 +12,11 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-import random
 import time
 from collections.abc import Iterator
 from typing import Literal
 
 import lightning as L
-import numpy as np
 import torch
 from torch.utils.data import IterableDataset
 from transformers import PreTrainedModel
@@ -29,7 +27,9 @@ from streamrl.components.off_policy import Correction, correct_stale
 from streamrl.components.pipeline import DynamicBatchPipeline, MicroBatch
 from streamrl.components.weight_sync import Weights
 from streamrl.errors import NonFiniteLossError
+from streamrl.logprobs import completion_logprobs
 from streamrl.lora import synced_weights
+from streamrl.rng_state import rng_state, set_rng_state
 from streamrl.rollout import RolloutStream
 from streamrl.timeline import TraceRecorder
 
@@ -223,7 +223,7 @@ class StreamRLModule(L.LightningModule):
             "algorithm": self.algorithm.state_dict(),
             "prompt_source": self.rollouts.prompts.state_dict(),
             "length_ranker": self.rollouts.ranker.state_dict() if self.rollouts.ranker else None,
-            "rng": _rng_state(),
+            "rng": rng_state(),
         }
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
@@ -235,7 +235,7 @@ class StreamRLModule(L.LightningModule):
         if "algorithm" in state:
             self.algorithm.load_state_dict(state["algorithm"])
         if "rng" in state:
-            _set_rng_state(state["rng"])
+            set_rng_state(state["rng"])
         if self.rollouts is None:  # an FSDP rank > 0: the stream's state is rank 0's
             return
         self.rollouts.prompts.load_state_dict(state["prompt_source"])
@@ -376,20 +376,6 @@ def rl_trainer(iterations: int, **overrides) -> L.Trainer:
     return L.Trainer(**{**settings, **overrides})
 
 
-def _rng_state() -> dict:
-    """Random states as plain values and tensors (checkpoints load with ``weights_only``)."""
-    kind, keys, pos, has_gauss, gauss = np.random.get_state()
-    return {"python": random.getstate(), "torch": torch.get_rng_state(),
-            "numpy": [kind, keys.tolist(), int(pos), int(has_gauss), float(gauss)]}  # fmt: skip
-
-
-def _set_rng_state(state: dict) -> None:
-    random.setstate(state["python"])
-    kind, keys, pos, has_gauss, gauss = state["numpy"]
-    np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, gauss))
-    torch.set_rng_state(state["torch"])
-
-
 def _check_finite(per_sample: torch.Tensor, samples: list, iteration: int) -> None:
     if bool(torch.isfinite(per_sample).all()):
         return
@@ -399,34 +385,3 @@ def _check_finite(per_sample: torch.Tensor, samples: list, iteration: int) -> No
         f"(prompt_id, sample_index, iteration): {bad[:8]}. Stopped before the optimizer step; "
         "lower rl.lr, check the reward function, or enable rl.kl_coef."
     )
-
-
-def completion_logprobs(
-    model: PreTrainedModel,
-    input_ids: torch.Tensor,
-    attention: torch.Tensor,
-    starts: torch.Tensor,
-    width: int,
-    temperature: float = 1.0,
-) -> torch.Tensor:
-    """Log-probs of each row's completion tokens under ``logits / temperature``.
-
-    Args:
-        input_ids: ``[batch, seq]``, each row ``prompt + completion + padding``.
-        attention: ``[batch, seq]``, the attention mask of ``input_ids``.
-        starts: ``[batch]``, where each row's completion starts (its prompt length).
-        width: completion positions to return (longer rows are cut, shorter ones padded).
-
-    Returns:
-        ``[batch, width]``; positions past a row's completion hold junk, mask them.
-    """
-    logits = model(input_ids=input_ids, attention_mask=attention).logits  # [batch, seq, vocab]
-    logprobs = torch.log_softmax(logits.float() / temperature, dim=-1)
-    # The token at position t is predicted by the logits at t - 1.
-    positions = starts[:, None] + torch.arange(width, device=input_ids.device)  # [batch, width]
-    positions = positions.clamp(max=input_ids.shape[1] - 1)
-    targets = input_ids.gather(1, positions)  # [batch, width]
-    predicted_at = logprobs.gather(
-        1, (positions - 1)[:, :, None].expand(-1, -1, logprobs.shape[-1])
-    )
-    return predicted_at.gather(-1, targets[:, :, None]).squeeze(-1)

@@ -25,8 +25,9 @@ from torch.distributed.tensor import DTensor
 from streamrl.algorithms import GRPO
 from streamrl.algorithms.base import LossInputs
 from streamrl.fsdp import ShardedStreamRLModule, fsdp_strategy, full_state, shard_policy
+from streamrl.logprobs import completion_logprobs
 from streamrl.models import build_tiny_model, build_tokenizer
-from streamrl.module import StreamRLModule, completion_logprobs
+from streamrl.module import StreamRLModule
 from streamrl.records import Sample
 from streamrl.rollout import IterationStats, ScoredGroup
 from streamrl.tasks import partial_credit

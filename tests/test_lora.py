@@ -126,21 +126,7 @@ def test_generators_receive_only_adapters_and_decode_with_them(tmp_path, tokeniz
     assert not [p for p in mp.active_children() if p.name.startswith("streamrl-generator")]
 
 
-def test_fit_with_lora_trains_adapters_only(tmp_path, capsys):
-    import json
-
-    from streamrl.cli import main
-
-    config = tmp_path / "c.yaml"
-    config.write_text(
-        f"output_dir: {tmp_path / 'out'}\n"
-        "data: {tasks: [copy], n_train: 32, n_heldout: 8, median_len: 3, max_len: 6}\n"
-        "sft: {model_size: test, steps: 20}\n"
-        "rl: {iterations: 2, prompts_per_iteration: 4, group_size: 2, generators: 1,"
-        " max_tokens: 12, lora_r: 4}\n"
-    )
-    assert main(["fit", "--config", str(config), "--no-progress"]) == 0
-    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert summary["samples_trained"] == 2 * 4 * 2 and summary["samples_lost"] == 0
+def test_fit_with_lora_trains_adapters_only(tmp_path, fit_small):
+    fit_small(tasks=("copy",), lora_r=4)
     ckpt = torch.load(tmp_path / "out" / "checkpoints" / "last.ckpt", weights_only=True)
     assert any("lora_A" in k for k in ckpt["state_dict"])

@@ -13,8 +13,9 @@ from streamrl.algorithms import GRPO
 from streamrl.components.generation_service import StreamGenerationService
 from streamrl.components.generator_worker import fingerprint
 from streamrl.components.pipeline import DynamicBatchPipeline, MicroBatch
+from streamrl.logprobs import completion_logprobs
 from streamrl.models import build_tiny_model, save_policy
-from streamrl.module import StreamRLModule, completion_logprobs, rl_trainer
+from streamrl.module import StreamRLModule, rl_trainer
 from streamrl.records import Sample
 from streamrl.rollout import PromptSource, RolloutStream, ScoredGroup
 from streamrl.tasks import make_prompt_set, partial_credit

@@ -102,23 +102,12 @@ def test_gpus_the_ray_cluster_lacks_fail_before_any_actor_starts(model_dir, ray_
     assert service.instances() == []
 
 
-def test_fit_config_switches_to_ray_with_one_field(tmp_path, capsys, ray_options):
+def test_fit_config_switches_to_ray_with_one_field(tmp_path, fit_small, ray_options):
     """The same `streamrl fit` config as a local run, plus `cluster: ray`."""
-    from streamrl.cli import main
     from streamrl.components.ray_instance import connect
 
     connect(ray_options)  # the module's cluster (a run would otherwise start one of its own)
-    config = tmp_path / "c.yaml"
-    config.write_text(
-        f"output_dir: {tmp_path / 'out'}\n"
-        "data: {tasks: [copy, count], n_train: 32, n_heldout: 8, median_len: 3, max_len: 6}\n"
-        "sft: {model_size: test, steps: 20}\n"
-        "rl: {iterations: 2, prompts_per_iteration: 4, group_size: 2, generators: 2,"
-        " max_tokens: 12, cluster: ray}\n"
-    )
-    assert main(["fit", "--config", str(config), "--no-progress"]) == 0
-    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert summary["samples_trained"] == 2 * 4 * 2 and summary["samples_lost"] == 0
+    fit_small(generators=2, cluster="ray")
     status = json.loads((tmp_path / "out" / "instances.json").read_text())
     assert [s["state"] for s in status.values()] == ["stopped", "stopped"]
     assert all(s["pid"] not in (None, os.getpid()) for s in status.values())

@@ -4,7 +4,6 @@ one instance at the trainer's site, two (then three) at a "cloud" site."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 
@@ -83,17 +82,5 @@ def test_remote_site_gets_one_copy_and_its_head_fans_out(tmp_path, tokenizer):
         assert set(sgs.fingerprints().values()) == {fingerprint(policy)}
 
 
-def test_fit_with_a_remote_site(tmp_path, capsys):
-    from streamrl.cli import main
-
-    config = tmp_path / "c.yaml"
-    config.write_text(
-        f"output_dir: {tmp_path / 'out'}\n"
-        "data: {tasks: [copy, count], n_train: 32, n_heldout: 8, median_len: 3, max_len: 6}\n"
-        "sft: {model_size: test, steps: 20}\n"
-        "rl: {iterations: 2, prompts_per_iteration: 4, group_size: 2, generators: 3,"
-        " max_tokens: 12, sites: [home, cloud, cloud], trainer_site: home}\n"
-    )
-    assert main(["fit", "--config", str(config), "--no-progress"]) == 0
-    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert summary["samples_trained"] == 2 * 4 * 2 and summary["samples_lost"] == 0
+def test_fit_with_a_remote_site(fit_small):
+    fit_small(generators=3, sites=["home", "cloud", "cloud"], trainer_site="home")

@@ -39,7 +39,7 @@ def _micro_batch_s(policy, rows: int, width: int, repeats: int) -> float:
 
     from streamrl.algorithms.base import LossInputs
     from streamrl.algorithms.grpo import GRPO
-    from streamrl.module import completion_logprobs
+    from streamrl.logprobs import completion_logprobs
     from streamrl.tasks import exact_match
 
     loss_fn = GRPO(exact_match, group_size=4)

@@ -7,8 +7,6 @@ into the running engine.
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
 pytest.importorskip("vllm", reason="needs vllm: make test-vllm")
@@ -53,17 +51,5 @@ def test_service_streams_from_vllm_instances_and_updates_their_weights(tmp_path)
         assert service.counts["samples_returned"] == 6
 
 
-def test_fit_switches_to_vllm_with_one_field(tmp_path, capsys):
-    from streamrl.cli import main
-
-    config = tmp_path / "c.yaml"
-    config.write_text(
-        f"output_dir: {tmp_path / 'out'}\n"
-        "data: {tasks: [copy, count], n_train: 32, n_heldout: 8, median_len: 3, max_len: 6}\n"
-        "sft: {model_size: demo, steps: 20}\n"
-        "rl: {iterations: 2, prompts_per_iteration: 4, group_size: 2, generators: 1,"
-        " max_tokens: 12, backend: vllm}\n"
-    )
-    assert main(["fit", "--config", str(config), "--no-progress"]) == 0
-    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert summary["samples_trained"] == 2 * 4 * 2 and summary["samples_lost"] == 0
+def test_fit_switches_to_vllm_with_one_field(fit_small):
+    fit_small(model_size="demo", backend="vllm")  # head size 32: vLLM's CPU attention

@@ -205,11 +205,33 @@ def build_parser() -> argparse.ArgumentParser:
                       "(default: the shipped long-tailed file)")  # fmt: skip
     disp.add_argument("--instances", type=int, default=2, help="generator instances")
     disp.add_argument("--policies", default="random,skew,oracle", help="any of random,skew,oracle")
-    disp.add_argument("--predicted", help="predicted lengths (same format), instead of noise")
-    disp.add_argument("--ranker-noise", type=float, default=0.25,
-                      help="sigma of the log-normal noise on true lengths that makes the "
-                      "predictions (default 0.25: recall@20 about 0.86 on the default "
-                      "file)")  # fmt: skip
+    disp.add_argument(
+        "--predictions",
+        help="comma-separated sources of the skew policy's predicted lengths, one row each, "
+        "the first the headline 'skew' row: 'ranker' (the library's LengthRanker trained on an "
+        "earlier iteration), 'noisy' (true lengths x log-normal noise, a stand-in), 'file' "
+        "(--predicted); default 'ranker,noisy', or 'file' with --predicted",
+    )
+    disp.add_argument("--predicted", help="JSON list of predicted lengths, one per prompt")
+    disp.add_argument(
+        "--ranker-noise",
+        type=float,
+        default=0.25,
+        help="'noisy' predictions: sigma of the log-normal noise on the true lengths",
+    )
+    disp.add_argument(
+        "--history",
+        type=int,
+        help="samples of the earlier iteration that the ranker trains on and D (P50/P90) comes "
+        "from (default: twice --prompts)",
+    )
+    disp.add_argument(
+        "--sample-sigma",
+        type=float,
+        default=0.25,
+        help="log-normal spread of a sample's length around the length its prompt asks for "
+        "(sampling variation, which no ranker can see)",
+    )
     disp.add_argument(
         "--simulate",
         action="store_true",
@@ -259,12 +281,13 @@ def build_parser() -> argparse.ArgumentParser:
     prof.add_argument("-o", "--output", default="profile.json", help="where to save the model")
     prof.set_defaults(func=_cmd_profile)
 
-    from streamrl.sim.cli import add_plan_command, add_simulate_command
+    from streamrl.sim.cli import add_plan_command, add_sim_command, add_simulate_command
     from streamrl.timeline import add_timeline_command
 
     add_timeline_command(sub)
     add_simulate_command(sub)
     add_plan_command(sub)
+    add_sim_command(sub)
     return parser
 
 

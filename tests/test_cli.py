@@ -136,13 +136,16 @@ def test_ctrl_c_stops_every_generator_process(tmp_path):
 
 
 def test_bench_generate_reports_both_decoders(capsys):
-    argv = ["bench", "generate", "--batch-sizes", "2,4", "--prompts", "4", "--max-tokens", "4"]
+    # 300 tokens: past the tiny model's default context of 256, so it is built with more.
+    argv = ["bench", "generate", "--batch-sizes", "2,4", "--prompts", "4", "--max-tokens", "300"]
     assert main([*argv, "--repeats", "1"]) == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    rates = result["tokens_per_s"]
     for decoder in ("stream", "hf_generate"):
-        assert set(result["tokens_per_s"][decoder]) == {"2", "4"}
-        assert all(v > 0 for v in result["tokens_per_s"][decoder].values())
-    assert set(result["ratio"]) == {"2", "4"}
+        assert set(rates[decoder]) == {"2", "4"}
+        assert all(v > 0 for v in rates[decoder].values())
+    for batch, ratio in result["ratio"].items():  # the ratio of the two reported rates
+        assert ratio == pytest.approx(rates["stream"][batch] / rates["hf_generate"][batch], 1e-2)
 
 
 @pytest.mark.timeout(300)
@@ -154,12 +157,91 @@ def test_bench_pipeline_runs_every_mode_and_reports_speedups(tmp_path, capsys):
             "--timeline-dir", str(tmp_path / "tl")]  # fmt: skip
     assert main(argv) == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert set(result["modes"]) == {"colocated", "sync", "async"}
+    modes = result["modes"]
+    assert set(modes) == {"colocated", "sync", "async"}
+    for row in modes.values():
+        assert set(row) == {
+            "samples_per_s",
+            "iteration_s",
+            "gen_s",
+            "train_s",
+            "trainer_idle_frac",
+            "generator_idle_frac",
+            "exposed_sync_s",
+        }
+        # One repeat: every iteration trains exactly the 2 x 2 samples requested.
+        assert row["samples_per_s"] * row["iteration_s"] == pytest.approx(4, rel=1e-2)
+        assert 0 <= row["trainer_idle_frac"] <= 1 and 0 <= row["generator_idle_frac"] <= 1
+        assert 0 <= row["exposed_sync_s"] <= row["iteration_s"]
+        assert row["gen_s"] > 0 and row["train_s"] > 0
+    # The speedups are the ratios of the reported rates.
     assert set(result["speedup"]) == {"sync", "async"}
-    for row in result["modes"].values():
-        assert row["samples_per_s"] > 0 and 0 <= row["trainer_idle_frac"] <= 1
-        assert 0 <= row["generator_idle_frac"] <= 1
+    for mode, speedup in result["speedup"].items():
+        rate = modes[mode]["samples_per_s"] / modes["colocated"]["samples_per_s"]
+        assert speedup == pytest.approx(rate, abs=2e-3)
     assert (tmp_path / "tl" / "pipeline-async.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (None, "no lengths file"),
+        ('{"a": 3}', "non-empty JSON list"),
+        ("[]", "non-empty JSON list"),
+        ("[3, 0]", "entry 1 is 0"),
+        ("[3, 2.5]", "entry 1 is 2.5"),
+        ('["12"]', "entry 0 is '12'"),
+        ("not json", "nor JSONL rows"),
+    ],
+)
+@pytest.mark.parametrize("bench", ["pipeline", "dispatch"])
+def test_bench_rejects_a_bad_lengths_file_before_any_work(
+    tmp_path, capsys, bench, content, message
+):
+    path = tmp_path / "lengths.json"
+    if content is not None:
+        path.write_text(content)
+    assert main(["bench", bench, "--lengths", str(path)]) == 2
+    assert message in capsys.readouterr().err
+
+
+def _short_context_model(tmp_path, tokenizer):
+    from streamrl.models import build_tiny_model, save_policy
+
+    model = build_tiny_model(tokenizer, "test", max_positions=64)
+    return str(save_policy(model, tokenizer, tmp_path / "short"))
+
+
+@pytest.mark.parametrize("bench", ["pipeline", "dispatch", "generate"])
+def test_bench_refuses_a_model_too_short_for_the_lengths_before_any_work(
+    tmp_path, capsys, monkeypatch, tokenizer, bench
+):
+    import streamrl.components.generation_service as service
+
+    def no_generators(*args, **kwargs):
+        raise AssertionError("a generator service was started")
+
+    monkeypatch.setattr(service.StreamGenerationService, "__init__", no_generators)
+    (tmp_path / "long.json").write_text("[300, 5, 9]")
+    model = _short_context_model(tmp_path, tokenizer)
+    size = (
+        ["--max-tokens", "300"]
+        if bench == "generate"
+        else ["--lengths", str(tmp_path / "long.json")]
+    )
+    assert main(["bench", bench, "--model", model, *size]) == 2
+    err = capsys.readouterr().err
+    assert "max_position_embeddings=64" in err and "built-in model ('tiny')" in err
+
+
+def test_built_in_bench_model_gets_the_context_its_inputs_need(tmp_path):
+    from streamrl.bench.inputs import model_dir_for
+    from streamrl.models import load_policy
+
+    policy, _ = load_policy(model_dir_for("tiny", tmp_path, context=700))
+    assert policy.config.max_position_embeddings == 700
+    policy, _ = load_policy(model_dir_for("tiny", tmp_path / "small", context=10))
+    assert policy.config.max_position_embeddings == 256  # the default when inputs fit
 
 
 def test_bench_pipeline_rejects_unknown_mode(capsys):

@@ -1,13 +1,8 @@
-"""The StreamRL simulator: hand-worked tiny runs, the trace format, and the CPU validation.
-
-The validation compares the simulator, fed the stored profile
-``streamrl/data/sim_cpu_profile.json``, with the real benches' figures documented in
-docs/pipeline.md and docs/skewness.md.
+"""The StreamRL simulator: hand-worked tiny runs, the trace format, the KV-cache batch bound, and
+an out-of-sample validation against fresh real runs (``streamrl sim validate``, small).
 """
 
 from __future__ import annotations
-
-import json
 
 import numpy as np
 import pytest
@@ -17,18 +12,10 @@ from streamrl.components.elastic import ElasticController
 from streamrl.components.latency import LatencyModel
 from streamrl.sim.batching import decode_schedule
 from streamrl.sim.config import GeneratorPool, SimConfig, TrainerPool, Workload
-from streamrl.sim.dispatch import generation_makespan_s
 from streamrl.sim.engine import simulate
-from streamrl.sim.hardware import LINK_GBPS, QWEN25, decode_latency
-from streamrl.sim.presets import (
-    CPU_COLOCATED_SLOWDOWN,
-    CPU_PROFILE,
-    DEFAULT_LENGTHS,
-    REAL_DISPATCH,
-    REAL_PIPELINE,
-    cpu_config,
-    paper_lengths,
-)
+from streamrl.sim.hardware import H800, LINK_GBPS, QWEN25, decode_latency, kv_batch_limit
+from streamrl.sim.presets import paper_config, paper_lengths
+from streamrl.sim.validate import CALIBRATION, PREDICTED, fit_calibration, validate
 from streamrl.timeline import load_trace
 
 # PTL 1.0 s per step alone, 1.5 s with two running.
@@ -126,21 +113,49 @@ def test_decode_latency_scaling():
     assert big.ptl(1) == pytest.approx(72.7 / 7.62 / 4 * 0.0083 + 160 * 12e-6, rel=1e-6)
 
 
-# -- validation against the real benches on this machine (documented figures) ---------------
+def test_kv_batch_limit_hand_computed():
+    # 72B on a TP-4 H800 instance: 0.9 x 80 GB x 4 = 288 GB, minus 2 x 72.7e9 bytes of bf16
+    # weights = 142.6 GB free. K and V of one token: 2 x 80 layers x 8 heads x 128 x 2 bytes =
+    # 327,680 bytes. Prompt 400 + max output 20,000 = 20,400 tokens = 6.685 GB per sequence:
+    # 142.6 / 6.685 = 21.3 -> 21 sequences.
+    assert QWEN25["72b"].kv_bytes_per_token == 327_680
+    assert kv_batch_limit(QWEN25["72b"], H800, 20_400) == 21
+    # 7B (4 KV heads, 28 layers, TP 1): 72 GB - 15.24 GB = 56.76 GB; 57,344 B/token x 20,400 =
+    # 1.170 GB -> 48. The [8, 512] clamp: a 1-token context would give ~990,000.
+    assert kv_batch_limit(QWEN25["7b"], H800, 20_400) == 48
+    assert kv_batch_limit(QWEN25["7b"], H800, 1) == 512
 
 
-@pytest.mark.parametrize("mode", ["colocated", "sync", "async"])
-def test_cpu_preset_predicts_bench_pipeline_within_15_percent(mode):
-    predicted = simulate(cpu_config(mode)).samples_per_s
-    assert predicted == pytest.approx(REAL_PIPELINE[mode], rel=0.15)
+def test_paper_72b_20k_instances_need_more_than_one_batch():
+    # Colocated: 128 GPUs / TP 4 = 32 instances for 1024 samples, 32 each on average, but only 21
+    # fit the KV cache at once: the second round is what LPT and skew dispatch reorder (Table 3).
+    config = paper_config("paper-72b-20k", "colocated", iterations=1)
+    gen = config.generators
+    assert gen.max_batch_size == 21 and gen.instances == 32
+    assert config.workload.samples / gen.instances > gen.max_batch_size
 
 
-def test_cpu_preset_predicts_bench_dispatch_within_15_percent():
-    latency = LatencyModel.from_json(CPU_PROFILE)
-    true = [int(n) for n in json.loads(DEFAULT_LENGTHS.read_text())]
-    noise = np.random.default_rng(0).lognormal(0.0, 0.25, len(true))  # as the bench draws it
-    predicted = (np.asarray(true) * noise).tolist()
-    for policy, real in REAL_DISPATCH.items():
-        makespan = generation_makespan_s(policy, true, predicted, 2, latency, 32,
-                                         CPU_COLOCATED_SLOWDOWN, latency.ptl(1))  # fmt: skip
-        assert makespan == pytest.approx(real, rel=0.15), policy
+def test_calibration_needs_a_sync_run():
+    with pytest.raises(ValueError, match="sync"):
+        fit_calibration(PREDICTED["async"], {}, TWO_POINT, TrainerCostModel(1e-4), None, 1, 0)
+
+
+# -- validation against a fresh real run (not stored numbers) ---------------------------------
+
+#: The bound on the out-of-sample error. Measured (docs/simulator.md, "Validated out of sample"):
+#: the fat-tail row was within about 1-10% on the 2-core machine, also while two other jobs kept
+#: both cores busy; 30% leaves headroom for a loaded 2-core CI runner and for 3-iteration runs,
+#: and still fails a simulator that loses its contention factor or its streaming (see docs).
+OUT_OF_SAMPLE_BOUND = 0.30
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_simulator_predicts_a_fresh_real_run_it_was_not_fitted_to():
+    """Calibrate on the real sync bench run (shipped lengths), then predict a real run on another
+    length distribution (twice the mean, a fatter tail), which the fit never saw."""
+    assert CALIBRATION.lengths != PREDICTED["fat-tail"].lengths
+    result = validate([PREDICTED["fat-tail"]], iterations=3, warmup=1, repeats=1, quick=True)
+    row = result["rows"]["fat-tail"]
+    assert not row["fitted"] and row["real"] > 0
+    assert abs(row["error"]) < OUT_OF_SAMPLE_BOUND, result

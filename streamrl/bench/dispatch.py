@@ -1,15 +1,18 @@
 """``streamrl bench dispatch``: generation makespan under random, skew-aware and oracle dispatch.
 
-StreamRL §5.3 / Fig. 9. Every policy generates the same prompts with the same forced output
-lengths on the same instances:
+StreamRL §5.3 / Fig. 9. Every policy generates the same task prompts with the same forced output
+lengths (the lengths file's) on the same instances:
 
 - ``random``: each prompt to a random instance, FIFO admission (the paper's baseline);
-- ``skew``: Algorithm 2 on *predicted* lengths, LPT admission on the same predictions;
-- ``oracle``: Algorithm 2 and LPT on the *true* lengths.
+- ``skew``: Algorithm 2 + LPT admission on *predicted* lengths, with ``D`` (the P50/P90 that
+  size its pools) from an earlier iteration. The headline row uses the library's own
+  ``LengthRanker`` trained on that earlier iteration; ``--predictions`` adds rows for other
+  sources (``noisy``: true lengths times log-normal noise, labelled ``skew_noisy``). See
+  ``streamrl.bench.predictions`` for what the skew policy may know and why;
+- ``oracle``: Algorithm 2 and LPT on the batch's *true* lengths (scores and ``D``).
 
-Predictions come from ``--predicted`` or are the true lengths times log-normal noise
-(``--ranker-noise``, sigma; the default 0.25 gives recall@20 of about 0.86 on the default
-length file, a realistic ranker: mean 0.858, sd 0.018 over 20 noise seeds).
+The skew policy's dispatcher plans on copies of the requests without their forced lengths
+(``Blindfolded``): it sees prompts, predictions and ``D``, never the truth.
 ``--simulate`` replays continuous batching with the latency model instead of running models.
 """
 
@@ -19,13 +22,17 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
+import torch
 
-from streamrl.bench import model_dir_for
-from streamrl.bench.pipeline import DEFAULT_LENGTHS, load_lengths
-from streamrl.components.dispatch import RandomDispatcher
+from streamrl.bench.inputs import load_lengths, model_dir_for, tokenizer_for
+from streamrl.bench.pipeline import DEFAULT_LENGTHS
+from streamrl.bench.predictions import SOURCES, Batch, Predictions, batch_and_history, predict
+from streamrl.components.dispatch import Dispatcher, RandomDispatcher
 from streamrl.components.generation_service import StreamGenerationService
 from streamrl.components.latency import PAPER_7B_H800_MS, LatencyModel, simulate_instance
 from streamrl.components.profiler import Profiler
@@ -37,114 +44,247 @@ from streamrl.records import Request
 
 POLICIES = ("random", "skew", "oracle")
 RANDOM_DRAWS = 20  # simulated random dispatch: mean makespan over this many draws
-PROMPT = [5, 6, 7, 8]  # every prompt is the same 4 tokens: only the output length differs
+PROFILE_PROMPT = [5, 6, 7, 8]  # the prompt PTL(BS) is measured on
 
 
-def _requests(true: list[int], predicted: list[float]) -> list[Request]:
+class Blindfolded:
+    """A dispatcher that plans on copies of the requests stripped of their forced (true)
+    lengths; the plan is mapped back onto the originals, with the predicted lengths it set.
+
+    Args:
+        inner: the dispatcher to blindfold.
+        max_batch_size: every instance's batch size when ``inner`` has no per-pool sizes.
+    """
+
+    def __init__(self, inner: Dispatcher, max_batch_size: int) -> None:
+        self.inner, self.max_batch_size = inner, max_batch_size
+
+    def plan(
+        self, requests: Sequence[Request], scores: Sequence[float] | None, instances: int
+    ) -> list[list[Request]]:
+        cap = max(r.max_tokens for r in requests)  # one budget for all: it tells nothing
+        blind = [replace(r, forced_length=None, max_tokens=cap) for r in requests]
+        original = {id(b): r for b, r in zip(blind, requests)}
+        parts = self.inner.plan(blind, scores, instances)
+        for part in parts:
+            for b in part:
+                original[id(b)].predicted_length = b.predicted_length
+        return [[original[id(b)] for b in part] for part in parts]
+
+    def batch_limits(self, instances: int) -> list[int]:
+        """The inner plan's per-instance batch sizes (full batches for random dispatch)."""
+        limits = getattr(self.inner, "batch_limits", None)
+        return limits(instances) if limits else [self.max_batch_size] * instances
+
+
+def _requests(prompt_ids: list[list[int]], true: list[int], iteration: int = 0) -> list[Request]:
     return [
-        Request(f"p{i}", PROMPT, n, forced_length=n, predicted_length=p)
-        for i, (n, p) in enumerate(zip(true, predicted))
+        Request(f"p{i}", ids, n, forced_length=n, iteration=iteration)
+        for i, (ids, n) in enumerate(zip(prompt_ids, true))
     ]
 
 
-def _policy(name: str, latency: LatencyModel, args, true: list[int]):
-    """(dispatcher, scheduler name, scores) of a policy."""
-    if name == "random":
-        return RandomDispatcher(args.seed), "fifo", None
-    dispatcher = SkewAwareDispatcher(
-        latency, args.max_batch_size, objective=args.objective, recent_lengths=true,
+def _dispatcher(policy: str, latency: LatencyModel, args, d: list[int]) -> Blindfolded:
+    """A policy's dispatcher; ``d`` is its length distribution ``D`` (unused by random)."""
+    if policy == "random":
+        return Blindfolded(RandomDispatcher(args.seed), args.max_batch_size)
+    skew = SkewAwareDispatcher(
+        latency,
+        args.max_batch_size,
+        objective=args.objective,
+        recent_lengths=d,
         tail_batch_size=args.tail_batch_size,
-    )  # fmt: skip
-    return dispatcher, "lpt", "true" if name == "oracle" else "predicted"
+    )
+    return Blindfolded(skew, args.max_batch_size)
 
 
-def _simulate(name, latency, args, true, predicted) -> float:
-    """Replayed makespan; for ``random``, the mean over ``RANDOM_DRAWS`` dispatches (one
-    random draw alone can be far from what random dispatch costs on average)."""
-    dispatcher, scheduler, which = _policy(name, latency, args, true)
-    scores = None if which is None else (true if which == "true" else predicted)
-    draws = RANDOM_DRAWS if name == "random" else 1
+def _simulate(dispatcher: Blindfolded, scores, latency, args, prompt_ids, true) -> float:
+    """Replayed makespan; random dispatch (no scores: FIFO) averages ``RANDOM_DRAWS`` draws
+    (one draw alone can be far from what random dispatch costs on average)."""
+    draws = RANDOM_DRAWS if scores is None else 1
     total = 0.0
     for _ in range(draws):
-        parts = dispatcher.plan(_requests(true, predicted), scores, args.instances)
-        limits = (
-            dispatcher.batch_limits(args.instances)
-            if isinstance(dispatcher, SkewAwareDispatcher)
-            else [args.max_batch_size] * args.instances
-        )
+        parts = dispatcher.plan(_requests(prompt_ids, true), scores, args.instances)
         makespans = []
-        for part, limit in zip(parts, limits):
-            if scheduler == "lpt":
-                part = sorted(part, key=lambda r: -r.predicted_length)  # stable: FIFO on ties
+        for part, limit in zip(parts, dispatcher.batch_limits(args.instances)):
+            if scores is not None:  # LPT admission; stable: FIFO on ties
+                part = sorted(part, key=lambda r: -r.predicted_length)
             makespans.append(simulate_instance([r.forced_length for r in part], limit, latency))
         total += max(makespans)
     return total / draws
 
 
-def _run_real(name, latency, args, true, predicted, model_dir: Path) -> float:
-    dispatcher, scheduler, which = _policy(name, latency, args, true)
-    scores = None if which is None else (true if which == "true" else predicted)
-    with StreamGenerationService(model_dir, args.instances, max_batch_size=args.max_batch_size,
-                                 dispatcher=dispatcher, scheduler=scheduler) as sgs:  # fmt: skip
-        times = []
-        for repeat in range(args.repeats):
-            requests = _requests(true, predicted)
-            for r in requests:
-                r.iteration = repeat
+def _run_real(plans: dict, args, prompt_ids, true, model_dir: Path) -> dict[str, float]:
+    """Median wall-clock makespan of each row over ``args.repeats`` generations.
+
+    One service serves every row, the rows interleaved in each repeat so that drift on a
+    shared machine hits them alike. Its instances admit LPT: requests without a prediction
+    (random dispatch) keep submission order, i.e. FIFO.
+    """
+    times: dict[str, list[float]] = {label: [] for label in plans}
+    with StreamGenerationService(
+        model_dir, args.instances, max_batch_size=args.max_batch_size, scheduler="lpt"
+    ) as sgs:
+        runs = [(None, *next(iter(plans.items())))]  # one unmeasured warm-up run
+        runs += [(label, label, plan) for _ in range(args.repeats) for label, plan in plans.items()]
+        for iteration, (measured, _, (dispatcher, scores)) in enumerate(runs):
+            sgs.dispatcher = dispatcher
             started = time.perf_counter()
-            for _ in sgs.generate(requests, scores):
+            for _ in sgs.generate(_requests(prompt_ids, true, iteration), scores):
                 pass
-            times.append(time.perf_counter() - started)
-    return statistics.median(times)
+            if measured is not None:
+                times[measured].append(time.perf_counter() - started)
+    return {label: statistics.median(t) for label, t in times.items()}
 
 
-def bench_dispatch(args) -> dict:
-    """Makespan of each policy (median of repeats when real) and its ratio to random."""
+def _rows(args) -> list[tuple[str, str, str | None]]:
+    """``(label, policy, predictions source)`` per row: the first source is the headline
+    ``skew`` row, the others ``skew_<source>``."""
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     if not policies or any(p not in POLICIES for p in policies):
         raise ConfigError(f"--policies: choose from {', '.join(POLICIES)}, got {args.policies!r}.")
-    lengths = load_lengths(args.lengths or DEFAULT_LENGTHS)
-    true = [lengths[i % len(lengths)] for i in range(args.prompts or len(lengths))]
-    if args.predicted:
-        predicted = [float(x) for x in load_lengths(args.predicted)][: len(true)]
-        if len(predicted) != len(true):
-            raise ConfigError(f"--predicted has {len(predicted)} lengths; need {len(true)}.")
-    else:
-        noise = np.random.default_rng(args.seed).lognormal(0.0, args.ranker_noise, len(true))
-        predicted = (np.asarray(true) * noise).tolist()
+    sources = _sources(args)
+    rows = []
+    for policy in policies:
+        if policy != "skew":
+            rows.append((policy, policy, None))
+            continue
+        rows += [("skew" if i == 0 else f"skew_{s}", "skew", s) for i, s in enumerate(sources)]
+    return rows
+
+
+def _sources(args) -> list[str]:
+    chosen = getattr(args, "predictions", None) or ("file" if args.predicted else "ranker,noisy")
+    sources = [s.strip() for s in chosen.split(",") if s.strip()]
+    if not sources or any(s not in SOURCES for s in sources):
+        raise ConfigError(f"--predictions: choose from {', '.join(SOURCES)}, got {chosen!r}.")
+    if ("file" in sources) != bool(args.predicted):
+        raise ConfigError("--predictions file and --predicted PATH go together; pass both.")
+    return sources
+
+
+def bench_dispatch(args) -> dict:
+    """Makespan of each row (median of repeats when real) and its ratio to random."""
+    torch.set_num_threads(1)  # the ranker trains beside the generators' cores, as they would
+    rows = _rows(args)
+    table = load_lengths(args.lengths or DEFAULT_LENGTHS)
+    n = args.prompts or len(table)
+    history = getattr(args, "history", None) or 2 * n
+    if n < 1 or history < 2 or args.instances < 1 or args.repeats < 1:
+        raise ConfigError(
+            "--prompts, --instances and --repeats must be >= 1 and --history >= 2; got "
+            f"{n}, {args.instances}, {args.repeats}, {history}."
+        )
+    batch, earlier = batch_and_history(
+        table, n, history, getattr(args, "sample_sigma", 0.25), args.seed
+    )
     with tempfile.TemporaryDirectory(prefix="streamrl-dispatch-") as tmp:
-        model_dir, latency = _model_and_latency(args, Path(tmp))
-        makespan = {}
-        for name in policies:
-            run = _simulate if args.simulate else _run_real
-            extra = () if args.simulate else (model_dir,)
-            makespan[name] = round(run(name, latency, args, true, predicted, *extra), 4)
-            print(f"{name}: makespan {makespan[name]:.3f} s", file=sys.stderr)
-    result = {
-        "makespan_s": makespan,
-        "ratio_to_random": {p: round(v / makespan["random"], 3) for p, v in makespan.items()}
-        if "random" in makespan else {},
-        "recall@20": recall_at_k(predicted, true, 0.2),
-        "kendall_tau": round(kendall_tau(predicted, true), 4),
-        "instances": args.instances,
-        "prompts": len(true),
-        "mode": "simulated" if args.simulate else "real",
-    }  # fmt: skip
+        prompt_ids, model_dir, latency = _setup(args, batch, Path(tmp))
+        predictions = {
+            label: predict(
+                source,
+                batch,
+                earlier,
+                ranker_noise=args.ranker_noise,
+                seed=args.seed,
+                predicted_file=args.predicted,
+            )
+            for label, _, source in rows
+            if source is not None
+        }
+        plans = {}
+        for label, policy, _ in rows:
+            d = batch.lengths if policy == "oracle" else earlier.lengths
+            scores = _scores(policy, batch, predictions.get(label))
+            plans[label] = (_dispatcher(policy, latency, args, d), scores)
+        if args.simulate:
+            makespan = {
+                label: _simulate(dispatcher, scores, latency, args, prompt_ids, batch.lengths)
+                for label, (dispatcher, scores) in plans.items()
+            }
+        else:
+            makespan = _run_real(plans, args, prompt_ids, batch.lengths, model_dir)
+        makespan = {label: round(v, 4) for label, v in makespan.items()}
+    result = _result(args, batch, earlier, predictions, makespan, latency)
+    _print_table(result)
     return result
 
 
-def _model_and_latency(args, tmp: Path) -> tuple[Path | None, LatencyModel]:
+def _scores(policy: str, batch: Batch, predictions: Predictions | None) -> list[float] | None:
+    if policy == "random":
+        return None
+    if policy == "oracle":
+        return [float(n) for n in batch.lengths]
+    return predictions.lengths
+
+
+def _setup(args, batch: Batch, tmp: Path) -> tuple[list[list[int]], Path | None, LatencyModel]:
+    """Prompt token ids, the model directory (real runs; built with the context the prompts and
+    lengths need, or refused before any work) and the latency model."""
+    latency = None
     if args.latency == "paper-7b-h800":
         latency = LatencyModel.from_table_ms(PAPER_7B_H800_MS)
     elif args.latency:
         latency = LatencyModel.from_json(args.latency)
-    else:
-        latency = None
     if args.simulate and latency is not None:
-        return None, latency
-    model_dir = model_dir_for(args.model, tmp, args.seed)
+        return [[0]] * len(batch.prompts), None, latency  # replays ignore the prompt
+    tokenizer = tokenizer_for(args.model)
+    prompt_ids = [tokenizer(p)["input_ids"] for p in batch.prompts]
+    needed = 0 if args.simulate else max(len(p) + n for p, n in zip(prompt_ids, batch.lengths))
+    model_dir = model_dir_for(args.model, tmp, args.seed, context=needed)
     if latency is None:  # measure the backend that runs: PTL up to the batch size used
         policy, _ = load_policy(model_dir)
         sizes = [b for b in (1, 2, 4, 8, 16, 32, 64, 128) if b <= args.max_batch_size]
-        latency = Profiler(policy, PROMPT, tokens=16, repeats=1).fit(sizes)
-    return model_dir, latency
+        latency = Profiler(policy, PROFILE_PROMPT, tokens=16, repeats=1).fit(sizes)
+    return prompt_ids, model_dir, latency
+
+
+def _quality(predictions: Predictions, true: list[int]) -> dict:
+    return {
+        "source": predictions.source,
+        "recall@20": round(recall_at_k(predictions.lengths, true, 0.2), 4),
+        "kendall_tau": round(kendall_tau(predictions.lengths, true), 4),
+        **predictions.info,
+    }
+
+
+def _result(args, batch: Batch, earlier: Batch, predictions: dict, makespan: dict, latency) -> dict:
+    quality = {label: _quality(p, batch.lengths) for label, p in predictions.items()}
+    base = makespan.get("random")
+    result = {
+        "makespan_s": makespan,
+        "ratio_to_random": {k: round(v / base, 3) for k, v in makespan.items()} if base else {},
+        "predictions": quality,
+        "history": {
+            "samples": len(earlier.lengths),
+            "p50": float(np.percentile(earlier.lengths, 50)),
+            "p90": float(np.percentile(earlier.lengths, 90)),
+        },
+        # Decoding the longest sample alone at PTL(1): no policy finishes sooner.
+        "longest_sample_s": round(latency.ptl(1) * max(batch.lengths), 4),
+        "instances": args.instances,
+        "prompts": len(batch.lengths),
+        "mode": "simulated" if args.simulate else "real",
+    }
+    if "skew" in quality:  # the headline predictions
+        result["recall@20"] = quality["skew"]["recall@20"]
+        result["kendall_tau"] = quality["skew"]["kendall_tau"]
+    return result
+
+
+def _print_table(result: dict) -> None:
+    print(
+        f"{'row':<14}{'predictions':<16}{'recall@20':>10}{'makespan s':>12}{'/ random':>10}",
+        file=sys.stderr,
+    )
+    for label, seconds in result["makespan_s"].items():
+        quality = result["predictions"].get(label)
+        source = quality["source"] if quality else ("true lengths" if label == "oracle" else "-")
+        if quality and quality["source"] == "noisy":
+            source = f"noisy s={quality['sigma']}"
+        recall = f"{quality['recall@20']:.3f}" if quality else "-"
+        ratio = result["ratio_to_random"].get(label)
+        ratio_text = f"{ratio:.3f}" if ratio is not None else "-"
+        print(
+            f"{label:<14}{source:<16}{recall:>10}{seconds:>12.3f}{ratio_text:>10}", file=sys.stderr
+        )

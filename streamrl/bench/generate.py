@@ -10,16 +10,24 @@ import time
 
 import torch
 
+from streamrl.bench.inputs import DEFAULT_CONTEXT, check_context, tokenizer_for
 from streamrl.components.hf_generator import HFStreamGenerator
+from streamrl.errors import ConfigError
 from streamrl.models import build_tiny_model, build_tokenizer, load_policy
 from streamrl.records import Request
 from streamrl.tasks import make_prompt_set
 
 
-def load_model(model: str):
+def load_model(model: str, context: int = 0):
+    """``(policy, tokenizer)``: the built-in ``"tiny"`` demo model (with at least ``context``
+    positions) or a model directory, refused before any work if its context is shorter."""
     if model == "tiny":
         tokenizer = build_tokenizer()
-        return build_tiny_model(tokenizer, "demo", seed=0).eval(), tokenizer
+        positions = max(DEFAULT_CONTEXT["tiny"], context)
+        return build_tiny_model(
+            tokenizer, "demo", max_positions=positions, seed=0
+        ).eval(), tokenizer
+    check_context(model, context)
     return load_policy(model)
 
 
@@ -56,9 +64,14 @@ def bench_generate(
         ``{"tokens_per_s": {"stream": {bs: ..}, "hf_generate": {bs: ..}}, "ratio": {bs: ..}}``.
     """
     torch.set_num_threads(1)
-    policy, tokenizer = load_model(model)
+    if max_tokens < 1 or n_prompts < 1 or not batch_sizes or min(batch_sizes) < 1:
+        raise ConfigError("bench generate: --max-tokens, --prompts and every batch size must be "
+                          f">= 1; got {max_tokens}, {n_prompts}, {batch_sizes}.")  # fmt: skip
     texts = make_prompt_set(n_prompts, seed=random.Random(0).randint(0, 999))["prompt"]
+    tokenizer = tokenizer_for(model)
     prompts = [tokenizer(t)["input_ids"] for t in texts]
+    # --max-tokens past the built-in model's context: build it with the context it needs.
+    policy, tokenizer = load_model(model, context=max(map(len, prompts)) + max_tokens)
     result: dict = {"tokens_per_s": {"stream": {}, "hf_generate": {}}, "ratio": {}}
     print(
         f"{'batch':>6} {'stream tok/s':>14} {'hf generate tok/s':>18} {'ratio':>7}", file=sys.stderr

@@ -15,7 +15,6 @@ lengths (the paper's throughput protocol, §7), and the same two cores:
 from __future__ import annotations
 
 import itertools
-import json
 import statistics
 import sys
 import tempfile
@@ -25,7 +24,7 @@ import lightning as L
 import torch
 
 from streamrl.algorithms import GRPO
-from streamrl.bench import model_dir_for
+from streamrl.bench.inputs import load_lengths, model_dir_for, tokenizer_for
 from streamrl.components.generation_service import StreamGenerationService
 from streamrl.components.pipeline import DynamicBatchPipeline
 from streamrl.errors import ConfigError
@@ -38,30 +37,12 @@ from streamrl.timeline import busy_fraction, draw_timeline
 DEFAULT_LENGTHS = Path(__file__).resolve().parents[1] / "data" / "lengths_longtail.json"
 
 
-def load_lengths(path: str | Path) -> list[int]:
-    """Output lengths from a JSON list or a JSONL file with a ``length`` field."""
-    text = Path(path).read_text()
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError:
-        try:
-            data = [json.loads(line)["length"] for line in text.splitlines() if line.strip()]
-        except (json.JSONDecodeError, KeyError, TypeError) as err:
-            raise ConfigError(
-                f"{path}: not a JSON list of lengths nor JSONL rows with a 'length' field ({err})."
-            ) from err
-    lengths = [int(x) for x in data]
-    if not lengths or min(lengths) < 1:
-        raise ConfigError(f"{path}: need a non-empty list of positive lengths.")
-    return lengths
-
-
 def run_mode(mode: str, model_dir: Path, lengths: list[int], args) -> dict:
     """One timed run of ``mode``; medians over the measured (post-warm-up) iterations."""
     torch.set_num_threads(1)
     L.seed_everything(args.seed, verbose=False)
     policy, tokenizer = load_policy(model_dir)
-    prompts = make_prompt_set(max(64, args.batch * 4), seed=args.seed, max_len=8)
+    prompts = _prompt_set(args)
     algorithm = GRPO(exact_match, group_size=args.group_size)
     steps = args.warmup + args.iterations
     # Two cores: colocated decodes on both, then trains on both; the disaggregated modes give
@@ -117,8 +98,13 @@ def bench_pipeline(args) -> dict:
     if getattr(args, "device", "cpu") == "cuda" and not torch.cuda.is_available():
         raise ConfigError("--device cuda: this machine has no CUDA GPU (torch.cuda.is_available() "
                           "is False); run without --device to benchmark on the CPU.")  # fmt: skip
+    tokenizer = tokenizer_for(args.model)
+    longest_prompt = max(len(tokenizer(p)["input_ids"]) for p in _prompt_set(args)["prompt"])
     with tempfile.TemporaryDirectory(prefix="streamrl-bench-") as tmp:
-        model_dir = model_dir_for(args.model, Path(tmp), args.seed)
+        # Lengths past the built-in model's context: build it with the context they need (a
+        # model directory too short fails here, before any generator starts).
+        context = longest_prompt + max(lengths)
+        model_dir = model_dir_for(args.model, Path(tmp), args.seed, context=context)
         runs: dict[str, list[dict]] = {m: [] for m in modes}
         for repeat in range(args.repeats):
             for mode in modes:  # interleaved, so drift on the machine hits every mode alike
@@ -144,6 +130,11 @@ def bench_pipeline(args) -> dict:
             )
     _print_table(result)
     return result
+
+
+def _prompt_set(args):
+    """The task prompts every mode draws its batches from."""
+    return make_prompt_set(max(64, args.batch * 4), seed=args.seed, max_len=8)
 
 
 def _median_run(runs: list[dict]) -> dict:

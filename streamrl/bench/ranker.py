@@ -8,25 +8,40 @@ from pathlib import Path
 
 import torch
 
+from streamrl.bench.inputs import check_context
 from streamrl.components.ranker import LengthRanker
 from streamrl.errors import ConfigError
 from streamrl.metrics import kendall_tau, recall_at_k
 
+POLICY_MAX_TOKENS = 64  # --from-policy: the longest answer sampled
+
 
 def load_length_rows(path: str | Path) -> tuple[list[str], list[int]]:
-    """``(prompts, lengths)`` from JSONL rows ``{"prompt": str, "length": int}``."""
+    """``(prompts, lengths)`` from JSONL rows ``{"prompt": str, "length": int}``.
+
+    Raises:
+        ConfigError: no such file, a row that is not such an object or whose length is not a
+            positive integer, or fewer than 10 rows.
+    """
+    if not Path(path).is_file():
+        raise ConfigError(f"--data: no file at {str(path)!r}.")
     prompts, lengths = [], []
     for line_no, line in enumerate(Path(path).read_text().splitlines(), start=1):
         if not line.strip():
             continue
         try:
             row = json.loads(line)
-            prompts.append(str(row["prompt"]))
-            lengths.append(int(row["length"]))
-        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as err:
+            prompt, length = str(row["prompt"]), row["length"]
+        except (json.JSONDecodeError, KeyError, TypeError) as err:
             raise ConfigError(
                 f"{path}:{line_no}: need {{'prompt': str, 'length': int}} ({err})."
             ) from err
+        if isinstance(length, bool) or not isinstance(length, int) or length < 1:
+            raise ConfigError(
+                f"{path}:{line_no}: length {length!r}; need a positive integer (output tokens)."
+            )
+        prompts.append(prompt)
+        lengths.append(length)
     if len(prompts) < 10:
         raise ConfigError(f"{path}: {len(prompts)} rows; need at least 10 to split 80/20.")
     return prompts, lengths
@@ -87,10 +102,13 @@ def policy_lengths(
     from streamrl.records import Request
     from streamrl.tasks import make_prompt_set
 
+    check_context(model_dir, 0)  # a model directory, or a clear error before any work
     tokenizer = load_tokenizer(model_dir)
     prompts = make_prompt_set(n_prompts, seed=seed + 17, median_len=6, max_len=48)["prompt"]
-    requests = [Request(f"p{i}", tokenizer(p)["input_ids"], 64, s)
-                for i, p in enumerate(prompts) for s in range(samples)]  # fmt: skip
+    ids = [tokenizer(p)["input_ids"] for p in prompts]
+    check_context(model_dir, max(map(len, ids)) + POLICY_MAX_TOKENS)
+    requests = [Request(f"p{i}", ids[i], POLICY_MAX_TOKENS, s)
+                for i in range(len(prompts)) for s in range(samples)]  # fmt: skip
     lengths: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
     with StreamGenerationService(model_dir, 2, temperature=temperature, seed=seed) as sgs:
         for sample in sgs.generate(requests):

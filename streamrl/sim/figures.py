@@ -1,7 +1,8 @@
-"""Reproduce the simulator's validation tables and figures: ``python -m streamrl.sim.figures OUT``.
+"""Reproduce the simulator's paper tables and figures: ``python -m streamrl.sim.figures OUT``.
 
-Prints JSON tables (simulated vs real on this machine; simulated vs the paper's Table 3, Fig. 9,
-Fig. 10, Fig. 11 and Fig. 12) and writes ``sim-*.png`` into ``OUT`` (docs/img).
+Prints JSON tables (simulated vs the paper's Table 3, Fig. 9, Fig. 10, Fig. 11 and Fig. 12) and
+writes ``sim-*.png`` into ``OUT`` (docs/img). The validation against real runs on this machine is
+``streamrl sim validate --figure OUT/sim-vs-real.png`` (``validation_figure``).
 """
 
 from __future__ import annotations
@@ -14,19 +15,12 @@ import numpy as np
 
 from streamrl.components.allocator import ResourceAllocator
 from streamrl.components.elastic import ElasticController
-from streamrl.components.latency import LatencyModel
 from streamrl.sim.ablation import ablation_summary, run_ablation
 from streamrl.sim.dispatch import generation_makespan_s
 from streamrl.sim.engine import simulate
 from streamrl.sim.hardware import H800, QWEN25, decode_latency, kv_batch_limit, trainer_cost
 from streamrl.sim.presets import (
-    CPU_COLOCATED_SLOWDOWN,
-    CPU_PROFILE,
-    DEFAULT_LENGTHS,
     PAPER_PROMPT_TOKENS,
-    REAL_DISPATCH,
-    REAL_PIPELINE,
-    cpu_config,
     paper_config,
     paper_lengths,
 )
@@ -41,48 +35,31 @@ def _figure(width: float = 7.0, height: float = 3.6):
     return fig
 
 
-def cpu_validation(out: Path) -> dict:
-    """Simulated vs real ``bench pipeline`` and ``bench dispatch --instances 2``."""
-    pipeline = {m: simulate(cpu_config(m)).samples_per_s for m in REAL_PIPELINE}
-    latency = LatencyModel.from_json(CPU_PROFILE)
-    true = [int(n) for n in json.loads(DEFAULT_LENGTHS.read_text())]
-    predicted = (np.asarray(true) * np.random.default_rng(0).lognormal(0, 0.25, len(true))).tolist()
-    dispatch = {
-        p: generation_makespan_s(
-            p, true, predicted, 2, latency, 32, CPU_COLOCATED_SLOWDOWN, latency.ptl(1)
-        )
-        for p in REAL_DISPATCH
-    }
+def validation_figure(result: dict, path: str | Path) -> Path:
+    """Bars of ``streamrl sim validate``'s result: real vs simulated samples/s per config."""
+    rows = result["rows"]
     fig = _figure(9, 3.4)
-    for ax, sim, real, unit in [
-        (fig.add_subplot(1, 2, 1), pipeline, REAL_PIPELINE, "samples/s (bench pipeline)"),
-        (fig.add_subplot(1, 2, 2), dispatch, REAL_DISPATCH, "makespan s (bench dispatch, 2 inst.)"),
-    ]:
-        x = np.arange(len(sim))
-        ax.bar(x - 0.2, [real[k] for k in sim], 0.4, label="real (docs)", color="0.55")
-        ax.bar(x + 0.2, list(sim.values()), 0.4, label="simulated", color="#1f77b4")
-        for i, k in enumerate(sim):
-            ax.annotate(f"{sim[k] / real[k] - 1:+.0%}", (i + 0.2, sim[k]), ha="center",
-                        xytext=(0, 2), textcoords="offset points", fontsize=8)  # fmt: skip
-        ax.set_xticks(x, list(sim))
-        ax.set_ylabel(unit)
-        ax.legend(fontsize=8, loc="lower right")
-    fig.suptitle("Simulator vs the real benches on the 2-core machine")
-    fig.savefig(out / "sim-vs-real.png")
-    return {
-        "pipeline": {
-            m: {"sim": round(v, 1), "real": REAL_PIPELINE[m]} for m, v in pipeline.items()
-        },
-        "dispatch": {
-            p: {"sim": round(v, 3), "real": REAL_DISPATCH[p]} for p, v in dispatch.items()
-        },
-    }
+    ax = fig.add_subplot()
+    x = np.arange(len(rows))
+    real = [r["real"] for r in rows.values()]
+    sim = [r["sim"] for r in rows.values()]
+    ax.bar(x - 0.2, real, 0.4, label="real (measured now)", color="0.55")
+    ax.bar(x + 0.2, sim, 0.4, label="simulated (calibrated on *)", color="#1f77b4")
+    for i, r in enumerate(rows.values()):
+        ax.annotate(f"{r['error']:+.0%}", (i + 0.2, r["sim"]), ha="center", xytext=(0, 2),
+                    textcoords="offset points", fontsize=8)  # fmt: skip
+    ax.set_xticks(x, [f"{n}*" if r["fitted"] else n for n, r in rows.items()], fontsize=8)
+    ax.set_ylabel("samples/s (bench pipeline)")
+    ax.legend(fontsize=8, loc="upper right")
+    ax.set_title("Simulator vs fresh real runs on this machine (streamrl sim validate)")
+    fig.savefig(path)
+    return Path(path)
 
 
 def allocation(out: Path) -> dict:
     """Fig. 10: T_gen and T_train over the split, 32B on 64 and 72B on 128 GPUs (20K)."""
     lengths = paper_lengths(1024, 20000, seed=0)
-    context = PAPER_PROMPT_TOKENS + float(np.mean(lengths))
+    context = PAPER_PROMPT_TOKENS + 20000  # prompt + max output: see ``kv_batch_limit``
     fig, table = _figure(9, 3.4), {}
     for i, name in enumerate(("32b", "72b")):
         model = QWEN25[name]
@@ -176,8 +153,7 @@ def main(out: str) -> dict:
     path = Path(out)
     path.mkdir(parents=True, exist_ok=True)
     tables = {
-        "cpu": cpu_validation(path),
-        "ablation": {p: ablation_summary(run_ablation(p))["ablation"]
+            "ablation": {p: ablation_summary(run_ablation(p))["ablation"]
                      for p in ("paper-7b-20k", "paper-32b-20k", "paper-72b-20k")},
         "allocation": allocation(path),
         "dispatch": dispatch_gains(),

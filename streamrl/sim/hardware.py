@@ -10,7 +10,10 @@ cross-datacenter link). Assumptions (not in the paper), each used once below:
   bandwidth), also by parameters per GPU. Tensor parallelism adds two all-reduces per layer and
   step, 12 us each.
 - **KV-cache bound on the batch.** ``90% of HBM x TP - bf16 weights``, divided by the KV bytes
-  of one sequence at prompt + mean output length, capped to [8, 512].
+  of one sequence at prompt + *maximum* output length, capped to [8, 512]. An engine that
+  admits a sequence only when its whole context fits never preempts (the forced-length protocol
+  of §7 runs every sample to its end); a paged engine that admits on the mean and preempts would
+  hold about 3x more at 20K (see ``kv_batch_limit``).
 - **Training cost.** PPO with actor, critic and reference of the same size: 16 x params FLOPs per
   token (fwd+bwd of two models, three forward passes), at 35% MFU; each added data-parallel unit
   gives 0.95 of a unit.
@@ -110,7 +113,20 @@ def decode_latency(model: ModelShape, gpu: GPU = H800) -> LatencyModel:
 
 
 def kv_batch_limit(model: ModelShape, gpu: GPU, context_tokens: float) -> int:
-    """Sequences one instance can hold in its KV cache at ``context_tokens`` each."""
+    """Sequences one instance (``model.gen_tp`` GPUs) holds in its KV cache at
+    ``context_tokens`` each: the batch bound of Algorithm 2 (§5.3, ``BS_max``).
+
+    ``free = 0.9 x HBM x TP - bf16 weights``; one sequence needs ``kv_bytes_per_token x
+    context_tokens``. Pass prompt + maximum output for an engine that never preempts (the paper
+    presets do), prompt + mean output for a paged engine's steady state.
+
+    Examples:
+        >>> # 72B, TP 4 on H800: 0.9 x 80 GB x 4 - 145.4 GB = 142.6 GB free; a token's K and V
+        >>> # over 80 layers x 8 KV heads x 128 dims in bf16 is 327,680 bytes; at 400 + 20,000
+        >>> # tokens a sequence needs 6.68 GB, so 21 fit (at the mean 6.3K, 69 would).
+        >>> kv_batch_limit(QWEN25["72b"], H800, 400 + 20000)
+        21
+    """
     free = 0.9 * gpu.hbm_gb * 1e9 * model.gen_tp - model.weight_bytes
     return int(min(512, max(8, free // (model.kv_bytes_per_token * context_tokens))))
 

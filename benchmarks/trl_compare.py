@@ -1,101 +1,151 @@
 """streamrl vs TRL's GRPOTrainer: same tiny model, task, prompts, group size, lengths and 2 cores.
 
-Both start from the warm-started demo policy and train GRPO on the demo task mix for the same
-number of steps (each step: ``--prompts`` prompts x ``--group`` samples, at most 64 new tokens,
-temperature 0.7, lr 1e-4, no KL). TRL runs as its docs recommend on a CPU: one process,
-colocated generation with ``model.generate`` (``use_cpu=True``), both cores for torch. streamrl
-runs its default: 2 generator processes streaming into a one-thread trainer (sync mode, skew
-dispatch on) and, separately, one-step async mode.
+Every system starts from the warm-started demo policy and trains GRPO on the demo task mix for the
+same number of steps (each step: ``--prompts`` prompts x ``--group`` samples, at most 64 new
+tokens, temperature 0.7, constant lr 1e-4, no KL). Four systems, each run in a fresh process,
+interleaved round by round (``--repeats`` rounds), medians reported:
 
-Reported: samples/s (completions generated and trained per second of training wall-clock),
-mean reward per step, reward against wall-clock (PNG) and greedy held-out accuracy after training
-on the same 256 held-out prompts.
+- ``trl``: TRL's ``GRPOTrainer`` as a careful CPU user sets it: ``use_cpu=True``, ``bf16=False``
+  and ``gradient_checkpointing=False`` (TRL defaults both to true; on a CPU they cost bf16
+  autocast, recomputed forwards and, in transformers 5, the KV cache while generating), both
+  cores for torch, colocated ``model.generate``;
+- ``trl-cb``: the same with TRL's transformers continuous-batching generation
+  (``use_transformers_continuous_batching=True``);
+- ``streamrl-sync`` / ``streamrl-async``: ``streamrl fit`` defaults (2 generator processes
+  streaming into a one-thread trainer, skew dispatch on), sync and one-step async.
+
+The clock is the same for all: wall-clock from the start of the training call to its end
+(``trainer.train()`` for TRL; for streamrl the whole training call inside ``run_fit``, so process
+spawns, latency profiling, checkpoint writes, Lightning overhead and shutdown count). The faster
+TRL configuration is the baseline. The in-step rate (iterations' own time) is reported beside it,
+labelled. Held-out greedy accuracy is measured the same way for all, after training.
 
     pip install -e '.[peer]'
-    python benchmarks/trl_compare.py --steps 20 --out runs/peer
+    python benchmarks/trl_compare.py --steps 20 --repeats 3 --out runs/peer
 """
 
 from __future__ import annotations
 
 import argparse
+import csv
 import json
+import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
 
-import torch
-
-from streamrl.config import RunConfig
-from streamrl.evaluation import evaluate
-from streamrl.jobs import run_fit
-from streamrl.models import load_policy
-from streamrl.prepare import ensure_policy, prepare_run
-from streamrl.tasks import exact_match
+SYSTEMS = ("streamrl-sync", "streamrl-async", "trl", "trl-cb")
+RUN_TIMEOUT_S = 1800  # one run of 20 steps takes about a minute; a hang fails the benchmark
 
 
-def run_trl(model_dir: Path, train, heldout, args, out: Path) -> dict:
-    """TRL's GRPOTrainer on the same policy and prompts; returns rewards, times and accuracy."""
+def run_trl(continuous_batching: bool, args, out: Path) -> dict:
+    """TRL's GRPOTrainer on the demo policy and prompts; returns rate, curve and accuracy."""
+    import torch
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
+    from streamrl.config import RunConfig
+    from streamrl.evaluation import evaluate
+    from streamrl.models import load_policy
+    from streamrl.prepare import ensure_policy, prepare_run
+    from streamrl.tasks import exact_match
+
     torch.set_num_threads(2)  # one process: both cores for generation and training
-    policy, tokenizer = load_policy(model_dir)
+    config = RunConfig()
+    run = prepare_run(config)
+    policy, tokenizer = load_policy(ensure_policy(config, run))
 
     def reward(completions, answer, **_):
         return [float(exact_match(c, a)) for c, a in zip(completions, answer)]
 
-    class Clock(TrainerCallback):
+    class StepClock(TrainerCallback):
+        """Step-end times on the same clock as the training call."""
+
         def __init__(self) -> None:
-            self.started, self.times = time.perf_counter(), []
+            self.started, self.times = 0.0, []
 
         def on_step_end(self, *_, **__):
             self.times.append(time.perf_counter() - self.started)
 
-    config = GRPOConfig(
-        output_dir=str(out / "trl"), per_device_train_batch_size=args.prompts * args.group,
-        num_generations=args.group, max_completion_length=64, temperature=0.7,
-        learning_rate=1e-4, beta=0.0, loss_type="grpo", max_steps=args.steps, use_cpu=True,
-        logging_steps=1, report_to="none", save_strategy="no", seed=0,
-    )  # fmt: skip
-    clock = Clock()
+    grpo = GRPOConfig(
+        output_dir=str(out / "trl"),
+        per_device_train_batch_size=args.prompts * args.group,
+        num_generations=args.group,
+        max_completion_length=64,
+        temperature=0.7,
+        learning_rate=1e-4,
+        lr_scheduler_type="constant",  # as ours; TRL's default decays linearly to 0
+        beta=0.0,
+        loss_type="grpo",
+        max_steps=args.steps,
+        use_cpu=True,
+        bf16=False,
+        gradient_checkpointing=False,
+        use_transformers_continuous_batching=continuous_batching,
+        logging_steps=1,
+        report_to="none",
+        save_strategy="no",
+        seed=0,
+    )
+    clock = StepClock()
     trainer = GRPOTrainer(
-        model=policy, reward_funcs=[reward], args=config, processing_class=tokenizer,
-        train_dataset=train.select_columns(["prompt", "answer"]), callbacks=[clock],
-    )  # fmt: skip
+        model=policy,
+        reward_funcs=[reward],
+        args=grpo,
+        processing_class=tokenizer,
+        train_dataset=run.train.select_columns(["prompt", "answer"]),
+        callbacks=[clock],
+    )
     clock.started = time.perf_counter()
     trainer.train()
-    rewards = [h["reward"] for h in trainer.state.log_history if "reward" in h]
-    wall = clock.times[-1]
+    wall = time.perf_counter() - clock.started
+    samples = args.steps * args.prompts * args.group
     return {
-        "samples_per_s": args.steps * args.prompts * args.group / wall,
-        "wall_s": wall,
-        "rewards": rewards,
+        "samples_per_s": samples / wall,
+        "samples_per_s_in_step": samples / clock.times[-1],
+        "train_wall_s": wall,
+        "rewards": [h["reward"] for h in trainer.state.log_history if "reward" in h],
         "times": clock.times,
-        "heldout_acc_after": evaluate(policy.eval(), tokenizer, heldout).accuracy,
+        "heldout_acc_after": evaluate(policy.eval(), tokenizer, run.heldout).accuracy,
     }
 
 
 def run_streamrl(mode: str, args, out: Path) -> dict:
-    config = RunConfig(output_dir=str(out / f"streamrl-{mode}"))
+    """``streamrl fit`` defaults in ``mode``; the clock is the whole training call."""
+    from streamrl.config import RunConfig
+    from streamrl.jobs import run_fit
+
+    config = RunConfig(output_dir=str(out))
     config.rl.iterations, config.rl.mode = args.steps, mode
     config.rl.prompts_per_iteration, config.rl.group_size = args.prompts, args.group
     summary = run_fit(config, show_progress=False)
-    metrics = next((out / f"streamrl-{mode}" / "logs").rglob("metrics.csv"))
-    import csv
-
-    with metrics.open() as f:
+    assert summary["samples_lost"] == 0, summary
+    with next((out / "logs").rglob("metrics.csv")).open() as f:
         rows = [r for r in csv.DictReader(f) if r.get("rollout/reward")]
-    times, total = [], 0.0
+    # Step-end times on the training call's clock: the start-up (spawns, profiling) is put before
+    # the first iteration, which places our curve as late as it can honestly be.
+    startup = summary["train_wall_s"] - summary["rl_wall_s"]
+    times, elapsed = [], startup
     for row in rows:
-        total += float(row["time/iteration_s"])
-        times.append(total)
+        elapsed += float(row["time/iteration_s"])
+        times.append(elapsed)
+    samples = args.steps * args.prompts * args.group
     return {
-        "samples_per_s": summary["samples_per_s"],
-        "wall_s": summary["rl_wall_s"],
+        "samples_per_s": samples / summary["train_wall_s"],
+        "samples_per_s_in_step": summary["samples_per_s"],
+        "train_wall_s": summary["train_wall_s"],
         "rewards": [float(r["rollout/reward"]) for r in rows],
         "times": times,
         "heldout_acc_after": summary["heldout_acc_after"],
     }
+
+
+def run_one(system: str, args) -> dict:
+    out = Path(args.out) / f"{system}-{args.round}"
+    if system.startswith("streamrl-"):
+        return run_streamrl(system.removeprefix("streamrl-"), args, out)
+    return run_trl(system == "trl-cb", args, out)
 
 
 def main() -> int:
@@ -103,52 +153,120 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--prompts", type=int, default=32, help="prompts per step")
     parser.add_argument("--group", type=int, default=8, help="samples per prompt")
+    parser.add_argument("--repeats", type=int, default=3, help="interleaved rounds")
+    parser.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated subset")
     parser.add_argument("--out", default="runs/peer")
+    parser.add_argument("--one", choices=SYSTEMS, help=argparse.SUPPRESS)  # a child run
+    parser.add_argument("--round", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.one:
+        print(json.dumps(run_one(args.one, args)))
+        return 0
+    systems = [s for s in args.systems.split(",") if s]
+    unknown = sorted(set(systems) - set(SYSTEMS))
+    if unknown:
+        parser.error(f"unknown systems {unknown}; choose from {', '.join(SYSTEMS)}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    config = RunConfig()
-    run = prepare_run(config)  # the demo's prompt sets: same train and held-out prompts
-    model_dir = ensure_policy(config, run)
-    policy, tokenizer = load_policy(model_dir)
-    before = evaluate(policy.eval(), tokenizer, run.heldout)
-    results = {
-        "streamrl-sync": run_streamrl("sync", args, out),
-        "streamrl-async": run_streamrl("async", args, out),
-        "trl": run_trl(model_dir, run.train, run.heldout, args, out),
-    }
-    for name, r in results.items():
-        rate, after = r["samples_per_s"], r["heldout_acc_after"]
-        print(f"{name:15s} {rate:7.1f} samples/s  held-out {before.accuracy:.3f} -> {after:.3f}",
-              file=sys.stderr)  # fmt: skip
-    _plot(results, out / "peer-reward-vs-time.png")
-    summary = {
-        "heldout_acc_before": before.accuracy,
-        **{
-            k: {m: v[m] for m in ("samples_per_s", "wall_s", "heldout_acc_after")}
-            for k, v in results.items()
-        },
-        "samples_per_s_ratio_vs_trl": {
-            k: round(v["samples_per_s"] / results["trl"]["samples_per_s"], 2)
-            for k, v in results.items()
-        },
-    }
-    (out / "peer.json").write_text(json.dumps({**summary, "curves": results}, indent=1))
+    before = _prepare_policy()
+    runs: dict[str, list[dict]] = {s: [] for s in systems}
+    for round_ in range(args.repeats):  # interleaved: a slow spell of the machine hits all
+        for system in systems:
+            result = _child(system, round_, args)
+            runs[system].append(result)
+            print(
+                f"round {round_ + 1}/{args.repeats} {system:15s} "
+                f"{result['samples_per_s']:6.1f} samples/s (wall) "
+                f"{result['train_wall_s']:6.1f} s",
+                file=sys.stderr,
+            )
+    summary = _summarise(runs, before)
+    _print_table(summary)
+    _plot(runs, out / "peer-reward-vs-time.png")
+    (out / "peer.json").write_text(json.dumps({**summary, "runs": runs}, indent=1))
     print(json.dumps(summary))
     return 0
 
 
-def _plot(results: dict, path: Path) -> None:
+def _prepare_policy() -> float:
+    """Warm-start the demo policy once (cached), so no run pays for it; held-out accuracy."""
+    from streamrl.config import RunConfig
+    from streamrl.evaluation import evaluate
+    from streamrl.models import load_policy
+    from streamrl.prepare import ensure_policy, prepare_run
+
+    config = RunConfig()
+    run = prepare_run(config)
+    policy, tokenizer = load_policy(ensure_policy(config, run))
+    return evaluate(policy.eval(), tokenizer, run.heldout).accuracy
+
+
+def _child(system: str, round_: int, args) -> dict:
+    command = [sys.executable, __file__, "--one", system, "--round", str(round_)]
+    command += ["--steps", str(args.steps), "--prompts", str(args.prompts)]
+    command += ["--group", str(args.group), "--out", args.out]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+    if done.returncode != 0:
+        raise RuntimeError(f"{system} round {round_} failed:\n{done.stderr[-4000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _summarise(runs: dict[str, list[dict]], before: float) -> dict:
+    def median(system: str, key: str) -> float:
+        return statistics.median(r[key] for r in runs[system])
+
+    trl = [s for s in runs if s.startswith("trl")]
+    baseline = max(trl, key=lambda s: median(s, "samples_per_s")) if trl else None
+    systems = {}
+    for system in runs:
+        row = {
+            key: round(median(system, key), 3)
+            for key in ("samples_per_s", "samples_per_s_in_step", "train_wall_s")
+        }
+        row["heldout_acc_after"] = round(median(system, "heldout_acc_after"), 4)
+        row["samples_per_s_runs"] = [round(r["samples_per_s"], 2) for r in runs[system]]
+        if baseline:
+            row["ratio_vs_baseline"] = round(
+                median(system, "samples_per_s") / median(baseline, "samples_per_s"), 2
+            )
+        systems[system] = row
+    return {
+        "clock": "wall-clock of the training call, median of runs",
+        "repeats": len(next(iter(runs.values()))),
+        "baseline": baseline,
+        "heldout_acc_before": before,
+        "systems": systems,
+    }
+
+
+def _print_table(summary: dict) -> None:
+    print(
+        f"\n{'system':15s} {'samples/s':>10s} {'ratio':>6s} {'in-step/s':>10s} "
+        f"{'wall s':>7s} {'held-out':>9s}   baseline: {summary['baseline']}",
+        file=sys.stderr,
+    )
+    for name, row in summary["systems"].items():
+        print(
+            f"{name:15s} {row['samples_per_s']:10.1f} {row.get('ratio_vs_baseline', 0):6.2f} "
+            f"{row['samples_per_s_in_step']:10.1f} {row['train_wall_s']:7.1f} "
+            f"{row['heldout_acc_after']:9.3f}",
+            file=sys.stderr,
+        )
+
+
+def _plot(runs: dict[str, list[dict]], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 3.4))
-    for name, r in results.items():
+    for name, results in runs.items():
+        # The median run by wall-clock rate stands for its system.
+        r = sorted(results, key=lambda r: r["samples_per_s"])[len(results) // 2]
         n = min(len(r["times"]), len(r["rewards"]))
         ax.plot(r["times"][:n], r["rewards"][:n], marker=".", label=name)
-    ax.set_xlabel("training wall-clock (s)")
+    ax.set_xlabel("wall-clock since the training call started (s)")
     ax.set_ylabel("mean reward per step")
     ax.set_title("GRPO on the demo task, 2 CPU cores: streamrl vs TRL GRPOTrainer")
     ax.legend(fontsize=8)

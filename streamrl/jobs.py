@@ -53,8 +53,10 @@ def run_fit(config: RunConfig, show_progress: bool = True, resume: str | None = 
     Returns:
         ``reward_first`` / ``reward_last`` (mean reward of the first / last 3 iterations),
         ``heldout_acc_before`` / ``heldout_acc_after`` (greedy exact match on held-out prompts),
-        ``samples_per_s``, ``trainer_wait_frac`` (share of RL time the trainer waited for
-        samples), ``iterations``, ``wall_s``, the starting policy's output lengths, and
+        ``samples_per_s`` (over the iterations' own time, ``rl_wall_s``), ``train_wall_s`` (the
+        whole training call: service start, profiling, checkpoints, shutdown),
+        ``trainer_wait_frac`` (share of RL time the trainer waited for samples), ``iterations``,
+        ``wall_s``, the starting policy's output lengths, and
         ``policy_dir``: the trained policy saved as a model directory (``<output_dir>/policy``).
     """
     started = time.perf_counter()
@@ -72,9 +74,13 @@ def run_fit(config: RunConfig, show_progress: bool = True, resume: str | None = 
     }
     rl = config.rl
     if rl.iterations > 0:
+        training_started = time.perf_counter()
         module, policy = _train(
             config, run.train, run.context, model_dir, policy, tokenizer, show_progress, resume
         )
+        # A user's stopwatch on the training call: process spawns, profiling, checkpoint writes
+        # and Lightning's own overhead included (``rl_wall_s`` counts the iterations only).
+        summary["train_wall_s"] = time.perf_counter() - training_started
         after = evaluate(policy, tokenizer, run.heldout)
         if module.history:  # a resumed run may have had no iteration left
             summary.update(_rl_summary(module, len(module.history)))

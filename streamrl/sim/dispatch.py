@@ -30,6 +30,7 @@ def generation_makespan_s(
     slowdown: float = 1.0,
     prefill_s: float = 0.0,
     seed: int = 0,
+    recent: Sequence[int] | None = None,
 ) -> float:
     """Seconds until every sample has finished, under ``policy`` (as the real bench runs it).
 
@@ -38,14 +39,20 @@ def generation_makespan_s(
             ``oracle`` (the same on ``true``).
         true: output lengths, one per prompt (one sample each).
         predicted: predicted output lengths, in the same order.
+        recent: lengths seen before this batch (an earlier iteration), from which ``skew`` takes
+            its P50/P90 thresholds (Algorithm 2's ``D``); without them, the predictions. Only
+            ``oracle`` sets them from ``true``: the batch's own lengths are not known before it
+            is generated.
     """
     requests = [Request(f"p{i}", [0], n, forced_length=n, predicted_length=p)
                 for i, (n, p) in enumerate(zip(true, predicted))]  # fmt: skip
     if policy == "random":
         parts = RandomDispatcher(seed).plan(requests, None, instances)
     else:
-        scores = [float(n) for n in true] if policy == "oracle" else list(predicted)
-        dispatcher = SkewAwareDispatcher(latency, max_batch_size, recent_lengths=true)
+        oracle = policy == "oracle"
+        scores = [float(n) for n in true] if oracle else list(predicted)
+        known = true if oracle else (recent or [round(p) for p in predicted])
+        dispatcher = SkewAwareDispatcher(latency, max_batch_size, recent_lengths=known)
         parts = dispatcher.plan(requests, scores, instances)
     makespan = 0.0
     for index, part in enumerate(parts):

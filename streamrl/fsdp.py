@@ -189,8 +189,17 @@ class ShardedStreamRLModule(StreamRLModule):
         super().on_train_end()
 
     def train_on_stream(self, iteration: int) -> float:
-        if not self.share_stream:
-            return super().train_on_stream(iteration)
+        if self.share_stream:
+            train_s = self._train_on_shares(iteration)
+        else:
+            train_s = super().train_on_stream(iteration)
+        # Each rank holds its share's loss; FSDP averages the ranks' gradients, so the mean of
+        # their losses is the loss one process training every sample would log.
+        self.iteration_loss = self.trainer.strategy.reduce(self.iteration_loss, reduce_op="mean")
+        return train_s
+
+    def _train_on_shares(self, iteration: int) -> float:
+        """``share_stream``: rank 0 deals each micro-batch of its stream to every rank."""
         if self.rollouts is None:  # a rank > 0: train on what rank 0 sends, until it says done
             train_s = 0.0
             while (share := self._exchange(None)) is not None:

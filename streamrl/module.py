@@ -125,6 +125,8 @@ class StreamRLModule(L.LightningModule):
         self.elastic, self.is_cap = elastic, is_cap
         self.off_policy: list[Correction] = []  # this iteration's corrections, for the log
         self.samples_trained = 0
+        #: This iteration's loss so far: the sum of its micro-batches' scaled losses (detached).
+        self.iteration_loss = torch.zeros(())
         self.sync_transfer_s = 0.0  # seconds spent broadcasting weights, background included
         self._ahead: int | None = None  # async: the iteration generated one step ahead
 
@@ -133,6 +135,7 @@ class StreamRLModule(L.LightningModule):
         iteration = self.weight_version
         optimizer = self.optimizers()
         started = time.perf_counter()
+        self.iteration_loss = torch.zeros((), device=self.device)
         train_s = self.train_on_stream(iteration)
         t0 = time.perf_counter()
         with self.trace.span("trainer", "step", iteration):
@@ -174,7 +177,9 @@ class StreamRLModule(L.LightningModule):
         with self.trace.span("trainer", "train", iteration, samples=len(micro.samples)):
             per_sample = self.algorithm.loss(self.loss_inputs(micro))  # [micro]
             _check_finite(per_sample, micro.samples, iteration)
-            self.manual_backward(per_sample.sum() * scale)
+            loss = per_sample.sum() * scale
+            self.manual_backward(loss)
+            self.iteration_loss += loss.detach()
         return time.perf_counter() - started
 
     def weights_to_sync(self) -> Weights:
@@ -321,6 +326,7 @@ class StreamRLModule(L.LightningModule):
             "time/generate_s": stats.generate_s,
             "time/wait_s": stats.wait_s,
             "time/train_s": train_s,
+            "train/loss": float(self.iteration_loss),
             "train/grad_norm": float(grad_norm),
             "train/weight_version": float(self.weight_version),
             "train/staleness_mean": sum(lags) / max(1, len(lags)),

@@ -54,28 +54,37 @@ def tiny_model(tokenizer):
 @pytest.fixture
 def fit_small(tmp_path, capsys):
     """``streamrl fit`` in this process on a tiny run (2 iterations x 4 prompts x 2 samples,
-    output in ``tmp_path/out``); keyword arguments change the ``rl`` section, ``model_size`` the
-    warm-started policy. Returns the run's JSON summary, after checking every requested sample
-    was trained."""
+    output in ``tmp_path/<out>``, default ``out``); keyword arguments change the ``rl`` section,
+    ``model_size`` the warm-started policy, ``args`` are more command-line arguments (e.g.
+    ``["--resume", path]``). Returns the run's JSON summary, after checking every requested
+    sample was trained."""
     import json
 
     import yaml
 
     from streamrl.cli import main
 
-    def run(model_size: str = "test", tasks: tuple[str, ...] = ("copy", "count"), **rl) -> dict:
-        config = tmp_path / "small.yaml"
+    def run(
+        model_size: str = "test",
+        tasks: tuple[str, ...] = ("copy", "count"),
+        out: str = "out",
+        args: tuple[str, ...] = (),
+        **rl,
+    ) -> dict:
+        config = tmp_path / f"{out}.yaml"
+        rl = {"iterations": 2, "prompts_per_iteration": 4, "group_size": 2, "generators": 1,
+              "max_tokens": 12, **rl}  # fmt: skip
         config.write_text(yaml.safe_dump({
-            "output_dir": str(tmp_path / "out"),
+            "output_dir": str(tmp_path / out),
             "data": {"tasks": list(tasks), "n_train": 32, "n_heldout": 8, "median_len": 3,
                      "max_len": 6},
             "sft": {"model_size": model_size, "steps": 20},
-            "rl": {"iterations": 2, "prompts_per_iteration": 4, "group_size": 2,
-                   "generators": 1, "max_tokens": 12, **rl},
+            "rl": rl,
         }))  # fmt: skip
-        assert main(["fit", "--config", str(config), "--no-progress"]) == 0
+        assert main(["fit", "--config", str(config), "--no-progress", *args]) == 0
         summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-        assert summary["samples_trained"] == 2 * 4 * 2 and summary["samples_lost"] == 0
+        requested = rl["iterations"] * rl["prompts_per_iteration"] * rl["group_size"]
+        assert summary["samples_trained"] == requested and summary["samples_lost"] == 0
         return summary
 
     return run

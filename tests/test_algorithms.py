@@ -267,13 +267,6 @@ def test_rloo_ppo_and_the_doc_algorithm_train_in_the_real_loop(tmp_path, tokeniz
     from streamrl.rollout import PromptSource, RolloutStream
     from streamrl.tasks import make_prompt_set
 
-    class Module(StreamRLModule):
-        # The optimizer must see the algorithm's own parameters (PPO's value head); this is the
-        # change proposed for StreamRLModule.configure_optimizers (issue 8).
-        def configure_optimizers(self):
-            params = [*self.policy.parameters(), *self.algorithm.trainable_parameters()]
-            return torch.optim.AdamW(params, lr=self.lr, weight_decay=0.0)
-
     namespace: dict = {}
     exec(compile(_doc_snippet(), "docs/algorithms.md", "exec"), namespace)
     policy = build_tiny_model(tokenizer, "test", seed=0)
@@ -296,7 +289,9 @@ def test_rloo_ppo_and_the_doc_algorithm_train_in_the_real_loop(tmp_path, tokeniz
             before = {k: v.clone() for k, v in policy.state_dict().items()}
             head = [p.detach().clone() for p in algorithm.trainable_parameters()]
             rollouts = RolloutStream(sgs, PromptSource(prompts, 4), tokenizer, algorithm, 8, 256)
-            module = Module(policy, algorithm, rollouts, iterations=2, lr=1e-3)
+            # StreamRLModule's own configure_optimizers: it must hand PPO's value head to the
+            # optimizer (a module overriding it here would hide a head left out).
+            module = StreamRLModule(policy, algorithm, rollouts, iterations=2, lr=1e-3)
             module.weight_version = start = sgs.weight_version
             trainer = rl_trainer(2)
             trainer.fit(module)
@@ -304,6 +299,9 @@ def test_rloo_ppo_and_the_doc_algorithm_train_in_the_real_loop(tmp_path, tokeniz
             assert module.samples_trained == 2 * 4 * algorithm.group_size
             changed = [k for k, v in policy.state_dict().items() if not torch.equal(v, before[k])]
             assert len(changed) > len(before) // 2, type(algorithm).__name__
+            optimized = {id(p) for g in trainer.optimizers[0].param_groups for p in g["params"]}
+            head_ids = {id(p) for p in algorithm.trainable_parameters()}
+            assert head_ids <= optimized, "the algorithm's parameters are not in the optimizer"
             for old, new in zip(head, algorithm.trainable_parameters()):
                 assert not torch.equal(old, new)  # PPO's value head trained too
     assert len(runs[1].trainable_parameters()) == 2

@@ -127,6 +127,24 @@ def test_generators_receive_only_adapters_and_decode_with_them(tmp_path, tokeniz
 
 
 def test_fit_with_lora_trains_adapters_only(tmp_path, fit_small):
-    fit_small(tasks=("copy",), lora_r=4)
+    """Through ``streamrl fit``: every base tensor of the trained policy is bit for bit the
+    starting policy's, and every adapter tensor (A and B, in every targeted layer) moved."""
+    from streamrl.models import load_policy
+
+    # Rewards of the 20-step warm start are mostly 0: "partial" and 3 steps x 4 prompts x 4
+    # samples give every adapter a gradient (B starts at 0, so A moves from the 2nd step on).
+    summary = fit_small(lora_r=4, reward="partial", iterations=3, group_size=4)
     ckpt = torch.load(tmp_path / "out" / "checkpoints" / "last.ckpt", weights_only=True)
-    assert any("lora_A" in k for k in ckpt["state_dict"])
+    trained = {k.removeprefix("policy."): v for k, v in ckpt["state_dict"].items()}
+    # The adapters as the run created them (apply_lora is seeded), on the starting weights.
+    start = apply_lora(load_policy(summary["model_dir"])[0], LoRASpec(r=4, alpha=16.0))
+    initial = dict(start.state_dict())
+    assert trained.keys() == initial.keys()
+    adapters = set(adapter_weights(start))
+    assert len(adapters) == 3 * 4 * 2  # layers x q/k/v/o x A/B
+    frozen_moved = [
+        n for n in initial if n not in adapters and not torch.equal(trained[n], initial[n])
+    ]
+    assert not frozen_moved, f"base weights changed: {frozen_moved}"
+    still = [n for n in adapters if torch.equal(trained[n], initial[n])]
+    assert not still, f"adapters that did not train: {still}"

@@ -84,3 +84,56 @@ def test_async_run_killed_mid_iteration_resumes_without_loss_or_repeat(tmp_path,
     assert len(trained) == ITERATIONS * PROMPTS
     # The ledger carries over: every sample of every iteration trained once in all.
     assert resumed.samples_trained == ITERATIONS * PROMPTS * GROUP
+
+
+# The resumed run writes its checkpoints to a folder of its own (Lightning notes the change).
+@pytest.mark.filterwarnings("ignore:The dirpath has changed")
+def test_sync_run_stopped_and_resumed_ends_with_the_uninterrupted_weights(
+    tmp_path, fit_small, monkeypatch
+):
+    """``streamrl fit`` (sync, 1 generator): 2 iterations, then ``--resume`` from that run's
+    checkpoint up to 4, against 4 iterations in one go. The resumed run starts from the
+    checkpoint's weights (not the starting policy's), and ends bit for bit where the
+    uninterrupted one does: same prompts, same samples (each generator reseeds its sampling for
+    every weight version), same weights and AdamW states."""
+    from streamrl.components.generator_worker import fingerprint
+    from streamrl.models import load_policy
+
+    rl = dict(reward="partial", group_size=4, checkpoint_every=1)
+    full = fit_small(out="full", iterations=4, **rl)
+    fit_small(out="stopped", iterations=2, **rl)
+    stopped = tmp_path / "stopped" / "checkpoints" / "last.ckpt"
+    at_stop = torch.load(stopped, weights_only=True)
+    assert at_stop["streamrl"]["weight_version"] == 2
+
+    started_with: dict[str, torch.Tensor] = {}
+    on_train_start = StreamRLModule.on_train_start
+
+    def spy(module: StreamRLModule) -> None:  # runs once Lightning has restored the checkpoint
+        started_with.update({n: p.detach().clone() for n, p in module.policy.named_parameters()})
+        on_train_start(module)  # pushes the restored weights to the new generator process
+        assert set(module.rollouts.service.fingerprints().values()) == {fingerprint(module.policy)}
+
+    monkeypatch.setattr(StreamRLModule, "on_train_start", spy)
+    fit_small(out="resumed", iterations=4, args=("--resume", str(stopped)), **rl)
+
+    start = dict(load_policy(full["model_dir"])[0].named_parameters())
+    assert started_with.keys() == start.keys()
+    not_restored = [n for n, t in started_with.items()
+                    if not torch.equal(t, at_stop["state_dict"][f"policy.{n}"])]  # fmt: skip
+    assert not not_restored, f"the resumed run did not start from the checkpoint: {not_restored}"
+    assert not all(torch.equal(started_with[n], start[n]) for n in start)  # not a fresh start
+
+    a = torch.load(tmp_path / "full" / "checkpoints" / "last.ckpt", weights_only=True)
+    b = torch.load(tmp_path / "resumed" / "checkpoints" / "last.ckpt", weights_only=True)
+    assert a["global_step"] == b["global_step"] and a["streamrl"]["weight_version"] == 4
+    assert a["state_dict"].keys() == b["state_dict"].keys()
+    differ = [k for k in a["state_dict"] if not torch.equal(a["state_dict"][k], b["state_dict"][k])]
+    assert not differ, f"resumed weights differ from the uninterrupted run's: {differ}"
+    assert not all(torch.equal(b["state_dict"][f"policy.{n}"], started_with[n]) for n in start)
+    adam_a, adam_b = a["optimizer_states"][0]["state"], b["optimizer_states"][0]["state"]
+    assert adam_a.keys() == adam_b.keys()
+    for i in adam_a:
+        for key in adam_a[i]:
+            assert torch.equal(adam_a[i][key], adam_b[i][key]), (i, key)
+    assert a["streamrl"]["prompt_source"] == b["streamrl"]["prompt_source"]

@@ -1,4 +1,5 @@
-"""End to end: GRPO on samples streamed from 2 generator processes, driven by Lightning."""
+"""End to end: GRPO on samples streamed from generator processes, driven by Lightning: it learns,
+and the generators' log-probs are the trainer's."""
 
 from __future__ import annotations
 
@@ -17,6 +18,71 @@ from streamrl.rollout import PromptSource, RolloutStream
 from streamrl.tasks import make_prompt_set, partial_credit
 
 pytestmark = pytest.mark.timeout(300)
+
+LEARN_ITERATIONS, LEARN_LR, TEMPERATURE = 10, 1e-2, 0.7
+
+
+def share_of_a(completion: str, answer: str) -> float:
+    """A reward a random policy can climb in a few steps: the share of 'a' in its completion."""
+    return completion.count("a") / max(1, len(completion))
+
+
+class LogprobProbe(StreamRLModule):
+    """Records, per iteration, the largest |trainer log-prob - generator log-prob| over the real
+    completion tokens of the iteration's samples, before its optimizer step."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.logprob_gaps: dict[int, float] = {}
+
+    def loss_inputs(self, batch):
+        inputs = super().loss_inputs(batch)
+        for row, sample in enumerate(batch.samples):
+            current = inputs.logprobs[row, : sample.length].detach()
+            gap = float((current - torch.tensor(sample.logprobs)).abs().max())
+            previous = self.logprob_gaps.get(self.weight_version, 0.0)
+            self.logprob_gaps[self.weight_version] = max(previous, gap)
+        return inputs
+
+
+@pytest.fixture(scope="module")
+def learning_run(tmp_path_factory, tokenizer) -> LogprobProbe:
+    """One fixed-seed sync run: 1 generator, 10 iterations x 8 prompts x 4 samples, reward
+    ``share_of_a``, temperature 0.7 on both sides."""
+    model_dir = tmp_path_factory.mktemp("learning") / "policy"
+    policy = build_tiny_model(tokenizer, "test", seed=0)
+    save_policy(policy, tokenizer, model_dir)
+    prompts = make_prompt_set(64, ["copy"], median_len=3, max_len=6, seed=0)
+    algorithm = GRPO(share_of_a, group_size=4)
+    with StreamGenerationService(model_dir, 1, max_batch_size=32, temperature=TEMPERATURE,
+                                 seed=0) as sgs:  # fmt: skip
+        rollouts = RolloutStream(sgs, PromptSource(prompts, 8), tokenizer, algorithm, 8, 256)
+        module = LogprobProbe(policy, algorithm, rollouts, LEARN_ITERATIONS, lr=LEARN_LR,
+                              temperature=TEMPERATURE)  # fmt: skip
+        rl_trainer(LEARN_ITERATIONS).fit(module)
+    return module
+
+
+def test_a_short_sync_fit_learns(learning_run):
+    rewards = [h["rollout/reward"] for h in learning_run.history]
+    assert len(rewards) == LEARN_ITERATIONS
+    gain = sum(rewards[-3:]) / 3 - sum(rewards[:3]) / 3
+    # Measured with this config (mean reward of the last 3 iterations minus the first 3):
+    # seeds 0-4 at lr 1e-2 gain 0.80 to 0.90 (seed 0: 0.89); with learning off (lr 0) the
+    # same seeds give -0.005 to +0.013, the noise floor. 0.4 is far from both.
+    assert gain > 0.4, f"mean reward went from {rewards[:3]} to {rewards[-3:]}"
+
+
+def test_generator_logprobs_are_the_trainers_right_after_each_weight_sync(learning_run):
+    """Sync mode: iteration k's samples come from weights k, and the trainer scores them with
+    weights k before its step, so the log-probs the generator returned (KV-cached decoding,
+    continuous batching, tempered sampling) must equal the trainer's recomputed ones (one padded
+    forward) up to float32 rounding. Iteration 0 checks the model directory the generator
+    loaded; every later one, the weight sync that preceded it."""
+    gaps = learning_run.logprob_gaps
+    assert sorted(gaps) == list(range(LEARN_ITERATIONS))
+    # Measured: at most ~2e-6 per token (float32 sums in different batch shapes).
+    assert max(gaps.values()) < 1e-4, f"largest |trainer - generator| per iteration: {gaps}"
 
 
 def test_grpo_advantages_hand_computed():

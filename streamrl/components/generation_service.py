@@ -58,7 +58,8 @@ class StreamGenerationService(InstancePool):
         max_batch_size: batch slots per instance.
         temperature: sampling temperature.
         greedy: decode greedily instead of sampling.
-        seed: base sampling seed (instance ``i`` uses ``seed + i``).
+        seed: base sampling seed (instance ``i`` uses ``seed + i``, reseeded for every weight
+            version it loads, so a resumed run samples as the uninterrupted one).
         dispatcher: which instance gets which request; round-robin by prompt if ``None``.
         scheduler: admission order inside each instance: ``"fifo"`` or ``"lpt"`` (longest
             ``predicted_length`` first, §5.3).

@@ -78,7 +78,9 @@ class HFStreamGenerator(AdmissionQueue):
         greedy: take the argmax instead of sampling.
         eos_token_id: stop token(s); defaults to ``model.config.eos_token_id``.
         pad_token_id: filler id for padded prefill positions; defaults to the config's or 0.
-        seed: seed of the sampling ``torch.Generator``.
+        seed: seed of the sampling ``torch.Generator``; it is reseeded from ``(seed, version)``
+            whenever weights of a new version load, so what a version samples does not depend
+            on what earlier versions sampled (a resumed run samples as the uninterrupted one).
         weight_version: version tag of the weights the model holds now.
     """
 
@@ -107,7 +109,9 @@ class HFStreamGenerator(AdmissionQueue):
         self._eos = [] if eos is None else [int(e) for e in np.atleast_1d(eos)]
         pad = config.pad_token_id if pad_token_id is None else pad_token_id
         self.pad_token_id = 0 if pad is None else int(pad)
-        self._rng = torch.Generator(device=model.device).manual_seed(seed)
+        self._seed = seed
+        self._rng = torch.Generator(device=model.device)
+        self._rng.manual_seed(_version_seed(seed, weight_version))
         self._cache = SlotCache(config.num_hidden_layers, max_batch_size)
         self._rows: list[_Running] = []
 
@@ -151,6 +155,9 @@ class HFStreamGenerator(AdmissionQueue):
             for name, src in sources.items():
                 targets[name].copy_(src)  # copy_ converts dtype/device and keeps the storage
         self._weight_version = int(version)
+        # A resumed run's new process loads the checkpoint's version first: reseeding here
+        # gives it the random stream the uninterrupted process had for that version.
+        self._rng.manual_seed(_version_seed(self._seed, self._weight_version))
 
     # ----------------------------------------------------------------- internals
     def _admit(self) -> None:
@@ -273,3 +280,8 @@ class HFStreamGenerator(AdmissionQueue):
             instance_id=self.instance_id, submitted_s=row.submitted_s, started_s=row.started_s,
             finished_s=now, finish_reason=reason,
         )  # fmt: skip
+
+
+def _version_seed(seed: int, version: int) -> int:
+    """The sampling seed of weight ``version`` (distinct across versions and instance seeds)."""
+    return seed * 1_000_003 + version

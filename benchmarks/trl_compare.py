@@ -36,11 +36,16 @@ import time
 from pathlib import Path
 
 SYSTEMS = ("streamrl-sync", "streamrl-async", "trl", "trl-cb")
+#: Not in the default set: TRL with its own bf16 / gradient-checkpointing defaults, to check that
+#: turning them off is what a CPU user should do (``--systems trl,trl-defaults``).
+EXTRA_SYSTEMS = ("trl-defaults",)
 RUN_TIMEOUT_S = 1800  # one run of 20 steps takes about a minute; a hang fails the benchmark
 
 
-def run_trl(continuous_batching: bool, args, out: Path) -> dict:
-    """TRL's GRPOTrainer on the demo policy and prompts; returns rate, curve and accuracy."""
+def run_trl(continuous_batching: bool, args, out: Path, cpu_settings: bool = True) -> dict:
+    """TRL's GRPOTrainer on the demo policy and prompts; returns rate, curve and accuracy.
+
+    ``cpu_settings=False`` keeps TRL's own ``bf16`` and ``gradient_checkpointing`` defaults."""
     import torch
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
@@ -80,8 +85,7 @@ def run_trl(continuous_batching: bool, args, out: Path) -> dict:
         loss_type="grpo",
         max_steps=args.steps,
         use_cpu=True,
-        bf16=False,
-        gradient_checkpointing=False,
+        **(dict(bf16=False, gradient_checkpointing=False) if cpu_settings else {}),
         use_transformers_continuous_batching=continuous_batching,
         logging_steps=1,
         report_to="none",
@@ -145,7 +149,7 @@ def run_one(system: str, args) -> dict:
     out = Path(args.out) / f"{system}-{args.round}"
     if system.startswith("streamrl-"):
         return run_streamrl(system.removeprefix("streamrl-"), args, out)
-    return run_trl(system == "trl-cb", args, out)
+    return run_trl(system == "trl-cb", args, out, cpu_settings=system != "trl-defaults")
 
 
 def main() -> int:
@@ -156,16 +160,18 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=3, help="interleaved rounds")
     parser.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated subset")
     parser.add_argument("--out", default="runs/peer")
-    parser.add_argument("--one", choices=SYSTEMS, help=argparse.SUPPRESS)  # a child run
+    parser.add_argument(
+        "--one", choices=SYSTEMS + EXTRA_SYSTEMS, help=argparse.SUPPRESS
+    )  # a child run
     parser.add_argument("--round", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
         print(json.dumps(run_one(args.one, args)))
         return 0
     systems = [s for s in args.systems.split(",") if s]
-    unknown = sorted(set(systems) - set(SYSTEMS))
+    unknown = sorted(set(systems) - set(SYSTEMS + EXTRA_SYSTEMS))
     if unknown:
-        parser.error(f"unknown systems {unknown}; choose from {', '.join(SYSTEMS)}")
+        parser.error(f"unknown systems {unknown}; choose from {', '.join(SYSTEMS + EXTRA_SYSTEMS)}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     before = _prepare_policy()

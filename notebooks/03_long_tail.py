@@ -153,9 +153,13 @@ true_file, predicted_file = OUT / "03_true_lengths.json", OUT / "03_predicted_le
 true_file.write_text(json.dumps(true))
 predicted_file.write_text(json.dumps([max(1, round(p)) for p in predicted]))
 result = dispatch(
-    2, None, lengths=str(true_file), predicted=str(predicted_file), predictions="file",
+    2,
+    None,
+    lengths=str(true_file),
+    predicted=str(predicted_file),
+    predictions="file",
     max_batch_size=8,
-)  # fmt: skip
+)
 makespans[f"2 inst., {len(true)} task prompts, our ranker"] = result["makespan_s"]
 print(f"our ranker: makespan s {result['makespan_s']}, recall@20 {result['recall@20']:.3f}")
 

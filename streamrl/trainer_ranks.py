@@ -81,7 +81,7 @@ def _rank_main(
     """Trainer rank ``rank`` > 0: the sharded module without rollouts, fed by rank 0."""
     os.environ.update(job, RANK=str(rank), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
-    from streamrl.cli import quiet_libraries, quiet_lightning
+    from streamrl.quiet import quiet_libraries, quiet_lightning
 
     quiet_libraries()  # rank 0's stderr is the run's log: the other ranks add nothing to it
     quiet_lightning()

@@ -72,8 +72,14 @@ def fit_small(tmp_path, capsys):
         **rl,
     ) -> dict:
         config = tmp_path / f"{out}.yaml"
-        rl = {"iterations": 2, "prompts_per_iteration": 4, "group_size": 2, "generators": 1,
-              "max_tokens": 12, **rl}  # fmt: skip
+        rl = {
+            "iterations": 2,
+            "prompts_per_iteration": 4,
+            "group_size": 2,
+            "generators": 1,
+            "max_tokens": 12,
+            **rl,
+        }
         config.write_text(yaml.safe_dump({
             "output_dir": str(tmp_path / out),
             "data": {"tasks": list(tasks), "n_train": 32, "n_heldout": 8, "median_len": 3,

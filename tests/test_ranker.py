@@ -58,8 +58,16 @@ def test_bench_ranker_command(tmp_path, capsys):
                               for p, n in zip(ds["prompt"], ds["answer_len"])))  # fmt: skip
     assert main(["bench", "ranker", "--data", str(data)]) == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert set(result) == {"ranker", "recall@20", "recall@10", "recall@5", "kendall_tau",
-                           "train_s", "n_train", "n_test"}  # fmt: skip
+    assert set(result) == {
+        "ranker",
+        "recall@20",
+        "recall@10",
+        "recall@5",
+        "kendall_tau",
+        "train_s",
+        "n_train",
+        "n_test",
+    }
     assert result["ranker"] == "fast" and result["n_train"] == 160 and result["n_test"] == 40
     assert all(0.0 <= result[f"recall@{k}"] <= 1.0 for k in (20, 10, 5))
     assert -1.0 <= result["kendall_tau"] <= 1.0 and result["train_s"] >= 0

@@ -119,8 +119,11 @@ def test_sync_run_stopped_and_resumed_ends_with_the_uninterrupted_weights(
 
     start = dict(load_policy(full["model_dir"])[0].named_parameters())
     assert started_with.keys() == start.keys()
-    not_restored = [n for n, t in started_with.items()
-                    if not torch.equal(t, at_stop["state_dict"][f"policy.{n}"])]  # fmt: skip
+    not_restored = [
+        n
+        for n, t in started_with.items()
+        if not torch.equal(t, at_stop["state_dict"][f"policy.{n}"])
+    ]
     assert not not_restored, f"the resumed run did not start from the checkpoint: {not_restored}"
     assert not all(torch.equal(started_with[n], start[n]) for n in start)  # not a fresh start
 

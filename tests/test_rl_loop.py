@@ -54,11 +54,13 @@ def learning_run(tmp_path_factory, tokenizer) -> LogprobProbe:
     save_policy(policy, tokenizer, model_dir)
     prompts = make_prompt_set(64, ["copy"], median_len=3, max_len=6, seed=0)
     algorithm = GRPO(share_of_a, group_size=4)
-    with StreamGenerationService(model_dir, 1, max_batch_size=32, temperature=TEMPERATURE,
-                                 seed=0) as sgs:  # fmt: skip
+    with StreamGenerationService(
+        model_dir, 1, max_batch_size=32, temperature=TEMPERATURE, seed=0
+    ) as sgs:
         rollouts = RolloutStream(sgs, PromptSource(prompts, 8), tokenizer, algorithm, 8, 256)
-        module = LogprobProbe(policy, algorithm, rollouts, LEARN_ITERATIONS, lr=LEARN_LR,
-                              temperature=TEMPERATURE)  # fmt: skip
+        module = LogprobProbe(
+            policy, algorithm, rollouts, LEARN_ITERATIONS, lr=LEARN_LR, temperature=TEMPERATURE
+        )
         rl_trainer(LEARN_ITERATIONS).fit(module)
     return module
 

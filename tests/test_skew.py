@@ -191,8 +191,17 @@ def test_skew_policy_never_receives_the_true_lengths(tmp_path, capsys, monkeypat
     (tmp_path / "true.json").write_text(json.dumps(true))
     (tmp_path / "pred.json").write_text(json.dumps(predicted))
     made = _recording(monkeypatch)
-    argv = ["--simulate", "--instances", "4", "--latency", "paper-7b-h800", "--lengths",
-            str(tmp_path / "true.json"), "--predicted", str(tmp_path / "pred.json")]  # fmt: skip
+    argv = [
+        "--simulate",
+        "--instances",
+        "4",
+        "--latency",
+        "paper-7b-h800",
+        "--lengths",
+        str(tmp_path / "true.json"),
+        "--predicted",
+        str(tmp_path / "pred.json"),
+    ]
     result = _bench_json(capsys, argv)
     skew, oracle = made  # rows in order: random, skew, oracle
     _, earlier = batch_and_history(true, 40, 80, 0.25, 0)
@@ -229,8 +238,18 @@ def test_bench_dispatch_real_runs_lengths_past_the_tiny_context(tmp_path, capsys
 
     # 300 tokens exceed the tiny model's default context (256): it is built with enough.
     (tmp_path / "long.json").write_text(json.dumps([300, 5, 9, 12, 7, 4, 30, 6]))
-    argv = ["--lengths", str(tmp_path / "long.json"), "--instances", "2", "--repeats", "1",
-            "--max-batch-size", "4", "--predictions", "ranker"]  # fmt: skip
+    argv = [
+        "--lengths",
+        str(tmp_path / "long.json"),
+        "--instances",
+        "2",
+        "--repeats",
+        "1",
+        "--max-batch-size",
+        "4",
+        "--predictions",
+        "ranker",
+    ]
     result = _bench_json(capsys, argv)
     _check_dispatch_contract(result, {"random", "skew", "oracle"}, 8, "real")
     # Wall clock on a shared machine: the longest sample alone bounds each row loosely.

@@ -65,8 +65,10 @@ def bench_generate(
     """
     torch.set_num_threads(1)
     if max_tokens < 1 or n_prompts < 1 or not batch_sizes or min(batch_sizes) < 1:
-        raise ConfigError("bench generate: --max-tokens, --prompts and every batch size must be "
-                          f">= 1; got {max_tokens}, {n_prompts}, {batch_sizes}.")  # fmt: skip
+        raise ConfigError(
+            "bench generate: --max-tokens, --prompts and every batch size must be "
+            f">= 1; got {max_tokens}, {n_prompts}, {batch_sizes}."
+        )
     texts = make_prompt_set(n_prompts, seed=random.Random(0).randint(0, 999))["prompt"]
     tokenizer = tokenizer_for(model)
     prompts = [tokenizer(t)["input_ids"] for t in texts]

@@ -107,8 +107,11 @@ def policy_lengths(
     prompts = make_prompt_set(n_prompts, seed=seed + 17, median_len=6, max_len=48)["prompt"]
     ids = [tokenizer(p)["input_ids"] for p in prompts]
     check_context(model_dir, max(map(len, ids)) + POLICY_MAX_TOKENS)
-    requests = [Request(f"p{i}", ids[i], POLICY_MAX_TOKENS, s)
-                for i in range(len(prompts)) for s in range(samples)]  # fmt: skip
+    requests = [
+        Request(f"p{i}", ids[i], POLICY_MAX_TOKENS, s)
+        for i in range(len(prompts))
+        for s in range(samples)
+    ]
     lengths: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
     with StreamGenerationService(model_dir, 2, temperature=temperature, seed=seed) as sgs:
         for sample in sgs.generate(requests):

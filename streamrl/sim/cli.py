@@ -195,13 +195,17 @@ def add_sim_command(subparsers: argparse._SubParsersAction) -> None:
         help="calibrate the simulator on one real bench pipeline run, then run and simulate "
         "other configurations and report the errors",
     )
-    p.add_argument("--configs", default=",".join(PREDICTED),
-                   help=f"predicted configurations, any of {','.join(PREDICTED)}")  # fmt: skip
+    p.add_argument(
+        "--configs",
+        default=",".join(PREDICTED),
+        help=f"predicted configurations, any of {','.join(PREDICTED)}",
+    )
     p.add_argument("--iterations", type=int, default=6, help="measured iterations per run")
     p.add_argument("--warmup", type=int, default=1, help="unmeasured iterations per run")
     p.add_argument("--repeats", type=int, default=3, help="real runs per configuration (median)")
-    p.add_argument("--quick", action="store_true",
-                   help="profile with fewer repeats and micro-batch shapes")  # fmt: skip
+    p.add_argument(
+        "--quick", action="store_true", help="profile with fewer repeats and micro-batch shapes"
+    )
     p.add_argument("--figure", help="write a bar chart (PNG) of real vs simulated here")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=run_validate_command)
@@ -209,7 +213,7 @@ def add_sim_command(subparsers: argparse._SubParsersAction) -> None:
 
 def run_validate_command(args: argparse.Namespace) -> dict:
     """Run ``streamrl.sim.validate.validate``; print its table; return its result."""
-    from streamrl.cli import quiet_lightning
+    from streamrl.quiet import quiet_lightning
     from streamrl.sim.validate import validate
 
     names = [n.strip() for n in args.configs.split(",") if n.strip()]
@@ -219,9 +223,14 @@ def run_validate_command(args: argparse.Namespace) -> dict:
     if args.iterations < 1 or args.warmup < 0 or args.repeats < 1:
         raise ConfigError("Need --iterations >= 1, --warmup >= 0 and --repeats >= 1.")
     quiet_lightning()
-    result = validate([PREDICTED[n] for n in names], iterations=args.iterations,
-                      warmup=args.warmup, repeats=args.repeats, quick=args.quick,
-                      seed=args.seed)  # fmt: skip
+    result = validate(
+        [PREDICTED[n] for n in names],
+        iterations=args.iterations,
+        warmup=args.warmup,
+        repeats=args.repeats,
+        quick=args.quick,
+        seed=args.seed,
+    )
     if args.figure:
         from streamrl.sim.figures import validation_figure
 

@@ -46,8 +46,14 @@ def validation_figure(result: dict, path: str | Path) -> Path:
     ax.bar(x - 0.2, real, 0.4, label="real (measured now)", color="0.55")
     ax.bar(x + 0.2, sim, 0.4, label="simulated (calibrated on *)", color="#1f77b4")
     for i, r in enumerate(rows.values()):
-        ax.annotate(f"{r['error']:+.0%}", (i + 0.2, r["sim"]), ha="center", xytext=(0, 2),
-                    textcoords="offset points", fontsize=8)  # fmt: skip
+        ax.annotate(
+            f"{r['error']:+.0%}",
+            (i + 0.2, r["sim"]),
+            ha="center",
+            xytext=(0, 2),
+            textcoords="offset points",
+            fontsize=8,
+        )
     ax.set_xticks(x, [f"{n}*" if r["fitted"] else n for n, r in rows.items()], fontsize=8)
     ax.set_ylabel("samples/s (bench pipeline)")
     ax.legend(fontsize=8, loc="upper right")

@@ -85,8 +85,10 @@ class BenchConfig:
 
     def describe(self) -> str:
         """A short label: what differs from the bench's defaults."""
-        return (f"{self.mode}, {self.lengths} lengths, {self.batch}x{self.group_size}, "
-                f"{self.instances} inst., budget {self.token_budget}")  # fmt: skip
+        return (
+            f"{self.mode}, {self.lengths} lengths, {self.batch}x{self.group_size}, "
+            f"{self.instances} inst., budget {self.token_budget}"
+        )
 
 
 #: The calibration run: ``streamrl bench pipeline --modes sync`` with its defaults.
@@ -134,18 +136,27 @@ class Calibration:
         return out
 
 
-def run_real(config: BenchConfig, model_dir: Path, iterations: int, warmup: int,
-             seed: int = 0) -> dict:  # fmt: skip
+def run_real(
+    config: BenchConfig, model_dir: Path, iterations: int, warmup: int, seed: int = 0
+) -> dict:
     """One fresh real run of ``config`` through ``bench.pipeline.run_mode`` (no trace kept)."""
     from streamrl.bench.pipeline import run_mode
 
     args = argparse.Namespace(
-        seed=seed, batch=config.batch, group_size=config.group_size, warmup=warmup,
-        iterations=iterations, generators=config.instances,
-        colocated_generators=config.instances, max_batch_size=MAX_BATCH_SIZE,
-        token_budget=config.token_budget, colocated_token_budget=config.token_budget,
-        device="cpu", cluster="local", weight_transport="gloo",
-    )  # fmt: skip
+        seed=seed,
+        batch=config.batch,
+        group_size=config.group_size,
+        warmup=warmup,
+        iterations=iterations,
+        generators=config.instances,
+        colocated_generators=config.instances,
+        max_batch_size=MAX_BATCH_SIZE,
+        token_budget=config.token_budget,
+        colocated_token_budget=config.token_budget,
+        device="cpu",
+        cluster="local",
+        weight_transport="gloo",
+    )
     result = run_mode(config.mode, model_dir, LENGTH_SETS[config.lengths](), args)
     result.pop("_trace", None)
     return result
@@ -160,29 +171,51 @@ def sim_config(config: BenchConfig, cal: Calibration, iterations: int, warmup: i
 
     # One process per core whichever processes they are: the colocated generators slow down as
     # much as a disaggregated generator beside the trainer (an assumption, not a fit).
-    generators = GeneratorPool(cal.latency, config.instances, MAX_BATCH_SIZE,
-                               slowdown=cal.slowdown, colocated_slowdown=cal.slowdown,
-                               prefill_s=cal.latency.ptl(1))  # fmt: skip
+    generators = GeneratorPool(
+        cal.latency,
+        config.instances,
+        MAX_BATCH_SIZE,
+        slowdown=cal.slowdown,
+        colocated_slowdown=cal.slowdown,
+        prefill_s=cal.latency.ptl(1),
+    )
     trainer = TrainerPool(cal.trainer, 1, token_budget=config.token_budget)
     workload = Workload(cycled, config.batch, config.group_size, PROMPT_TOKENS, ranker_noise=0.0)
     return SimConfig(
-        generators, trainer, workload, mode=config.mode, dispatch="round-robin",
-        admission="fifo", iterations=iterations, warmup=warmup, sync_latency_s=cal.sync_s,
-        colocated_cost=cal.colocated_trainer, colocated_token_budget=config.token_budget,
-        iteration_overhead_s=cal.overhead_s, labels={"config": config.name},
-    )  # fmt: skip
+        generators,
+        trainer,
+        workload,
+        mode=config.mode,
+        dispatch="round-robin",
+        admission="fifo",
+        iterations=iterations,
+        warmup=warmup,
+        sync_latency_s=cal.sync_s,
+        colocated_cost=cal.colocated_trainer,
+        colocated_token_budget=config.token_budget,
+        iteration_overhead_s=cal.overhead_s,
+        labels={"config": config.name},
+    )
 
 
 def _scaled(cost: TrainerCostModel, factor: float) -> TrainerCostModel:
-    return replace(cost, s_per_token=cost.s_per_token * factor,
-                   microbatch_overhead_s=cost.microbatch_overhead_s * factor,
-                   step_s=cost.step_s * factor)  # fmt: skip
+    return replace(
+        cost,
+        s_per_token=cost.s_per_token * factor,
+        microbatch_overhead_s=cost.microbatch_overhead_s * factor,
+        step_s=cost.step_s * factor,
+    )
 
 
 def fit_calibration(
-    config: BenchConfig, real: dict, latency: LatencyModel, trainer: TrainerCostModel,
-    colocated_trainer: TrainerCostModel | None, iterations: int, warmup: int,
-) -> Calibration:  # fmt: skip
+    config: BenchConfig,
+    real: dict,
+    latency: LatencyModel,
+    trainer: TrainerCostModel,
+    colocated_trainer: TrainerCostModel | None,
+    iterations: int,
+    warmup: int,
+) -> Calibration:
     """Fit contention, the trainer factor, sync and loop time on one real ``sync`` run.
 
     Args:
@@ -196,10 +229,16 @@ def fit_calibration(
     """
     if config.mode != "sync":
         raise ValueError(f"Calibrate on a sync run (got {config.mode!r}): its gen_s is clean.")
-    overhead = max(0.0, real["iteration_s"] - real["train_s"] - real["exposed_sync_s"]
-                   - real["trainer_idle_frac"] * real["iteration_s"])  # fmt: skip
-    cal = Calibration(latency, trainer, colocated_trainer, 1.0, 1.0, real["exposed_sync_s"],
-                      overhead)  # fmt: skip
+    overhead = max(
+        0.0,
+        real["iteration_s"]
+        - real["train_s"]
+        - real["exposed_sync_s"]
+        - real["trainer_idle_frac"] * real["iteration_s"],
+    )
+    cal = Calibration(
+        latency, trainer, colocated_trainer, 1.0, 1.0, real["exposed_sync_s"], overhead
+    )
     lo, hi = 0.25, 8.0  # gen_s grows with the slowdown: bisect it onto the real gen_s
     for _ in range(30):
         cal.slowdown = (lo * hi) ** 0.5
@@ -219,8 +258,9 @@ def fit_calibration(
     return cal
 
 
-def profile(quick: bool, two_threads: bool) -> tuple[LatencyModel, TrainerCostModel,
-                                                     TrainerCostModel | None]:  # fmt: skip
+def profile(
+    quick: bool, two_threads: bool
+) -> tuple[LatencyModel, TrainerCostModel, TrainerCostModel | None]:
     """The micro-benchmarks: ``PTL(BS)`` and the trainer's cost on one (and two) threads."""
     from streamrl.components.profiler import Profiler
     from streamrl.sim.calibrate import _tiny_policy
@@ -277,15 +317,26 @@ def validate(
             runs = [run_real(config, model_dir, iterations, warmup, seed) for _ in range(repeats)]
             rows[config.name] = _row(config, _median_runs(runs), cal, iterations, warmup)
     out_of_sample = [abs(r["error"]) for r in rows.values() if not r["fitted"]]
-    result = {"calibration": cal.to_dict(), "rows": rows, "iterations": iterations,
-              "warmup": warmup, "repeats": repeats,
-              "max_abs_error": round(max(out_of_sample), 4) if out_of_sample else None}  # fmt: skip
+    result = {
+        "calibration": cal.to_dict(),
+        "rows": rows,
+        "iterations": iterations,
+        "warmup": warmup,
+        "repeats": repeats,
+        "max_abs_error": round(max(out_of_sample), 4) if out_of_sample else None,
+    }
     print_table(result)
     return result
 
 
-def _row(config: BenchConfig, real: dict, cal: Calibration, iterations: int, warmup: int,
-         fitted: bool = False) -> dict:  # fmt: skip
+def _row(
+    config: BenchConfig,
+    real: dict,
+    cal: Calibration,
+    iterations: int,
+    warmup: int,
+    fitted: bool = False,
+) -> dict:
     sim = simulate(sim_config(config, cal, iterations, warmup))
     return {
         "config": config.describe(),
@@ -303,15 +354,20 @@ def _row(config: BenchConfig, real: dict, cal: Calibration, iterations: int, war
 def print_table(result: dict) -> None:
     """The validation table on stderr: real vs simulated samples/s and the relative error."""
     cal = result["calibration"]
-    print(f"calibrated: slowdown {cal['slowdown']:.3f}, trainer x{cal['trainer_scale']:.3f}, "
-          f"sync {cal['sync_s']:.3f} s, loop {cal['overhead_s']:.3f} s/iteration, PTL ms "
-          f"{cal['ptl_ms']}", file=sys.stderr)  # fmt: skip
-    print(f"{'config':<16}{'setting':<48}{'real/s':>9}{'sim/s':>9}{'error':>9}",
-          file=sys.stderr)  # fmt: skip
+    print(
+        f"calibrated: slowdown {cal['slowdown']:.3f}, trainer x{cal['trainer_scale']:.3f}, "
+        f"sync {cal['sync_s']:.3f} s, loop {cal['overhead_s']:.3f} s/iteration, PTL ms "
+        f"{cal['ptl_ms']}",
+        file=sys.stderr,
+    )
+    print(f"{'config':<16}{'setting':<48}{'real/s':>9}{'sim/s':>9}{'error':>9}", file=sys.stderr)
     for name, row in result["rows"].items():
         tag = f"{name}*" if row["fitted"] else name
-        print(f"{tag:<16}{row['config']:<48}{row['real']:>9.1f}{row['sim']:>9.1f}"
-              f"{row['error']:>+9.1%}", file=sys.stderr)  # fmt: skip
+        print(
+            f"{tag:<16}{row['config']:<48}{row['real']:>9.1f}{row['sim']:>9.1f}"
+            f"{row['error']:>+9.1%}",
+            file=sys.stderr,
+        )
     print("* fitted on this run (in-sample); the other rows are out of sample", file=sys.stderr)
     if result["max_abs_error"] is not None:
         print(f"largest out-of-sample error: {result['max_abs_error']:.1%}", file=sys.stderr)

@@ -154,7 +154,7 @@ def _rows(args) -> list[tuple[str, str, str | None]]:
 
 
 def _sources(args) -> list[str]:
-    chosen = getattr(args, "predictions", None) or ("file" if args.predicted else "ranker,noisy")
+    chosen = args.predictions or ("file" if args.predicted else "ranker,noisy")
     sources = [s.strip() for s in chosen.split(",") if s.strip()]
     if not sources or any(s not in SOURCES for s in sources):
         raise ConfigError(f"--predictions: choose from {', '.join(SOURCES)}, got {chosen!r}.")
@@ -169,15 +169,13 @@ def bench_dispatch(args) -> dict:
     rows = _rows(args)
     table = load_lengths(args.lengths or DEFAULT_LENGTHS)
     n = args.prompts or len(table)
-    history = getattr(args, "history", None) or 2 * n
+    history = args.history or 2 * n
     if n < 1 or history < 2 or args.instances < 1 or args.repeats < 1:
         raise ConfigError(
             "--prompts, --instances and --repeats must be >= 1 and --history >= 2; got "
             f"{n}, {args.instances}, {args.repeats}, {history}."
         )
-    batch, earlier = batch_and_history(
-        table, n, history, getattr(args, "sample_sigma", 0.25), args.seed
-    )
+    batch, earlier = batch_and_history(table, n, history, args.sample_sigma, args.seed)
     with tempfile.TemporaryDirectory(prefix="streamrl-dispatch-") as tmp:
         prompt_ids, model_dir, latency = _setup(args, batch, Path(tmp))
         predictions = {

@@ -34,17 +34,36 @@ if __name__ == "__main__":  # generator instances are spawned processes: keep th
     latency = Profiler(policy, tokenizer("copy ab=").input_ids, 8, 1).fit([1, 8, 32])  # §5.1
     dispatcher = SkewAwareDispatcher(latency, max_batch_size=32)  # §5.3, Algorithm 2
     algorithm = GRPO(partial_credit, group_size=4)
-    with StreamGenerationService(model_dir, 2, max_batch_size=32, dispatcher=dispatcher,
-                                 scheduler="lpt", temperature=0.7) as sgs:  # §3  # fmt: skip
+    with StreamGenerationService(
+        model_dir, 2, max_batch_size=32, dispatcher=dispatcher, scheduler="lpt", temperature=0.7
+    ) as sgs:  # §3
         prompts = PromptSource(make_prompt_set(512, median_len=6, max_len=48), args.prompts)
         rollouts = RolloutStream(  # §5.2: the ranker learns the policy's own output lengths
-            sgs, prompts, tokenizer, algorithm, max_tokens=64,
-            context=policy.config.max_position_embeddings, ranker=LengthRanker(epochs=100),
-        )  # fmt: skip
+            sgs,
+            prompts,
+            tokenizer,
+            algorithm,
+            max_tokens=64,
+            context=policy.config.max_position_embeddings,
+            ranker=LengthRanker(epochs=100),
+        )
         pipeline = DynamicBatchPipeline(1024, staleness_bound=1)  # §4.1: train as they stream
-        module = StreamRLModule(policy.train(), algorithm, rollouts, args.iterations, lr=1e-4,
-                                temperature=0.7, mode="async", pipeline=pipeline)  # fmt: skip
-        L.Trainer(max_steps=args.iterations, accelerator="cpu", logger=False,
-                  enable_checkpointing=False, enable_model_summary=False).fit(module)  # fmt: skip
+        module = StreamRLModule(
+            policy.train(),
+            algorithm,
+            rollouts,
+            args.iterations,
+            lr=1e-4,
+            temperature=0.7,
+            mode="async",
+            pipeline=pipeline,
+        )
+        L.Trainer(
+            max_steps=args.iterations,
+            accelerator="cpu",
+            logger=False,
+            enable_checkpointing=False,
+            enable_model_summary=False,
+        ).fit(module)
     rewards = [h["rollout/reward"] for h in module.history]
     print(f"reward first {rewards[0]:.3f} last {rewards[-1]:.3f} ({len(rewards)} iterations)")

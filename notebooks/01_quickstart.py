@@ -67,14 +67,24 @@ if __name__ == "__main__":
     algorithm = GRPO(partial_credit, group_size=GROUP)
     with StreamGenerationService(model_dir, num_instances=2, temperature=0.7) as sgs:
         rollouts = RolloutStream(
-            sgs, PromptSource(prompts, PROMPTS), tokenizer, algorithm,
-            max_tokens=64, context=policy.config.max_position_embeddings,
-        )  # fmt: skip
-        module = StreamRLModule(policy.train(), algorithm, rollouts, ITERATIONS, lr=1e-4,
-                                temperature=0.7)  # fmt: skip
-        trainer = L.Trainer(max_steps=ITERATIONS, accelerator="cpu", logger=False,
-                            enable_checkpointing=False, enable_model_summary=False,
-                            enable_progress_bar=not SMALL)  # fmt: skip
+            sgs,
+            PromptSource(prompts, PROMPTS),
+            tokenizer,
+            algorithm,
+            max_tokens=64,
+            context=policy.config.max_position_embeddings,
+        )
+        module = StreamRLModule(
+            policy.train(), algorithm, rollouts, ITERATIONS, lr=1e-4, temperature=0.7
+        )
+        trainer = L.Trainer(
+            max_steps=ITERATIONS,
+            accelerator="cpu",
+            logger=False,
+            enable_checkpointing=False,
+            enable_model_summary=False,
+            enable_progress_bar=not SMALL,
+        )
         trainer.fit(module)
     rewards = [h["rollout/reward"] for h in module.history]
     print(f"reward first {rewards[0]:.3f} last {rewards[-1]:.3f} over {len(rewards)} iterations")

@@ -78,9 +78,11 @@ if __name__ == "__main__":
         for mode in MODES:
             results[mode] = run_mode(mode, model_dir, lengths, settings)
             row = results[mode]
-            print(f"{mode:<10} {row['samples_per_s']:6.1f} samples/s   trainer idle "
-                  f"{row['trainer_idle_frac']:5.1%}   generator idle "
-                  f"{row['generator_idle_frac']:5.1%}")  # fmt: skip
+            print(
+                f"{mode:<10} {row['samples_per_s']:6.1f} samples/s   trainer idle "
+                f"{row['trainer_idle_frac']:5.1%}   generator idle "
+                f"{row['generator_idle_frac']:5.1%}"
+            )
 
 # %% [markdown]
 # ## Timelines

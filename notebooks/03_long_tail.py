@@ -81,8 +81,9 @@ ax.set_xscale("log")
 ax.set_yscale("log")
 ax.set_xlabel("true answer length (tokens)")
 ax.set_ylabel("predicted length")
-ax.set_title(f"LengthRanker: recall@20 {quality['recall@20']:.2f}, "
-             f"tau {quality['kendall_tau']:.2f}")  # fmt: skip
+ax.set_title(
+    f"LengthRanker: recall@20 {quality['recall@20']:.2f}, tau {quality['kendall_tau']:.2f}"
+)
 fig.tight_layout()
 fig.savefig(OUT / "03_ranker.png", dpi=120)
 plt.show()

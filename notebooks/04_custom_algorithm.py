@@ -136,17 +136,29 @@ if __name__ == "__main__":
     prompts = make_prompt_set(512, median_len=6, max_len=48, seed=0)
     with StreamGenerationService(model_dir, num_instances=2, temperature=0.7) as sgs:
         rollouts = RolloutStream(
-            sgs, PromptSource(prompts, PROMPTS), tokenizer, algorithm,
-            max_tokens=64, context=policy.config.max_position_embeddings,
-        )  # fmt: skip
-        module = StreamRLModule(policy.train(), algorithm, rollouts, ITERATIONS, lr=1e-4,
-                                temperature=0.7)  # fmt: skip
-        L.Trainer(max_steps=ITERATIONS, accelerator="cpu", logger=False,
-                  enable_checkpointing=False, enable_model_summary=False,
-                  enable_progress_bar=not SMALL).fit(module)  # fmt: skip
+            sgs,
+            PromptSource(prompts, PROMPTS),
+            tokenizer,
+            algorithm,
+            max_tokens=64,
+            context=policy.config.max_position_embeddings,
+        )
+        module = StreamRLModule(
+            policy.train(), algorithm, rollouts, ITERATIONS, lr=1e-4, temperature=0.7
+        )
+        L.Trainer(
+            max_steps=ITERATIONS,
+            accelerator="cpu",
+            logger=False,
+            enable_checkpointing=False,
+            enable_model_summary=False,
+            enable_progress_bar=not SMALL,
+        ).fit(module)
     rewards = [h["rollout/reward"] for h in module.history]
-    print(f"reward first {rewards[0]:.3f} last {rewards[-1]:.3f}; baseline now "
-          f"{algorithm.baseline:.3f} after {len(algorithm.baselines)} groups")  # fmt: skip
+    print(
+        f"reward first {rewards[0]:.3f} last {rewards[-1]:.3f}; baseline now "
+        f"{algorithm.baseline:.3f} after {len(algorithm.baselines)} groups"
+    )
 
 # %% [markdown]
 # The baseline trails the reward: it starts at 0 and follows the groups' mean rewards as they

@@ -51,8 +51,10 @@ lengths = paper_lengths(PAPER_BATCH, max_len=20_000, seed=0)
 latency = decode_latency(model, H800)
 max_batch = kv_batch_limit(model, H800, PAPER_PROMPT_TOKENS + max(lengths))
 cost = trainer_cost(model, H800)
-print(f"{model.name}: generator TP {model.gen_tp}, trainer unit {model.train_unit_gpus} GPUs, "
-      f"batch cap {max_batch} per instance")  # fmt: skip
+print(
+    f"{model.name}: generator TP {model.gen_tp}, trainer unit {model.train_unit_gpus} GPUs, "
+    f"batch cap {max_batch} per instance"
+)
 print(
     f"PTL(1) {latency.ptl(1) * 1e3:.1f} ms, PTL({max_batch}) {latency.ptl(max_batch) * 1e3:.1f}"
     f" ms per token; lengths median {np.median(lengths):.0f}, max {max(lengths)} tokens"
@@ -73,18 +75,23 @@ print(f"{'':<12}{'gen GPUs':>9}{'train GPUs':>11}{'T_gen s':>9}{'T_train s':>10}
 rows = [("plan", plan), ("even split", even)]
 rows += [(f"runner-up {i + 1}", alt) for i, alt in enumerate(plan.alternatives)]
 for name, p in rows:
-    print(f"{name:<12}{p.gen_gpus:>9}{p.train_gpus:>11}{p.gen_s:>9.1f}{p.train_s:>10.1f}"
-          f"{p.iteration_s:>8.1f}")  # fmt: skip
-print(f"predicted speed-up of the plan over the even split: "
-      f"{even.iteration_s / plan.iteration_s:.2f}x")  # fmt: skip
+    print(
+        f"{name:<12}{p.gen_gpus:>9}{p.train_gpus:>11}{p.gen_s:>9.1f}{p.train_s:>10.1f}"
+        f"{p.iteration_s:>8.1f}"
+    )
+print(
+    f"predicted speed-up of the plan over the even split: "
+    f"{even.iteration_s / plan.iteration_s:.2f}x"
+)
 
 # Every split it weighed, for the plot below.
 sweep = [
-    allocator.evaluate(x, (GPUS - x) // cost.unit_gpus * cost.unit_gpus, lengths,
-                       PAPER_PROMPT_TOKENS)
+    allocator.evaluate(
+        x, (GPUS - x) // cost.unit_gpus * cost.unit_gpus, lengths, PAPER_PROMPT_TOKENS
+    )
     for x in range(model.gen_tp, GPUS, model.gen_tp)
     if GPUS - x >= cost.unit_gpus
-]  # fmt: skip
+]
 
 # %% [markdown]
 # ## Simulate the cluster
@@ -105,10 +112,12 @@ for mode in ("colocated", "sync", "async"):
 base = results["colocated"].samples_per_s
 for mode, r in results.items():
     labels = configs[mode].labels
-    print(f"{mode:<10} GPUs gen/train {labels['gen_gpus']:>2}/{labels['train_gpus']:<2}  "
-          f"{r.samples_per_s:5.2f} samples/s ({r.samples_per_s / base:.2f}x)  iteration "
-          f"{r.iteration_s:6.1f} s  trainer idle {r.trainer_idle_frac:5.1%}  generator idle "
-          f"{r.generator_idle_frac:5.1%}")  # fmt: skip
+    print(
+        f"{mode:<10} GPUs gen/train {labels['gen_gpus']:>2}/{labels['train_gpus']:<2}  "
+        f"{r.samples_per_s:5.2f} samples/s ({r.samples_per_s / base:.2f}x)  iteration "
+        f"{r.iteration_s:6.1f} s  trainer idle {r.trainer_idle_frac:5.1%}  generator idle "
+        f"{r.generator_idle_frac:5.1%}"
+    )
 
 # %% [markdown]
 # Async's generator idle share is inflated by the end of the run: its last iteration was
@@ -126,8 +135,12 @@ left.plot(gen_gpus, [p.gen_s for p in sweep], label="T_gen (generation)")
 left.plot(gen_gpus, [p.train_s for p in sweep], label="T_train (training)")
 left.plot(gen_gpus, [p.iteration_s for p in sweep], "k--", label="iteration = max")
 left.axvline(plan.gen_gpus, color="0.5", linewidth=1)
-left.annotate(f"plan {plan.gen_gpus}/{plan.train_gpus}", (plan.gen_gpus, plan.iteration_s),
-              xytext=(6, 12), textcoords="offset points")  # fmt: skip
+left.annotate(
+    f"plan {plan.gen_gpus}/{plan.train_gpus}",
+    (plan.gen_gpus, plan.iteration_s),
+    xytext=(6, 12),
+    textcoords="offset points",
+)
 left.set_xlabel(f"generator GPUs (trainer gets the rest of {GPUS})")
 left.set_ylabel("seconds per iteration (predicted)")
 left.set_ylim(0, 3 * plan.iteration_s)
@@ -143,6 +156,9 @@ fig.savefig(OUT / "05_cluster.png", dpi=120)
 plt.show()
 
 # The async run's simulated timeline, drawn by the same code as a real run's.
-draw_timeline(results["async"].trace.spans, OUT / "05_timeline_async.png",
-              title=f"simulated async, {plan.gen_gpus}/{plan.train_gpus} GPUs")  # fmt: skip
+draw_timeline(
+    results["async"].trace.spans,
+    OUT / "05_timeline_async.png",
+    title=f"simulated async, {plan.gen_gpus}/{plan.train_gpus} GPUs",
+)
 print(f"figures: {OUT / '05_cluster.png'}, {OUT / '05_timeline_async.png'}")

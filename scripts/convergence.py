@@ -36,15 +36,25 @@ def run(name: str, rl: dict, seed: int, out: Path) -> dict:
     config["output_dir"] = str(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(yaml.safe_dump(config))
-    cmd = [sys.executable, "-m", "streamrl.cli", "fit", "--config", str(run_dir / "config.yaml"),
-           "--no-progress"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "streamrl.cli",
+        "fit",
+        "--config",
+        str(run_dir / "config.yaml"),
+        "--no-progress",
+    ]
     done = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if done.returncode != 0:
         raise RuntimeError(f"{name} seed {seed} failed:\n{done.stderr[-3000:]}")
     summary = json.loads(done.stdout.strip().splitlines()[-1])
     summary["rewards"] = _rewards(run_dir)
-    print(f"{name} seed {seed}: held-out {summary['heldout_acc_before']:.3f} -> "
-          f"{summary['heldout_acc_after']:.3f}", file=sys.stderr)  # fmt: skip
+    print(
+        f"{name} seed {seed}: held-out {summary['heldout_acc_before']:.3f} -> "
+        f"{summary['heldout_acc_after']:.3f}",
+        file=sys.stderr,
+    )
     return summary
 
 
@@ -70,8 +80,9 @@ def plot(results: dict[str, list[dict]], path: Path, title: str) -> None:
         n = min(map(len, curves))
         mean = _smooth([statistics.mean(c[i] for c in curves) for i in range(n)])
         acc = statistics.mean(r["heldout_acc_after"] for r in runs)
-        line = ax.plot(range(n), mean, linewidth=2,
-                       label=f"{name} (held-out {acc:.1%}, {len(runs)} runs)")[0]  # fmt: skip
+        line = ax.plot(
+            range(n), mean, linewidth=2, label=f"{name} (held-out {acc:.1%}, {len(runs)} runs)"
+        )[0]
         for c in curves:
             ax.plot(range(n), c[:n], alpha=0.2, linewidth=0.7, color=line.get_color())
     ax.set_xlabel("iteration (same samples per iteration in every run)")

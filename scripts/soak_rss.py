@@ -52,8 +52,15 @@ def main() -> int:
     config["rl"]["iterations"] = 100_000  # stopped by time, not by iterations
     config["output_dir"] = str(out / "run")
     (out / "soak.yaml").write_text(yaml.safe_dump(config))
-    cmd = [sys.executable, "-m", "streamrl.cli", "fit", "--config", str(out / "soak.yaml"),
-           "--no-progress"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "streamrl.cli",
+        "fit",
+        "--config",
+        str(out / "soak.yaml"),
+        "--no-progress",
+    ]
     with open(out / "fit.log", "w") as log:
         rows = _watch(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log), args)
     data = np.array(rows)
@@ -82,8 +89,11 @@ def _watch(proc: subprocess.Popen, args: argparse.Namespace) -> list[tuple[float
         while time.monotonic() - started < args.minutes * 60 and proc.poll() is None:
             rss = sample(watched)
             rows.append((time.monotonic() - started, rss["trainer"], rss["generators"]))
-            print(f"{rows[-1][0]:7.0f} s  trainer {rss['trainer']:7.1f} MiB  generators "
-                  f"{rss['generators']:7.1f} MiB", file=sys.stderr)  # fmt: skip
+            print(
+                f"{rows[-1][0]:7.0f} s  trainer {rss['trainer']:7.1f} MiB  generators "
+                f"{rss['generators']:7.1f} MiB",
+                file=sys.stderr,
+            )
             time.sleep(args.every)
     finally:
         proc.send_signal(signal.SIGINT)  # Ctrl-C: the CLI stops its generators and exits

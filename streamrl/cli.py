@@ -74,8 +74,11 @@ def _cmd_profile(args: argparse.Namespace) -> dict:
     for size, ptl in zip(model.batch_sizes, model.ptl_s):
         print(f"{size:>6} {ptl * 1000:>10.2f}", file=sys.stderr)
     path = model.to_json(args.output)
-    return {"batch_sizes": model.batch_sizes, "ptl_ms": [round(p * 1000, 3) for p in model.ptl_s],
-            "output": str(path)}  # fmt: skip
+    return {
+        "batch_sizes": model.batch_sizes,
+        "ptl_ms": [round(p * 1000, 3) for p in model.ptl_s],
+        "output": str(path),
+    }
 
 
 def _bench_ranker(args: argparse.Namespace) -> dict:
@@ -110,8 +113,9 @@ def build_parser() -> argparse.ArgumentParser:
     fit.add_argument("--config", required=True, help="YAML file with the run's settings")
     fit.add_argument("--output-dir", help="override the config's output_dir")
     fit.add_argument("--no-progress", action="store_true", help="draw no progress bars")
-    fit.add_argument("--resume", help="checkpoint to continue from, e.g. "
-                     "<output_dir>/checkpoints/last.ckpt")  # fmt: skip
+    fit.add_argument(
+        "--resume", help="checkpoint to continue from, e.g. <output_dir>/checkpoints/last.ckpt"
+    )
     fit.add_argument("--gpus", type=int, help="GPUs per generator instance (overrides rl.gpus)")
     fit.set_defaults(func=_cmd_fit)
 
@@ -131,15 +135,22 @@ def build_parser() -> argparse.ArgumentParser:
         "pipeline", help="colocated vs disaggregated sync vs one-step async, same cores and lengths"
     )
     pipe.add_argument("--modes", default="colocated,sync,async", help="any of colocated,sync,async")
-    pipe.add_argument("--lengths", help="JSON list (or JSONL with 'length') of forced output "
-                      "lengths, cycled; default: the shipped long-tailed file")  # fmt: skip
+    pipe.add_argument(
+        "--lengths",
+        help="JSON list (or JSONL with 'length') of forced output "
+        "lengths, cycled; default: the shipped long-tailed file",
+    )
     pipe.add_argument("--batch", type=int, default=16, help="prompts per iteration")
     pipe.add_argument("--group-size", type=int, default=4, help="samples per prompt")
     pipe.add_argument("--iterations", type=int, default=6, help="measured iterations per run")
     pipe.add_argument("--warmup", type=int, default=1, help="unmeasured iterations per run")
     pipe.add_argument("--repeats", type=int, default=3, help="runs per mode (median reported)")
-    pipe.add_argument("--model", default="tiny", help="'tiny' (~1M params, random), 'qwen2-0.5b' "
-                      "(random, Qwen2.5-0.5B shapes) or a model dir")  # fmt: skip
+    pipe.add_argument(
+        "--model",
+        default="tiny",
+        help="'tiny' (~1M params, random), 'qwen2-0.5b' "
+        "(random, Qwen2.5-0.5B shapes) or a model dir",
+    )
     pipe.add_argument("--max-batch-size", type=int, default=64, help="slots per generator")
     pipe.add_argument(
         "--generators",
@@ -147,9 +158,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=1,
         help="generator instances in the sync and async modes (one core each)",
     )
-    pipe.add_argument("--colocated-generators", type=int, default=2,
-                      help="generator instances in the colocated mode (they share the cores "
-                      "with training, one phase after the other)")  # fmt: skip
+    pipe.add_argument(
+        "--colocated-generators",
+        type=int,
+        default=2,
+        help="generator instances in the colocated mode (they share the cores "
+        "with training, one phase after the other)",
+    )
     pipe.add_argument(
         "--token-budget",
         type=int,
@@ -157,24 +172,43 @@ def build_parser() -> argparse.ArgumentParser:
         help="tokens per micro-batch in the sync and async modes (small: training "
         "starts as soon as a few samples have streamed in)",
     )
-    pipe.add_argument("--colocated-token-budget", type=int, default=4096,
-                      help="tokens per micro-batch in the colocated mode (large: every sample is "
-                      "there already, and fewer passes are faster)")  # fmt: skip
+    pipe.add_argument(
+        "--colocated-token-budget",
+        type=int,
+        default=4096,
+        help="tokens per micro-batch in the colocated mode (large: every sample is "
+        "there already, and fewer passes are faster)",
+    )
     pipe.add_argument("--timeline-dir", help="write each mode's trace JSON and timeline PNG here")
-    pipe.add_argument("--cluster", choices=["local", "ray"], default="local",
-                      help="generators as local processes or Ray actors")  # fmt: skip
-    pipe.add_argument("--weight-transport", choices=["gloo", "bucketed", "nccl"], default="gloo",
-                      help="how weights reach the generators")  # fmt: skip
-    pipe.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
-                      help="cuda: generators and trainer share this machine's GPU(s)")  # fmt: skip
+    pipe.add_argument(
+        "--cluster",
+        choices=["local", "ray"],
+        default="local",
+        help="generators as local processes or Ray actors",
+    )
+    pipe.add_argument(
+        "--weight-transport",
+        choices=["gloo", "bucketed", "nccl"],
+        default="gloo",
+        help="how weights reach the generators",
+    )
+    pipe.add_argument(
+        "--device",
+        choices=["cpu", "cuda"],
+        default="cpu",
+        help="cuda: generators and trainer share this machine's GPU(s)",
+    )
     pipe.add_argument("--seed", type=int, default=0)
     pipe.set_defaults(func=_cmd_bench_pipeline)
 
     disp = bench_sub.add_parser(
         "dispatch", help="generation makespan: random vs skew-aware (predicted) vs oracle dispatch"
     )
-    disp.add_argument("--lengths", help="JSON list / JSONL 'length' of true output lengths "
-                      "(default: the shipped long-tailed file)")  # fmt: skip
+    disp.add_argument(
+        "--lengths",
+        help="JSON list / JSONL 'length' of true output lengths "
+        "(default: the shipped long-tailed file)",
+    )
     disp.add_argument("--instances", type=int, default=2, help="generator instances")
     disp.add_argument("--policies", default="random,skew,oracle", help="any of random,skew,oracle")
     disp.add_argument(
@@ -209,8 +243,11 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="replay continuous batching with the latency model (no models run)",
     )
-    disp.add_argument("--latency", help="latency model: 'paper-7b-h800', a JSON file from "
-                      "'streamrl profile', or (default) measured on --model now")  # fmt: skip
+    disp.add_argument(
+        "--latency",
+        help="latency model: 'paper-7b-h800', a JSON file from "
+        "'streamrl profile', or (default) measured on --model now",
+    )
     disp.add_argument(
         "--objective",
         choices=["max", "sum"],
@@ -219,9 +256,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     disp.add_argument("--prompts", type=int, help="prompts (default: one per length in the file)")
     disp.add_argument("--max-batch-size", type=int, default=32, help="slots per instance")
-    disp.add_argument("--tail-batch-size", type=int, default=None,
-                      help="batch size of the skew policies' long-tail instances (default: "
-                      "--max-batch-size)")  # fmt: skip
+    disp.add_argument(
+        "--tail-batch-size",
+        type=int,
+        default=None,
+        help="batch size of the skew policies' long-tail instances (default: --max-batch-size)",
+    )
     disp.add_argument("--repeats", type=int, default=3, help="real runs per policy (median)")
     disp.add_argument("--model", default="tiny", help="'tiny' (~1M params, random) or a model dir")
     disp.add_argument("--seed", type=int, default=0)

@@ -336,10 +336,15 @@ def check_rl(rl: RLConfig) -> None:
         raise ConfigError(
             f"rl.mode: {unknown_name('mode', rl.mode, ['sync', 'async', 'colocated'])}"
         )
-    positive = dict(prompts_per_iteration=rl.prompts_per_iteration, generators=rl.generators,
-                    max_batch_size=rl.max_batch_size, max_tokens=rl.max_tokens,
-                    token_budget=rl.token_budget, min_samples=rl.min_samples,
-                    ranker_refresh_every=rl.ranker_refresh_every)  # fmt: skip
+    positive = dict(
+        prompts_per_iteration=rl.prompts_per_iteration,
+        generators=rl.generators,
+        max_batch_size=rl.max_batch_size,
+        max_tokens=rl.max_tokens,
+        token_budget=rl.token_budget,
+        min_samples=rl.min_samples,
+        ranker_refresh_every=rl.ranker_refresh_every,
+    )
     for name, value in positive.items():
         if value < 1:
             raise ConfigError(f"rl.{name} must be >= 1, got {value}.")
@@ -383,10 +388,15 @@ def check_rl(rl: RLConfig) -> None:
         )
     try:  # each algorithm checks its own needs (GRPO and RLOO compare samples of a prompt)
         build_algorithm(
-            rl.algorithm, REWARDS[rl.reward], group_size=rl.group_size, clip_eps=rl.clip_eps,
-            kl_coef=rl.kl_coef, max_tokens=rl.max_tokens, hidden_size=1,
+            rl.algorithm,
+            REWARDS[rl.reward],
+            group_size=rl.group_size,
+            clip_eps=rl.clip_eps,
+            kl_coef=rl.kl_coef,
+            max_tokens=rl.max_tokens,
+            hidden_size=1,
             samples_per_iteration=rl.prompts_per_iteration * rl.group_size,
-        )  # fmt: skip
+        )
     except ValueError as err:
         raise ConfigError(f"rl: {err}") from err
     if rl.is_cap < 1:

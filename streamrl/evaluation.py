@@ -58,9 +58,12 @@ def generate_greedy(
         idx = order[start : start + batch_size]
         enc = tokenizer([prompts[i] for i in idx], return_tensors="pt", padding=True)
         gen = model.generate(
-            **enc, max_new_tokens=max_new_tokens, do_sample=False,
-            pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
-        )  # fmt: skip
+            **enc,
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            pad_token_id=tokenizer.pad_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+        )
         new_tokens = gen[:, enc["input_ids"].shape[1] :]  # [batch, new]
         for row, i in zip(new_tokens.tolist(), idx):
             if tokenizer.eos_token_id in row:

@@ -211,8 +211,10 @@ class ShardedStreamRLModule(StreamRLModule):
         for micro in self.pipeline.micro_batches(groups, self.weight_version):
             # Each rank's loss is scaled by world/total: FSDP averages the ranks' gradients, so
             # the update equals one process back-propagating every sample divided by total.
-            shares = [(part, world / total if real else 0.0)
-                      for part, real in split_micro_batch(micro, world)]  # fmt: skip
+            shares = [
+                (part, world / total if real else 0.0)
+                for part, real in split_micro_batch(micro, world)
+            ]
             mine = self._exchange(shares)
             train_s += self.backward_micro(mine[0], iteration, mine[1])
             self.samples_trained += len(micro.samples)

@@ -106,10 +106,15 @@ def build_run_algorithm(config: RunConfig, policy: PreTrainedModel) -> Algorithm
     """The run's RL algorithm, as every trainer rank builds it."""
     rl = config.rl
     return build_algorithm(
-        rl.algorithm, get_reward(rl.reward), group_size=rl.group_size, clip_eps=rl.clip_eps,
-        kl_coef=rl.kl_coef, max_tokens=rl.max_tokens, hidden_size=policy.config.hidden_size,
+        rl.algorithm,
+        get_reward(rl.reward),
+        group_size=rl.group_size,
+        clip_eps=rl.clip_eps,
+        kl_coef=rl.kl_coef,
+        max_tokens=rl.max_tokens,
+        hidden_size=policy.config.hidden_size,
         samples_per_iteration=rl.prompts_per_iteration * rl.group_size,
-    )  # fmt: skip
+    )
 
 
 def _train(
@@ -140,21 +145,34 @@ def _train(
         lora = LoRASpec(rl.lora_r, rl.lora_alpha, 0.0, tuple(rl.lora_target_modules))
         policy = apply_lora(policy, lora)
     service = StreamGenerationService(
-        model_dir, rl.generators, max_batch_size=rl.max_batch_size,
-        temperature=rl.temperature, seed=config.seed, dispatcher=dispatcher,
-        scheduler="lpt" if skew else "fifo", max_restarts=rl.max_restarts,
-        status_path=Path(config.output_dir) / "instances.json", lora=lora,
-        backend=rl.backend, cluster=rl.cluster, gpus_per_instance=rl.gpus,
-        weight_transport=rl.weight_transport, sites=rl.sites or None,
+        model_dir,
+        rl.generators,
+        max_batch_size=rl.max_batch_size,
+        temperature=rl.temperature,
+        seed=config.seed,
+        dispatcher=dispatcher,
+        scheduler="lpt" if skew else "fifo",
+        max_restarts=rl.max_restarts,
+        status_path=Path(config.output_dir) / "instances.json",
+        lora=lora,
+        backend=rl.backend,
+        cluster=rl.cluster,
+        gpus_per_instance=rl.gpus,
+        weight_transport=rl.weight_transport,
+        sites=rl.sites or None,
         trainer_site=rl.trainer_site,
-    )  # fmt: skip
+    )
     with service:
         rollouts = RolloutStream(
-            service, PromptSource(train_set, rl.prompts_per_iteration, seed=config.seed),
-            tokenizer, algorithm, max_tokens=rl.max_tokens, context=context,
+            service,
+            PromptSource(train_set, rl.prompts_per_iteration, seed=config.seed),
+            tokenizer,
+            algorithm,
+            max_tokens=rl.max_tokens,
+            context=context,
             ranker=LengthRanker(seed=config.seed) if skew else None,
             ranker_refresh_every=rl.ranker_refresh_every,
-        )  # fmt: skip
+        )
         pipeline = DynamicBatchPipeline(
             rl.token_budget, rl.min_samples, staleness_bound=int(rl.mode == "async")
         )
@@ -162,13 +180,27 @@ def _train(
         module_class = ShardedStreamRLModule if sharded else StreamRLModule
         extra = dict(share_stream=True) if sharded else {}
         module = module_class(
-            policy.train(), algorithm, rollouts, rl.iterations, lr=rl.lr, reference=reference,
-            temperature=rl.temperature, mode=rl.mode, pipeline=pipeline, elastic=elastic,
-            is_cap=rl.is_cap, **extra,
-        )  # fmt: skip
-        settings = dict(logger=make_logger(config), default_root_dir=config.output_dir,
-                        log_every_n_steps=1, enable_progress_bar=show_progress,
-                        enable_checkpointing=True, callbacks=[checkpoints(config)])  # fmt: skip
+            policy.train(),
+            algorithm,
+            rollouts,
+            rl.iterations,
+            lr=rl.lr,
+            reference=reference,
+            temperature=rl.temperature,
+            mode=rl.mode,
+            pipeline=pipeline,
+            elastic=elastic,
+            is_cap=rl.is_cap,
+            **extra,
+        )
+        settings = dict(
+            logger=make_logger(config),
+            default_root_dir=config.output_dir,
+            log_every_n_steps=1,
+            enable_progress_bar=show_progress,
+            enable_checkpointing=True,
+            callbacks=[checkpoints(config)],
+        )
         if sharded:  # rank 0 of rl.trainer_ranks FSDP2 ranks; the others are spawned here
             with trainer_ranks(config, model_dir, rl.trainer_ranks, resume):
                 trainer = sharded_trainer(rl.trainer_ranks, rl.iterations, **settings)
@@ -201,9 +233,11 @@ def checkpoints(config: RunConfig) -> ModelCheckpoint:
     warnings.filterwarnings("ignore", "Using ModelCheckpoint with manual optimization")
     every = config.rl.checkpoint_every
     return ModelCheckpoint(
-        Path(config.output_dir) / "checkpoints", save_last=True,
-        every_n_train_steps=every or None, save_top_k=1 if every else 0,
-    )  # fmt: skip
+        Path(config.output_dir) / "checkpoints",
+        save_last=True,
+        every_n_train_steps=every or None,
+        save_top_k=1 if every else 0,
+    )
 
 
 def make_logger(config: RunConfig) -> Logger:

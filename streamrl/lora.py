@@ -97,16 +97,22 @@ def apply_lora(model: torch.nn.Module, spec: LoRASpec, seed: int = 0) -> torch.n
         ConfigError: peft is not installed, or no module matches ``spec.target_modules``.
     """
     peft = _require_peft()
-    linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
-                     if isinstance(m, torch.nn.Linear)})  # fmt: skip
+    linear = sorted(
+        {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    )
     missing = [t for t in spec.target_modules if t not in linear]
     if missing:
         raise ConfigError(
             f"apply_lora: no linear module named {missing} in {type(model).__name__}; "
             f"its linear modules are {linear}."
         )
-    config = peft.LoraConfig(r=spec.r, lora_alpha=spec.alpha, lora_dropout=spec.dropout,
-                             target_modules=list(spec.target_modules), bias="none")  # fmt: skip
+    config = peft.LoraConfig(
+        r=spec.r,
+        lora_alpha=spec.alpha,
+        lora_dropout=spec.dropout,
+        target_modules=list(spec.target_modules),
+        bias="none",
+    )
     with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
         torch.manual_seed(seed)
         # peft asks transformers 5 a deprecated question; the warning is not ours to fix.
@@ -169,8 +175,9 @@ class MergedLoRA:
 
         self.model = model
         layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
-        self._base = [(m.get_base_layer().weight, m.get_base_layer().weight.detach().clone())
-                      for m in layers]  # fmt: skip
+        self._base = [
+            (m.get_base_layer().weight, m.get_base_layer().weight.detach().clone()) for m in layers
+        ]
         self.model.merge_adapter()
 
     @contextlib.contextmanager
@@ -223,8 +230,10 @@ def _bench(size: str = "demo", r: int = 8, batch: int = 16, tokens: int = 48) ->
     merged.load_state_dict(lora.state_dict())
     merge = MergedLoRA(merged)
     full_b, lora_b = sync_bytes(plain), sync_bytes(adapter_weights(lora))
-    print(f"{size}: sync per update: full {full_b} B, LoRA r={r} on q/k/v/o {lora_b} B "
-          f"({full_b / lora_b:.1f}x fewer)")  # fmt: skip
+    print(
+        f"{size}: sync per update: full {full_b} B, LoRA r={r} on q/k/v/o {lora_b} B "
+        f"({full_b / lora_b:.1f}x fewer)"
+    )
     models = {"plain": plain, "lora-peft-forward": lora, "lora-merged": merged}
     gens = {k: HFStreamGenerator(m, max_batch_size=batch, greedy=True) for k, m in models.items()}
     full = {n: p.detach().clone() for n, p in plain.named_parameters()}
@@ -239,8 +248,17 @@ def _bench(size: str = "demo", r: int = 8, batch: int = 16, tokens: int = 48) ->
                 gen.load_weights(full if label == "plain" else adapters, 0)
             loads[label].append(time.perf_counter() - started)
         for label, gen in gens.items():
-            gen.submit([Request(f"p{i}", tok(f"copy {i}=")["input_ids"], max_tokens=tokens,
-                                forced_length=tokens) for i in range(2 * batch)])  # fmt: skip
+            gen.submit(
+                [
+                    Request(
+                        f"p{i}",
+                        tok(f"copy {i}=")["input_ids"],
+                        max_tokens=tokens,
+                        forced_length=tokens,
+                    )
+                    for i in range(2 * batch)
+                ]
+            )
             started = time.perf_counter()
             samples = sorted(gen.stream(), key=lambda s: s.prompt_id)
             rates[label].append(sum(s.length for s in samples) / (time.perf_counter() - started))

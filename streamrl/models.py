@@ -41,15 +41,31 @@ PAD, EOS, UNK = "<pad>", "<eos>", "<unk>"
 #: Shapes of the built-in tiny models (hidden, layers, heads, kv heads, MLP width).
 _SIZES: dict[str, dict[str, int]] = {
     # ~150K parameters: unit and integration tests.
-    "test": dict(hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
-                 num_key_value_heads=2, intermediate_size=192),
+    "test": dict(
+        hidden_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=192,
+    ),
     # ~1M parameters: the demo policy.
-    "demo": dict(hidden_size=128, num_hidden_layers=5, num_attention_heads=4,
-                 num_key_value_heads=2, intermediate_size=384),
+    "demo": dict(
+        hidden_size=128,
+        num_hidden_layers=5,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=384,
+    ),
     # ~494M parameters, Qwen2.5-0.5B's shapes (random weights): GPU checks (scripts/gpu_check.sh).
-    "0.5b": dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14,
-                 num_key_value_heads=2, intermediate_size=4864, vocab_size=151936),
-}  # fmt: skip
+    "0.5b": dict(
+        hidden_size=896,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        intermediate_size=4864,
+        vocab_size=151936,
+    ),
+}
 
 
 def build_tokenizer(alphabet: str = ALPHABET) -> PreTrainedTokenizerFast:

@@ -278,15 +278,18 @@ class StreamRLModule(L.LightningModule):
         width = max(s.length for s in samples)
         seq = max(p + s.length for p, s in zip(prompt_lens, samples))
         pad = int(self.policy.config.pad_token_id or 0)
-        rows = [s.prompt_ids + s.token_ids + [pad] * (seq - p - s.length)
-                for p, s in zip(prompt_lens, samples)]  # fmt: skip
+        rows = [
+            s.prompt_ids + s.token_ids + [pad] * (seq - p - s.length)
+            for p, s in zip(prompt_lens, samples)
+        ]
         input_ids = torch.tensor(rows, device=self.device)  # [batch, seq]
         lengths = torch.tensor([s.length for s in samples], device=self.device)
         total = torch.tensor(prompt_lens, device=self.device) + lengths
         attention = (torch.arange(seq, device=self.device) < total[:, None]).long()
         mask = (torch.arange(width, device=self.device) < lengths[:, None]).long()  # [batch, width]
-        behaviour = torch.tensor([s.logprobs + [0.0] * (width - s.length) for s in samples],
-                                 device=self.device)  # fmt: skip
+        behaviour = torch.tensor(
+            [s.logprobs + [0.0] * (width - s.length) for s in samples], device=self.device
+        )
         starts = torch.tensor(prompt_lens, device=self.device)
         ref = None
         if self.reference is not None:
@@ -299,8 +302,9 @@ class StreamRLModule(L.LightningModule):
         )
         # Per-token critic values for algorithms with a critic (PPO); None for the others.
         values = self.algorithm.token_values(self.policy, input_ids, attention, starts, width)
-        stale = torch.tensor([s.weight_version < self.weight_version for s in samples],
-                             device=self.device)  # fmt: skip
+        stale = torch.tensor(
+            [s.weight_version < self.weight_version for s in samples], device=self.device
+        )
         fix = correct_stale(current, behaviour, mask, stale, self.is_cap)
         if fix.stale_samples:
             self.off_policy.append(fix)
@@ -376,9 +380,14 @@ def rl_trainer(iterations: int, **overrides) -> L.Trainer:
     """A Lightning ``Trainer`` for ``iterations`` RL steps on the CPU with nothing extra (no
     logger, checkpoints, progress bar or model summary); any ``Trainer`` argument overrides."""
     settings = dict(
-        max_steps=iterations, max_epochs=-1, accelerator="cpu", logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-    )  # fmt: skip
+        max_steps=iterations,
+        max_epochs=-1,
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     return L.Trainer(**{**settings, **overrides})
 
 

@@ -59,9 +59,14 @@ def prepare_run(config: RunConfig) -> PreparedRun:
         heldout, train = rows.select(range(n_heldout)), rows.select(range(n_heldout, len(rows)))
     else:
         train, heldout = make_splits(
-            data.n_train, data.n_heldout, data.tasks, seed=config.seed,
-            median_len=data.median_len, tail=data.tail, max_len=data.max_len,
-        )  # fmt: skip
+            data.n_train,
+            data.n_heldout,
+            data.tasks,
+            seed=config.seed,
+            median_len=data.median_len,
+            tail=data.tail,
+            max_len=data.max_len,
+        )
     for split in (train, heldout):
         _check_fits_context(split, tokenizer, context)
     return PreparedRun(train=train, heldout=heldout, context=context)
@@ -73,11 +78,17 @@ def ensure_policy(config: RunConfig, run: PreparedRun, show_progress: bool = Tru
         run.model_dir = Path(config.model)
         return run.model_dir
     sft = SFTConfig(
-        model_size=config.sft.model_size, steps=config.sft.steps, lr=config.sft.lr,
-        demo_noise=config.sft.demo_noise, early_stop=config.sft.early_stop,
-        early_stop_tasks=tuple(config.sft.early_stop_tasks), tasks=tuple(config.data.tasks),
-        median_len=config.data.median_len, tail=config.data.tail, max_len=config.data.max_len,
-    )  # fmt: skip
+        model_size=config.sft.model_size,
+        steps=config.sft.steps,
+        lr=config.sft.lr,
+        demo_noise=config.sft.demo_noise,
+        early_stop=config.sft.early_stop,
+        early_stop_tasks=tuple(config.sft.early_stop_tasks),
+        tasks=tuple(config.data.tasks),
+        median_len=config.data.median_len,
+        tail=config.data.tail,
+        max_len=config.data.max_len,
+    )
     run.model_dir = warm_start(sft, config.resolved_cache_dir(), show_progress=show_progress)
     return run.model_dir
 

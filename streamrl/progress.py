@@ -19,6 +19,11 @@ def progress_bar(iterable: Iterable[T], desc: str, enabled: bool = True, **kw) -
     """
     interval = 0.5 if sys.stderr.isatty() else 15.0
     return tqdm(
-        iterable, desc=desc, disable=not enabled, file=sys.stderr, dynamic_ncols=True,
-        mininterval=interval, **kw,
-    )  # fmt: skip
+        iterable,
+        desc=desc,
+        disable=not enabled,
+        file=sys.stderr,
+        dynamic_ncols=True,
+        mininterval=interval,
+        **kw,
+    )

@@ -12,8 +12,11 @@ import torch
 def rng_state() -> dict:
     """Random states as plain values and tensors (checkpoints load with ``weights_only``)."""
     kind, keys, pos, has_gauss, gauss = np.random.get_state()
-    return {"python": random.getstate(), "torch": torch.get_rng_state(),
-            "numpy": [kind, keys.tolist(), int(pos), int(has_gauss), float(gauss)]}  # fmt: skip
+    return {
+        "python": random.getstate(),
+        "torch": torch.get_rng_state(),
+        "numpy": [kind, keys.tolist(), int(pos), int(has_gauss), float(gauss)],
+    }
 
 
 def set_rng_state(state: dict) -> None:

@@ -171,9 +171,10 @@ class RolloutStream:
         else:
             rows = {row["prompt_id"]: row for row in self.prompts.next_batch()}
         requests = [
-            r for pid, row in rows.items()
+            r
+            for pid, row in rows.items()
             for r in self._requests(pid, row, iteration, min_weight_version)
-        ]  # fmt: skip
+        ]
         self._batches[iteration] = _Batch(
             rows, time.perf_counter(), min_weight_version, partial={pid: [] for pid in rows}
         )
@@ -208,16 +209,25 @@ class RolloutStream:
         ids = self.tokenizer(row["prompt"])["input_ids"]
         budget = min(self.max_tokens, self.context - len(ids))
         if budget < 1:
-            raise ValueError(f"Prompt {pid!r} has {len(ids)} tokens: no room left in the "
-                             f"context of {self.context}; shorten it.")  # fmt: skip
+            raise ValueError(
+                f"Prompt {pid!r} has {len(ids)} tokens: no room left in the "
+                f"context of {self.context}; shorten it."
+            )
         forced = None  # one length per prompt: a group's samples finish together
         if self.forced_lengths is not None:
             forced = budget = min(next(self.forced_lengths), self.context - len(ids))
         return [
-            Request(pid, ids, budget, index, forced_length=forced, iteration=iteration,
-                    min_weight_version=min_weight_version)
+            Request(
+                pid,
+                ids,
+                budget,
+                index,
+                forced_length=forced,
+                iteration=iteration,
+                min_weight_version=min_weight_version,
+            )
             for index in range(self.algorithm.group_size)
-        ]  # fmt: skip
+        ]
 
     def groups(self, iteration: int) -> Iterator[ScoredGroup]:
         """Yield the groups of ``iteration`` as they complete (scored on arrival)."""

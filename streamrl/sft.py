@@ -163,8 +163,9 @@ def sft_train(
 
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
     prompts, answers, tasks = demos["prompt"], demos["answer"], demos["task"]
-    batches = token_budget_batches([len(p) + len(a) + 1 for p, a in zip(prompts, answers)],
-                                   config.tokens_per_batch)  # fmt: skip
+    batches = token_budget_batches(
+        [len(p) + len(a) + 1 for p, a in zip(prompts, answers)], config.tokens_per_batch
+    )
     losses: list[float] = []
     model.train()
     bar = progress_bar(range(config.steps), "sft", enabled=show_progress)
@@ -207,9 +208,14 @@ def warm_start(
     tokenizer = build_tokenizer()
     model = build_tiny_model(tokenizer, size=config.model_size, seed=config.seed)  # type: ignore[arg-type]
     demos = make_prompt_set(
-        config.n_demos, config.tasks, median_len=config.median_len, tail=config.tail,
-        max_len=config.max_len, seed=config.seed, id_prefix="demo-",
-    )  # fmt: skip
+        config.n_demos,
+        config.tasks,
+        median_len=config.median_len,
+        tail=config.tail,
+        max_len=config.max_len,
+        seed=config.seed,
+        id_prefix="demo-",
+    )
     started = time.perf_counter()
     losses = sft_train(model, tokenizer, demos, config, show_progress)
     train_s = time.perf_counter() - started

@@ -31,8 +31,9 @@ IDLE_STAGES = frozenset({"wait"})
 
 TRACE_VERSION = 1
 # Same order as STAGES; "wait" in grey, as it is idle time.
-_COLOURS = dict(zip(STAGES, ("#1f77b4", "#ff7f0e", "#d62728", "#9467bd", "#c5b0d5", "#c7c7c7",
-                             "#8c564b")))  # fmt: skip
+_COLOURS = dict(
+    zip(STAGES, ("#1f77b4", "#ff7f0e", "#d62728", "#9467bd", "#c5b0d5", "#c7c7c7", "#8c564b"))
+)
 _SPAN_KEYS = ("lane", "name", "start_s", "end_s")
 
 
@@ -274,8 +275,15 @@ def draw_timeline(spans: Sequence[Span], path: str | Path, title: str = "") -> P
     _draw_bars(ax, spans, lanes, t0)
     for iteration, start in sorted(_iteration_starts(spans).items()):
         ax.axvline(start - t0, color="0.3", linestyle="--", linewidth=0.8, zorder=3)
-        ax.annotate(f"it {iteration}", (start - t0, 1.0), xycoords=("data", "axes fraction"),
-                    xytext=(2, 2), textcoords="offset points", fontsize=8, color="0.3")  # fmt: skip
+        ax.annotate(
+            f"it {iteration}",
+            (start - t0, 1.0),
+            xycoords=("data", "axes fraction"),
+            xytext=(2, 2),
+            textcoords="offset points",
+            fontsize=8,
+            color="0.3",
+        )
     labels = [f"{lane} (busy {busy_fraction(spans, lane):.0%})" for lane in lanes]
     ax.set_yticks(range(len(lanes)), labels)
     ax.set_ylim(len(lanes) - 0.5, -0.5)  # first lane on top
@@ -303,11 +311,15 @@ def _draw_bars(ax, spans: Sequence[Span], lanes: list[str], t0: float) -> None:
     for (lane, name), ranges in bars.items():
         concurrent = lane.startswith("generator-")
         ax.broken_barh(
-            ranges, (rows[lane] - 0.35, 0.7), facecolor=_COLOURS[name],
-            alpha=0.35 if concurrent else 0.95, zorder=2,
+            ranges,
+            (rows[lane] - 0.35, 0.7),
+            facecolor=_COLOURS[name],
+            alpha=0.35 if concurrent else 0.95,
+            zorder=2,
             # A thin white edge separates back-to-back trainer stages (micro-batches).
-            edgecolor="none" if concurrent else "white", linewidth=0.4,
-        )  # fmt: skip
+            edgecolor="none" if concurrent else "white",
+            linewidth=0.4,
+        )
 
 
 def add_timeline_command(subparsers: argparse._SubParsersAction) -> None:

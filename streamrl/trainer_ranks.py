@@ -42,8 +42,7 @@ def trainer_ranks(
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    job = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world),
-               NODE_RANK="0")  # fmt: skip
+    job = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world), NODE_RANK="0")
     ctx = mp.get_context("spawn")
     ranks = []
     for rank in range(1, world):
@@ -93,12 +92,23 @@ def _rank_main(
     policy, _ = load_policy(model_dir)
     reference = copy.deepcopy(policy) if rl.kl_coef > 0 else None
     module = ShardedStreamRLModule(
-        policy.train(), build_run_algorithm(config, policy), None, rl.iterations, lr=rl.lr,
-        reference=reference, temperature=rl.temperature, mode=rl.mode, is_cap=rl.is_cap,
+        policy.train(),
+        build_run_algorithm(config, policy),
+        None,
+        rl.iterations,
+        lr=rl.lr,
+        reference=reference,
+        temperature=rl.temperature,
+        mode=rl.mode,
+        is_cap=rl.is_cap,
         share_stream=True,
-    )  # fmt: skip
-    trainer = sharded_trainer(int(job["WORLD_SIZE"]), rl.iterations, enable_checkpointing=True,
-                              callbacks=[checkpoints(config)])  # fmt: skip
+    )
+    trainer = sharded_trainer(
+        int(job["WORLD_SIZE"]),
+        rl.iterations,
+        enable_checkpointing=True,
+        callbacks=[checkpoints(config)],
+    )
     trainer.fit(module, ckpt_path=resume)
     # Leave at once: a normal exit tears down gloo's threads mid-receive and aborts.
     os._exit(0)

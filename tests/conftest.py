@@ -10,8 +10,12 @@ import pytest
 
 _CACHE_ROOT = tempfile.mkdtemp(prefix="streamrl-test-cache-")
 # Point every cache at a temporary directory before the libraries are imported.
-for var, sub in [("HF_HOME", "hf"), ("HF_DATASETS_CACHE", "datasets"),
-                 ("STREAMRL_CACHE", "streamrl"), ("MPLCONFIGDIR", "mpl")]:  # fmt: skip
+for var, sub in [
+    ("HF_HOME", "hf"),
+    ("HF_DATASETS_CACHE", "datasets"),
+    ("STREAMRL_CACHE", "streamrl"),
+    ("MPLCONFIGDIR", "mpl"),
+]:
     os.environ[var] = os.path.join(_CACHE_ROOT, sub)
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TOKENIZERS_PARALLELISM"] = "false"
@@ -80,13 +84,22 @@ def fit_small(tmp_path, capsys):
             "max_tokens": 12,
             **rl,
         }
-        config.write_text(yaml.safe_dump({
-            "output_dir": str(tmp_path / out),
-            "data": {"tasks": list(tasks), "n_train": 32, "n_heldout": 8, "median_len": 3,
-                     "max_len": 6},
-            "sft": {"model_size": model_size, "steps": 20},
-            "rl": rl,
-        }))  # fmt: skip
+        config.write_text(
+            yaml.safe_dump(
+                {
+                    "output_dir": str(tmp_path / out),
+                    "data": {
+                        "tasks": list(tasks),
+                        "n_train": 32,
+                        "n_heldout": 8,
+                        "median_len": 3,
+                        "max_len": 6,
+                    },
+                    "sft": {"model_size": model_size, "steps": 20},
+                    "rl": rl,
+                }
+            )
+        )
         assert main(["fit", "--config", str(config), "--no-progress", *args]) == 0
         summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
         requested = rl["iterations"] * rl["prompts_per_iteration"] * rl["group_size"]

@@ -124,8 +124,10 @@ def test_token_level_loss_weighs_every_token_the_same():
     assert token.loss(batch).tolist() == pytest.approx([-0.5, 0.25])
     # The trainer divides the sum by N = 2 samples: (-1 - 1 + 1) / (2 * 4) = -1/8, the same
     # however the samples are split into micro-batches.
-    split = [token.loss(_batch([a], [r], [m])) for a, r, m in
-             [(1.0, [1.0, 1.0], [1, 1]), (-1.0, [1.0, 1.0], [1, 0])]]  # fmt: skip
+    split = [
+        token.loss(_batch([a], [r], [m]))
+        for a, r, m in [(1.0, [1.0, 1.0], [1, 1]), (-1.0, [1.0, 1.0], [1, 0])]
+    ]
     assert float(sum(s.sum() for s in split)) / 2 == pytest.approx(-1 / 8)
     with pytest.raises(ValueError, match="need max_tokens"):
         GRPO(partial_credit, 2, token_level=True)
@@ -232,8 +234,14 @@ def test_ppo_value_head_on_the_policy(tiny_model):
 
 # -- Registry ------------------------------------------------------------------------------------
 def test_every_config_name_builds():
-    expected = {"grpo": GRPO, "rloo": RLOO, "reinforce++": ReinforcePlusPlus,
-                "reinforce++-baseline": ReinforcePlusPlus, "ppo": PPO, "dapo": GRPO}  # fmt: skip
+    expected = {
+        "grpo": GRPO,
+        "rloo": RLOO,
+        "reinforce++": ReinforcePlusPlus,
+        "reinforce++-baseline": ReinforcePlusPlus,
+        "ppo": PPO,
+        "dapo": GRPO,
+    }
     assert set(ALGORITHMS) == set(expected)
     facts = dict(group_size=4, max_tokens=32, hidden_size=8, samples_per_iteration=16)
     for name, cls in expected.items():
@@ -280,8 +288,11 @@ def test_rloo_ppo_and_the_doc_algorithm_train_in_the_real_loop(tmp_path, tokeniz
         # start, all-zero rewards would give PPO no gradient at all).
         return 0.5 + len(set(completion)) / 16
 
-    runs = [RLOO(varied, group_size=2), PPO(varied, hidden_size=hidden),
-            namespace["MovingAverageReinforce"](varied)]  # fmt: skip
+    runs = [
+        RLOO(varied, group_size=2),
+        PPO(varied, hidden_size=hidden),
+        namespace["MovingAverageReinforce"](varied),
+    ]
     # One generator process for all three runs (each spawn costs seconds of imports); each run
     # continues the weight versions of the one before.
     with StreamGenerationService(tmp_path / "policy", 1, max_batch_size=8) as sgs:

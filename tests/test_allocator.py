@@ -18,8 +18,9 @@ CONST = LatencyModel([1], [0.01])  # 10 ms per step at any batch size
 
 
 def test_trainer_cost_model_data_parallel_scaling():
-    cost = TrainerCostModel(s_per_token=0.001, microbatch_overhead_s=0.1, step_s=0.5,
-                            dp_efficiency=0.5)  # fmt: skip
+    cost = TrainerCostModel(
+        s_per_token=0.001, microbatch_overhead_s=0.1, step_s=0.5, dp_efficiency=0.5
+    )
     assert cost.speedup(1) == 1.0 and cost.speedup(3) == 2.0
     # 3000 tokens: 3 s on one unit, 1.5 s on three; + 2 micro-batches x 0.1 + step 0.5.
     assert cost.train_s(3000, units=3, microbatches=2) == pytest.approx(2.2)
@@ -56,8 +57,9 @@ def test_single_datacenter_plan_balances_stages():
 
 
 def test_sync_objective_adds_weight_transfer():
-    alloc = ResourceAllocator(CONST, TrainerCostModel(1e-3), max_batch_size=2, mode="sync",
-                              weight_sync_s=0.5)  # fmt: skip
+    alloc = ResourceAllocator(
+        CONST, TrainerCostModel(1e-3), max_batch_size=2, mode="sync", weight_sync_s=0.5
+    )
     plan = alloc.evaluate(2, 2, [100] * 8)
     # Two instances, 4 samples each in 2 rounds: four finish at 1 s, four at 2 s. The trainer
     # (0.05 s per sample on 2 GPUs) trains 1.0-1.2 and 2.0-2.2, then 0.5 s of weights.
@@ -84,8 +86,12 @@ def test_paper_fig10_splits(model, budget, paper):
     shape = QWEN25[model]
     lengths = paper_lengths(1024, 20000, seed=0)
     context = PAPER_PROMPT_TOKENS + sum(lengths) / len(lengths)
-    alloc = ResourceAllocator(decode_latency(shape), trainer_cost(shape), shape.gen_tp,
-                              kv_batch_limit(shape, decode_latency_gpu(), context))  # fmt: skip
+    alloc = ResourceAllocator(
+        decode_latency(shape),
+        trainer_cost(shape),
+        shape.gen_tp,
+        kv_batch_limit(shape, decode_latency_gpu(), context),
+    )
     plan = alloc.plan(budget, lengths, PAPER_PROMPT_TOKENS)
     assert (plan.gen_gpus, plan.train_gpus) == paper
     even = alloc.evaluate(budget // 2, budget // 2, lengths, PAPER_PROMPT_TOKENS)

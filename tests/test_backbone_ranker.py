@@ -107,8 +107,11 @@ def test_bench_ranker_trains_the_backbone_next_to_the_fast_baseline(backbone_dir
 
     ds = make_prompt_set(60, seed=5)
     data = tmp_path / "d.jsonl"
-    data.write_text("\n".join(json.dumps({"prompt": p, "length": n})
-                              for p, n in zip(ds["prompt"], ds["answer_len"])))  # fmt: skip
+    data.write_text(
+        "\n".join(
+            json.dumps({"prompt": p, "length": n}) for p, n in zip(ds["prompt"], ds["answer_len"])
+        )
+    )
     result = bench_ranker(str(data), backbone=backbone_dir)
     assert result["ranker"] == "backbone" and result["baseline"]["ranker"] == "fast"
     assert result["n_train"] == 48 and result["n_test"] == 12

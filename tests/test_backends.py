@@ -12,9 +12,18 @@ from streamrl.errors import ConfigError
 def test_instances_take_gpus_round_robin_and_spare_the_trainers_for_nccl(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
     assert [instance_device(i, 1, "local") for i in range(5)] == [
-        "cuda:0", "cuda:1", "cuda:2", "cuda:3", "cuda:0"]  # fmt: skip
+        "cuda:0",
+        "cuda:1",
+        "cuda:2",
+        "cuda:3",
+        "cuda:0",
+    ]
     assert [instance_device(i, 1, "local", spare_first=True) for i in range(4)] == [
-        "cuda:1", "cuda:2", "cuda:3", "cuda:1"]  # fmt: skip
+        "cuda:1",
+        "cuda:2",
+        "cuda:3",
+        "cuda:1",
+    ]
     assert instance_device(7, 1, "ray") == "cuda"  # Ray sets CUDA_VISIBLE_DEVICES
     assert instance_device(0, 0, "local") == "cpu"
 

@@ -61,9 +61,13 @@ def test_trainer_site_without_instances_and_uneven_trees():
 
 @pytest.mark.parametrize(
     "sites, ranks, match",
-    [({"a": []}, 1, "No generator"), ({"a": [0], "b": [0]}, 1, "more than one place"),
-     ({"a": [0]}, 0, "trainer rank"), ({"a": [0]}, [1, 1], "trainer rank")],
-)  # fmt: skip
+    [
+        ({"a": []}, 1, "No generator"),
+        ({"a": [0], "b": [0]}, 1, "more than one place"),
+        ({"a": [0]}, 0, "trainer rank"),
+        ({"a": [0]}, [1, 1], "trainer rank"),
+    ],
+)
 def test_bad_sites_raise_config_errors(sites, ranks, match):
     with pytest.raises(ConfigError, match=match):
         plan_broadcast(sites, "a", ranks)
@@ -94,8 +98,15 @@ def test_simulator_uses_the_plan_when_sites_are_set():
     common = dict(weight_bytes=144 * GB, link_gbps=80.0, sync_latency_s=1.0)
     flat = SimConfig(gen, trainer, workload, **common)
     assert flat.weight_transfer_s == pytest.approx(14.4 + 1.0)  # unchanged without sites
-    sited = SimConfig(gen, trainer, workload, **common, sites={"a": [0, 1], "b": [2, 3, 4, 5]},
-                      trainer_site="a", local_gbps=200.0)  # fmt: skip
+    sited = SimConfig(
+        gen,
+        trainer,
+        workload,
+        **common,
+        sites={"a": [0, 1], "b": [2, 3, 4, 5]},
+        trainer_site="a",
+        local_gbps=200.0,
+    )
     assert sited.weight_transfer_s == pytest.approx(14.4 + 5.76 + 1.0)
     with pytest.raises(ConfigError, match="more than one place"):
         SimConfig(gen, trainer, workload, sites={"a": [0], "b": [0]}, trainer_site="a")
@@ -109,8 +120,12 @@ TIMEOUT_S = 60.0
 
 def trainer_weights() -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(0)
-    return [torch.randn(8, 4, generator=g), torch.randn(4, generator=g).to(torch.bfloat16),
-            torch.tensor(3.5), torch.arange(6)]  # fmt: skip
+    return [
+        torch.randn(8, 4, generator=g),
+        torch.randn(4, generator=g).to(torch.bfloat16),
+        torch.tensor(3.5),
+        torch.arange(6),
+    ]
 
 
 def instance_main(instance_id: int, port: int, results: mp.Queue) -> None:
@@ -133,15 +148,18 @@ def test_tree_broadcast_across_processes():
     ctx = mp.get_context("spawn")
     store = make_store(5, TIMEOUT_S)
     results = ctx.Queue()
-    procs = [ctx.Process(target=instance_main, args=(i, store.port, results), daemon=True)
-             for i in range(4)]  # fmt: skip
+    procs = [
+        ctx.Process(target=instance_main, args=(i, store.port, results), daemon=True)
+        for i in range(4)
+    ]
     try:
         for proc in procs:
             proc.start()
         plan = plan_broadcast(SITES, "dc-a")
         weights = trainer_weights()
-        tree = TreeBroadcaster(plan, Node("trainer", 0, "dc-a"), store, bucket_bytes=64,
-                               timeout_s=TIMEOUT_S)  # fmt: skip
+        tree = TreeBroadcaster(
+            plan, Node("trainer", 0, "dc-a"), store, bucket_bytes=64, timeout_s=TIMEOUT_S
+        )
         moved = tree.broadcast(weights)
         got = {}
         for _ in procs:

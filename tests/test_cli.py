@@ -13,15 +13,24 @@ from streamrl.cli import build_parser, main
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "streamrl.cli", *args], capture_output=True,
-                          text=True, timeout=120)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "streamrl.cli", *args], capture_output=True, text=True, timeout=120
+    )
 
 
 def test_every_command_has_help(capsys):
-    for argv in (["--help"], ["demo", "--help"], ["fit", "--help"], ["bench", "--help"],
-                 ["bench", "generate", "--help"], ["timeline", "--help"],
-                 ["bench", "pipeline", "--help"], ["bench", "dispatch", "--help"],
-                 ["bench", "ranker", "--help"], ["profile", "--help"]):  # fmt: skip
+    for argv in (
+        ["--help"],
+        ["demo", "--help"],
+        ["fit", "--help"],
+        ["bench", "--help"],
+        ["bench", "generate", "--help"],
+        ["timeline", "--help"],
+        ["bench", "pipeline", "--help"],
+        ["bench", "dispatch", "--help"],
+        ["bench", "ranker", "--help"],
+        ["profile", "--help"],
+    ):
         with pytest.raises(SystemExit) as exit_info:
             build_parser().parse_args(argv)
         assert exit_info.value.code == 0
@@ -71,8 +80,15 @@ def test_fit_small_run_prints_json_summary(tmp_path, capsys):
     )
     assert main(["fit", "--config", str(config), "--no-progress"]) == 0
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    for key in ("reward_first", "reward_last", "heldout_acc_before", "heldout_acc_after",
-                "samples_per_s", "iterations", "wall_s"):  # fmt: skip
+    for key in (
+        "reward_first",
+        "reward_last",
+        "heldout_acc_before",
+        "heldout_acc_after",
+        "samples_per_s",
+        "iterations",
+        "wall_s",
+    ):
         assert key in summary
     assert summary["iterations"] == 2 and summary["samples_per_s"] > 0
     assert (tmp_path / "out" / "summary.json").is_file()
@@ -152,9 +168,26 @@ def test_bench_generate_reports_both_decoders(capsys):
 def test_bench_pipeline_runs_every_mode_and_reports_speedups(tmp_path, capsys):
     lengths = tmp_path / "lengths.jsonl"
     lengths.write_text("\n".join(json.dumps({"length": n}) for n in (3, 9, 4, 20)))
-    argv = ["bench", "pipeline", "--lengths", str(lengths), "--batch", "2", "--group-size", "2",
-            "--iterations", "2", "--warmup", "1", "--repeats", "1", "--model", "tiny",
-            "--timeline-dir", str(tmp_path / "tl")]  # fmt: skip
+    argv = [
+        "bench",
+        "pipeline",
+        "--lengths",
+        str(lengths),
+        "--batch",
+        "2",
+        "--group-size",
+        "2",
+        "--iterations",
+        "2",
+        "--warmup",
+        "1",
+        "--repeats",
+        "1",
+        "--model",
+        "tiny",
+        "--timeline-dir",
+        str(tmp_path / "tl"),
+    ]
     assert main(argv) == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     modes = result["modes"]
@@ -257,8 +290,9 @@ def test_readme_python_snippet_runs(tmp_path):
     snippet = readme.split("```python\n", 1)[1].split("```", 1)[0]
     script = tmp_path / "snippet.py"
     script.write_text(snippet.replace("/tmp/tiny-policy", str(tmp_path / "policy")))
-    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
-                            timeout=150)  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=150
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     lines = [line for line in result.stdout.splitlines() if line.startswith("p")]
     assert len(lines) == 8  # one line per prompt group

@@ -75,8 +75,12 @@ def test_prompt_longer_than_context(tmp_path):
     rows = [{"prompt": "copy ab=", "answer": "ab"}] * 3
     rows.append({"prompt_id": "too-long", "prompt": "copy " + "a" * 300 + "=", "answer": "a"})
     path = tmp_path / "p.jsonl"
-    path.write_text("\n".join(json.dumps(r if "prompt_id" in r else {**r, "prompt_id": f"q{i}"})
-                              for i, r in enumerate(rows)))  # fmt: skip
+    path.write_text(
+        "\n".join(
+            json.dumps(r if "prompt_id" in r else {**r, "prompt_id": f"q{i}"})
+            for i, r in enumerate(rows)
+        )
+    )
     config = RunConfig()
     config.data.prompt_file = str(path)
     config.data.n_heldout = 1
@@ -140,13 +144,15 @@ def test_logger_without_its_package_says_how_to_install(tmp_path, monkeypatch):
         ("rl:\n  cluster: ray\n", "ray", r"pip install 'streamrl\[ray\]'"),
     ],
 )
-def test_engine_without_its_extra_says_how_to_install(tmp_path, monkeypatch, yaml_text, package,
-                                                      install):  # fmt: skip
+def test_engine_without_its_extra_says_how_to_install(
+    tmp_path, monkeypatch, yaml_text, package, install
+):
     import importlib.util
 
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: None if name == package else real(name, *a))  # fmt: skip
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == package else real(name, *a)
+    )
     with pytest.raises(
         ConfigError, match=rf"needs the '{package}' package, not installed: {install}"
     ):
@@ -170,7 +176,8 @@ def test_lora_with_the_vllm_backend_is_refused(tmp_path, monkeypatch):
 
     real = importlib.util.find_spec
     fake = object()  # vllm "installed"
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: fake if name == "vllm" else real(name, *a))  # fmt: skip
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: fake if name == "vllm" else real(name, *a)
+    )
     with pytest.raises(ConfigError, match=r"backend 'vllm' gets no LoRA adapters.*'hf' backend"):
         load_config(write(tmp_path, "rl:\n  backend: vllm\n  lora_r: 4\n"))

@@ -47,12 +47,21 @@ def test_elastic_run_adds_an_instance_when_generation_lags_and_trains_everything
     # PTL rises with the batch: spreading 16 samples over more instances pays.
     latency = LatencyModel([1, 4, 8, 16], [0.001, 0.0012, 0.0016, 0.0024])
     controller = ElasticController(latency, max_batch_size=16, max_instances=2)
-    with StreamGenerationService(tmp_path / "policy", 1, max_batch_size=16,
-                                 status_path=tmp_path / "instances.json") as sgs:  # fmt: skip
-        rollouts = RolloutStream(sgs, PromptSource(prompts, 4), tokenizer, algorithm, 160, 256,
-                                 forced_lengths=growing_lengths(4))  # fmt: skip
-        module = RecordingModule(policy, algorithm, rollouts, iterations=5, lr=1e-3,
-                                 elastic=controller)  # fmt: skip
+    with StreamGenerationService(
+        tmp_path / "policy", 1, max_batch_size=16, status_path=tmp_path / "instances.json"
+    ) as sgs:
+        rollouts = RolloutStream(
+            sgs,
+            PromptSource(prompts, 4),
+            tokenizer,
+            algorithm,
+            160,
+            256,
+            forced_lengths=growing_lengths(4),
+        )
+        module = RecordingModule(
+            policy, algorithm, rollouts, iterations=5, lr=1e-3, elastic=controller
+        )
         module.trained = Counter()
         trainer = rl_trainer(5)
         trainer.fit(module)
@@ -60,8 +69,10 @@ def test_elastic_run_adds_an_instance_when_generation_lags_and_trains_everything
         # Short outputs first: training keeps up; then generation lags and one instance joins.
         assert sizes[0] == 1 and sizes[-1] == 2, module.history
         added_at = sizes.index(2)
-        assert any(h["elastic/delta_s"] > h["elastic/delta_prime_s"] > 0
-                   for h in module.history[added_at : added_at + 1])  # fmt: skip
+        assert any(
+            h["elastic/delta_s"] > h["elastic/delta_prime_s"] > 0
+            for h in module.history[added_at : added_at + 1]
+        )
         sgs.wait_active()
         assert [i.state for i in sgs.instances()] == ["active", "active"]
         assert [i.weight_version for i in sgs.instances()] == [5, 5]

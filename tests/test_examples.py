@@ -36,8 +36,14 @@ def run_script(path: Path, *args: str, **env: str) -> subprocess.CompletedProces
     """Run ``path`` with this interpreter from the repository root; fail with its output."""
     # conftest.py already points STREAMRL_CACHE / HF_HOME at temporary directories.
     full_env = {**os.environ, "MPLBACKEND": "Agg", **env}
-    proc = subprocess.run([sys.executable, str(path), *args], cwd=REPO, env=full_env,
-                          capture_output=True, text=True, timeout=RUN_TIMEOUT_S)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, str(path), *args],
+        cwd=REPO,
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=RUN_TIMEOUT_S,
+    )
     assert proc.returncode == 0, (
         f"{path.name} exited with {proc.returncode}\n--- stdout ---\n{proc.stdout[-4000:]}"
         f"\n--- stderr ---\n{proc.stderr[-4000:]}"
@@ -60,8 +66,9 @@ def test_example_trains_with_a_tiny_budget():
 @pytest.mark.parametrize("name", sorted(NOTEBOOKS))
 def test_notebook_runs_as_a_script(name, tmp_path):
     out = tmp_path / "out"
-    run_script(REPO / "notebooks" / name, STREAMRL_NOTEBOOK_BUDGET="small",
-               STREAMRL_NOTEBOOK_OUT=str(out))  # fmt: skip
+    run_script(
+        REPO / "notebooks" / name, STREAMRL_NOTEBOOK_BUDGET="small", STREAMRL_NOTEBOOK_OUT=str(out)
+    )
     for figure in NOTEBOOKS[name]:
         path = out / figure
         assert path.is_file() and path.stat().st_size > 1000, f"{name} did not write {figure}"

@@ -55,8 +55,15 @@ def run_with_fault(tmp_path, tokenizer, fault: str | None, mode: str = "sync", r
     sgs = StreamGenerationService(tmp_path / "policy", 2, max_batch_size=8, heartbeat_timeout_s=4)
     with sgs:
         lengths = iter([10, 10, 120, 120] * 100)
-        rollouts = RolloutStream(sgs, PromptSource(prompts, PROMPTS), tokenizer, algorithm, 64,
-                                 256, forced_lengths=lengths)  # fmt: skip
+        rollouts = RolloutStream(
+            sgs,
+            PromptSource(prompts, PROMPTS),
+            tokenizer,
+            algorithm,
+            64,
+            256,
+            forced_lengths=lengths,
+        )
         module = FaultyRun(policy, algorithm, rollouts, ITERATIONS, lr=1e-3, mode=mode)
         module.trained, module.fault = Counter(), fault
         trainer = rl_trainer(ITERATIONS)

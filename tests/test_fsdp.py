@@ -91,8 +91,9 @@ class FixedRollouts:
         samples = [s for g in self._groups for s in g.samples]
         self.stats = IterationStats(samples=len(samples), tokens=sum(s.length for s in samples))
         for group in self._groups:
-            yield replace(group, samples=[replace(s, weight_version=self._version)
-                                          for s in group.samples])  # fmt: skip
+            yield replace(
+                group, samples=[replace(s, weight_version=self._version) for s in group.samples]
+            )
 
 
 def _scored_groups(seed: int = 0) -> list[ScoredGroup]:
@@ -128,10 +129,16 @@ def _fit(groups: list[ScoredGroup], sharded: bool) -> dict:
     module_class = ShardedStreamRLModule if sharded else StreamRLModule
     module = module_class(policy, algorithm, rollouts, iterations=ITERATIONS, lr=LR)
     trainer = L.Trainer(
-        accelerator="cpu", devices=WORLD if sharded else 1, max_steps=ITERATIONS, max_epochs=-1,
-        strategy=fsdp_strategy(WORLD, timeout_s=60) if sharded else "auto", logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-    )  # fmt: skip
+        accelerator="cpu",
+        devices=WORLD if sharded else 1,
+        max_steps=ITERATIONS,
+        max_epochs=-1,
+        strategy=fsdp_strategy(WORLD, timeout_s=60) if sharded else "auto",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     trainer.fit(module)
     held = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in policy.parameters())
     return {
@@ -146,8 +153,14 @@ def _fit(groups: list[ScoredGroup], sharded: bool) -> dict:
 
 def _rank_main(rank: int, port: int, groups: list[ScoredGroup], out_dir: str) -> None:
     """One trainer rank; Lightning sees the variables of an externally launched process."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(WORLD),
-                      RANK=str(rank), LOCAL_RANK=str(rank), NODE_RANK="0")  # fmt: skip
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        WORLD_SIZE=str(WORLD),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        NODE_RANK="0",
+    )
     torch.set_num_threads(1)
     torch.save(_fit(groups[rank::WORLD], sharded=True), Path(out_dir) / f"rank{rank}.pt")
 

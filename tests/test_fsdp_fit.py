@@ -41,8 +41,9 @@ def _fit(root: Path, ranks: int, iterations: int, *extra: str, name: str = "") -
         f" kl_coef: 0.1, lr: 0.001, trainer_ranks: {ranks}}}\n"
     )
     command = [sys.executable, "-m", "streamrl.cli", "fit", "--config", str(config)]
-    result = subprocess.run([*command, "--no-progress", *extra], capture_output=True, text=True,
-                            timeout=300)  # fmt: skip
+    result = subprocess.run(
+        [*command, "--no-progress", *extra], capture_output=True, text=True, timeout=300
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads(result.stdout.strip().splitlines()[-1])
 

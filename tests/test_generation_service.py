@@ -59,12 +59,14 @@ def test_two_instances_stream_every_request_once_in_completion_order(model_dir, 
         ("bucketed", 0),
         pytest.param("gloo", 1, marks=pytest.mark.gpu, id="gloo-generators-on-gpu"),
     ],
-)  # fmt: skip
-def test_update_makes_generator_weights_equal_trainer_weights(model_dir, tokenizer, transport,
-                                                              gpus):  # fmt: skip
+)
+def test_update_makes_generator_weights_equal_trainer_weights(
+    model_dir, tokenizer, transport, gpus
+):
     policy = build_tiny_model(tokenizer, "test", seed=0)
-    with StreamGenerationService(model_dir, 2, max_batch_size=4, weight_transport=transport,
-                                 gpus_per_instance=gpus) as sgs:  # fmt: skip
+    with StreamGenerationService(
+        model_dir, 2, max_batch_size=4, weight_transport=transport, gpus_per_instance=gpus
+    ) as sgs:
         assert set(sgs.fingerprints().values()) == {fingerprint(policy)}
         with torch.no_grad():
             for p in policy.parameters():
@@ -157,8 +159,9 @@ def test_failed_instance_is_replaced_and_its_requests_requeued(
             p.add_(torch.randn_like(p) * 0.05)
     status = tmp_path / "instances.json"
     reqs = requests_for(tokenizer, 6, 2, [120] * 6)
-    with StreamGenerationService(model_dir, 2, max_batch_size=4, heartbeat_timeout_s=4,
-                                 status_path=status) as sgs:  # fmt: skip
+    with StreamGenerationService(
+        model_dir, 2, max_batch_size=4, heartbeat_timeout_s=4, status_path=status
+    ) as sgs:
         sgs.update(policy, version=2)
         stream = sgs.generate(reqs)
         samples = [next(stream)]

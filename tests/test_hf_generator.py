@@ -78,9 +78,12 @@ def test_greedy_matches_generate(tok, eos_char, slots):
     for i, req in enumerate(requests):
         ids = torch.tensor([req.prompt_ids])
         ref = model.generate(
-            ids, attention_mask=torch.ones_like(ids), max_new_tokens=req.max_tokens,
-            do_sample=False, eos_token_id=eos,
-        )[0, ids.shape[1] :].tolist()  # fmt: skip
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=req.max_tokens,
+            do_sample=False,
+            eos_token_id=eos,
+        )[0, ids.shape[1] :].tolist()
         sample = out[req.prompt_id]
         assert sample.token_ids == _strip(ref, eos), req.prompt_id
         row = batched[i, batch["input_ids"].shape[1] :].tolist()

@@ -105,8 +105,9 @@ def test_generators_receive_only_adapters_and_decode_with_them(tmp_path, tokeniz
     spec = LoRASpec(r=8)
     save_policy(build_tiny_model(tokenizer, "test", seed=0), tokenizer, tmp_path / "base")
     policy = apply_lora(build_tiny_model(tokenizer, "test", seed=0), spec).eval()
-    with StreamGenerationService(tmp_path / "base", 2, max_batch_size=4, greedy=True,
-                                 lora=spec) as sgs:  # fmt: skip
+    with StreamGenerationService(
+        tmp_path / "base", 2, max_batch_size=4, greedy=True, lora=spec
+    ) as sgs:
         before = greedy_tokens(sgs.generate(requests_for(tokenizer)))
         assert before == _greedy(policy, tokenizer)  # B = 0: the adapters change nothing yet
         with torch.no_grad():  # what a few training steps would do to the adapters

@@ -135,8 +135,11 @@ def test_plan_respects_limit_and_dtypes():
 
 
 def test_oversized_tensor_gets_its_own_bucket():
-    specs = [TensorSpec("small", (2,), F32), TensorSpec("big", (1000,), F32),
-             TensorSpec("tail", (2,), F32)]  # fmt: skip
+    specs = [
+        TensorSpec("small", (2,), F32),
+        TensorSpec("big", (1000,), F32),
+        TensorSpec("tail", (2,), F32),
+    ]
     plan = plan_buckets(specs, bucket_bytes=64)
     assert [[s.index for s in b.slots] for b in plan] == [[0], [1], [2]]
     assert plan[1].nbytes == 4000

@@ -28,10 +28,16 @@ def test_stale_rows_get_proximal_old_logprobs_and_truncated_weights():
 
 def test_weights_scale_the_surrogate_and_its_gradient():
     logprobs = torch.zeros(1, 2, requires_grad=True)
-    fix = correct_stale(logprobs, torch.log(torch.tensor([[0.5, 2.0]])), torch.ones(1, 2),
-                        torch.tensor([True]), cap=1.5)  # fmt: skip
-    batch = LossInputs(logprobs, fix.old_logprobs, torch.tensor([1.0]), torch.ones(1, 2),
-                       token_weights=fix.weights)  # fmt: skip
+    fix = correct_stale(
+        logprobs,
+        torch.log(torch.tensor([[0.5, 2.0]])),
+        torch.ones(1, 2),
+        torch.tensor([True]),
+        cap=1.5,
+    )
+    batch = LossInputs(
+        logprobs, fix.old_logprobs, torch.tensor([1.0]), torch.ones(1, 2), token_weights=fix.weights
+    )
     loss = policy_loss(batch, eps_low=0.2)
     # Ratio to the proximal policy is 1 (value), so the loss is -A x weight, averaged: weights
     # min(2, 1.5) = 1.5 and 0.5 -> -(1.5 + 0.5) / 2 = -1.0; d/dlogprob = -weight / 2.

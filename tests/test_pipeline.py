@@ -29,8 +29,17 @@ def make_groups(n_groups: int, group_size: int, seed: int, version: int = 0) -> 
         samples = []
         for i in range(group_size):
             length = rng.randint(1, 12)
-            samples.append(Sample(f"p{g}", i, prompt, [rng.randrange(3, 40) for _ in range(length)],
-                                  [-rng.random() for _ in range(length)], version, 0))  # fmt: skip
+            samples.append(
+                Sample(
+                    f"p{g}",
+                    i,
+                    prompt,
+                    [rng.randrange(3, 40) for _ in range(length)],
+                    [-rng.random() for _ in range(length)],
+                    version,
+                    0,
+                )
+            )
         advantages = [rng.gauss(0, 1) for _ in samples]
         groups.append(ScoredGroup(f"p{g}", samples, [0.0] * group_size, advantages))
     return groups
@@ -74,10 +83,12 @@ def test_mixed_prompt_lengths_give_each_sample_its_own_logprobs(tokenizer):
         batched = module.loss_inputs(MicroBatch(samples, [0.0] * len(samples)))
         for row, s in enumerate(samples):
             ids = torch.tensor([s.prompt_ids + s.token_ids])
-            alone = completion_logprobs(policy, ids, torch.ones_like(ids),
-                                        torch.tensor([len(s.prompt_ids)]), s.length)  # fmt: skip
-            torch.testing.assert_close(batched.logprobs[row, : s.length], alone[0], atol=1e-5,
-                                       rtol=1e-5)  # fmt: skip
+            alone = completion_logprobs(
+                policy, ids, torch.ones_like(ids), torch.tensor([len(s.prompt_ids)]), s.length
+            )
+            torch.testing.assert_close(
+                batched.logprobs[row, : s.length], alone[0], atol=1e-5, rtol=1e-5
+            )
             assert batched.mask[row].sum() == s.length
 
 
@@ -117,8 +128,9 @@ def test_async_mode_overlaps_generation_and_training(tmp_path, tokenizer):
     with StreamGenerationService(tmp_path / "policy", 2, max_batch_size=8) as sgs:
         rollouts = RolloutStream(sgs, PromptSource(prompts, 8), tokenizer, algorithm, 16, 256)
         pipeline = DynamicBatchPipeline(token_budget=64, staleness_bound=1)
-        module = StreamRLModule(policy, algorithm, rollouts, iterations=4, lr=1e-3, mode="async",
-                                pipeline=pipeline)  # fmt: skip
+        module = StreamRLModule(
+            policy, algorithm, rollouts, iterations=4, lr=1e-3, mode="async", pipeline=pipeline
+        )
         trainer = rl_trainer(4)
         trainer.fit(module)
         assert module.weight_version == 4
@@ -134,7 +146,9 @@ def test_async_mode_overlaps_generation_and_training(tmp_path, tokenizer):
     train = [s for s in spans if s.lane == "trainer" and s.name == "train"]
     # The next iteration's samples decode while this iteration's micro-batches train.
     overlapping = [
-        (g, t) for g in generate for t in train
+        (g, t)
+        for g in generate
+        for t in train
         if g.iteration == t.iteration + 1 and g.start_s < t.end_s and t.start_s < g.end_s
-    ]  # fmt: skip
+    ]
     assert overlapping, "no generation of iteration k+1 overlapped training of iteration k"

@@ -54,8 +54,11 @@ def test_online_update_follows_drifting_lengths():
 def test_bench_ranker_command(tmp_path, capsys):
     ds = make_prompt_set(200, seed=5)
     data = tmp_path / "d.jsonl"
-    data.write_text("\n".join(json.dumps({"prompt": p, "length": n})
-                              for p, n in zip(ds["prompt"], ds["answer_len"])))  # fmt: skip
+    data.write_text(
+        "\n".join(
+            json.dumps({"prompt": p, "length": n}) for p, n in zip(ds["prompt"], ds["answer_len"])
+        )
+    )
     assert main(["bench", "ranker", "--data", str(data)]) == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert set(result) == {
@@ -105,8 +108,18 @@ def test_bench_ranker_from_policy_samples_the_policy(tmp_path, capsys, tokenizer
     from streamrl.models import build_tiny_model, save_policy
 
     save_policy(build_tiny_model(tokenizer, "test", seed=0), tokenizer, tmp_path / "m")
-    argv = ["bench", "ranker", "--from-policy", str(tmp_path / "m"), "--prompts", "30",
-            "--samples", "3", "--write-data", str(tmp_path / "d.jsonl")]  # fmt: skip
+    argv = [
+        "bench",
+        "ranker",
+        "--from-policy",
+        str(tmp_path / "m"),
+        "--prompts",
+        "30",
+        "--samples",
+        "3",
+        "--write-data",
+        str(tmp_path / "d.jsonl"),
+    ]
     assert main(argv) == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     rows = [json.loads(line) for line in (tmp_path / "d.jsonl").read_text().splitlines()]

@@ -24,8 +24,9 @@ pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
 
 @pytest.fixture(scope="module")
 def ray_options(tmp_path_factory):
-    options = RayOptions(num_cpus=2, cpus_per_instance=0.5,
-                         temp_dir=str(tmp_path_factory.mktemp("ray")))  # fmt: skip
+    options = RayOptions(
+        num_cpus=2, cpus_per_instance=0.5, temp_dir=str(tmp_path_factory.mktemp("ray"))
+    )
     yield options
     ray.shutdown()
 
@@ -39,14 +40,17 @@ def model_dir(tmp_path_factory, tokenizer):
 
 def requests_for(tokenizer, lengths: list[int], iteration: int = 0) -> list[Request]:
     ids = tokenizer("copy ab=")["input_ids"]
-    return [Request(f"p{i}", ids, max_tokens=32, iteration=iteration, forced_length=n)
-            for i, n in enumerate(lengths)]  # fmt: skip
+    return [
+        Request(f"p{i}", ids, max_tokens=32, iteration=iteration, forced_length=n)
+        for i, n in enumerate(lengths)
+    ]
 
 
 def test_ray_actors_stream_update_grow_and_survive_a_kill(model_dir, tokenizer, ray_options):
     policy = build_tiny_model(tokenizer, "test", seed=0)
-    service = StreamGenerationService(model_dir, 2, max_batch_size=4, cluster="ray",
-                                      ray=ray_options, heartbeat_timeout_s=30)  # fmt: skip
+    service = StreamGenerationService(
+        model_dir, 2, max_batch_size=4, cluster="ray", ray=ray_options, heartbeat_timeout_s=30
+    )
     with service:
         # The instances are Ray actors: their processes are Ray workers, not our children.
         infos = service.instances()
@@ -95,8 +99,9 @@ def test_ray_actors_stream_update_grow_and_survive_a_kill(model_dir, tokenizer, 
 def test_gpus_the_ray_cluster_lacks_fail_before_any_actor_starts(model_dir, ray_options):
     from streamrl.errors import ConfigError
 
-    service = StreamGenerationService(model_dir, 1, cluster="ray", gpus_per_instance=1,
-                                      ray=ray_options)  # fmt: skip
+    service = StreamGenerationService(
+        model_dir, 1, cluster="ray", gpus_per_instance=1, ray=ray_options
+    )
     with pytest.raises(ConfigError, match=r"need 1 GPU\(s\) each but the Ray cluster has 0"):
         service.start()
     assert service.instances() == []

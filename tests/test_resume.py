@@ -50,21 +50,31 @@ def fit(run_dir, model_dir, tokenizer, policy, crash_at=None, ckpt_path=None) ->
     prompts = make_prompt_set(64, ["copy"], median_len=3, max_len=6, seed=0)
     algorithm = GRPO(partial_credit, group_size=GROUP)
     with StreamGenerationService(model_dir, 1, max_batch_size=8) as sgs:
-        rollouts = RolloutStream(sgs, PromptSource(prompts, PROMPTS), tokenizer, algorithm, 24,
-                                 256, forced_lengths=iter([4, 24] * 1000))  # fmt: skip
-        module = Recorded(policy, algorithm, rollouts, ITERATIONS, lr=1e-3, mode="async",
-                          crash_at=crash_at)  # fmt: skip
+        rollouts = RolloutStream(
+            sgs,
+            PromptSource(prompts, PROMPTS),
+            tokenizer,
+            algorithm,
+            24,
+            256,
+            forced_lengths=iter([4, 24] * 1000),
+        )
+        module = Recorded(
+            policy, algorithm, rollouts, ITERATIONS, lr=1e-3, mode="async", crash_at=crash_at
+        )
         checkpoints = ModelCheckpoint(run_dir / "ckpt", every_n_train_steps=1, save_last=True)
-        trainer = rl_trainer(ITERATIONS, default_root_dir=run_dir, enable_checkpointing=True,
-                             callbacks=[checkpoints])  # fmt: skip
+        trainer = rl_trainer(
+            ITERATIONS, default_root_dir=run_dir, enable_checkpointing=True, callbacks=[checkpoints]
+        )
         with contextlib.suppress(Crash):
             trainer.fit(module, ckpt_path=ckpt_path)
     return module
 
 
 def test_async_run_killed_mid_iteration_resumes_without_loss_or_repeat(tmp_path, tokenizer):
-    model_dir = save_policy(build_tiny_model(tokenizer, "test", seed=0), tokenizer,
-                            tmp_path / "policy")  # fmt: skip
+    model_dir = save_policy(
+        build_tiny_model(tokenizer, "test", seed=0), tokenizer, tmp_path / "policy"
+    )
 
     def policy(seed: int = 0):
         return build_tiny_model(tokenizer, "test", seed=seed)
@@ -75,8 +85,13 @@ def test_async_run_killed_mid_iteration_resumes_without_loss_or_repeat(tmp_path,
     assert crashed.weight_version == CRASH_AT
     checkpoint = torch.load(tmp_path / "b" / "ckpt" / "last.ckpt", weights_only=False)
     assert checkpoint["streamrl"]["rollouts"]["in_flight"]  # async: the next iteration was out
-    resumed = fit(tmp_path / "b", model_dir, tokenizer, policy(seed=1),
-                  ckpt_path=tmp_path / "b" / "ckpt" / "last.ckpt")  # fmt: skip
+    resumed = fit(
+        tmp_path / "b",
+        model_dir,
+        tokenizer,
+        policy(seed=1),
+        ckpt_path=tmp_path / "b" / "ckpt" / "last.ckpt",
+    )
     assert resumed.weight_version == ITERATIONS
     trained = crashed.committed + resumed.committed
     assert set(trained) == set(uninterrupted.committed)  # same pairs...

@@ -152,10 +152,19 @@ def test_ranker_dispatch_and_lpt_wired_into_the_loop(tmp_path, tokenizer):
     latency = LatencyModel([1, 8], [0.001, 0.002])
     dispatcher = SkewAwareDispatcher(latency, max_batch_size=8, objective="sum")
     ranker = LengthRanker(epochs=50, seed=0)
-    with StreamGenerationService(tmp_path / "policy", 2, max_batch_size=8, dispatcher=dispatcher,
-                                 scheduler="lpt") as sgs:  # fmt: skip
-        rollouts = RolloutStream(sgs, PromptSource(prompts, 10), tokenizer, algorithm, 16, 256,
-                                 ranker=ranker, ranker_refresh_every=1)  # fmt: skip
+    with StreamGenerationService(
+        tmp_path / "policy", 2, max_batch_size=8, dispatcher=dispatcher, scheduler="lpt"
+    ) as sgs:
+        rollouts = RolloutStream(
+            sgs,
+            PromptSource(prompts, 10),
+            tokenizer,
+            algorithm,
+            16,
+            256,
+            ranker=ranker,
+            ranker_refresh_every=1,
+        )
         module = StreamRLModule(policy, algorithm, rollouts, iterations=3, lr=1e-3)
         trainer = rl_trainer(3)
         trainer.fit(module)

@@ -29,8 +29,9 @@ def test_remote_site_gets_one_copy_and_its_head_fans_out(tmp_path, tokenizer):
     model_dir = save_policy(policy, tokenizer, tmp_path / "policy")
     payload = sum(p.numel() * p.element_size() for p in policy.parameters())
     sites = ["home", "cloud", "cloud"]
-    with StreamGenerationService(model_dir, 3, max_batch_size=4, sites=sites,
-                                 trainer_site="home") as sgs:  # fmt: skip
+    with StreamGenerationService(
+        model_dir, 3, max_batch_size=4, sites=sites, trainer_site="home"
+    ) as sgs:
         # The cloud instance that loaded first became the head; the other follows it.
         head, member = sorted(sgs._instances[1:], key=lambda h: h.head is not None)
         assert head.head is None and member.head == head.instance_id
@@ -54,8 +55,7 @@ def test_remote_site_gets_one_copy_and_its_head_fans_out(tmp_path, tokenizer):
         # A member killed: replaced at its site, relayed again, nothing lost.
         os.kill(member.proc.pid, signal.SIGKILL)
         ids = tokenizer("copy ab=")["input_ids"]
-        reqs = [Request(f"p{i}", ids, max_tokens=8, iteration=2, forced_length=6)
-                for i in range(8)]  # fmt: skip
+        reqs = [Request(f"p{i}", ids, max_tokens=8, iteration=2, forced_length=6) for i in range(8)]
         got = list(sgs.generate(reqs))
         assert sorted(s.key for s in got) == sorted(r.key for r in reqs)
         sgs.wait_active()
@@ -66,9 +66,14 @@ def test_remote_site_gets_one_copy_and_its_head_fans_out(tmp_path, tokenizer):
 
         # The head killed: it and its members are replaced; the site gets a new head.
         os.kill(head.proc.pid, signal.SIGKILL)
-        done = list(sgs.generate(
-            [Request(f"q{i}", ids, max_tokens=8, iteration=3, forced_length=4) for i in range(4)]
-        ))  # fmt: skip
+        done = list(
+            sgs.generate(
+                [
+                    Request(f"q{i}", ids, max_tokens=8, iteration=3, forced_length=4)
+                    for i in range(4)
+                ]
+            )
+        )
         assert len(done) == 4
         sgs.wait_active()
         cloud = [h for h in sgs._instances if h.site == "cloud" and h.state == "active"]

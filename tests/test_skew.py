@@ -63,8 +63,11 @@ def test_plan_isolates_the_predicted_tail_and_keeps_groups_together():
     assert tail == {f"p{i}" for i in range(16, 20)}  # top 20% of 20 prompts
     for part in parts:
         for r in part:
-            assert all(r.prompt_id not in {q.prompt_id for q in other}
-                       for other in parts if other is not part)  # fmt: skip
+            assert all(
+                r.prompt_id not in {q.prompt_id for q in other}
+                for other in parts
+                if other is not part
+            )
             assert r.predicted_length == scores_by_prompt[r.prompt_id]
     with pytest.raises(ValueError, match="one predicted length per request"):
         dispatcher.plan(requests, scores[:3], 4)
@@ -113,10 +116,13 @@ def test_lpt_scheduler_orders_longest_first_and_breaks_ties_fifo():
 
 
 def test_generator_admits_in_lpt_order(tokenizer):
-    generator = HFStreamGenerator(build_tiny_model(tokenizer, "test"), max_batch_size=1,
-                                  scheduler=LPTScheduler(), greedy=True)  # fmt: skip
-    generator.submit(Request(pid, [5, 6], 8, forced_length=n, predicted_length=n)
-                     for pid, n in [("a", 2), ("b", 6), ("c", 4)])  # fmt: skip
+    generator = HFStreamGenerator(
+        build_tiny_model(tokenizer, "test"), max_batch_size=1, scheduler=LPTScheduler(), greedy=True
+    )
+    generator.submit(
+        Request(pid, [5, 6], 8, forced_length=n, predicted_length=n)
+        for pid, n in [("a", 2), ("b", 6), ("c", 4)]
+    )
     assert [s.prompt_id for s in generator.stream()] == ["b", "c", "a"]
 
 

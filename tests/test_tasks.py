@@ -108,10 +108,15 @@ def test_partial_credit_hand_computed():
 
 def test_load_prompt_file(tmp_path):
     path = tmp_path / "p.jsonl"
-    path.write_text("\n".join(json.dumps(r) for r in [
-        {"prompt": "copy ab=", "answer": "ab"},
-        {"prompt": "what is 2+2?", "answer": "4", "task": "math", "prompt_id": "q1"},
-    ]))  # fmt: skip
+    path.write_text(
+        "\n".join(
+            json.dumps(r)
+            for r in [
+                {"prompt": "copy ab=", "answer": "ab"},
+                {"prompt": "what is 2+2?", "answer": "4", "task": "math", "prompt_id": "q1"},
+            ]
+        )
+    )
     ds = load_prompt_file(path)
     assert ds["prompt_id"] == ["p-000000", "q1"] and ds["task"] == ["custom", "math"]
     empty = tmp_path / "empty.jsonl"

@@ -23,10 +23,17 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 def _sample(instance_id: int, started: float, finished: float, index: int = 0) -> Sample:
     return Sample(
-        prompt_id=f"p{index}", sample_index=index, prompt_ids=[1, 2], token_ids=[3, 4, 5],
-        logprobs=[-0.1] * 3, weight_version=7, instance_id=instance_id,
-        submitted_s=started - 0.5, started_s=started, finished_s=finished,
-    )  # fmt: skip
+        prompt_id=f"p{index}",
+        sample_index=index,
+        prompt_ids=[1, 2],
+        token_ids=[3, 4, 5],
+        logprobs=[-0.1] * 3,
+        weight_version=7,
+        instance_id=instance_id,
+        submitted_s=started - 0.5,
+        started_s=started,
+        finished_s=finished,
+    )
 
 
 def _pipeline(iterations: int = 3) -> list[Span]:

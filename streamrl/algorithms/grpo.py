@@ -140,6 +140,13 @@ def dapo(
     """
     buffer = max(1, max_tokens // 5) if overlong_buffer is None else overlong_buffer
     return GRPO(
-        reward_fn, group_size, clip_eps, kl_coef, clip_eps_high=clip_eps_high, token_level=True,
-        max_tokens=max_tokens, overlong_buffer=buffer, dynamic_sampling=True,
-    )  # fmt: skip
+        reward_fn,
+        group_size,
+        clip_eps,
+        kl_coef,
+        clip_eps_high=clip_eps_high,
+        token_level=True,
+        max_tokens=max_tokens,
+        overlong_buffer=buffer,
+        dynamic_sampling=True,
+    )

@@ -48,9 +48,12 @@ def _time_hf_generate(model, tokenizer, texts: list[str], tokens: int, batch: in
     for i in range(0, len(texts), batch):
         enc = tokenizer(texts[i : i + batch], return_tensors="pt", padding=True)
         out = model.generate(
-            **enc, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False,
+            **enc,
+            max_new_tokens=tokens,
+            min_new_tokens=tokens,
+            do_sample=False,
             pad_token_id=tokenizer.pad_token_id,
-        )  # fmt: skip
+        )
         produced += (out.shape[1] - enc["input_ids"].shape[1]) * out.shape[0]
     return produced / (time.perf_counter() - started)
 

@@ -50,20 +50,28 @@ def run_mode(mode: str, model_dir: Path, lengths: list[int], args) -> dict:
     instances = args.colocated_generators if mode == "colocated" else args.generators
     on_gpu = getattr(args, "device", "cpu") == "cuda"
     service = StreamGenerationService(
-        model_dir, instances, max_batch_size=args.max_batch_size, gpus_per_instance=int(on_gpu),
+        model_dir,
+        instances,
+        max_batch_size=args.max_batch_size,
+        gpus_per_instance=int(on_gpu),
         cluster=getattr(args, "cluster", "local"),
         weight_transport=getattr(args, "weight_transport", "gloo"),
-    )  # fmt: skip
+    )
     with service as sgs:
         rollouts = RolloutStream(
-            sgs, PromptSource(prompts, args.batch, args.seed), tokenizer, algorithm,
-            max_tokens=max(lengths), context=policy.config.max_position_embeddings,
+            sgs,
+            PromptSource(prompts, args.batch, args.seed),
+            tokenizer,
+            algorithm,
+            max_tokens=max(lengths),
+            context=policy.config.max_position_embeddings,
             forced_lengths=itertools.cycle(lengths),
-        )  # fmt: skip
+        )
         budget = args.colocated_token_budget if mode == "colocated" else args.token_budget
         pipeline = DynamicBatchPipeline(budget, staleness_bound=int(mode == "async"))
-        module = StreamRLModule(policy.train(), algorithm, rollouts, steps, lr=1e-5, mode=mode,
-                                pipeline=pipeline)  # fmt: skip
+        module = StreamRLModule(
+            policy.train(), algorithm, rollouts, steps, lr=1e-5, mode=mode, pipeline=pipeline
+        )
         rl_trainer(steps, accelerator="gpu" if on_gpu else "cpu", devices=1).fit(module)
     measured = module.history[args.warmup :]
     spans = rollouts.trace.spans
@@ -96,8 +104,10 @@ def bench_pipeline(args) -> dict:
         raise ConfigError(f"--modes: unknown {unknown}; choose from {', '.join(MODES)}.")
     lengths = load_lengths(args.lengths or DEFAULT_LENGTHS)
     if getattr(args, "device", "cpu") == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("--device cuda: this machine has no CUDA GPU (torch.cuda.is_available() "
-                          "is False); run without --device to benchmark on the CPU.")  # fmt: skip
+        raise ConfigError(
+            "--device cuda: this machine has no CUDA GPU (torch.cuda.is_available() "
+            "is False); run without --device to benchmark on the CPU."
+        )
     tokenizer = tokenizer_for(args.model)
     longest_prompt = max(len(tokenizer(p)["input_ids"]) for p in _prompt_set(args)["prompt"])
     with tempfile.TemporaryDirectory(prefix="streamrl-bench-") as tmp:
@@ -116,9 +126,10 @@ def bench_pipeline(args) -> dict:
     if "colocated" in runs:
         base = result["modes"]["colocated"]["samples_per_s"]
         result["speedup"] = {
-            m: round(v["samples_per_s"] / base, 3) for m, v in result["modes"].items()
+            m: round(v["samples_per_s"] / base, 3)
+            for m, v in result["modes"].items()
             if m != "colocated"
-        }  # fmt: skip
+        }
     if args.timeline_dir:
         out = Path(args.timeline_dir)
         out.mkdir(parents=True, exist_ok=True)
@@ -143,8 +154,15 @@ def _median_run(runs: list[dict]) -> dict:
 
 
 def _print_table(result: dict) -> None:
-    cols = ["samples_per_s", "iteration_s", "gen_s", "train_s", "trainer_idle_frac",
-            "generator_idle_frac", "exposed_sync_s"]  # fmt: skip
+    cols = [
+        "samples_per_s",
+        "iteration_s",
+        "gen_s",
+        "train_s",
+        "trainer_idle_frac",
+        "generator_idle_frac",
+        "exposed_sync_s",
+    ]
     print(f"{'mode':<10}" + "".join(f"{c:>20}" for c in cols), file=sys.stderr)
     for mode, row in result["modes"].items():
         print(f"{mode:<10}" + "".join(f"{row[c]:>20.3f}" for c in cols), file=sys.stderr)

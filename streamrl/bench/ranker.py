@@ -116,8 +116,9 @@ def policy_lengths(
     with StreamGenerationService(model_dir, 2, temperature=temperature, seed=seed) as sgs:
         for sample in sgs.generate(requests):
             lengths[int(sample.prompt_id[1:])].append(sample.length)
-    return [{"prompt": p, "length": lengths[i][0], "lengths": lengths[i]}
-            for i, p in enumerate(prompts)]  # fmt: skip
+    return [
+        {"prompt": p, "length": lengths[i][0], "lengths": lengths[i]} for i, p in enumerate(prompts)
+    ]
 
 
 def sampling_ceiling(rows: list[dict], seed: int = 0) -> float:

@@ -82,9 +82,12 @@ class TrainerCostModel:
 
 
 def _skew_parts(
-    lengths: Sequence[float], instances: int, latency: LatencyModel, max_batch_size: int,
+    lengths: Sequence[float],
+    instances: int,
+    latency: LatencyModel,
+    max_batch_size: int,
     alpha: float,
-) -> list[list[float]]:  # fmt: skip
+) -> list[list[float]]:
     """Algorithm 2's pools on the true lengths, spread by LPT, each instance in LPT order."""
     from streamrl.records import Request
 
@@ -235,8 +238,9 @@ class ResourceAllocator:
         tokens = [prompt_tokens + n for n in lengths]
         train_s = self.trainer.train_s(sum(tokens), units)
         if self.mode == "async":
-            gen_s = predict_generation_s(self.latency, lengths, instances, self.max_batch_size,
-                                         self.method)  # fmt: skip
+            gen_s = predict_generation_s(
+                self.latency, lengths, instances, self.max_batch_size, self.method
+            )
             iteration_s = max(gen_s, train_s)
         else:
             finish = self._finish_times(lengths, instances)
@@ -247,8 +251,9 @@ class ResourceAllocator:
 
     def _finish_times(self, lengths: Sequence[float], instances: int) -> list[float]:
         parts = _skew_parts(lengths, instances, self.latency, self.max_batch_size, 0.2)
-        return [end for p in parts for _, end in decode_schedule(p, self.max_batch_size,
-                                                                 self.latency)]  # fmt: skip
+        return [
+            end for p in parts for _, end in decode_schedule(p, self.max_batch_size, self.latency)
+        ]
 
     def plan(
         self, budget_gpus: int, lengths: Sequence[float], prompt_tokens: float = 0
@@ -260,8 +265,10 @@ class ResourceAllocator:
         """
         unit = self.trainer.unit_gpus
         if budget_gpus < self.gen_tp + unit:
-            raise ValueError(f"A budget of {budget_gpus} GPUs cannot hold one generator instance "
-                             f"({self.gen_tp}) and one trainer unit ({unit}).")  # fmt: skip
+            raise ValueError(
+                f"A budget of {budget_gpus} GPUs cannot hold one generator instance "
+                f"({self.gen_tp}) and one trainer unit ({unit})."
+            )
         plans = [
             self.evaluate(x, y, lengths, prompt_tokens)
             for x in range(self.gen_tp, budget_gpus, self.gen_tp)

@@ -130,8 +130,12 @@ class BackboneLengthRanker:
         peft = _require_peft()
         if pooling not in ("mean", "last"):
             raise ConfigError(f"BackboneLengthRanker: pooling {pooling!r}; use 'mean' or 'last'.")
-        self.config = dict(lora_r=lora_r, lora_alpha=lora_alpha, pooling=pooling,
-                           target_modules=sorted(target_modules))  # fmt: skip
+        self.config = dict(
+            lora_r=lora_r,
+            lora_alpha=lora_alpha,
+            pooling=pooling,
+            target_modules=sorted(target_modules),
+        )
         self.epochs, self.batch_size, self.lr = epochs, batch_size, lr
         self.rank_weight, self.max_prompt_tokens, self.seed = rank_weight, max_prompt_tokens, seed
         self.device = torch.device(device)
@@ -139,8 +143,13 @@ class BackboneLengthRanker:
         self.train_s = 0.0
         base, self.tokenizer = _load_backbone(backbone, tokenizer)
         _check_targets(base, target_modules)
-        lora = peft.LoraConfig(r=lora_r, lora_alpha=lora_alpha, lora_dropout=0.0,
-                               target_modules=list(target_modules), bias="none")  # fmt: skip
+        lora = peft.LoraConfig(
+            r=lora_r,
+            lora_alpha=lora_alpha,
+            lora_dropout=0.0,
+            target_modules=list(target_modules),
+            bias="none",
+        )
         with torch.random.fork_rng(devices=[]):  # CPU RNG only; CUDA untouched
             torch.manual_seed(seed)
             wrapped = peft.get_peft_model(base, lora)
@@ -182,9 +191,12 @@ class BackboneLengthRanker:
 
     def _batch(self, prompts: Sequence[str]) -> dict[str, torch.Tensor]:
         encoded = self.tokenizer(
-            list(prompts), padding=True, truncation=True, max_length=self.max_prompt_tokens,
+            list(prompts),
+            padding=True,
+            truncation=True,
+            max_length=self.max_prompt_tokens,
             return_tensors="pt",
-        )  # fmt: skip
+        )
         return {
             "input_ids": encoded["input_ids"].to(self.device),  # [b, s]
             "attention_mask": encoded["attention_mask"].to(self.device),  # [b, s]
@@ -262,9 +274,12 @@ class BackboneLengthRanker:
         """Adapters, head, log-length statistics, config and recent buffer; no backbone weights."""
         return {
             "trainable": {n: t.clone() for n, t in self._trainable_state().items()},
-            "log_mean": self._log_mean, "log_std": self._log_std, "fitted": self._fitted,
-            "config": dict(self.config), "recent": list(self.recent),
-        }  # fmt: skip
+            "log_mean": self._log_mean,
+            "log_std": self._log_std,
+            "fitted": self._fitted,
+            "config": dict(self.config),
+            "recent": list(self.recent),
+        }
 
     def load_state_dict(self, state: dict) -> None:
         """Restore from ``state_dict()``; this ranker must be built on the same backbone.

@@ -36,8 +36,10 @@ def check_engines(
         raise ConfigError(f"backend: {unknown_name('backend', backend, BACKENDS)}")
     if cluster not in CLUSTERS:
         raise ConfigError(f"cluster: {unknown_name('cluster', cluster, CLUSTERS)}")
-    for kind, name, install in (("backend", backend, BACKENDS[backend]),
-                                ("cluster", cluster, CLUSTERS[cluster])):  # fmt: skip
+    for kind, name, install in (
+        ("backend", backend, BACKENDS[backend]),
+        ("cluster", cluster, CLUSTERS[cluster]),
+    ):
         if install is not None and importlib.util.find_spec(name) is None:
             raise ConfigError(
                 f"{kind} {name!r} needs the {name!r} package, not installed: {install}"

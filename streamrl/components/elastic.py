@@ -165,7 +165,7 @@ class ElasticController:
                 "training lags by more than one step fewer would cost",
             )
         why = "waiting for patience" if (want_add or want_remove) else "stages balanced"
-        return ElasticDecision("keep", instances, delta, prime, why)  # fmt: skip
+        return ElasticDecision("keep", instances, delta, prime, why)
 
     def _change(
         self, action: Action, instances: int, delta: float, prime: float, reason: str

@@ -137,9 +137,11 @@ class StreamGenerationService(InstancePool):
         self.max_restarts, self.heartbeat_timeout_s = max_restarts, heartbeat_timeout_s
         self.status_path = Path(status_path) if status_path is not None else None
         self._generator_kwargs = dict(
-            max_batch_size=max_batch_size, temperature=temperature, greedy=greedy,
+            max_batch_size=max_batch_size,
+            temperature=temperature,
+            greedy=greedy,
             scheduler=scheduler,
-        )  # fmt: skip
+        )
         if lora is not None:
             self._generator_kwargs["lora"] = lora.to_dict()
         self._generator_kwargs.update(engine_options or {})
@@ -222,9 +224,11 @@ class StreamGenerationService(InstancePool):
         if handle.state != "active":
             raise ValueError(f"remove_instance: instance {handle.instance_id} is {handle.state}.")
         if handle.members:
-            raise ValueError(f"remove_instance: instance {handle.instance_id} forwards weights "
-                             f"to instances {sorted(handle.members)} of its site; remove them "
-                             "first.")  # fmt: skip
+            raise ValueError(
+                f"remove_instance: instance {handle.instance_id} forwards weights "
+                f"to instances {sorted(handle.members)} of its site; remove them "
+                "first."
+            )
         self._set_state(handle, "draining")
         self._retire_drained()
         return handle.instance_id
@@ -239,8 +243,11 @@ class StreamGenerationService(InstancePool):
         """
         self._require_started()
         timeout_s = 2 * self.start_timeout_s if timeout_s is None else timeout_s
-        self._wait_for(lambda: not any(h.state in ("starting", "joining") for h in self._instances),
-                       "did not become active", timeout_s)  # fmt: skip
+        self._wait_for(
+            lambda: not any(h.state in ("starting", "joining") for h in self._instances),
+            "did not become active",
+            timeout_s,
+        )
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Stop every instance: ask politely, then terminate, then kill. Safe to call twice."""
@@ -344,8 +351,11 @@ class StreamGenerationService(InstancePool):
         """Block until every active instance has loaded ``version``; returns seconds blocked."""
         started = time.perf_counter()
         self.weight_sync.wait_sent(version)
-        self._wait_for(lambda: all(h.version >= version for h in self._active()),
-                       f"did not load weights {version}", self.sample_timeout_s)  # fmt: skip
+        self._wait_for(
+            lambda: all(h.version >= version for h in self._active()),
+            f"did not load weights {version}",
+            self.sample_timeout_s,
+        )
         self.weight_version = max(self.weight_version, version)
         return time.perf_counter() - started
 

@@ -104,8 +104,12 @@ class _Instance:
         lora = kwargs.pop("lora", None)  # a LoRASpec.to_dict(): only the adapters get updates
         self.model: torch.nn.Module | None = None  # the HF model (None: vLLM holds its own)
         self.merged: MergedLoRA | None = None
-        common = dict(instance_id=spec.instance_id, weight_version=spec.weight_version,
-                      scheduler=scheduler, **kwargs)  # fmt: skip
+        common = dict(
+            instance_id=spec.instance_id,
+            weight_version=spec.weight_version,
+            scheduler=scheduler,
+            **kwargs,
+        )
         if spec.backend == "vllm":
             from streamrl.components.vllm_generator import VLLMStreamGenerator
 
@@ -116,9 +120,14 @@ class _Instance:
             self.generator = HFStreamGenerator(self.model, **common)
         _put(outbox, ("ready", spec.instance_id, os.getpid()), parent)
         group = WeightGroup(
-            spec.store_port, spec.rank, spec.world_size, timeout_s=spec.timeout_s,
-            host=spec.store_host, transport=spec.transport, device=spec.device,
-        )  # fmt: skip
+            spec.store_port,
+            spec.rank,
+            spec.world_size,
+            timeout_s=spec.timeout_s,
+            host=spec.store_host,
+            transport=spec.transport,
+            device=spec.device,
+        )
         on = spec.device if spec.transport == "nccl" else "cpu"  # NCCL receives GPU to GPU
         relay = (
             WeightRelay(spec.store_host, spec.timeout_s, spec.transport) if spec.relays else None
@@ -207,9 +216,12 @@ class _WeightReceiver:
     site's head also forwards them there to its members (``WeightRelay``)."""
 
     def __init__(
-        self, group: Any, params: dict[str, torch.Tensor], device: str = "cpu",
+        self,
+        group: Any,
+        params: dict[str, torch.Tensor],
+        device: str = "cpu",
         relay: WeightRelay | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.group, self.params, self.device, self._relay = group, params, device, relay
         self._todo: queue.Queue[tuple] = queue.Queue()
         self._done: queue.Queue[tuple[int, dict] | BaseException] = queue.Queue()
@@ -259,8 +271,10 @@ class _WeightReceiver:
 
     def _receive(self, version: int) -> dict[str, torch.Tensor]:
         # torch.empty, not empty_like: templates may live on the meta device (vLLM).
-        buffers = {n: torch.empty(p.shape, dtype=p.dtype, device=self.device)
-                   for n, p in self.params.items()}  # fmt: skip
+        buffers = {
+            n: torch.empty(p.shape, dtype=p.dtype, device=self.device)
+            for n, p in self.params.items()
+        }
         self.group.broadcast(buffers.values())
         if self._relay is not None:
             self._relay.forward(version, buffers)

@@ -99,9 +99,13 @@ class HFStreamGenerator(AdmissionQueue):
         weight_version: int = 0,
     ) -> None:
         super().__init__(
-            max_batch_size=max_batch_size, scheduler=scheduler, instance_id=instance_id,
-            temperature=temperature, greedy=greedy, weight_version=weight_version,
-        )  # fmt: skip
+            max_batch_size=max_batch_size,
+            scheduler=scheduler,
+            instance_id=instance_id,
+            temperature=temperature,
+            greedy=greedy,
+            weight_version=weight_version,
+        )
         config = model.config
         self.model = model.eval()
         self.context_length = int(config.max_position_embeddings)
@@ -213,9 +217,13 @@ class HFStreamGenerator(AdmissionQueue):
         mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
         mask = mask.masked_fill_(~allowed, torch.finfo(dtype).min)[:, None]
         out = self.model(
-            input_ids=ids, attention_mask=mask, position_ids=pos, cache=self._cache,
-            use_cache=True, logits_to_keep=1,
-        )  # fmt: skip
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=pos,
+            cache=self._cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
         if self._cache.kv is None:
             raise RuntimeError("The model ignored the KV cache (HFStreamGenerator needs HF >= 5).")
         return out.logits
@@ -274,12 +282,19 @@ class HFStreamGenerator(AdmissionQueue):
     def _to_sample(self, row: _Running, reason: str, now: float) -> Sample:
         req = row.request
         return Sample(
-            prompt_id=req.prompt_id, sample_index=req.sample_index, iteration=req.iteration,
+            prompt_id=req.prompt_id,
+            sample_index=req.sample_index,
+            iteration=req.iteration,
             prompt_ids=list(req.prompt_ids),
-            token_ids=row.token_ids, logprobs=row.logprobs, weight_version=row.weight_version,
-            instance_id=self.instance_id, submitted_s=row.submitted_s, started_s=row.started_s,
-            finished_s=now, finish_reason=reason,
-        )  # fmt: skip
+            token_ids=row.token_ids,
+            logprobs=row.logprobs,
+            weight_version=row.weight_version,
+            instance_id=self.instance_id,
+            submitted_s=row.submitted_s,
+            started_s=row.started_s,
+            finished_s=now,
+            finish_reason=reason,
+        )
 
 
 def _version_seed(seed: int, version: int) -> int:

@@ -66,12 +66,23 @@ class InstanceHandle:
         ``generator_kwargs``, ``backend``, ``device``).
         """
         store = make_store(2, timeout_s)
-        spec = WorkerSpec(instance_id, store_port=store.port, world_size=2, rank=1,
-                          timeout_s=timeout_s, heartbeat_s=HEARTBEAT_S, **spec_fields)  # fmt: skip
+        spec = WorkerSpec(
+            instance_id,
+            store_port=store.port,
+            world_size=2,
+            rank=1,
+            timeout_s=timeout_s,
+            heartbeat_s=HEARTBEAT_S,
+            **spec_fields,
+        )
         inbox = ctx.Queue()
         link, outbox = ctx.Pipe(duplex=False)
-        proc = ctx.Process(target=worker_main, args=(spec, inbox, outbox), daemon=True,
-                           name=f"streamrl-generator-{instance_id}")  # fmt: skip
+        proc = ctx.Process(
+            target=worker_main,
+            args=(spec, inbox, outbox),
+            daemon=True,
+            name=f"streamrl-generator-{instance_id}",
+        )
         proc.start()
         outbox.close()  # the child holds the write end: its death reads as end-of-file here
         return cls(instance_id, proc, inbox, link, store)

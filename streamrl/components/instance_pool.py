@@ -78,9 +78,13 @@ class InstancePool:
         head = self._site_head(handle)
         if head is None:  # the trainer sends it every version
             group = WeightGroup(
-                handle.store.port, 0, 2, store=handle.store, timeout_s=self.start_timeout_s,
+                handle.store.port,
+                0,
+                2,
+                store=handle.store,
+                timeout_s=self.start_timeout_s,
                 transport=self.weight_transport,
-            )  # fmt: skip
+            )
             self.weight_sync.add_group(handle.instance_id, group, announce)
         else:  # its site's head forwards every version; the trainer only announces them
 
@@ -100,8 +104,12 @@ class InstancePool:
         if handle.site == self.trainer_site:
             return None
         for other in self._instances:
-            if (other is not handle and other.site == handle.site and other.head is None
-                    and other.state in ("joining", "active")):  # fmt: skip
+            if (
+                other is not handle
+                and other.site == handle.site
+                and other.head is None
+                and other.state in ("joining", "active")
+            ):
                 return other
         return None
 
@@ -192,8 +200,9 @@ class InstancePool:
         deadline = time.monotonic() + timeout_s
         while not done():
             if time.monotonic() > deadline:
-                raise GeneratorError(f"Generator instances {what} within {timeout_s:.0f} s: "
-                                     f"{self.instances()}.")  # fmt: skip
+                raise GeneratorError(
+                    f"Generator instances {what} within {timeout_s:.0f} s: {self.instances()}."
+                )
             kind, payload = self._next_message(deadline)
             if kind == "sample":
                 self._backlog.append(payload)
@@ -259,8 +268,10 @@ class InstancePool:
             self._write_status()
         elif kind == "sample":
             if handle.open.pop(message[1].key, None) is None:
-                raise GeneratorError(f"Instance {handle.instance_id} sent an unexpected or "
-                                     f"duplicate sample {message[1].key}.")  # fmt: skip
+                raise GeneratorError(
+                    f"Instance {handle.instance_id} sent an unexpected or "
+                    f"duplicate sample {message[1].key}."
+                )
             if handle.state == "draining":
                 self._retire_drained()
         return kind not in ("heartbeat", "ready")

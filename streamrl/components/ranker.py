@@ -48,8 +48,16 @@ def prompt_features(prompt: str, buckets: int = 1024) -> np.ndarray:
     spread = arr.max() - arr.min()
     first_two = abs(arr[1] - arr[0]) if len(arr) > 1 else 0.0
     digits = sum(len(x) for x in _NUMBER.findall(prompt))
-    numeric = [len(prompt), len(prompt.split()), len(numbers), digits, spread, first_two,
-               first_two * math.log10(max(arr.max(), 1.0) + 1), arr.mean()]  # fmt: skip
+    numeric = [
+        len(prompt),
+        len(prompt.split()),
+        len(numbers),
+        digits,
+        spread,
+        first_two,
+        first_two * math.log10(max(arr.max(), 1.0) + 1),
+        arr.mean(),
+    ]
     return np.concatenate([np.log1p(grams), np.log1p(np.abs(numeric)).astype(np.float32)])
 
 
@@ -108,10 +116,12 @@ class LengthRanker:
 
     def _make_net(self, width: int) -> torch.nn.Module:
         return torch.nn.Sequential(
-            torch.nn.Linear(width, self.hidden), torch.nn.GELU(),
-            torch.nn.Linear(self.hidden, self.hidden), torch.nn.GELU(),
+            torch.nn.Linear(width, self.hidden),
+            torch.nn.GELU(),
+            torch.nn.Linear(self.hidden, self.hidden),
+            torch.nn.GELU(),
             torch.nn.Linear(self.hidden, 1),
-        )  # fmt: skip
+        )
 
     def _train(self, x: torch.Tensor, y: torch.Tensor, epochs: int) -> None:
         optimizer = torch.optim.Adam(self.net.parameters(), lr=self.lr, weight_decay=1e-4)
@@ -167,12 +177,14 @@ class LengthRanker:
             # Tensors, not numpy arrays: checkpoints load with torch.load(weights_only=True).
             "mean": None if self._mean is None else torch.from_numpy(self._mean),
             "std": None if self._std is None else torch.from_numpy(self._std),
-            "recent": list(self.recent), "hidden": self.hidden,
-        }  # fmt: skip
+            "recent": list(self.recent),
+            "hidden": self.hidden,
+        }
 
     def load_state_dict(self, state: dict) -> None:
-        self._mean, self._std = (None if state[k] is None else np.asarray(state[k])
-                                 for k in ("mean", "std"))  # fmt: skip
+        self._mean, self._std = (
+            None if state[k] is None else np.asarray(state[k]) for k in ("mean", "std")
+        )
         self.hidden = state["hidden"]
         self.recent.clear()
         self.recent.extend(state["recent"])

@@ -76,8 +76,9 @@ def connect(options: RayOptions) -> Any:
     ray = import_ray()
     if not ray.is_initialized():
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-        kwargs: dict[str, Any] = dict(include_dashboard=False, configure_logging=False,
-                                      log_to_driver=False)  # fmt: skip
+        kwargs: dict[str, Any] = dict(
+            include_dashboard=False, configure_logging=False, log_to_driver=False
+        )
         if options.address is None and "RAY_ADDRESS" not in os.environ:
             kwargs.update(num_cpus=options.num_cpus, _temp_dir=options.temp_dir)
         ray.init(address=options.address, **kwargs)
@@ -224,21 +225,35 @@ class RayInstanceHandle(InstanceHandle):
             bundle["GPU"] = options.gpus_per_instance
         placement = ray.util.placement_group([bundle])
         actor_class = ray.remote(GeneratorActor).options(
-            num_cpus=options.cpus_per_instance, num_gpus=options.gpus_per_instance,
-            max_restarts=0, scheduling_strategy=PlacementGroupSchedulingStrategy(placement),
-        )  # fmt: skip
+            num_cpus=options.cpus_per_instance,
+            num_gpus=options.gpus_per_instance,
+            max_restarts=0,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(placement),
+        )
         actor = actor_class.remote()
         store = make_store(2, timeout_s)
-        spec = WorkerSpec(instance_id, store_port=store.port, world_size=2, rank=1,
-                          timeout_s=timeout_s, heartbeat_s=HEARTBEAT_S,
-                          store_host=ray.util.get_node_ip_address(), **spec_fields)  # fmt: skip
+        spec = WorkerSpec(
+            instance_id,
+            store_port=store.port,
+            world_size=2,
+            rank=1,
+            timeout_s=timeout_s,
+            heartbeat_s=HEARTBEAT_S,
+            store_host=ray.util.get_node_ip_address(),
+            **spec_fields,
+        )
         authkey = secrets.token_bytes(32)
         address = actor.open_channel.remote(authkey)
         serving = actor.serve.remote(spec)
-        handle = cls(instance_id, _ActorProcess(ray, actor, serving, placement), _Outbox(),
-                     None, store)  # fmt: skip
-        threading.Thread(target=handle._connect, args=(address, authkey, timeout_s),
-                         daemon=True, name=f"ray-connect-{instance_id}").start()  # fmt: skip
+        handle = cls(
+            instance_id, _ActorProcess(ray, actor, serving, placement), _Outbox(), None, store
+        )
+        threading.Thread(
+            target=handle._connect,
+            args=(address, authkey, timeout_s),
+            daemon=True,
+            name=f"ray-connect-{instance_id}",
+        ).start()
         return handle
 
     def _connect(self, address_ref: Any, authkey: bytes, timeout_s: float) -> None:

@@ -115,9 +115,13 @@ class VLLMStreamGenerator(AdmissionQueue):
         **engine_kwargs: Any,
     ) -> None:
         super().__init__(
-            max_batch_size=max_batch_size, scheduler=scheduler, instance_id=instance_id,
-            temperature=temperature, greedy=greedy, weight_version=weight_version,
-        )  # fmt: skip
+            max_batch_size=max_batch_size,
+            scheduler=scheduler,
+            instance_id=instance_id,
+            temperature=temperature,
+            greedy=greedy,
+            weight_version=weight_version,
+        )
         if not (Path(model_dir) / "config.json").is_file():
             raise FileNotFoundError(
                 f"No model directory at {str(model_dir)!r} (no config.json there). Pass a "
@@ -148,10 +152,16 @@ class VLLMStreamGenerator(AdmissionQueue):
         # dtype: vLLM's "auto" runs float32 checkpoints in 16 bits; float32 keeps the behaviour
         # log-probs equal to the trainer's (it computes in float32). Pass dtype= to trade that.
         args = dict(
-            model=str(model_dir), skip_tokenizer_init=True, max_num_seqs=max_batch_size,
-            seed=seed, dtype="float32", logprobs_mode="processed_logprobs",
-            scheduling_policy="priority", enable_prefix_caching=False, disable_log_stats=True,
-        )  # fmt: skip
+            model=str(model_dir),
+            skip_tokenizer_init=True,
+            max_num_seqs=max_batch_size,
+            seed=seed,
+            dtype="float32",
+            logprobs_mode="processed_logprobs",
+            scheduling_policy="priority",
+            enable_prefix_caching=False,
+            disable_log_stats=True,
+        )
         if device == "cpu":
             # vLLM's CPU build reserves gpu_memory_utilization (0.92) of the machine's RAM for
             # its KV cache and compiles graphs at start; several instances on one machine need a
@@ -250,12 +260,19 @@ class VLLMStreamGenerator(AdmissionQueue):
         # One {token id: Logprob} dict per generated token, holding the sampled token.
         logprobs = [step[tok].logprob for tok, step in zip(tokens, completion.logprobs)]
         return Sample(
-            prompt_id=req.prompt_id, sample_index=req.sample_index, iteration=req.iteration,
-            prompt_ids=list(req.prompt_ids), token_ids=tokens, logprobs=logprobs,
-            weight_version=row.weight_version, instance_id=self.instance_id,
-            submitted_s=row.submitted_s, started_s=row.started_s, finished_s=now,
+            prompt_id=req.prompt_id,
+            sample_index=req.sample_index,
+            iteration=req.iteration,
+            prompt_ids=list(req.prompt_ids),
+            token_ids=tokens,
+            logprobs=logprobs,
+            weight_version=row.weight_version,
+            instance_id=self.instance_id,
+            submitted_s=row.submitted_s,
+            started_s=row.started_s,
+            finished_s=now,
             finish_reason=reasons[completion.finish_reason],
-        )  # fmt: skip
+        )
 
     def _checked(self, state_dict: Mapping[str, Any]) -> list[tuple[str, torch.Tensor]]:
         unknown = sorted(state_dict.keys() - self._templates.keys())

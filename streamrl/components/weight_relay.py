@@ -42,8 +42,9 @@ class WeightRelay:
 
     def add(self, member: int, port: int, first: int) -> None:
         """Connect to ``member``'s group as its rank 0; send it ``first`` now if it is held."""
-        group = WeightGroup(port, 0, 2, timeout_s=self.timeout_s, host=self.host,
-                            transport=self.transport)  # fmt: skip
+        group = WeightGroup(
+            port, 0, 2, timeout_s=self.timeout_s, host=self.host, transport=self.transport
+        )
         self.members[member] = (group, first)
         if self.last is not None and self.last[0] >= first:
             self._send(member, *self.last)

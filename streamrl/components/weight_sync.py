@@ -82,9 +82,12 @@ class AsyncWeightSync:
         return blocked
 
     def add_group(
-        self, key: int, group: WeightGroup, announce: Announce,
+        self,
+        key: int,
+        group: WeightGroup,
+        announce: Announce,
         on_join: Callable[[int | None], None] | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         """Serve one more group from now on; it first receives the last version pushed, if any
         (in order with pushes: a version queued before this call reaches it too).
 

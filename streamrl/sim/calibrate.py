@@ -22,8 +22,22 @@ from streamrl.components.allocator import TrainerCostModel
 from streamrl.components.latency import LatencyModel
 
 #: Micro-batch shapes timed: (rows, completion tokens); the bench's prompts are ~12 tokens.
-DEFAULT_SHAPES = ((4, 16), (8, 16), (16, 16), (4, 64), (8, 32), (16, 32), (4, 128), (8, 64),
-                  (4, 200), (16, 64), (8, 128), (32, 32), (16, 128), (32, 64))  # fmt: skip
+DEFAULT_SHAPES = (
+    (4, 16),
+    (8, 16),
+    (16, 16),
+    (4, 64),
+    (8, 32),
+    (16, 32),
+    (4, 128),
+    (8, 64),
+    (4, 200),
+    (16, 64),
+    (8, 128),
+    (32, 32),
+    (16, 128),
+    (32, 64),
+)
 PROMPT_TOKENS = 12
 
 
@@ -52,8 +66,9 @@ def _micro_batch_s(policy, rows: int, width: int, repeats: int) -> float:
         starts = torch.full((rows,), PROMPT_TOKENS)
         started = time.perf_counter()
         logprobs = completion_logprobs(policy, ids, attention, starts, width)  # [rows, width]
-        inputs = LossInputs(logprobs, logprobs.detach() - 0.01, torch.randn(rows),
-                            torch.ones(rows, width))  # fmt: skip
+        inputs = LossInputs(
+            logprobs, logprobs.detach() - 0.01, torch.randn(rows), torch.ones(rows, width)
+        )
         loss_fn.loss(inputs).sum().backward()
         times.append(time.perf_counter() - started)
     return min(times)  # the least disturbed run: other processes only ever add time

@@ -60,7 +60,7 @@ def add_simulate_command(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--trace", help="write the trace JSON here (draw it: streamrl timeline)")
     p.add_argument("--seed", type=int, default=0)
-    p.set_defaults(func=run_simulate_command)  # fmt: skip
+    p.set_defaults(func=run_simulate_command)
 
 
 def run_simulate_command(args: argparse.Namespace) -> dict:
@@ -79,14 +79,23 @@ def run_simulate_command(args: argparse.Namespace) -> dict:
             summary["trace"] = args.trace
         return summary
     config = paper_config(
-        args.preset, args.mode, args.gen_gpus, args.train_gpus, args.gen_gpu, args.cross_dc,
-        not args.no_skew, args.iterations, args.growth, args.seed,
-    )  # fmt: skip
+        args.preset,
+        args.mode,
+        args.gen_gpus,
+        args.train_gpus,
+        args.gen_gpu,
+        args.cross_dc,
+        not args.no_skew,
+        args.iterations,
+        args.growth,
+        args.seed,
+    )
     if args.elastic:
         model, _ = _parse(args.preset)
         node = max(1, 8 // model.gen_tp)
-        config.elastic = ElasticController(config.generators.latency,
-                                           config.generators.max_batch_size, step=node)  # fmt: skip
+        config.elastic = ElasticController(
+            config.generators.latency, config.generators.max_batch_size, step=node
+        )
     result = simulate(config)
     return _single(args, config.labels, result)
 
@@ -95,8 +104,10 @@ def _simulate_cpu(args: argparse.Namespace) -> dict:
     modes = ["colocated", "sync", "async"] if args.mode == "ablation" else [args.mode]
     results = {m: simulate(cpu_config(m, iterations=max(args.iterations, 6))) for m in modes}
     # Stored inputs only: for a comparison with real runs use ``streamrl sim validate``.
-    print(f"{'mode':<10}{'sim samples/s':>15}   (stored cpu profile; real: streamrl sim validate)",
-          file=sys.stderr)  # fmt: skip
+    print(
+        f"{'mode':<10}{'sim samples/s':>15}   (stored cpu profile; real: streamrl sim validate)",
+        file=sys.stderr,
+    )
     for m, r in results.items():
         print(f"{m:<10}{r.samples_per_s:>15.1f}", file=sys.stderr)
     if args.trace:
@@ -105,43 +116,65 @@ def _simulate_cpu(args: argparse.Namespace) -> dict:
     return {
         "preset": "cpu",
         "ablation": {m: round(r.samples_per_s / base.samples_per_s, 3) for m, r in results.items()}
-        if base else {},
+        if base
+        else {},
         "samples_per_s": {m: round(r.samples_per_s, 3) for m, r in results.items()},
-        "idle_frac": {m: {"trainer": round(r.trainer_idle_frac, 4),
-                          "generator": round(r.generator_idle_frac, 4)}
-                      for m, r in results.items()},
+        "idle_frac": {
+            m: {
+                "trainer": round(r.trainer_idle_frac, 4),
+                "generator": round(r.generator_idle_frac, 4),
+            }
+            for m, r in results.items()
+        },
         "cost_per_sample": {m: round(r.cost_per_sample, 6) for m, r in results.items()},
         "trace": args.trace,
-    }  # fmt: skip
+    }
 
 
 def _single(args: argparse.Namespace, labels: dict, result: SimResult) -> dict:
     summary = result.summary()
-    print(f"{args.preset} {args.mode}: {summary['samples_per_s']:.3f} samples/s, iteration "
-          f"{summary['iteration_s']:.1f} s, gen {summary['gen_s']:.1f} s, train "
-          f"{summary['train_s']:.1f} s", file=sys.stderr)  # fmt: skip
-    steps = [{k: (round(v, 3) if isinstance(v, float) else v) for k, v in it.items()}
-             for it in result.per_iteration]  # fmt: skip
+    print(
+        f"{args.preset} {args.mode}: {summary['samples_per_s']:.3f} samples/s, iteration "
+        f"{summary['iteration_s']:.1f} s, gen {summary['gen_s']:.1f} s, train "
+        f"{summary['train_s']:.1f} s",
+        file=sys.stderr,
+    )
+    steps = [
+        {k: (round(v, 3) if isinstance(v, float) else v) for k, v in it.items()}
+        for it in result.per_iteration
+    ]
     for it in steps:
         if "action" in it:
-            print(f"  iteration {it['iteration']}: {it['instances']} instances, delta "
-                  f"{it['delta_s']:.1f} s, delta' {it['delta_prime_s']:.1f} s -> {it['action']}",
-                  file=sys.stderr)  # fmt: skip
+            print(
+                f"  iteration {it['iteration']}: {it['instances']} instances, delta "
+                f"{it['delta_s']:.1f} s, delta' {it['delta_prime_s']:.1f} s -> {it['action']}",
+                file=sys.stderr,
+            )
     if args.trace:
         result.trace.to_json(args.trace)
-    return {**summary, "preset": args.preset, "mode": args.mode, **labels,
-            "iterations": steps, "trace": args.trace}  # fmt: skip
+    return {
+        **summary,
+        "preset": args.preset,
+        "mode": args.mode,
+        **labels,
+        "iterations": steps,
+        "trace": args.trace,
+    }
 
 
 def _print_ablation(preset: str, summary: dict) -> None:
     print(f"Table 3 ablation, simulated ({preset}):", file=sys.stderr)
-    print(f"{'method':<46}{'samples/s':>11}{'normalised':>12}{'GPUs gen/train':>16}",
-          file=sys.stderr)  # fmt: skip
+    print(
+        f"{'method':<46}{'samples/s':>11}{'normalised':>12}{'GPUs gen/train':>16}", file=sys.stderr
+    )
     for row, label in LABELS.items():
         split = summary["splits"][row]
-        print(f"{label:<46}{summary['samples_per_s'][row]:>11.3f}"
-              f"{summary['ablation'][row]:>12.2f}"
-              f"{split['gen_gpus']:>8}/{split['train_gpus']:<7}", file=sys.stderr)  # fmt: skip
+        print(
+            f"{label:<46}{summary['samples_per_s'][row]:>11.3f}"
+            f"{summary['ablation'][row]:>12.2f}"
+            f"{split['gen_gpus']:>8}/{split['train_gpus']:<7}",
+            file=sys.stderr,
+        )
 
 
 def add_plan_command(subparsers: argparse._SubParsersAction) -> None:
@@ -165,22 +198,34 @@ def run_plan_command(args: argparse.Namespace) -> dict:
     context = PAPER_PROMPT_TOKENS + max_len  # each sequence reserves its full context
     cross = args.gen_budget is not None or args.train_budget is not None
     transfer = model.weight_bytes * 8 / (LINK_GBPS["cross-dc" if cross else "single-dc"] * 1e9)
-    allocator = ResourceAllocator(decode_latency(model, gpu), trainer_cost(model), model.gen_tp,
-                                  kv_batch_limit(model, gpu, context), args.mode,
-                                  weight_sync_s=transfer + SYNC_LATENCY_S)  # fmt: skip
+    allocator = ResourceAllocator(
+        decode_latency(model, gpu),
+        trainer_cost(model),
+        model.gen_tp,
+        kv_batch_limit(model, gpu, context),
+        args.mode,
+        weight_sync_s=transfer + SYNC_LATENCY_S,
+    )
     if cross:
         if args.gen_budget is None or args.train_budget is None:
             raise ConfigError("plan: cross-datacenter needs both --gen-budget and --train-budget.")
-        plan = allocator.plan_cross(args.gen_budget, args.train_budget, lengths,
-                                    PAPER_PROMPT_TOKENS)  # fmt: skip
+        plan = allocator.plan_cross(
+            args.gen_budget, args.train_budget, lengths, PAPER_PROMPT_TOKENS
+        )
     else:
         budget = args.budget if args.budget is not None else model.total_gpus
         plan = allocator.plan(budget, lengths, PAPER_PROMPT_TOKENS)
-    print(f"{'':<10}{'gen GPUs':>9}{'train GPUs':>11}{'T_gen s':>10}{'T_train s':>11}"
-          f"{'iteration s':>13}", file=sys.stderr)  # fmt: skip
+    print(
+        f"{'':<10}{'gen GPUs':>9}{'train GPUs':>11}{'T_gen s':>10}{'T_train s':>11}"
+        f"{'iteration s':>13}",
+        file=sys.stderr,
+    )
     for tag, p in [("plan", plan)] + [(f"alt {i + 1}", a) for i, a in enumerate(plan.alternatives)]:
-        print(f"{tag:<10}{p.gen_gpus:>9}{p.train_gpus:>11}{p.gen_s:>10.1f}{p.train_s:>11.1f}"
-              f"{p.iteration_s:>13.1f}", file=sys.stderr)  # fmt: skip
+        print(
+            f"{tag:<10}{p.gen_gpus:>9}{p.train_gpus:>11}{p.gen_s:>10.1f}{p.train_s:>11.1f}"
+            f"{p.iteration_s:>13.1f}",
+            file=sys.stderr,
+        )
     if plan.released_gpus:
         print(f"released to other jobs: {plan.released_gpus} GPUs", file=sys.stderr)
     return {"workload": args.workload, "mode": args.mode, "gen_gpu": gpu.name, **plan.to_dict()}

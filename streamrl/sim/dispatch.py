@@ -44,8 +44,10 @@ def generation_makespan_s(
             ``oracle`` sets them from ``true``: the batch's own lengths are not known before it
             is generated.
     """
-    requests = [Request(f"p{i}", [0], n, forced_length=n, predicted_length=p)
-                for i, (n, p) in enumerate(zip(true, predicted))]  # fmt: skip
+    requests = [
+        Request(f"p{i}", [0], n, forced_length=n, predicted_length=p)
+        for i, (n, p) in enumerate(zip(true, predicted))
+    ]
     if policy == "random":
         parts = RandomDispatcher(seed).plan(requests, None, instances)
     else:

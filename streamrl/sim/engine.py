@@ -61,8 +61,16 @@ class SimResult:
 
     def summary(self) -> dict:
         """The scalar results, rounded, as a JSON-ready dict."""
-        keys = ("samples_per_s", "iteration_s", "gen_s", "train_s", "trainer_idle_frac",
-                "generator_idle_frac", "exposed_sync_s", "cost_per_sample")  # fmt: skip
+        keys = (
+            "samples_per_s",
+            "iteration_s",
+            "gen_s",
+            "train_s",
+            "trainer_idle_frac",
+            "generator_idle_frac",
+            "exposed_sync_s",
+            "cost_per_sample",
+        )
         return {k: round(float(getattr(self, k)), 6) for k in keys}
 
 
@@ -107,8 +115,14 @@ class _Run:
 
     def _instance(self, index: int) -> SimInstance:
         gen = self.c.generators
-        return SimInstance(index, gen.latency, gen.max_batch_size, self.c.admission == "lpt",
-                           self.slowdown, gen.prefill_s)  # fmt: skip
+        return SimInstance(
+            index,
+            gen.latency,
+            gen.max_batch_size,
+            self.c.admission == "lpt",
+            self.slowdown,
+            gen.prefill_s,
+        )
 
     def _dispatcher(self):
         if self.c.dispatch == "random":
@@ -150,11 +164,19 @@ class _Run:
         noise = self.rng.lognormal(0.0, w.ranker_noise, len(lengths)) if w.ranker_noise else 1.0
         predicted = (np.asarray(lengths, dtype=float) * noise).tolist()
         requests = [
-            Request(f"b{batch}p{j}", [0], n, s, forced_length=n, predicted_length=p,
-                    min_weight_version=max(0, batch - (self.c.mode == "async")), iteration=batch)
+            Request(
+                f"b{batch}p{j}",
+                [0],
+                n,
+                s,
+                forced_length=n,
+                predicted_length=p,
+                min_weight_version=max(0, batch - (self.c.mode == "async")),
+                iteration=batch,
+            )
             for j, (n, p) in enumerate(zip(lengths, predicted))
             for s in range(w.group_size)
-        ]  # fmt: skip
+        ]
         scores = [r.predicted_length for r in requests]
         if isinstance(self.dispatcher, SkewAwareDispatcher) and not self.dispatcher.recent:
             self.dispatcher.observe(int(p) for p in predicted)  # D from predictions at first
@@ -166,13 +188,21 @@ class _Run:
         for index, part in enumerate(parts):
             if part:
                 self.push(release_s, "release", (index, part))
-        self.batch_info[batch] = {"release_s": release_s, "last_s": release_s,
-                                  "lengths": lengths, "instances": self.active}  # fmt: skip
+        self.batch_info[batch] = {
+            "release_s": release_s,
+            "last_s": release_s,
+            "lengths": lengths,
+            "instances": self.active,
+        }
 
     def finished(self, inst: SimInstance, running, at: float) -> None:
         r = running.request
-        meta = {"prompt_id": r.prompt_id, "sample_index": r.sample_index, "length": r.max_tokens,
-                "weight_version": r.min_weight_version}  # fmt: skip
+        meta = {
+            "prompt_id": r.prompt_id,
+            "sample_index": r.sample_index,
+            "length": r.max_tokens,
+            "weight_version": r.min_weight_version,
+        }
         lane = f"generator-{inst.instance_id}"
         self.trace.add(Span(lane, "generate", running.admitted_s, at, r.iteration, meta))
         info = self.batch_info[r.iteration]
@@ -277,8 +307,13 @@ class _Run:
         info, it = self.batch_info[self.t.step], self.iters[-1]
         # From the first admission: in async mode a batch may wait behind the previous one.
         gen_s = info["last_s"] - max(info["release_s"], info.get("first_s", info["release_s"]))
-        it.update(end_s=now, iteration_s=now - it["start_s"], train_s=self.t.train_s,
-                  gen_s=gen_s, instances=info["instances"])  # fmt: skip
+        it.update(
+            end_s=now,
+            iteration_s=now - it["start_s"],
+            train_s=self.t.train_s,
+            gen_s=gen_s,
+            instances=info["instances"],
+        )
         if self.c.elastic is not None:
             per_sample = [n for n in info["lengths"] for _ in range(self.c.workload.group_size)]
             d = self.c.elastic.observe(it["gen_s"], it["train_s"], info["instances"], per_sample)

@@ -69,8 +69,12 @@ def allocation(out: Path) -> dict:
     fig, table = _figure(9, 3.4), {}
     for i, name in enumerate(("32b", "72b")):
         model = QWEN25[name]
-        alloc = ResourceAllocator(decode_latency(model), trainer_cost(model), model.gen_tp,
-                                  kv_batch_limit(model, H800, context))  # fmt: skip
+        alloc = ResourceAllocator(
+            decode_latency(model),
+            trainer_cost(model),
+            model.gen_tp,
+            kv_batch_limit(model, H800, context),
+        )
         unit, total = model.train_unit_gpus, model.total_gpus
         splits = [(total - y, y) for y in range(unit, total, unit)]
         plans = [alloc.evaluate(x, y, lengths, PAPER_PROMPT_TOKENS) for x, y in splits]
@@ -118,11 +122,13 @@ def dispatch_gains() -> dict:
 
 def elastic(out: Path) -> dict:
     """Fig. 11: 7B, 10K lengths growing linearly toward 20K, one node (8 instances) per step."""
-    config = paper_config("paper-7b-10k", "async", gen_gpus=16, train_gpus=16, iterations=24,
-                          growth=0.04)  # fmt: skip
+    config = paper_config(
+        "paper-7b-10k", "async", gen_gpus=16, train_gpus=16, iterations=24, growth=0.04
+    )
     config.warmup = 0
-    config.elastic = ElasticController(config.generators.latency, config.generators.max_batch_size,
-                                       step=8)  # fmt: skip
+    config.elastic = ElasticController(
+        config.generators.latency, config.generators.max_batch_size, step=8
+    )
     result = simulate(config)
     its = result.per_iteration
     fig = _figure(8, 3.4)
@@ -131,14 +137,22 @@ def elastic(out: Path) -> dict:
     ax.set_xlabel("iteration")
     ax.set_ylabel("delta = T_gen - T_train (s)")
     twin = ax.twinx()
-    twin.step([it["iteration"] for it in its], [it["instances"] + 16 for it in its], "r-",
-              where="mid")  # fmt: skip
+    twin.step(
+        [it["iteration"] for it in its], [it["instances"] + 16 for it in its], "r-", where="mid"
+    )
     twin.set_ylabel("total GPUs", color="r")
     ax.set_title("Elastic generation, simulated (paper-7b-10k, lengths +4%/iteration)")
     fig.savefig(out / "sim-elastic.png")
-    rows = [{"iteration": it["iteration"], "delta_s": round(it["delta_s"], 1),
-             "delta_prime_s": round(it["delta_prime_s"], 1), "action": it["action"],
-             "gpus": it["instances"] + 16} for it in its]  # fmt: skip
+    rows = [
+        {
+            "iteration": it["iteration"],
+            "delta_s": round(it["delta_s"], 1),
+            "delta_prime_s": round(it["delta_prime_s"], 1),
+            "action": it["action"],
+            "gpus": it["instances"] + 16,
+        }
+        for it in its
+    ]
     return {"steps": rows}
 
 
@@ -161,13 +175,15 @@ def main(out: str) -> dict:
     path = Path(out)
     path.mkdir(parents=True, exist_ok=True)
     tables = {
-            "ablation": {p: ablation_summary(run_ablation(p))["ablation"]
-                     for p in ("paper-7b-20k", "paper-32b-20k", "paper-72b-20k")},
+        "ablation": {
+            p: ablation_summary(run_ablation(p))["ablation"]
+            for p in ("paper-7b-20k", "paper-32b-20k", "paper-72b-20k")
+        },
         "allocation": allocation(path),
         "dispatch": dispatch_gains(),
         "elastic": elastic(path),
         "cross_dc": cross_dc(),
-    }  # fmt: skip
+    }
     return tables
 
 

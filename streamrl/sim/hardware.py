@@ -105,10 +105,11 @@ def decode_latency(model: ModelShape, gpu: GPU = H800) -> LatencyModel:
     base = PAPER_7B_H800_MS[1] / 1000
     sizes = sorted(PAPER_7B_H800_MS)
     ptl = [
-        per_gpu * (base * bandwidth + (PAPER_7B_H800_MS[b] / 1000 - base) * (compute + bandwidth)
-                   / 2) + comm
+        per_gpu
+        * (base * bandwidth + (PAPER_7B_H800_MS[b] / 1000 - base) * (compute + bandwidth) / 2)
+        + comm
         for b in sizes
-    ]  # fmt: skip
+    ]
     return LatencyModel(sizes, ptl)
 
 

@@ -40,9 +40,14 @@ class SimInstance:
     """
 
     def __init__(
-        self, instance_id: int, latency: LatencyModel, max_batch_size: int, lpt: bool,
-        slowdown: float = 1.0, prefill_s: float = 0.0,
-    ) -> None:  # fmt: skip
+        self,
+        instance_id: int,
+        latency: LatencyModel,
+        max_batch_size: int,
+        lpt: bool,
+        slowdown: float = 1.0,
+        prefill_s: float = 0.0,
+    ) -> None:
         self.instance_id, self.latency, self.max_batch_size = instance_id, latency, max_batch_size
         self.slowdown, self.prefill_s = slowdown, prefill_s
         self.paused_until = 0.0  # prefilling: no decode step before this

@@ -101,21 +101,35 @@ def paper_config(
         allocator = ResourceAllocator(latency, cost, model.gen_tp, max_bs, mode)
         plan = allocator.plan(model.total_gpus, workload.lengths(0), PAPER_PROMPT_TOKENS)
         gen_gpus, train_gpus = plan.gen_gpus, plan.train_gpus
-    generators = GeneratorPool(latency, gen_gpus // model.gen_tp, max_bs, model.gen_tp,
-                               gpu.price_per_s)  # fmt: skip
+    generators = GeneratorPool(
+        latency, gen_gpus // model.gen_tp, max_bs, model.gen_tp, gpu.price_per_s
+    )
     units = train_gpus // model.train_unit_gpus
-    trainer = TrainerPool(cost, units, token_budget=16384 * units,
-                          price_per_gpu_s=GPUS["h800"].price_per_s)  # fmt: skip
+    trainer = TrainerPool(
+        cost, units, token_budget=16384 * units, price_per_gpu_s=GPUS["h800"].price_per_s
+    )
     return SimConfig(
-        generators, trainer, workload, mode=mode,
-        dispatch="skew" if skew else "random", admission="lpt" if skew else "fifo",
-        iterations=iterations, warmup=1, weight_bytes=model.weight_bytes,
+        generators,
+        trainer,
+        workload,
+        mode=mode,
+        dispatch="skew" if skew else "random",
+        admission="lpt" if skew else "fifo",
+        iterations=iterations,
+        warmup=1,
+        weight_bytes=model.weight_bytes,
         link_gbps=LINK_GBPS["cross-dc" if cross_dc else "single-dc"],
         sync_latency_s=SYNC_LATENCY_S,
-        switch_s=colocated_switch_s(model) if mode == "colocated" else 0.0, seed=seed,
-        labels={"preset": name, "gen_gpus": gen_gpus, "train_gpus": train_gpus,
-                "gen_gpu": gpu.name, "max_batch_size": max_bs},
-    )  # fmt: skip
+        switch_s=colocated_switch_s(model) if mode == "colocated" else 0.0,
+        seed=seed,
+        labels={
+            "preset": name,
+            "gen_gpus": gen_gpus,
+            "train_gpus": train_gpus,
+            "gen_gpu": gpu.name,
+            "max_batch_size": max_bs,
+        },
+    )
 
 
 def _parse(name: str):
@@ -150,9 +164,14 @@ DEFAULT_LENGTHS = DATA / "lengths_longtail.json"
 
 
 def cpu_config(
-    mode: SimMode, profile: str | Path = CPU_PROFILE, lengths: str | Path = DEFAULT_LENGTHS,
-    prompts: int = 16, group_size: int = 4, iterations: int = 6, warmup: int = 1,
-) -> SimConfig:  # fmt: skip
+    mode: SimMode,
+    profile: str | Path = CPU_PROFILE,
+    lengths: str | Path = DEFAULT_LENGTHS,
+    prompts: int = 16,
+    group_size: int = 4,
+    iterations: int = 6,
+    warmup: int = 1,
+) -> SimConfig:
     """``streamrl bench pipeline`` (defaults) as a ``SimConfig``: colocated runs 2 generator
     instances then a 2-thread trainer; sync and async run 1 instance and a 1-thread trainer."""
     latency = LatencyModel.from_json(profile)
@@ -172,11 +191,20 @@ def cpu_config(
     trainer = TrainerPool(CPU_TRAINER_1_THREAD, 1, token_budget=256)
     workload = Workload(cycled, prompts, group_size, prompt_tokens=12, ranker_noise=0.0)
     return SimConfig(
-        generators, trainer, workload, mode=mode, dispatch="round-robin", admission="fifo",
-        iterations=iterations, warmup=warmup, sync_latency_s=CPU_SYNC_S,
-        colocated_cost=CPU_TRAINER_2_THREADS, colocated_token_budget=4096,
-        iteration_overhead_s=0.01, labels={"preset": "cpu", "profile": str(profile)},
-    )  # fmt: skip
+        generators,
+        trainer,
+        workload,
+        mode=mode,
+        dispatch="round-robin",
+        admission="fifo",
+        iterations=iterations,
+        warmup=warmup,
+        sync_latency_s=CPU_SYNC_S,
+        colocated_cost=CPU_TRAINER_2_THREADS,
+        colocated_token_budget=4096,
+        iteration_overhead_s=0.01,
+        labels={"preset": "cpu", "profile": str(profile)},
+    )
 
 
 def with_mode(config: SimConfig, mode: SimMode) -> SimConfig:

@@ -123,9 +123,13 @@ def make_splits(
     """A training set and a held-out set that shares no prompt string with it."""
     train = make_prompt_set(n_train, tasks, seed=seed, id_prefix="train-", **kw)
     heldout = make_prompt_set(
-        n_heldout, tasks, seed=seed + 1_000_003, id_prefix="heldout-",
-        exclude=set(train["prompt"]), **kw,
-    )  # fmt: skip
+        n_heldout,
+        tasks,
+        seed=seed + 1_000_003,
+        id_prefix="heldout-",
+        exclude=set(train["prompt"]),
+        **kw,
+    )
     return train, heldout
 
 

@@ -41,11 +41,19 @@ def _policy(seed: int) -> Qwen2ForCausalLM:
     A wide initialisation gives peaked, varied greedy outputs instead of one repeated token."""
     tok = build_tokenizer()
     config = Qwen2Config(
-        vocab_size=len(tok), hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, intermediate_size=128, max_position_embeddings=CONTEXT,
-        tie_word_embeddings=True, initializer_range=0.3, pad_token_id=tok.pad_token_id,
-        eos_token_id=tok.eos_token_id, bos_token_id=tok.eos_token_id,
-    )  # fmt: skip
+        vocab_size=len(tok),
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        intermediate_size=128,
+        max_position_embeddings=CONTEXT,
+        tie_word_embeddings=True,
+        initializer_range=0.3,
+        pad_token_id=tok.pad_token_id,
+        eos_token_id=tok.eos_token_id,
+        bos_token_id=tok.eos_token_id,
+    )
     with torch.random.fork_rng():
         torch.manual_seed(seed)
         return Qwen2ForCausalLM(config).eval()
@@ -60,9 +68,13 @@ def policy_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def gen(policy_dir: Path):
     # LPT without predictions admits in submission order, i.e. FIFO, for the other tests.
     generator = VLLMStreamGenerator(
-        policy_dir, max_batch_size=4, scheduler=LPTScheduler(), greedy=True, instance_id=3,
+        policy_dir,
+        max_batch_size=4,
+        scheduler=LPTScheduler(),
+        greedy=True,
+        instance_id=3,
         **ENGINE,
-    )  # fmt: skip
+    )
     yield generator
     generator.close()
 
@@ -190,9 +202,11 @@ def test_lpt_admits_longest_predicted_first(gen):
     gen.set_batch_limit(1)  # one slot: admission order is completion order
     try:
         gen.submit(
-            [Request(pid, [5, 6], 4, forced_length=2, predicted_length=n)
-             for pid, n in [("short", 3), ("long", 9), ("mid", 5)]]
-        )  # fmt: skip
+            [
+                Request(pid, [5, 6], 4, forced_length=2, predicted_length=n)
+                for pid, n in [("short", 3), ("long", 9), ("mid", 5)]
+            ]
+        )
         done = list(gen.stream())
     finally:
         gen.set_batch_limit(gen.max_batch_size)

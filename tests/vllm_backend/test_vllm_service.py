@@ -27,16 +27,19 @@ ENGINE = dict(enforce_eager=True, kv_cache_memory_bytes=16 << 20)
 
 def _requests(iteration: int) -> list[Request]:
     prompts = [[5, 6, 7], [9, 10, 11, 12], [20, 21]]
-    return [Request(f"p{i}", ids, max_tokens=12, iteration=iteration, forced_length=4 + 4 * i)
-            for i, ids in enumerate(prompts)]  # fmt: skip
+    return [
+        Request(f"p{i}", ids, max_tokens=12, iteration=iteration, forced_length=4 + 4 * i)
+        for i, ids in enumerate(prompts)
+    ]
 
 
 def test_service_streams_from_vllm_instances_and_updates_their_weights(tmp_path):
     tokenizer = build_tokenizer()
     policy = build_tiny_model(tokenizer, "demo", seed=0)  # head size 32: vLLM's CPU attention
     model_dir = save_policy(policy, tokenizer, tmp_path / "policy")
-    service = StreamGenerationService(model_dir, 2, max_batch_size=4, greedy=True,
-                                      backend="vllm", engine_options=ENGINE)  # fmt: skip
+    service = StreamGenerationService(
+        model_dir, 2, max_batch_size=4, greedy=True, backend="vllm", engine_options=ENGINE
+    )
     with service:
         before = {s.prompt_id: s for s in service.generate(_requests(0))}
         assert [before[f"p{i}"].length for i in range(3)] == [4, 8, 12]

@@ -9,10 +9,10 @@ import torch
 
 from streamrl.algorithms import GRPO
 from streamrl.components import StreamGenerationService
-from streamrl.components.pipeline import DynamicBatchPipeline
-from streamrl.components.profiler import Profiler
-from streamrl.components.ranker import LengthRanker
-from streamrl.components.skew_dispatch import SkewAwareDispatcher
+from streamrl.components.skewness.profiler import Profiler
+from streamrl.components.skewness.ranker import LengthRanker
+from streamrl.components.skewness.skew_dispatch import SkewAwareDispatcher
+from streamrl.components.training.pipeline import DynamicBatchPipeline
 from streamrl.config import RunConfig
 from streamrl.models import load_policy
 from streamrl.module import StreamRLModule

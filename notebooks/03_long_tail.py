@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from streamrl.bench.dispatch import bench_dispatch
-from streamrl.components.ranker import LengthRanker
+from streamrl.components.skewness.ranker import LengthRanker
 from streamrl.metrics import kendall_tau, recall_at_k
 from streamrl.notebook import notebook_settings
 from streamrl.tasks import make_prompt_set

@@ -23,7 +23,7 @@
 import matplotlib.pyplot as plt
 import numpy as np
 
-from streamrl.components.allocator import ResourceAllocator
+from streamrl.components.capacity.allocator import ResourceAllocator
 from streamrl.notebook import notebook_settings
 from streamrl.sim.engine import simulate
 from streamrl.sim.hardware import H800, QWEN25, decode_latency, kv_batch_limit, trainer_cost

@@ -23,9 +23,9 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 import torch
 
-from streamrl.components.generation_service import StreamGenerationService
-from streamrl.components.generator_worker import fingerprint
-from streamrl.components.ray_instance import RayOptions
+from streamrl.components.generation.ray_instance import RayOptions
+from streamrl.components.generation.service import StreamGenerationService
+from streamrl.components.generation.worker import fingerprint
 from streamrl.config import RunConfig
 from streamrl.jobs import run_fit
 from streamrl.models import build_tiny_model, build_tokenizer, load_policy, save_policy

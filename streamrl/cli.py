@@ -64,7 +64,7 @@ def _cmd_bench_dispatch(args: argparse.Namespace) -> dict:
 
 def _cmd_profile(args: argparse.Namespace) -> dict:
     from streamrl.bench.generate import load_model
-    from streamrl.components.profiler import Profiler
+    from streamrl.components.skewness.profiler import Profiler
 
     policy, tokenizer = load_model(args.model)
     prompt = tokenizer("copy abcdefgh=")["input_ids"]
@@ -308,7 +308,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     quiet_libraries()
     from streamrl.algorithms.base import RewardError
-    from streamrl.components.generation_service import GeneratorError
+    from streamrl.components.generation.service import GeneratorError
 
     try:
         result = args.func(args)

@@ -22,9 +22,9 @@ from typing import Any
 
 import yaml
 
-from streamrl.components.backends import check_engines
-from streamrl.components.nccl_transport import import_nccl
-from streamrl.components.weight_transport import TRANSPORTS
+from streamrl.components.generation.engines import check_engines
+from streamrl.components.weights.nccl import import_nccl
+from streamrl.components.weights.transport import TRANSPORTS
 from streamrl.errors import ConfigError, unknown_name
 from streamrl.tasks.families import FAMILIES
 

@@ -30,7 +30,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
-from streamrl.components.pipeline import MicroBatch
+from streamrl.components.training.pipeline import MicroBatch
 from streamrl.module import StreamRLModule, rl_trainer
 
 #: How long a trainer rank > 0 waits for its next share: rank 0 may wait that long for samples.

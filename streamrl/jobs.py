@@ -22,13 +22,13 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from streamrl.algorithms import build_algorithm
 from streamrl.algorithms.base import Algorithm
-from streamrl.components.elastic import ElasticController
-from streamrl.components.generation_service import StreamGenerationService
-from streamrl.components.latency import LatencyModel
-from streamrl.components.pipeline import DynamicBatchPipeline
-from streamrl.components.profiler import Profiler
-from streamrl.components.ranker import LengthRanker
-from streamrl.components.skew_dispatch import SkewAwareDispatcher
+from streamrl.components.capacity.elastic import ElasticController
+from streamrl.components.generation.service import StreamGenerationService
+from streamrl.components.skewness.latency import LatencyModel
+from streamrl.components.skewness.profiler import Profiler
+from streamrl.components.skewness.ranker import LengthRanker
+from streamrl.components.skewness.skew_dispatch import SkewAwareDispatcher
+from streamrl.components.training.pipeline import DynamicBatchPipeline
 from streamrl.config import RunConfig, check_values
 from streamrl.evaluation import evaluate
 from streamrl.fsdp import ShardedStreamRLModule, sharded_trainer

@@ -215,7 +215,7 @@ def _bench(size: str = "demo", r: int = 8, batch: int = 16, tokens: int = 48) ->
     import statistics
     import time
 
-    from streamrl.components.hf_generator import HFStreamGenerator
+    from streamrl.components.generation.hf_generator import HFStreamGenerator
     from streamrl.models import build_tiny_model, build_tokenizer
     from streamrl.records import Request
 

@@ -17,8 +17,8 @@ import datasets
 from transformers import PreTrainedTokenizerBase
 
 from streamrl.algorithms.base import Algorithm
-from streamrl.components.generation_service import StreamGenerationService
-from streamrl.components.ranker import LengthRanker
+from streamrl.components.generation.service import StreamGenerationService
+from streamrl.components.skewness.ranker import LengthRanker
 from streamrl.records import Request, Sample
 from streamrl.timeline import TraceRecorder
 

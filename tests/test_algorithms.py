@@ -269,7 +269,7 @@ def test_docs_write_your_own_snippet_runs(capsys):
 
 @pytest.mark.timeout(240)
 def test_rloo_ppo_and_the_doc_algorithm_train_in_the_real_loop(tmp_path, tokenizer):
-    from streamrl.components.generation_service import StreamGenerationService
+    from streamrl.components.generation.service import StreamGenerationService
     from streamrl.models import build_tiny_model, save_policy
     from streamrl.module import StreamRLModule, rl_trainer
     from streamrl.rollout import PromptSource, RolloutStream

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from streamrl.components.allocator import (
+from streamrl.components.capacity.allocator import (
     ResourceAllocator,
     TrainerCostModel,
     predict_generation_s,
     sync_critical_path_s,
 )
-from streamrl.components.latency import LatencyModel
+from streamrl.components.skewness.latency import LatencyModel
 from streamrl.sim.hardware import QWEN25, decode_latency, kv_batch_limit, trainer_cost
 from streamrl.sim.presets import PAPER_PROMPT_TOKENS, paper_lengths
 

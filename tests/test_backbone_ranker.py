@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from streamrl.components.backbone_ranker import BackboneLengthRanker
+from streamrl.components.skewness.backbone_ranker import BackboneLengthRanker
 from streamrl.errors import ConfigError
 from streamrl.metrics import kendall_tau, recall_at_k
 from streamrl.records import Sample

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from streamrl.components.backends import instance_device
+from streamrl.components.generation.engines import instance_device
 from streamrl.errors import ConfigError
 
 

@@ -11,8 +11,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from streamrl.components.allocator import TrainerCostModel
-from streamrl.components.broadcast_tree import (
+from streamrl.components.capacity.allocator import TrainerCostModel
+from streamrl.components.skewness.latency import LatencyModel
+from streamrl.components.weights.broadcast_tree import (
     BroadcastPlan,
     Edge,
     Node,
@@ -21,8 +22,7 @@ from streamrl.components.broadcast_tree import (
     plan_broadcast,
     plan_time_s,
 )
-from streamrl.components.latency import LatencyModel
-from streamrl.components.weight_transport import make_store
+from streamrl.components.weights.transport import make_store
 from streamrl.errors import ConfigError
 from streamrl.sim.config import GeneratorPool, SimConfig, TrainerPool, Workload
 

@@ -249,7 +249,7 @@ def _short_context_model(tmp_path, tokenizer):
 def test_bench_refuses_a_model_too_short_for_the_lengths_before_any_work(
     tmp_path, capsys, monkeypatch, tokenizer, bench
 ):
-    import streamrl.components.generation_service as service
+    import streamrl.components.generation.service as service
 
     def no_generators(*args, **kwargs):
         raise AssertionError("a generator service was started")

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from streamrl.components.elastic import ElasticController
-from streamrl.components.latency import LatencyModel
+from streamrl.components.capacity.elastic import ElasticController
+from streamrl.components.skewness.latency import LatencyModel
 
 # 10 ms per step at any batch size, 1 slot per instance: 10 equal samples of 100 tokens take
 # ceil(10 / N) rounds of 1 s on N instances (nothing to isolate: the dispatcher balances).
@@ -87,8 +87,8 @@ def test_validation_and_state_round_trip():
 
 
 def test_min_saving_stops_adding_instances_that_cannot_help():
-    from streamrl.components.elastic import ElasticController
-    from streamrl.components.latency import LatencyModel
+    from streamrl.components.capacity.elastic import ElasticController
+    from streamrl.components.skewness.latency import LatencyModel
 
     # Four 1000-token samples dominate: a third instance only lowers their batch from 4 to 2
     # (PTL 10.48 -> 10.16 ms): 0.5% of T_gen, while generation lags training by 15 s.

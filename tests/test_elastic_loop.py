@@ -7,9 +7,9 @@ from collections import Counter
 import pytest
 
 from streamrl.algorithms import GRPO
-from streamrl.components.elastic import ElasticController
-from streamrl.components.generation_service import StreamGenerationService
-from streamrl.components.latency import LatencyModel
+from streamrl.components.capacity.elastic import ElasticController
+from streamrl.components.generation.service import StreamGenerationService
+from streamrl.components.skewness.latency import LatencyModel
 from streamrl.models import build_tiny_model, save_policy
 from streamrl.module import StreamRLModule, rl_trainer
 from streamrl.rollout import PromptSource, RolloutStream

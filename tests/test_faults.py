@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from streamrl.algorithms import GRPO, RewardError
-from streamrl.components.generation_service import StreamGenerationService
+from streamrl.components.generation.service import StreamGenerationService
 from streamrl.errors import NonFiniteLossError
 from streamrl.jobs import ledger
 from streamrl.models import build_tiny_model, save_policy

@@ -208,7 +208,7 @@ def test_bad_input_raises_with_prompt_id(tok, prompt, max_tokens, forced):
 
 
 def test_hf_generator_satisfies_the_stream_generator_protocol(tokenizer):
-    from streamrl.components.protocols import StreamGenerator
     from streamrl.models import build_tiny_model
+    from streamrl.protocols import StreamGenerator
 
     assert isinstance(HFStreamGenerator(build_tiny_model(tokenizer, "test")), StreamGenerator)

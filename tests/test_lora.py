@@ -9,9 +9,9 @@ import sys
 import pytest
 import torch
 
-from streamrl.components.generation_service import StreamGenerationService
-from streamrl.components.generator_worker import fingerprint
-from streamrl.components.hf_generator import HFStreamGenerator
+from streamrl.components.generation.hf_generator import HFStreamGenerator
+from streamrl.components.generation.service import StreamGenerationService
+from streamrl.components.generation.worker import fingerprint
 from streamrl.errors import ConfigError
 from streamrl.lora import (
     LoRASpec,

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from streamrl.components.nccl_transport import (
+from streamrl.components.weights.nccl import (
     BucketedTransport,
     GlooCommunicator,
     NcclCommunicator,

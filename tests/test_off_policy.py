@@ -8,7 +8,7 @@ import torch
 
 from streamrl.algorithms.base import LossInputs
 from streamrl.algorithms.losses import policy_loss
-from streamrl.components.off_policy import correct_stale
+from streamrl.components.training.off_policy import correct_stale
 
 
 def test_stale_rows_get_proximal_old_logprobs_and_truncated_weights():

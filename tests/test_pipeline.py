@@ -10,9 +10,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from streamrl.algorithms import GRPO
-from streamrl.components.generation_service import StreamGenerationService
-from streamrl.components.generator_worker import fingerprint
-from streamrl.components.pipeline import DynamicBatchPipeline, MicroBatch
+from streamrl.components.generation.service import StreamGenerationService
+from streamrl.components.generation.worker import fingerprint
+from streamrl.components.training.pipeline import DynamicBatchPipeline, MicroBatch
 from streamrl.logprobs import completion_logprobs
 from streamrl.models import build_tiny_model, save_policy
 from streamrl.module import StreamRLModule, rl_trainer

@@ -9,7 +9,7 @@ import random
 import pytest
 
 from streamrl.cli import main
-from streamrl.components.ranker import LengthRanker, prompt_features
+from streamrl.components.skewness.ranker import LengthRanker, prompt_features
 from streamrl.metrics import recall_at_k
 from streamrl.records import Sample
 from streamrl.tasks import make_prompt_set

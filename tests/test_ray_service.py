@@ -12,9 +12,9 @@ import os
 import pytest
 import torch
 
-from streamrl.components.generation_service import StreamGenerationService
-from streamrl.components.generator_worker import fingerprint
-from streamrl.components.ray_instance import RayOptions
+from streamrl.components.generation.ray_instance import RayOptions
+from streamrl.components.generation.service import StreamGenerationService
+from streamrl.components.generation.worker import fingerprint
 from streamrl.models import build_tiny_model, save_policy
 from streamrl.records import Request
 
@@ -109,7 +109,7 @@ def test_gpus_the_ray_cluster_lacks_fail_before_any_actor_starts(model_dir, ray_
 
 def test_fit_config_switches_to_ray_with_one_field(tmp_path, fit_small, ray_options):
     """The same `streamrl fit` config as a local run, plus `cluster: ray`."""
-    from streamrl.components.ray_instance import connect
+    from streamrl.components.generation.ray_instance import connect
 
     connect(ray_options)  # the module's cluster (a run would otherwise start one of its own)
     fit_small(generators=2, cluster="ray")

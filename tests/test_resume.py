@@ -11,7 +11,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from streamrl.algorithms import GRPO
-from streamrl.components.generation_service import StreamGenerationService
+from streamrl.components.generation.service import StreamGenerationService
 from streamrl.models import build_tiny_model, save_policy
 from streamrl.module import StreamRLModule, rl_trainer
 from streamrl.rollout import PromptSource, RolloutStream
@@ -111,7 +111,7 @@ def test_sync_run_stopped_and_resumed_ends_with_the_uninterrupted_weights(
     checkpoint's weights (not the starting policy's), and ends bit for bit where the
     uninterrupted one does: same prompts, same samples (each generator reseeds its sampling for
     every weight version), same weights and AdamW states."""
-    from streamrl.components.generator_worker import fingerprint
+    from streamrl.components.generation.worker import fingerprint
     from streamrl.models import load_policy
 
     rl = dict(reward="partial", group_size=4, checkpoint_every=1)

@@ -10,8 +10,8 @@ import torch
 
 from streamrl.algorithms import GRPO, RewardError
 from streamrl.algorithms.base import LossInputs
-from streamrl.components.generation_service import StreamGenerationService
-from streamrl.components.generator_worker import fingerprint
+from streamrl.components.generation.service import StreamGenerationService
+from streamrl.components.generation.worker import fingerprint
 from streamrl.models import build_tiny_model, save_policy
 from streamrl.module import StreamRLModule, rl_trainer
 from streamrl.rollout import PromptSource, RolloutStream
@@ -140,9 +140,9 @@ def test_grpo_iterations_with_two_generator_processes(tmp_path, tokenizer):
 
 
 def test_ranker_dispatch_and_lpt_wired_into_the_loop(tmp_path, tokenizer):
-    from streamrl.components.latency import LatencyModel
-    from streamrl.components.ranker import LengthRanker
-    from streamrl.components.skew_dispatch import SkewAwareDispatcher
+    from streamrl.components.skewness.latency import LatencyModel
+    from streamrl.components.skewness.ranker import LengthRanker
+    from streamrl.components.skewness.skew_dispatch import SkewAwareDispatcher
 
     policy = build_tiny_model(tokenizer, "test", seed=0)
     save_policy(policy, tokenizer, tmp_path / "policy")

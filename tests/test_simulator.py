@@ -7,9 +7,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from streamrl.components.allocator import TrainerCostModel
-from streamrl.components.elastic import ElasticController
-from streamrl.components.latency import LatencyModel
+from streamrl.components.capacity.allocator import TrainerCostModel
+from streamrl.components.capacity.elastic import ElasticController
+from streamrl.components.skewness.latency import LatencyModel
 from streamrl.sim.batching import decode_schedule
 from streamrl.sim.config import GeneratorPool, SimConfig, TrainerPool, Workload
 from streamrl.sim.engine import simulate

@@ -10,8 +10,8 @@ import signal
 import pytest
 import torch
 
-from streamrl.components.generation_service import StreamGenerationService
-from streamrl.components.generator_worker import fingerprint
+from streamrl.components.generation.service import StreamGenerationService
+from streamrl.components.generation.worker import fingerprint
 from streamrl.models import build_tiny_model, save_policy
 from streamrl.records import Request
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 
 from streamrl.components import HFStreamGenerator
-from streamrl.components.dispatch import RandomDispatcher
-from streamrl.components.latency import PAPER_7B_H800_MS, LatencyModel, simulate_instance
-from streamrl.components.schedulers import LPTScheduler
-from streamrl.components.skew_dispatch import SkewAwareDispatcher
+from streamrl.components.skewness.dispatch import RandomDispatcher
+from streamrl.components.skewness.latency import PAPER_7B_H800_MS, LatencyModel, simulate_instance
+from streamrl.components.skewness.schedulers import LPTScheduler
+from streamrl.components.skewness.skew_dispatch import SkewAwareDispatcher
 from streamrl.models import build_tiny_model
 from streamrl.records import Request
 

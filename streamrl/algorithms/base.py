@@ -37,7 +37,7 @@ class LossInputs:
         values: the critic's value of the state before each completion token (with grad), from
             ``Algorithm.token_values``; ``None`` for algorithms without a critic.
         token_weights: truncated importance weights of stale samples' tokens in async mode
-            (``streamrl.components.off_policy``); ``None`` when every sample is fresh.
+            (``streamrl.components.training.off_policy``); ``None`` when every sample is fresh.
     """
 
     logprobs: torch.Tensor

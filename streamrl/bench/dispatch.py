@@ -32,11 +32,11 @@ import torch
 from streamrl.bench.inputs import load_lengths, model_dir_for, tokenizer_for
 from streamrl.bench.pipeline import DEFAULT_LENGTHS
 from streamrl.bench.predictions import SOURCES, Batch, Predictions, batch_and_history, predict
-from streamrl.components.dispatch import Dispatcher, RandomDispatcher
-from streamrl.components.generation_service import StreamGenerationService
-from streamrl.components.latency import PAPER_7B_H800_MS, LatencyModel, simulate_instance
-from streamrl.components.profiler import Profiler
-from streamrl.components.skew_dispatch import SkewAwareDispatcher
+from streamrl.components.generation.service import StreamGenerationService
+from streamrl.components.skewness.dispatch import Dispatcher, RandomDispatcher
+from streamrl.components.skewness.latency import PAPER_7B_H800_MS, LatencyModel, simulate_instance
+from streamrl.components.skewness.profiler import Profiler
+from streamrl.components.skewness.skew_dispatch import SkewAwareDispatcher
 from streamrl.errors import ConfigError
 from streamrl.metrics import kendall_tau, recall_at_k
 from streamrl.models import load_policy

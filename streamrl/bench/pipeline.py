@@ -25,8 +25,8 @@ import torch
 
 from streamrl.algorithms import GRPO
 from streamrl.bench.inputs import load_lengths, model_dir_for, tokenizer_for
-from streamrl.components.generation_service import StreamGenerationService
-from streamrl.components.pipeline import DynamicBatchPipeline
+from streamrl.components.generation.service import StreamGenerationService
+from streamrl.components.training.pipeline import DynamicBatchPipeline
 from streamrl.errors import ConfigError
 from streamrl.models import load_policy
 from streamrl.module import MODES, StreamRLModule, rl_trainer

@@ -34,7 +34,7 @@ from typing import Literal
 import numpy as np
 
 from streamrl.bench.inputs import load_predictions
-from streamrl.components.ranker import LengthRanker
+from streamrl.components.skewness.ranker import LengthRanker
 from streamrl.tasks.families import FAMILIES
 
 Source = Literal["ranker", "noisy", "file"]

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from streamrl.bench.inputs import check_context
-from streamrl.components.ranker import LengthRanker
+from streamrl.components.skewness.ranker import LengthRanker
 from streamrl.errors import ConfigError
 from streamrl.metrics import kendall_tau, recall_at_k
 
@@ -69,7 +69,7 @@ def bench_ranker(data: str, seed: int = 0, backbone: str | None = None) -> dict:
     test = ([prompts[i] for i in order[cut:]], [lengths[i] for i in order[cut:]])
     result = _score(LengthRanker(seed=seed), "fast", train, test)
     if backbone is not None:
-        from streamrl.components.backbone_ranker import BackboneLengthRanker
+        from streamrl.components.skewness.backbone_ranker import BackboneLengthRanker
 
         baseline = result
         result = _score(BackboneLengthRanker(backbone, seed=seed), "backbone", train, test)
@@ -97,7 +97,7 @@ def policy_lengths(
 ) -> list[dict]:
     """Sample the policy ``samples`` times on ``n_prompts`` task prompts; one row per prompt with
     every sampled length (the ranker is trained and scored on the policy's own lengths)."""
-    from streamrl.components.generation_service import StreamGenerationService
+    from streamrl.components.generation.service import StreamGenerationService
     from streamrl.models import load_tokenizer
     from streamrl.records import Request
     from streamrl.tasks import make_prompt_set

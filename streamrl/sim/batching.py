@@ -1,16 +1,16 @@
 """Per-sample replay of continuous batching on one generator instance (StreamRL §5.1, Eq. 1).
 
-``streamrl.components.latency.simulate_instance`` returns one instance's makespan; the simulator
-and the allocator also need *when each sample finishes* (the stream the trainer consumes, §4.1).
-Each decode step advances every running sequence by one token and costs ``PTL`` of the number
-running; a finished sequence frees its slot for the next waiting one at once.
+``streamrl.components.skewness.latency.simulate_instance`` returns one instance's makespan;
+the simulator and the allocator also need *when each sample finishes* (the stream the trainer
+consumes, §4.1). Each decode step advances every running sequence by one token and costs ``PTL``
+of the number running; a finished sequence frees its slot for the next waiting one at once.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from streamrl.components.latency import LatencyModel
+from streamrl.components.skewness.latency import LatencyModel
 
 
 def decode_schedule(

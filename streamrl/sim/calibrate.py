@@ -18,8 +18,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from streamrl.components.allocator import TrainerCostModel
-from streamrl.components.latency import LatencyModel
+from streamrl.components.capacity.allocator import TrainerCostModel
+from streamrl.components.skewness.latency import LatencyModel
 
 #: Micro-batch shapes timed: (rows, completion tokens); the bench's prompts are ~12 tokens.
 DEFAULT_SHAPES = (
@@ -132,7 +132,7 @@ def measure_contended_ptl(
     Returns:
         ``(alone, contended)`` latency models.
     """
-    from streamrl.components.profiler import Profiler
+    from streamrl.components.skewness.profiler import Profiler
 
     policy, tokenizer = _tiny_policy()
     prompt = tokenizer("copy abcdefgh=")["input_ids"]

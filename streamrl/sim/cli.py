@@ -9,8 +9,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from streamrl.components.allocator import ResourceAllocator
-from streamrl.components.elastic import ElasticController
+from streamrl.components.capacity.allocator import ResourceAllocator
+from streamrl.components.capacity.elastic import ElasticController
 from streamrl.errors import ConfigError
 from streamrl.sim.ablation import LABELS, ablation_summary, run_ablation
 from streamrl.sim.engine import SimResult, simulate

@@ -10,10 +10,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
-from streamrl.components.allocator import TrainerCostModel
-from streamrl.components.broadcast_tree import plan_broadcast, plan_time_s
-from streamrl.components.elastic import ElasticController
-from streamrl.components.latency import LatencyModel
+from streamrl.components.capacity.allocator import TrainerCostModel
+from streamrl.components.capacity.elastic import ElasticController
+from streamrl.components.skewness.latency import LatencyModel
+from streamrl.components.weights.broadcast_tree import plan_broadcast, plan_time_s
 
 SimMode = Literal["colocated", "sync", "async"]
 DispatchPolicy = Literal["random", "round-robin", "skew"]

@@ -11,9 +11,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Literal
 
-from streamrl.components.dispatch import RandomDispatcher
-from streamrl.components.latency import LatencyModel
-from streamrl.components.skew_dispatch import SkewAwareDispatcher
+from streamrl.components.skewness.dispatch import RandomDispatcher
+from streamrl.components.skewness.latency import LatencyModel
+from streamrl.components.skewness.skew_dispatch import SkewAwareDispatcher
 from streamrl.records import Request
 from streamrl.sim.instance import SimInstance
 

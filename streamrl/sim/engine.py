@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from streamrl.components.dispatch import RandomDispatcher, RoundRobinDispatcher
-from streamrl.components.skew_dispatch import SkewAwareDispatcher
+from streamrl.components.skewness.dispatch import RandomDispatcher, RoundRobinDispatcher
+from streamrl.components.skewness.skew_dispatch import SkewAwareDispatcher
 from streamrl.records import Request
 from streamrl.sim.config import SimConfig, bucket_of
 from streamrl.sim.instance import SimInstance

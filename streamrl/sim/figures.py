@@ -13,8 +13,8 @@ from pathlib import Path
 
 import numpy as np
 
-from streamrl.components.allocator import ResourceAllocator
-from streamrl.components.elastic import ElasticController
+from streamrl.components.capacity.allocator import ResourceAllocator
+from streamrl.components.capacity.elastic import ElasticController
 from streamrl.sim.ablation import ablation_summary, run_ablation
 from streamrl.sim.dispatch import generation_makespan_s
 from streamrl.sim.engine import simulate

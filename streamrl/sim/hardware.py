@@ -26,8 +26,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from streamrl.components.allocator import TrainerCostModel
-from streamrl.components.latency import PAPER_7B_H800_MS, LatencyModel
+from streamrl.components.capacity.allocator import TrainerCostModel
+from streamrl.components.skewness.latency import PAPER_7B_H800_MS, LatencyModel
 
 
 @dataclass(frozen=True)

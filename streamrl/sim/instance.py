@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from streamrl.components.latency import LatencyModel
-from streamrl.components.schedulers import FIFOScheduler, LPTScheduler
+from streamrl.components.skewness.latency import LatencyModel
+from streamrl.components.skewness.schedulers import FIFOScheduler, LPTScheduler
 from streamrl.records import Request
 
 _EPS = 1e-9

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import numpy as np
 
-from streamrl.components.allocator import ResourceAllocator, TrainerCostModel
-from streamrl.components.latency import LatencyModel
+from streamrl.components.capacity.allocator import ResourceAllocator, TrainerCostModel
+from streamrl.components.skewness.latency import LatencyModel
 from streamrl.errors import ConfigError
 from streamrl.sim.config import GeneratorPool, SimConfig, SimMode, TrainerPool, Workload
 from streamrl.sim.hardware import (

@@ -28,8 +28,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from streamrl.components.allocator import TrainerCostModel
-from streamrl.components.latency import LatencyModel
+from streamrl.components.capacity.allocator import TrainerCostModel
+from streamrl.components.skewness.latency import LatencyModel
 from streamrl.sim.calibrate import DEFAULT_SHAPES, PROMPT_TOKENS, measure_trainer_cost
 from streamrl.sim.config import GeneratorPool, SimConfig, SimMode, TrainerPool, Workload
 from streamrl.sim.engine import simulate
@@ -262,7 +262,7 @@ def profile(
     quick: bool, two_threads: bool
 ) -> tuple[LatencyModel, TrainerCostModel, TrainerCostModel | None]:
     """The micro-benchmarks: ``PTL(BS)`` and the trainer's cost on one (and two) threads."""
-    from streamrl.components.profiler import Profiler
+    from streamrl.components.skewness.profiler import Profiler
     from streamrl.sim.calibrate import _tiny_policy
 
     policy, tokenizer = _tiny_policy()

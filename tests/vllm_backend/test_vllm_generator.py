@@ -16,8 +16,8 @@ pytest.importorskip("vllm", reason="needs vllm: make test-vllm")
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from streamrl.components.schedulers import LPTScheduler
-from streamrl.components.vllm_generator import VLLMStreamGenerator
+from streamrl.components.generation.vllm_generator import VLLMStreamGenerator
+from streamrl.components.skewness.schedulers import LPTScheduler
 from streamrl.errors import ConfigError
 from streamrl.models import build_tokenizer, save_policy
 from streamrl.records import Request, Sample

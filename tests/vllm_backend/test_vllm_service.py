@@ -13,7 +13,7 @@ pytest.importorskip("vllm", reason="needs vllm: make test-vllm")
 
 import torch
 
-from streamrl.components.generation_service import StreamGenerationService
+from streamrl.components.generation.service import StreamGenerationService
 from streamrl.models import build_tiny_model, build_tokenizer, save_policy
 from streamrl.records import Request
 

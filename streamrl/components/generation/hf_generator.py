@@ -31,9 +31,9 @@ import numpy as np
 import torch
 from transformers import PreTrainedModel
 
-from streamrl.components.admission import AdmissionQueue, budget
-from streamrl.components.kv_cache import SlotCache
-from streamrl.components.schedulers import AdmissionScheduler
+from streamrl.components.generation.admission import AdmissionQueue, budget
+from streamrl.components.generation.kv_cache import SlotCache
+from streamrl.components.skewness.schedulers import AdmissionScheduler
 from streamrl.records import Request, Sample
 
 #: Parameter/buffer name -> new value, as a torch tensor or a numpy array.

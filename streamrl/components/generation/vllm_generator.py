@@ -45,8 +45,8 @@ import numpy as np
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
-from streamrl.components.admission import AdmissionQueue, budget
-from streamrl.components.schedulers import AdmissionScheduler
+from streamrl.components.generation.admission import AdmissionQueue, budget
+from streamrl.components.skewness.schedulers import AdmissionScheduler
 from streamrl.errors import ConfigError
 from streamrl.records import Request, Sample
 

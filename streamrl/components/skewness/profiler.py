@@ -13,8 +13,8 @@ from collections.abc import Sequence
 import torch
 from transformers import PreTrainedModel
 
-from streamrl.components.hf_generator import HFStreamGenerator
-from streamrl.components.latency import LatencyModel
+from streamrl.components.generation.hf_generator import HFStreamGenerator
+from streamrl.components.skewness.latency import LatencyModel
 from streamrl.records import Request
 
 

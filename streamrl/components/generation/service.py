@@ -30,14 +30,14 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from streamrl.components.backends import check_engines
-from streamrl.components.dispatch import Dispatcher, RoundRobinDispatcher
-from streamrl.components.instance_handle import InstanceHandle, InstanceInfo
-from streamrl.components.instance_pool import GeneratorError, InstancePool
-from streamrl.components.nccl_transport import import_nccl
-from streamrl.components.ray_instance import RayOptions
-from streamrl.components.weight_sync import AsyncWeightSync, Weights
-from streamrl.components.weight_transport import TRANSPORTS
+from streamrl.components.generation.engines import check_engines
+from streamrl.components.generation.instance import InstanceHandle, InstanceInfo
+from streamrl.components.generation.pool import GeneratorError, InstancePool
+from streamrl.components.generation.ray_instance import RayOptions
+from streamrl.components.skewness.dispatch import Dispatcher, RoundRobinDispatcher
+from streamrl.components.weights.nccl import import_nccl
+from streamrl.components.weights.sync import AsyncWeightSync, Weights
+from streamrl.components.weights.transport import TRANSPORTS
 from streamrl.errors import ConfigError, unknown_name
 from streamrl.lora import LoRASpec
 from streamrl.records import Request, Sample

@@ -15,8 +15,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from streamrl.components.generator_worker import WorkerSpec, worker_main
-from streamrl.components.weight_transport import make_store
+from streamrl.components.generation.worker import WorkerSpec, worker_main
+from streamrl.components.weights.transport import make_store
 from streamrl.records import Request, Sample
 
 #: How often an instance says it is alive while it runs (see ``generator_worker``).

@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable, Iterator
 
-from streamrl.components.schedulers import AdmissionScheduler, FIFOScheduler
+from streamrl.components.skewness.schedulers import AdmissionScheduler, FIFOScheduler
 from streamrl.records import Request, Sample
 
 

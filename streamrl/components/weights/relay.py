@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from streamrl.components.weight_transport import WeightGroup
+from streamrl.components.weights.transport import WeightGroup
 
 log = logging.getLogger(__name__)
 

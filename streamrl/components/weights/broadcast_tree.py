@@ -34,13 +34,13 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
-from streamrl.components.nccl_transport import (
+from streamrl.components.weights.nccl import (
     DEFAULT_BUCKET_BYTES,
     BucketedTransport,
     Communicator,
     GlooCommunicator,
 )
-from streamrl.components.weight_transport import DEFAULT_TIMEOUT_S
+from streamrl.components.weights.transport import DEFAULT_TIMEOUT_S
 from streamrl.errors import ConfigError
 
 #: ``(key, rank, world_size) -> Communicator`` for the group of one edge (sender is rank 0).

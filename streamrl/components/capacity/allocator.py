@@ -25,8 +25,8 @@ from typing import Literal
 
 import numpy as np
 
-from streamrl.components.latency import LatencyModel
-from streamrl.components.skew_dispatch import SkewAwareDispatcher
+from streamrl.components.skewness.latency import LatencyModel
+from streamrl.components.skewness.skew_dispatch import SkewAwareDispatcher
 from streamrl.sim.batching import decode_schedule
 
 Mode = Literal["async", "sync"]
@@ -201,7 +201,7 @@ class ResourceAllocator:
         alternatives: how many runner-up splits a plan lists.
 
     Examples:
-        >>> from streamrl.components.latency import LatencyModel
+        >>> from streamrl.components.skewness.latency import LatencyModel
         >>> alloc = ResourceAllocator(LatencyModel([1], [0.01]), TrainerCostModel(1e-4),
         ...                           max_batch_size=2)
         >>> plan = alloc.plan(budget_gpus=4, lengths=[100] * 8)

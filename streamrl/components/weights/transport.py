@@ -15,7 +15,7 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 
-from streamrl.components.nccl_transport import (
+from streamrl.components.weights.nccl import (
     BucketedTransport,
     Communicator,
     GlooCommunicator,

@@ -22,7 +22,7 @@ from collections.abc import Callable, Mapping
 
 import torch
 
-from streamrl.components.weight_transport import WeightGroup
+from streamrl.components.weights.transport import WeightGroup
 
 Weights = torch.nn.Module | Mapping[str, torch.Tensor]
 Announce = Callable[[int], None]

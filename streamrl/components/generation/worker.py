@@ -31,9 +31,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from streamrl.components.hf_generator import HFStreamGenerator
-from streamrl.components.schedulers import FIFOScheduler, LPTScheduler
-from streamrl.components.weight_relay import WeightRelay, relay_messages
+from streamrl.components.generation.hf_generator import HFStreamGenerator
+from streamrl.components.skewness.schedulers import FIFOScheduler, LPTScheduler
+from streamrl.components.weights.relay import WeightRelay, relay_messages
 from streamrl.records import Request
 
 if TYPE_CHECKING:
@@ -96,7 +96,7 @@ class _Instance:
     (admission pacing for the staleness bound) and weights being received in the background."""
 
     def __init__(self, spec: WorkerSpec, outbox: Any, parent: int) -> None:
-        from streamrl.components.weight_transport import WeightGroup
+        from streamrl.components.weights.transport import WeightGroup
 
         self.spec, self.outbox, self.parent = spec, outbox, parent
         kwargs = dict(spec.generator_kwargs)
@@ -111,7 +111,7 @@ class _Instance:
             **kwargs,
         )
         if spec.backend == "vllm":
-            from streamrl.components.vllm_generator import VLLMStreamGenerator
+            from streamrl.components.generation.vllm_generator import VLLMStreamGenerator
 
             self.generator = VLLMStreamGenerator(spec.model_dir, device=spec.device, **common)
             synced = self.generator.weight_templates()  # the trainer's names, shapes and dtypes

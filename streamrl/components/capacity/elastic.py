@@ -17,8 +17,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from streamrl.components.allocator import Method, predict_generation_s
-from streamrl.components.latency import LatencyModel
+from streamrl.components.capacity.allocator import Method, predict_generation_s
+from streamrl.components.skewness.latency import LatencyModel
 
 Action = Literal["add", "remove", "keep"]
 
@@ -64,7 +64,7 @@ class ElasticController:
             cannot help).
 
     Examples:
-        >>> from streamrl.components.latency import LatencyModel
+        >>> from streamrl.components.skewness.latency import LatencyModel
         >>> ctl = ElasticController(LatencyModel([1], [0.01]), max_batch_size=1)
         >>> d = ctl.observe(t_gen_s=10.0, t_train_s=4.0, instances=2, lengths=[100] * 4)
         >>> d.action, d.instances, d.delta_prime_s  # 2 rounds -> 2 rounds on 3: no gain

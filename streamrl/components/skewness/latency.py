@@ -1,7 +1,7 @@
 """The generation latency model of StreamRL §5.1 (Eq. 1 and 2) and a batching simulator.
 
 ``PTL(BS)`` is the per-token decode latency at batch size ``BS``, measured on the real backend
-(``streamrl.components.profiler``) or taken from the paper's table. With it:
+(``streamrl.components.skewness.profiler``) or taken from the paper's table. With it:
 
 - Eq. 1: sample latency = ``PTL(BS) x L``;
 - Eq. 2: instance latency = ``PTL(BS) x L_avg x ceil(M / BS)`` for ``M`` samples on one instance.

@@ -11,7 +11,7 @@ from __future__ import annotations
 import heapq
 from collections import deque
 
-from streamrl.components.protocols import AdmissionScheduler
+from streamrl.protocols import AdmissionScheduler
 from streamrl.records import Request
 
 __all__ = ["AdmissionScheduler", "FIFOScheduler", "LPTScheduler"]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import random
 from collections.abc import Callable, Sequence
 
-from streamrl.components.protocols import Dispatcher
+from streamrl.protocols import Dispatcher
 from streamrl.records import Request
 
 __all__ = ["Dispatcher", "RandomDispatcher", "RoundRobinDispatcher", "split_by_prompt"]

@@ -27,7 +27,7 @@ from typing import Literal
 
 import numpy as np
 
-from streamrl.components.latency import LatencyModel, simulate_instance
+from streamrl.components.skewness.latency import LatencyModel, simulate_instance
 from streamrl.records import Request
 
 Objective = Literal["max", "sum"]

@@ -17,11 +17,11 @@ from dataclasses import asdict
 from multiprocessing import connection
 from typing import Any
 
-from streamrl.components.backends import instance_device
-from streamrl.components.instance_handle import InstanceHandle
-from streamrl.components.ray_instance import RayInstanceHandle
-from streamrl.components.weight_relay import RelayedGroup
-from streamrl.components.weight_transport import WeightGroup
+from streamrl.components.generation.engines import instance_device
+from streamrl.components.generation.instance import InstanceHandle
+from streamrl.components.generation.ray_instance import RayInstanceHandle
+from streamrl.components.weights.relay import RelayedGroup
+from streamrl.components.weights.transport import WeightGroup
 from streamrl.records import Request
 
 

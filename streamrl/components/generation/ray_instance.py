@@ -28,9 +28,9 @@ from dataclasses import dataclass
 from multiprocessing.connection import Client, Connection, Listener
 from typing import Any
 
-from streamrl.components.generator_worker import WorkerSpec
-from streamrl.components.instance_handle import HEARTBEAT_S, InstanceHandle
-from streamrl.components.weight_transport import make_store
+from streamrl.components.generation.instance import HEARTBEAT_S, InstanceHandle
+from streamrl.components.generation.worker import WorkerSpec
+from streamrl.components.weights.transport import make_store
 from streamrl.errors import ConfigError
 
 #: Install hint shown when the ``[ray]`` extra is missing.
@@ -114,7 +114,7 @@ class GeneratorActor:
         """
         import ray
 
-        from streamrl.components.generator_worker import worker_main
+        from streamrl.components.generation.worker import worker_main
 
         if self._listener is None:
             raise RuntimeError("GeneratorActor.serve: call open_channel() first.")

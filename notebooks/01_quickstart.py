@@ -17,19 +17,23 @@
 
 # %%
 
-import lightning as L
 import matplotlib.pyplot as plt
 import torch
 
-from streamrl.algorithms import GRPO
-from streamrl.components import StreamGenerationService
-from streamrl.config import RunConfig
-from streamrl.models import load_policy
-from streamrl.module import StreamRLModule
+from streamrl import (
+    GRPO,
+    PromptSource,
+    RolloutStream,
+    SFTConfig,
+    StreamGenerationService,
+    build_module,
+    build_trainer,
+    load_policy,
+    make_prompt_set,
+    partial_credit,
+    warm_start,
+)
 from streamrl.notebook import notebook_settings
-from streamrl.rollout import PromptSource, RolloutStream
-from streamrl.sft import SFTConfig, warm_start
-from streamrl.tasks import make_prompt_set, partial_credit
 
 SMALL, OUT = notebook_settings()  # STREAMRL_NOTEBOOK_BUDGET=small|full, STREAMRL_NOTEBOOK_OUT
 torch.set_num_threads(1)  # one core for the trainer; the generator processes take the others
@@ -44,7 +48,7 @@ torch.set_num_threads(1)  # one core for the trainer; the generator processes ta
 
 # %%
 sft = SFTConfig(steps=40, n_demos=1024) if SMALL else SFTConfig()  # full: the demo's warm start
-model_dir = warm_start(sft, RunConfig().resolved_cache_dir(), show_progress=not SMALL)
+model_dir = warm_start(sft, show_progress=not SMALL)
 policy, tokenizer = load_policy(model_dir)
 ITERATIONS, PROMPTS, GROUP = (3, 8, 4) if SMALL else (40, 16, 8)
 prompts = make_prompt_set(512, ["copy", "rev", "count", "sort"], median_len=6, max_len=48)
@@ -53,8 +57,9 @@ print(prompts[0])  # one row: a prompt and its reference answer
 # %% [markdown]
 # ## Train
 #
-# `RolloutStream` turns the service's samples into scored groups (GRPO advantages), and
-# `StreamRLModule` is the LightningModule that trains on them.
+# `RolloutStream` turns the service's samples into scored groups (GRPO advantages);
+# `build_module` makes the LightningModule that trains on them and `build_trainer` the Lightning
+# `Trainer` that runs one optimizer step per iteration: the same builders `streamrl fit` uses.
 #
 # Generator instances are **spawned** processes, and a spawned process first imports the script
 # that started it. When this notebook runs as a plain `python` script, everything that starts
@@ -74,18 +79,8 @@ if __name__ == "__main__":
             max_tokens=64,
             context=policy.config.max_position_embeddings,
         )
-        module = StreamRLModule(
-            policy.train(), algorithm, rollouts, ITERATIONS, lr=1e-4, temperature=0.7
-        )
-        trainer = L.Trainer(
-            max_steps=ITERATIONS,
-            accelerator="cpu",
-            logger=False,
-            enable_checkpointing=False,
-            enable_model_summary=False,
-            enable_progress_bar=not SMALL,
-        )
-        trainer.fit(module)
+        module = build_module(policy, algorithm, rollouts, iterations=ITERATIONS, lr=1e-4)
+        build_trainer(module, show_progress=not SMALL).fit(module)
     rewards = [h["rollout/reward"] for h in module.history]
     print(f"reward first {rewards[0]:.3f} last {rewards[-1]:.3f} over {len(rewards)} iterations")
 

@@ -3,7 +3,7 @@
 #
 # **What it shows.** An RL algorithm in streamrl is a small class whose hooks follow RL timing:
 # `score_sample` when a sample arrives (its reward), `score_group` when a prompt's last sample
-# arrives (advantages), `loss` when the trainer reaches a micro-batch. We write REINFORCE
+# arrives (advantages), `token_loss` when the trainer reaches a micro-batch. We write REINFORCE
 # (Williams 1992) whose baseline is an exponential moving average of past rewards, check it by
 # hand, and train the tiny model with it in the real streamed loop for a few iterations.
 #
@@ -23,19 +23,23 @@
 import math
 from collections.abc import Sequence
 
-import lightning as L
 import matplotlib.pyplot as plt
 import torch
 
-from streamrl.algorithms import Algorithm, LossInputs
-from streamrl.components import StreamGenerationService
-from streamrl.config import RunConfig
-from streamrl.models import load_policy
-from streamrl.module import StreamRLModule
+from streamrl import (
+    PromptSource,
+    RolloutStream,
+    SFTConfig,
+    StreamGenerationService,
+    build_module,
+    build_trainer,
+    load_policy,
+    make_prompt_set,
+    partial_credit,
+    warm_start,
+)
+from streamrl.algorithms import Algorithm, LossInputs, TokenLoss
 from streamrl.notebook import notebook_settings
-from streamrl.rollout import PromptSource, RolloutStream
-from streamrl.sft import SFTConfig, warm_start
-from streamrl.tasks import make_prompt_set, partial_credit
 
 SMALL, OUT = notebook_settings()  # STREAMRL_NOTEBOOK_BUDGET=small|full, STREAMRL_NOTEBOOK_OUT
 torch.set_num_threads(1)
@@ -48,12 +52,14 @@ torch.set_num_threads(1)
 # - `score_group`: advantage = reward - baseline, where the baseline has seen only earlier
 #   groups (so it does not depend on the sample it judges); then the baseline moves towards
 #   this group's mean reward;
-# - `loss`: the policy gradient `-A * log pi(token)`, averaged over each sample's tokens. In
-#   one-step async mode stale samples come with truncated importance weights
-#   (`batch.token_weights`); we apply them when present.
+# - `token_loss`: the policy gradient `-A * log pi(token)`, per token. That is all it returns:
+#   the base's `loss` (which no algorithm overrides) masks the padding, averages over each
+#   sample's tokens and, in one-step async mode, multiplies by the truncated importance weights
+#   of stale samples (`batch.token_weights`), so no algorithm can forget them.
 #
 # `state_dict` / `load_state_dict` put the baseline into Lightning checkpoints, so a resumed
-# run continues with it. `score_sample` is inherited: the reward function's score.
+# run continues with it. `score_sample` is inherited: the reward function's score. The base's
+# constructor stores and checks `group_size` (and `clip_eps`, `kl_coef`, unused here).
 
 
 # %%
@@ -66,9 +72,9 @@ class MovingAverageReinforce(Algorithm):
         decay: how much of the old baseline each group keeps (0.9: about 10 groups' memory).
     """
 
-    def __init__(self, reward_fn, group_size: int = 4, decay: float = 0.9) -> None:
-        super().__init__(reward_fn)
-        self.group_size, self.decay = group_size, decay
+    def __init__(self, reward_fn, *, group_size: int = 4, decay: float = 0.9) -> None:
+        super().__init__(reward_fn, group_size=group_size)
+        self.decay = decay
         self.baseline = 0.0
         self.baselines: list[float] = []  # the baseline after each group, for the plot
 
@@ -79,12 +85,8 @@ class MovingAverageReinforce(Algorithm):
         self.baselines.append(self.baseline)
         return advantages
 
-    def loss(self, batch: LossInputs) -> torch.Tensor:
-        mask = batch.mask.float()  # [batch, seq]
-        if batch.token_weights is not None:  # async: stale samples' importance weights
-            mask = mask * batch.token_weights
-        per_token = -batch.advantages[:, None] * batch.logprobs * mask  # [batch, seq]
-        return per_token.sum(1) / batch.mask.sum(1).clamp(min=1)  # [batch]
+    def token_loss(self, batch: LossInputs) -> TokenLoss:
+        return TokenLoss(policy=-batch.advantages[:, None] * batch.logprobs)  # [batch, seq]
 
     def state_dict(self) -> dict:
         return {"baseline": self.baseline}
@@ -100,6 +102,8 @@ class MovingAverageReinforce(Algorithm):
 # rewards; the baseline becomes `0.5 * 0 + 0.5 * 0.5 = 0.25`, and the same rewards again get
 # `[0.75, -0.25]`. For the loss, one sample with advantage 1 whose two tokens each had
 # probability 0.5 costs `-(log 0.5 + log 0.5) / 2 = 0.693`; a padded third token changes nothing.
+# Had the sample been stale with token weights `[1.5, 0.5]`, the base would make it
+# `-(1.5 log 0.5 + 0.5 log 0.5) / 2 = 0.693` too, with the first token's gradient 3x the second's.
 
 # %%
 check = MovingAverageReinforce(partial_credit, group_size=2, decay=0.5)
@@ -116,6 +120,10 @@ loss = check.loss(batch)
 assert abs(loss.item() - 0.6931) < 1e-4
 loss.sum().backward()  # the gradient reaches the log-probs of real tokens only
 print("hand checks pass; d loss / d logprobs =", batch.logprobs.grad.tolist())
+batch.logprobs.grad = None
+batch.token_weights = torch.tensor([[1.5, 0.5, 4.0]])  # as the async trainer would set them
+check.loss(batch).sum().backward()  # token_loss never saw the weights; the base applied them
+assert torch.allclose(batch.logprobs.grad, torch.tensor([[-0.75, -0.25, 0.0]]))
 
 # %% [markdown]
 # ## Train with it
@@ -128,7 +136,7 @@ print("hand checks pass; d loss / d logprobs =", batch.logprobs.grad.tolist())
 # %%
 ITERATIONS, PROMPTS = (3, 8) if SMALL else (30, 16)
 sft = SFTConfig(steps=40, n_demos=1024) if SMALL else SFTConfig()  # full: the demo's warm start
-model_dir = warm_start(sft, RunConfig().resolved_cache_dir(), show_progress=not SMALL)
+model_dir = warm_start(sft, show_progress=not SMALL)
 
 if __name__ == "__main__":
     policy, tokenizer = load_policy(model_dir)
@@ -143,17 +151,8 @@ if __name__ == "__main__":
             max_tokens=64,
             context=policy.config.max_position_embeddings,
         )
-        module = StreamRLModule(
-            policy.train(), algorithm, rollouts, ITERATIONS, lr=1e-4, temperature=0.7
-        )
-        L.Trainer(
-            max_steps=ITERATIONS,
-            accelerator="cpu",
-            logger=False,
-            enable_checkpointing=False,
-            enable_model_summary=False,
-            enable_progress_bar=not SMALL,
-        ).fit(module)
+        module = build_module(policy, algorithm, rollouts, iterations=ITERATIONS, lr=1e-4)
+        build_trainer(module, show_progress=not SMALL).fit(module)
     rewards = [h["rollout/reward"] for h in module.history]
     print(
         f"reward first {rewards[0]:.3f} last {rewards[-1]:.3f}; baseline now "

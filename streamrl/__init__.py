@@ -1,9 +1,70 @@
 """streamrl: disaggregated, streaming RL post-training of LLMs (StreamRL, arXiv 2504.15930).
 
-The pieces, from prompts to weights: ``streamrl.tasks`` (prompt sets and rewards),
-``streamrl.components`` (generator, stream generation service, dispatch, weight transport),
-``streamrl.algorithms`` (GRPO), ``streamrl.rollout`` (scored groups as they stream in),
-``streamrl.module`` (the LightningModule) and ``streamrl.jobs`` (the main job).
+The main names are importable from here (loaded on first use, so the command line starts fast):
+
+- the generation side: ``StreamGenerationService`` (§3), ``HFEngine``, ``LengthRanker``
+  (§5.2), ``SkewAwareDispatcher`` (§5.3, Algorithm 2), ``LPTScheduler``, ``FIFOScheduler``;
+- the trainer side: ``PromptSource``, ``RolloutStream`` (scored groups as they stream in, §4.1),
+  the algorithms (``GRPO``, ``DAPO``, ``RLOO``, ``ReinforcePlusPlus``, ``PPO``, ``Algorithm``);
+- the builders every run goes through: ``build_module``, ``build_trainer``, ``make_logger``,
+  ``measure_latency`` (``streamrl.builders``), and ``RunParts`` for a config's objects;
+- a policy to start from and to save: ``load_policy``, ``save_policy``,
+  ``warm_start``/``SFTConfig``, and the built-in tasks ``make_prompt_set``, ``exact_match``,
+  ``partial_credit``;
+- the main job: ``RunConfig``, ``load_config``, ``run_fit``.
+
+Every other public name lives in its module (``streamrl.components``, ``streamrl.protocols``...).
 """
 
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
 __version__ = "0.1.0"
+
+#: Public name -> the module that defines it.
+_EXPORTS = {
+    "StreamGenerationService": "streamrl.components.generation.service",
+    "HFEngine": "streamrl.components.generation.engines",
+    "LengthRanker": "streamrl.components.skewness.ranker",
+    "SkewAwareDispatcher": "streamrl.components.skewness.skew_dispatch",
+    "LPTScheduler": "streamrl.components.skewness.schedulers",
+    "FIFOScheduler": "streamrl.components.skewness.schedulers",
+    "PromptSource": "streamrl.prompts",
+    "RolloutStream": "streamrl.rollout",
+    "StreamRLModule": "streamrl.module",
+    "Algorithm": "streamrl.algorithms",
+    "GRPO": "streamrl.algorithms",
+    "DAPO": "streamrl.algorithms",
+    "RLOO": "streamrl.algorithms",
+    "PPO": "streamrl.algorithms",
+    "ReinforcePlusPlus": "streamrl.algorithms",
+    "build_module": "streamrl.builders",
+    "build_trainer": "streamrl.builders",
+    "make_logger": "streamrl.builders",
+    "measure_latency": "streamrl.builders",
+    "RunParts": "streamrl.run_parts",
+    "load_policy": "streamrl.models",
+    "save_policy": "streamrl.models",
+    "warm_start": "streamrl.sft",
+    "SFTConfig": "streamrl.sft",
+    "make_prompt_set": "streamrl.tasks",
+    "exact_match": "streamrl.tasks",
+    "partial_credit": "streamrl.tasks",
+    "RunConfig": "streamrl.config",
+    "load_config": "streamrl.config",
+    "run_fit": "streamrl.jobs",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'streamrl' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_EXPORTS])

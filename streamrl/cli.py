@@ -1,35 +1,42 @@
 """The ``streamrl`` console script.
 
 Every command prints progress on stderr and, as its last stdout line, one JSON object with its
-results, so scripts and CI can read it with ``tail -n 1``.
+results, so scripts and CI can read it with ``tail -n 1`` (``streamrl fit --print_config`` prints
+only the YAML of its config).
+
+``streamrl fit`` reads its arguments with ``jsonargparse``, as ``LightningCLI`` does: any number
+of ``--config`` YAML files and a dotted option per field of ``streamrl.config.RunConfig``
+(``--rl.lr 3e-5``), the later winning; the merged values then pass the same checks as
+``streamrl.config.load_config``. The other commands use ``argparse``.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 from streamrl.errors import ConfigError, NonFiniteLossError
+from streamrl.fit_args import FitArgs, build_fit_parser, parse_fit, print_fit_config
 from streamrl.quiet import quiet_libraries, quiet_lightning
 
+if TYPE_CHECKING:
+    pass
 
-def _cmd_fit(args: argparse.Namespace) -> dict:
-    from streamrl.config import check_rl, load_config
+
+def _cmd_fit(fit: FitArgs) -> dict:
+    from streamrl.config import check_values
     from streamrl.jobs import run_fit
 
     quiet_lightning()
-    config = load_config(args.config)
-    if args.output_dir:
-        config.output_dir = args.output_dir
-    if args.gpus is not None:
-        config.rl.gpus = args.gpus
-        check_rl(config.rl)  # no GPU here: fail now, with the reason
-    if args.resume and not os.path.isfile(args.resume):
-        raise ConfigError(f"--resume: no checkpoint at {args.resume!r}.")
-    return run_fit(config, show_progress=not args.no_progress, resume=args.resume)
+    check_values(fit.config)
+    if fit.resume and not os.path.isfile(fit.resume):
+        raise ConfigError(f"--resume: no checkpoint at {fit.resume!r}.")
+    return run_fit(fit.config, show_progress=not fit.no_progress, resume=fit.resume)
 
 
 def _cmd_demo(args: argparse.Namespace) -> dict:
@@ -109,15 +116,14 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--no-progress", action="store_true", help="draw no progress bars")
     demo.set_defaults(func=_cmd_demo)
 
-    fit = sub.add_parser("fit", help="train from a YAML config (see configs/demo.yaml)")
-    fit.add_argument("--config", required=True, help="YAML file with the run's settings")
-    fit.add_argument("--output-dir", help="override the config's output_dir")
-    fit.add_argument("--no-progress", action="store_true", help="draw no progress bars")
-    fit.add_argument(
-        "--resume", help="checkpoint to continue from, e.g. <output_dir>/checkpoints/last.ckpt"
+    # jsonargparse parses fit's arguments (see main); this entry lists it and shows its help.
+    fit = sub.add_parser(
+        "fit",
+        help="train from the defaults, YAML configs and dotted overrides (--rl.lr 3e-5)",
+        add_help=False,
     )
-    fit.add_argument("--gpus", type=int, help="GPUs per generator instance (overrides rl.gpus)")
-    fit.set_defaults(func=_cmd_fit)
+    fit.add_argument("-h", "--help", action=_FitHelp, help="show fit's options and exit")
+    fit.set_defaults(func=None)
 
     bench = sub.add_parser("bench", help="measurements; the last stdout line is JSON")
     bench_sub = bench.add_subparsers(dest="bench", metavar="BENCH", required=True)
@@ -303,23 +309,48 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class _FitHelp(argparse.Action):
+    """``--help`` of the ``fit`` entry: the jsonargparse parser's help."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, nargs=0, **kwargs)
+
+    def __call__(self, parser: argparse.ArgumentParser, *args: Any) -> None:
+        build_fit_parser().print_help()
+        parser.exit()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``streamrl`` console script."""
-    args = build_parser().parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["fit"]:
+        command = "fit"
+        try:
+            fit = parse_fit(argv[1:])
+        except ConfigError as err:
+            print(f"streamrl fit: error: {err}", file=sys.stderr)
+            return 2
+        if fit.print_config:
+            print_fit_config(fit.config)
+            return 0
+        func = functools.partial(_cmd_fit, fit)
+    else:
+        args = build_parser().parse_args(argv)
+        command, func = args.command, functools.partial(args.func, args)
     quiet_libraries()
     from streamrl.algorithms.base import RewardError
     from streamrl.components.generation.service import GeneratorError
 
     try:
-        result = args.func(args)
+        result = func()
     except (ConfigError, FileNotFoundError) as err:  # bad input, found before any work
-        print(f"streamrl {args.command}: error: {err}", file=sys.stderr)
+        print(f"streamrl {command}: error: {err}", file=sys.stderr)
         return 2
     except (RewardError, GeneratorError, NonFiniteLossError) as err:  # stopped, all cleaned up
-        print(f"streamrl {args.command}: stopped: {err}", file=sys.stderr)
+        print(f"streamrl {command}: stopped: {err}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        print(f"streamrl {args.command}: interrupted", file=sys.stderr)
+        print(f"streamrl {command}: interrupted", file=sys.stderr)
         return 130
     print(json.dumps(result))
     return 0

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
-import os
+import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,10 +22,10 @@ from typing import Any
 
 import yaml
 
-from streamrl.components.generation.engines import check_engines
 from streamrl.components.weights.nccl import import_nccl
 from streamrl.components.weights.transport import TRANSPORTS
 from streamrl.errors import ConfigError, unknown_name
+from streamrl.sft import default_cache_dir
 from streamrl.tasks.families import FAMILIES
 
 
@@ -80,8 +80,10 @@ class RLConfig:
     """The disaggregated RL loop.
 
     Attributes:
-        algorithm: ``"grpo"``, ``"rloo"``, ``"reinforce++"``, ``"reinforce++-baseline"``, ``"ppo"``
-            or ``"dapo"`` (see docs/algorithms.md).
+        algorithm: ``"grpo"``, ``"rloo"``, ``"reinforce++"``, ``"reinforce++-baseline"``, ``"ppo"``,
+            ``"dapo"`` (docs/algorithms.md) or your ``Algorithm`` subclass as
+            ``package.module:Name``; a mapping ``{name: ..., option: value}`` passes options to
+            it (``streamrl.run_parts``).
         mode: ``"sync"`` (each step trains on samples of the current weights, as they stream
             in), ``"async"`` (StreamRL's one-step asynchronous mode: the next step's samples are
             generated while this step trains; a sample is at most one weight version stale) or
@@ -90,8 +92,9 @@ class RLConfig:
         prompts_per_iteration: prompts dealt per iteration.
         group_size: samples per prompt.
         generators: generator instances (one process or Ray actor each).
-        backend: the generation engine: ``"hf"`` (continuous batching on ``transformers``) or
-            ``"vllm"`` (vLLM's engine; the ``[vllm]`` extra).
+        engine: the generation engine: ``"hf"`` (continuous batching on ``transformers``),
+            ``"vllm"`` (vLLM's engine; the ``[vllm]`` extra; ``{name: vllm, options: {...}}``
+            passes engine arguments) or your ``GenerationEngine`` as ``package.module:Name``.
         cluster: where generator instances run: ``"local"`` (processes of this machine) or
             ``"ray"`` (Ray actors on the cluster ``RAY_ADDRESS`` names, or a local one; the
             ``[ray]`` extra).
@@ -113,14 +116,19 @@ class RLConfig:
         kl_coef: KL penalty to the starting policy; 0 disables it.
         is_cap: truncation of the importance ratio that corrects samples from older weights in
             async mode (decoupled PPO with truncated IS, docs/algorithms.md).
-        reward: ``"exact"`` or ``"partial"`` (see ``streamrl.tasks.rewards``).
+        reward: ``"exact"``, ``"partial"`` (``streamrl.tasks.rewards``) or your function
+            ``fn(completion, answer) -> float`` as ``package.module:function``.
         temperature: sampling temperature of the generators.
         max_tokens: generation budget per sample (capped by the context).
         token_budget: padded tokens per micro-batch of the dynamic-batch pipeline.
         min_samples: samples gathered before an iteration's first backward pass.
-        skew_dispatch: with >= 2 generators, predict output lengths with a ``LengthRanker``
-            trained online on the policy's samples, dispatch with Algorithm 2 and admit longest
-            first (LPT); otherwise round-robin and FIFO.
+        dispatcher: which instance gets which prompt: ``"skew"`` (Algorithm 2 on predicted
+            lengths, §5.3), ``"round_robin"``, ``"random"`` or your ``Dispatcher``.
+        scheduler: admission order inside an instance: ``"lpt"`` (longest predicted first,
+            §5.3), ``"fifo"`` or your ``AdmissionScheduler`` class.
+        length_predictor: predicts output lengths for dispatch and LPT, trained online on the
+            policy's samples (§5.2): ``"ranker"`` (``LengthRanker``), your ``LengthPredictor``,
+            or ``null`` (no predictions: skew dispatch balances prompt counts, LPT is FIFO).
         ranker_refresh_every: iterations between online refreshes of the ranker.
         elastic: add generator instances while training runs when generation lags training
             by more than one more instance would save (§4.2), up to ``max_generators``.
@@ -134,13 +142,13 @@ class RLConfig:
             resumable with ``streamrl fit --resume``); 0 saves only at the end.
     """
 
-    algorithm: str = "grpo"
+    algorithm: str | dict[str, Any] = "grpo"
     mode: str = "sync"
     iterations: int = 60
     prompts_per_iteration: int = 32
     group_size: int = 8
     generators: int = 2
-    backend: str = "hf"
+    engine: str | dict[str, Any] = "hf"
     cluster: str = "local"
     gpus: int = 0
     weight_transport: str = "gloo"
@@ -157,7 +165,9 @@ class RLConfig:
     max_tokens: int = 64
     token_budget: int = 1024
     min_samples: int = 1
-    skew_dispatch: bool = True
+    dispatcher: str | dict[str, Any] = "skew"
+    scheduler: str | dict[str, Any] = "lpt"
+    length_predictor: str | dict[str, Any] | None = "ranker"
     ranker_refresh_every: int = 10
     elastic: bool = False
     max_generators: int = 4
@@ -204,7 +214,7 @@ class RunConfig:
     def resolved_cache_dir(self) -> Path:
         if self.cache_dir:
             return Path(self.cache_dir)
-        return Path(os.environ.get("STREAMRL_CACHE", Path.home() / ".cache" / "streamrl"))
+        return default_cache_dir()
 
 
 def load_config(path: str | Path) -> RunConfig:
@@ -252,7 +262,14 @@ def _convert(hint: Any, value: Any, where: str) -> Any:
     if type(None) in args:  # X | None
         if value is None:
             return None
-        hint = next(a for a in args if a is not type(None))
+        args = tuple(a for a in args if a is not type(None))
+        hint = args[0] if len(args) == 1 else typing.Union[args]  # noqa: UP007
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):  # str | dict: a name or options
+        for option in typing.get_args(hint):
+            if isinstance(value, typing.get_origin(option) or option):
+                return value
+        names = " or ".join((typing.get_origin(a) or a).__name__ for a in typing.get_args(hint))
+        raise ConfigError(f"{where} must be a {names}, got {value!r}.")
     origin = typing.get_origin(hint)
     if origin is list:
         if not isinstance(value, list):
@@ -311,27 +328,15 @@ def check_trainer_ranks(rl: RLConfig) -> None:
         raise ConfigError(f"rl.trainer_ranks must be >= 1, got {rl.trainer_ranks}.")
     if rl.trainer_ranks == 1:
         return
-    unsupported = {
-        "rl.algorithm: ppo (its value head is not sharded)": rl.algorithm == "ppo",
-        "rl.lora_r > 0": rl.lora_r > 0,
-    }
-    found = [name for name, bad in unsupported.items() if bad]
-    if found:
+    if rl.lora_r > 0:  # an algorithm that cannot shard says so itself (Algorithm.shardable)
         raise ConfigError(
-            f"rl.trainer_ranks={rl.trainer_ranks} (FSDP2) does not support {', '.join(found)} "
-            "yet; use rl.trainer_ranks: 1 for them."
+            f"rl.trainer_ranks={rl.trainer_ranks} (FSDP2) does not support rl.lora_r > 0 yet; "
+            "use rl.trainer_ranks: 1 with LoRA."
         )
 
 
 def check_rl(rl: RLConfig) -> None:
     """Check the RL section; raises ``ConfigError``."""
-    from streamrl.algorithms import ALGORITHMS, build_algorithm
-    from streamrl.tasks.rewards import REWARDS
-
-    if rl.algorithm not in ALGORITHMS:
-        raise ConfigError(f"rl.algorithm: {unknown_name('algorithm', rl.algorithm, ALGORITHMS)}")
-    if rl.reward not in REWARDS:
-        raise ConfigError(f"rl.reward: {unknown_name('reward', rl.reward, REWARDS)}")
     if rl.mode not in ("sync", "async", "colocated"):
         raise ConfigError(
             f"rl.mode: {unknown_name('mode', rl.mode, ['sync', 'async', 'colocated'])}"
@@ -348,12 +353,10 @@ def check_rl(rl: RLConfig) -> None:
     for name, value in positive.items():
         if value < 1:
             raise ConfigError(f"rl.{name} must be >= 1, got {value}.")
+    if rl.gpus < 0:
+        raise ConfigError(f"rl.gpus must be >= 0 (0 generates on the CPU), got {rl.gpus}.")
     if rl.lora_r < 0:
         raise ConfigError(f"rl.lora_r must be >= 0 (0 = full fine-tuning), got {rl.lora_r}.")
-    try:  # a missing extra or absent GPUs fail here, not inside a generator process
-        check_engines(rl.backend, rl.cluster, rl.gpus, lora=rl.lora_r > 0)
-    except ConfigError as err:
-        raise ConfigError(f"rl.{err}") from err
     check_trainer_ranks(rl)
     if rl.sites and len(rl.sites) != rl.generators:
         raise ConfigError(
@@ -386,19 +389,6 @@ def check_rl(rl: RLConfig) -> None:
             f"rl: need iterations >= 0 and group_size >= 1, got iterations={rl.iterations}, "
             f"group_size={rl.group_size}."
         )
-    try:  # each algorithm checks its own needs (GRPO and RLOO compare samples of a prompt)
-        build_algorithm(
-            rl.algorithm,
-            REWARDS[rl.reward],
-            group_size=rl.group_size,
-            clip_eps=rl.clip_eps,
-            kl_coef=rl.kl_coef,
-            max_tokens=rl.max_tokens,
-            hidden_size=1,
-            samples_per_iteration=rl.prompts_per_iteration * rl.group_size,
-        )
-    except ValueError as err:
-        raise ConfigError(f"rl: {err}") from err
     if rl.is_cap < 1:
         raise ConfigError(f"rl.is_cap must be >= 1 (a truncation of ratios), got {rl.is_cap}.")
     if rl.lr <= 0 or rl.temperature <= 0 or rl.clip_eps <= 0 or rl.kl_coef < 0:

@@ -20,9 +20,8 @@ Examples:
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Any, Literal
+from typing import Literal
 
-import lightning as L
 import torch
 import torch.distributed as dist
 from lightning.pytorch.strategies import ModelParallelStrategy
@@ -31,7 +30,7 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
 from streamrl.components.training.pipeline import MicroBatch
-from streamrl.module import StreamRLModule, rl_trainer
+from streamrl.module import StreamRLModule
 
 #: How long a trainer rank > 0 waits for its next share: rank 0 may wait that long for samples.
 SHARE_TIMEOUT_S = 900.0
@@ -68,11 +67,6 @@ def fsdp_strategy(
         timeout=timedelta(seconds=timeout_s),
         save_distributed_checkpoint=not full_checkpoints,
     )
-
-
-def sharded_trainer(world: int, iterations: int, **overrides: Any) -> L.Trainer:
-    """``rl_trainer`` on ``world`` CPU ranks of FSDP2 (every rank builds the same one)."""
-    return rl_trainer(iterations, devices=world, strategy=fsdp_strategy(world), **overrides)
 
 
 def shard_policy(policy: torch.nn.Module, device_mesh: DeviceMesh) -> torch.nn.Module:
@@ -207,7 +201,7 @@ class ShardedStreamRLModule(StreamRLModule):
             return train_s
         train_s, total = 0.0, self.rollouts.samples_per_iteration
         world = self.trainer.world_size
-        groups = self.rollouts.groups(self._dispatch(iteration))
+        groups = self.rollouts.groups(self.dispatch(iteration))
         for micro in self.pipeline.micro_batches(groups, self.weight_version):
             # Each rank's loss is scaled by world/total: FSDP averages the ranks' gradients, so
             # the update equals one process back-propagating every sample divided by total.

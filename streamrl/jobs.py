@@ -10,36 +10,35 @@ import copy
 import json
 import sys
 import time
-import warnings
 from pathlib import Path
 
 import datasets
 import lightning as L
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.loggers import CSVLogger, Logger, TensorBoardLogger, WandbLogger
+import torch.distributed as dist
+from lightning.fabric.plugins.environments import ClusterEnvironment
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from streamrl.algorithms import build_algorithm
-from streamrl.algorithms.base import Algorithm
-from streamrl.components.capacity.elastic import ElasticController
+from streamrl.builders import make_logger
 from streamrl.components.generation.service import StreamGenerationService
-from streamrl.components.skewness.latency import LatencyModel
-from streamrl.components.skewness.profiler import Profiler
-from streamrl.components.skewness.ranker import LengthRanker
-from streamrl.components.skewness.skew_dispatch import SkewAwareDispatcher
-from streamrl.components.training.pipeline import DynamicBatchPipeline
 from streamrl.config import RunConfig, check_values
+from streamrl.errors import ConfigError
 from streamrl.evaluation import evaluate
-from streamrl.fsdp import ShardedStreamRLModule, sharded_trainer
-from streamrl.lora import LoRASpec, apply_lora
+from streamrl.lora import apply_lora
 from streamrl.models import load_policy, save_policy
-from streamrl.module import StreamRLModule, rl_trainer
+from streamrl.module import StreamRLModule
 from streamrl.prepare import ensure_policy, prepare_run
-from streamrl.rollout import PromptSource, RolloutStream
-from streamrl.tasks.rewards import get_reward
+from streamrl.prompts import PromptSource
+from streamrl.rollout import RolloutStream
+from streamrl.run_parts import RunParts, build_run_algorithm, check_parts
 from streamrl.timeline import draw_timeline
-from streamrl.trainer_ranks import trainer_ranks
+from streamrl.trainer_ranks import (
+    RankSetup,
+    join_launched_job,
+    launched_job,
+    trainer_ranks,
+    wait_for_rank_zero,
+)
 
 
 def run_fit(config: RunConfig, show_progress: bool = True, resume: str | None = None) -> dict:
@@ -61,9 +60,18 @@ def run_fit(config: RunConfig, show_progress: bool = True, resume: str | None = 
     """
     started = time.perf_counter()
     check_values(config)
+    check_parts(config.rl)  # every extension point resolves and fits, before any work
+    job = launched_job()  # torchrun or SLURM started this process as one of several ranks
+    if job is not None:
+        check_launched(config, job.world_size())
+        join_launched_job(job)
+        if job.global_rank() > 0:
+            return _follow_rank_zero(config, job, resume)
     L.seed_everything(config.seed, verbose=False)
     run = prepare_run(config)  # every input check happens here, before any training
     model_dir = ensure_policy(config, run, show_progress=show_progress)
+    if job is not None:
+        wait_for_rank_zero()  # the other ranks load the policy now
     policy, tokenizer = load_policy(model_dir)
     before = evaluate(policy, tokenizer, run.heldout)
     summary: dict = {
@@ -76,7 +84,7 @@ def run_fit(config: RunConfig, show_progress: bool = True, resume: str | None = 
     if rl.iterations > 0:
         training_started = time.perf_counter()
         module, policy = _train(
-            config, run.train, run.context, model_dir, policy, tokenizer, show_progress, resume
+            config, run.train, run.context, model_dir, policy, tokenizer, show_progress, resume, job
         )
         # A user's stopwatch on the training call: process spawns, profiling, checkpoint writes
         # and Lightning's own overhead included (``rl_wall_s`` counts the iterations only).
@@ -102,21 +110,6 @@ def run_fit(config: RunConfig, show_progress: bool = True, resume: str | None = 
     return summary
 
 
-def build_run_algorithm(config: RunConfig, policy: PreTrainedModel) -> Algorithm:
-    """The run's RL algorithm, as every trainer rank builds it."""
-    rl = config.rl
-    return build_algorithm(
-        rl.algorithm,
-        get_reward(rl.reward),
-        group_size=rl.group_size,
-        clip_eps=rl.clip_eps,
-        kl_coef=rl.kl_coef,
-        max_tokens=rl.max_tokens,
-        hidden_size=policy.config.hidden_size,
-        samples_per_iteration=rl.prompts_per_iteration * rl.group_size,
-    )
-
-
 def _train(
     config: RunConfig,
     train_set: datasets.Dataset,
@@ -126,36 +119,28 @@ def _train(
     tokenizer: PreTrainedTokenizerBase,
     show_progress: bool,
     resume: str | None = None,
+    job: ClusterEnvironment | None = None,
 ) -> tuple[StreamRLModule, PreTrainedModel]:
-    """Start the generation service and let a Lightning ``Trainer`` run the RL iterations
-    (from the checkpoint ``resume``, if given: weights, optimizer, stream position, in-flight
-    prompts, component states). Returns the module and the trained policy (unsharded)."""
+    """Config -> component objects -> the public builders: start the generation service and
+    let a Lightning ``Trainer`` run the RL iterations (from the checkpoint ``resume``, if given:
+    weights, optimizer, stream position, in-flight prompts, component states). Returns the
+    module and the trained policy (unsharded)."""
     rl = config.rl
-    algorithm = build_run_algorithm(config, policy)
-    reference = copy.deepcopy(policy) if rl.kl_coef > 0 else None
     torch.set_num_threads(1)  # one thread per process: the generators need the other cores
-    skew = rl.skew_dispatch and rl.generators >= 2
-    latency = _measure_latency(policy, tokenizer, rl.max_batch_size) if skew or rl.elastic else None
-    dispatcher = SkewAwareDispatcher(latency, rl.max_batch_size) if skew else None
-    elastic = None
-    if rl.elastic:
-        elastic = ElasticController(latency, rl.max_batch_size, max_instances=rl.max_generators)
-    lora = None
-    if rl.lora_r > 0:  # adapters only: they train, and only they travel to the generators
-        lora = LoRASpec(rl.lora_r, rl.lora_alpha, 0.0, tuple(rl.lora_target_modules))
-        policy = apply_lora(policy, lora)
+    parts = RunParts.from_config(config, policy, tokenizer)
+    if parts.lora is not None:  # adapters only: they train, and only they travel to generators
+        policy = apply_lora(policy, parts.lora)
     service = StreamGenerationService(
         model_dir,
         rl.generators,
+        engine=parts.engine,
+        dispatcher=parts.dispatcher,
+        scheduler=parts.scheduler,
         max_batch_size=rl.max_batch_size,
         temperature=rl.temperature,
         seed=config.seed,
-        dispatcher=dispatcher,
-        scheduler="lpt" if skew else "fifo",
         max_restarts=rl.max_restarts,
         status_path=Path(config.output_dir) / "instances.json",
-        lora=lora,
-        backend=rl.backend,
         cluster=rl.cluster,
         gpus_per_instance=rl.gpus,
         weight_transport=rl.weight_transport,
@@ -167,48 +152,30 @@ def _train(
             service,
             PromptSource(train_set, rl.prompts_per_iteration, seed=config.seed),
             tokenizer,
-            algorithm,
+            parts.algorithm,
             max_tokens=rl.max_tokens,
             context=context,
-            ranker=LengthRanker(seed=config.seed) if skew else None,
+            ranker=parts.length_predictor,
             ranker_refresh_every=rl.ranker_refresh_every,
         )
-        pipeline = DynamicBatchPipeline(
-            rl.token_budget, rl.min_samples, staleness_bound=int(rl.mode == "async")
+        setup = RankSetup.from_config(config, parts.algorithm, job)
+        module = setup.module(policy, rollouts, elastic=parts.elastic)
+        trainer = setup.trainer(
+            module,
+            logger=make_logger(config.logger, config.output_dir),
+            show_progress=show_progress,
         )
-        sharded = rl.trainer_ranks > 1
-        module_class = ShardedStreamRLModule if sharded else StreamRLModule
-        extra = dict(share_stream=True) if sharded else {}
-        module = module_class(
-            policy.train(),
-            algorithm,
-            rollouts,
-            rl.iterations,
-            lr=rl.lr,
-            reference=reference,
-            temperature=rl.temperature,
-            mode=rl.mode,
-            pipeline=pipeline,
-            elastic=elastic,
-            is_cap=rl.is_cap,
-            **extra,
-        )
-        settings = dict(
-            logger=make_logger(config),
-            default_root_dir=config.output_dir,
-            log_every_n_steps=1,
-            enable_progress_bar=show_progress,
-            enable_checkpointing=True,
-            callbacks=[checkpoints(config)],
-        )
-        if sharded:  # rank 0 of rl.trainer_ranks FSDP2 ranks; the others are spawned here
-            with trainer_ranks(config, model_dir, rl.trainer_ranks, resume):
-                trainer = sharded_trainer(rl.trainer_ranks, rl.iterations, **settings)
+        if job is not None:  # rank 0 of a launcher's ranks: the others run _follow_rank_zero
+            trainer.fit(module, ckpt_path=resume)
+            dist.destroy_process_group()
+        elif setup.ranks > 1:  # rank 0 of rl.trainer_ranks FSDP2 ranks; the others start here
+            with trainer_ranks(setup, model_dir, resume):
                 trainer.fit(module, ckpt_path=resume)
+        else:
+            trainer.fit(module, ckpt_path=resume)
+        if setup.ranks > 1:
             policy = load_policy(model_dir)[0]  # the sharded copy's full weights, unsharded
             policy.load_state_dict(module.final_weights, strict=False)
-        else:
-            rl_trainer(rl.iterations, **settings).fit(module, ckpt_path=resume)
     policy.eval()
     out = Path(config.output_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -219,44 +186,40 @@ def _train(
     return module, policy
 
 
+def check_launched(config: RunConfig, world: int) -> None:
+    """Under an external launcher the trainer ranks are the launcher's; ``ConfigError`` if the
+    config asks for another number (it would spawn ranks of its own on top)."""
+    if config.rl.trainer_ranks not in (1, world):
+        raise ConfigError(
+            f"The launcher started {world} trainer ranks but rl.trainer_ranks is "
+            f"{config.rl.trainer_ranks}; set it to 1 or {world} (under torchrun or SLURM the "
+            "launcher's processes are the ranks)."
+        )
+    if config.rl.iterations < 1:
+        raise ConfigError("rl.iterations must be >= 1 under a launcher of several ranks.")
+
+
+def _follow_rank_zero(config: RunConfig, job: ClusterEnvironment, resume: str | None) -> dict:
+    """A launched trainer rank > 0: the same module and trainer as rank 0, without the
+    generation service; it trains on the micro-batch shares rank 0 deals it."""
+    wait_for_rank_zero()  # rank 0 has prepared the policy (warm start, if any)
+    L.seed_everything(config.seed, verbose=False)
+    model_dir = ensure_policy(config, prepare_run(config), show_progress=False)
+    policy = load_policy(model_dir)[0]
+    algorithm = build_run_algorithm(config.rl, policy.config.hidden_size)
+    setup = RankSetup.from_config(config, algorithm, job)
+    torch.set_num_threads(1)
+    module = setup.module(policy, None)
+    setup.trainer(module).fit(module, ckpt_path=resume)
+    dist.destroy_process_group()
+    return {"trainer_rank": job.global_rank(), "output_dir": config.output_dir}
+
+
 def _plain(policy: PreTrainedModel) -> PreTrainedModel:
     """The policy without LoRA wrappers (adapters merged into a copy), ready to save."""
     if hasattr(policy, "merge_and_unload"):
         return copy.deepcopy(policy).merge_and_unload()
     return policy
-
-
-def checkpoints(config: RunConfig) -> ModelCheckpoint:
-    """Checkpoints every ``rl.checkpoint_every`` iterations, and ``last.ckpt`` (every trainer
-    rank builds the same callback: saving is collective under FSDP)."""
-    # A checkpoint holds the state after an iteration's optimizer step: what a resume needs.
-    warnings.filterwarnings("ignore", "Using ModelCheckpoint with manual optimization")
-    every = config.rl.checkpoint_every
-    return ModelCheckpoint(
-        Path(config.output_dir) / "checkpoints",
-        save_last=True,
-        every_n_train_steps=every or None,
-        save_top_k=1 if every else 0,
-    )
-
-
-def make_logger(config: RunConfig) -> Logger:
-    """The run's Lightning logger; metrics are namespaced ``stage/metric``."""
-    if config.logger == "tensorboard":
-        return TensorBoardLogger(config.output_dir, name="logs")
-    if config.logger == "wandb":
-        return WandbLogger(project="streamrl", save_dir=config.output_dir, offline=True)
-    return CSVLogger(config.output_dir, name="logs")
-
-
-def _measure_latency(
-    policy: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, max_batch_size: int
-) -> LatencyModel:
-    """``PTL(BS)`` measured on this policy now, for Algorithm 2 and the elastic controller
-    (§5.1: never assumed)."""
-    sizes = [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b <= max_batch_size]
-    prompt = tokenizer("copy abcdefgh=")["input_ids"]
-    return Profiler(policy.eval(), prompt, tokens=16, repeats=1).fit(sizes)
 
 
 def _rl_summary(module: StreamRLModule, iterations: int) -> dict:

@@ -23,7 +23,12 @@ from transformers import PreTrainedModel
 
 from streamrl.algorithms.base import Algorithm, LossInputs
 from streamrl.components.capacity.elastic import ElasticController
-from streamrl.components.training.off_policy import Correction, correct_stale
+from streamrl.components.training.off_policy import (
+    Correction,
+    correct_stale,
+    correction_metrics,
+)
+from streamrl.components.training.padding import pad_samples
 from streamrl.components.training.pipeline import DynamicBatchPipeline, MicroBatch
 from streamrl.components.weights.sync import Weights
 from streamrl.errors import NonFiniteLossError
@@ -35,6 +40,9 @@ from streamrl.timeline import TraceRecorder
 
 Mode = Literal["sync", "async", "colocated"]
 MODES: tuple[str, ...] = ("sync", "async", "colocated")
+#: The staleness bound each mode trains under, in weight versions (§4.1): sync and colocated
+#: train only on samples of the current weights; one-step async on samples at most one behind.
+STALENESS_BOUND: dict[str, int] = {"sync": 0, "colocated": 0, "async": 1}
 
 
 @contextlib.contextmanager
@@ -100,6 +108,7 @@ class StreamRLModule(L.LightningModule):
         algorithm: Algorithm,
         rollouts: RolloutStream | None,
         iterations: int,
+        *,
         lr: float = 1e-4,
         max_grad_norm: float = 1.0,
         reference: PreTrainedModel | None = None,
@@ -118,7 +127,14 @@ class StreamRLModule(L.LightningModule):
         self.reference = reference.eval().requires_grad_(False) if reference is not None else None
         self.iterations, self.lr, self.max_grad_norm = iterations, lr, max_grad_norm
         self.weight_version, self.temperature, self.mode = 0, temperature, mode
-        self.pipeline = pipeline or DynamicBatchPipeline(staleness_bound=int(mode == "async"))
+        bound = STALENESS_BOUND[mode]
+        self.pipeline = pipeline or DynamicBatchPipeline(staleness_bound=bound)
+        if self.pipeline.staleness_bound < bound:
+            raise ValueError(
+                f"mode={mode!r} trains samples up to {bound} weight version(s) old, but the "
+                f"pipeline's staleness_bound is {self.pipeline.staleness_bound}: it would drop "
+                "them. Leave pipeline unset or give it that bound."
+            )
         if trace is None:
             trace = rollouts.trace if rollouts is not None else TraceRecorder()
         self.trace = trace
@@ -130,39 +146,32 @@ class StreamRLModule(L.LightningModule):
         self.iteration_loss = torch.zeros(())
         self.sync_transfer_s = 0.0  # seconds spent broadcasting weights, background included
         self._ahead: int | None = None  # async: the iteration generated one step ahead
+        self.grad_norm = torch.zeros(())  # of the last optimizer step, before clipping
 
     def training_step(self, batch: int) -> None:
+        """One RL iteration, stage by stage: dispatch, stream and score, micro-batch backward
+        (``train_on_stream``), optimizer step, weight sync."""
         del batch  # the ticker's number; the iteration is the weight version (survives resume)
         iteration = self.weight_version
-        optimizer = self.optimizers()
         started = time.perf_counter()
         self.iteration_loss = torch.zeros((), device=self.device)
         train_s = self.train_on_stream(iteration)
-        t0 = time.perf_counter()
-        with self.trace.span("trainer", "step", iteration):
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), self.max_grad_norm)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-        train_s += time.perf_counter() - t0
+        train_s += self.optimizer_step(iteration)
         self.weight_version += 1
         weights = self.weights_to_sync()  # a collective when the policy is sharded (FSDP)
         if self.rollouts is None:  # a trainer rank without the service (FSDP ranks > 0)
             return
-        service = self.rollouts.service
-        with self.trace.span("trainer", "sync", iteration, version=self.weight_version):
-            if self.mode == "async":  # the transfer overlaps the next step (§4.1)
-                sync_s = service.push_weights(weights, self.weight_version)
-            else:
-                sync_s = service.update(weights, self.weight_version)
-        self.log_iteration(iteration, time.perf_counter() - started, train_s, sync_s, grad_norm)
+        sync_s = self.sync_weights(weights, iteration)
+        self.log_iteration(iteration, time.perf_counter() - started, train_s, sync_s)
         if self.elastic is not None:
             self._scale(train_s)
 
     def train_on_stream(self, iteration: int) -> float:
-        """Back-propagate the iteration's samples micro-batch by micro-batch as they stream in
-        (dynamic-batch pipelining, §4.1); returns the seconds spent training."""
+        """Dispatch the iteration, then back-propagate its samples micro-batch by micro-batch as
+        they stream in, scored on arrival (dynamic-batch pipelining, §4.1); returns the seconds
+        spent training."""
         train_s, total = 0.0, self.rollouts.samples_per_iteration
-        groups = self.rollouts.groups(self._dispatch(iteration))
+        groups = self.rollouts.groups(self.dispatch(iteration))
         if self.mode == "colocated":  # time-sharing: every sample first, then training
             groups = list(groups)
         with _all_cores(self.mode == "colocated"):
@@ -170,6 +179,46 @@ class StreamRLModule(L.LightningModule):
                 train_s += self.backward_micro(micro, iteration, 1.0 / total)
                 self.samples_trained += len(micro.samples)
         return train_s
+
+    def dispatch(self, iteration: int) -> int:
+        """Send the prompts of the rollout iteration this step trains on; returns its number.
+
+        One-step async (§4.1) looks one step ahead, here and nowhere else: the next iteration
+        is sent now, so the generators work on it while this step trains. Its samples come
+        from weights >= the current version, and it is trained at the next step: at most one
+        version stale (``STALENESS_BOUND["async"]``).
+        """
+        if self.mode != "async":
+            return self.rollouts.dispatch(min_weight_version=self.weight_version)
+        if self._ahead is None:  # the first step (or the first after a resume)
+            self._ahead = self.rollouts.dispatch(min_weight_version=self.weight_version)
+        current, self._ahead = self._ahead, None
+        if iteration + 1 < self.iterations:
+            self._ahead = self.rollouts.dispatch(min_weight_version=self.weight_version)
+        return current
+
+    def optimizer_step(self, iteration: int) -> float:
+        """Clip the accumulated gradients and step; returns the seconds it took."""
+        started = time.perf_counter()
+        optimizer = self.optimizers()
+        with self.trace.span("trainer", "step", iteration):
+            params = self.policy.parameters()
+            self.grad_norm = torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        return time.perf_counter() - started
+
+    def sync_weights(self, weights: Weights, iteration: int) -> float:
+        """Send the new weights to the generators; returns the seconds the trainer was blocked.
+
+        Sync mode waits until every instance holds them; async only starts the transfer, which
+        overlaps the next step (§4.1).
+        """
+        service = self.rollouts.service
+        with self.trace.span("trainer", "sync", iteration, version=self.weight_version):
+            if self.mode == "async":
+                return service.push_weights(weights, self.weight_version)
+            return service.update(weights, self.weight_version)
 
     def backward_micro(self, micro: MicroBatch, iteration: int, scale: float) -> float:
         """One forward/backward of ``micro`` with its summed loss times ``scale`` (gradients
@@ -203,19 +252,6 @@ class StreamRLModule(L.LightningModule):
         self.history[-1]["elastic/delta_s"] = decision.delta_s
         self.history[-1]["elastic/delta_prime_s"] = decision.delta_prime_s
 
-    def _dispatch(self, iteration: int) -> int:
-        """The rollout iteration this step trains on; in async mode also dispatch the next."""
-        if self.mode != "async":
-            return self.rollouts.dispatch(min_weight_version=self.weight_version)
-        if self._ahead is None:
-            self._ahead = self.rollouts.dispatch(min_weight_version=self.weight_version)
-        current, self._ahead = self._ahead, None
-        if iteration + 1 < self.iterations:
-            # Generated while this step trains, by weights >= the current version: trained at
-            # the next step, it is at most one version stale.
-            self._ahead = self.rollouts.dispatch(min_weight_version=self.weight_version)
-        return current
-
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         # What a resumed run needs beyond weights and optimizer (Lightning saves those): where the
         # trainer, the prompt stream and the in-flight iterations are, and every component's state.
@@ -229,6 +265,7 @@ class StreamRLModule(L.LightningModule):
             "algorithm": self.algorithm.state_dict(),
             "prompt_source": self.rollouts.prompts.state_dict(),
             "length_ranker": self.rollouts.ranker.state_dict() if self.rollouts.ranker else None,
+            "dispatcher": self.rollouts.service.dispatcher.state_dict(),
             "rng": rng_state(),
         }
 
@@ -251,6 +288,8 @@ class StreamRLModule(L.LightningModule):
             self.elastic.load_state_dict(state["elastic"])
         if self.rollouts.ranker is not None and state["length_ranker"] is not None:
             self.rollouts.ranker.load_state_dict(state["length_ranker"])
+        if "dispatcher" in state:  # what it learned of the length distribution D (§5.3)
+            self.rollouts.service.dispatcher.load_state_dict(state["dispatcher"])
 
     def on_train_start(self) -> None:
         # A resumed run starts new generator processes from the model directory: give them the
@@ -270,58 +309,41 @@ class StreamRLModule(L.LightningModule):
             self.sync_transfer_s = service.weight_sync.transfer_s
 
     def loss_inputs(self, batch: MicroBatch) -> LossInputs:
-        """Pad a micro-batch into tensors and compute current (and reference) log-probs.
-
-        Rows are ``prompt + completion``, right-padded; prompts may differ in length.
-        """
+        """Pad a micro-batch into tensors and compute current (and reference) log-probs, the
+        critic's values (if the algorithm has one) and the correction of stale samples."""
         samples = batch.samples
-        prompt_lens = [len(s.prompt_ids) for s in samples]
-        width = max(s.length for s in samples)
-        seq = max(p + s.length for p, s in zip(prompt_lens, samples))
         pad = int(self.policy.config.pad_token_id or 0)
-        rows = [
-            s.prompt_ids + s.token_ids + [pad] * (seq - p - s.length)
-            for p, s in zip(prompt_lens, samples)
-        ]
-        input_ids = torch.tensor(rows, device=self.device)  # [batch, seq]
-        lengths = torch.tensor([s.length for s in samples], device=self.device)
-        total = torch.tensor(prompt_lens, device=self.device) + lengths
-        attention = (torch.arange(seq, device=self.device) < total[:, None]).long()
-        mask = (torch.arange(width, device=self.device) < lengths[:, None]).long()  # [batch, width]
-        behaviour = torch.tensor(
-            [s.logprobs + [0.0] * (width - s.length) for s in samples], device=self.device
-        )
-        starts = torch.tensor(prompt_lens, device=self.device)
+        b = pad_samples(samples, pad, self.device)
         ref = None
         if self.reference is not None:
             with torch.no_grad():
                 ref = completion_logprobs(
-                    self.reference, input_ids, attention, starts, width, self.temperature
+                    self.reference, b.input_ids, b.attention, b.starts, b.width, self.temperature
                 )
         current = completion_logprobs(
-            self.policy, input_ids, attention, starts, width, self.temperature
+            self.policy, b.input_ids, b.attention, b.starts, b.width, self.temperature
         )
         # Per-token critic values for algorithms with a critic (PPO); None for the others.
-        values = self.algorithm.token_values(self.policy, input_ids, attention, starts, width)
+        values = self.algorithm.token_values(
+            self.policy, b.input_ids, b.attention, b.starts, b.width
+        )
         stale = torch.tensor(
             [s.weight_version < self.weight_version for s in samples], device=self.device
         )
-        fix = correct_stale(current, behaviour, mask, stale, self.is_cap)
+        fix = correct_stale(current, b.behaviour, b.mask, stale, self.is_cap)
         if fix.stale_samples:
             self.off_policy.append(fix)
         return LossInputs(
-            logprobs=current * mask,
+            logprobs=current * b.mask,
             old_logprobs=fix.old_logprobs,
             advantages=torch.tensor(batch.advantages, dtype=current.dtype, device=self.device),
-            mask=mask,
+            mask=b.mask,
             ref_logprobs=ref,
             values=values,
             token_weights=fix.weights,
         )
 
-    def log_iteration(
-        self, iteration: int, wall_s: float, train_s: float, sync_s: float, grad_norm: torch.Tensor
-    ) -> None:
+    def log_iteration(self, iteration: int, wall_s: float, train_s: float, sync_s: float) -> None:
         stats, lags = self.rollouts.stats, self.pipeline.staleness
         metrics = {
             "rollout/reward": sum(stats.rewards) / max(1, len(stats.rewards)),
@@ -332,15 +354,16 @@ class StreamRLModule(L.LightningModule):
             "time/wait_s": stats.wait_s,
             "time/train_s": train_s,
             "train/loss": float(self.iteration_loss),
-            "train/grad_norm": float(grad_norm),
+            "train/grad_norm": float(self.grad_norm),
             "train/weight_version": float(self.weight_version),
             "train/staleness_mean": sum(lags) / max(1, len(lags)),
             "train/staleness_max": float(max(lags, default=0)),
-            **self._off_policy_metrics(),
+            **correction_metrics(self.off_policy),
             "train/dropped_stale": float(self.pipeline.dropped_stale),
             "time/sync_exposed_s": sync_s,
             "time/sync_transfer_total_s": self.rollouts.service.weight_sync.transfer_s,
         }
+        self.off_policy = []  # logged: the next iteration starts afresh
         self.history.append({"iteration": iteration, **metrics})
         self.log_dict(metrics, on_step=True, prog_bar=False)
         progress = {
@@ -352,20 +375,6 @@ class StreamRLModule(L.LightningModule):
         }
         self.log_dict(progress, prog_bar=True, on_step=True, logger=False)
 
-    def _off_policy_metrics(self) -> dict[str, float]:
-        """Importance ratios of this iteration's stale samples (then forgets them)."""
-        fixes, self.off_policy = self.off_policy, []
-        stale = sum(f.stale_samples for f in fixes)
-        if not stale:
-            return {"train/stale_samples": 0.0}
-        return {
-            "train/stale_samples": float(stale),
-            "train/is_ratio_mean": sum(f.ratio_mean * f.stale_samples for f in fixes) / stale,
-            "train/is_ratio_max": max(f.ratio_max for f in fixes),
-            "train/is_truncated_frac": sum(f.truncated_frac * f.stale_samples for f in fixes)
-            / stale,
-        }
-
     def configure_optimizers(self) -> torch.optim.Optimizer:
         # The algorithm's own parameters (PPO's value head) train with the policy.
         params = [*self.policy.parameters(), *self.algorithm.trainable_parameters()]
@@ -375,21 +384,6 @@ class StreamRLModule(L.LightningModule):
         return torch.utils.data.DataLoader(
             IterationTicker(self.iterations), batch_size=None, collate_fn=lambda x: x
         )
-
-
-def rl_trainer(iterations: int, **overrides) -> L.Trainer:
-    """A Lightning ``Trainer`` for ``iterations`` RL steps on the CPU with nothing extra (no
-    logger, checkpoints, progress bar or model summary); any ``Trainer`` argument overrides."""
-    settings = dict(
-        max_steps=iterations,
-        max_epochs=-1,
-        accelerator="cpu",
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
-    return L.Trainer(**{**settings, **overrides})
 
 
 def _check_finite(per_sample: torch.Tensor, samples: list, iteration: int) -> None:

@@ -1,19 +1,110 @@
-"""The interfaces components are composed by, in one place (``typing.Protocol``s).
+"""Every extension point of streamrl, in one place (``typing.Protocol``s).
 
-Anything with these methods plugs in; no base class is needed. ``StreamGenerator`` is one generator
-instance (StreamRL §3, §5); ``AdmissionScheduler`` picks the request for a freed batch slot;
-``Dispatcher`` splits an iteration's requests over instances (§5.3).
+Anything with these methods plugs in; no base class is needed (``Algorithm`` is the exception: its
+base applies what no algorithm may forget, see ``streamrl.algorithms.base``). Each protocol says
+where it is called, so a reader can follow one sample from prompt to gradient:
+
+1. a ``RewardFn`` scores a finished completion (on arrival, ``RolloutStream``);
+2. a ``LengthPredictor`` ranks prompts by expected output length (§5.2);
+3. a ``Dispatcher`` splits an iteration's requests over generator instances (§5.3);
+4. an ``AdmissionScheduler`` picks the request for a freed batch slot inside an instance (LPT);
+5. a ``GenerationEngine`` builds each instance's ``StreamGenerator`` in its own process (§3);
+6. the ``Algorithm`` turns rewards into advantages and micro-batches into a loss.
+
+In YAML each of them is a short name for a built-in or ``package.module:Name`` for your own
+(``streamrl.references``), checked before any work starts.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 import numpy as np
 import torch
 
 from streamrl.records import Request, Sample
+
+
+class RewardFn(Protocol):
+    """Scores one decoded completion against its reference answer (higher is better)."""
+
+    def __call__(self, completion: str, answer: str) -> float: ...
+
+
+@runtime_checkable
+class LengthPredictor(Protocol):
+    """Predicts a prompt's output length from its text, learning from finished samples (§5.2).
+
+    ``RolloutStream`` asks for ``predict`` only once ``ready``; it hands ``learn`` the lengths the
+    policy produced since the last call, every ``ranker_refresh_every`` iterations.
+    """
+
+    @property
+    def ready(self) -> bool:
+        """Whether it has learned enough to predict."""
+        ...
+
+    def predict(self, prompts: Sequence[str]) -> list[float]:
+        """A length score per prompt (higher means longer)."""
+        ...
+
+    def learn(self, prompts: Sequence[str], lengths: Sequence[int]) -> None:
+        """Fit on (or, once fitted, refresh with) the policy's finished samples."""
+        ...
+
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state: dict) -> None: ...
+
+
+@runtime_checkable
+class Dispatcher(Protocol):
+    """Splits an iteration's requests over generator instances (§5.3); the service calls
+    ``plan`` on every submit and sends each instance its ``batch_limits``."""
+
+    def plan(
+        self, requests: Sequence[Request], scores: Sequence[float] | None, instances: int
+    ) -> list[list[Request]]:
+        """One list of requests per instance (every request exactly once; a prompt's samples
+        stay together).
+
+        Args:
+            requests: the iteration's requests.
+            scores: predicted output length per request (same order), or ``None``.
+            instances: number of active generator instances.
+        """
+        ...
+
+    def observe(self, lengths: Iterable[int]) -> None:
+        """Recent finished samples' output lengths (the distribution ``D`` of Algorithm 2)."""
+        ...
+
+    def batch_limits(self, instances: int) -> list[int] | None:
+        """Each instance's batch size under the last plan, or ``None`` to leave them as set."""
+        ...
+
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state: dict) -> None: ...
+
+
+@runtime_checkable
+class AdmissionScheduler(Protocol):
+    """Queue of waiting requests, consulted each time a batch slot frees."""
+
+    def push(self, request: Request) -> None:
+        """Add a waiting request."""
+        ...
+
+    def pop(self) -> Request:
+        """Remove and return the request to admit next; raises ``IndexError`` when empty."""
+        ...
+
+    def __len__(self) -> int:
+        """Number of waiting requests."""
+        ...
 
 
 @runtime_checkable
@@ -43,41 +134,62 @@ class StreamGenerator(Protocol):
         """Step until idle, yielding samples in completion order."""
         ...
 
+    def set_batch_limit(self, limit: int) -> None:
+        """Run at most ``limit`` sequences at once (the dispatcher's pool sizes)."""
+        ...
+
+    def weight_templates(self) -> Mapping[str, torch.Tensor]:
+        """The tensors a weight update fills: the trainer's names, shapes and dtypes, in the
+        order it sends them."""
+        ...
+
     def load_weights(
         self, state_dict: Mapping[str, torch.Tensor | np.ndarray], version: int
     ) -> None:
-        """Copy new weights in place and tag later samples with ``version``."""
+        """Copy new weights in place (between two decode steps) and tag later samples with
+        ``version``."""
         ...
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """What a ``GenerationEngine`` gets to build one instance, inside that instance's process.
+
+    Attributes:
+        model_dir: the policy's model directory.
+        device: where the model runs (``"cpu"``, ``"cuda:1"``...).
+        instance_id: the instance's id in the service.
+        weight_version: the version of the weights in ``model_dir`` (a resumed or added
+            instance starts at the trainer's version).
+        max_batch_size: batch slots.
+        temperature: sampling temperature.
+        greedy: decode greedily instead of sampling.
+        seed: the instance's sampling seed.
+    """
+
+    model_dir: str
+    device: str
+    instance_id: int
+    weight_version: int
+    max_batch_size: int
+    temperature: float
+    greedy: bool
+    seed: int
 
 
 @runtime_checkable
-class AdmissionScheduler(Protocol):
-    """Queue of waiting requests, consulted each time a batch slot frees."""
+class GenerationEngine(Protocol):
+    """Builds the ``StreamGenerator`` of each instance (``HFEngine``, ``VLLMEngine``, or yours).
 
-    def push(self, request: Request) -> None:
-        """Add a waiting request."""
+    It is pickled to every instance process (or Ray actor): keep it a small object of plain
+    settings, importable by the child.
+    """
+
+    def check(self, *, cluster: str, gpus_per_instance: int) -> None:
+        """Raise ``ConfigError`` if it cannot run there (a package missing, no GPU); called
+        before any process starts."""
         ...
 
-    def pop(self) -> Request:
-        """Remove and return the request to admit next; raises ``IndexError`` when empty."""
-        ...
-
-    def __len__(self) -> int:
-        """Number of waiting requests."""
-        ...
-
-
-class Dispatcher(Protocol):
-    """Splits requests over instances."""
-
-    def plan(
-        self, requests: Sequence[Request], scores: Sequence[float] | None, instances: int
-    ) -> list[list[Request]]:
-        """Return one list of requests per instance (every request exactly once).
-
-        Args:
-            requests: the iteration's requests.
-            scores: predicted output length per request (same order), or ``None``.
-            instances: number of generator instances.
-        """
+    def __call__(self, spec: EngineSpec, scheduler: AdmissionScheduler) -> StreamGenerator:
+        """Load the model and return the instance's generator (runs in the instance process)."""
         ...

@@ -83,3 +83,14 @@ class Sample:
     def key(self) -> tuple[str, int, int]:
         """``(prompt_id, sample_index, iteration)``, the key of its request."""
         return (self.prompt_id, self.sample_index, self.iteration)
+
+
+@dataclass
+class ScoredGroup:
+    """All samples of one prompt with their rewards and advantages."""
+
+    prompt_id: str
+    samples: list[Sample]
+    rewards: list[float]
+    advantages: list[float]
+    iteration: int = 0

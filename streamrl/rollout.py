@@ -1,78 +1,25 @@
 """From prompts to scored groups: the trainer's side of the sample stream (StreamRL §3, §4.1).
 
-``PromptSource`` deals prompts for each iteration (shuffled each epoch, resumable).
-``RolloutStream`` sends an iteration's requests to the stream generation service and, as samples
-stream back, scores each on arrival and yields a prompt's group the moment its last sample lands,
-so the trainer can start on it while the rest is still being generated.
+``PromptSource`` (``streamrl.prompts``) deals prompts for each iteration (shuffled each epoch,
+resumable). ``RolloutStream`` sends an iteration's requests to the stream generation service and,
+as samples stream back, scores each on arrival and yields a prompt's group the moment its last
+sample lands, so the trainer can start on it while the rest is still being generated.
 """
 
 from __future__ import annotations
 
-import random
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-import datasets
 from transformers import PreTrainedTokenizerBase
 
 from streamrl.algorithms.base import Algorithm
 from streamrl.components.generation.service import StreamGenerationService
-from streamrl.components.skewness.ranker import LengthRanker
-from streamrl.records import Request, Sample
+from streamrl.prompts import PromptSource
+from streamrl.protocols import LengthPredictor
+from streamrl.records import Request, Sample, ScoredGroup
 from streamrl.timeline import TraceRecorder
-
-
-class PromptSource:
-    """Deals ``batch_size`` prompt rows per call, reshuffled every epoch; resumable.
-
-    Args:
-        dataset: rows with ``prompt_id``, ``prompt`` and ``answer``.
-        batch_size: prompts per iteration.
-        seed: shuffling seed.
-    """
-
-    def __init__(self, dataset: datasets.Dataset, batch_size: int, seed: int = 0) -> None:
-        if len(dataset) == 0:
-            raise ValueError("PromptSource: the prompt set is empty; give it at least one row.")
-        self.dataset, self.batch_size, self.seed = dataset, batch_size, seed
-        self.epoch, self.position = 0, 0
-        self._order = self._shuffled(0)
-
-    def _shuffled(self, epoch: int) -> list[int]:
-        order = list(range(len(self.dataset)))
-        random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
-        return order
-
-    def next_batch(self) -> list[dict]:
-        """The next ``batch_size`` rows (wrapping into a new epoch when needed)."""
-        return [self.next_row() for _ in range(self.batch_size)]
-
-    def next_row(self) -> dict:
-        """The next row (wrapping into a new epoch when needed)."""
-        if self.position == len(self._order):
-            self.epoch, self.position = self.epoch + 1, 0
-            self._order = self._shuffled(self.epoch)
-        self.position += 1
-        return self.dataset[self._order[self.position - 1]]
-
-    def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "position": self.position}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.epoch, self.position = int(state["epoch"]), int(state["position"])
-        self._order = self._shuffled(self.epoch)
-
-
-@dataclass
-class ScoredGroup:
-    """All samples of one prompt with their rewards and advantages."""
-
-    prompt_id: str
-    samples: list[Sample]
-    rewards: list[float]
-    advantages: list[float]
-    iteration: int = 0
 
 
 @dataclass
@@ -120,10 +67,11 @@ class RolloutStream:
         forced_lengths: if given, each prompt takes the next length from it and its samples
             ignore EOS and generate exactly that many tokens (the paper's throughput protocol,
             §7); used by benchmarks.
-        ranker: predicts each prompt's output length for the dispatcher and LPT admission
-            (§5.2-5.3); trained on the policy's own finished samples every
-            ``ranker_refresh_every`` iterations, right after the next dispatch so that it runs
-            while the instances generate (until its first fit, no scores are sent).
+        ranker: a ``LengthPredictor`` of each prompt's output length for the dispatcher and
+            LPT admission (§5.2-5.3); its ``learn`` gets the policy's own finished samples every
+            ``ranker_refresh_every`` iterations (the dispatcher observes their lengths then,
+            with or without a ranker), right after the next dispatch so that it runs while the
+            instances generate (until it is ``ready``, no scores are sent).
         max_refills: groups an algorithm filters out (``keep_group``, e.g. DAPO's dynamic
             sampling) are replaced by new prompts from the stream, at most this many per
             iteration (default: twice the prompts per iteration).
@@ -135,11 +83,12 @@ class RolloutStream:
         prompts: PromptSource,
         tokenizer: PreTrainedTokenizerBase,
         algorithm: Algorithm,
+        *,
         max_tokens: int,
         context: int,
         trace: TraceRecorder | None = None,
         forced_lengths: Iterator[int] | None = None,
-        ranker: LengthRanker | None = None,
+        ranker: LengthPredictor | None = None,
         ranker_refresh_every: int = 10,
         max_refills: int | None = None,
     ) -> None:
@@ -245,7 +194,7 @@ class RolloutStream:
             self._receive(sample)
         batch.stats.generate_s = time.perf_counter() - batch.dispatched_s
         del self._batches[iteration]
-        if self.ranker is not None and (iteration + 1) % self.ranker_refresh_every == 0:
+        if (iteration + 1) % self.ranker_refresh_every == 0:
             self._refresh_due = True
 
     def iteration(self) -> Iterator[ScoredGroup]:
@@ -253,23 +202,19 @@ class RolloutStream:
         return self.groups(self.dispatch())
 
     def _predicted_lengths(self, requests: list[Request], rows: dict) -> list[float] | None:
-        if self.ranker is None or self.ranker.net is None:
+        if self.ranker is None or not self.ranker.ready:
             return None
         by_prompt = dict(zip(rows, self.ranker.predict([r["prompt"] for r in rows.values()])))
         return [by_prompt[r.prompt_id] for r in requests]
 
     def _refresh_ranker(self) -> None:
-        """Online refresh (§5.2): the policy's lengths drift, so the ranker follows them."""
+        """Online refresh (§5.2): the policy's lengths drift, so the dispatcher's length
+        distribution ``D`` and the ranker follow them."""
         self._refresh_due = False
         lengths = [n for _, n in self._finished_lengths]
-        if hasattr(self.service.dispatcher, "observe"):
-            self.service.dispatcher.observe(lengths)  # the recent length distribution D
-        prompts = [p for p, _ in self._finished_lengths]
-        if self.ranker.net is None:
-            self.ranker.fit(prompts, lengths, epochs=100)
-        else:
-            self.ranker.recent.extend(self._finished_lengths)
-            self.ranker.refresh(epochs=10)
+        self.service.dispatcher.observe(lengths)
+        if self.ranker is not None:
+            self.ranker.learn([p for p, _ in self._finished_lengths], lengths)
         self._finished_lengths = []
 
     def _refill(self, batch: _Batch, prompt_id: str, iteration: int) -> None:
@@ -298,8 +243,7 @@ class RolloutStream:
         stats.samples, stats.tokens = stats.samples + 1, stats.tokens + sample.length
         stats.rewards.append(sample.reward)
         stats.lengths.append(sample.length)
-        if self.ranker is not None:
-            self._finished_lengths.append((row["prompt"], sample.length))
+        self._finished_lengths.append((row["prompt"], sample.length))
         self.trace.add_samples([sample], sample.iteration)
         group = batch.partial[sample.prompt_id]
         group.append(sample)

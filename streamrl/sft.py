@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 import random
 import shutil
 import time
@@ -187,14 +188,24 @@ def sft_train(
     return losses
 
 
+def default_cache_dir() -> Path:
+    """Where warm starts are cached: ``$STREAMRL_CACHE``, else ``~/.cache/streamrl``."""
+    return Path(os.environ.get("STREAMRL_CACHE", Path.home() / ".cache" / "streamrl"))
+
+
 def warm_start(
-    config: SFTConfig, cache_dir: str | Path, show_progress: bool = True, force: bool = False
+    config: SFTConfig,
+    cache_dir: str | Path | None = None,
+    *,
+    show_progress: bool = True,
+    force: bool = False,
 ) -> Path:
     """Return the directory of the warm-started policy, training it only if not cached.
 
     Args:
         config: the recipe; its hash names the cache entry.
-        cache_dir: where cached policies live (one sub-directory per recipe).
+        cache_dir: where cached policies live (one sub-directory per recipe); by default
+            ``default_cache_dir()``.
         show_progress: draw a progress bar while training.
         force: retrain even when a cached policy exists.
 
@@ -202,6 +213,7 @@ def warm_start(
         A Hugging Face model directory (``load_policy`` reads it) with ``sft_meta.json`` beside
         the weights: the recipe, the loss curve and the training time.
     """
+    cache_dir = default_cache_dir() if cache_dir is None else cache_dir
     target = Path(cache_dir) / f"sft-{config.model_size}-{config.cache_key()}"
     if (target / "sft_meta.json").is_file() and not force:
         return target

@@ -1,52 +1,161 @@
-"""The extra trainer ranks of a sharded ``streamrl fit`` (``rl.trainer_ranks > 1``).
+"""The trainer ranks of a run: how each builds its module and trainer, and where the ranks come
+from: spawned here for a sharded ``streamrl fit`` (``rl.trainer_ranks > 1``), or started by an
+external launcher (``torchrun`` on several nodes, SLURM's ``srun``; ``launched_job``).
 
 The process running ``fit`` is trainer rank 0: it owns the generation service and the sample
 stream, and deals each micro-batch to the ranks (``ShardedStreamRLModule(share_stream=True)``).
-Ranks 1..N-1 are spawned here; each loads the same policy, shards it with FSDP2 under
-Lightning's ``ModelParallelStrategy`` and trains on the shares it receives. Every rank sees the
-variables of an externally launched job (``MASTER_ADDR``, ``RANK``, ...), so Lightning never
-re-runs the command line, which works from a notebook too. The ranks are stopped, killed if need
-be, when ``fit`` ends or fails.
+Ranks 1..N-1 are spawned here; each receives the same ``RankSetup`` (the algorithm object
+included), loads the same policy, and builds its module and trainer with the public builders,
+as rank 0 does. Every rank sees the variables of an externally launched job (``MASTER_ADDR``,
+``RANK``, ...), so Lightning never re-runs the command line, which works from a notebook too. The
+ranks are stopped, killed if need be, when ``fit`` ends or fails.
+
+Under an external launcher every process runs ``streamrl fit`` itself: the launcher's rank 0 is
+rank 0 above (it hosts the generation service), the others build the same module without the
+service and train on the shares rank 0 deals them, across nodes.
 """
 
 from __future__ import annotations
 
 import contextlib
-import copy
 import multiprocessing as mp
 import os
 import socket
 from collections.abc import Iterator
+from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import lightning as L
 import torch
 import torch.distributed as dist
+from lightning.fabric.plugins.environments import (
+    ClusterEnvironment,
+    SLURMEnvironment,
+    TorchElasticEnvironment,
+)
+from lightning.pytorch.loggers import Logger
+from transformers import PreTrainedModel
+
+from streamrl.algorithms.base import Algorithm
+from streamrl.builders import build_module, build_trainer
+from streamrl.components.capacity.elastic import ElasticController
+from streamrl.config import RunConfig
+from streamrl.module import StreamRLModule
+from streamrl.rollout import RolloutStream
 
 #: How long ranks may take to leave after rank 0 finished (they are killed afterwards).
 LEAVE_TIMEOUT_S = 30.0
+#: How long launched ranks wait for rank 0 to prepare the policy (a warm start takes minutes).
+PREPARE_TIMEOUT_S = 1800.0
+#: How long a collective of launched ranks waits for the others before it fails.
+COLLECTIVE_TIMEOUT_S = 300.0
+
+
+@dataclass
+class RankSetup:
+    """What every trainer rank builds its module and trainer from (picklable: the extra ranks
+    receive it whole, so they train exactly what rank 0 trains).
+
+    Attributes:
+        algorithm: the run's algorithm object.
+        iterations: optimizer steps.
+        ranks: trainer ranks in all (FSDP2 when > 1).
+        nodes: machines they run on (an external launcher's; ``ranks`` divides evenly).
+        output_dir: where checkpoints go.
+        checkpoint_every: iterations between checkpoints (0: only ``last.ckpt``).
+        module_options: the rest of ``build_module``'s keyword arguments.
+    """
+
+    algorithm: Algorithm
+    iterations: int
+    ranks: int = 1
+    nodes: int = 1
+    output_dir: str | None = None
+    checkpoint_every: int = 0
+    module_options: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_config(
+        cls, config: RunConfig, algorithm: Algorithm, job: ClusterEnvironment | None = None
+    ) -> RankSetup:
+        """The setup of ``config``'s run; under an external launcher (``job``) its world is
+        the launcher's."""
+        rl = config.rl
+        ranks, nodes = rl.trainer_ranks, 1
+        if job is not None:
+            ranks = job.world_size()
+            nodes = ranks // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        return cls(
+            algorithm,
+            rl.iterations,
+            ranks=ranks,
+            nodes=nodes,
+            output_dir=config.output_dir,
+            checkpoint_every=rl.checkpoint_every,
+            module_options=dict(
+                mode=rl.mode,
+                lr=rl.lr,
+                temperature=rl.temperature,
+                token_budget=rl.token_budget,
+                min_samples=rl.min_samples,
+                is_cap=rl.is_cap,
+            ),
+        )
+
+    def module(
+        self,
+        policy: PreTrainedModel,
+        rollouts: RolloutStream | None,
+        *,
+        elastic: ElasticController | None = None,
+    ) -> StreamRLModule:
+        """This rank's module (``rollouts`` only on rank 0)."""
+        return build_module(
+            policy,
+            self.algorithm,
+            rollouts,
+            iterations=self.iterations,
+            elastic=elastic,
+            sharded=self.ranks > 1,
+            **self.module_options,
+        )
+
+    def trainer(
+        self, module: StreamRLModule, *, logger: Logger | None = None, show_progress: bool = False
+    ) -> L.Trainer:
+        """This rank's Lightning trainer (logging and progress on rank 0 only)."""
+        return build_trainer(
+            module,
+            ranks=self.ranks,
+            nodes=self.nodes,
+            output_dir=self.output_dir,
+            logger=logger,
+            checkpoint_every=self.checkpoint_every,
+            show_progress=show_progress,
+        )
 
 
 @contextlib.contextmanager
-def trainer_ranks(
-    config: Any, model_dir: Path, world: int, resume: str | None = None
-) -> Iterator[None]:
-    """Start ranks ``1..world-1`` and make this process rank 0 for the block.
+def trainer_ranks(setup: RankSetup, model_dir: Path, resume: str | None = None) -> Iterator[None]:
+    """Start ranks ``1..setup.ranks-1`` and make this process rank 0 for the block.
 
     Args:
-        config: the run's ``RunConfig`` (each rank builds the same algorithm from it).
+        setup: how each rank builds its module and trainer.
         model_dir: the policy every rank starts from.
-        world: trainer ranks in all.
         resume: the checkpoint every rank resumes from, if any.
     """
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    job = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world), NODE_RANK="0")
+    job = dict(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(setup.ranks), NODE_RANK="0"
+    )
     ctx = mp.get_context("spawn")
     ranks = []
-    for rank in range(1, world):
-        args = (config, str(model_dir), rank, job, resume)
+    for rank in range(1, setup.ranks):
+        args = (setup, str(model_dir), rank, job, resume)
         name = f"streamrl-trainer-rank-{rank}"
         ranks.append(ctx.Process(target=_rank_main, args=args, daemon=True, name=name))
     saved = {k: os.environ.get(k) for k in (*job, "RANK", "LOCAL_RANK")}
@@ -75,40 +184,50 @@ def trainer_ranks(
 
 
 def _rank_main(
-    config: Any, model_dir: str, rank: int, job: dict[str, str], resume: str | None
+    setup: RankSetup, model_dir: str, rank: int, job: dict[str, str], resume: str | None
 ) -> None:
     """Trainer rank ``rank`` > 0: the sharded module without rollouts, fed by rank 0."""
     os.environ.update(job, RANK=str(rank), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
+    from streamrl.models import load_policy
     from streamrl.quiet import quiet_libraries, quiet_lightning
 
     quiet_libraries()  # rank 0's stderr is the run's log: the other ranks add nothing to it
     quiet_lightning()
-    from streamrl.fsdp import ShardedStreamRLModule, sharded_trainer
-    from streamrl.jobs import build_run_algorithm, checkpoints
-    from streamrl.models import load_policy
-
-    rl = config.rl
-    policy, _ = load_policy(model_dir)
-    reference = copy.deepcopy(policy) if rl.kl_coef > 0 else None
-    module = ShardedStreamRLModule(
-        policy.train(),
-        build_run_algorithm(config, policy),
-        None,
-        rl.iterations,
-        lr=rl.lr,
-        reference=reference,
-        temperature=rl.temperature,
-        mode=rl.mode,
-        is_cap=rl.is_cap,
-        share_stream=True,
-    )
-    trainer = sharded_trainer(
-        int(job["WORLD_SIZE"]),
-        rl.iterations,
-        enable_checkpointing=True,
-        callbacks=[checkpoints(config)],
-    )
-    trainer.fit(module, ckpt_path=resume)
+    module = setup.module(load_policy(model_dir)[0], None)
+    setup.trainer(module).fit(module, ckpt_path=resume)
     # Leave at once: a normal exit tears down gloo's threads mid-receive and aborts.
     os._exit(0)
+
+
+def launched_job() -> ClusterEnvironment | None:
+    """The environment of an external launcher (``torchrun``, SLURM) that started this process
+    as one of several trainer ranks; ``None`` when this process is the whole trainer (it may
+    then spawn ranks itself, ``trainer_ranks``)."""
+    for environment in (TorchElasticEnvironment, SLURMEnvironment):
+        if environment.detect():
+            job = environment()
+            if job.world_size() > 1:
+                return job
+    return None
+
+
+def join_launched_job(job: ClusterEnvironment) -> None:
+    """Join the launcher's process group (gloo), so rank 0 can prepare the policy while the
+    others wait (``wait_for_rank_zero``); Lightning then trains in this group."""
+    if dist.is_initialized():
+        return
+    os.environ.setdefault("MASTER_ADDR", job.main_address)
+    os.environ.setdefault("MASTER_PORT", str(job.main_port))
+    dist.init_process_group(
+        "gloo",
+        rank=job.global_rank(),
+        world_size=job.world_size(),
+        timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S),
+    )
+
+
+def wait_for_rank_zero() -> None:
+    """Every launched rank meets here: rank 0 once its policy is ready, the others before
+    they load it (they find rank 0's warm start in the cache, or a ``model`` directory)."""
+    dist.monitored_barrier(timeout=timedelta(seconds=PREPARE_TIMEOUT_S), wait_all_ranks=True)

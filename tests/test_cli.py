@@ -289,13 +289,20 @@ def test_readme_python_snippet_runs(tmp_path):
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     snippet = readme.split("```python\n", 1)[1].split("```", 1)[0]
     script = tmp_path / "snippet.py"
-    script.write_text(snippet.replace("/tmp/tiny-policy", str(tmp_path / "policy")))
+    trained = tmp_path / "trained"
+    script.write_text(snippet.replace("/tmp/trained-policy", str(trained)))
     result = subprocess.run(
         [sys.executable, str(script)], capture_output=True, text=True, timeout=150
     )
     assert result.returncode == 0, result.stderr[-2000:]
-    lines = [line for line in result.stdout.splitlines() if line.startswith("p")]
-    assert len(lines) == 8  # one line per prompt group
+    rewards = result.stdout.split("reward per iteration:")[1]
+    assert rewards.count(",") == 4  # five iterations
+    from streamrl.models import load_policy
+    from streamrl.sft import SFTConfig, warm_start
+
+    start = load_policy(warm_start(SFTConfig(model_size="test", steps=200)))[0].state_dict()
+    after = load_policy(trained)[0].state_dict()
+    assert any(not torch.equal(start[k], after[k]) for k in start)  # the snippet trained it
 
 
 def test_same_seed_same_weights(tmp_path, capsys):

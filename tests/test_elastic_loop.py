@@ -7,12 +7,14 @@ from collections import Counter
 import pytest
 
 from streamrl.algorithms import GRPO
+from streamrl.builders import build_trainer
 from streamrl.components.capacity.elastic import ElasticController
 from streamrl.components.generation.service import StreamGenerationService
 from streamrl.components.skewness.latency import LatencyModel
 from streamrl.models import build_tiny_model, save_policy
-from streamrl.module import StreamRLModule, rl_trainer
-from streamrl.rollout import PromptSource, RolloutStream
+from streamrl.module import StreamRLModule
+from streamrl.prompts import PromptSource
+from streamrl.rollout import RolloutStream
 from streamrl.tasks import make_prompt_set, partial_credit
 
 pytestmark = pytest.mark.timeout(300)
@@ -55,15 +57,15 @@ def test_elastic_run_adds_an_instance_when_generation_lags_and_trains_everything
             PromptSource(prompts, 4),
             tokenizer,
             algorithm,
-            160,
-            256,
+            max_tokens=160,
+            context=256,
             forced_lengths=growing_lengths(4),
         )
         module = RecordingModule(
             policy, algorithm, rollouts, iterations=5, lr=1e-3, elastic=controller
         )
         module.trained = Counter()
-        trainer = rl_trainer(5)
+        trainer = build_trainer(module, show_progress=False)
         trainer.fit(module)
         sizes = [h["elastic/instances"] for h in module.history]
         # Short outputs first: training keeps up; then generation lags and one instance joins.

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import re
 import signal
 from collections import Counter
 
@@ -12,12 +13,14 @@ import pytest
 import torch
 
 from streamrl.algorithms import GRPO, RewardError
+from streamrl.builders import build_trainer
 from streamrl.components.generation.service import StreamGenerationService
 from streamrl.errors import NonFiniteLossError
 from streamrl.jobs import ledger
 from streamrl.models import build_tiny_model, save_policy
-from streamrl.module import StreamRLModule, rl_trainer
-from streamrl.rollout import PromptSource, RolloutStream
+from streamrl.module import StreamRLModule
+from streamrl.prompts import PromptSource
+from streamrl.rollout import RolloutStream
 from streamrl.tasks import make_prompt_set, partial_credit
 
 pytestmark = [pytest.mark.faults, pytest.mark.timeout(300)]
@@ -34,13 +37,13 @@ class FaultyRun(StreamRLModule):
         self.trained.update(s.key for s in batch.samples)
         return super().loss_inputs(batch)
 
-    def _dispatch(self, iteration: int) -> int:
-        current = super()._dispatch(iteration)
+    def dispatch(self, iteration: int) -> int:
+        current = super().dispatch(iteration)
         if self.fault and iteration == 1:
             fault, self.fault = self.fault, None
             service = self.rollouts.service
             if fault == "corrupt":
-                service._instances[0].inbox.put(("update", "not a version"))
+                service.pool.handles[0].inbox.put(("update", "not a version"))
             else:
                 sig = signal.SIGKILL if fault == "kill" else signal.SIGSTOP
                 os.kill(service.instances()[0].pid, sig)
@@ -60,13 +63,13 @@ def run_with_fault(tmp_path, tokenizer, fault: str | None, mode: str = "sync", r
             PromptSource(prompts, PROMPTS),
             tokenizer,
             algorithm,
-            64,
-            256,
+            max_tokens=64,
+            context=256,
             forced_lengths=lengths,
         )
         module = FaultyRun(policy, algorithm, rollouts, ITERATIONS, lr=1e-3, mode=mode)
         module.trained, module.fault = Counter(), fault
-        trainer = rl_trainer(ITERATIONS)
+        trainer = build_trainer(module, show_progress=False)
         trainer.fit(module)
         sgs.wait_active()
         states = [i.state for i in sgs.instances()]
@@ -102,19 +105,28 @@ def test_a_reward_that_raises_stops_the_run_naming_the_prompt(tmp_path, tokenize
 
 def test_non_finite_loss_stops_naming_the_samples_before_the_weights_change(tmp_path, tokenizer):
     class NaNAtIterationOne(GRPO):
-        def loss(self, batch):
-            per_sample = super().loss(batch)
-            return per_sample * float("nan") if module.weight_version == 1 else per_sample
+        def token_loss(self, batch):
+            terms = super().token_loss(batch)
+            if module.weight_version == 1:
+                terms.policy = terms.policy * float("nan")
+            return terms
 
     policy = build_tiny_model(tokenizer, "test", seed=0)
     save_policy(policy, tokenizer, tmp_path / "policy")
     prompts = make_prompt_set(16, ["copy"], median_len=3, max_len=6, seed=0)
     algorithm = NaNAtIterationOne(partial_credit, group_size=2)
     with StreamGenerationService(tmp_path / "policy", 1, max_batch_size=8) as sgs:
-        rollouts = RolloutStream(sgs, PromptSource(prompts, 2), tokenizer, algorithm, 8, 256)
+        rollouts = RolloutStream(
+            sgs, PromptSource(prompts, 2), tokenizer, algorithm, max_tokens=8, context=256
+        )
         module = StreamRLModule(policy, algorithm, rollouts, 3, lr=1e-3)
-        trainer = rl_trainer(3)
-        with pytest.raises(NonFiniteLossError, match=r"iteration 1 on 2 sample\(s\).*'p\d+', 0, 1"):
+        trainer = build_trainer(module, show_progress=False)
+        with pytest.raises(NonFiniteLossError, match=r"iteration 1 on (\d+) sample") as stopped:
             trainer.fit(module)
+    # The message names every sample of the micro-batch that went non-finite, all of iteration 1.
+    count = int(re.search(r"on (\d+) sample", str(stopped.value)).group(1))
+    named = re.findall(r"\('(p\d+)', (\d), (\d)\)", str(stopped.value))
+    assert count >= 1 and len(named) == count
+    assert all(iteration == "1" for _, _, iteration in named)
     assert all(torch.isfinite(p).all() for p in policy.parameters())
     assert module.weight_version == 1

@@ -28,8 +28,8 @@ from streamrl.fsdp import ShardedStreamRLModule, fsdp_strategy, full_state, shar
 from streamrl.logprobs import completion_logprobs
 from streamrl.models import build_tiny_model, build_tokenizer
 from streamrl.module import StreamRLModule
-from streamrl.records import Sample
-from streamrl.rollout import IterationStats, ScoredGroup
+from streamrl.records import Sample, ScoredGroup
+from streamrl.rollout import IterationStats
 from streamrl.tasks import partial_credit
 from streamrl.timeline import TraceRecorder
 
@@ -47,10 +47,14 @@ class RecordingGRPO(GRPO):
         super().__init__(partial_credit, group_size=GROUP_SIZE)
         self.losses: list[list[float]] = []
 
-    def loss(self, batch: LossInputs) -> torch.Tensor:
-        per_sample = super().loss(batch)
-        self.losses[-1].append(float(per_sample.detach().sum()))
-        return per_sample
+    def token_loss(self, batch: LossInputs):
+        from streamrl.algorithms.base import TokenLoss, reduce_token_loss
+
+        terms = super().token_loss(batch)
+        detached = TokenLoss(terms.policy.detach())  # no KL here: no auxiliary term
+        per_sample = reduce_token_loss(detached, batch, self.token_norm)  # what loss() returns
+        self.losses[-1].append(float(per_sample.sum()))
+        return terms
 
 
 class FixedService:

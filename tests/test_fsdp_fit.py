@@ -1,5 +1,7 @@
-"""`streamrl fit` with `rl.trainer_ranks: 2`: FSDP2 over two trainer processes, rank 0 dealing
-each micro-batch of one generation service's stream to both, against the same run on one rank.
+"""`streamrl fit` with two FSDP2 trainer ranks against the same run on one rank: the ranks spawned
+by `streamrl fit` itself (`rl.trainer_ranks: 2`), or started by an external launcher (`torchrun
+--nnodes 2`, two "nodes" on this machine, each running `streamrl fit`). Either way rank 0 hosts
+the one generation service and deals each micro-batch of its stream to both ranks.
 
 Every run goes through the CLI in a subprocess (a run of two ranks sets up torch.distributed in
 its process). Three iterations, one generator, sync mode: both runs train on the very same
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import csv
 import json
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -21,15 +24,25 @@ import torch
 
 from streamrl.models import load_policy
 
-pytestmark = pytest.mark.timeout(400)
+pytestmark = pytest.mark.timeout(700)  # the module fixture runs three fits
 
 ITERATIONS, PROMPTS, GROUP = 3, 6, 4
 SAMPLES = PROMPTS * GROUP  # per iteration
 
 
 def _fit(root: Path, ranks: int, iterations: int, *extra: str, name: str = "") -> dict:
-    out = root / (name or f"ranks{ranks}")
-    config = root / f"{out.name}.yaml"
+    config = _config(root, name or f"ranks{ranks}", iterations, ranks)
+    command = [sys.executable, "-m", "streamrl.cli", "fit", "--config", str(config)]
+    result = subprocess.run(
+        [*command, "--no-progress", *extra], capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def _config(root: Path, name: str, iterations: int, ranks: int) -> Path:
+    out = root / name
+    config = root / f"{name}.yaml"
     config.write_text(
         f"output_dir: {out}\n"
         "data: {tasks: [copy, count], n_train: 32, n_heldout: 8, median_len: 3, max_len: 6}\n"
@@ -40,12 +53,40 @@ def _fit(root: Path, ranks: int, iterations: int, *extra: str, name: str = "") -
         # once the policy has moved, and it gives every iteration a gradient.
         f" kl_coef: 0.1, lr: 0.001, trainer_ranks: {ranks}}}\n"
     )
-    command = [sys.executable, "-m", "streamrl.cli", "fit", "--config", str(config)]
-    result = subprocess.run(
-        [*command, "--no-progress", *extra], capture_output=True, text=True, timeout=300
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    return config
+
+
+def _fit_torchrun(root: Path, iterations: int) -> dict:
+    """The run under ``torchrun --nnodes 2 --nproc_per_node 1``: two "nodes" on this machine,
+    each a launcher of its own, rendezvous on a free port; node 0's rank hosts the service."""
+    config = _config(root, "torchrun", iterations, ranks=1)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    nodes = [
+        subprocess.Popen(
+            [
+                *(sys.executable, "-m", "torch.distributed.run", "--nnodes", "2"),
+                *("--nproc_per_node", "1", "--node_rank", str(node)),
+                *("--master_addr", "127.0.0.1", "--master_port", str(port)),
+                *("-m", "streamrl.cli", "fit", "--config", str(config), "--no-progress"),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for node in (0, 1)
+    ]
+    try:
+        outputs = [node.communicate(timeout=300) for node in nodes]
+    finally:
+        for node in nodes:
+            node.kill()
+    for node, (_, err) in zip(nodes, outputs):
+        assert node.returncode == 0, err[-3000:]
+    other = json.loads(outputs[1][0].strip().splitlines()[-1])
+    assert other == {"trainer_rank": 1, "output_dir": str(root / "torchrun")}
+    return json.loads(outputs[0][0].strip().splitlines()[-1])
 
 
 def _per_iteration(summary: dict, metric: str) -> list[float]:
@@ -57,13 +98,19 @@ def _per_iteration(summary: dict, metric: str) -> list[float]:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict[int, dict]:
+def runs(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("fsdp_fit")
-    return {ranks: _fit(root, ranks, ITERATIONS) for ranks in (1, 2)}
+    return {
+        1: _fit(root, 1, ITERATIONS),
+        2: _fit(root, 2, ITERATIONS),
+        "torchrun": _fit_torchrun(root, ITERATIONS),
+    }
 
 
-def test_two_fsdp_trainer_ranks_train_like_one(runs):
-    one, two = runs[1], runs[2]
+@pytest.mark.parametrize("launch", [2, "torchrun"])
+def test_two_fsdp_trainer_ranks_train_like_one(runs, launch):
+    """Two ranks spawned by ``streamrl fit`` itself, or started by ``torchrun`` as two nodes."""
+    one, two = runs[1], runs[launch]
     for summary in (one, two):
         assert summary["samples_trained"] == ITERATIONS * SAMPLES
         assert summary["samples_lost"] == 0

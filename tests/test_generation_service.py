@@ -6,14 +6,21 @@ import json
 import multiprocessing as mp
 import os
 import signal
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
 
+from streamrl.components.generation.engines import HFEngine
+from streamrl.components.generation.hf_generator import fingerprint
 from streamrl.components.generation.service import GeneratorError, StreamGenerationService
-from streamrl.components.generation.worker import fingerprint
+from streamrl.components.skewness.schedulers import FIFOScheduler, LPTScheduler
+from streamrl.errors import ConfigError
 from streamrl.models import build_tiny_model, save_policy
-from streamrl.records import Request
+from streamrl.protocols import AdmissionScheduler, EngineSpec, StreamGenerator
+from streamrl.records import Request, Sample
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -178,4 +185,156 @@ def test_failed_instance_is_replaced_and_its_requests_requeued(
         written = json.loads(status.read_text())
         assert written["0"]["state"] == "failed" and written["2"]["state"] == "active"
         assert set(sgs.fingerprints().values()) == {fingerprint(policy)}
+    assert not [p for p in mp.active_children() if p.name.startswith("streamrl-generator")]
+
+
+# -- a user's engine and scheduler, defined here: nothing inside the library knows them ---------
+
+
+def _log(path: str, line: str) -> None:
+    with open(path, "a") as out:  # one short append per line: lines of two processes never mix
+        out.write(line + "\n")
+
+
+class CountingGenerator:
+    """Wraps the HF generator (no subclass) and logs what its instance does to it."""
+
+    def __init__(self, inner: StreamGenerator, log: str, instance_id: int) -> None:
+        self.inner, self.log, self.instance_id, self.steps = inner, log, instance_id, 0
+
+    @property
+    def weight_version(self) -> int:
+        return self.inner.weight_version
+
+    @property
+    def idle(self) -> bool:
+        return self.inner.idle
+
+    def submit(self, requests: Iterable[Request]) -> None:
+        self.inner.submit(requests)
+
+    def step(self) -> list[Sample]:
+        self.steps += 1
+        return self.inner.step()
+
+    def stream(self) -> Iterator[Sample]:
+        while not self.idle:
+            yield from self.step()
+
+    def set_batch_limit(self, limit: int) -> None:
+        self.inner.set_batch_limit(limit)
+
+    def weight_templates(self) -> Mapping[str, torch.Tensor]:
+        return self.inner.weight_templates()
+
+    def load_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
+        self.inner.load_weights(state_dict, version)
+        _log(self.log, f"load {self.instance_id} version={version} after_steps={self.steps > 0}")
+
+    def fingerprint(self) -> str:
+        return self.inner.fingerprint()
+
+
+@dataclass(frozen=True)
+class CountingEngine:
+    """A ``GenerationEngine`` of plain settings: the HF engine's generator, counted."""
+
+    log: str
+
+    def check(self, *, cluster: str, gpus_per_instance: int) -> None:
+        _log(self.log, f"check {cluster} {gpus_per_instance} pid={os.getpid()}")
+
+    def __call__(self, spec: EngineSpec, scheduler: AdmissionScheduler) -> StreamGenerator:
+        _log(
+            self.log,
+            f"build {spec.instance_id} pid={os.getpid()} seed={spec.seed} device={spec.device} "
+            f"batch={spec.max_batch_size} greedy={spec.greedy} queue={type(scheduler).__name__}",
+        )
+        return CountingGenerator(HFEngine()(spec, scheduler), self.log, spec.instance_id)
+
+
+class LastInFirstOut:
+    """An admission queue of the user's: the newest request first."""
+
+    def __init__(self) -> None:
+        self.waiting: list[Request] = []
+
+    def push(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def pop(self) -> Request:
+        return self.waiting.pop()
+
+    def __len__(self) -> int:
+        return len(self.waiting)
+
+
+def newest_first() -> AdmissionScheduler:
+    """A scheduler factory that is a function, not a class."""
+    return LastInFirstOut()
+
+
+def test_a_users_engine_and_scheduler_factory_run_in_every_instance(model_dir, tokenizer, tmp_path):
+    log = str(tmp_path / "engine.log")
+    policy = build_tiny_model(tokenizer, "test", seed=0)
+    reqs = requests_for(tokenizer, 6, 1, [4] * 6)
+    with StreamGenerationService(
+        model_dir,
+        2,
+        engine=CountingEngine(log),
+        scheduler=newest_first,
+        max_batch_size=1,  # one at a time: completion order is admission order
+        greedy=True,
+        seed=5,
+    ) as sgs:
+        samples = list(sgs.generate(reqs))
+        assert sorted(s.key for s in samples) == sorted(r.key for r in reqs)
+        for instance in (0, 1):  # each instance admitted its requests newest first
+            order = [int(s.prompt_id[1:]) for s in samples if s.instance_id == instance]
+            assert len(order) == 3 and order == sorted(order, reverse=True)
+        with torch.no_grad():
+            for p in policy.parameters():
+                p.add_(0.01)
+        sgs.update(policy, version=1)
+        assert set(sgs.fingerprints().values()) == {fingerprint(policy)}
+        pids = {i.instance_id: i.pid for i in sgs.instances()}
+    lines = Path(log).read_text().splitlines()
+    assert lines[0] == f"check local 0 pid={os.getpid()}"  # here, before any process started
+    builds = sorted(line for line in lines if line.startswith("build"))
+    assert builds == [
+        f"build {i} pid={pids[i]} seed={5 + i} device=cpu batch=1 greedy=True queue=LastInFirstOut"
+        for i in (0, 1)
+    ]  # in each instance's own process, with its own queue
+    loads = sorted(line for line in lines if line.startswith("load"))
+    assert loads == [f"load {i} version=1 after_steps=True" for i in (0, 1)]
+    assert not [p for p in mp.active_children() if p.name.startswith("streamrl-generator")]
+
+
+@dataclass(frozen=True)
+class NoGPUHere:
+    def check(self, *, cluster: str, gpus_per_instance: int) -> None:
+        raise ConfigError("NoGPUHere: this engine needs a GPU.")
+
+    def __call__(self, spec: EngineSpec, scheduler: AdmissionScheduler) -> StreamGenerator:
+        raise AssertionError("never built: check failed first")
+
+
+def test_engine_and_scheduler_are_checked_before_any_process_starts(model_dir):
+    def service(**kwargs):
+        return StreamGenerationService(model_dir, 1, **kwargs)
+
+    with pytest.raises(ConfigError, match="this engine needs a GPU"):
+        service(engine=NoGPUHere())
+    with pytest.raises(TypeError, match=r"engine object, e\.g\. HFEngine\(\).*not the name 'hf'"):
+        service(engine="hf")
+    with pytest.raises(TypeError, match=r"pass an instance, e\.g\. HFEngine\(\), not the class"):
+        service(engine=HFEngine)
+    with pytest.raises(TypeError, match="object is no GenerationEngine"):
+        service(engine=object())
+    for queue in ("lpt", LPTScheduler()):  # a name, or one queue where each instance needs one
+        with pytest.raises(TypeError, match="pass a factory that makes one admission queue"):
+            service(scheduler=queue)
+    with pytest.raises(TypeError, match=r"scheduler: .* cannot be pickled"):
+        service(scheduler=lambda: FIFOScheduler())
+    assert service(engine=HFEngine(), scheduler=LPTScheduler).instances() == []  # not started
     assert not [p for p in mp.active_children() if p.name.startswith("streamrl-generator")]

@@ -9,9 +9,9 @@ import sys
 import pytest
 import torch
 
-from streamrl.components.generation.hf_generator import HFStreamGenerator
+from streamrl.components.generation.engines import HFEngine
+from streamrl.components.generation.hf_generator import HFStreamGenerator, fingerprint
 from streamrl.components.generation.service import StreamGenerationService
-from streamrl.components.generation.worker import fingerprint
 from streamrl.errors import ConfigError
 from streamrl.lora import (
     LoRASpec,
@@ -106,7 +106,7 @@ def test_generators_receive_only_adapters_and_decode_with_them(tmp_path, tokeniz
     save_policy(build_tiny_model(tokenizer, "test", seed=0), tokenizer, tmp_path / "base")
     policy = apply_lora(build_tiny_model(tokenizer, "test", seed=0), spec).eval()
     with StreamGenerationService(
-        tmp_path / "base", 2, max_batch_size=4, greedy=True, lora=spec
+        tmp_path / "base", 2, engine=HFEngine(lora=spec), max_batch_size=4, greedy=True
     ) as sgs:
         before = greedy_tokens(sgs.generate(requests_for(tokenizer)))
         assert before == _greedy(policy, tokenizer)  # B = 0: the adapters change nothing yet

@@ -10,14 +10,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from streamrl.algorithms import GRPO
+from streamrl.builders import build_trainer
 from streamrl.components.generation.service import StreamGenerationService
 from streamrl.components.generation.worker import fingerprint
 from streamrl.components.training.pipeline import DynamicBatchPipeline, MicroBatch
 from streamrl.logprobs import completion_logprobs
 from streamrl.models import build_tiny_model, save_policy
-from streamrl.module import StreamRLModule, rl_trainer
-from streamrl.records import Sample
-from streamrl.rollout import PromptSource, RolloutStream, ScoredGroup
+from streamrl.module import StreamRLModule
+from streamrl.prompts import PromptSource
+from streamrl.records import Sample, ScoredGroup
+from streamrl.rollout import RolloutStream
 from streamrl.tasks import make_prompt_set, partial_credit
 
 
@@ -54,7 +56,7 @@ class _NoRollouts:
 
 
 def accumulated_grads(policy, groups, token_budget: int) -> dict[str, torch.Tensor]:
-    module = StreamRLModule(policy, GRPO(partial_credit, 4), _NoRollouts(), iterations=1)
+    module = StreamRLModule(policy, GRPO(partial_credit, group_size=4), _NoRollouts(), iterations=1)
     policy.zero_grad()
     total = sum(len(g.samples) for g in groups)
     pipeline = DynamicBatchPipeline(token_budget=token_budget)
@@ -78,7 +80,7 @@ def test_arrival_order_does_not_change_the_update(tokenizer):
 def test_mixed_prompt_lengths_give_each_sample_its_own_logprobs(tokenizer):
     policy = build_tiny_model(tokenizer, "test", seed=0).eval()
     samples = [s for g in make_groups(3, 2, seed=3) for s in g.samples]
-    module = StreamRLModule(policy, GRPO(partial_credit, 2), _NoRollouts(), iterations=1)
+    module = StreamRLModule(policy, GRPO(partial_credit, group_size=2), _NoRollouts(), iterations=1)
     with torch.no_grad():
         batched = module.loss_inputs(MicroBatch(samples, [0.0] * len(samples)))
         for row, s in enumerate(samples):
@@ -126,12 +128,14 @@ def test_async_mode_overlaps_generation_and_training(tmp_path, tokenizer):
     prompts = make_prompt_set(64, ["copy", "count"], median_len=6, max_len=12, seed=0)
     algorithm = GRPO(partial_credit, group_size=4)
     with StreamGenerationService(tmp_path / "policy", 2, max_batch_size=8) as sgs:
-        rollouts = RolloutStream(sgs, PromptSource(prompts, 8), tokenizer, algorithm, 16, 256)
+        rollouts = RolloutStream(
+            sgs, PromptSource(prompts, 8), tokenizer, algorithm, max_tokens=16, context=256
+        )
         pipeline = DynamicBatchPipeline(token_budget=64, staleness_bound=1)
         module = StreamRLModule(
             policy, algorithm, rollouts, iterations=4, lr=1e-3, mode="async", pipeline=pipeline
         )
-        trainer = rl_trainer(4)
+        trainer = build_trainer(module, show_progress=False)
         trainer.fit(module)
         assert module.weight_version == 4
         assert max(h["train/staleness_max"] for h in module.history) <= 1

@@ -5,13 +5,18 @@ from __future__ import annotations
 import json
 import math
 import random
+from collections import deque
 
 import pytest
 
+from streamrl.algorithms import GRPO
 from streamrl.cli import main
 from streamrl.components.skewness.ranker import LengthRanker, prompt_features
 from streamrl.metrics import recall_at_k
+from streamrl.prompts import PromptSource
+from streamrl.protocols import LengthPredictor
 from streamrl.records import Sample
+from streamrl.rollout import RolloutStream
 from streamrl.tasks import make_prompt_set
 
 
@@ -145,3 +150,125 @@ def test_ranker_learns_free_text_prompts_unlike_the_task_templates():
     ranker = LengthRanker(epochs=200, seed=0)
     ranker.fit(prompts[:480], lengths[:480])
     assert recall_at_k(ranker.predict(prompts[480:]), lengths[480:], 0.2) >= 0.6
+
+
+def test_learn_fits_first_then_refreshes_with_the_constructor_epochs():
+    ranker = LengthRanker(seed=0, learn_epochs=7, refresh_epochs=3)
+    assert isinstance(ranker, LengthPredictor) and not ranker.ready
+    trained = []  # (samples, epochs) of each training run
+    train = ranker._train
+    ranker._train = lambda x, y, epochs: (trained.append((len(y), epochs)), train(x, y, epochs))
+    ranker.learn(["count 1 3="], [5])  # one sample cannot be fitted: kept for the next call
+    assert not ranker.ready and trained == [] and len(ranker.recent) == 1
+    ranker.learn(["count 1 90=", "copy ab="], [260, 2])  # fits on all three
+    assert ranker.ready and trained == [(3, 7)] and len(ranker.recent) == 3
+    ranker.learn(["rev abcdefgh="], [8])  # refreshes over the recent buffer
+    assert trained == [(3, 7), (4, 3)] and len(ranker.recent) == 4
+    assert len(ranker.predict(["count 5 80="])) == 1
+    with pytest.raises(ValueError, match="2 prompts but 1 lengths"):
+        ranker.learn(["a", "b"], [1])
+    fresh = LengthRanker(epochs=5, seed=0)
+    fresh.recent.extend([("count 1 3=", 5), ("count 1 90=", 260)])
+    fresh.refresh()  # fits on the buffer without adding it twice
+    assert fresh.ready and len(fresh.recent) == 2
+
+
+class _CharTokenizer:
+    """One token per character (what RolloutStream needs of a tokenizer)."""
+
+    def __call__(self, text: str) -> dict:
+        return {"input_ids": [ord(c) for c in text]}
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return "".join(map(chr, ids))
+
+
+class _FakeDispatcher:
+    def __init__(self) -> None:
+        self.observed: list[list[int]] = []
+
+    def observe(self, lengths) -> None:
+        self.observed.append(list(lengths))
+
+
+class _FakeService:
+    """In-process stand-in for the generation service: a prompt's samples are as long as it."""
+
+    def __init__(self) -> None:
+        self.dispatcher = _FakeDispatcher()
+        self.submitted: list[tuple[list, list[float] | None]] = []  # (requests, scores)
+        self._done: deque[Sample] = deque()
+
+    def submit(self, requests, scores=None) -> None:
+        self.submitted.append((list(requests), scores))
+        for r in requests:
+            tokens = list(r.prompt_ids[: r.max_tokens])
+            logprobs = [0.0] * len(tokens)
+            sample = Sample(r.prompt_id, r.sample_index, r.prompt_ids, tokens, logprobs, 0, 0)
+            sample.iteration = r.iteration
+            self._done.append(sample)
+
+    def next_sample(self) -> Sample:
+        return self._done.popleft()
+
+
+class _MeanPredictor:
+    """A custom length predictor: no base class, just the protocol's methods."""
+
+    def __init__(self) -> None:
+        self.learned: list[tuple[list[str], list[int]]] = []
+        self.asked: list[list[str]] = []
+        self._mean: float | None = None
+
+    @property
+    def ready(self) -> bool:
+        return self._mean is not None
+
+    def predict(self, prompts):
+        self.asked.append(list(prompts))
+        return [self._mean + len(p) for p in prompts]
+
+    def learn(self, prompts, lengths) -> None:
+        self.learned.append((list(prompts), list(lengths)))
+        self._mean = sum(lengths) / len(lengths)
+
+    def state_dict(self) -> dict:
+        return {"mean": self._mean}
+
+    def load_state_dict(self, state: dict) -> None:
+        self._mean = state["mean"]
+
+
+def test_any_length_predictor_plugs_into_the_rollout_stream():
+    predictor = _MeanPredictor()
+    assert isinstance(predictor, LengthPredictor)
+    rows = [{"prompt_id": f"p{i}", "prompt": "x" * (i + 1), "answer": ""} for i in range(6)]
+    service = _FakeService()
+    stream = RolloutStream(
+        service,
+        PromptSource(rows, 3, seed=0),
+        _CharTokenizer(),
+        GRPO(lambda completion, answer: float(len(completion) % 2), group_size=2),
+        max_tokens=16,
+        context=64,
+        ranker=predictor,
+        ranker_refresh_every=2,
+    )
+    lengths = []  # of the samples delivered in iterations 0 and 1
+    for _ in range(2):
+        for group in stream.iteration():
+            lengths += [(s.prompt_id, s.length) for s in group.samples]
+    assert predictor.learned == [] and [scores for _, scores in service.submitted] == [None] * 2
+    # The refresh runs right after the next dispatch, which is not scored yet.
+    list(stream.iteration())
+    assert service.submitted[2][1] is None and len(predictor.learned) == 1
+    prompts, learned = predictor.learned[0]
+    texts = {row["prompt_id"]: row["prompt"] for row in rows}
+    assert sorted(zip(prompts, learned)) == sorted((texts[p], n) for p, n in lengths)
+    assert service.dispatcher.observed == [learned]  # the dispatcher's D: the same lengths
+    # From then on every dispatch is scored by the predictor, one score per request.
+    list(stream.iteration())
+    requests, scores = service.submitted[3]
+    assert predictor.asked and len(requests) == 3 * 2
+    mean = sum(learned) / len(learned)
+    assert scores == [mean + len(texts[r.prompt_id]) for r in requests]

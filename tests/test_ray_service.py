@@ -12,9 +12,9 @@ import os
 import pytest
 import torch
 
+from streamrl.components.generation.hf_generator import fingerprint
 from streamrl.components.generation.ray_instance import RayOptions
 from streamrl.components.generation.service import StreamGenerationService
-from streamrl.components.generation.worker import fingerprint
 from streamrl.models import build_tiny_model, save_policy
 from streamrl.records import Request
 
@@ -81,7 +81,7 @@ def test_ray_actors_stream_update_grow_and_survive_a_kill(model_dir, tokenizer, 
         # kill an actor while it holds requests: replaced, its requests requeued, none lost.
         reqs = requests_for(tokenizer, [24] * 9, iteration=1)
         service.submit(reqs)
-        victim = service._instances[0]
+        victim = service.pool.handles[0]
         ray.kill(victim.proc.actor, no_restart=True)
         got = [service.next_sample() for _ in reqs]
         assert sorted(s.key for s in got) == sorted(r.key for r in reqs)

@@ -10,11 +10,14 @@ import torch
 
 from streamrl.algorithms import GRPO, RewardError
 from streamrl.algorithms.base import LossInputs
+from streamrl.builders import build_trainer
 from streamrl.components.generation.service import StreamGenerationService
 from streamrl.components.generation.worker import fingerprint
+from streamrl.components.skewness.schedulers import LPTScheduler
 from streamrl.models import build_tiny_model, save_policy
-from streamrl.module import StreamRLModule, rl_trainer
-from streamrl.rollout import PromptSource, RolloutStream
+from streamrl.module import StreamRLModule
+from streamrl.prompts import PromptSource
+from streamrl.rollout import RolloutStream
 from streamrl.tasks import make_prompt_set, partial_credit
 
 pytestmark = pytest.mark.timeout(300)
@@ -57,11 +60,13 @@ def learning_run(tmp_path_factory, tokenizer) -> LogprobProbe:
     with StreamGenerationService(
         model_dir, 1, max_batch_size=32, temperature=TEMPERATURE, seed=0
     ) as sgs:
-        rollouts = RolloutStream(sgs, PromptSource(prompts, 8), tokenizer, algorithm, 8, 256)
+        rollouts = RolloutStream(
+            sgs, PromptSource(prompts, 8), tokenizer, algorithm, max_tokens=8, context=256
+        )
         module = LogprobProbe(
             policy, algorithm, rollouts, LEARN_ITERATIONS, lr=LEARN_LR, temperature=TEMPERATURE
         )
-        rl_trainer(LEARN_ITERATIONS).fit(module)
+        build_trainer(module, show_progress=False).fit(module)
     return module
 
 
@@ -111,9 +116,9 @@ def test_reward_errors_name_the_prompt():
 
     sample = Sample("q7", 2, [5], [6], [-0.1], 0, 1)
     with pytest.raises(RewardError, match=r"prompt 'q7' .*sample 2, instance 1.*ZeroDivisionError"):
-        GRPO(lambda c, a: 1 / 0, 2).score_sample(sample, "x", "y")
+        GRPO(lambda c, a: 1 / 0, group_size=2).score_sample(sample, "x", "y")
     with pytest.raises(RewardError, match="returned nan for prompt 'q7'"):
-        GRPO(lambda c, a: math.nan, 2).score_sample(sample, "x", "y")
+        GRPO(lambda c, a: math.nan, group_size=2).score_sample(sample, "x", "y")
 
 
 def test_grpo_iterations_with_two_generator_processes(tmp_path, tokenizer):
@@ -123,9 +128,11 @@ def test_grpo_iterations_with_two_generator_processes(tmp_path, tokenizer):
     prompts = make_prompt_set(32, ["copy", "count"], median_len=3, max_len=6, seed=0)
     algorithm = GRPO(partial_credit, group_size=4)
     with StreamGenerationService(tmp_path / "policy", 2, max_batch_size=8) as sgs:
-        rollouts = RolloutStream(sgs, PromptSource(prompts, 4), tokenizer, algorithm, 12, 256)
+        rollouts = RolloutStream(
+            sgs, PromptSource(prompts, 4), tokenizer, algorithm, max_tokens=12, context=256
+        )
         module = StreamRLModule(policy, algorithm, rollouts, iterations=3, lr=1e-3)
-        trainer = rl_trainer(3)
+        trainer = build_trainer(module, show_progress=False)
         trainer.fit(module)
         assert trainer.global_step == 3 and module.weight_version == 3
         assert len(module.history) == 3
@@ -136,7 +143,8 @@ def test_grpo_iterations_with_two_generator_processes(tmp_path, tokenizer):
         assert set(sgs.fingerprints().values()) == {fingerprint(policy)}
         assert [i.weight_version for i in sgs.instances()] == [3, 3]
         # 3 iterations x 4 prompts: the source dealt 12 prompts, each exactly once per epoch.
-        assert rollouts.prompts.state_dict() == {"epoch": 0, "position": 12}
+        state = rollouts.prompts.state_dict()  # 3 iterations x 4 prompts dealt, one epoch
+        assert state["epoch"] == 0 and state["loader"]["_num_yielded"] == 12
 
 
 def test_ranker_dispatch_and_lpt_wired_into_the_loop(tmp_path, tokenizer):
@@ -153,20 +161,20 @@ def test_ranker_dispatch_and_lpt_wired_into_the_loop(tmp_path, tokenizer):
     dispatcher = SkewAwareDispatcher(latency, max_batch_size=8, objective="sum")
     ranker = LengthRanker(epochs=50, seed=0)
     with StreamGenerationService(
-        tmp_path / "policy", 2, max_batch_size=8, dispatcher=dispatcher, scheduler="lpt"
+        tmp_path / "policy", 2, max_batch_size=8, dispatcher=dispatcher, scheduler=LPTScheduler
     ) as sgs:
         rollouts = RolloutStream(
             sgs,
             PromptSource(prompts, 10),
             tokenizer,
             algorithm,
-            16,
-            256,
+            max_tokens=16,
+            context=256,
             ranker=ranker,
             ranker_refresh_every=1,
         )
         module = StreamRLModule(policy, algorithm, rollouts, iterations=3, lr=1e-3)
-        trainer = rl_trainer(3)
+        trainer = build_trainer(module, show_progress=False)
         trainer.fit(module)
     # Refreshed from the policy's samples right after the next dispatch: iterations 0 and 1
     # (the last iteration's samples wait for a dispatch that never comes).
@@ -191,9 +199,11 @@ def test_dynamic_sampling_refills_filtered_groups_and_the_ledger_balances(tmp_pa
 
     algorithm = GRPO(parity, group_size=2, dynamic_sampling=True)
     with StreamGenerationService(tmp_path / "policy", 1, max_batch_size=8) as sgs:
-        rollouts = RolloutStream(sgs, PromptSource(prompts, 4), tokenizer, algorithm, 12, 256)
+        rollouts = RolloutStream(
+            sgs, PromptSource(prompts, 4), tokenizer, algorithm, max_tokens=12, context=256
+        )
         module = StreamRLModule(policy, algorithm, rollouts, iterations=3, lr=1e-3)
-        trainer = rl_trainer(3)
+        trainer = build_trainer(module, show_progress=False)
         trainer.fit(module)
     books = ledger(module)
     # Two samples agree half the time: some groups were filtered and replaced from the stream.

@@ -66,7 +66,9 @@ def test_warm_start_is_cached_and_loadable(tmp_path):
     stamp = (first / "model.safetensors").stat().st_mtime_ns
     second = warm_start(config, tmp_path, show_progress=False)
     assert second == first and (first / "model.safetensors").stat().st_mtime_ns == stamp
-    other = warm_start(SFTConfig(model_size="test", steps=4, n_demos=64), tmp_path, False)
+    other = warm_start(
+        SFTConfig(model_size="test", steps=4, n_demos=64), tmp_path, show_progress=False
+    )
     assert other != first
     model, tok = load_policy(first)
     result = evaluate(model, tok, make_prompt_set(8, seed=9), max_new_tokens=8)

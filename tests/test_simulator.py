@@ -9,8 +9,8 @@ import pytest
 
 from streamrl.components.capacity.allocator import TrainerCostModel
 from streamrl.components.capacity.elastic import ElasticController
+from streamrl.components.skewness.batching import decode_schedule
 from streamrl.components.skewness.latency import LatencyModel
-from streamrl.sim.batching import decode_schedule
 from streamrl.sim.config import GeneratorPool, SimConfig, TrainerPool, Workload
 from streamrl.sim.engine import simulate
 from streamrl.sim.hardware import H800, LINK_GBPS, QWEN25, decode_latency, kv_batch_limit

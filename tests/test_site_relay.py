@@ -10,8 +10,8 @@ import signal
 import pytest
 import torch
 
+from streamrl.components.generation.hf_generator import fingerprint
 from streamrl.components.generation.service import StreamGenerationService
-from streamrl.components.generation.worker import fingerprint
 from streamrl.models import build_tiny_model, save_policy
 from streamrl.records import Request
 
@@ -33,7 +33,7 @@ def test_remote_site_gets_one_copy_and_its_head_fans_out(tmp_path, tokenizer):
         model_dir, 3, max_batch_size=4, sites=sites, trainer_site="home"
     ) as sgs:
         # The cloud instance that loaded first became the head; the other follows it.
-        head, member = sorted(sgs._instances[1:], key=lambda h: h.head is not None)
+        head, member = sorted(sgs.pool.handles[1:], key=lambda h: h.head is not None)
         assert head.head is None and member.head == head.instance_id
         assert head.members == {member.instance_id}
         _nudge(policy)
@@ -44,7 +44,7 @@ def test_remote_site_gets_one_copy_and_its_head_fans_out(tmp_path, tokenizer):
 
         # A newcomer at the cloud site catches up through the head, then follows it.
         new = sgs.add_instance(wait=True, site="cloud")
-        assert sgs._instances[new].head == head.instance_id
+        assert sgs.pool.handles[new].head == head.instance_id
         assert sgs.fingerprints()[new] == fingerprint(policy)
         _nudge(policy)
         sgs.update(policy, version=2)
@@ -59,7 +59,7 @@ def test_remote_site_gets_one_copy_and_its_head_fans_out(tmp_path, tokenizer):
         got = list(sgs.generate(reqs))
         assert sorted(s.key for s in got) == sorted(r.key for r in reqs)
         sgs.wait_active()
-        replacement = sgs._instances[-1]
+        replacement = sgs.pool.handles[-1]
         assert replacement.site == "cloud" and replacement.head == head.instance_id
         assert sgs.fingerprints()[replacement.instance_id] == fingerprint(policy)
         assert head.members == {new, replacement.instance_id}
@@ -76,7 +76,7 @@ def test_remote_site_gets_one_copy_and_its_head_fans_out(tmp_path, tokenizer):
         )
         assert len(done) == 4
         sgs.wait_active()
-        cloud = [h for h in sgs._instances if h.site == "cloud" and h.state == "active"]
+        cloud = [h for h in sgs.pool.handles if h.site == "cloud" and h.state == "active"]
         assert len(cloud) == 3 and sum(h.head is None for h in cloud) == 1
         assert (
             sgs.counts["instances_restarted"] == 2

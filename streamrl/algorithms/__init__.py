@@ -2,78 +2,90 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from typing import Any
 
-from streamrl.algorithms.base import Algorithm, LossInputs, RewardError
-from streamrl.algorithms.grpo import GRPO, dapo
+from streamrl.algorithms.base import (
+    Algorithm,
+    LossInputs,
+    RewardError,
+    RunFacts,
+    TokenLoss,
+)
+from streamrl.algorithms.grpo import DAPO, GRPO
 from streamrl.algorithms.ppo import PPO
-from streamrl.algorithms.reinforce_pp import ReinforcePlusPlus, reinforce_pp_baseline
+from streamrl.algorithms.reinforce_pp import ReinforcePlusPlus, ReinforcePlusPlusBaseline
 from streamrl.algorithms.rloo import RLOO
 from streamrl.errors import ConfigError, unknown_name
-from streamrl.tasks.rewards import RewardFn
+from streamrl.protocols import RewardFn
 
-#: Algorithms selectable by name from a config (``rl.algorithm``). Each is called as
-#: ``(reward_fn, group_size=..., clip_eps=..., kl_coef=..., **extra)``; ``build_algorithm`` knows
-#: the extras.
-ALGORITHMS: dict[str, Callable[..., Algorithm]] = {
+#: Algorithms selectable by name from a config (``rl.algorithm``). ``build_algorithm`` builds
+#: each with its ``from_run``, which takes what the algorithm needs from the run's facts.
+ALGORITHMS: dict[str, type[Algorithm]] = {
     "grpo": GRPO,
     "rloo": RLOO,
     "reinforce++": ReinforcePlusPlus,
-    "reinforce++-baseline": reinforce_pp_baseline,
+    "reinforce++-baseline": ReinforcePlusPlusBaseline,
     "ppo": PPO,
-    "dapo": dapo,
+    "dapo": DAPO,
 }
 
 
 def build_algorithm(
-    name: str,
-    reward_fn: RewardFn,
-    *,
-    group_size: int,
-    clip_eps: float = 0.2,
-    kl_coef: float = 0.0,
-    max_tokens: int,
-    hidden_size: int,
-    samples_per_iteration: int,
+    algorithm: str | type[Algorithm], reward_fn: RewardFn, run: RunFacts, **options: Any
 ) -> Algorithm:
-    """Build the algorithm a config names, giving each the run facts it needs.
+    """Build an algorithm for a run: ``cls.from_run(reward_fn, run, **options)``.
+
+    Each algorithm takes from ``run`` what it needs (``Algorithm.from_run``); nothing here depends
+    on which one it is.
 
     Args:
-        name: a key of ``ALGORITHMS``.
+        algorithm: a key of ``ALGORITHMS`` (a config's ``rl.algorithm``) or an ``Algorithm``
+            subclass.
         reward_fn: rule-based reward.
-        group_size: samples per prompt (shared by every algorithm).
-        clip_eps: PPO clip range (shared by every algorithm).
-        kl_coef: weight of the KL penalty (shared by every algorithm).
-        max_tokens: the generation budget (DAPO's token-level loss and overlong penalty).
-        hidden_size: the policy's hidden size (PPO's value head).
-        samples_per_iteration: prompts x group size (REINFORCE++'s normalisation window).
+        run: the run's facts (group size, clip range, KL weight, generation budget, hidden size,
+            prompts per iteration).
+        **options: further constructor arguments of the algorithm.
 
     Raises:
         ConfigError: unknown name (with a "did you mean").
+        TypeError: ``algorithm`` is neither a name nor an ``Algorithm`` subclass.
+        ValueError: the algorithm rejects the run's facts (e.g. GRPO with ``group_size`` 1).
+
+    Examples:
+        >>> from streamrl.tasks import partial_credit
+        >>> run = RunFacts(group_size=4, clip_eps=0.2, kl_coef=0.0, max_tokens=64,
+        ...                hidden_size=32, prompts_per_iteration=8)
+        >>> build_algorithm("dapo", partial_credit, run).max_tokens
+        64
+        >>> build_algorithm(ReinforcePlusPlus, partial_credit, run).moments.decay  # 1 - 1 / 32
+        0.96875
     """
-    if name not in ALGORITHMS:
-        raise ConfigError(unknown_name("algorithm", name, ALGORITHMS))
-    extra: dict[str, int] = {
-        "dapo": {"max_tokens": max_tokens},
-        "ppo": {"hidden_size": hidden_size},
-        "reinforce++": {"norm_window": samples_per_iteration},
-        "reinforce++-baseline": {"norm_window": samples_per_iteration},
-    }.get(name, {})
-    return ALGORITHMS[name](
-        reward_fn, group_size=group_size, clip_eps=clip_eps, kl_coef=kl_coef, **extra
-    )
+    if isinstance(algorithm, str):
+        if algorithm not in ALGORITHMS:
+            raise ConfigError(unknown_name("algorithm", algorithm, ALGORITHMS))
+        cls = ALGORITHMS[algorithm]
+    elif isinstance(algorithm, type) and issubclass(algorithm, Algorithm):
+        cls = algorithm
+    else:
+        raise TypeError(
+            f"build_algorithm takes a name of ALGORITHMS or an Algorithm subclass, got "
+            f"{algorithm!r}."
+        )
+    return cls.from_run(reward_fn, run, **options)
 
 
 __all__ = [
     "ALGORITHMS",
+    "DAPO",
     "GRPO",
     "PPO",
     "RLOO",
     "Algorithm",
     "LossInputs",
     "ReinforcePlusPlus",
+    "ReinforcePlusPlusBaseline",
     "RewardError",
+    "RunFacts",
+    "TokenLoss",
     "build_algorithm",
-    "dapo",
-    "reinforce_pp_baseline",
 ]

@@ -2,16 +2,17 @@
 
 ``clipped_surrogate`` is PPO's clipped objective (Schulman et al. 2017, Eq. 7) with the
 generator's behaviour log-probs as the old policy; ``k3_kl`` is the non-negative KL estimator
-GRPO adds to its loss (DeepSeekMath 2024, Eq. 4); ``per_sample`` turns token losses into the
-per-sample loss the trainer sums (``StreamRLModule`` divides the sum by the samples per
-iteration).
+GRPO adds to its loss (DeepSeekMath 2024, Eq. 4); ``policy_token_loss`` is the two together, as
+the ``TokenLoss`` that GRPO, RLOO and REINFORCE++ return from ``token_loss``. ``per_sample``
+(defined in ``base``, where ``Algorithm.loss`` uses it) turns token losses into the per-sample
+loss the trainer sums (``StreamRLModule`` divides the sum by the samples per iteration).
 """
 
 from __future__ import annotations
 
 import torch
 
-from streamrl.algorithms.base import LossInputs
+from streamrl.algorithms.base import LossInputs, TokenLoss, per_sample, reduce_token_loss
 
 
 def clipped_surrogate(
@@ -47,27 +48,26 @@ def k3_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
     return torch.exp(log_ratio) - log_ratio - 1
 
 
-def per_sample(
-    per_token: torch.Tensor, mask: torch.Tensor, token_norm: float | None = None
-) -> torch.Tensor:
-    """Aggregate ``[batch, seq]`` token losses into ``[batch]``.
+def policy_token_loss(
+    batch: LossInputs, eps_low: float, eps_high: float | None = None, kl_coef: float = 0.0
+) -> TokenLoss:
+    """Clipped surrogate as the policy term, ``kl_coef`` x k3 KL as the auxiliary term.
+
+    The KL term is there only when ``kl_coef > 0`` and the batch has reference log-probs.
 
     Args:
-        per_token: token losses.
-        mask: 1 for real completion tokens.
-        token_norm: ``None`` averages each sample's tokens (GRPO: every sample weighs the same).
-            A number divides each sample's token sum by that constant, so every token of the
-            iteration weighs the same (token-level aggregation, DAPO §3.3). DAPO divides by the
-            batch's total tokens, which is known only once the last sample lands: a batch
-            barrier a streaming trainer does not have. A constant (the generation budget, as Dr.
-            GRPO does, Liu et al. 2025) gives the same per-token weighting; the update is scaled
-            by ``mean_length / token_norm`` relative to DAPO's.
+        batch: the micro-batch.
+        eps_low: lower clip range.
+        eps_high: upper clip range; ``None``: ``eps_low`` (see ``clipped_surrogate``).
+        kl_coef: weight of the k3 KL penalty to the reference policy.
     """
-    mask = mask.to(per_token.dtype)
-    summed = (per_token * mask).sum(1)  # [batch]
-    if token_norm is None:
-        return summed / mask.sum(1).clamp(min=1)
-    return summed / token_norm
+    policy = clipped_surrogate(
+        batch.logprobs, batch.old_logprobs, batch.advantages, eps_low, eps_high
+    )
+    auxiliary = None
+    if kl_coef > 0 and batch.ref_logprobs is not None:
+        auxiliary = kl_coef * k3_kl(batch.logprobs, batch.ref_logprobs)
+    return TokenLoss(policy, auxiliary)
 
 
 def policy_loss(
@@ -77,16 +77,17 @@ def policy_loss(
     kl_coef: float = 0.0,
     token_norm: float | None = None,
 ) -> torch.Tensor:
-    """Clipped surrogate plus ``kl_coef`` x k3 KL (when reference log-probs are given), per sample.
-
-    Returns:
-        ``[batch]``, see ``per_sample`` for ``token_norm``.
+    """Per-sample loss ``[batch]`` of ``policy_token_loss``, reduced as ``Algorithm.loss`` does
+    (``reduce_token_loss``: token weights, mask, ``token_norm``); for use outside an algorithm.
     """
-    per_token = clipped_surrogate(
-        batch.logprobs, batch.old_logprobs, batch.advantages, eps_low, eps_high
-    )
-    if batch.token_weights is not None:  # off-policy correction of stale samples
-        per_token = per_token * batch.token_weights
-    if kl_coef > 0 and batch.ref_logprobs is not None:
-        per_token = per_token + kl_coef * k3_kl(batch.logprobs, batch.ref_logprobs)
-    return per_sample(per_token, batch.mask, token_norm)
+    terms = policy_token_loss(batch, eps_low, eps_high, kl_coef)
+    return reduce_token_loss(terms, batch, token_norm)
+
+
+__all__ = [
+    "clipped_surrogate",
+    "k3_kl",
+    "per_sample",
+    "policy_loss",
+    "policy_token_loss",
+]

@@ -15,12 +15,13 @@ epochs, or values recorded at generation).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any, ClassVar
 
 import torch
 
-from streamrl.algorithms.base import Algorithm, LossInputs
-from streamrl.algorithms.losses import clipped_surrogate, per_sample
-from streamrl.tasks.rewards import RewardFn
+from streamrl.algorithms.base import Algorithm, LossInputs, RunFacts, TokenLoss
+from streamrl.algorithms.losses import clipped_surrogate
+from streamrl.protocols import RewardFn
 
 
 def gae(
@@ -87,7 +88,7 @@ class PPO(Algorithm):
     Args:
         reward_fn: rule-based reward.
         hidden_size: the policy's hidden size (``policy.config.hidden_size``), the value head's
-            input.
+            input; ``from_run`` passes ``run.hidden_size``.
         group_size: samples per prompt; PPO needs no groups (1, as the paper's §7 runs).
         clip_eps: policy ratio clip range.
         kl_coef: KL penalty to the reference policy, subtracted from each token's reward as
@@ -101,44 +102,52 @@ class PPO(Algorithm):
             are computed without grad (cheaper, and the policy sees only the policy loss).
 
     The value head's parameters are in ``trainable_parameters()``: the trainer's optimizer must
-    include them. ``token_values`` runs the policy's transformer once more per micro-batch.
+    include them. ``token_values`` runs the policy's transformer once more per micro-batch. The
+    head is not sharded by FSDP yet: ``shardable`` is ``False``.
 
     Examples:
         >>> from streamrl.tasks import partial_credit
         >>> ppo = PPO(partial_credit, hidden_size=64)
-        >>> ppo.score_group([0.5])  # the sequence reward; GAE makes token advantages in loss()
+        >>> ppo.score_group([0.5])  # the sequence reward; GAE makes token advantages later
         [0.5]
     """
+
+    shardable: ClassVar[bool] = False  # the value head is not sharded by FSDP yet
 
     def __init__(
         self,
         reward_fn: RewardFn,
         hidden_size: int,
+        *,
         group_size: int = 1,
         clip_eps: float = 0.2,
         kl_coef: float = 0.0,
-        *,
         gamma: float = 1.0,
         lam: float = 0.95,
         value_coef: float = 0.5,
         value_clip_eps: float = 0.2,
         train_trunk: bool = False,
     ) -> None:
-        super().__init__(reward_fn)
-        if group_size < 1 or hidden_size < 1:
+        super().__init__(reward_fn, group_size=group_size, clip_eps=clip_eps, kl_coef=kl_coef)
+        if hidden_size < 1:
             raise ValueError(
-                f"PPO needs group_size >= 1 and hidden_size >= 1 (policy.config.hidden_size), "
-                f"got {group_size} and {hidden_size}."
+                f"PPO needs hidden_size >= 1 (policy.config.hidden_size, the value head's input), "
+                f"got {hidden_size}."
             )
         if not (0 <= gamma <= 1 and 0 <= lam <= 1):
             raise ValueError(f"PPO: gamma and lam must be in [0, 1], got {gamma} and {lam}.")
-        self.group_size, self.clip_eps, self.kl_coef = group_size, clip_eps, kl_coef
         self.gamma, self.lam, self.value_coef = gamma, lam, value_coef
         self.value_clip_eps, self.train_trunk = value_clip_eps, train_trunk
         self.value_head = torch.nn.Linear(hidden_size, 1)
         # Zero init: V = 0 at the start, so the first advantages are the discounted reward.
         torch.nn.init.zeros_(self.value_head.weight)
         torch.nn.init.zeros_(self.value_head.bias)
+
+    @classmethod
+    def from_run(cls, reward_fn: RewardFn, run: RunFacts, **options: Any) -> Algorithm:
+        """Needs the policy's hidden size (``run.hidden_size``) for its value head."""
+        options.setdefault("hidden_size", run.hidden_size)
+        return super().from_run(reward_fn, run, **options)
 
     def score_group(self, rewards: Sequence[float]) -> list[float]:
         return [float(r) for r in rewards]
@@ -163,7 +172,9 @@ class PPO(Algorithm):
             self.value_head.to(states.device)
         return self.value_head(states.float()).squeeze(-1)  # [batch, width]
 
-    def loss(self, batch: LossInputs) -> torch.Tensor:
+    def token_loss(self, batch: LossInputs) -> TokenLoss:
+        """The clipped surrogate on GAE advantages (importance-weighted when samples are stale)
+        and ``value_coef`` x the clipped value loss (auxiliary: never importance-weighted)."""
         if batch.values is None:
             raise ValueError(
                 "PPO.loss needs LossInputs.values (per-token critic values): the trainer fills "
@@ -176,10 +187,8 @@ class PPO(Algorithm):
             rewards = rewards - self.kl_coef * (batch.old_logprobs - batch.ref_logprobs) * mask
         advantages, returns = gae(rewards, old_values, mask, self.gamma, self.lam)
         policy = clipped_surrogate(batch.logprobs, batch.old_logprobs, advantages, self.clip_eps)
-        if batch.token_weights is not None:  # off-policy correction of stale samples
-            policy = policy * batch.token_weights
         value = clipped_value_loss(batch.values, old_values, returns, self.value_clip_eps)
-        return per_sample(policy + self.value_coef * value, mask)  # [batch]
+        return TokenLoss(policy, self.value_coef * value)
 
     def trainable_parameters(self) -> list[torch.nn.Parameter]:
         return list(self.value_head.parameters())

@@ -21,12 +21,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Any, ClassVar
 
-import torch
-
-from streamrl.algorithms.base import Algorithm, LossInputs
-from streamrl.algorithms.losses import policy_loss
-from streamrl.tasks.rewards import RewardFn
+from streamrl.algorithms.base import Algorithm, LossInputs, RunFacts, TokenLoss
+from streamrl.algorithms.losses import policy_token_loss
+from streamrl.protocols import RewardFn
 
 
 class RunningMoments:
@@ -73,22 +72,22 @@ class RunningMoments:
 
 
 class ReinforcePlusPlus(Algorithm):
-    """REINFORCE++ and REINFORCE++-baseline with stream-normalised advantages.
+    """REINFORCE++ with stream-normalised advantages (config name ``"reinforce++"``).
 
-    ``A = (x - mean) / std`` where ``x`` is the sample's reward (``baseline=False``) or its reward
-    minus its group's mean (``baseline=True``), and mean / std are running statistics of the
+    ``A = (x - mean) / std`` where ``x`` is the sample's reward (here) or its reward minus its
+    group's mean (``ReinforcePlusPlusBaseline``), and mean / std are running statistics of the
     stream (see the module docstring). The loss is the shared clipped surrogate. REINFORCE++
     folds a k1 KL penalty into each token's return; here the KL stays a k3 loss term as in GRPO,
     because reference log-probs exist only at loss time, after advantages are fixed.
 
     Args:
         reward_fn: rule-based reward.
-        group_size: samples per prompt (1 is fine without baseline; >= 2 with it).
+        group_size: samples per prompt (1 is fine here; ``ReinforcePlusPlusBaseline`` needs 2).
         clip_eps: PPO clip range.
         kl_coef: weight of the k3 KL penalty; 0 disables it.
-        baseline: subtract each group's mean reward first (REINFORCE++-baseline).
         norm_window: about how many recent values the statistics cover; one iteration's samples
-            is a good choice (the paper's global batch, 1024, by default); ``None``: all.
+            is a good choice and what ``from_run`` passes (the paper's global batch, 1024, by
+            default); ``None``: all.
 
     Examples:
         >>> from streamrl.tasks import partial_credit
@@ -97,24 +96,27 @@ class ReinforcePlusPlus(Algorithm):
         ([1.0, -1.0], [0.577, 0.577])
     """
 
+    display_name: ClassVar[str] = "REINFORCE++"
+    #: Subtract each group's mean reward before normalising (REINFORCE++-baseline).
+    baseline: ClassVar[bool] = False
+
     def __init__(
         self,
         reward_fn: RewardFn,
+        *,
         group_size: int = 1,
         clip_eps: float = 0.2,
         kl_coef: float = 0.0,
-        *,
-        baseline: bool = False,
         norm_window: int | None = 1024,
     ) -> None:
-        super().__init__(reward_fn)
-        need = 2 if baseline else 1
-        if group_size < need:
-            name = "REINFORCE++-baseline" if baseline else "REINFORCE++"
-            raise ValueError(f"{name} needs group_size >= {need}, got {group_size}.")
-        self.group_size, self.clip_eps, self.kl_coef = group_size, clip_eps, kl_coef
-        self.baseline = baseline
+        super().__init__(reward_fn, group_size=group_size, clip_eps=clip_eps, kl_coef=kl_coef)
         self.moments = RunningMoments(norm_window)
+
+    @classmethod
+    def from_run(cls, reward_fn: RewardFn, run: RunFacts, **options: Any) -> Algorithm:
+        """Normalises over about one iteration's samples (``run.samples_per_iteration``)."""
+        options.setdefault("norm_window", run.samples_per_iteration)
+        return super().from_run(reward_fn, run, **options)
 
     def score_group(self, rewards: Sequence[float]) -> list[float]:
         x = [r - sum(rewards) / len(rewards) for r in rewards] if self.baseline else list(rewards)
@@ -124,8 +126,8 @@ class ReinforcePlusPlus(Algorithm):
             return [0.0] * len(x)
         return [(v - mean) / (std + 1e-6) for v in x]
 
-    def loss(self, batch: LossInputs) -> torch.Tensor:
-        return policy_loss(batch, self.clip_eps, kl_coef=self.kl_coef)
+    def token_loss(self, batch: LossInputs) -> TokenLoss:
+        return policy_token_loss(batch, self.clip_eps, kl_coef=self.kl_coef)
 
     def state_dict(self) -> dict:
         return {"moments": self.moments.state_dict()}
@@ -134,16 +136,38 @@ class ReinforcePlusPlus(Algorithm):
         self.moments.load_state_dict(state["moments"])
 
 
-def reinforce_pp_baseline(
-    reward_fn: RewardFn,
-    group_size: int = 8,
-    clip_eps: float = 0.2,
-    kl_coef: float = 0.0,
-    *,
-    norm_window: int | None = 1024,
-) -> ReinforcePlusPlus:
-    """REINFORCE++-baseline: group mean subtracted, then stream-normalised (config name
-    ``"reinforce++-baseline"``)."""
-    return ReinforcePlusPlus(
-        reward_fn, group_size, clip_eps, kl_coef, baseline=True, norm_window=norm_window
-    )
+class ReinforcePlusPlusBaseline(ReinforcePlusPlus):
+    """REINFORCE++-baseline: each group's mean reward subtracted, then stream-normalised (config
+    name ``"reinforce++-baseline"``). Same arguments as ``ReinforcePlusPlus``, with
+    ``group_size`` >= 2 (8 by default).
+
+    Examples:
+        >>> from streamrl.tasks import partial_credit
+        >>> algo = ReinforcePlusPlusBaseline(partial_credit, group_size=2, norm_window=None)
+        >>> [round(a, 4) for a in algo.score_group([1.0, 0.0])]  # x = [0.5, -0.5]
+        [1.0, -1.0]
+        >>> algo.score_group([1.0, 1.0])  # x = [0, 0]: the stream's mean, whatever its std
+        [0.0, 0.0]
+    """
+
+    display_name: ClassVar[str] = "REINFORCE++-baseline"
+    min_group_size: ClassVar[int] = 2
+    group_size_reason: ClassVar[str] = "to subtract a group mean (plain reinforce++ takes 1)"
+    baseline: ClassVar[bool] = True
+
+    def __init__(
+        self,
+        reward_fn: RewardFn,
+        *,
+        group_size: int = 8,
+        clip_eps: float = 0.2,
+        kl_coef: float = 0.0,
+        norm_window: int | None = 1024,
+    ) -> None:
+        super().__init__(
+            reward_fn,
+            group_size=group_size,
+            clip_eps=clip_eps,
+            kl_coef=kl_coef,
+            norm_window=norm_window,
+        )

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import ClassVar
 
 import torch
 
-from streamrl.algorithms.base import Algorithm, LossInputs
-from streamrl.algorithms.losses import policy_loss
-from streamrl.tasks.rewards import RewardFn
+from streamrl.algorithms.base import Algorithm, LossInputs, TokenLoss
+from streamrl.algorithms.losses import policy_token_loss
+from streamrl.protocols import RewardFn
 
 
 class RLOO(Algorithm):
@@ -16,7 +17,7 @@ class RLOO(Algorithm):
 
     Each of a prompt's ``k`` samples is baselined by the mean reward of the *other* ``k - 1``:
     ``A_i = r_i - (sum_j r_j - r_i) / (k - 1)``, an unbiased baseline (it does not depend on
-    sample ``i``). The loss is the same clipped surrogate as GRPO's (``losses.policy_loss``); with
+    sample ``i``). The loss is the same clipped surrogate as GRPO's (``policy_token_loss``); with
     on-policy samples the ratio is 1 and it reduces to RLOO's REINFORCE gradient.
 
     Args:
@@ -31,20 +32,23 @@ class RLOO(Algorithm):
         [0.75, -0.75, 0.0]
     """
 
+    min_group_size: ClassVar[int] = 2
+    group_size_reason: ClassVar[str] = "for a leave-one-out baseline"
+
     def __init__(
-        self, reward_fn: RewardFn, group_size: int = 8, clip_eps: float = 0.2, kl_coef: float = 0.0
+        self,
+        reward_fn: RewardFn,
+        *,
+        group_size: int = 8,
+        clip_eps: float = 0.2,
+        kl_coef: float = 0.0,
     ) -> None:
-        super().__init__(reward_fn)
-        if group_size < 2:
-            raise ValueError(
-                f"RLOO needs group_size >= 2 for a leave-one-out baseline, got {group_size}."
-            )
-        self.group_size, self.clip_eps, self.kl_coef = group_size, clip_eps, kl_coef
+        super().__init__(reward_fn, group_size=group_size, clip_eps=clip_eps, kl_coef=kl_coef)
 
     def score_group(self, rewards: Sequence[float]) -> list[float]:
         r = torch.tensor(rewards, dtype=torch.float64)
         others_mean = (r.sum() - r) / (len(rewards) - 1)
         return (r - others_mean).tolist()
 
-    def loss(self, batch: LossInputs) -> torch.Tensor:
-        return policy_loss(batch, self.clip_eps, kl_coef=self.kl_coef)
+    def token_loss(self, batch: LossInputs) -> TokenLoss:
+        return policy_token_loss(batch, self.clip_eps, kl_coef=self.kl_coef)

@@ -22,7 +22,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import replace
 from pathlib import Path
 
@@ -36,6 +36,7 @@ from streamrl.components.generation.service import StreamGenerationService
 from streamrl.components.skewness.dispatch import Dispatcher, RandomDispatcher
 from streamrl.components.skewness.latency import PAPER_7B_H800_MS, LatencyModel, simulate_instance
 from streamrl.components.skewness.profiler import Profiler
+from streamrl.components.skewness.schedulers import LPTScheduler
 from streamrl.components.skewness.skew_dispatch import SkewAwareDispatcher
 from streamrl.errors import ConfigError
 from streamrl.metrics import kendall_tau, recall_at_k
@@ -73,8 +74,17 @@ class Blindfolded:
 
     def batch_limits(self, instances: int) -> list[int]:
         """The inner plan's per-instance batch sizes (full batches for random dispatch)."""
-        limits = getattr(self.inner, "batch_limits", None)
-        return limits(instances) if limits else [self.max_batch_size] * instances
+        limits = self.inner.batch_limits(instances)
+        return limits if limits is not None else [self.max_batch_size] * instances
+
+    def observe(self, lengths: Iterable[int]) -> None:
+        self.inner.observe(lengths)
+
+    def state_dict(self) -> dict:
+        return self.inner.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.inner.load_state_dict(state)
 
 
 def _requests(prompt_ids: list[list[int]], true: list[int], iteration: int = 0) -> list[Request]:
@@ -123,7 +133,7 @@ def _run_real(plans: dict, args, prompt_ids, true, model_dir: Path) -> dict[str,
     """
     times: dict[str, list[float]] = {label: [] for label in plans}
     with StreamGenerationService(
-        model_dir, args.instances, max_batch_size=args.max_batch_size, scheduler="lpt"
+        model_dir, args.instances, max_batch_size=args.max_batch_size, scheduler=LPTScheduler
     ) as sgs:
         runs = [(None, *next(iter(plans.items())))]  # one unmeasured warm-up run
         runs += [(label, label, plan) for _ in range(args.repeats) for label, plan in plans.items()]

@@ -25,12 +25,13 @@ import torch
 
 from streamrl.algorithms import GRPO
 from streamrl.bench.inputs import load_lengths, model_dir_for, tokenizer_for
+from streamrl.builders import build_module, build_trainer
 from streamrl.components.generation.service import StreamGenerationService
-from streamrl.components.training.pipeline import DynamicBatchPipeline
 from streamrl.errors import ConfigError
 from streamrl.models import load_policy
-from streamrl.module import MODES, StreamRLModule, rl_trainer
-from streamrl.rollout import PromptSource, RolloutStream
+from streamrl.module import MODES
+from streamrl.prompts import PromptSource
+from streamrl.rollout import RolloutStream
 from streamrl.tasks import exact_match, make_prompt_set
 from streamrl.timeline import busy_fraction, draw_timeline
 
@@ -60,7 +61,7 @@ def run_mode(mode: str, model_dir: Path, lengths: list[int], args) -> dict:
     with service as sgs:
         rollouts = RolloutStream(
             sgs,
-            PromptSource(prompts, args.batch, args.seed),
+            PromptSource(prompts, args.batch, seed=args.seed),
             tokenizer,
             algorithm,
             max_tokens=max(lengths),
@@ -68,11 +69,11 @@ def run_mode(mode: str, model_dir: Path, lengths: list[int], args) -> dict:
             forced_lengths=itertools.cycle(lengths),
         )
         budget = args.colocated_token_budget if mode == "colocated" else args.token_budget
-        pipeline = DynamicBatchPipeline(budget, staleness_bound=int(mode == "async"))
-        module = StreamRLModule(
-            policy.train(), algorithm, rollouts, steps, lr=1e-5, mode=mode, pipeline=pipeline
+        module = build_module(
+            policy, algorithm, rollouts, iterations=steps, lr=1e-5, mode=mode, token_budget=budget
         )
-        rl_trainer(steps, accelerator="gpu" if on_gpu else "cpu", devices=1).fit(module)
+        accelerator = "gpu" if on_gpu else "cpu"
+        build_trainer(module, show_progress=False, accelerator=accelerator, devices=1).fit(module)
     measured = module.history[args.warmup :]
     spans = rollouts.trace.spans
     # The measured window: from the first trainer span of the first measured iteration to the

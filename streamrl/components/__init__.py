@@ -1,6 +1,14 @@
-"""Composable components of a StreamRL run (one concept per module)."""
+"""Composable components of a StreamRL run, grouped by the paper's concepts.
+
+``generation`` (§3: the stream generation service, its instances and engines), ``skewness`` (§5:
+length ranker, latency model, skew-aware dispatch, LPT), ``weights`` (§4.1, §6: weight sync and
+transports), ``capacity`` (§4.2, §6: resource allocation, elastic scaling) and ``training``
+(§4.1: dynamic-batch pipeline, off-policy correction). The user-facing names are importable
+from here.
+"""
 
 from streamrl.components.capacity.elastic import ElasticController
+from streamrl.components.generation.engines import HFEngine, VLLMEngine
 from streamrl.components.generation.hf_generator import HFStreamGenerator
 from streamrl.components.generation.service import GeneratorError, StreamGenerationService
 from streamrl.components.skewness.dispatch import Dispatcher, RandomDispatcher, RoundRobinDispatcher
@@ -21,6 +29,7 @@ __all__ = [
     "ElasticController",
     "FIFOScheduler",
     "GeneratorError",
+    "HFEngine",
     "HFStreamGenerator",
     "LPTScheduler",
     "LatencyModel",
@@ -30,5 +39,6 @@ __all__ = [
     "RoundRobinDispatcher",
     "SkewAwareDispatcher",
     "StreamGenerationService",
+    "VLLMEngine",
     "WeightGroup",
 ]

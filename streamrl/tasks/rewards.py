@@ -2,17 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Literal, Protocol
+from typing import Literal
 
 from streamrl.errors import ConfigError, unknown_name
+from streamrl.protocols import RewardFn  # defined once there; re-exported for streamrl.tasks
 
 RewardName = Literal["exact", "partial"]
-
-
-class RewardFn(Protocol):
-    """Scores one completion against its reference answer; returns a float in [0, 1]."""
-
-    def __call__(self, completion: str, answer: str) -> float: ...
 
 
 def exact_match(completion: str, answer: str) -> float:
@@ -41,6 +36,7 @@ def partial_credit(completion: str, answer: str) -> float:
     return hits / longest
 
 
+#: Built-in rewards by config name (``rl.reward``); each returns a float in [0, 1].
 REWARDS: dict[str, RewardFn] = {"exact": exact_match, "partial": partial_credit}
 
 

@@ -1,4 +1,4 @@
-"""The vLLM backend behind the stream generation service and `streamrl fit` (one config field).
+"""The vLLM engine behind the stream generation service and `streamrl fit` (`rl.engine: vllm`).
 
 Runs in ``make test-vllm``'s virtualenv: generator instances are spawned processes whose
 generator is ``VLLMStreamGenerator``; weights reach them over their gloo group and are loaded
@@ -13,6 +13,7 @@ pytest.importorskip("vllm", reason="needs vllm: make test-vllm")
 
 import torch
 
+from streamrl.components.generation.engines import VLLMEngine
 from streamrl.components.generation.service import StreamGenerationService
 from streamrl.models import build_tiny_model, build_tokenizer, save_policy
 from streamrl.records import Request
@@ -38,7 +39,7 @@ def test_service_streams_from_vllm_instances_and_updates_their_weights(tmp_path)
     policy = build_tiny_model(tokenizer, "demo", seed=0)  # head size 32: vLLM's CPU attention
     model_dir = save_policy(policy, tokenizer, tmp_path / "policy")
     service = StreamGenerationService(
-        model_dir, 2, max_batch_size=4, greedy=True, backend="vllm", engine_options=ENGINE
+        model_dir, 2, engine=VLLMEngine(options=ENGINE), max_batch_size=4, greedy=True
     )
     with service:
         before = {s.prompt_id: s for s in service.generate(_requests(0))}
@@ -55,4 +56,4 @@ def test_service_streams_from_vllm_instances_and_updates_their_weights(tmp_path)
 
 
 def test_fit_switches_to_vllm_with_one_field(fit_small):
-    fit_small(model_size="demo", backend="vllm")  # head size 32: vLLM's CPU attention
+    fit_small(model_size="demo", engine="vllm")  # head size 32: vLLM's CPU attention

@@ -25,9 +25,9 @@ from typing import Literal
 
 import numpy as np
 
+from streamrl.components.skewness.batching import decode_schedule
 from streamrl.components.skewness.latency import LatencyModel
 from streamrl.components.skewness.skew_dispatch import SkewAwareDispatcher
-from streamrl.sim.batching import decode_schedule
 
 Mode = Literal["async", "sync"]
 Method = Literal["replay", "eq2"]

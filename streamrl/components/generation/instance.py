@@ -19,7 +19,7 @@ from streamrl.components.generation.worker import WorkerSpec, worker_main
 from streamrl.components.weights.transport import make_store
 from streamrl.records import Request, Sample
 
-#: How often an instance says it is alive while it runs (see ``generator_worker``).
+#: How often an instance says it is alive while it runs (see ``worker``).
 HEARTBEAT_S = 1.0
 
 
@@ -63,7 +63,7 @@ class InstanceHandle:
         """Start the process; it loads the model and says ``ready`` on its pipe.
 
         ``spec_fields``: the ``WorkerSpec`` fields that say what to run (``model_dir``,
-        ``generator_kwargs``, ``backend``, ``device``).
+        ``engine``, ``scheduler``, the sampling settings, ``device``...).
         """
         store = make_store(2, timeout_s)
         spec = WorkerSpec(

@@ -1,8 +1,9 @@
-"""The machinery of the stream generation service: its pool of instances and their messages.
+"""The pool of a stream generation service: its instances, their weight groups and messages.
 
-``InstancePool`` is the base of ``StreamGenerationService`` (which holds the state it works on:
-the instances, the weight sync, the backlog of samples, the ledger). It starts instances and
-connects their weight groups, at the trainer's site or through a remote site's head (§6,
+``InstancePool`` is held by ``StreamGenerationService`` and owns what changes while instances
+come and go: their handles, the weight sync, the samples read but not yet taken, the ledger. It
+starts instances (with the ``launch`` it is given: what runs in them is the service's business)
+and connects their weight groups, at the trainer's site or through a remote site's head (§6,
 ``weight_relay``); replaces those that die or hang and requeues what they held; deals requests
 to the active ones; and reads every instance's messages without starving any.
 """
@@ -12,61 +13,205 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from multiprocessing import connection
+from pathlib import Path
 from typing import Any
 
-from streamrl.components.generation.engines import instance_device
-from streamrl.components.generation.instance import InstanceHandle
-from streamrl.components.generation.ray_instance import RayInstanceHandle
+from streamrl.components.generation.instance import InstanceHandle, InstanceInfo
 from streamrl.components.weights.relay import RelayedGroup
+from streamrl.components.weights.sync import AsyncWeightSync, Weights
 from streamrl.components.weights.transport import WeightGroup
-from streamrl.records import Request
+from streamrl.protocols import Dispatcher
+from streamrl.records import Request, Sample
 
 
 class GeneratorError(RuntimeError):
     """A generator instance failed; the message names the instance and the cause."""
 
 
+#: Starts one instance: ``(instance_id, site) -> handle`` (a local process or a Ray actor).
+Launch = Callable[[int, str], InstanceHandle]
+
+
 class InstancePool:
-    """Pool and message internals of ``StreamGenerationService`` (see the module docstring)."""
+    """The generator instances of a service and the messages they send (module docstring).
 
-    def _retire_drained(self) -> None:
-        for handle in self._instances:
-            if handle.state == "draining" and not handle.open:
+    Args:
+        launch: starts instance ``instance_id`` at ``site`` and returns its handle at once (it
+            says ``ready`` on its pipe once its generator is built).
+        dispatcher: which active instance gets which request.
+        trainer_site: the trainer's site; instances elsewhere get weights from their site's
+            head.
+        weight_transport: how each instance's weight group moves tensors (``WeightGroup``).
+        start_timeout_s: how long an instance may take to start and connect its group.
+        sample_timeout_s: the longest wait for the next message before giving up.
+        max_restarts: failed instances replaced over the pool's life; one more failure raises
+            ``GeneratorError``.
+        heartbeat_timeout_s: an active instance silent this long, while the pool is read, is
+            taken as hung: killed and replaced.
+        status_path: a JSON file rewritten on every change (instance id -> pid, state, weight
+            version), for operators.
+
+    Attributes:
+        handles: every instance started, in id order (failed and stopped ones included).
+        weight_sync: pushes weights to the instances' groups (``None`` while not running).
+        backlog: samples read from the instances, not yet taken.
+        counts: the ledger: requests submitted and requeued, samples returned and discarded
+            (late copies from failed instances), instances restarted.
+        pushed_version: the newest weight version handed to the weight sync.
+    """
+
+    def __init__(
+        self,
+        launch: Launch,
+        *,
+        dispatcher: Dispatcher,
+        trainer_site: str = "local",
+        weight_transport: str = "gloo",
+        start_timeout_s: float = 180.0,
+        sample_timeout_s: float = 300.0,
+        max_restarts: int = 3,
+        heartbeat_timeout_s: float = 60.0,
+        status_path: str | Path | None = None,
+    ) -> None:
+        self.launch = launch
+        self.dispatcher = dispatcher
+        self.trainer_site = trainer_site
+        self.weight_transport = weight_transport
+        self.start_timeout_s, self.sample_timeout_s = start_timeout_s, sample_timeout_s
+        self.max_restarts, self.heartbeat_timeout_s = max_restarts, heartbeat_timeout_s
+        self.status_path = Path(status_path) if status_path is not None else None
+        self.handles: list[InstanceHandle] = []
+        self.weight_sync: AsyncWeightSync | None = None
+        self.backlog: deque[Sample] = deque()
+        self.counts: Counter[str] = Counter()
+        self.pushed_version = 0
+        self.running = False
+        self._received: deque[tuple] = deque()  # read from the pipes, not yet handled
+        self._orphans: list[Request] = []  # requeued while no instance was active
+        self._reading_since = time.monotonic()
+        self._last_read = 0.0
+        self._checked = 0.0  # when instance health was last checked
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    def start(self, sites: Sequence[str]) -> None:
+        """Start one instance per site and wait until each is active; everything is stopped
+        again if one fails."""
+        self.running, self.handles = True, []
+        self.weight_sync = AsyncWeightSync(self.start_timeout_s)
+        try:
+            for site in sites:
+                self.spawn(site)
+            self.wait_active(self.start_timeout_s)
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Stop every instance: ask politely, then terminate, then kill. Safe to call twice."""
+        for handle in self.handles:
+            if handle.proc.is_alive():
                 handle.inbox.put(("stop",))
-                self.weight_sync.remove_group(handle.instance_id)
-                self._leave_head(handle)
-                self._set_state(handle, "stopped")
+        deadline = time.monotonic() + timeout_s
+        for handle in self.handles:
+            handle.stop(max(0.0, deadline - time.monotonic()))
+            handle.state = "stopped" if handle.state != "failed" else "failed"
+        for handle in self.handles:
+            handle.inbox.cancel_join_thread()  # never block our exit on undelivered messages
+            handle.inbox.close()
+            handle.close_link()
+        if self.weight_sync is not None:
+            self.weight_sync.close()
+        self.write_status()
+        self.running, self.weight_sync = False, None  # infos() still tells their fate
+        self._received.clear()
+        self.backlog.clear()
 
-    # -- the pool ----------------------------------------------------------------------------
-    def _spawn(self, site: str) -> InstanceHandle:
-        instance_id = len(self._instances)
-        kwargs = {**self._generator_kwargs, "seed": self._seed + instance_id}
-        what = dict(
-            model_dir=self.model_dir,
-            generator_kwargs=kwargs,
-            backend=self.backend,
-            device=instance_device(
-                instance_id,
-                self.gpus_per_instance,
-                self.cluster,
-                spare_first=self.weight_transport == "nccl",
-            ),
-            transport=self.weight_transport,
-            relays=site != self.trainer_site,
-        )
-        if self.cluster == "ray":
-            handle: InstanceHandle = RayInstanceHandle.spawn_actor(
-                self._ray, instance_id, what, self.start_timeout_s
+    def require_running(self) -> None:
+        if not self.running:
+            raise RuntimeError(
+                "StreamGenerationService is not started; call start() or use `with`."
             )
-        else:
-            handle = InstanceHandle.spawn(self._ctx, instance_id, what, self.start_timeout_s)
+
+    # -- the instances -----------------------------------------------------------------------
+    def spawn(self, site: str) -> InstanceHandle:
+        """Start one more instance at ``site``; it takes requests once it is active."""
+        handle = self.launch(len(self.handles), site)
         handle.site = site
-        self._instances.append(handle)
-        self._write_status()
+        self.handles.append(handle)
+        self.write_status()
         return handle
+
+    def retire(self, instance_id: int | None = None) -> int:
+        """Drain one active instance (by default the newest that feeds no other), then stop it;
+        returns its id."""
+        active = self.active()
+        if len(active) < 2:
+            raise ValueError("remove_instance: the service needs at least one active instance.")
+        if instance_id is None:  # the newest that feeds no other instance
+            handle = next(h for h in reversed(active) if not h.members)
+        else:
+            handle = self.handles[instance_id]
+        if handle.state != "active":
+            raise ValueError(f"remove_instance: instance {handle.instance_id} is {handle.state}.")
+        if handle.members:
+            raise ValueError(
+                f"remove_instance: instance {handle.instance_id} forwards weights "
+                f"to instances {sorted(handle.members)} of its site; remove them "
+                "first."
+            )
+        self._set_state(handle, "draining")
+        self._retire_drained()
+        return handle.instance_id
+
+    def wait_active(self, timeout_s: float) -> None:
+        """Read messages until no instance is still starting or joining."""
+        self.wait_until(
+            lambda: not any(h.state in ("starting", "joining") for h in self.handles),
+            "did not become active",
+            timeout_s,
+        )
+
+    def active(self) -> list[InstanceHandle]:
+        return [h for h in self.handles if h.state == "active"]
+
+    def infos(self) -> list[InstanceInfo]:
+        return [h.info() for h in self.handles]
+
+    def dispatch(self, requests: list[Request], scores: Sequence[float] | None) -> None:
+        """Deal ``requests`` to the active instances (held until one is active if none is)."""
+        if not requests:
+            return
+        active = self.active()
+        if not active:  # every instance is (re)starting: held until one is active
+            self._orphans.extend(requests)
+            return
+        parts = self.dispatcher.plan(requests, scores, len(active))
+        limits = self.dispatcher.batch_limits(len(active))  # per-pool batch sizes (§5.3)
+        for i, (handle, batch) in enumerate(zip(active, parts)):
+            if limits is not None:
+                handle.inbox.put(("limit", limits[i]))
+            if batch:
+                handle.open.update((r.key, r) for r in batch)
+                handle.inbox.put(("submit", list(batch)))
+
+    # -- weights -----------------------------------------------------------------------------
+    def push_weights(self, weights: Weights, version: int) -> float:
+        """Start sending ``version`` in the background; returns the seconds blocked."""
+        self.pushed_version = max(self.pushed_version, version)
+        return self.weight_sync.push(weights, version)
+
+    def wait_loaded(self, version: int, timeout_s: float) -> None:
+        """Block until ``version`` is sent and every active instance has loaded it."""
+        self.weight_sync.wait_sent(version)
+        self.wait_until(
+            lambda: all(h.version >= version for h in self.active()),
+            f"did not load weights {version}",
+            timeout_s,
+        )
 
     def _join(self, handle: InstanceHandle) -> None:
         """An instance has loaded the model: connect its weight group (or have its site's head
@@ -96,14 +241,14 @@ class InstancePool:
             head.members.add(handle.instance_id)
             self.weight_sync.add_group(handle.instance_id, RelayedGroup(), announce, start_relay)
         # Nothing pushed yet: the model directory is the current version.
-        self._set_state(handle, "joining" if self._pushed_version > 0 else "active")
+        self._set_state(handle, "joining" if self.pushed_version > 0 else "active")
 
     def _site_head(self, handle: InstanceHandle) -> InstanceHandle | None:
         """The instance that forwards weights to ``handle``: the first one of its remote site
         fed by the trainer; ``None`` if ``handle`` is at the trainer's site, or is that one."""
         if handle.site == self.trainer_site:
             return None
-        for other in self._instances:
+        for other in self.handles:
             if (
                 other is not handle
                 and other.site == handle.site
@@ -117,17 +262,26 @@ class InstancePool:
         """``handle`` stops or fails: its head forwards nothing more to it."""
         if handle.head is None:
             return
-        head = self._instances[handle.head]
+        head = self.handles[handle.head]
         head.members.discard(handle.instance_id)
         if head.state not in ("failed", "stopped"):
             head.inbox.put(("unrelay", handle.instance_id))
 
+    # -- state changes -----------------------------------------------------------------------
     def _set_state(self, handle: InstanceHandle, state: str) -> None:
         handle.state = state
         if state == "active" and self._orphans:
             orphans, self._orphans = self._orphans, []
-            self._dispatch(orphans, [r.predicted_length or 0.0 for r in orphans])
-        self._write_status()
+            self.dispatch(orphans, [r.predicted_length or 0.0 for r in orphans])
+        self.write_status()
+
+    def _retire_drained(self) -> None:
+        for handle in self.handles:
+            if handle.state == "draining" and not handle.open:
+                handle.inbox.put(("stop",))
+                self.weight_sync.remove_group(handle.instance_id)
+                self._leave_head(handle)
+                self._set_state(handle, "stopped")
 
     def _fail(self, handle: InstanceHandle, reason: str, own_fault: bool = True) -> None:
         """Replace a dead or hung instance and requeue what it held, or raise past the limit.
@@ -144,7 +298,7 @@ class InstancePool:
                 f"{restarts} of max_restarts={self.max_restarts} replacements already used."
             )
         handle.stop(0.0)
-        self._backlog.extend(handle.salvage())  # finished before it went: kept, not redone
+        self.backlog.extend(handle.salvage())  # finished before it went: kept, not redone
         self.weight_sync.remove_group(handle.instance_id)
         self._leave_head(handle)
         requests = list(handle.open.values())
@@ -152,63 +306,39 @@ class InstancePool:
         self._set_state(handle, "failed")
         self.counts["instances_restarted" if own_fault else "instances_replaced_with_head"] += 1
         self.counts["requests_requeued"] += len(requests)
-        self._spawn(handle.site)
-        self._dispatch(requests, [r.predicted_length or 0.0 for r in requests])
+        self.spawn(handle.site)
+        self.dispatch(requests, [r.predicted_length or 0.0 for r in requests])
         for member in sorted(handle.members):  # nothing would reach them any more
             head_lost = f"lost instance {handle.instance_id}, its head"
-            self._fail(self._instances[member], head_lost, own_fault=False)
+            self._fail(self.handles[member], head_lost, own_fault=False)
         handle.members.clear()
 
-    def _dispatch(self, requests: list[Request], scores: Sequence[float] | None) -> None:
-        if not requests:
-            return
-        active = self._active()
-        if not active:  # every instance is (re)starting: held until one is active
-            self._orphans.extend(requests)
-            return
-        parts = self.dispatcher.plan(requests, scores, len(active))
-        limits = getattr(self.dispatcher, "batch_limits", None)  # per-pool batch sizes (§5.3)
-        for i, (handle, batch) in enumerate(zip(active, parts)):
-            if limits is not None:
-                handle.inbox.put(("limit", limits(len(active))[i]))
-            if batch:
-                handle.open.update((r.key, r) for r in batch)
-                handle.inbox.put(("submit", list(batch)))
-
-    def _write_status(self) -> None:
+    def write_status(self) -> None:
+        """Rewrite the status file (if any) with every instance's ``InstanceInfo``."""
         if self.status_path is None:
             return
-        status = {str(i.instance_id): asdict(i) for i in self.instances()}
+        status = {str(i.instance_id): asdict(i) for i in self.infos()}
         tmp = self.status_path.with_suffix(".tmp")
         tmp.parent.mkdir(parents=True, exist_ok=True)
         tmp.write_text(json.dumps(status, indent=1))
         os.replace(tmp, self.status_path)  # readers never see half a file
 
     # -- messages ----------------------------------------------------------------------------
-    def _require_started(self) -> None:
-        if not self._running:
-            raise RuntimeError(
-                "StreamGenerationService is not started; call start() or use `with`."
-            )
-
-    def _active(self) -> list[InstanceHandle]:
-        return [h for h in self._instances if h.state == "active"]
-
-    def _wait_for(self, done: Callable[[], bool], what: str, timeout_s: float) -> None:
-        """Read messages (keeping samples for ``next_sample``) until ``done()``; raise
-        ``GeneratorError`` naming the instances after ``timeout_s``."""
+    def wait_until(self, done: Callable[[], bool], what: str, timeout_s: float) -> None:
+        """Read messages (samples go to ``backlog``) until ``done()``; raise ``GeneratorError``
+        naming the instances after ``timeout_s``."""
         deadline = time.monotonic() + timeout_s
         while not done():
             if time.monotonic() > deadline:
                 raise GeneratorError(
-                    f"Generator instances {what} within {timeout_s:.0f} s: {self.instances()}."
+                    f"Generator instances {what} within {timeout_s:.0f} s: {self.infos()}."
                 )
-            kind, payload = self._next_message(deadline)
-            if kind == "sample":
-                self._backlog.append(payload)
+            self.next_message(deadline)
 
-    def _next_message(self, deadline: float | None = None) -> tuple[str, Any]:
-        """Next message from any instance (failures handled on the way); raises on timeout."""
+    def next_message(self, deadline: float | None = None) -> tuple[str, Any]:
+        """Next message from any instance (failures handled on the way; a sample also goes to
+        ``backlog``): ``(kind, payload)``, or ``("handled", None)`` for bookkeeping only.
+        Raises ``GeneratorError`` on timeout."""
         deadline = deadline if deadline is not None else time.monotonic() + self.sample_timeout_s
         now = time.monotonic()
         if now - self._last_read > 1.0:  # the caller was away: silence meant nothing meanwhile
@@ -222,12 +352,13 @@ class InstancePool:
                     if time.monotonic() > deadline:
                         raise GeneratorError(
                             "No message from any generator instance within the timeout; "
-                            f"instances: {self.instances()}."
+                            f"instances: {self.infos()}."
                         )
                     continue
                 if not self._accept(message):  # bookkeeping only: let the caller re-check
                     return "handled", None
                 if message[0] == "sample":
+                    self.backlog.append(message[1])
                     return "sample", message[1]
                 return message[0], message[1:]
         finally:
@@ -237,7 +368,7 @@ class InstancePool:
         """One message from any instance's pipe (taking one from each ready pipe in turn, so
         none starves), or ``None`` after ``timeout_s``."""
         if not self._received:
-            links = {h.link: h for h in self._instances if h.link is not None}
+            links = {h.link: h for h in self.handles if h.link is not None}
             for link in connection.wait(list(links), timeout_s):
                 message = links[link].read()  # None: it died, maybe mid-write
                 if message is not None:
@@ -248,7 +379,7 @@ class InstancePool:
         """Bookkeeping of one message; False for messages no caller needs to see."""
         kind = message[0]
         sender = message[1].instance_id if kind == "sample" else message[1]
-        handle = self._instances[sender]
+        handle = self.handles[sender]
         handle.last_seen = time.monotonic()
         if kind == "error":
             reason = f"failed:\n{message[2]}"
@@ -263,9 +394,9 @@ class InstancePool:
             self._join(handle)
         elif kind == "updated":
             handle.version = max(handle.version, message[2])
-            if handle.state == "joining" and handle.version >= self._pushed_version:
+            if handle.state == "joining" and handle.version >= self.pushed_version:
                 self._set_state(handle, "active")
-            self._write_status()
+            self.write_status()
         elif kind == "sample":
             if handle.open.pop(message[1].key, None) is None:
                 raise GeneratorError(
@@ -280,9 +411,9 @@ class InstancePool:
         """Replace instances that died, or that stayed silent while we were reading."""
         now = self._checked = time.monotonic()
         for key, error in self.weight_sync.failed:
-            self._fail(self._instances[key], f"failed to receive weights ({error})")
+            self._fail(self.handles[key], f"failed to receive weights ({error})")
         self.weight_sync.failed.clear()
-        for handle in list(self._instances):
+        for handle in list(self.handles):
             if handle.state in ("failed", "stopped"):
                 continue
             if not handle.proc.is_alive():

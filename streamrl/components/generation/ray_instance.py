@@ -2,7 +2,7 @@
 §6: generation on its own resources, elastic instances; the field hosts such services on Ray).
 
 Each instance is one Ray actor in a placement group of its own (one bundle: a CPU, plus GPUs when
-asked), running the same loop as a local instance (``generator_worker.worker_main``). What the
+asked), running the same loop as a local instance (``worker.worker_main``). What the
 service sees is the same as for a local process (``InstanceHandle``):
 
 - requests and results travel over one authenticated TCP connection per actor

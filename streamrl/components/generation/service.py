@@ -5,7 +5,11 @@ is pushed to the trainer the moment it completes. The service has the paper's tw
 ``generate(requests)`` yields samples in completion order, and ``update(weights, version)``
 pushes new weights to every instance. A dispatcher decides which instance gets which prompt.
 
-The pool changes while it runs:
+What runs in an instance is given as objects: an ``engine`` (``HFEngine``, ``VLLMEngine`` or
+yours, a ``GenerationEngine``) builds its generator, a ``scheduler`` factory (``FIFOScheduler``,
+``LPTScheduler`` or yours) makes its admission queue; both are pickled to every instance.
+
+The pool (``InstancePool``, held as ``pool``) changes while it runs:
 
 - ``add_instance`` grows it (elastic generation, §6): the new instance loads the model, receives
   the current weights, and only then takes requests;
@@ -24,28 +28,33 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import time
-from collections import Counter, deque
-from collections.abc import Iterator, Sequence
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
 
-from streamrl.components.generation.engines import check_engines
+from streamrl.components.generation.engines import (
+    HFEngine,
+    check_cluster,
+    check_factories,
+    instance_device,
+)
 from streamrl.components.generation.instance import InstanceHandle, InstanceInfo
 from streamrl.components.generation.pool import GeneratorError, InstancePool
-from streamrl.components.generation.ray_instance import RayOptions
-from streamrl.components.skewness.dispatch import Dispatcher, RoundRobinDispatcher
+from streamrl.components.generation.ray_instance import RayInstanceHandle, RayOptions
+from streamrl.components.skewness.dispatch import RoundRobinDispatcher
+from streamrl.components.skewness.schedulers import FIFOScheduler
 from streamrl.components.weights.nccl import import_nccl
 from streamrl.components.weights.sync import AsyncWeightSync, Weights
 from streamrl.components.weights.transport import TRANSPORTS
 from streamrl.errors import ConfigError, unknown_name
-from streamrl.lora import LoRASpec
+from streamrl.protocols import AdmissionScheduler, Dispatcher, GenerationEngine
 from streamrl.records import Request, Sample
 
 __all__ = ["GeneratorError", "StreamGenerationService"]
 
 
-class StreamGenerationService(InstancePool):
+class StreamGenerationService:
     """N generator instances, each a spawned process running continuous batching (§3, §5).
 
     Samples come back over one pipe per instance (bounded by the pipe's buffer: instances pause
@@ -55,14 +64,19 @@ class StreamGenerationService(InstancePool):
     Args:
         model_dir: the policy's model directory; every instance loads it at start.
         num_instances: generator processes.
+        engine: builds every instance's generator, inside the instance (``HFEngine()`` if
+            ``None``; ``HFEngine(lora=spec)`` for a LoRA policy, whose updates then carry only
+            the adapters; ``VLLMEngine(options={...})``; or your ``GenerationEngine``). Its
+            ``check`` runs here, before any process starts.
+        scheduler: makes each instance's admission queue, in the instance: ``FIFOScheduler``,
+            ``LPTScheduler`` (longest ``predicted_length`` first, §5.3) or your factory of
+            ``AdmissionScheduler`` s (a class, or a picklable function).
         max_batch_size: batch slots per instance.
         temperature: sampling temperature.
         greedy: decode greedily instead of sampling.
         seed: base sampling seed (instance ``i`` uses ``seed + i``, reseeded for every weight
             version it loads, so a resumed run samples as the uninterrupted one).
         dispatcher: which instance gets which request; round-robin by prompt if ``None``.
-        scheduler: admission order inside each instance: ``"fifo"`` or ``"lpt"`` (longest
-            ``predicted_length`` first, §5.3).
         start_timeout_s: how long instances may take to load the model.
         sample_timeout_s: the longest wait for the next sample before giving up.
         max_restarts: failed instances replaced over the service's life; one more failure
@@ -71,23 +85,23 @@ class StreamGenerationService(InstancePool):
             reading, is taken as hung: killed and replaced.
         status_path: a JSON file rewritten on every change of the pool (instance id -> pid,
             state, weight version), for operators.
-        lora: wrap every instance's model with these adapters; updates then carry only the
-            adapter tensors (push ``streamrl.lora.adapter_weights(policy)``).
-        backend: the generation engine of every instance: ``"hf"`` (``HFStreamGenerator``) or
-            ``"vllm"`` (``VLLMStreamGenerator``, the ``[vllm]`` extra).
         cluster: where instances run: ``"local"`` (processes of this machine) or ``"ray"``
             (Ray actors, the ``[ray]`` extra; see ``ray_instance``).
         gpus_per_instance: GPUs each instance runs on (0: the CPU).
         ray: Ray cluster options (address, local cluster size, temp dir) for ``cluster="ray"``.
         weight_transport: ``"gloo"``, ``"bucketed"`` or ``"nccl"`` (GPU to GPU through CuPy):
             how each instance's weight group moves tensors (``WeightGroup``).
-        engine_options: more keyword arguments for every instance's generator (for ``"vllm"``,
-            engine arguments such as ``max_model_len`` or ``kv_cache_memory_bytes``).
         sites: the site of each instance, in order (``num_instances`` names); instances at a
             site other than ``trainer_site`` get the weights from their site's first instance
             (its *head*), so one copy per version crosses to each remote site (§6,
             ``weight_relay``). ``None``: every instance beside the trainer.
         trainer_site: the trainer's site.
+
+    Raises:
+        ConfigError: the engine's ``check`` failed, or the cluster or transport is unknown or
+            not installed.
+        TypeError: ``engine`` or ``scheduler`` is not what it must be (an engine object; a
+            factory, not a queue), or cannot be pickled to the instances.
     """
 
     def __init__(
@@ -95,92 +109,98 @@ class StreamGenerationService(InstancePool):
         model_dir: str | Path,
         num_instances: int = 2,
         *,
+        engine: GenerationEngine | None = None,
+        scheduler: Callable[[], AdmissionScheduler] = FIFOScheduler,
         max_batch_size: int = 32,
         temperature: float = 1.0,
         greedy: bool = False,
         seed: int = 0,
         dispatcher: Dispatcher | None = None,
-        scheduler: str = "fifo",
         start_timeout_s: float = 180.0,
         sample_timeout_s: float = 300.0,
         max_restarts: int = 3,
         heartbeat_timeout_s: float = 60.0,
         status_path: str | Path | None = None,
-        lora: LoRASpec | None = None,
-        backend: str = "hf",
         cluster: str = "local",
         gpus_per_instance: int = 0,
         ray: RayOptions | None = None,
         weight_transport: str = "gloo",
-        engine_options: dict[str, Any] | None = None,
         sites: Sequence[str] | None = None,
         trainer_site: str = "local",
     ) -> None:
         if num_instances < 1:
             raise ValueError(f"num_instances must be >= 1, got {num_instances}.")
-        if scheduler not in ("fifo", "lpt"):
-            raise ValueError(f"scheduler must be 'fifo' or 'lpt', got {scheduler!r}.")
-        check_engines(backend, cluster, gpus_per_instance, lora=lora is not None)
-        self.backend, self.cluster, self.gpus_per_instance = backend, cluster, gpus_per_instance
-        self._ray = replace(ray or RayOptions(), gpus_per_instance=gpus_per_instance)
+        if sites is not None and len(sites) != num_instances:
+            raise ValueError(f"sites: one site per instance ({num_instances}), got {list(sites)}.")
+        engine = engine if engine is not None else HFEngine()
+        check_factories(engine, scheduler)
+        check_cluster(cluster)
         if weight_transport not in TRANSPORTS:
             raise ConfigError(
                 f"weight_transport: {unknown_name('transport', weight_transport, TRANSPORTS)}"
             )
+        engine.check(cluster=cluster, gpus_per_instance=gpus_per_instance)
         if weight_transport == "nccl":
             import_nccl()  # CuPy and a GPU, or a ConfigError saying how to get them
-        self.weight_transport = weight_transport
+        self.engine, self.scheduler = engine, scheduler
         self.model_dir = str(model_dir)
         self.num_instances = num_instances
-        self.dispatcher = dispatcher if dispatcher is not None else RoundRobinDispatcher()
-        self.start_timeout_s, self.sample_timeout_s = start_timeout_s, sample_timeout_s
-        self.max_restarts, self.heartbeat_timeout_s = max_restarts, heartbeat_timeout_s
-        self.status_path = Path(status_path) if status_path is not None else None
-        self._generator_kwargs = dict(
-            max_batch_size=max_batch_size,
-            temperature=temperature,
-            greedy=greedy,
-            scheduler=scheduler,
-        )
-        if lora is not None:
-            self._generator_kwargs["lora"] = lora.to_dict()
-        self._generator_kwargs.update(engine_options or {})
-        if sites is not None and len(sites) != num_instances:
-            raise ValueError(f"sites: one site per instance ({num_instances}), got {list(sites)}.")
-        self._sites = list(sites) if sites is not None else [trainer_site] * num_instances
+        self.max_batch_size, self.temperature, self.greedy = max_batch_size, temperature, greedy
+        self.seed = seed
+        self.cluster, self.gpus_per_instance = cluster, gpus_per_instance
+        self.weight_transport = weight_transport
         self.trainer_site = trainer_site
-        self._seed = seed
+        self._sites = list(sites) if sites is not None else [trainer_site] * num_instances
+        self._ray = replace(ray or RayOptions(), gpus_per_instance=gpus_per_instance)
         self._ctx = mp.get_context("spawn")
-        self._instances: list[InstanceHandle] = []
-        self._running = False
-        self._received: deque[tuple] = deque()  # read from the pipes, not yet handled
-        self.weight_sync: AsyncWeightSync | None = None
-        self._backlog: deque[Sample] = deque()
-        self._outstanding: set[tuple] = set()
-        self._orphans: list[Request] = []  # requeued while no instance was active
-        self._reading_since = time.monotonic()
-        self._last_read = 0.0
-        self._checked = 0.0  # when instance health was last checked
+        self.start_timeout_s, self.sample_timeout_s = start_timeout_s, sample_timeout_s
+        #: The instances: their processes, weight groups and messages.
+        self.pool = InstancePool(
+            self._launch,
+            dispatcher=dispatcher if dispatcher is not None else RoundRobinDispatcher(),
+            trainer_site=trainer_site,
+            weight_transport=weight_transport,
+            start_timeout_s=start_timeout_s,
+            sample_timeout_s=sample_timeout_s,
+            max_restarts=max_restarts,
+            heartbeat_timeout_s=heartbeat_timeout_s,
+            status_path=status_path,
+        )
+        self._outstanding: set[tuple] = set()  # keys submitted and not yet returned
         self.weight_version = 0  # loaded by every active instance
-        self._pushed_version = 0  # the newest version handed to the weight sync
-        #: Ledger of the service: requests submitted and requeued, samples returned and
-        #: discarded (late copies from failed instances), instances restarted.
-        self.counts: Counter[str] = Counter()
+
+    # -- what the pool holds -----------------------------------------------------------------
+    @property
+    def dispatcher(self) -> Dispatcher:
+        """Which active instance gets which request (may be swapped between submits)."""
+        return self.pool.dispatcher
+
+    @dispatcher.setter
+    def dispatcher(self, dispatcher: Dispatcher) -> None:
+        self.pool.dispatcher = dispatcher
+
+    @property
+    def weight_sync(self) -> AsyncWeightSync | None:
+        """The background weight pushes (``bytes_sent``, ``transfer_s``); ``None`` unless
+        running."""
+        return self.pool.weight_sync
+
+    @property
+    def counts(self) -> Counter[str]:
+        """Ledger of the service: requests submitted and requeued, samples returned and
+        discarded (late copies from failed instances), instances restarted."""
+        return self.pool.counts
+
+    @property
+    def _instances(self) -> list[InstanceHandle]:
+        """The pool's handles (``pool.handles``), for callers that inspect them by this name."""
+        return self.pool.handles
 
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self) -> StreamGenerationService:
         """Spawn the instances and wait until each has loaded the model and joined its group."""
-        if self._running:
-            return self
-        self._running, self._instances = True, []
-        self.weight_sync = AsyncWeightSync(self.start_timeout_s)
-        try:
-            for site in self._sites:
-                self._spawn(site)
-            self.wait_active(self.start_timeout_s)
-        except BaseException:
-            self.close()
-            raise
+        if not self.pool.running:
+            self.pool.start(self._sites)
         return self
 
     def add_instance(self, wait: bool = False, site: str | None = None) -> int:
@@ -197,8 +217,8 @@ class StreamGenerationService(InstancePool):
         Returns:
             The new instance's id.
         """
-        self._require_started()
-        handle = self._spawn(site if site is not None else self.trainer_site)
+        self.pool.require_running()
+        handle = self.pool.spawn(site if site is not None else self.trainer_site)
         if wait:
             self.wait_active()
         return handle.instance_id
@@ -213,25 +233,8 @@ class StreamGenerationService(InstancePool):
         Returns:
             The retired instance's id.
         """
-        self._require_started()
-        active = self._active()
-        if len(active) < 2:
-            raise ValueError("remove_instance: the service needs at least one active instance.")
-        if instance_id is None:  # the newest that feeds no other instance
-            handle = next(h for h in reversed(active) if not h.members)
-        else:
-            handle = self._instances[instance_id]
-        if handle.state != "active":
-            raise ValueError(f"remove_instance: instance {handle.instance_id} is {handle.state}.")
-        if handle.members:
-            raise ValueError(
-                f"remove_instance: instance {handle.instance_id} forwards weights "
-                f"to instances {sorted(handle.members)} of its site; remove them "
-                "first."
-            )
-        self._set_state(handle, "draining")
-        self._retire_drained()
-        return handle.instance_id
+        self.pool.require_running()
+        return self.pool.retire(instance_id)
 
     def wait_active(self, timeout_s: float | None = None) -> None:
         """Block until no instance is still starting or joining (samples finished meanwhile are
@@ -241,34 +244,13 @@ class StreamGenerationService(InstancePool):
             GeneratorError: one did not load the model or receive weights within ``timeout_s``
                 (default: twice the start timeout).
         """
-        self._require_started()
-        timeout_s = 2 * self.start_timeout_s if timeout_s is None else timeout_s
-        self._wait_for(
-            lambda: not any(h.state in ("starting", "joining") for h in self._instances),
-            "did not become active",
-            timeout_s,
-        )
+        self.pool.require_running()
+        self.pool.wait_active(2 * self.start_timeout_s if timeout_s is None else timeout_s)
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Stop every instance: ask politely, then terminate, then kill. Safe to call twice."""
-        for handle in self._instances:
-            if handle.proc.is_alive():
-                handle.inbox.put(("stop",))
-        deadline = time.monotonic() + timeout_s
-        for handle in self._instances:
-            handle.stop(max(0.0, deadline - time.monotonic()))
-            handle.state = "stopped" if handle.state != "failed" else "failed"
-        for handle in self._instances:
-            handle.inbox.cancel_join_thread()  # never block our exit on undelivered messages
-            handle.inbox.close()
-            handle.close_link()
-        if self.weight_sync is not None:
-            self.weight_sync.close()
-        self._write_status()
-        self._running, self.weight_sync = False, None  # instances() still tells their fate
-        self._received.clear()
+        self.pool.close(timeout_s)
         self._outstanding.clear()
-        self._backlog.clear()
 
     def __enter__(self) -> StreamGenerationService:
         return self.start()
@@ -284,13 +266,13 @@ class StreamGenerationService(InstancePool):
             requests: one per sample; their keys must be unique among requests not returned.
             scores: optional predicted lengths, passed to the dispatcher.
         """
-        self._require_started()
+        self.pool.require_running()
         keys = {r.key for r in requests}
         if len(keys) != len(requests) or keys & self._outstanding:
             raise ValueError("submit: duplicate (prompt_id, sample_index) among open requests.")
         self._outstanding |= keys
         self.counts["requests_submitted"] += len(requests)
-        self._dispatch(list(requests), scores)
+        self.pool.dispatch(list(requests), scores)
 
     def next_sample(self) -> Sample:
         """The next finished sample from any instance, in completion order.
@@ -299,14 +281,12 @@ class StreamGenerationService(InstancePool):
             GeneratorError: instances failed more often than ``max_restarts`` allows, or no
                 sample arrived within ``sample_timeout_s``.
         """
-        self._require_started()
+        self.pool.require_running()
         if not self._outstanding:
             raise RuntimeError("next_sample: no request is open; submit() some first.")
-        while not self._backlog:
-            kind, payload = self._next_message(time.monotonic() + self.sample_timeout_s)
-            if kind == "sample":
-                self._backlog.append(payload)
-        sample = self._backlog.popleft()
+        while not self.pool.backlog:
+            self.pool.next_message(time.monotonic() + self.sample_timeout_s)
+        sample = self.pool.backlog.popleft()
         self._outstanding.discard(sample.key)
         self.counts["samples_returned"] += 1
         return sample
@@ -326,7 +306,7 @@ class StreamGenerationService(InstancePool):
 
         Args:
             weights: the policy (its ``named_parameters``) or a name -> tensor mapping in the
-                same order as the policy's parameters.
+                same order as the policy's parameters (a LoRA policy: its adapters).
             version: the new weight version; samples admitted afterwards carry it.
 
         Returns:
@@ -343,39 +323,57 @@ class StreamGenerationService(InstancePool):
         Instances load it between two decode steps, without stopping their batch. Returns the
         seconds the caller was blocked (taking the snapshot).
         """
-        self._require_started()
-        self._pushed_version = max(self._pushed_version, version)
-        return self.weight_sync.push(weights, version)
+        self.pool.require_running()
+        return self.pool.push_weights(weights, version)
 
     def wait_weights(self, version: int) -> float:
         """Block until every active instance has loaded ``version``; returns seconds blocked."""
         started = time.perf_counter()
-        self.weight_sync.wait_sent(version)
-        self._wait_for(
-            lambda: all(h.version >= version for h in self._active()),
-            f"did not load weights {version}",
-            self.sample_timeout_s,
-        )
+        self.pool.wait_loaded(version, self.sample_timeout_s)
         self.weight_version = max(self.weight_version, version)
         return time.perf_counter() - started
 
     # -- inspection --------------------------------------------------------------------------
     def instances(self) -> list[InstanceInfo]:
         """Pid, liveness, weight version and state of every instance (for operators, tests)."""
-        return [h.info() for h in self._instances]
+        return self.pool.infos()
 
     def fingerprints(self) -> dict[int, str]:
         """Each active instance's weight hash (compare with
-        ``generator_worker.fingerprint(policy)``)."""
-        self._require_started()
-        active = self._active()
+        ``hf_generator.fingerprint(policy)``; an engine whose generator has a
+        ``fingerprint()``)."""
+        self.pool.require_running()
+        active = self.pool.active()
         for handle in active:
             handle.inbox.put(("fingerprint",))
         found: dict[int, str] = {}
         while len(found) < len(active):
-            kind, payload = self._next_message()
+            kind, payload = self.pool.next_message()  # a sample meanwhile stays in the backlog
             if kind == "fingerprint":
                 found[payload[0]] = payload[1]
-            elif kind == "sample":  # finished meanwhile: keep it for next_sample
-                self._backlog.append(payload)
         return found
+
+    # -- what runs in an instance ------------------------------------------------------------
+    def _launch(self, instance_id: int, site: str) -> InstanceHandle:
+        """Start instance ``instance_id`` at ``site``: a local process or a Ray actor running
+        ``worker_main`` with this service's engine, scheduler factory and sampling settings."""
+        what = dict(
+            model_dir=self.model_dir,
+            engine=self.engine,
+            scheduler=self.scheduler,
+            max_batch_size=self.max_batch_size,
+            temperature=self.temperature,
+            greedy=self.greedy,
+            seed=self.seed + instance_id,
+            device=instance_device(
+                instance_id,
+                self.gpus_per_instance,
+                self.cluster,
+                spare_first=self.weight_transport == "nccl",
+            ),
+            transport=self.weight_transport,
+            relays=site != self.trainer_site,
+        )
+        if self.cluster == "ray":
+            return RayInstanceHandle.spawn_actor(self._ray, instance_id, what, self.start_timeout_s)
+        return InstanceHandle.spawn(self._ctx, instance_id, what, self.start_timeout_s)

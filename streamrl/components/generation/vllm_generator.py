@@ -8,7 +8,7 @@ cache; this class decides *what* enters the engine, in the order of our own
 ``batch_limit`` requests inside it.
 
 Why a synchronous ``LLMEngine`` in this process, not ``AsyncLLM``: the generator worker owns the
-loop (``generator_worker.py``); between two steps it drains its inbox, applies received weights
+loop (``worker.py``); between two steps it drains its inbox, applies received weights
 and releases held requests. ``LLMEngine.step()`` is exactly one scheduler + model step, so a weight
 load lands between two steps with no pause, abort or restart, and running sequences keep their
 KV cache (as in ``HFStreamGenerator``). The engine core runs in-process

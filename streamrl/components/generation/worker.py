@@ -1,12 +1,12 @@
 """The body of one generator instance process of the stream generation service (StreamRL §3).
 
-It loads the policy, then loops: take requests and weight updates from its inbox, run one
-continuous-batching step, push every finished sample to its outbox (a pipe of its own to the
-service) at once. Messages are plain tuples of picklable values; samples hold lists, never
-tensors. A pipe per instance means an instance killed mid-write can garble only its own pipe.
-With ``generator_kwargs["lora"]`` (a ``LoRASpec.to_dict()``) the instance wraps the model with
-the same adapters as the trainer, receives only the adapter tensors and keeps them merged into
-the base weights while decoding (``streamrl.lora``).
+It builds its generator with the service's engine (``GenerationEngine``: ``HFEngine``,
+``VLLMEngine`` or yours) and its own admission queue (the service's scheduler factory, called
+here), then loops: take requests and weight updates from its inbox, run one continuous-batching
+step, push every finished sample to its outbox (a pipe of its own to the service) at once.
+Messages are plain tuples of picklable values; samples hold lists, never tensors. A pipe per
+instance means an instance killed mid-write can garble only its own pipe. What a weight update
+fills is the generator's ``weight_templates()`` (the whole policy, or a LoRA policy's adapters).
 
 Inbox:  ``("submit", [Request, ...])``, ``("limit", batch_size)``, ``("update", version)``,
 ``("fingerprint",)``, ``("relay", member, port, first)`` / ``("unrelay", member)`` (a site's head
@@ -19,28 +19,26 @@ version)``, ``("fingerprint", instance_id, hex)``, ``("heartbeat", instance_id)`
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import os
 import queue
 import signal
 import threading
 import time
 import traceback
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from streamrl.components.generation.hf_generator import HFStreamGenerator
-from streamrl.components.skewness.schedulers import FIFOScheduler, LPTScheduler
+# fingerprint: imported from here by callers that compare an instance's weights with a policy.
+from streamrl.components.generation.hf_generator import fingerprint
+from streamrl.components.skewness.schedulers import FIFOScheduler
 from streamrl.components.weights.relay import WeightRelay, relay_messages
+from streamrl.protocols import AdmissionScheduler, EngineSpec, GenerationEngine
 from streamrl.records import Request
 
-if TYPE_CHECKING:
-    from streamrl.lora import MergedLoRA
-
-#: Admission schedulers an instance can be started with, by name.
-SCHEDULERS = {"fifo": FIFOScheduler, "lpt": LPTScheduler}
+__all__ = ["WorkerSpec", "fingerprint", "worker_main"]
 
 #: How often an idle or blocked worker checks that its parent is still alive.
 POLL_S = 0.5
@@ -48,22 +46,43 @@ POLL_S = 0.5
 
 @dataclass
 class WorkerSpec:
-    """What a generator instance process needs to start (sent to it at spawn)."""
+    """What a generator instance process needs to start (pickled to it at spawn).
+
+    ``engine`` builds the generator there, ``scheduler`` (a factory, e.g. ``LPTScheduler``) its
+    admission queue; the sampling settings and ``device`` become its ``EngineSpec``.
+    """
 
     instance_id: int
     model_dir: str
     store_port: int
     world_size: int
     rank: int
-    generator_kwargs: dict[str, Any] = field(default_factory=dict)
+    engine: GenerationEngine
+    scheduler: Callable[[], AdmissionScheduler] = FIFOScheduler
+    max_batch_size: int = 32
+    temperature: float = 1.0
+    greedy: bool = False
+    seed: int = 0
     weight_version: int = 0
     timeout_s: float = 120.0
     heartbeat_s: float = 1.0
     store_host: str = "127.0.0.1"  # where the trainer hosts the weight group's store
-    backend: str = "hf"  # "hf" (HFStreamGenerator) or "vllm" (VLLMStreamGenerator)
     device: str = "cpu"  # where the model runs: "cpu", or "cuda" with a GPU of its own
     transport: str = "gloo"  # how weights arrive: "gloo", "bucketed" or "nccl" (WeightGroup)
     relays: bool = False  # at a remote site: may forward weights to its site (weight_relay)
+
+    def engine_spec(self) -> EngineSpec:
+        """What the engine gets to build this instance."""
+        return EngineSpec(
+            model_dir=self.model_dir,
+            device=self.device,
+            instance_id=self.instance_id,
+            weight_version=self.weight_version,
+            max_batch_size=self.max_batch_size,
+            temperature=self.temperature,
+            greedy=self.greedy,
+            seed=self.seed,
+        )
 
 
 def worker_main(spec: WorkerSpec, inbox: Any, outbox: Any, leave: Any = None) -> None:
@@ -99,25 +118,8 @@ class _Instance:
         from streamrl.components.weights.transport import WeightGroup
 
         self.spec, self.outbox, self.parent = spec, outbox, parent
-        kwargs = dict(spec.generator_kwargs)
-        scheduler = SCHEDULERS[kwargs.pop("scheduler", "fifo")]()
-        lora = kwargs.pop("lora", None)  # a LoRASpec.to_dict(): only the adapters get updates
-        self.model: torch.nn.Module | None = None  # the HF model (None: vLLM holds its own)
-        self.merged: MergedLoRA | None = None
-        common = dict(
-            instance_id=spec.instance_id,
-            weight_version=spec.weight_version,
-            scheduler=scheduler,
-            **kwargs,
-        )
-        if spec.backend == "vllm":
-            from streamrl.components.generation.vllm_generator import VLLMStreamGenerator
-
-            self.generator = VLLMStreamGenerator(spec.model_dir, device=spec.device, **common)
-            synced = self.generator.weight_templates()  # the trainer's names, shapes and dtypes
-        else:
-            synced = self._load_hf(spec, lora)
-            self.generator = HFStreamGenerator(self.model, **common)
+        self.generator = spec.engine(spec.engine_spec(), spec.scheduler())
+        synced = dict(self.generator.weight_templates())  # the trainer's names, shapes, dtypes
         _put(outbox, ("ready", spec.instance_id, os.getpid()), parent)
         group = WeightGroup(
             spec.store_port,
@@ -134,23 +136,6 @@ class _Instance:
         )
         self.receiver = _WeightReceiver(group, synced, on, relay)
         self.held: list[Request] = []
-
-    def _load_hf(self, spec: WorkerSpec, lora: dict | None) -> dict[str, torch.Tensor]:
-        """Load the policy onto ``spec.device``; returns the tensors that weight updates fill."""
-        from streamrl.models import load_policy
-
-        self.model = load_policy(spec.model_dir)[0].to(spec.device)
-        if lora is None:
-            return dict(self.model.named_parameters())
-        from streamrl.lora import LoRASpec, MergedLoRA, adapter_weights, apply_lora
-
-        self.model = apply_lora(self.model, LoRASpec.from_dict(lora)).eval()
-        self.merged = MergedLoRA(self.model)  # decodes at base-model speed between loads
-        return adapter_weights(self.model)  # same names and order as on the trainer
-
-    def _unmerged(self) -> contextlib.AbstractContextManager:
-        """LoRA: adapters and base weights apart inside the block, as the trainer holds them."""
-        return self.merged.unmerged() if self.merged is not None else contextlib.nullcontext()
 
     def run(self, inbox: Any) -> None:
         beat = time.monotonic()
@@ -189,17 +174,18 @@ class _Instance:
         elif kind == "update":
             self.receiver.receive(message[1])  # joins the broadcast in the background
         elif kind == "fingerprint":
-            if self.model is None:
-                raise ValueError("fingerprint: the vllm backend keeps no HF copy of the weights.")
-            with self._unmerged():  # comparable with fingerprint(policy) on the trainer
-                hexdigest = fingerprint(self.model)
-            _put(self.outbox, ("fingerprint", self.spec.instance_id, hexdigest), self.parent)
+            digest = getattr(self.generator, "fingerprint", None)
+            if digest is None:
+                raise ValueError(
+                    f"fingerprint: {type(self.generator).__name__} has no fingerprint() (the "
+                    "vLLM engine keeps no HF copy of the weights)."
+                )
+            _put(self.outbox, ("fingerprint", self.spec.instance_id, digest()), self.parent)
 
     def _apply_received_weights(self) -> None:
         for version, buffers in self.receiver.ready():
             # Between two decode steps: running sequences keep their slots (no batch restart).
-            with self._unmerged():
-                self.generator.load_weights(buffers, version)
+            self.generator.load_weights(buffers, version)
             _put(self.outbox, ("updated", self.spec.instance_id, version), self.parent)
             self._release_held()
 
@@ -279,15 +265,6 @@ class _WeightReceiver:
         if self._relay is not None:
             self._relay.forward(version, buffers)
         return buffers
-
-
-def fingerprint(model: torch.nn.Module) -> str:
-    """A hash of every parameter's bytes: equal fingerprints mean equal weights."""
-    digest = hashlib.sha256()
-    for name, param in model.named_parameters():
-        digest.update(name.encode())
-        digest.update(param.detach().cpu().contiguous().numpy().tobytes())
-    return digest.hexdigest()
 
 
 def _next_message(inbox: Any, block: bool, poll_s: float = POLL_S) -> tuple | None:

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Literal
 
 import torch
 
+from streamrl.components.skewness.ranker import _fit_afresh, _learn
 from streamrl.errors import ConfigError
 from streamrl.records import Sample
 
@@ -79,8 +80,8 @@ def _require_peft():
 
 
 class BackboneLengthRanker:
-    """Predicts output lengths with a LoRA-tuned causal LM; fit / predict / update like
-    ``LengthRanker``.
+    """Predicts output lengths with a LoRA-tuned causal LM; a ``LengthPredictor`` like
+    ``LengthRanker`` (``learn`` online; ``fit``, ``update`` and ``refresh`` as well).
 
     Trained by regression on the standardised log-length plus a pairwise ranking term within each
     mini-batch: order matters more than the value (§5.2). The model is kept in eval mode (LoRA
@@ -96,7 +97,7 @@ class BackboneLengthRanker:
         lora_alpha: LoRA scaling numerator (scale = alpha / r).
         target_modules: module-name suffixes that get adapters (the attention projections).
         pooling: ``"mean"`` over real tokens or the ``"last"`` real token's hidden state.
-        epochs: passes over the data in ``fit``.
+        epochs: passes over the data of a ``fit`` called without ``epochs``.
         batch_size: prompts per optimiser step (padded to the longest in the batch).
         lr: AdamW learning rate of adapters and head.
         rank_weight: weight of the pairwise ranking loss next to the regression.
@@ -104,6 +105,10 @@ class BackboneLengthRanker:
         buffer: finished ``(prompt, length)`` pairs kept for online refresh.
         device: where the backbone runs (``"cuda"`` is what this ranker is for).
         seed: adapter/head initialisation and shuffling seed.
+        learn_epochs: passes of the fit from scratch that ``learn`` runs while not ``ready``.
+        refresh_epochs: passes over the recent buffer that each ``learn`` runs once ``ready``
+            (each pass is ``len(buffer) / batch_size`` steps through the backbone: lower both
+            for large buffers).
 
     Raises:
         ConfigError: peft is missing, a model is given without its tokenizer, or no module of the
@@ -126,6 +131,9 @@ class BackboneLengthRanker:
         buffer: int = 2048,
         device: str = "cpu",
         seed: int = 0,
+        *,
+        learn_epochs: int = 100,
+        refresh_epochs: int = 10,
     ) -> None:
         peft = _require_peft()
         if pooling not in ("mean", "last"):
@@ -138,6 +146,7 @@ class BackboneLengthRanker:
         )
         self.epochs, self.batch_size, self.lr = epochs, batch_size, lr
         self.rank_weight, self.max_prompt_tokens, self.seed = rank_weight, max_prompt_tokens, seed
+        self.learn_epochs, self.refresh_epochs = learn_epochs, refresh_epochs
         self.device = torch.device(device)
         self.recent: deque[tuple[str, int]] = deque(maxlen=buffer)
         self.train_s = 0.0
@@ -161,10 +170,26 @@ class BackboneLengthRanker:
         self._fitted = False
 
     @property
+    def ready(self) -> bool:
+        """Whether it has been fitted (``predict`` works)."""
+        return self._fitted
+
+    @property
     def net(self) -> torch.nn.Module | None:
-        """The trained model, ``None`` until ``fit`` (the rollout checks this, as for
-        ``LengthRanker``)."""
+        """The trained model, ``None`` until fitted (as ``LengthRanker.net``)."""
         return self.model if self._fitted else None
+
+    def learn(self, prompts: Sequence[str], lengths: Sequence[int]) -> None:
+        """Learn from the policy's finished samples (``LengthPredictor``).
+
+        While not ``ready``, fits from scratch for ``learn_epochs`` on these pairs and any kept
+        from earlier calls (fewer than two pairs in all are kept for the next call); once
+        ``ready``, adds them to the recent buffer and refreshes for ``refresh_epochs``.
+
+        Raises:
+            ValueError: ``prompts`` and ``lengths`` differ in length.
+        """
+        _learn(self, prompts, lengths)
 
     def trainable_parameters(self) -> dict[str, torch.nn.Parameter]:
         """The parameters that train: LoRA adapters and the length head."""
@@ -232,7 +257,9 @@ class BackboneLengthRanker:
     def predict(self, prompts: Sequence[str]) -> list[float]:
         """Predicted output lengths (tokens) of ``prompts``; their order is what matters."""
         if not self._fitted:
-            raise RuntimeError("BackboneLengthRanker.predict: call fit() first.")
+            raise RuntimeError(
+                "BackboneLengthRanker.predict: not ready; call learn() or fit() first."
+            )
         # Batched by token length, so that little padding is computed.
         order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
         scores = [0.0] * len(prompts)
@@ -258,10 +285,10 @@ class BackboneLengthRanker:
 
     def refresh(self, epochs: int = 1) -> None:
         """Fine-tune on the recent buffer (or fit from scratch if never fitted)."""
-        prompts, lengths = zip(*self.recent)
         if not self._fitted:
-            self.fit(list(prompts), list(lengths))
+            _fit_afresh(self, list(self.recent), None)
             return
+        prompts, lengths = zip(*self.recent)
         started = time.perf_counter()
         self._train(list(prompts), list(lengths), epochs)
         self.train_s += time.perf_counter() - started

@@ -1,14 +1,16 @@
 """Dispatchers: which generator instance gets which request.
 
-The skewness-aware dispatcher of StreamRL §5.3 (Algorithm 2) plugs in here; round-robin is the
-baseline. A dispatcher keeps every sample of one prompt on one instance, so a group finishes
-together and the whole prompt is requeued together if its instance fails.
+The skewness-aware dispatcher of StreamRL §5.3 (Algorithm 2) plugs in here; round-robin and
+random are the baselines. Every dispatcher has the whole ``Dispatcher`` protocol (``plan``,
+``observe``, ``batch_limits``, ``state_dict``): the baselines learn nothing and size no pools.
+A dispatcher keeps every sample of one prompt on one instance, so a group finishes together
+and the whole prompt is requeued together if its instance fails.
 """
 
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from streamrl.protocols import Dispatcher
 from streamrl.records import Request
@@ -51,6 +53,14 @@ class RoundRobinDispatcher:
 
         return split_by_prompt(requests, instances, next_instance)
 
+    def observe(self, lengths: Iterable[int]) -> None:
+        """Lengths do not change round-robin's deal."""
+        del lengths
+
+    def batch_limits(self, instances: int) -> None:
+        """Every instance keeps its batch size."""
+        del instances
+
     def state_dict(self) -> dict:
         return {"next": self._next}
 
@@ -68,3 +78,17 @@ class RandomDispatcher:
         self, requests: Sequence[Request], scores: Sequence[float] | None, instances: int
     ) -> list[list[Request]]:
         return split_by_prompt(requests, instances, lambda: self._rng.randrange(instances))
+
+    def observe(self, lengths: Iterable[int]) -> None:
+        """Lengths do not change a random deal."""
+        del lengths
+
+    def batch_limits(self, instances: int) -> None:
+        """Every instance keeps its batch size."""
+        del instances
+
+    def state_dict(self) -> dict:
+        return {"rng": self._rng.getstate()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self._rng.setstate(state["rng"])

@@ -7,10 +7,14 @@ regression on log-length plus a pairwise ranking term, and refreshed online from
 samples as the policy's lengths drift. The paper fine-tunes a 1.5B-7B LLM instead; that backbone
 option is for GPUs.
 
+It is a ``streamrl.protocols.LengthPredictor``: ``RolloutStream`` hands ``learn`` the policy's
+finished samples (the first call fits, later ones refresh) and consults ``predict`` once ``ready``.
+
 Examples:
     >>> ranker = LengthRanker(seed=0)
-    >>> ranker.fit(["count 1 3=", "count 1 90="], [5, 260])  # doctest: +SKIP
-    >>> ranker.predict(["count 5 80="])  # doctest: +SKIP
+    >>> ranker.learn(["count 1 3=", "count 1 90="], [5, 260])  # doctest: +SKIP
+    >>> ranker.ready, len(ranker.predict(["count 5 80="]))  # doctest: +SKIP
+    (True, 1)
 """
 
 from __future__ import annotations
@@ -62,15 +66,21 @@ def prompt_features(prompt: str, buckets: int = 1024) -> np.ndarray:
 
 
 class LengthRanker:
-    """Predicts an output-length score per prompt (higher means longer); fit / predict / update.
+    """Predicts an output-length score per prompt (higher means longer); a ``LengthPredictor``.
+
+    ``learn`` is the online entry point (``RolloutStream`` calls it); ``fit``, ``update`` and
+    ``refresh`` remain for offline training and benchmarks.
 
     Args:
         hidden: MLP width.
-        epochs: full-batch training epochs for ``fit``.
+        epochs: full-batch training epochs of a ``fit`` called without ``epochs``.
         lr: Adam learning rate.
         rank_weight: weight of the pairwise ranking loss next to the log-length regression.
-        buffer: finished samples kept for online refresh (``update``).
+        buffer: finished samples kept for online refresh (``learn``, ``update``).
         seed: initialisation and shuffling seed.
+        learn_epochs: epochs of the fit from scratch that ``learn`` runs while not ``ready``.
+        refresh_epochs: epochs of the refresh over the recent buffer that each ``learn`` runs
+            once ``ready``.
     """
 
     def __init__(
@@ -81,13 +91,34 @@ class LengthRanker:
         rank_weight: float = 0.5,
         buffer: int = 8192,
         seed: int = 0,
+        *,
+        learn_epochs: int = 100,
+        refresh_epochs: int = 10,
     ) -> None:
         self.hidden, self.epochs, self.lr = hidden, epochs, lr
         self.rank_weight, self.seed = rank_weight, seed
+        self.learn_epochs, self.refresh_epochs = learn_epochs, refresh_epochs
         self.recent: deque[tuple[str, int]] = deque(maxlen=buffer)
         self.net: torch.nn.Module | None = None
         self._mean = self._std = None
         self.train_s = 0.0
+
+    @property
+    def ready(self) -> bool:
+        """Whether it has been fitted (``predict`` works)."""
+        return self.net is not None
+
+    def learn(self, prompts: Sequence[str], lengths: Sequence[int]) -> None:
+        """Learn from the policy's finished samples (``LengthPredictor``).
+
+        While not ``ready``, fits from scratch for ``learn_epochs`` on these pairs and any kept
+        from earlier calls (fewer than two pairs in all are kept for the next call); once
+        ``ready``, adds them to the recent buffer and refreshes for ``refresh_epochs``.
+
+        Raises:
+            ValueError: ``prompts`` and ``lengths`` differ in length.
+        """
+        _learn(self, prompts, lengths)
 
     def _features(self, prompts: Sequence[str]) -> torch.Tensor:
         x = np.stack([prompt_features(p) for p in prompts])
@@ -146,7 +177,7 @@ class LengthRanker:
     def predict(self, prompts: Sequence[str]) -> list[float]:
         """Predicted output lengths (tokens) of ``prompts``; their order is what matters."""
         if self.net is None:
-            raise RuntimeError("LengthRanker.predict: call fit() first.")
+            raise RuntimeError("LengthRanker.predict: not ready; call learn() or fit() first.")
         return torch.expm1(self.net(self._features(prompts)).squeeze(-1)).clamp(min=0).tolist()
 
     def update(self, samples: Iterable[Sample], texts: dict[str, str], epochs: int = 30) -> None:
@@ -162,10 +193,10 @@ class LengthRanker:
 
     def refresh(self, epochs: int = 30) -> None:
         """Fine-tune on the recent buffer (or fit from scratch if never fitted)."""
-        prompts, lengths = zip(*self.recent)
-        if self.net is None:
-            self.fit(list(prompts), list(lengths))
+        if not self.ready:
+            _fit_afresh(self, list(self.recent), None)
             return
+        prompts, lengths = zip(*self.recent)
         started = time.perf_counter()
         x = self._features(list(prompts))
         self._train(x, torch.log1p(torch.tensor(lengths, dtype=torch.float32)), epochs)
@@ -191,3 +222,36 @@ class LengthRanker:
         if state["net"] is not None:
             self.net = self._make_net(len(self._mean))
             self.net.load_state_dict(state["net"])
+
+
+def _learn(ranker, prompts: Sequence[str], lengths: Sequence[int]) -> None:
+    """``learn`` of both rankers (they share ``recent``, ``ready``, ``fit`` and ``refresh``)."""
+    if len(prompts) != len(lengths):
+        raise ValueError(
+            f"{type(ranker).__name__}.learn: {len(prompts)} prompts but {len(lengths)} lengths."
+        )
+    pairs = list(zip(prompts, (int(n) for n in lengths)))
+    if ranker.ready:
+        ranker.recent.extend(pairs)
+        ranker.refresh(epochs=ranker.refresh_epochs)
+    elif len(ranker.recent) + len(pairs) < 2:
+        ranker.recent.extend(pairs)  # too few to fit: kept for the next call
+    else:
+        _fit_afresh(ranker, [*ranker.recent, *pairs], ranker.learn_epochs)
+
+
+def _fit_afresh(ranker, pairs: list[tuple[str, int]], epochs: int | None) -> None:
+    """Fit from scratch on ``pairs``, which replace the recent buffer (``fit`` adds them)."""
+    if len(pairs) < 2:
+        raise ValueError(
+            f"{type(ranker).__name__}: {len(pairs)} finished samples to fit on; need >= 2. "
+            "Call learn() or fit() with more."
+        )
+    kept = list(ranker.recent)
+    ranker.recent.clear()
+    try:
+        ranker.fit([p for p, _ in pairs], [n for _, n in pairs], epochs=epochs)
+    except BaseException:
+        ranker.recent.clear()
+        ranker.recent.extend(kept)
+        raise

@@ -37,7 +37,9 @@ class SkewAwareDispatcher:
     """Algorithm 2 plus the assignment of prompts to the chosen pools.
 
     Args:
-        latency: the instances' ``PTL(BS)``.
+        latency: the instances' ``PTL(BS)``; ``None`` only for a single instance (there are
+            no pools to size: it then admits longest first, and ``plan`` over two or more
+            instances raises).
         max_batch_size: batch slots per instance (the regular pool's batch size).
         alpha: share of prompts treated as the long tail.
         objective: ``"max"`` (makespan, default) or ``"sum"`` (the paper's Algorithm 2).
@@ -56,7 +58,7 @@ class SkewAwareDispatcher:
 
     def __init__(
         self,
-        latency: LatencyModel,
+        latency: LatencyModel | None,
         max_batch_size: int = 64,
         alpha: float = 0.2,
         objective: Objective = "max",
@@ -109,6 +111,11 @@ class SkewAwareDispatcher:
 
     def _pool(self, samples: int, length: float, instances: int, batch: int) -> float:
         # Eq. 2 on the most loaded instance of the pool.
+        if self.latency is None:
+            raise ValueError(
+                "SkewAwareDispatcher: sizing pools over several instances needs the latency "
+                "model PTL(BS) (streamrl.builders.measure_latency); it was built without one."
+            )
         per_instance = -(-samples // instances)
         return self.latency.instance_latency(per_instance, length, batch)
 
@@ -116,6 +123,16 @@ class SkewAwareDispatcher:
         """Each instance's batch size under the last plan: the tail pool's come first."""
         n_long = self.last_split[0] if self.last_split else 0
         return [self.tail_batch_size] * n_long + [self.max_batch_size] * (instances - n_long)
+
+    def state_dict(self) -> dict:
+        """The distribution ``D`` and the last split (``batch_limits`` of requeued requests)."""
+        return {"recent": list(self.recent), "last_split": self.last_split}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.recent.clear()
+        self.recent.extend(int(n) for n in state["recent"])
+        split = state["last_split"]
+        self.last_split = tuple(split) if split is not None else None
 
     def plan(
         self, requests: Sequence[Request], scores: Sequence[float] | None, instances: int

@@ -62,3 +62,18 @@ def correct_stale(
         truncated_frac=float((picked > cap).float().mean()),
         stale_samples=int(stale.sum()),
     )
+
+
+def correction_metrics(corrections: list[Correction]) -> dict[str, float]:
+    """What to log of an iteration's corrections: how many samples were stale, and their
+    importance ratios (mean and max before truncation, share of tokens truncated)."""
+    stale = sum(c.stale_samples for c in corrections)
+    if not stale:
+        return {"train/stale_samples": 0.0}
+    return {
+        "train/stale_samples": float(stale),
+        "train/is_ratio_mean": sum(c.ratio_mean * c.stale_samples for c in corrections) / stale,
+        "train/is_ratio_max": max(c.ratio_max for c in corrections),
+        "train/is_truncated_frac": sum(c.truncated_frac * c.stale_samples for c in corrections)
+        / stale,
+    }

@@ -13,8 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
-from streamrl.records import Sample
-from streamrl.rollout import ScoredGroup
+from streamrl.records import Sample, ScoredGroup
 
 
 @dataclass

@@ -1,0 +1,200 @@
+"""The public way to put a run together from component objects.
+
+``streamrl fit``, the notebooks, the examples and every FSDP trainer rank assemble a run with
+these same functions; nothing else in the library builds a module or a trainer. The generation
+side needs no builder: ``StreamGenerationService`` and ``RolloutStream`` take their component
+objects directly.
+
+Examples:
+    A run in a notebook (``streamrl.run_parts.RunParts`` builds the same objects from a config)::
+
+        policy, tokenizer = load_policy(model_dir)
+        algorithm = GRPO(partial_credit, group_size=4)
+        dispatcher = SkewAwareDispatcher(measure_latency(policy, tokenizer), max_batch_size=32)
+        with StreamGenerationService(model_dir, 2, dispatcher=dispatcher) as service:
+            rollouts = RolloutStream(service, PromptSource(prompts, 16), tokenizer, algorithm,
+                                     max_tokens=64, context=128, ranker=LengthRanker())
+            module = build_module(policy, algorithm, rollouts, iterations=30, mode="async")
+            build_trainer(module).fit(module)
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from pathlib import Path
+from typing import Any, Literal
+
+import lightning as L
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger, Logger, TensorBoardLogger, WandbLogger
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from streamrl.algorithms.base import Algorithm
+from streamrl.components.capacity.elastic import ElasticController
+from streamrl.components.skewness.latency import LatencyModel
+from streamrl.components.skewness.profiler import Profiler
+from streamrl.components.training.pipeline import DynamicBatchPipeline
+from streamrl.fsdp import ShardedStreamRLModule, fsdp_strategy
+from streamrl.module import STALENESS_BOUND, Mode, StreamRLModule
+from streamrl.rollout import RolloutStream
+
+LoggerName = Literal["csv", "tensorboard", "wandb"]
+
+
+def measure_latency(
+    policy: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    max_batch_size: int = 64,
+    *,
+    prompt: str = "copy abcdefgh=",
+    tokens: int = 16,
+) -> LatencyModel:
+    """``PTL(BS)``, the per-token decode latency at each batch size, measured on ``policy`` now
+    (§5.1: never assumed); Algorithm 2 and the elastic controller plan with it."""
+    sizes = [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b <= max_batch_size]
+    prompt_ids = tokenizer(prompt)["input_ids"]
+    return Profiler(policy.eval(), prompt_ids, tokens=tokens, repeats=1).fit(sizes)
+
+
+def build_module(
+    policy: PreTrainedModel,
+    algorithm: Algorithm,
+    rollouts: RolloutStream | None,
+    *,
+    iterations: int,
+    mode: Mode = "sync",
+    lr: float = 1e-4,
+    temperature: float | None = None,
+    token_budget: int = 1024,
+    min_samples: int = 1,
+    is_cap: float = 2.0,
+    elastic: ElasticController | None = None,
+    sharded: bool = False,
+) -> StreamRLModule:
+    """The LightningModule of a run.
+
+    What the algorithm declares is honoured here: a frozen copy of ``policy`` as the reference
+    when ``algorithm.needs_reference``; the staleness bound follows ``mode``.
+
+    Args:
+        policy: the causal LM to train.
+        algorithm: scores samples and computes the loss.
+        rollouts: the sample stream; ``None`` on FSDP ranks > 0, which receive their share
+            from rank 0.
+        iterations: optimizer steps (one per RL iteration).
+        mode: ``"sync"``, ``"async"`` (one-step asynchronous, §4.1) or ``"colocated"``.
+        lr: AdamW learning rate.
+        temperature: the generators' sampling temperature; by default the service's (given
+            once); required without ``rollouts``.
+        token_budget: padded tokens per micro-batch of the dynamic-batch pipeline.
+        min_samples: samples gathered before an iteration's first backward pass.
+        is_cap: truncation of the importance ratio of stale samples (async).
+        elastic: adds generator instances when generation lags training (§4.2).
+        sharded: FSDP2 over the trainer ranks (``streamrl.fsdp``); rank 0 deals each
+            micro-batch of its stream to the others.
+    """
+    if mode not in STALENESS_BOUND:
+        raise ValueError(f"mode must be one of {sorted(STALENESS_BOUND)}, got {mode!r}.")
+    if rollouts is not None:
+        service_temperature = rollouts.service.temperature
+        if temperature is not None and temperature != service_temperature:
+            raise ValueError(
+                f"temperature={temperature} but the generation service samples at "
+                f"{service_temperature}: the trainer must score tokens under the distribution "
+                "they were sampled from; leave temperature unset to use the service's."
+            )
+        temperature = service_temperature
+    elif temperature is None:
+        raise ValueError("build_module: without rollouts, pass the generators' temperature.")
+    pipeline = DynamicBatchPipeline(
+        token_budget, min_samples, staleness_bound=STALENESS_BOUND[mode]
+    )
+    reference = copy.deepcopy(policy) if algorithm.needs_reference else None
+    options: dict[str, Any] = dict(
+        lr=lr,
+        reference=reference,
+        temperature=temperature,
+        mode=mode,
+        pipeline=pipeline,
+        elastic=elastic,
+        is_cap=is_cap,
+    )
+    if sharded:
+        if not algorithm.shardable:
+            raise ValueError(
+                f"{type(algorithm).__name__} cannot train sharded yet (its own parameters are "
+                "not sharded by FSDP); train it on one rank."
+            )
+        return ShardedStreamRLModule(
+            policy.train(), algorithm, rollouts, iterations, share_stream=True, **options
+        )
+    return StreamRLModule(policy.train(), algorithm, rollouts, iterations, **options)
+
+
+def build_trainer(
+    module: StreamRLModule,
+    *,
+    ranks: int = 1,
+    nodes: int = 1,
+    output_dir: str | Path | None = None,
+    logger: Logger | None = None,
+    checkpoint_every: int | None = None,
+    show_progress: bool = True,
+    **trainer_options: Any,
+) -> L.Trainer:
+    """The Lightning ``Trainer`` that runs ``module``'s iterations (one step each), on the CPU.
+
+    Args:
+        module: from ``build_module``; its ``iterations`` are the trainer's steps.
+        ranks: trainer ranks (FSDP2 when > 1; every rank builds the same trainer).
+        nodes: machines the ranks run on (under an external launcher: ``torchrun``, SLURM).
+        output_dir: where checkpoints go (``<output_dir>/checkpoints``); ``None`` saves none.
+        logger: a Lightning logger (``make_logger``); ``None`` logs nothing.
+        checkpoint_every: iterations between checkpoints; 0 or ``None`` saves only
+            ``last.ckpt`` at the end.
+        show_progress: draw Lightning's progress bar.
+        trainer_options: any other ``lightning.Trainer`` argument (``accelerator="gpu"``,
+            ``callbacks=[...]``...); it wins over the settings above.
+    """
+    settings: dict[str, Any] = dict(
+        max_steps=module.iterations,
+        max_epochs=-1,
+        accelerator="cpu",
+        logger=logger if logger is not None else False,
+        log_every_n_steps=1,
+        enable_checkpointing=False,
+        enable_progress_bar=show_progress,
+        enable_model_summary=False,
+    )
+    if output_dir is not None:
+        settings.update(
+            default_root_dir=str(output_dir),
+            enable_checkpointing=True,
+            callbacks=[checkpoints(output_dir, every=checkpoint_every or 0)],
+        )
+    if ranks > 1:
+        settings.update(devices=ranks // nodes, num_nodes=nodes, strategy=fsdp_strategy(ranks))
+    return L.Trainer(**{**settings, **trainer_options})
+
+
+def checkpoints(output_dir: str | Path, *, every: int = 0) -> ModelCheckpoint:
+    """``<output_dir>/checkpoints/last.ckpt`` after the last iteration, and one every ``every``
+    iterations (0: only the last). Under FSDP every rank builds it: saving is collective."""
+    # A checkpoint holds the state after an iteration's optimizer step: what a resume needs.
+    warnings.filterwarnings("ignore", "Using ModelCheckpoint with manual optimization")
+    return ModelCheckpoint(
+        Path(output_dir) / "checkpoints",
+        save_last=True,
+        every_n_train_steps=every or None,
+        save_top_k=1 if every else 0,
+    )
+
+
+def make_logger(kind: LoggerName, output_dir: str | Path) -> Logger:
+    """A Lightning logger writing under ``output_dir``; metrics are named ``stage/metric``."""
+    if kind == "tensorboard":
+        return TensorBoardLogger(str(output_dir), name="logs")
+    if kind == "wandb":
+        return WandbLogger(project="streamrl", save_dir=str(output_dir), offline=True)
+    return CSVLogger(str(output_dir), name="logs")

@@ -1,0 +1,190 @@
+"""The ``streamrl fit`` command line: ``jsonargparse`` over ``streamrl.config.RunConfig``.
+
+As ``LightningCLI`` does: any number of ``--config`` YAML files and a dotted option per field
+(``--rl.lr 3e-5``), the later winning, ``--print_config`` to write the resolved config out; the
+merged values then pass the same checks as ``streamrl.config.load_config``, and a mistake is
+reported in our words (the key, a "did you mean", the fix).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import typing
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from streamrl.errors import ConfigError, unknown_name
+
+if TYPE_CHECKING:
+    import jsonargparse
+
+    from streamrl.config import RunConfig
+
+#: ``streamrl fit`` options of the run itself, beside the config's fields.
+_FIT_RUN_OPTIONS = ("config", "print_config", "resume", "no-progress", "help")
+#: The options ``streamrl fit`` had before it read dotted ones, kept as aliases.
+_FIT_ALIASES = {"--output-dir": "--output_dir", "--gpus": "--rl.gpus"}
+
+
+@dataclasses.dataclass
+class FitArgs:
+    """``streamrl fit``'s command line, parsed and checked for keys and types."""
+
+    config: RunConfig
+    resume: str | None = None
+    no_progress: bool = False
+    print_config: bool = False
+
+
+def build_fit_parser() -> jsonargparse.ArgumentParser:
+    """The ``jsonargparse`` parser of ``streamrl fit``: ``--config`` files, one dotted option per
+    ``RunConfig`` field, ``--print_config`` and the run's own options."""
+    from jsonargparse import ActionConfigFile, ArgumentParser
+
+    from streamrl.config import RunConfig
+
+    parser = ArgumentParser(
+        prog="streamrl fit",
+        description="Train from the defaults (the demo's run), YAML files and dotted options, "
+        "e.g. streamrl fit --config configs/demo.yaml --rl.lr 3e-5 --data.tasks '[copy, rev]'. "
+        "Options and files apply in order, the later winning. --output-dir and --gpus are "
+        "aliases of --output_dir and --rl.gpus.",
+        exit_on_error=False,
+        print_config=None,  # ours below prints only the config, which load_config reads back
+        allow_abbrev=False,
+        default_env=False,
+    )
+    parser.add_argument(
+        "--config",
+        action=ActionConfigFile,
+        help="YAML file of settings (any subset of --print_config's); may be given several times",
+    )
+    parser.add_argument(
+        "--print_config",
+        action="store_true",
+        help="print the resolved config as YAML and exit (keys and types are checked, values "
+        "are not): streamrl fit --print_config > my.yaml",
+    )
+    parser.add_argument(
+        "--resume", help="checkpoint to continue from, e.g. <output_dir>/checkpoints/last.ckpt"
+    )
+    parser.add_argument("--no-progress", action="store_true", help="draw no progress bars")
+    parser.add_class_arguments(RunConfig, fail_untyped=True)
+    return parser
+
+
+def parse_fit(argv: Sequence[str]) -> FitArgs:
+    """Parse ``streamrl fit``'s arguments (without the command) into a ``RunConfig`` built by
+    ``streamrl.config.from_dict``; its values are checked later, by ``check_values``.
+
+    Raises:
+        ConfigError: an unreadable file, an unknown key (with a "did you mean") or a wrong type.
+    """
+    from jsonargparse import ArgumentError
+
+    from streamrl.config import RunConfig, from_dict
+
+    argv = [_fit_alias(token) for token in argv]
+    try:
+        values = build_fit_parser().parse_args(argv).as_dict()
+    except ArgumentError as err:
+        _explain_fit_error(argv)  # our message for an unknown key or an unreadable file
+        raise ConfigError(" ".join(str(err).split())) from None
+    files = [str(path) for path in values.pop("config") or [] if path is not None]
+    run = {name: values.pop(name) for name in ("resume", "no_progress", "print_config")}
+    config = from_dict(RunConfig, values, where=" + ".join([*files, "command line"]))
+    return FitArgs(config, **run)
+
+
+def _fit_alias(token: str) -> str:
+    name, eq, value = token.partition("=")
+    return _FIT_ALIASES.get(name, name) + eq + value
+
+
+def _explain_fit_error(argv: Sequence[str]) -> None:
+    """Raise our ``ConfigError`` for the unknown key (in a file, a YAML string or an option) or
+    the unreadable file behind a failed parse; return if none is found."""
+    from streamrl.config import RunConfig
+
+    groups = typing.get_type_hints(RunConfig)
+    for i, token in enumerate(argv):
+        if token == "--":
+            break
+        if not token.startswith("--"):
+            continue
+        name, eq, value = token[2:].partition("=")
+        if not eq:
+            value = argv[i + 1] if i + 1 < len(argv) else ""
+        if name == "config":
+            _check_config_value("--config", value, RunConfig)
+        elif dataclasses.is_dataclass(groups.get(name)):  # --rl FILE_OR_YAML
+            _check_config_value(f"--{name}", value, groups[name])
+        else:
+            _check_option(name)
+
+
+def _check_option(name: str) -> None:
+    """``--name`` (e.g. ``rl.lr``) must name a field (or a run option); ``ConfigError``."""
+    from streamrl.config import RunConfig
+
+    cls: Any = RunConfig
+    parts = name.removesuffix("+").split(".")  # --data.tasks+ copy appends to a list
+    for depth, part in enumerate(parts):
+        hints = typing.get_type_hints(cls)
+        known = [*hints, *(_FIT_RUN_OPTIONS if depth == 0 else ())]
+        if part not in known or (
+            depth < len(parts) - 1 and not dataclasses.is_dataclass(hints.get(part))
+        ):
+            prefix = "--" + "".join(f"{p}." for p in parts[:depth])
+            message = unknown_name("option", f"--{name}", [prefix + k for k in known])
+            raise ConfigError(f"command line: {message}")
+        cls = hints.get(part)
+
+
+def _check_config_value(option: str, value: str, cls: type) -> None:
+    """A ``--config`` (or ``--rl``) value: a YAML file or string of known keys; ``ConfigError``."""
+    import yaml
+
+    try:
+        is_file = Path(value).is_file()
+    except OSError:  # e.g. a YAML string too long for a file name
+        is_file = False
+    try:
+        data = yaml.safe_load(Path(value).read_text() if is_file else value)
+    except yaml.YAMLError as err:
+        if is_file:
+            raise ConfigError(f"Config file {value!r} is not valid YAML: {err}") from err
+        return
+    if isinstance(data, dict):
+        _check_keys(cls, data, value if is_file else option)
+    elif is_file and data is None:  # jsonargparse reads no empty file
+        raise ConfigError(
+            f"Config file {value!r} is empty: give it some keys or leave out {option}."
+        )
+    elif is_file:
+        raise ConfigError(f"Config file {value!r} must hold a mapping of keys to values.")
+    elif option == "--config":
+        raise ConfigError(
+            f"Config file {value!r} does not exist. Pass --config with a YAML file, e.g. "
+            "configs/demo.yaml."
+        )
+
+
+def _check_keys(cls: type, data: dict, where: str) -> None:
+    """Every key of ``data`` names a field of dataclass ``cls``, as in ``from_dict``."""
+    hints = typing.get_type_hints(cls)
+    for key, value in data.items():
+        if key not in hints:
+            raise ConfigError(f"{where}: {unknown_name('key', str(key), list(hints))}")
+        if dataclasses.is_dataclass(hints[key]) and isinstance(value, dict):
+            _check_keys(hints[key], value, f"{where}: {key}")
+
+
+def print_fit_config(config: RunConfig) -> None:
+    """``--print_config``: the whole config as YAML, which ``load_config`` reads back."""
+    import yaml
+
+    text = yaml.safe_dump(dataclasses.asdict(config), sort_keys=False, default_flow_style=None)
+    sys.stdout.write(text)

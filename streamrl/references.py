@@ -1,0 +1,155 @@
+"""Names in a YAML config that point at code: a built-in's short name or ``package.module:Name``.
+
+Every extension point of a run (``rl.algorithm``, ``rl.reward``, ``rl.dispatcher``,
+``rl.scheduler``, ``rl.length_predictor``, ``rl.engine``) takes either the short name of a
+built-in or a reference to your own class or function, e.g. ``rl.reward: my_task.rewards:score``.
+The reference is imported and its signature checked when the config is loaded, before any work
+starts, and a failure says what was wrong and how to fix it.
+
+Examples:
+    >>> resolve("exact", kind="reward", builtins={"exact": len}, where="rl.reward") is len
+    True
+    >>> resolve("math:sqrt", kind="reward", builtins={}, where="rl.reward").__name__
+    'sqrt'
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from streamrl.errors import ConfigError, unknown_name
+
+
+def resolve(ref: str, *, kind: str, builtins: Mapping[str, Any], where: str) -> Any:
+    """The built-in named ``ref``, or the object ``package.module:Name`` refers to.
+
+    Args:
+        ref: a key of ``builtins`` or ``"package.module:Name"`` (``Name`` may be dotted:
+            ``module:Class.attribute``).
+        kind: what is being looked up, for messages ("reward", "dispatcher"...).
+        builtins: the built-ins by short name.
+        where: the config key, for messages.
+
+    Raises:
+        ConfigError: unknown name, a module that does not import, or a missing attribute.
+    """
+    if ref in builtins:
+        return builtins[ref]
+    if ":" not in ref:
+        raise ConfigError(
+            f"{where}: {unknown_name(kind, ref, builtins)} Your own {kind} is given as "
+            "'package.module:Name' (importable from this Python environment)."
+        )
+    module_name, _, attribute = ref.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as err:  # an ImportError, or an error raised by the module's own code
+        raise ConfigError(
+            f"{where}: cannot import module {module_name!r} of {ref!r}: {err!r}. Install its "
+            "package or add its directory to PYTHONPATH."
+        ) from err
+    found: Any = module
+    for part in attribute.split("."):
+        if not hasattr(found, part):
+            public = [n for n in dir(found) if not n.startswith("_")]
+            raise ConfigError(f"{where}: {ref!r}: {unknown_name('name', part, public)}")
+        found = getattr(found, part)
+    return found
+
+
+def check_callable(obj: Any, *, positional: int, where: str, what: str) -> None:
+    """Raise ``ConfigError`` unless ``obj`` can be called with ``positional`` arguments.
+
+    Args:
+        obj: the function or class.
+        positional: how many positional arguments the library will pass.
+        where: the config key, for messages.
+        what: the call it must accept, e.g. ``"fn(completion, answer) -> float"``.
+    """
+    if not callable(obj):
+        raise ConfigError(f"{where}: {obj!r} is not callable; it must be {what}.")
+    try:
+        inspect.signature(obj).bind(*range(positional))
+    except TypeError as err:
+        raise ConfigError(
+            f"{where}: {_name(obj)} has the wrong signature {_signature(obj)}: it must be "
+            f"{what} ({err})."
+        ) from err
+    except ValueError:  # a builtin without a signature: trust it
+        return
+
+
+def construct(
+    factory: Callable[..., Any],
+    *,
+    provided: Mapping[str, Any],
+    options: Mapping[str, Any],
+    where: str,
+    call: bool = True,
+) -> Any:
+    """Call ``factory`` with ``options`` plus those of ``provided`` its signature asks for.
+
+    A component declares what it needs from the run by naming it in its constructor: a
+    dispatcher that takes ``latency`` gets the measured latency model, one that does not is
+    built without it.
+
+    Args:
+        factory: a class or function.
+        provided: what the run can give, by parameter name.
+        options: the user's own keyword arguments (the config's ``*_options``).
+        where: the config key, for messages.
+        call: ``False`` only checks that the call would bind (returns ``None``).
+
+    Raises:
+        ConfigError: a required parameter nobody provides, or an option it does not take.
+    """
+    if not callable(factory):
+        raise ConfigError(f"{where}: {factory!r} is not a class or function.")
+    try:
+        parameters = inspect.signature(factory).parameters
+    except ValueError:  # no signature to read: only the user's options
+        return factory(**options) if call else None
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
+    unknown = [k for k in options if k not in parameters and not takes_any]
+    if unknown:
+        raise ConfigError(
+            f"{where}: {_name(factory)} takes no option(s) {unknown}; its parameters are "
+            f"{_signature(factory)}."
+        )
+    kwargs = {k: v for k, v in provided.items() if k in parameters and k not in options}
+    kwargs.update(options)
+    missing = [
+        name
+        for name, p in parameters.items()
+        if p.default is inspect.Parameter.empty
+        and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+        and name not in kwargs
+    ]
+    if missing:
+        raise ConfigError(
+            f"{where}: {_name(factory)} needs {missing}, which the run does not provide (it "
+            f"provides {sorted(provided)}); give a default or pass them in the options."
+        )
+    return factory(**kwargs) if call else None
+
+
+def wants(factory: Callable[..., Any], name: str) -> bool:
+    """Whether ``factory`` takes a parameter called ``name`` (what it declares it needs)."""
+    try:
+        return name in inspect.signature(factory).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def _name(obj: Any) -> str:
+    return f"{getattr(obj, '__module__', '?')}:{getattr(obj, '__qualname__', repr(obj))}"
+
+
+def _signature(obj: Any) -> str:
+    try:
+        return str(inspect.signature(obj))
+    except ValueError:
+        return "(...)"

@@ -1,0 +1,235 @@
+"""From a config to component objects: the YAML edge of every extension point.
+
+``rl.algorithm``, ``rl.reward``, ``rl.dispatcher``, ``rl.scheduler``, ``rl.length_predictor``
+and ``rl.engine`` each hold a built-in's short name or ``package.module:Name`` for your own
+(``streamrl.references``); a mapping adds keyword arguments::
+
+    rl:
+      algorithm: my_lab.algos:MyGRPO            # an Algorithm subclass
+      reward: my_lab.rewards:score             # fn(completion, answer) -> float
+      dispatcher: {name: skew, alpha: 0.3}     # a built-in with an option
+      engine: {name: vllm, options: {max_model_len: 512}}
+
+A component declares what it needs from the run by naming it in its constructor (a dispatcher
+that takes ``latency`` gets the measured ``PTL(BS)``; an algorithm overrides ``from_run``), so
+nothing here branches on a name. ``check_parts`` resolves and checks them all when the run
+starts, before the warm start; ``RunParts.from_config`` builds them once the policy is loaded.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from streamrl.algorithms import ALGORITHMS, Algorithm, RunFacts
+from streamrl.builders import measure_latency
+from streamrl.components.capacity.elastic import ElasticController
+from streamrl.components.generation.engines import ENGINES, check_cluster
+from streamrl.components.skewness.dispatch import RandomDispatcher, RoundRobinDispatcher
+from streamrl.components.skewness.ranker import LengthRanker
+from streamrl.components.skewness.schedulers import FIFOScheduler, LPTScheduler
+from streamrl.components.skewness.skew_dispatch import SkewAwareDispatcher
+from streamrl.config import RLConfig, RunConfig
+from streamrl.errors import ConfigError
+from streamrl.lora import LoRASpec
+from streamrl.protocols import (
+    AdmissionScheduler,
+    Dispatcher,
+    GenerationEngine,
+    LengthPredictor,
+    RewardFn,
+)
+from streamrl.references import check_callable, construct, resolve, wants
+from streamrl.tasks.rewards import REWARDS
+
+#: Built-ins by the short name a config uses.
+DISPATCHERS = {
+    "skew": SkewAwareDispatcher,
+    "round_robin": RoundRobinDispatcher,
+    "random": RandomDispatcher,
+}
+SCHEDULERS = {"lpt": LPTScheduler, "fifo": FIFOScheduler}
+LENGTH_PREDICTORS = {"ranker": LengthRanker}
+
+
+@dataclass
+class RunParts:
+    """The component objects of a run, built from its config.
+
+    Attributes:
+        algorithm: advantages and loss (and the reward it scores samples with).
+        engine: builds each generator instance's engine.
+        dispatcher: splits requests over instances.
+        scheduler: makes each instance's admission queue.
+        length_predictor: output-length predictions for dispatch and LPT, or ``None``.
+        elastic: adds generator instances while training runs, or ``None``.
+        lora: the policy's adapters, or ``None`` (full fine-tuning).
+    """
+
+    algorithm: Algorithm
+    engine: GenerationEngine
+    dispatcher: Dispatcher
+    scheduler: Callable[[], AdmissionScheduler]
+    length_predictor: LengthPredictor | None
+    elastic: ElasticController | None
+    lora: LoRASpec | None
+
+    @classmethod
+    def from_config(
+        cls, config: RunConfig, policy: PreTrainedModel, tokenizer: PreTrainedTokenizerBase
+    ) -> RunParts:
+        """Build every part ``config`` names, giving each what it declares it needs."""
+        rl = config.rl
+        latency = None
+        dispatcher_factory, dispatcher_options = _pick(rl.dispatcher, "dispatcher", DISPATCHERS)
+        # Measured only when used: to size pools over several instances, or to scale them.
+        if (wants(dispatcher_factory, "latency") and rl.generators > 1) or rl.elastic:
+            latency = measure_latency(policy, tokenizer, rl.max_batch_size)
+        provided = dict(latency=latency, max_batch_size=rl.max_batch_size, seed=config.seed)
+        elastic = None
+        if rl.elastic:
+            elastic = ElasticController(latency, rl.max_batch_size, max_instances=rl.max_generators)
+        lora = lora_spec(rl)
+        return cls(
+            algorithm=build_run_algorithm(rl, policy.config.hidden_size),
+            engine=_engine(rl, lora),
+            dispatcher=_checked(
+                construct(
+                    dispatcher_factory,
+                    provided=provided,
+                    options=dispatcher_options,
+                    where="rl.dispatcher",
+                ),
+                Dispatcher,
+                "rl.dispatcher",
+            ),
+            scheduler=_scheduler(rl),
+            length_predictor=_length_predictor(rl, config.seed),
+            elastic=elastic,
+            lora=lora,
+        )
+
+
+def check_parts(rl: RLConfig) -> None:
+    """Resolve and check every extension point of ``rl`` without loading a model.
+
+    Raises:
+        ConfigError: a name that is neither a built-in nor importable, a wrong signature, a
+            component without its protocol's methods, or an algorithm refusing the settings.
+    """
+    reward(rl)
+    algorithm = build_run_algorithm(rl, hidden_size=1)  # the algorithm checks its own needs
+    if rl.trainer_ranks > 1 and not algorithm.shardable:
+        raise ConfigError(
+            f"rl.trainer_ranks={rl.trainer_ranks}: {type(algorithm).__name__} cannot train "
+            "sharded yet (its own parameters are not sharded by FSDP); use rl.trainer_ranks: 1."
+        )
+    factory, options = _pick(rl.dispatcher, "dispatcher", DISPATCHERS)
+    facts = dict(latency=None, max_batch_size=rl.max_batch_size, seed=0)
+    construct(factory, provided=facts, options=options, where="rl.dispatcher", call=False)
+    _scheduler(rl)
+    _length_predictor(rl, seed=0)
+    engine = _engine(rl, lora_spec(rl))
+    try:  # a missing extra or absent GPUs fail here, not inside a generator process
+        check_cluster(rl.cluster)
+        engine.check(cluster=rl.cluster, gpus_per_instance=rl.gpus)
+    except ConfigError as err:
+        raise ConfigError(f"rl.engine: {err}") from err
+
+
+def reward(rl: RLConfig) -> RewardFn:
+    """The run's reward function: a built-in name or ``package.module:function``."""
+    fn = resolve(rl.reward, kind="reward", builtins=REWARDS, where="rl.reward")
+    check_callable(fn, positional=2, where="rl.reward", what="fn(completion, answer) -> float")
+    return fn
+
+
+def build_run_algorithm(rl: RLConfig, hidden_size: int) -> Algorithm:
+    """The run's algorithm, as every trainer rank builds it (``Algorithm.from_run``)."""
+    cls, options = _pick(rl.algorithm, "algorithm", ALGORITHMS)
+    if not (isinstance(cls, type) and issubclass(cls, Algorithm)):
+        raise ConfigError(
+            f"rl.algorithm: {cls!r} is not a subclass of streamrl.algorithms.Algorithm; "
+            "subclass it and override the hooks you change (docs/algorithms.md)."
+        )
+    facts = RunFacts(
+        group_size=rl.group_size,
+        clip_eps=rl.clip_eps,
+        kl_coef=rl.kl_coef,
+        max_tokens=rl.max_tokens,
+        hidden_size=hidden_size,
+        prompts_per_iteration=rl.prompts_per_iteration,
+    )
+    try:
+        return cls.from_run(reward(rl), facts, **options)
+    except (TypeError, ValueError) as err:
+        raise ConfigError(f"rl.algorithm: {err}") from err
+
+
+def lora_spec(rl: RLConfig) -> LoRASpec | None:
+    """The policy's adapters (``rl.lora_r > 0``), or ``None``."""
+    if rl.lora_r <= 0:
+        return None
+    return LoRASpec(rl.lora_r, rl.lora_alpha, 0.0, tuple(rl.lora_target_modules))
+
+
+def _engine(rl: RLConfig, lora: LoRASpec | None) -> GenerationEngine:
+    factory, options = _pick(rl.engine, "engine", ENGINES)
+    engine = construct(factory, provided=dict(lora=lora), options=options, where="rl.engine")
+    if lora is not None and not wants(factory, "lora"):
+        raise ConfigError(
+            f"rl.engine: {rl.engine!r} takes no LoRA adapters (rl.lora_r > 0); use the 'hf' "
+            "engine or rl.lora_r: 0."
+        )
+    return _checked(engine, GenerationEngine, "rl.engine")
+
+
+def _scheduler(rl: RLConfig) -> Callable[[], AdmissionScheduler]:
+    factory, options = _pick(rl.scheduler, "scheduler", SCHEDULERS)
+    queue = construct(factory, provided={}, options=options, where="rl.scheduler")
+    _checked(queue, AdmissionScheduler, "rl.scheduler")
+    return functools.partial(factory, **options)  # one queue per instance, made there
+
+
+def _length_predictor(rl: RLConfig, seed: int) -> LengthPredictor | None:
+    if rl.length_predictor is None:
+        return None
+    factory, options = _pick(rl.length_predictor, "length predictor", LENGTH_PREDICTORS)
+    predictor = construct(
+        factory, provided=dict(seed=seed), options=options, where="rl.length_predictor"
+    )
+    return _checked(predictor, LengthPredictor, "rl.length_predictor")
+
+
+def _pick(
+    value: str | Mapping[str, Any], kind: str, builtins: Mapping[str, Any]
+) -> tuple[Any, dict[str, Any]]:
+    """``(factory, options)`` from ``"name"`` or ``{name: ..., option: value, ...}``."""
+    where = f"rl.{kind.replace(' ', '_')}"
+    if isinstance(value, Mapping):
+        if "name" not in value:
+            raise ConfigError(
+                f"{where}: a mapping needs a 'name' (a built-in or package.module:Name) next "
+                f"to its options, got {dict(value)!r}."
+            )
+        options = {k: v for k, v in value.items() if k != "name"}
+        return resolve(value["name"], kind=kind, builtins=builtins, where=where), options
+    return resolve(value, kind=kind, builtins=builtins, where=where), {}
+
+
+def _checked(obj: Any, protocol: type, where: str) -> Any:
+    """``obj`` if it has every method of ``protocol``, else a ``ConfigError`` listing them."""
+    if not isinstance(obj, protocol):
+        needed = sorted(
+            n for n in dir(protocol) if not n.startswith("_") or n in ("__call__", "__len__")
+        )
+        missing = [n for n in needed if not hasattr(obj, n)]
+        raise ConfigError(
+            f"{where}: {type(obj).__qualname__} is not a {protocol.__name__}: it lacks "
+            f"{missing or needed} (see streamrl.protocols.{protocol.__name__})."
+        )
+    return obj

@@ -1,0 +1,82 @@
+"""Parts a user writes outside the library, one per extension point.
+
+``tests/test_extension_points.py`` uses them from YAML (``extension_plugins:Name``) and from
+Python; nothing inside ``streamrl/`` knows them. Each leaves evidence that it really ran where
+it is meant to run (its state in the checkpoint, a file written by the generator process).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from streamrl.algorithms import GRPO
+from streamrl.components.generation.engines import HFEngine
+from streamrl.protocols import AdmissionScheduler, EngineSpec, StreamGenerator
+from streamrl.records import Request
+
+
+def quarter_or_half(completion: str, answer: str) -> float:
+    """0.5 when the completion is as long as the answer, else 0.25: values no built-in gives."""
+    return 0.5 if len(completion) == len(answer) else 0.25
+
+
+class SignGRPO(GRPO):
+    """GRPO with sign advantages (+1 above the group mean, -1 below); counts the groups."""
+
+    def __init__(self, reward_fn, **options) -> None:
+        super().__init__(reward_fn, **options)
+        self.groups_scored = 0
+
+    def score_group(self, rewards: Sequence[float]) -> list[float]:
+        self.groups_scored += 1
+        mean = sum(rewards) / len(rewards)
+        return [float((r > mean) - (r < mean)) for r in rewards]
+
+    def state_dict(self) -> dict:
+        return {"groups_scored": self.groups_scored}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.groups_scored = state["groups_scored"]
+
+
+class LastInstanceDispatcher:
+    """Every prompt to the last instance, each capped at ``cap`` running sequences."""
+
+    def __init__(self, *, max_batch_size: int, cap: int = 4) -> None:
+        self.cap = min(cap, max_batch_size)
+        self.plans = 0
+        self.observed = 0
+
+    def plan(
+        self, requests: Sequence[Request], scores: Sequence[float] | None, instances: int
+    ) -> list[list[Request]]:
+        self.plans += 1
+        return [[] for _ in range(instances - 1)] + [list(requests)]
+
+    def observe(self, lengths: Iterable[int]) -> None:
+        self.observed += len(list(lengths))
+
+    def batch_limits(self, instances: int) -> list[int]:
+        return [self.cap] * instances
+
+    def state_dict(self) -> dict:
+        return {"plans": self.plans, "observed": self.observed}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.plans, self.observed = state["plans"], state["observed"]
+
+
+@dataclass(frozen=True)
+class MarkingEngine:
+    """The HF engine, leaving a file per instance it builds: proof it ran in the child."""
+
+    marker_dir: str
+
+    def check(self, *, cluster: str, gpus_per_instance: int) -> None:
+        HFEngine().check(cluster=cluster, gpus_per_instance=gpus_per_instance)
+
+    def __call__(self, spec: EngineSpec, scheduler: AdmissionScheduler) -> StreamGenerator:
+        Path(self.marker_dir, f"instance-{spec.instance_id}").write_text(spec.model_dir)
+        return HFEngine()(spec, scheduler)

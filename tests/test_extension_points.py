@@ -1,0 +1,134 @@
+"""Every extension point takes a user's own part, from YAML (``package.module:Name``) and from
+Python, with no edit inside ``streamrl/``: a custom algorithm, dispatcher, reward and engine
+(``tests/extension_plugins.py``) run through the real call sites of a real run.
+"""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+import pytest
+import torch
+
+from streamrl.config import RunConfig, from_dict
+from streamrl.errors import ConfigError
+from streamrl.run_parts import check_parts
+
+TESTS = Path(__file__).resolve().parent
+PLUGINS = {
+    "algorithm": "extension_plugins:SignGRPO",
+    "reward": "extension_plugins:quarter_or_half",
+    "dispatcher": {"name": "extension_plugins:LastInstanceDispatcher", "cap": 3},
+    "length_predictor": None,
+}
+
+
+@pytest.fixture(autouse=True)
+def plugins_importable(monkeypatch):
+    """As a user's package would be: importable here and in every spawned process."""
+    monkeypatch.syspath_prepend(str(TESTS))
+    monkeypatch.setenv("PYTHONPATH", str(TESTS))
+
+
+def small_run(tmp_path: Path, **rl: object) -> RunConfig:
+    return from_dict(
+        RunConfig,
+        {
+            "output_dir": str(tmp_path / "run"),
+            "data": {"tasks": ["copy"], "n_train": 32, "n_heldout": 8, "median_len": 3},
+            "sft": {"model_size": "test", "steps": 20},
+            "rl": {
+                "iterations": 2,
+                "prompts_per_iteration": 4,
+                "group_size": 2,
+                "generators": 2,
+                "max_tokens": 12,
+                "checkpoint_every": 1,
+                "ranker_refresh_every": 1,
+                **rl,
+            },
+        },
+        where="test",
+    )
+
+
+@pytest.mark.timeout(300)
+def test_custom_parts_from_yaml_run_in_a_real_fit(tmp_path):
+    from streamrl.jobs import run_fit
+
+    markers = tmp_path / "markers"
+    markers.mkdir()
+    engine = {"name": "extension_plugins:MarkingEngine", "marker_dir": str(markers)}
+    config = small_run(tmp_path, engine=engine, **PLUGINS)
+    summary = run_fit(config, show_progress=False)
+
+    assert summary["samples_lost"] == 0
+    # The engine was built inside each generator process, from the model directory.
+    assert sorted(p.name for p in markers.iterdir()) == ["instance-0", "instance-1"]
+    state = torch.load(Path(config.output_dir) / "checkpoints" / "last.ckpt", weights_only=False)[
+        "streamrl"
+    ]
+    assert state["algorithm"] == {"groups_scored": 2 * 4}  # SignGRPO scored every group
+    assert state["dispatcher"]["plans"] == 2  # one plan per iteration
+    assert state["dispatcher"]["observed"] == 4 * 2  # iteration 0's lengths, at the refresh
+    metrics = next((Path(config.output_dir) / "logs").rglob("metrics.csv"))
+    rewards = [float(r["rollout/reward"]) for r in csv.DictReader(metrics.open())]
+    assert rewards and all(0.25 <= r <= 0.5 for r in rewards)  # only quarter_or_half gives these
+
+
+@pytest.mark.timeout(300)
+def test_custom_parts_from_python_through_the_builders(tmp_path, tokenizer):
+    import extension_plugins as plugins
+
+    from streamrl import PromptSource, RolloutStream, StreamGenerationService
+    from streamrl.builders import build_module, build_trainer
+    from streamrl.models import build_tiny_model, save_policy
+    from streamrl.tasks import make_prompt_set
+
+    policy = build_tiny_model(tokenizer, "test", seed=0)
+    model_dir = save_policy(policy, tokenizer, tmp_path / "policy")
+    markers = tmp_path / "markers"
+    markers.mkdir()
+    algorithm = plugins.SignGRPO(plugins.quarter_or_half, group_size=2)
+    dispatcher = plugins.LastInstanceDispatcher(max_batch_size=8, cap=3)
+    engine = plugins.MarkingEngine(str(markers))
+    prompts = PromptSource(make_prompt_set(16, ["copy"], median_len=3, max_len=6), 4)
+    with StreamGenerationService(
+        model_dir, 2, engine=engine, dispatcher=dispatcher, max_batch_size=8
+    ) as service:
+        rollouts = RolloutStream(service, prompts, tokenizer, algorithm, max_tokens=8, context=256)
+        module = build_module(policy, algorithm, rollouts, iterations=2, lr=1e-3)
+        build_trainer(module, show_progress=False).fit(module)
+    assert sorted(p.name for p in markers.iterdir()) == ["instance-0", "instance-1"]
+    assert algorithm.groups_scored == 2 * 4 and dispatcher.plans == 2
+    # Every sample came from the instance the dispatcher chose: the last one.
+    lanes = {span.lane for span in rollouts.trace.spans if span.name == "generate"}
+    assert lanes == {"generator-1"}
+    assert all(0.25 <= h["rollout/reward"] <= 0.5 for h in module.history)
+
+
+@pytest.mark.parametrize(
+    ("rl", "message"),
+    [
+        ({"reward": "no_such_module:score"}, r"rl.reward: cannot import module 'no_such_module'"),
+        (
+            {"reward": "extension_plugins:quarter_or_hlf"},
+            r"Unknown name 'quarter_or_hlf'.*"
+            r"did you mean 'quarter_or_half'",
+        ),
+        ({"reward": "extension_plugins:LastInstanceDispatcher"}, r"rl.reward: .*wrong signature"),
+        ({"algorithm": "extension_plugins:quarter_or_half"}, r"is not a subclass of .*Algorithm"),
+        ({"dispatcher": "extension_plugins:SignGRPO"}, r"rl.dispatcher: .*needs \['reward_fn'\]"),
+        (
+            {"dispatcher": {"name": "extension_plugins:LastInstanceDispatcher", "cop": 3}},
+            r"takes no option\(s\) \['cop'\]",
+        ),
+        ({"dispatcher": {"cap": 3}}, r"rl.dispatcher: a mapping needs a 'name'"),
+        ({"engine": "extension_plugins:quarter_or_half"}, r"rl.engine: .*needs"),
+        ({"scheduler": "extension_plugins:quarter_or_half"}, r"rl.scheduler"),
+    ],
+)
+def test_a_wrong_reference_fails_before_work_with_the_reason(tmp_path, rl, message):
+    with pytest.raises(ConfigError, match=message):
+        check_parts(small_run(tmp_path, **rl).rl)

@@ -88,7 +88,7 @@ if __name__ == "__main__":
                 h.site,
                 "head" if h.members else "member" if h.head is not None else "direct",
             )
-            for h in service._instances
+            for h in service.pool.handles
         }
     print(f"instances: {roles}; every instance holds the trainer's weights: {same}")
     print(

@@ -23,8 +23,9 @@ from streamrl.algorithms import (
     TokenLoss,
     build_algorithm,
 )
+from streamrl.algorithms.base import reduce_token_loss
 from streamrl.algorithms.grpo import overlong_penalty
-from streamrl.algorithms.losses import policy_loss, policy_token_loss
+from streamrl.algorithms.losses import policy_token_loss
 from streamrl.algorithms.ppo import clipped_value_loss, gae, terminal_rewards
 from streamrl.algorithms.reinforce_pp import RunningMoments
 from streamrl.errors import ConfigError
@@ -64,7 +65,8 @@ def test_rloo_loss_is_the_shared_clipped_surrogate_with_k3_kl():
     # GRPO computes the very same loss from the same pieces.
     grpo = GRPO(partial_credit, group_size=2, clip_eps=0.2, kl_coef=0.1)
     assert torch.allclose(grpo.loss(batch), rloo.loss(batch))
-    assert torch.allclose(policy_loss(batch, 0.2, kl_coef=0.1), rloo.loss(batch))
+    terms = policy_token_loss(batch, 0.2, kl_coef=0.1)
+    assert torch.allclose(reduce_token_loss(terms, batch, None), rloo.loss(batch))
     # The KL term is auxiliary: the off-policy token weights do not scale it.
     terms = policy_token_loss(batch, 0.2, kl_coef=0.1)
     assert terms.auxiliary is not None and torch.allclose(terms.auxiliary, torch.full((2, 2), kl))

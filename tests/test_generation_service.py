@@ -338,3 +338,13 @@ def test_engine_and_scheduler_are_checked_before_any_process_starts(model_dir):
         service(scheduler=lambda: FIFOScheduler())
     assert service(engine=HFEngine(), scheduler=LPTScheduler).instances() == []  # not started
     assert not [p for p in mp.active_children() if p.name.startswith("streamrl-generator")]
+
+
+def test_dispatcher_and_instances_must_agree_on_the_batch_size(tmp_path):
+    from streamrl.components.skewness.latency import LatencyModel
+    from streamrl.components.skewness.skew_dispatch import SkewAwareDispatcher
+
+    latency = LatencyModel.from_table_ms({1: 1.0, 64: 2.0})
+    dispatcher = SkewAwareDispatcher(latency, max_batch_size=64)
+    with pytest.raises(ValueError, match=r"up to 64 sequences but the instances have max_batch"):
+        StreamGenerationService(tmp_path, 2, max_batch_size=32, dispatcher=dispatcher)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from streamrl.algorithms.base import LossInputs, TokenLoss, per_sample, reduce_token_loss
+from streamrl.algorithms.base import LossInputs, TokenLoss, per_sample
 
 
 def clipped_surrogate(
@@ -70,24 +70,9 @@ def policy_token_loss(
     return TokenLoss(policy, auxiliary)
 
 
-def policy_loss(
-    batch: LossInputs,
-    eps_low: float,
-    eps_high: float | None = None,
-    kl_coef: float = 0.0,
-    token_norm: float | None = None,
-) -> torch.Tensor:
-    """Per-sample loss ``[batch]`` of ``policy_token_loss``, reduced as ``Algorithm.loss`` does
-    (``reduce_token_loss``: token weights, mask, ``token_norm``); for use outside an algorithm.
-    """
-    terms = policy_token_loss(batch, eps_low, eps_high, kl_coef)
-    return reduce_token_loss(terms, batch, token_norm)
-
-
 __all__ = [
     "clipped_surrogate",
     "k3_kl",
     "per_sample",
-    "policy_loss",
     "policy_token_loss",
 ]

@@ -154,10 +154,17 @@ class StreamGenerationService:
         self._ray = replace(ray or RayOptions(), gpus_per_instance=gpus_per_instance)
         self._ctx = mp.get_context("spawn")
         self.start_timeout_s, self.sample_timeout_s = start_timeout_s, sample_timeout_s
+        dispatcher = dispatcher if dispatcher is not None else RoundRobinDispatcher()
+        limits = dispatcher.batch_limits(num_instances) or []
+        if any(limit > max_batch_size for limit in limits):  # given twice: they must agree
+            raise ValueError(
+                f"The dispatcher sizes batches up to {max(limits)} sequences but the instances "
+                f"have max_batch_size={max_batch_size}; give both the same max_batch_size."
+            )
         #: The instances: their processes, weight groups and messages.
         self.pool = InstancePool(
             self._launch,
-            dispatcher=dispatcher if dispatcher is not None else RoundRobinDispatcher(),
+            dispatcher=dispatcher,
             trainer_site=trainer_site,
             weight_transport=weight_transport,
             start_timeout_s=start_timeout_s,
@@ -190,11 +197,6 @@ class StreamGenerationService:
         """Ledger of the service: requests submitted and requeued, samples returned and
         discarded (late copies from failed instances), instances restarted."""
         return self.pool.counts
-
-    @property
-    def _instances(self) -> list[InstanceHandle]:
-        """The pool's handles (``pool.handles``), for callers that inspect them by this name."""
-        return self.pool.handles
 
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self) -> StreamGenerationService:

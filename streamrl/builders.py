@@ -108,7 +108,7 @@ def build_module(
     elif temperature is None:
         raise ValueError("build_module: without rollouts, pass the generators' temperature.")
     pipeline = DynamicBatchPipeline(
-        token_budget, min_samples, staleness_bound=STALENESS_BOUND[mode]
+        token_budget, min_samples=min_samples, staleness_bound=STALENESS_BOUND[mode]
     )
     reference = copy.deepcopy(policy) if algorithm.needs_reference else None
     options: dict[str, Any] = dict(

@@ -76,7 +76,7 @@ def _cmd_profile(args: argparse.Namespace) -> dict:
     policy, tokenizer = load_model(args.model)
     prompt = tokenizer("copy abcdefgh=")["input_ids"]
     sizes = [int(b) for b in args.batch_sizes.split(",")]
-    model = Profiler(policy, prompt, args.tokens, args.repeats).fit(sizes)
+    model = Profiler(policy, prompt, tokens=args.tokens, repeats=args.repeats).fit(sizes)
     print(f"{'batch':>6} {'ms/token':>10}", file=sys.stderr)
     for size, ptl in zip(model.batch_sizes, model.ptl_s):
         print(f"{size:>6} {ptl * 1000:>10.2f}", file=sys.stderr)

@@ -136,7 +136,7 @@ def measure_contended_ptl(
 
     policy, tokenizer = _tiny_policy()
     prompt = tokenizer("copy abcdefgh=")["input_ids"]
-    profiler = Profiler(policy, prompt, tokens, repeats)
+    profiler = Profiler(policy, prompt, tokens=tokens, repeats=repeats)
     alone = profiler.fit(batch_sizes)
     ctx = mp.get_context("spawn")
     stop = ctx.Event()

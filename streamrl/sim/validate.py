@@ -267,7 +267,8 @@ def profile(
 
     policy, tokenizer = _tiny_policy()
     prompt = tokenizer("copy abcdefgh=")["input_ids"]
-    latency = Profiler(policy, prompt, 32, 1 if quick else 3).fit(PROFILE_BATCH_SIZES)
+    profiler = Profiler(policy, prompt, tokens=32, repeats=1 if quick else 3)
+    latency = profiler.fit(PROFILE_BATCH_SIZES)
     shapes, repeats = (QUICK_SHAPES, 2) if quick else (DEFAULT_SHAPES, 5)
     one = measure_trainer_cost(1, shapes, repeats)
     two = measure_trainer_cost(2, shapes, repeats) if two_threads else None

@@ -77,6 +77,7 @@ class ElasticController:
         self,
         latency: LatencyModel,
         max_batch_size: int,
+        *,
         step: int = 1,
         min_instances: int = 1,
         max_instances: int = 1 << 30,

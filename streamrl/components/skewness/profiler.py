@@ -29,7 +29,12 @@ class Profiler:
     """
 
     def __init__(
-        self, model: PreTrainedModel, prompt_ids: Sequence[int], tokens: int = 32, repeats: int = 3
+        self,
+        model: PreTrainedModel,
+        prompt_ids: Sequence[int],
+        *,
+        tokens: int = 32,
+        repeats: int = 3,
     ) -> None:
         self.model, self.prompt_ids = model, list(prompt_ids)
         self.tokens, self.repeats = tokens, repeats

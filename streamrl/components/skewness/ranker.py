@@ -85,13 +85,13 @@ class LengthRanker:
 
     def __init__(
         self,
+        *,
         hidden: int = 128,
         epochs: int = 600,
         lr: float = 3e-3,
         rank_weight: float = 0.5,
         buffer: int = 8192,
         seed: int = 0,
-        *,
         learn_epochs: int = 100,
         refresh_epochs: int = 10,
     ) -> None:

@@ -47,7 +47,9 @@ class DynamicBatchPipeline:
         ...     loss = algorithm.loss(module.loss_inputs(micro))
     """
 
-    def __init__(self, token_budget: int = 1024, min_samples: int = 1, staleness_bound: int = 0):
+    def __init__(
+        self, token_budget: int = 1024, *, min_samples: int = 1, staleness_bound: int = 0
+    ) -> None:
         if token_budget < 1 or min_samples < 1 or staleness_bound < 0:
             raise ValueError(
                 "DynamicBatchPipeline: need token_budget >= 1, min_samples >= 1 and "

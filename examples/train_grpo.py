@@ -20,7 +20,7 @@ if __name__ == "__main__":  # generator instances are spawned processes: keep th
     policy, tokenizer = sr.load_policy(model_dir)
     latency = sr.measure_latency(policy, tokenizer, max_batch_size=32)  # PTL(BS), §5.1
     dispatcher = sr.SkewAwareDispatcher(latency, max_batch_size=32)  # Algorithm 2, §5.3
-    algorithm = sr.GRPO(sr.partial_credit, group_size=4)
+    algorithm = sr.GRPO(group_size=4)
     dataset = sr.make_prompt_set(512, median_len=6, max_len=48)
     prompts = sr.PromptSource(dataset, batch_size=args.prompts)
     service = sr.StreamGenerationService(  # §3: each finished sample streams to the trainer
@@ -32,6 +32,7 @@ if __name__ == "__main__":  # generator instances are spawned processes: keep th
             prompts,
             tokenizer,
             algorithm,
+            reward=sr.partial_credit,
             max_tokens=64,
             context=policy.config.max_position_embeddings,
             ranker=sr.LengthRanker(),

@@ -69,13 +69,14 @@ print(prompts[0])  # one row: a prompt and its reference answer
 
 # %%
 if __name__ == "__main__":
-    algorithm = GRPO(partial_credit, group_size=GROUP)
+    algorithm = GRPO(group_size=GROUP)
     with StreamGenerationService(model_dir, num_instances=2, temperature=0.7) as sgs:
         rollouts = RolloutStream(
             sgs,
             PromptSource(prompts, PROMPTS),
             tokenizer,
             algorithm,
+            reward=partial_credit,
             max_tokens=64,
             context=policy.config.max_position_embeddings,
         )

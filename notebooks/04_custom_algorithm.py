@@ -2,10 +2,11 @@
 # # 04 · Write your own algorithm: REINFORCE with a moving-average baseline
 #
 # **What it shows.** An RL algorithm in streamrl is a small class whose hooks follow RL timing:
-# `score_sample` when a sample arrives (its reward), `score_group` when a prompt's last sample
-# arrives (advantages), `token_loss` when the trainer reaches a micro-batch. We write REINFORCE
-# (Williams 1992) whose baseline is an exponential moving average of past rewards, check it by
-# hand, and train the tiny model with it in the real streamed loop for a few iterations.
+# `score_sample` when a sample's reward arrives (to shape it), `score_group` when a prompt's
+# last sample arrives (advantages), `token_loss` when the trainer reaches a micro-batch. We write
+# REINFORCE (Williams 1992) whose baseline is an exponential moving average of past rewards,
+# check it by hand, and train the tiny model with it in the real streamed loop for a few
+# iterations.
 #
 # Because groups are scored the moment they complete, an algorithm sees the stream in arrival
 # order: a running baseline is natural here, whereas whole-batch statistics would reintroduce
@@ -58,7 +59,8 @@ torch.set_num_threads(1)
 #   of stale samples (`batch.token_weights`), so no algorithm can forget them.
 #
 # `state_dict` / `load_state_dict` put the baseline into Lightning checkpoints, so a resumed
-# run continues with it. `score_sample` is inherited: the reward function's score. The base's
+# run continues with it. `score_sample` is inherited: the task reward, computed by the run's
+# reward functions (here `partial_credit`, given to `RolloutStream`), unchanged. The base's
 # constructor stores and checks `group_size` (and `clip_eps`, `kl_coef`, unused here).
 
 
@@ -67,13 +69,12 @@ class MovingAverageReinforce(Algorithm):
     """REINFORCE whose baseline is an exponential moving average of group mean rewards.
 
     Args:
-        reward_fn: scores a completion against the reference answer.
         group_size: samples per prompt.
         decay: how much of the old baseline each group keeps (0.9: about 10 groups' memory).
     """
 
-    def __init__(self, reward_fn, *, group_size: int = 4, decay: float = 0.9) -> None:
-        super().__init__(reward_fn, group_size=group_size)
+    def __init__(self, *, group_size: int = 4, decay: float = 0.9) -> None:
+        super().__init__(group_size=group_size)
         self.decay = decay
         self.baseline = 0.0
         self.baselines: list[float] = []  # the baseline after each group, for the plot
@@ -106,7 +107,7 @@ class MovingAverageReinforce(Algorithm):
 # `-(1.5 log 0.5 + 0.5 log 0.5) / 2 = 0.693` too, with the first token's gradient 3x the second's.
 
 # %%
-check = MovingAverageReinforce(partial_credit, group_size=2, decay=0.5)
+check = MovingAverageReinforce(group_size=2, decay=0.5)
 assert check.score_group([1.0, 0.0]) == [1.0, 0.0]
 assert check.score_group([1.0, 0.0]) == [0.75, -0.25]
 half = math.log(0.5)
@@ -140,7 +141,7 @@ model_dir = warm_start(sft, show_progress=not SMALL)
 
 if __name__ == "__main__":
     policy, tokenizer = load_policy(model_dir)
-    algorithm = MovingAverageReinforce(partial_credit, group_size=4)
+    algorithm = MovingAverageReinforce(group_size=4)
     prompts = make_prompt_set(512, median_len=6, max_len=48, seed=0)
     with StreamGenerationService(model_dir, num_instances=2, temperature=0.7) as sgs:
         rollouts = RolloutStream(
@@ -148,6 +149,7 @@ if __name__ == "__main__":
             PromptSource(prompts, PROMPTS),
             tokenizer,
             algorithm,
+            reward=partial_credit,
             max_tokens=64,
             context=policy.config.max_position_embeddings,
         )

@@ -9,8 +9,14 @@ The main names are importable from here (loaded on first use, so the command lin
 - the builders every run goes through: ``build_module``, ``build_trainer``, ``make_logger``,
   ``measure_latency`` (``streamrl.builders``), and ``RunParts`` for a config's objects;
 - a policy to start from and to save: ``load_policy``, ``save_policy``,
-  ``warm_start``/``SFTConfig``, and the built-in tasks ``make_prompt_set``, ``exact_match``,
-  ``partial_credit``;
+  ``warm_start``/``SFTConfig``, the built-in tasks ``make_prompt_set`` and their rewards
+  ``exact_match``, ``partial_credit`` (a ``RolloutStream``'s ``reward``);
+- your own task: ``load_prompt_dataset``/``split_heldout`` (local files), the reasoning-gym
+  suite (``reasoning_gym_dataset``, ``reasoning_gym_reward``), rewards of any form run in a
+  ``RewardPool`` (``RewardSpec``, ``as_batch_reward``, ``math_answer``, ``RewardModel``), chat
+  formats (``render_prompt``, ``completion_text``, ``build_bpe_tokenizer``), a warm start on
+  rows (``build_tiny_model``, ``data_tokenizer``, ``sft_on_rows``) and held-out evaluation with
+  the task's reward (``evaluate``, ``PeriodicEval``);
 - the main job: ``RunConfig``, ``load_config``, ``run_fit``.
 
 Every other public name lives in its module (``streamrl.components``, ``streamrl.protocols``...).
@@ -52,6 +58,23 @@ _EXPORTS = {
     "make_prompt_set": "streamrl.tasks",
     "exact_match": "streamrl.tasks",
     "partial_credit": "streamrl.tasks",
+    "load_prompt_dataset": "streamrl.tasks.local_data",
+    "split_heldout": "streamrl.tasks.local_data",
+    "reasoning_gym_dataset": "streamrl.tasks.reasoning_gym",
+    "reasoning_gym_reward": "streamrl.tasks.reasoning_gym",
+    "RewardPool": "streamrl.rewards.pool",
+    "RewardSpec": "streamrl.rewards.spec",
+    "as_batch_reward": "streamrl.rewards.spec",
+    "math_answer": "streamrl.rewards.verifiers",
+    "RewardModel": "streamrl.rewards.reward_model",
+    "render_prompt": "streamrl.chat",
+    "completion_text": "streamrl.chat",
+    "build_bpe_tokenizer": "streamrl.models",
+    "build_tiny_model": "streamrl.models",
+    "data_tokenizer": "streamrl.prepare",
+    "sft_on_rows": "streamrl.sft_rows",
+    "evaluate": "streamrl.evaluation",
+    "PeriodicEval": "streamrl.eval_callback",
     "RunConfig": "streamrl.config",
     "load_config": "streamrl.config",
     "run_fit": "streamrl.jobs",

@@ -9,11 +9,12 @@ Examples:
     A run in a notebook (``streamrl.run_parts.RunParts`` builds the same objects from a config)::
 
         policy, tokenizer = load_policy(model_dir)
-        algorithm = GRPO(partial_credit, group_size=4)
+        algorithm = GRPO(group_size=4)
         dispatcher = SkewAwareDispatcher(measure_latency(policy, tokenizer), max_batch_size=32)
         with StreamGenerationService(model_dir, 2, dispatcher=dispatcher) as service:
             rollouts = RolloutStream(service, PromptSource(prompts, 16), tokenizer, algorithm,
-                                     max_tokens=64, context=128, ranker=LengthRanker())
+                                     reward=partial_credit, max_tokens=64, context=128,
+                                     ranker=LengthRanker())
             module = build_module(policy, algorithm, rollouts, iterations=30, mode="async")
             build_trainer(module).fit(module)
 """
@@ -155,7 +156,8 @@ def build_trainer(
             ``last.ckpt`` at the end.
         show_progress: draw Lightning's progress bar.
         trainer_options: any other ``lightning.Trainer`` argument (``accelerator="gpu"``,
-            ``callbacks=[...]``...); it wins over the settings above.
+            ``callbacks=[...]``, added to the checkpoint callback...); it wins over the
+            settings above.
     """
     settings: dict[str, Any] = dict(
         max_steps=module.iterations,
@@ -175,7 +177,9 @@ def build_trainer(
         )
     if ranks > 1:
         settings.update(devices=ranks // nodes, num_nodes=nodes, strategy=fsdp_strategy(ranks))
-    return L.Trainer(**{**settings, **trainer_options})
+    # Your callbacks join the checkpoint callback rather than replace it.
+    callbacks = [*settings.pop("callbacks", []), *trainer_options.pop("callbacks", [])]
+    return L.Trainer(**{**settings, **trainer_options}, callbacks=callbacks)
 
 
 def checkpoints(output_dir: str | Path, *, every: int = 0) -> ModelCheckpoint:

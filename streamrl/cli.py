@@ -20,7 +20,7 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from streamrl.errors import ConfigError, NonFiniteLossError
+from streamrl.errors import ConfigError, NonFiniteLossError, RewardError
 from streamrl.fit_args import FitArgs, build_fit_parser, parse_fit, print_fit_config
 from streamrl.quiet import quiet_libraries, quiet_lightning
 
@@ -63,6 +63,13 @@ def _cmd_bench_pipeline(args: argparse.Namespace) -> dict:
     return bench_pipeline(args)
 
 
+def _cmd_bench_reward(args: argparse.Namespace) -> dict:
+    from streamrl.bench.reward import bench_reward
+
+    quiet_lightning()
+    return bench_reward(args)
+
+
 def _cmd_bench_dispatch(args: argparse.Namespace) -> dict:
     from streamrl.bench.dispatch import bench_dispatch
 
@@ -91,10 +98,15 @@ def _cmd_profile(args: argparse.Namespace) -> dict:
 def _bench_ranker(args: argparse.Namespace) -> dict:
     from streamrl.bench.ranker import bench_ranker, policy_lengths, sampling_ceiling
 
-    if bool(args.data) == bool(args.from_policy):
-        raise ConfigError("bench ranker: pass exactly one of --data and --from-policy.")
+    if sum(map(bool, (args.data, args.from_policy, args.make_data))) != 1:
+        raise ConfigError("bench ranker: pass exactly one of --data, --from-policy, --make-data.")
+    if args.make_data:
+        from streamrl.bench.length_data import write_length_data
+
+        tokenizer = write_length_data(args.make_data, args.seed)
+        return bench_ranker(args.make_data, args.seed, args.backbone, args.tokenizer or tokenizer)
     if args.data:
-        return bench_ranker(args.data, args.seed, backbone=args.backbone)
+        return bench_ranker(args.data, args.seed, backbone=args.backbone, tokenizer=args.tokenizer)
     rows = policy_lengths(args.from_policy, args.prompts, args.samples, seed=args.seed)
     with open(args.write_data, "w") as f:
         f.writelines(json.dumps(row) + "\n" for row in rows)
@@ -207,6 +219,33 @@ def build_parser() -> argparse.ArgumentParser:
     pipe.add_argument("--seed", type=int, default=0)
     pipe.set_defaults(func=_cmd_bench_pipeline)
 
+    rew = bench_sub.add_parser(
+        "reward", help="samples/s with rewards in worker processes vs in the trainer, same run"
+    )
+    rew.add_argument("--reward", default="math", help="a built-in reward or package.module:fn")
+    rew.add_argument("--workers", default="0,1", help="reward worker counts; 0 = in the trainer")
+    rew.add_argument("--mode", choices=["sync", "async"], default="sync", help="the RL mode")
+    rew.set_defaults(
+        func=_cmd_bench_reward,
+        colocated_generators=2,
+        colocated_token_budget=4096,
+        timeline_dir=None,
+    )
+    for name, default, help_text in [
+        ("--batch", 16, "prompts per iteration"),
+        ("--group-size", 4, "samples per prompt"),
+        ("--iterations", 6, "measured iterations per run"),
+        ("--warmup", 1, "unmeasured iterations per run"),
+        ("--repeats", 3, "runs per setting (median reported)"),
+        ("--max-batch-size", 64, "slots per generator"),
+        ("--generators", 1, "generator instances (one core each)"),
+        ("--token-budget", 256, "tokens per micro-batch"),
+        ("--seed", 0, "seed"),
+    ]:
+        rew.add_argument(name, type=int, default=default, help=help_text)
+    rew.add_argument("--model", default="tiny", help="'tiny' (~1M params, random) or a model dir")
+    rew.add_argument("--lengths", help="forced output lengths (default: the long-tailed file)")
+
     disp = bench_sub.add_parser(
         "dispatch", help="generation makespan: random vs skew-aware (predicted) vs oracle dispatch"
     )
@@ -274,7 +313,19 @@ def build_parser() -> argparse.ArgumentParser:
     disp.set_defaults(func=_cmd_bench_dispatch)
 
     rank = bench_sub.add_parser("ranker", help="recall@k of the length ranker on a 80/20 split")
-    rank.add_argument("--data", help='JSONL rows {"prompt": str, "length": int}')
+    rank.add_argument(
+        "--data", help='JSONL rows {"prompt": str, "lengths": [int, ...]} or {"prompt", "length"}'
+    )
+    rank.add_argument(
+        "--make-data",
+        help="instead of --data: write chat prompts with SYNTHETIC lengths "
+        "(streamrl/bench/length_data.py) and their tokenizer to this file, then bench",
+    )
+    rank.add_argument(
+        "--tokenizer",
+        help="tokenizer.json or model dir of the policy for the ranker's token features "
+        "(default: words)",
+    )
     rank.add_argument(
         "--from-policy",
         help="instead of --data: sample this model directory's "
@@ -338,7 +389,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
         command, func = args.command, functools.partial(args.func, args)
     quiet_libraries()
-    from streamrl.algorithms.base import RewardError
     from streamrl.components.generation.service import GeneratorError
 
     try:

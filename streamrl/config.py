@@ -31,12 +31,32 @@ from streamrl.tasks.families import FAMILIES
 
 @dataclass
 class DataConfig:
-    """Where prompts come from.
+    """Where prompts come from: the built-in tasks, your own dataset, or reasoning-gym.
 
     Attributes:
         tasks: built-in task families to draw prompts from (see ``streamrl.tasks.FAMILIES``).
         prompt_file: a JSONL file of ``{"prompt", "answer"}`` rows used instead of generated
             prompts (its rows are split into training and held-out sets).
+        path: your dataset, any local file or directory ``datasets`` reads (JSONL, JSON, CSV,
+            Parquet, a ``save_to_disk`` directory), used instead of the built-in tasks. Every
+            column of a row reaches the reward (``streamrl.tasks.local_data``).
+        prompt_column: the column holding the prompt (a string, or chat messages).
+        answer_column: the column holding the reference answer; ``null`` if there is none.
+        id_column: a column of unique prompt ids; ``null`` derives stable ids from the content.
+        task_column: a column naming each row's data source (evaluation reports per source);
+            ``null``: the file's name.
+        split: the split of a ``DatasetDict`` directory to train on (default ``train``).
+        heldout_path: a second file (same columns) to evaluate on.
+        heldout_split: another split of ``path`` to evaluate on (e.g. ``test``).
+        heldout_fraction: a share of ``path``'s rows held out for evaluation (seeded); the
+            default when neither ``heldout_path`` nor ``heldout_split`` is given.
+        reasoning_gym: reasoning-gym tasks to draw prompts from, scored by their own
+            ``score_answer`` (reward ``reasoning_gym``): a list of names or ``{name: {config}}``
+            (``streamrl.tasks.reasoning_gym``); ``n_train`` / ``n_heldout`` rows each.
+        system_prompt: a system message put before every prompt (chat-templated tokenizers).
+        chat_template: apply the tokenizer's chat template to string prompts: ``null`` does
+            when the tokenizer has one; chat-message prompts always use it.
+        stop_strings: generation stops after any of these, and the reward sees the text before.
         n_train: prompts in the training set.
         n_heldout: prompts in the held-out evaluation set (no prompt shared with training).
         median_len: median answer length in characters.
@@ -46,6 +66,19 @@ class DataConfig:
 
     tasks: list[str] = field(default_factory=lambda: list(FAMILIES))
     prompt_file: str | None = None
+    path: str | None = None
+    prompt_column: str = "prompt"
+    answer_column: str | None = "answer"
+    id_column: str | None = None
+    task_column: str | None = None
+    split: str | None = None
+    heldout_path: str | None = None
+    heldout_split: str | None = None
+    heldout_fraction: float | None = None
+    reasoning_gym: list[str] | dict[str, Any] | None = None
+    system_prompt: str | None = None
+    chat_template: bool | None = None
+    stop_strings: list[str] = field(default_factory=list)
     n_train: int = 2048
     n_heldout: int = 256
     median_len: int = 6
@@ -65,11 +98,18 @@ class WarmStartConfig:
         early_stop: share of demonstrations (of ``early_stop_tasks``) that stop one item early:
             a systematic flaw of the demonstrator that RL, rewarded by the verifier, can fix.
         early_stop_tasks: the tasks whose demonstrator has that flaw.
+        tokens_per_batch: padded tokens per SFT step.
+        tokenizer: the tiny policy's tokenizer on your own data (``data.path`` or
+            ``data.reasoning_gym``): ``"bpe"`` (byte-level BPE with a ChatML template, trained
+            on the training rows) or ``"char"`` (one id per character of the data, no template:
+            what character-level tasks such as spelling backwards learn best).
     """
 
     model_size: str = "demo"
     steps: int = 1800
     lr: float = 1e-3
+    tokens_per_batch: int = 1024
+    tokenizer: str = "bpe"
     demo_noise: float = 0.3
     early_stop: float = 0.6
     early_stop_tasks: list[str] = field(default_factory=lambda: ["copy", "count", "sort"])
@@ -116,8 +156,19 @@ class RLConfig:
         kl_coef: KL penalty to the starting policy; 0 disables it.
         is_cap: truncation of the importance ratio that corrects samples from older weights in
             async mode (decoupled PPO with truncated IS, docs/algorithms.md).
-        reward: ``"exact"``, ``"partial"`` (``streamrl.tasks.rewards``) or your function
-            ``fn(completion, answer) -> float`` as ``package.module:function``.
+        reward: the task reward: a built-in (``"exact"``, ``"partial"``, ``"math"`` (math-verify),
+            ``"reward_model"`` (``{name: reward_model, path: DIR}``), ``"reasoning_gym"``), or
+            your function ``fn(completion, row) -> float`` as ``package.module:function`` (``row``
+            is the prompt's whole dataset row; batched and async forms work too); a list of
+            ``{name: ..., weight: ...}`` sums several, each logged on its own
+            (``streamrl.rewards.spec``).
+        reward_workers: processes that compute rewards off the trainer's critical path; 0
+            computes them in the trainer.
+        reward_timeout_s: the most one reward call may take; past it the run stops with an
+            error naming the prompt.
+        eval_every: evaluate on the held-out set every this many iterations with the run's
+            reward (logged as ``eval/*`` and plotted to ``eval.png``); 0: only before and after.
+        eval_k: samples per held-out prompt for pass@k (1: greedy pass@1 only).
         temperature: sampling temperature of the generators.
         max_tokens: generation budget per sample (capped by the context).
         token_budget: padded tokens per micro-batch of the dynamic-batch pipeline.
@@ -160,7 +211,11 @@ class RLConfig:
     clip_eps: float = 0.2
     kl_coef: float = 0.0
     is_cap: float = 2.0
-    reward: str = "exact"
+    reward: str | dict[str, Any] | list[Any] = "exact"
+    reward_workers: int = 1
+    reward_timeout_s: float = 60.0
+    eval_every: int = 0
+    eval_k: int = 1
     temperature: float = 0.7
     max_tokens: int = 64
     token_budget: int = 1024
@@ -285,7 +340,8 @@ def _convert(hint: Any, value: Any, where: str) -> Any:
 def check_values(config: RunConfig) -> None:
     """Check values that types alone cannot (ranges, names); raises ``ConfigError``."""
     data, sft = config.data, config.sft
-    if not data.prompt_file:
+    check_data_source(data)
+    if not (data.prompt_file or data.path or data.reasoning_gym):
         if not data.tasks:
             raise ConfigError(f"data.tasks is empty; choose from {sorted(FAMILIES)}.")
         for task in data.tasks:
@@ -300,6 +356,10 @@ def check_values(config: RunConfig) -> None:
         raise ConfigError(
             "data: need 1 <= median_len <= max_len and tail >= 0, got "
             f"median_len={data.median_len}, max_len={data.max_len}, tail={data.tail}."
+        )
+    if sft.tokenizer not in ("bpe", "char"):
+        raise ConfigError(
+            f"sft.tokenizer: {unknown_name('tokenizer', sft.tokenizer, ['bpe', 'char'])}"
         )
     if sft.model_size not in ("test", "demo"):
         raise ConfigError(
@@ -322,12 +382,36 @@ def check_values(config: RunConfig) -> None:
             raise ConfigError(f"sft.early_stop_tasks: {unknown_name('task', task, FAMILIES)}")
 
 
+def check_data_source(data: DataConfig) -> None:
+    """One source of prompts, and held-out options only where they apply; ``ConfigError``."""
+    sources = [k for k in ("prompt_file", "path", "reasoning_gym") if getattr(data, k)]
+    if len(sources) > 1:
+        raise ConfigError(
+            f"data: {' and '.join(sources)} are both set; choose one source of prompts."
+        )
+    heldout = [k for k in ("heldout_path", "heldout_split", "heldout_fraction") if getattr(data, k)]
+    if heldout and not data.path:
+        raise ConfigError(f"data.{heldout[0]} applies to data.path only; set data.path too.")
+    if len(heldout) > 1:
+        raise ConfigError(f"data: {' and '.join(heldout)} are both set; choose one held-out set.")
+    if data.heldout_fraction is not None and not 0 < data.heldout_fraction < 1:
+        raise ConfigError(
+            f"data.heldout_fraction must be between 0 and 1, got {data.heldout_fraction}."
+        )
+
+
 def check_trainer_ranks(rl: RLConfig) -> None:
     """What a sharded trainer (``rl.trainer_ranks > 1``) does not support yet; ``ConfigError``."""
     if rl.trainer_ranks < 1:
         raise ConfigError(f"rl.trainer_ranks must be >= 1, got {rl.trainer_ranks}.")
     if rl.trainer_ranks == 1:
         return
+    if rl.eval_every > 0:  # a sharded policy runs forward on all ranks together
+        raise ConfigError(
+            f"rl.eval_every={rl.eval_every} evaluates on one trainer rank, but "
+            f"rl.trainer_ranks={rl.trainer_ranks} shards the policy; set rl.eval_every: 0 (the "
+            "held-out evaluation after training still runs) or train on one rank."
+        )
     if rl.lora_r > 0:  # an algorithm that cannot shard says so itself (Algorithm.shardable)
         raise ConfigError(
             f"rl.trainer_ranks={rl.trainer_ranks} (FSDP2) does not support rl.lora_r > 0 yet; "
@@ -355,6 +439,13 @@ def check_rl(rl: RLConfig) -> None:
             raise ConfigError(f"rl.{name} must be >= 1, got {value}.")
     if rl.gpus < 0:
         raise ConfigError(f"rl.gpus must be >= 0 (0 generates on the CPU), got {rl.gpus}.")
+    if rl.reward_workers < 0 or rl.reward_timeout_s <= 0 or rl.eval_every < 0 or rl.eval_k < 1:
+        raise ConfigError(
+            "rl: need reward_workers >= 0 (0 = in the trainer), reward_timeout_s > 0, "
+            f"eval_every >= 0 and eval_k >= 1, got reward_workers={rl.reward_workers}, "
+            f"reward_timeout_s={rl.reward_timeout_s}, eval_every={rl.eval_every}, "
+            f"eval_k={rl.eval_k}."
+        )
     if rl.lora_r < 0:
         raise ConfigError(f"rl.lora_r must be >= 0 (0 = full fine-tuning), got {rl.lora_r}.")
     check_trainer_ranks(rl)

@@ -26,3 +26,8 @@ def unknown_name(kind: str, name: str, choices: Iterable[str]) -> str:
     close = difflib.get_close_matches(name, choices, n=1)
     hint = f" (did you mean {close[0]!r}?)" if close else ""
     return f"Unknown {kind} {name!r}{hint}. Known: {', '.join(choices)}."
+
+
+class RewardError(ValueError):
+    """A reward function failed, hung or returned something that is not a finite number; the
+    message names the reward and the prompt."""

@@ -144,7 +144,7 @@ class ShardedStreamRLModule(StreamRLModule):
     Examples:
         >>> import lightning as L
         >>> from streamrl.fsdp import ShardedStreamRLModule, fsdp_strategy
-        >>> # module = ShardedStreamRLModule(policy, GRPO(reward, 4), rollouts, iterations=10)
+        >>> # module = ShardedStreamRLModule(policy, GRPO(group_size=4), rollouts, iterations=10)
         >>> # L.Trainer(accelerator="cpu", devices=2, strategy=fsdp_strategy(2)).fit(module)
     """
 

@@ -10,6 +10,7 @@ import copy
 import json
 import sys
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import datasets
@@ -20,17 +21,26 @@ from lightning.fabric.plugins.environments import ClusterEnvironment
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from streamrl.builders import make_logger
+from streamrl.chat import completion_text, render_prompt, stop_token_ids
 from streamrl.components.generation.service import StreamGenerationService
 from streamrl.config import RunConfig, check_values
 from streamrl.errors import ConfigError
-from streamrl.evaluation import evaluate
+from streamrl.eval_callback import PeriodicEval, plot_eval
+from streamrl.evaluation import EvalResult, evaluate
 from streamrl.lora import apply_lora
 from streamrl.models import load_policy, save_policy
 from streamrl.module import StreamRLModule
 from streamrl.prepare import ensure_policy, prepare_run
 from streamrl.prompts import PromptSource
+from streamrl.rewards.spec import load_rewards
 from streamrl.rollout import RolloutStream
-from streamrl.run_parts import RunParts, build_run_algorithm, check_parts
+from streamrl.run_parts import (
+    RunParts,
+    build_run_algorithm,
+    check_parts,
+    reward_pool,
+    reward_specs,
+)
 from streamrl.timeline import draw_timeline
 from streamrl.trainer_ranks import (
     RankSetup,
@@ -73,9 +83,11 @@ def run_fit(config: RunConfig, show_progress: bool = True, resume: str | None = 
     if job is not None:
         wait_for_rank_zero()  # the other ranks load the policy now
     policy, tokenizer = load_policy(model_dir)
-    before = evaluate(policy, tokenizer, run.heldout)
+    evaluator = heldout_evaluator(config, tokenizer, run.heldout)
+    before = evaluator(policy)
     summary: dict = {
         "heldout_acc_before": before.accuracy,
+        **_eval_summary(before, "before"),
         "length_median": before.length_median,
         "length_p90": before.length_p90,
         "length_max": before.length_max,
@@ -83,13 +95,29 @@ def run_fit(config: RunConfig, show_progress: bool = True, resume: str | None = 
     rl = config.rl
     if rl.iterations > 0:
         training_started = time.perf_counter()
+        periodic = None
+        if rl.eval_every > 0:
+            periodic = PeriodicEval(evaluator, every=rl.eval_every, output_dir=config.output_dir)
+            periodic.record(0, before)
         module, policy = _train(
-            config, run.train, run.context, model_dir, policy, tokenizer, show_progress, resume, job
+            config,
+            run.train,
+            run.context,
+            model_dir,
+            (policy, tokenizer),
+            show_progress,
+            resume,
+            job,
+            callbacks=[periodic] if periodic else [],
         )
         # A user's stopwatch on the training call: process spawns, profiling, checkpoint writes
         # and Lightning's own overhead included (``rl_wall_s`` counts the iterations only).
         summary["train_wall_s"] = time.perf_counter() - training_started
-        after = evaluate(policy, tokenizer, run.heldout)
+        after = evaluator(policy)
+        if periodic is not None:
+            periodic.record(module.weight_version, after)
+            plot_eval(periodic.history, Path(config.output_dir) / "eval.png")
+        summary.update(_eval_summary(after, "after"))
         if module.history:  # a resumed run may have had no iteration left
             summary.update(_rl_summary(module, len(module.history)))
         summary.update(ledger(module), heldout_acc_after=after.accuracy)
@@ -110,22 +138,61 @@ def run_fit(config: RunConfig, show_progress: bool = True, resume: str | None = 
     return summary
 
 
+def heldout_evaluator(
+    config: RunConfig, tokenizer: PreTrainedTokenizerBase, heldout: datasets.Dataset
+) -> Callable[[PreTrainedModel], EvalResult]:
+    """``policy -> EvalResult`` on the held-out rows, as training sees them: the same chat
+    rendering, stop tokens and strings, and the run's own reward (computed in this process)."""
+    data, rl = config.data, config.rl
+    rewards = load_rewards(reward_specs(rl))
+
+    def evaluator(policy: PreTrainedModel) -> EvalResult:
+        return evaluate(
+            policy,
+            tokenizer,
+            heldout,
+            score=lambda completions, rows: rewards.score(completions, rows)[0],
+            encode=lambda row: render_prompt(
+                tokenizer, row["prompt"], system_prompt=data.system_prompt, chat=data.chat_template
+            ),
+            decode=lambda ids: completion_text(tokenizer, ids, stop_strings=data.stop_strings),
+            eos_token_ids=stop_token_ids(tokenizer),
+            k=rl.eval_k,
+            seed=config.seed,
+        )
+
+    return evaluator
+
+
+def _eval_summary(result: EvalResult, when: str) -> dict:
+    """The summary's held-out figures of one evaluation (``before`` or ``after`` training)."""
+    out = {
+        f"heldout_reward_{when}": result.reward,
+        f"heldout_pass1_{when}": result.pass_at_1,
+        f"heldout_by_task_{when}": result.by_task,
+    }
+    if result.pass_at_k is not None:
+        out[f"heldout_pass{result.k}_{when}"] = result.pass_at_k
+    return out
+
+
 def _train(
     config: RunConfig,
     train_set: datasets.Dataset,
     context: int,
     model_dir: Path,
-    policy: PreTrainedModel,
-    tokenizer: PreTrainedTokenizerBase,
+    policy_and_tokenizer: tuple[PreTrainedModel, PreTrainedTokenizerBase],
     show_progress: bool,
     resume: str | None = None,
     job: ClusterEnvironment | None = None,
+    callbacks: Sequence[L.Callback] = (),
 ) -> tuple[StreamRLModule, PreTrainedModel]:
     """Config -> component objects -> the public builders: start the generation service and
     let a Lightning ``Trainer`` run the RL iterations (from the checkpoint ``resume``, if given:
     weights, optimizer, stream position, in-flight prompts, component states). Returns the
     module and the trained policy (unsharded)."""
     rl = config.rl
+    policy, tokenizer = policy_and_tokenizer
     torch.set_num_threads(1)  # one thread per process: the generators need the other cores
     parts = RunParts.from_config(config, policy, tokenizer)
     if parts.lora is not None:  # adapters only: they train, and only they travel to generators
@@ -146,13 +213,19 @@ def _train(
         weight_transport=rl.weight_transport,
         sites=rl.sites or None,
         trainer_site=rl.trainer_site,
+        stop_token_ids=stop_token_ids(tokenizer),
+        stop_strings=config.data.stop_strings,
     )
-    with service:
+    with service, reward_pool(rl, parts.rewards) as rewards:
         rollouts = RolloutStream(
             service,
             PromptSource(train_set, rl.prompts_per_iteration, seed=config.seed),
             tokenizer,
             parts.algorithm,
+            reward=rewards,
+            system_prompt=config.data.system_prompt,
+            chat_template=config.data.chat_template,
+            stop_strings=config.data.stop_strings,
             max_tokens=rl.max_tokens,
             context=context,
             ranker=parts.length_predictor,
@@ -164,6 +237,7 @@ def _train(
             module,
             logger=make_logger(config.logger, config.output_dir),
             show_progress=show_progress,
+            callbacks=callbacks,
         )
         if job is not None:  # rank 0 of a launcher's ranks: the others run _follow_rank_zero
             trainer.fit(module, ckpt_path=resume)

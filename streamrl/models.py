@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Literal
 
@@ -37,6 +38,16 @@ ModelSize = Literal["test", "demo", "0.5b"]
 ALPHABET = "0123456789abcdefghijklmnopqrstuvwxyz =>,:+-*()[]."
 _GENERIC_TOKENIZER_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
 PAD, EOS, UNK = "<pad>", "<eos>", "<unk>"
+#: Special tokens of ``build_bpe_tokenizer``: end of text (eos and pad), start and end of a turn.
+END_OF_TEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
+#: ChatML: each turn is ``<|im_start|>role\ncontent<|im_end|>\n``; the generation prompt opens
+#: the assistant's turn, which the model ends with ``<|im_end|>``.
+DEFAULT_CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}"
+)
 
 #: Shapes of the built-in tiny models (hidden, layers, heads, kv heads, MLP width).
 _SIZES: dict[str, dict[str, int]] = {
@@ -96,6 +107,56 @@ def build_tokenizer(alphabet: str = ALPHABET) -> PreTrainedTokenizerFast:
     )
 
 
+def build_bpe_tokenizer(
+    texts: Iterable[str],
+    vocab_size: int = 512,
+    *,
+    chat_template: str | None = DEFAULT_CHAT_TEMPLATE,
+) -> PreTrainedTokenizerFast:
+    """Train a byte-level BPE tokenizer on ``texts`` (GPT-2/Qwen style, any text round-trips).
+
+    Training is deterministic: the same texts give the same vocabulary.
+
+    Args:
+        texts: the training corpus (e.g. a dataset's prompts and answers).
+        vocab_size: the vocabulary size, special tokens and the 256 byte tokens included; a
+            small corpus may stop short of it.
+        chat_template: the Jinja chat template (``apply_chat_template``); ChatML by default,
+            ``None`` for a tokenizer without one.
+
+    Returns:
+        A ``PreTrainedTokenizerFast`` with ``<|endoftext|>`` (id 0, eos and pad),
+        ``<|im_start|>`` and ``<|im_end|>`` (ids 1 and 2), left padding.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    specials = [END_OF_TEXT, IM_START, IM_END]
+    if vocab_size < len(specials) + len(byte_level.alphabet()):
+        raise ValueError(
+            f"build_bpe_tokenizer: vocab_size={vocab_size} is below the {len(specials)} special "
+            f"and {len(byte_level.alphabet())} byte tokens every byte-level BPE holds."
+        )
+    core = Tokenizer(models.BPE())
+    core.pre_tokenizer = byte_level
+    core.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=specials,
+        initial_alphabet=byte_level.alphabet(),
+        show_progress=False,
+    )
+    core.train_from_iterator(texts, trainer=trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=core,
+        eos_token=END_OF_TEXT,
+        pad_token=END_OF_TEXT,
+        additional_special_tokens=[IM_START, IM_END],
+        chat_template=chat_template,
+        padding_side="left",  # as build_tokenizer: batched decoding aligned at the last position
+    )
+
+
 def build_tiny_model(
     tokenizer: PreTrainedTokenizerBase,
     size: ModelSize = "test",
@@ -112,18 +173,25 @@ def build_tiny_model(
         seed: initialisation seed, so the same call builds the same weights.
 
     Returns:
-        A ``Qwen2ForCausalLM`` in float32 with tied input/output embeddings.
+        A ``Qwen2ForCausalLM`` in float32 with tied input/output embeddings. Its
+        ``eos_token_id`` (config and generation config) is the tokenizer's eos, or the list
+        ``[eos, end-of-turn...]`` when the tokenizer has an end-of-turn token (``<|im_end|>``:
+        ``streamrl.chat.stop_token_ids``), so generation stops at the end of the turn.
     """
+    from streamrl.chat import stop_token_ids
+
     if size not in _SIZES:
         raise ValueError(
             f"build_tiny_model: unknown size {size!r}; choose one of {sorted(_SIZES)}."
         )
     shape = {"vocab_size": len(tokenizer), **_SIZES[size]}  # a preset may pad the vocabulary
+    stops = stop_token_ids(tokenizer)
+    eos = stops if len(stops) > 1 else tokenizer.eos_token_id
     config = Qwen2Config(
         max_position_embeddings=max_positions,
         tie_word_embeddings=True,
         pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
+        eos_token_id=eos,
         bos_token_id=tokenizer.eos_token_id,
         **shape,
     )
@@ -131,7 +199,7 @@ def build_tiny_model(
         torch.manual_seed(seed)
         model = Qwen2ForCausalLM(config)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
-    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.eos_token_id = eos
     return model
 
 

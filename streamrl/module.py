@@ -347,6 +347,8 @@ class StreamRLModule(L.LightningModule):
         stats, lags = self.rollouts.stats, self.pipeline.staleness
         metrics = {
             "rollout/reward": sum(stats.rewards) / max(1, len(stats.rewards)),
+            # each of the run's rewards on its own, unweighted (the line above is their sum)
+            **{f"reward/{k}": sum(v) / len(v) for k, v in stats.reward_parts.items() if v},
             "rollout/tokens": float(stats.tokens),
             "perf/samples_per_s": stats.samples / wall_s,
             "time/iteration_s": wall_s,

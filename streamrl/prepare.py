@@ -6,21 +6,34 @@ model directory, the task names, empty prompt sets, and prompts that do not fit 
 
 from __future__ import annotations
 
+import hashlib
 import json
-from dataclasses import dataclass
+import string
+import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import datasets
 from transformers import PreTrainedTokenizerBase
 
-from streamrl.config import RunConfig
+from streamrl.chat import render_prompt
+from streamrl.config import DataConfig, RunConfig
 from streamrl.errors import ConfigError
-from streamrl.models import build_tokenizer, load_tokenizer
-from streamrl.sft import SFTConfig, warm_start
+from streamrl.models import (
+    build_bpe_tokenizer,
+    build_tiny_model,
+    build_tokenizer,
+    load_tokenizer,
+)
+from streamrl.sft import SFTConfig, save_cached_policy, warm_start
+from streamrl.sft_rows import corrupt, sft_on_rows
+from streamrl.tasks.local_data import check_enough_rows, load_prompt_dataset, split_heldout
 from streamrl.tasks.prompt_sets import load_prompt_file, make_splits
 
 #: Context length of the built-in tiny policies.
 TINY_CONTEXT = 256
+#: Bump when the warm start on your data changes, so stale caches are not reused.
+DATA_RECIPE_VERSION = 1
 
 
 @dataclass
@@ -32,11 +45,14 @@ class PreparedRun:
         train: the training prompt set.
         heldout: the held-out prompt set.
         context: the policy's context length in tokens.
+        tokenizer: the policy's tokenizer (for the built-in tiny policy on your own data, a
+            byte-level BPE trained on the training rows).
     """
 
     train: datasets.Dataset
     heldout: datasets.Dataset
     context: int
+    tokenizer: PreTrainedTokenizerBase | None = None
     model_dir: Path | None = None
 
 
@@ -47,8 +63,15 @@ def prepare_run(config: RunConfig) -> PreparedRun:
         ConfigError: missing model directory, unknown task, empty prompt set, or a prompt (with
             its answer) longer than the model's context; the message names the prompt.
     """
-    tokenizer, context = _tokenizer_and_context(config)
     data = config.data
+    if data.path or data.reasoning_gym:
+        train, heldout = _dataset_splits(config)
+        tokenizer, context = _tokenizer_and_context(config, train)
+        check_enough_rows(train, config.rl.prompts_per_iteration, repr(data.path or "train"))
+        for split in (train, heldout):
+            _check_fits_context(split, tokenizer, context, data)
+        return PreparedRun(train=train, heldout=heldout, context=context, tokenizer=tokenizer)
+    tokenizer, context = _tokenizer_and_context(config)
     if data.prompt_file:
         rows = load_prompt_file(data.prompt_file).shuffle(seed=config.seed)
         n_heldout = min(data.n_heldout, max(1, len(rows) // 5))
@@ -68,8 +91,41 @@ def prepare_run(config: RunConfig) -> PreparedRun:
             max_len=data.max_len,
         )
     for split in (train, heldout):
-        _check_fits_context(split, tokenizer, context)
-    return PreparedRun(train=train, heldout=heldout, context=context)
+        _check_fits_context(split, tokenizer, context, data)
+    return PreparedRun(train=train, heldout=heldout, context=context, tokenizer=tokenizer)
+
+
+def _dataset_splits(config: RunConfig) -> tuple[datasets.Dataset, datasets.Dataset]:
+    """Training and held-out rows of ``data.path`` (held out by file, split or fraction) or of
+    ``data.reasoning_gym`` (``n_train`` and ``n_heldout`` rows, no prompt in both)."""
+    data = config.data
+    if data.reasoning_gym:
+        from streamrl.tasks.reasoning_gym import reasoning_gym_dataset
+
+        train = reasoning_gym_dataset(data.reasoning_gym, size=data.n_train, seed=config.seed)
+        heldout = reasoning_gym_dataset(  # a far seed, and no question of the training set
+            data.reasoning_gym,
+            size=data.n_heldout,
+            seed=config.seed + 10**6,
+            exclude_prompts=set(train["prompt"]),
+        )
+        return train, heldout
+    columns = dict(
+        prompt_column=data.prompt_column,
+        answer_column=data.answer_column,
+        id_column=data.id_column,
+        task_column=data.task_column,
+    )
+    rows = load_prompt_dataset(data.path, split=data.split, **columns)
+    if data.heldout_path or data.heldout_split:
+        return split_heldout(
+            rows,
+            heldout_path=data.heldout_path or data.path,
+            heldout_split=data.heldout_split,
+            seed=config.seed,
+            **columns,
+        )
+    return split_heldout(rows, heldout_fraction=data.heldout_fraction, seed=config.seed)
 
 
 def ensure_policy(config: RunConfig, run: PreparedRun, show_progress: bool = True) -> Path:
@@ -77,10 +133,14 @@ def ensure_policy(config: RunConfig, run: PreparedRun, show_progress: bool = Tru
     if config.model != "tiny":
         run.model_dir = Path(config.model)
         return run.model_dir
+    if config.data.path or config.data.reasoning_gym:
+        run.model_dir = warm_start_on_data(config, run, show_progress=show_progress)
+        return run.model_dir
     sft = SFTConfig(
         model_size=config.sft.model_size,
         steps=config.sft.steps,
         lr=config.sft.lr,
+        tokens_per_batch=config.sft.tokens_per_batch,
         demo_noise=config.sft.demo_noise,
         early_stop=config.sft.early_stop,
         early_stop_tasks=tuple(config.sft.early_stop_tasks),
@@ -93,7 +153,51 @@ def ensure_policy(config: RunConfig, run: PreparedRun, show_progress: bool = Tru
     return run.model_dir
 
 
-def _tokenizer_and_context(config: RunConfig) -> tuple[PreTrainedTokenizerBase, int]:
+def warm_start_on_data(config: RunConfig, run: PreparedRun, *, show_progress: bool) -> Path:
+    """The tiny policy warm-started by SFT on your training rows (cached by the recipe).
+
+    A ``sft.demo_noise`` share of the demonstrated answers carries one typo (an imperfect
+    demonstrator, as the built-in warm start has), so the policy starts imperfect and a
+    verifiable reward has something to improve. The BPE tokenizer is ``data_tokenizer``'s.
+    """
+    sft, data = config.sft, config.data
+    recipe = {
+        "recipe": DATA_RECIPE_VERSION,
+        "sft": asdict(sft),
+        "data": asdict(data),
+        "seed": config.seed,
+        "rows": sorted(run.train["prompt_id"]),
+    }
+    key = hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:12]
+    target = config.resolved_cache_dir() / f"sft-data-{sft.model_size}-{key}"
+    if (target / "sft_meta.json").is_file():
+        return target
+    tokenizer = run.tokenizer
+    model = build_tiny_model(tokenizer, size=sft.model_size, max_positions=TINY_CONTEXT)
+    demos = corrupt(run.train, sft.demo_noise, seed=config.seed)
+    started = time.perf_counter()
+    losses = sft_on_rows(
+        demos,
+        tokenizer=tokenizer,
+        model=model,
+        steps=sft.steps,
+        lr=sft.lr,
+        tokens_per_batch=sft.tokens_per_batch,
+        seed=config.seed,
+        render=lambda tok, prompt: render_prompt(
+            tok, prompt, system_prompt=data.system_prompt, chat=data.chat_template
+        ),
+        show_progress=show_progress,
+    )
+    meta = {"recipe": recipe, "losses": losses, "train_s": time.perf_counter() - started}
+    return save_cached_policy(model, tokenizer, target, meta)
+
+
+def _tokenizer_and_context(
+    config: RunConfig, train: datasets.Dataset | None = None
+) -> tuple[PreTrainedTokenizerBase, int]:
+    if config.model == "tiny" and train is not None:  # your data: a tokenizer learned from it
+        return data_tokenizer(train, kind=config.sft.tokenizer), TINY_CONTEXT
     if config.model == "tiny":
         return build_tokenizer(), TINY_CONTEXT
     path = Path(config.model)
@@ -109,15 +213,37 @@ def _tokenizer_and_context(config: RunConfig) -> tuple[PreTrainedTokenizerBase, 
     return load_tokenizer(path), context
 
 
+def data_tokenizer(
+    train: datasets.Dataset, *, kind: str = "bpe", vocab_size: int = 1024
+) -> PreTrainedTokenizerBase:
+    """The tiny policy's tokenizer for your data, learned from the training prompts and answers
+    (deterministic, so every rank gets the same): a byte-level BPE with a chat template, or
+    (``kind="char"``) one id per character of the training text and of printable ASCII."""
+    texts = [_flat_text(p) for p in train["prompt"]] + list(train["answer"])
+    if kind == "char":
+        seen = set("".join(texts)) | set(string.printable)
+        return build_tokenizer("".join(sorted(seen - {"\x0b", "\x0c", "\r"})))
+    return build_bpe_tokenizer(texts, vocab_size=vocab_size)
+
+
+def _flat_text(prompt: str | list[dict]) -> str:
+    return prompt if isinstance(prompt, str) else "\n".join(m["content"] for m in prompt)
+
+
 def _check_fits_context(
-    split: datasets.Dataset, tokenizer: PreTrainedTokenizerBase, context: int
+    split: datasets.Dataset, tokenizer: PreTrainedTokenizerBase, context: int, data: DataConfig
 ) -> None:
+    """Each prompt, as the generators get it (chat-templated, with the system prompt), plus its
+    answer and the end-of-turn token fits the context."""
     for row in split:
-        prompt_len = len(tokenizer(row["prompt"])["input_ids"])
-        answer_len = len(tokenizer(row["answer"])["input_ids"]) + 1  # + EOS
-        if prompt_len + answer_len > context:
+        ids = render_prompt(
+            tokenizer, row["prompt"], system_prompt=data.system_prompt, chat=data.chat_template
+        )
+        answer_len = len(tokenizer(row["answer"], add_special_tokens=False)["input_ids"]) + 1
+        if len(ids) + answer_len > context:
             raise ConfigError(
-                f"Prompt {row['prompt_id']!r} needs {prompt_len} prompt + {answer_len} answer "
-                f"tokens, more than the model's context of {context}. Shorten it, lower "
-                "data.max_len, or use a model with a longer context."
+                f"Prompt {row['prompt_id']!r} needs {len(ids)} prompt tokens (after the chat "
+                f"template) + {answer_len} answer tokens, more than the model's context of "
+                f"{context}. Shorten it, drop it from the dataset, lower data.max_len, or use a "
+                "model with a longer context."
             )

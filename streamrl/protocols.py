@@ -165,6 +165,10 @@ class EngineSpec:
         temperature: sampling temperature.
         greedy: decode greedily instead of sampling.
         seed: the instance's sampling seed.
+        stop_token_ids: more ids that end a sequence, besides the model's eos (end-of-turn
+            tokens: ``streamrl.chat.stop_token_ids``).
+        stop_strings: a sequence also ends once its text contains one of these (the stop
+            string's tokens are kept in the sample).
     """
 
     model_dir: str
@@ -175,6 +179,8 @@ class EngineSpec:
     temperature: float
     greedy: bool
     seed: int
+    stop_token_ids: tuple[int, ...] = ()
+    stop_strings: tuple[str, ...] = ()
 
 
 @runtime_checkable

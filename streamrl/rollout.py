@@ -9,17 +9,24 @@ sample lands, so the trainer can start on it while the rest is still being gener
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
 from streamrl.algorithms.base import Algorithm
+from streamrl.chat import completion_text, render_prompt
 from streamrl.components.generation.service import StreamGenerationService
 from streamrl.prompts import PromptSource
 from streamrl.protocols import LengthPredictor
 from streamrl.records import Request, Sample, ScoredGroup
+from streamrl.rewards.pool import RewardPool, Scored
+from streamrl.rewards.spec import RewardSpec
 from streamrl.timeline import TraceRecorder
+
+#: How long the trainer waits on the reward pool at a time when only rewards are outstanding.
+REWARD_POLL_S = 0.05
 
 
 @dataclass
@@ -31,6 +38,7 @@ class IterationStats:
     generate_s: float = 0.0
     wait_s: float = 0.0  # time the trainer spent blocked waiting for the next sample
     rewards: list[float] = field(default_factory=list)
+    reward_parts: dict[str, list[float]] = field(default_factory=dict)  # per reward, unweighted
     lengths: list[int] = field(default_factory=list)
 
 
@@ -44,6 +52,8 @@ class _Batch:
     refills: int = 0
     partial: dict[str, list[Sample]] = field(default_factory=dict)
     ready: list[ScoredGroup] = field(default_factory=list)
+    awaiting: int = 0  # samples requested and not yet received
+    unscored: dict[tuple, Sample] = field(default_factory=dict)  # received, reward pending
     delivered: int = 0
     stats: IterationStats = field(default_factory=IterationStats)
 
@@ -60,7 +70,11 @@ class RolloutStream:
         service: a started ``StreamGenerationService``.
         prompts: deals the prompts of each iteration.
         tokenizer: encodes prompts and decodes completions for the reward.
-        algorithm: scores samples and groups (its ``group_size`` samples per prompt).
+        algorithm: scores groups (its ``group_size`` samples per prompt); its ``score_sample``
+            may shape each sample's reward.
+        reward: the run's reward: a ``RewardPool`` (rewards in worker processes, off the
+            trainer's critical path) or a plain function ``fn(completion, row) -> float``
+            (scored inline; any form ``streamrl.rewards.spec`` accepts).
         max_tokens: generation budget per sample.
         context: the policy's context length; a sample's budget never runs past it.
         trace: where sample spans and the trainer's waits are recorded for the timeline.
@@ -72,6 +86,11 @@ class RolloutStream:
             ``ranker_refresh_every`` iterations (the dispatcher observes their lengths then,
             with or without a ranker), right after the next dispatch so that it runs while the
             instances generate (until it is ``ready``, no scores are sent).
+        system_prompt: a system message put before each prompt (chat-templated tokenizers).
+        chat_template: whether string prompts go through the tokenizer's chat template
+            (``None``: when it has one; chat-message prompts always do; ``streamrl.chat``).
+        stop_strings: the completion the reward sees ends before the first of these (the
+            generators stop there too when given the same strings).
         max_refills: groups an algorithm filters out (``keep_group``, e.g. DAPO's dynamic
             sampling) are replaced by new prompts from the stream, at most this many per
             iteration (default: twice the prompts per iteration).
@@ -84,15 +103,25 @@ class RolloutStream:
         tokenizer: PreTrainedTokenizerBase,
         algorithm: Algorithm,
         *,
+        reward: RewardPool | Callable[..., Any],
         max_tokens: int,
         context: int,
         trace: TraceRecorder | None = None,
         forced_lengths: Iterator[int] | None = None,
         ranker: LengthPredictor | None = None,
         ranker_refresh_every: int = 10,
+        system_prompt: str | None = None,
+        chat_template: bool | None = None,
+        stop_strings: Sequence[str] = (),
         max_refills: int | None = None,
     ) -> None:
         self.service, self.prompts, self.tokenizer = service, prompts, tokenizer
+        if not isinstance(reward, RewardPool):
+            reward = RewardPool([RewardSpec(reward)], workers=0)
+        self.reward = reward
+        self.system_prompt, self.chat_template = system_prompt, chat_template
+        self.stop_strings = tuple(stop_strings)
+        self._prompt_ids: dict[str, list[int]] = {}  # prompt id -> rendered token ids
         self.trace = trace if trace is not None else TraceRecorder()
         self.forced_lengths = forced_lengths
         self.ranker, self.ranker_refresh_every = ranker, ranker_refresh_every
@@ -125,7 +154,11 @@ class RolloutStream:
             for r in self._requests(pid, row, iteration, min_weight_version)
         ]
         self._batches[iteration] = _Batch(
-            rows, time.perf_counter(), min_weight_version, partial={pid: [] for pid in rows}
+            rows,
+            time.perf_counter(),
+            min_weight_version,
+            partial={pid: [] for pid in rows},
+            awaiting=len(requests),
         )
         self.prompts_dispatched += len(rows)
         self.service.submit(requests, self._predicted_lengths(requests, rows))
@@ -155,7 +188,7 @@ class RolloutStream:
         self, pid: str, row: dict, iteration: int, min_weight_version: int
     ) -> list[Request]:
         """One request per sample of the prompt's group."""
-        ids = self.tokenizer(row["prompt"])["input_ids"]
+        ids = self.prompt_ids(pid, row)
         budget = min(self.max_tokens, self.context - len(ids))
         if budget < 1:
             raise ValueError(
@@ -178,6 +211,24 @@ class RolloutStream:
             for index in range(self.algorithm.group_size)
         ]
 
+    def prompt_ids(self, prompt_id: str, row: dict) -> list[int]:
+        """The prompt's token ids: chat messages (or a string, with a chat-templated tokenizer)
+        rendered by the template with the generation prompt; cached per prompt."""
+        if prompt_id not in self._prompt_ids:
+            self._prompt_ids[prompt_id] = render_prompt(
+                self.tokenizer,
+                row["prompt"],
+                system_prompt=self.system_prompt,
+                chat=self.chat_template,
+            )
+        return self._prompt_ids[prompt_id]
+
+    def _prompt_text(self, row: dict) -> str:
+        """What the length predictor reads: the prompt string, or the rendered conversation."""
+        if isinstance(row["prompt"], str):
+            return row["prompt"]
+        return self.tokenizer.decode(self.prompt_ids(row["prompt_id"], row))
+
     def groups(self, iteration: int) -> Iterator[ScoredGroup]:
         """Yield the groups of ``iteration`` as they complete (scored on arrival)."""
         batch = self._batches[iteration]
@@ -189,9 +240,12 @@ class RolloutStream:
                 continue
             waited = time.perf_counter()
             with self.trace.span("trainer", "wait", iteration):
-                sample = self.service.next_sample()
+                if batch.unscored or not batch.awaiting:  # rewards in flight: take what is done
+                    scored = self.reward.collect(0.0 if batch.awaiting else REWARD_POLL_S)
+                    self._scored(scored)
+                if batch.awaiting and not batch.ready:
+                    self._receive(self.service.next_sample())
             batch.stats.wait_s += time.perf_counter() - waited
-            self._receive(sample)
         batch.stats.generate_s = time.perf_counter() - batch.dispatched_s
         del self._batches[iteration]
         if (iteration + 1) % self.ranker_refresh_every == 0:
@@ -204,7 +258,8 @@ class RolloutStream:
     def _predicted_lengths(self, requests: list[Request], rows: dict) -> list[float] | None:
         if self.ranker is None or not self.ranker.ready:
             return None
-        by_prompt = dict(zip(rows, self.ranker.predict([r["prompt"] for r in rows.values()])))
+        texts = [self._prompt_text(r) for r in rows.values()]
+        by_prompt = dict(zip(rows, self.ranker.predict(texts)))
         return [by_prompt[r.prompt_id] for r in requests]
 
     def _refresh_ranker(self) -> None:
@@ -231,20 +286,40 @@ class RolloutStream:
         pid = row["prompt_id"]
         batch.rows[pid], batch.partial[pid] = row, []
         requests = self._requests(pid, row, iteration, batch.min_weight_version)
+        batch.awaiting += len(requests)
         self.prompts_dispatched += 1
         self.service.submit(requests, self._predicted_lengths(requests, {pid: row}))
 
     def _receive(self, sample: Sample) -> None:
+        """A sample arrived: send its completion to the reward (scored off the critical path
+        when the reward runs in a pool)."""
         batch = self._batches[sample.iteration]
+        batch.awaiting -= 1
+        batch.unscored[sample.key] = sample
         row = batch.rows[sample.prompt_id]
-        text = self.tokenizer.decode(sample.token_ids, skip_special_tokens=True)
-        sample.reward = self.algorithm.score_sample(sample, text, row["answer"])
-        stats = batch.stats
-        stats.samples, stats.tokens = stats.samples + 1, stats.tokens + sample.length
-        stats.rewards.append(sample.reward)
-        stats.lengths.append(sample.length)
-        self._finished_lengths.append((row["prompt"], sample.length))
-        self.trace.add_samples([sample], sample.iteration)
+        text = completion_text(self.tokenizer, sample.token_ids, stop_strings=self.stop_strings)
+        self.reward.submit(sample.key, text, row)
+        self._scored(self.reward.collect())
+
+    def _scored(self, results: list[Scored]) -> None:
+        """Rewards came back: the samples join their groups; a full group is scored."""
+        for result in results:
+            iteration = result.key[2]
+            batch = self._batches[iteration]
+            sample = batch.unscored.pop(result.key)
+            sample.reward = self.algorithm.score_sample(sample, result.total)
+            stats = batch.stats
+            stats.samples, stats.tokens = stats.samples + 1, stats.tokens + sample.length
+            stats.rewards.append(sample.reward)
+            for label, value in result.parts.items():
+                stats.reward_parts.setdefault(label, []).append(value)
+            stats.lengths.append(sample.length)
+            row = batch.rows[sample.prompt_id]
+            self._finished_lengths.append((self._prompt_text(row), sample.length))
+            self.trace.add_samples([sample], sample.iteration)
+            self._join_group(batch, sample)
+
+    def _join_group(self, batch: _Batch, sample: Sample) -> None:
         group = batch.partial[sample.prompt_id]
         group.append(sample)
         if len(group) == self.algorithm.group_size:

@@ -6,7 +6,7 @@ and ``rl.engine`` each hold a built-in's short name or ``package.module:Name`` f
 
     rl:
       algorithm: my_lab.algos:MyGRPO            # an Algorithm subclass
-      reward: my_lab.rewards:score             # fn(completion, answer) -> float
+      reward: my_lab.rewards:score             # fn(completion, row) -> float
       dispatcher: {name: skew, alpha: 0.3}     # a built-in with an option
       engine: {name: vllm, options: {max_model_len: 512}}
 
@@ -36,15 +36,10 @@ from streamrl.components.skewness.skew_dispatch import SkewAwareDispatcher
 from streamrl.config import RLConfig, RunConfig
 from streamrl.errors import ConfigError
 from streamrl.lora import LoRASpec
-from streamrl.protocols import (
-    AdmissionScheduler,
-    Dispatcher,
-    GenerationEngine,
-    LengthPredictor,
-    RewardFn,
-)
-from streamrl.references import check_callable, construct, resolve, wants
-from streamrl.tasks.rewards import REWARDS
+from streamrl.protocols import AdmissionScheduler, Dispatcher, GenerationEngine, LengthPredictor
+from streamrl.references import construct, resolve, wants
+from streamrl.rewards.pool import RewardPool
+from streamrl.rewards.spec import RewardSpec, load_rewards
 
 #: Built-ins by the short name a config uses.
 DISPATCHERS = {
@@ -61,7 +56,8 @@ class RunParts:
     """The component objects of a run, built from its config.
 
     Attributes:
-        algorithm: advantages and loss (and the reward it scores samples with).
+        algorithm: advantages and loss.
+        rewards: the task reward(s) and their weights (run by a ``RewardPool``).
         engine: builds each generator instance's engine.
         dispatcher: splits requests over instances.
         scheduler: makes each instance's admission queue.
@@ -71,6 +67,7 @@ class RunParts:
     """
 
     algorithm: Algorithm
+    rewards: list[RewardSpec]
     engine: GenerationEngine
     dispatcher: Dispatcher
     scheduler: Callable[[], AdmissionScheduler]
@@ -96,6 +93,7 @@ class RunParts:
         lora = lora_spec(rl)
         return cls(
             algorithm=build_run_algorithm(rl, policy.config.hidden_size),
+            rewards=reward_specs(rl),
             engine=_engine(rl, lora),
             dispatcher=_checked(
                 construct(
@@ -121,7 +119,7 @@ def check_parts(rl: RLConfig) -> None:
         ConfigError: a name that is neither a built-in nor importable, a wrong signature, a
             component without its protocol's methods, or an algorithm refusing the settings.
     """
-    reward(rl)
+    load_rewards(reward_specs(rl))  # every reward imports and has a signature we can call
     algorithm = build_run_algorithm(rl, hidden_size=1)  # the algorithm checks its own needs
     if rl.trainer_ranks > 1 and not algorithm.shardable:
         raise ConfigError(
@@ -141,11 +139,15 @@ def check_parts(rl: RLConfig) -> None:
         raise ConfigError(f"rl.engine: {err}") from err
 
 
-def reward(rl: RLConfig) -> RewardFn:
-    """The run's reward function: a built-in name or ``package.module:function``."""
-    fn = resolve(rl.reward, kind="reward", builtins=REWARDS, where="rl.reward")
-    check_callable(fn, positional=2, where="rl.reward", what="fn(completion, answer) -> float")
-    return fn
+def reward_specs(rl: RLConfig) -> list[RewardSpec]:
+    """The run's rewards (``rl.reward``: a name, ``package.module:function``, or a weighted
+    list); ``ConfigError`` on a malformed entry."""
+    return RewardSpec.from_config(rl.reward)
+
+
+def reward_pool(rl: RLConfig, specs: list[RewardSpec]) -> RewardPool:
+    """The pool that scores samples with ``specs`` (``rl.reward_workers`` processes)."""
+    return RewardPool(specs, workers=rl.reward_workers, timeout_s=rl.reward_timeout_s)
 
 
 def build_run_algorithm(rl: RLConfig, hidden_size: int) -> Algorithm:
@@ -165,7 +167,7 @@ def build_run_algorithm(rl: RLConfig, hidden_size: int) -> Algorithm:
         prompts_per_iteration=rl.prompts_per_iteration,
     )
     try:
-        return cls.from_run(reward(rl), facts, **options)
+        return cls.from_run(facts, **options)
     except (TypeError, ValueError) as err:
         raise ConfigError(f"rl.algorithm: {err}") from err
 

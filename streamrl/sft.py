@@ -231,11 +231,20 @@ def warm_start(
     started = time.perf_counter()
     losses = sft_train(model, tokenizer, demos, config, show_progress)
     train_s = time.perf_counter() - started
+    meta = {"config": asdict(config), "losses": losses, "train_s": train_s}
+    return save_cached_policy(model, tokenizer, target, meta)
+
+
+def save_cached_policy(
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, target: Path, meta: dict
+) -> Path:
+    """Save a warm-started policy with ``sft_meta.json`` as the cache entry ``target``.
+
+    Written beside it and renamed last, so that an interrupted run never leaves a half-written
+    cache entry (``sft_meta.json`` marks a complete one)."""
     partial = target.with_name(target.name + ".partial")
     save_policy(model, tokenizer, partial)
-    meta = {"config": asdict(config), "losses": losses, "train_s": train_s}
     (partial / "sft_meta.json").write_text(json.dumps(meta))
-    # Rename last so that an interrupted run never leaves a half-written cache entry.
     if target.exists():
         shutil.rmtree(target)
     partial.rename(target)

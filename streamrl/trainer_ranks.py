@@ -21,7 +21,7 @@ import contextlib
 import multiprocessing as mp
 import os
 import socket
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -123,9 +123,14 @@ class RankSetup:
         )
 
     def trainer(
-        self, module: StreamRLModule, *, logger: Logger | None = None, show_progress: bool = False
+        self,
+        module: StreamRLModule,
+        *,
+        logger: Logger | None = None,
+        show_progress: bool = False,
+        callbacks: Sequence[L.Callback] = (),
     ) -> L.Trainer:
-        """This rank's Lightning trainer (logging and progress on rank 0 only)."""
+        """This rank's Lightning trainer (logging, progress and ``callbacks`` on rank 0 only)."""
         return build_trainer(
             module,
             ranks=self.ranks,
@@ -134,6 +139,7 @@ class RankSetup:
             logger=logger,
             checkpoint_every=self.checkpoint_every,
             show_progress=show_progress,
+            callbacks=list(callbacks),
         )
 
 

@@ -25,8 +25,8 @@ def quarter_or_half(completion: str, answer: str) -> float:
 class SignGRPO(GRPO):
     """GRPO with sign advantages (+1 above the group mean, -1 below); counts the groups."""
 
-    def __init__(self, reward_fn, **options) -> None:
-        super().__init__(reward_fn, **options)
+    def __init__(self, **options) -> None:
+        super().__init__(**options)
         self.groups_scored = 0
 
     def score_group(self, rewards: Sequence[float]) -> list[float]:

@@ -30,7 +30,6 @@ from streamrl.algorithms.ppo import clipped_value_loss, gae, terminal_rewards
 from streamrl.algorithms.reinforce_pp import RunningMoments
 from streamrl.errors import ConfigError
 from streamrl.records import Sample
-from streamrl.tasks import exact_match, partial_credit
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -44,17 +43,17 @@ def _batch(advantages, ratios, mask, **kw) -> LossInputs:
 
 # -- RLOO ----------------------------------------------------------------------------------------
 def test_rloo_leave_one_out_advantages():
-    rloo = RLOO(partial_credit, group_size=3)
+    rloo = RLOO(group_size=3)
     # Sum 1.5. Others' means: (1.5-1)/2 = 0.25, (1.5-0)/2 = 0.75, (1.5-0.5)/2 = 0.5.
     assert rloo.score_group([1.0, 0.0, 0.5]) == pytest.approx([0.75, -0.75, 0.0])
     # Sum 2: a 1 is baselined by 1/3, a 0 by 2/3.
     assert rloo.score_group([1.0, 0.0, 0.0, 1.0]) == pytest.approx([2 / 3, -2 / 3, -2 / 3, 2 / 3])
     with pytest.raises(ValueError, match="group_size >= 2"):
-        RLOO(partial_credit, group_size=1)
+        RLOO(group_size=1)
 
 
 def test_rloo_loss_is_the_shared_clipped_surrogate_with_k3_kl():
-    rloo = RLOO(partial_credit, group_size=2, clip_eps=0.2, kl_coef=0.1)
+    rloo = RLOO(group_size=2, clip_eps=0.2, kl_coef=0.1)
     batch = _batch([0.75, -0.75], [[1.0, 2.0], [1.0, 1.0]], [[1, 1], [1, 0]])
     batch.ref_logprobs = batch.logprobs.detach() + torch.log(torch.tensor(2.0))
     # k3 with ref - cur = ln 2: 2 - ln 2 - 1 = 0.30685 per token, x 0.1 = 0.030685.
@@ -63,7 +62,7 @@ def test_rloo_loss_is_the_shared_clipped_surrogate_with_k3_kl():
     kl = 0.1 * (2 - torch.log(torch.tensor(2.0)).item() - 1)
     assert rloo.loss(batch).tolist() == pytest.approx([-0.825 + kl, 0.75 + kl])
     # GRPO computes the very same loss from the same pieces.
-    grpo = GRPO(partial_credit, group_size=2, clip_eps=0.2, kl_coef=0.1)
+    grpo = GRPO(group_size=2, clip_eps=0.2, kl_coef=0.1)
     assert torch.allclose(grpo.loss(batch), rloo.loss(batch))
     terms = policy_token_loss(batch, 0.2, kl_coef=0.1)
     assert torch.allclose(reduce_token_loss(terms, batch, None), rloo.loss(batch))
@@ -87,7 +86,7 @@ def test_running_moments_window_and_state():
 
 
 def test_reinforce_pp_normalises_over_the_stream_not_the_group():
-    algo = ReinforcePlusPlus(partial_credit, group_size=2, norm_window=None)
+    algo = ReinforcePlusPlus(group_size=2, norm_window=None)
     # First group alone: mean 0.5, std 0.5 -> +-1.
     assert algo.score_group([1.0, 0.0]) == pytest.approx([1, -1], abs=1e-5)
     # Stream {1, 0, 1, 1}: mean 0.75, std 0.4330 -> 0.25 / 0.4330 = 0.5774 each. A group of equal
@@ -95,11 +94,11 @@ def test_reinforce_pp_normalises_over_the_stream_not_the_group():
     assert algo.score_group([1.0, 1.0]) == pytest.approx([0.57735] * 2, abs=1e-4)
     # Stream {1, 0, 1, 1, 0, 0}: mean 0.5, std 0.5 -> -1 each.
     assert algo.score_group([0.0, 0.0]) == pytest.approx([-1, -1], abs=1e-5)
-    assert ReinforcePlusPlus(partial_credit).score_group([0.3]) == [0.0]  # one value: no std
+    assert ReinforcePlusPlus().score_group([0.3]) == [0.0]  # one value: no std
 
 
 def test_reinforce_pp_baseline_subtracts_group_mean_then_stream_std():
-    algo = ReinforcePlusPlusBaseline(partial_credit, group_size=2, norm_window=None)
+    algo = ReinforcePlusPlusBaseline(group_size=2, norm_window=None)
     # x = [0.5, -0.5]: std 0.5 -> +-1.
     assert algo.score_group([1.0, 0.0]) == pytest.approx([1, -1], abs=1e-5)
     assert algo.score_group([1.0, 1.0]) == [0.0, 0.0]  # x = [0, 0]
@@ -108,8 +107,8 @@ def test_reinforce_pp_baseline_subtracts_group_mean_then_stream_std():
     assert algo.score_group([0.5, 0.0]) == pytest.approx([0.7746, -0.7746], abs=1e-4)
     assert algo.moments.mean == pytest.approx(0.0, abs=1e-12)
     with pytest.raises(ValueError, match="baseline needs group_size >= 2"):
-        ReinforcePlusPlusBaseline(partial_credit, group_size=1)
-    restored = ReinforcePlusPlusBaseline(partial_credit, group_size=2, norm_window=None)
+        ReinforcePlusPlusBaseline(group_size=1)
+    restored = ReinforcePlusPlusBaseline(group_size=2, norm_window=None)
     restored.load_state_dict(algo.state_dict())
     assert restored.score_group([1.0, 0.0]) == algo.score_group([1.0, 0.0])
 
@@ -117,8 +116,8 @@ def test_reinforce_pp_baseline_subtracts_group_mean_then_stream_std():
 # -- DAPO options on GRPO ------------------------------------------------------------------------
 def test_clip_higher_is_asymmetric():
     batch = _batch([1.0, -1.0], [[1.5], [0.5]], [[1], [1]])
-    symmetric = GRPO(partial_credit, group_size=2, clip_eps=0.2)
-    higher = GRPO(partial_credit, group_size=2, clip_eps=0.2, clip_eps_high=0.28)
+    symmetric = GRPO(group_size=2, clip_eps=0.2)
+    higher = GRPO(group_size=2, clip_eps=0.2, clip_eps_high=0.28)
     # A = +1, ratio 1.5: clipped at 1.2 (symmetric) or 1.28 (clip-higher): loss -1.2 / -1.28.
     # A = -1, ratio 0.5: min(-0.5, -0.8) = -0.8 either way (the lower clip is unchanged): 0.8.
     assert symmetric.loss(batch).tolist() == pytest.approx([-1.2, 0.8])
@@ -128,8 +127,8 @@ def test_clip_higher_is_asymmetric():
 def test_token_level_loss_weighs_every_token_the_same():
     batch = _batch([1.0, -1.0], [[1.0, 1.0], [1.0, 1.0]], [[1, 1], [1, 0]])
     # Ratio 1: each token's loss is -A. Sample mean: [-1, 1]; token level: sums [-2, 1] / 4.
-    assert GRPO(partial_credit, group_size=2).loss(batch).tolist() == pytest.approx([-1.0, 1.0])
-    token = GRPO(partial_credit, group_size=2, token_level=True, max_tokens=4)
+    assert GRPO(group_size=2).loss(batch).tolist() == pytest.approx([-1.0, 1.0])
+    token = GRPO(group_size=2, token_level=True, max_tokens=4)
     assert token.loss(batch).tolist() == pytest.approx([-0.5, 0.25])
     # The trainer divides the sum by N = 2 samples: (-1 - 1 + 1) / (2 * 4) = -1/8, the same
     # however the samples are split into micro-batches.
@@ -139,38 +138,45 @@ def test_token_level_loss_weighs_every_token_the_same():
     ]
     assert float(sum(s.sum() for s in split)) / 2 == pytest.approx(-1 / 8)
     with pytest.raises(ValueError, match="need max_tokens"):
-        GRPO(partial_credit, group_size=2, token_level=True)
+        GRPO(group_size=2, token_level=True)
 
 
 def test_overlong_penalty_values_and_score_sample():
     # Budget 16, buffer 4: free up to 12 tokens, then 1/4 per token, capped at 1.
     got = [overlong_penalty(n, max_tokens=16, buffer=4) for n in (1, 12, 13, 14, 16, 20)]
     assert got == [0.0, 0.0, 0.25, 0.5, 1.0, 1.0]
-    grpo = GRPO(exact_match, group_size=2, max_tokens=16, overlong_buffer=4)
-    sample = Sample("q", 0, [5], [7] * 14, [-0.1] * 14, 0, 0)
-    assert grpo.score_sample(sample, "ab", "ab") == pytest.approx(1.0 - 0.5)
-    assert GRPO(exact_match, group_size=2).score_sample(sample, "ab", "ab") == 1.0  # default off
+    grpo = GRPO(group_size=2, max_tokens=16, overlong_buffer=4)
+    sample = Sample("q", 0, [5], [7] * 14, [-0.1] * 14, 0, 0)  # 14 tokens: penalty 2/4 = 0.5
+    # score_sample shapes the task reward it is given: minus the overlong penalty.
+    assert grpo.score_sample(sample, 1.0) == pytest.approx(1.0 - 0.5)
+    assert grpo.score_sample(sample, 0.25) == pytest.approx(0.25 - 0.5)
+    short = Sample("q", 1, [5], [7] * 12, [-0.1] * 12, 0, 0)  # 12 tokens: within the free budget
+    assert grpo.score_sample(short, 1.0) == 1.0
+    assert GRPO(group_size=2).score_sample(sample, 1.0) == 1.0  # default off: unchanged
+    assert Algorithm().score_sample(sample, 0.75) == 0.75  # the base returns the reward as is
+    dapo = DAPO(group_size=2, max_tokens=16)  # buffer 16 // 5 = 3: free up to 13 tokens
+    assert dapo.score_sample(sample, 1.0) == pytest.approx(1.0 - 1 / 3)
     with pytest.raises(ValueError, match="overlong_buffer must be in"):
-        GRPO(exact_match, group_size=2, max_tokens=16, overlong_buffer=17)
+        GRPO(group_size=2, max_tokens=16, overlong_buffer=17)
 
 
 def test_keep_group_filters_zero_variance_groups():
-    assert Algorithm(partial_credit).keep_group([1.0, 1.0])  # the default keeps everything
-    assert GRPO(partial_credit, group_size=2).keep_group([0.0, 0.0])  # off by default
-    grpo = GRPO(partial_credit, group_size=2, dynamic_sampling=True)
+    assert Algorithm().keep_group([1.0, 1.0])  # the default keeps everything
+    assert GRPO(group_size=2).keep_group([0.0, 0.0])  # off by default
+    grpo = GRPO(group_size=2, dynamic_sampling=True)
     assert not grpo.keep_group([1.0, 1.0, 1.0]) and not grpo.keep_group([0.0, 0.0])
     assert grpo.keep_group([1.0, 0.0]) and grpo.keep_group([0.5, 0.501])
 
 
 def test_dapo_turns_every_option_on():
-    algo = DAPO(partial_credit, group_size=4, max_tokens=64)
+    algo = DAPO(group_size=4, max_tokens=64)
     assert isinstance(algo, GRPO)
     assert (algo.clip_eps, algo.clip_eps_high, algo.token_level) == (0.2, 0.28, True)
     assert (algo.overlong_buffer, algo.dynamic_sampling) == (12, True)  # 64 // 5
-    assert algo.token_norm == 64.0 and GRPO(partial_credit).token_norm is None
+    assert algo.token_norm == 64.0 and GRPO().token_norm is None
     # The same loss as GRPO with the same options.
     batch = _batch([1.0, -1.0], [[1.5, 1.0], [0.5, 1.0]], [[1, 1], [1, 0]])
-    grpo = GRPO(partial_credit, group_size=4, clip_eps_high=0.28, token_level=True, max_tokens=64)
+    grpo = GRPO(group_size=4, clip_eps_high=0.28, token_level=True, max_tokens=64)
     assert torch.equal(algo.loss(batch), grpo.loss(batch))
 
 
@@ -207,7 +213,7 @@ def test_value_loss_clipping():
 
 
 def test_ppo_loss_hand_computed():
-    ppo = PPO(partial_credit, hidden_size=4, gamma=1.0, lam=1.0, value_coef=0.5)
+    ppo = PPO(hidden_size=4, gamma=1.0, lam=1.0, value_coef=0.5)
     values = torch.tensor([[0.5, 0.5]], requires_grad=True)
     batch = _batch([1.0], [[1.0, 1.0]], [[1, 1]], values=values)
     # Reward 1 on the last token; V = 0.5: A = [0.5, 0.5], returns [1, 1].
@@ -218,7 +224,7 @@ def test_ppo_loss_hand_computed():
 
 
 def test_ppo_kl_penalty_goes_into_the_token_rewards():
-    ppo = PPO(partial_credit, hidden_size=4, kl_coef=0.5, gamma=1.0, lam=1.0, value_coef=0.0)
+    ppo = PPO(hidden_size=4, kl_coef=0.5, gamma=1.0, lam=1.0, value_coef=0.0)
     batch = _batch([1.0], [[1.0, 1.0]], [[1, 1]], values=torch.zeros(1, 2))
     batch.ref_logprobs = batch.old_logprobs - torch.log(torch.tensor(2.0))  # log old - ref = ln 2
     # Token rewards: -0.5 ln 2 = -0.34657 each, plus 1 on the last: [-0.34657, 0.65343].
@@ -227,7 +233,7 @@ def test_ppo_kl_penalty_goes_into_the_token_rewards():
 
 
 def test_ppo_value_head_on_the_policy(tiny_model):
-    ppo = PPO(partial_credit, hidden_size=tiny_model.config.hidden_size)
+    ppo = PPO(hidden_size=tiny_model.config.hidden_size)
     input_ids = torch.tensor([[5, 6, 7, 8, 0], [5, 6, 7, 8, 9]])
     attention = torch.tensor([[1, 1, 1, 1, 0], [1, 1, 1, 1, 1]])
     values = ppo.token_values(tiny_model, input_ids, attention, torch.tensor([2, 3]), width=2)
@@ -237,12 +243,12 @@ def test_ppo_value_head_on_the_policy(tiny_model):
     values.sum().backward()
     assert ppo.value_head.weight.grad.abs().sum() > 0
     assert all(p.grad is None for p in tiny_model.parameters())  # train_trunk=False
-    shared = PPO(partial_credit, hidden_size=tiny_model.config.hidden_size, train_trunk=True)
+    shared = PPO(hidden_size=tiny_model.config.hidden_size, train_trunk=True)
     torch.nn.init.normal_(shared.value_head.weight)
     shared.token_values(tiny_model, input_ids, attention, torch.tensor([2, 3]), 2).sum().backward()
     assert any(p.grad is not None for p in tiny_model.parameters())
     assert ppo.trainable_parameters() == [ppo.value_head.weight, ppo.value_head.bias]
-    restored = PPO(partial_credit, hidden_size=tiny_model.config.hidden_size)
+    restored = PPO(hidden_size=tiny_model.config.hidden_size)
     restored.load_state_dict(ppo.state_dict())
     assert torch.equal(restored.value_head.weight, ppo.value_head.weight)
 
@@ -264,25 +270,25 @@ def test_every_config_name_builds():
     }
     assert expected == ALGORITHMS
     for name, cls in expected.items():
-        assert type(build_algorithm(name, partial_credit, RUN)) is cls
-    assert build_algorithm("dapo", partial_credit, RUN).dynamic_sampling
-    assert build_algorithm("reinforce++-baseline", partial_credit, RUN).baseline
-    assert not build_algorithm("reinforce++", partial_credit, RUN).baseline
+        assert type(build_algorithm(name, RUN)) is cls
+    assert build_algorithm("dapo", RUN).dynamic_sampling
+    assert build_algorithm("reinforce++-baseline", RUN).baseline
+    assert not build_algorithm("reinforce++", RUN).baseline
     with pytest.raises(ConfigError, match="did you mean 'rloo'"):
-        build_algorithm("rlo", partial_credit, RUN)
+        build_algorithm("rlo", RUN)
 
 
 def test_from_run_gives_each_algorithm_what_it_declares():
     assert RUN.samples_per_iteration == 16
-    ppo = PPO.from_run(partial_credit, RUN)
+    ppo = PPO.from_run(RUN)
     assert ppo.value_head.in_features == 8 and ppo.group_size == 4  # the policy's hidden size
-    dapo = DAPO.from_run(partial_credit, RUN)
+    dapo = DAPO.from_run(RUN)
     assert (dapo.max_tokens, dapo.token_norm, dapo.overlong_buffer) == (32, 32.0, 6)
-    grpo = GRPO.from_run(partial_credit, RUN)  # plain GRPO needs no generation budget
+    grpo = GRPO.from_run(RUN)  # plain GRPO needs no generation budget
     assert (grpo.max_tokens, grpo.token_norm, grpo.group_size) == (None, None, 4)
     # REINFORCE++ (and its baseline variant) normalise over about one iteration's samples.
     for cls in (ReinforcePlusPlus, ReinforcePlusPlusBaseline):
-        assert cls.from_run(partial_credit, RUN).moments.decay == pytest.approx(1 - 1 / 16)
+        assert cls.from_run(RUN).moments.decay == pytest.approx(1 - 1 / 16)
     # The shared facts reach every constructor; explicit options win over the run's facts.
     facts = RunFacts(
         group_size=2,
@@ -293,11 +299,11 @@ def test_from_run_gives_each_algorithm_what_it_declares():
         prompts_per_iteration=1,
     )
     for cls in ALGORITHMS.values():
-        algo = cls.from_run(partial_credit, facts)
+        algo = cls.from_run(facts)
         assert (algo.group_size, algo.clip_eps, algo.kl_coef) == (2, 0.3, 0.05), cls
-    assert PPO.from_run(partial_credit, RUN, hidden_size=3, gamma=0.9).value_head.in_features == 3
-    assert DAPO.from_run(partial_credit, RUN, max_tokens=10).max_tokens == 10
-    assert GRPO.from_run(partial_credit, RUN, group_size=2).group_size == 2
+    assert PPO.from_run(RUN, hidden_size=3, gamma=0.9).value_head.in_features == 3
+    assert DAPO.from_run(RUN, max_tokens=10).max_tokens == 10
+    assert GRPO.from_run(RUN, group_size=2).group_size == 2
 
 
 def test_build_algorithm_takes_a_class():
@@ -308,11 +314,11 @@ def test_build_algorithm_takes_a_class():
         def token_loss(self, batch: LossInputs) -> TokenLoss:
             return TokenLoss(-batch.logprobs)
 
-    algo = build_algorithm(Constant, partial_credit, RUN)
+    algo = build_algorithm(Constant, RUN)
     assert type(algo) is Constant and (algo.group_size, algo.clip_eps) == (4, 0.2)
-    assert type(build_algorithm(PPO, partial_credit, RUN, gamma=0.5)) is PPO
+    assert type(build_algorithm(PPO, RUN, gamma=0.5)) is PPO
     with pytest.raises(TypeError, match="name of ALGORITHMS or an Algorithm subclass"):
-        build_algorithm(dict, partial_credit, RUN)  # type: ignore[arg-type]
+        build_algorithm(dict, RUN)  # type: ignore[arg-type]
 
 
 # -- The contract the base enforces --------------------------------------------------------------
@@ -350,7 +356,7 @@ def test_the_base_applies_token_weights_mask_and_auxiliary_terms():
         mask=torch.tensor([[1, 1, 0], [1, 0, 0]]),
         token_weights=weights,
     )
-    algo = PlainReinforce(partial_credit)
+    algo = PlainReinforce()
     # Policy terms -A * logprob: [2, 4, (6)] and [-0.5, (-4), (-9)]; weighted: [3, 2] and [-1];
     # plus 0.1 each (auxiliary, not weighted); masked means: (3.1 + 2.1) / 2 = 2.6 and -0.9.
     loss = algo.loss(batch)
@@ -368,34 +374,34 @@ def test_the_base_applies_token_weights_mask_and_auxiliary_terms():
 
 def test_group_size_below_the_minimum_fails_naming_the_algorithm_and_the_fix():
     for make, name in [
-        (lambda: GRPO(partial_credit, group_size=1), "GRPO"),
-        (lambda: DAPO(partial_credit, group_size=1, max_tokens=8), "DAPO"),
-        (lambda: RLOO(partial_credit, group_size=1), "RLOO"),
+        (lambda: GRPO(group_size=1), "GRPO"),
+        (lambda: DAPO(group_size=1, max_tokens=8), "DAPO"),
+        (lambda: RLOO(group_size=1), "RLOO"),
     ]:
         with pytest.raises(ValueError, match=rf"^{name} needs group_size >= 2 .*got 1.*group_size"):
             make()
     with pytest.raises(ValueError, match="to compare samples, got 1: set group_size"):
-        GRPO(partial_credit, group_size=1)
-    assert ReinforcePlusPlus(partial_credit, group_size=1).group_size == 1  # its minimum is 1
+        GRPO(group_size=1)
+    assert ReinforcePlusPlus(group_size=1).group_size == 1  # its minimum is 1
 
     class Triplets(Algorithm):
         min_group_size = 3
         group_size_reason = "to rank three samples"
 
     with pytest.raises(ValueError, match=r"Triplets needs group_size >= 3 to rank three samples"):
-        Triplets(partial_credit, group_size=2)
+        Triplets(group_size=2)
     with pytest.raises(ValueError, match=r"Algorithm needs group_size >= 1, got 0"):
-        Algorithm(partial_credit, group_size=0)
+        Algorithm(group_size=0)
     with pytest.raises(ValueError, match=r"RLOO: clip_eps .* must be > 0, got 0"):
-        RLOO(partial_credit, group_size=2, clip_eps=0)
+        RLOO(group_size=2, clip_eps=0)
     with pytest.raises(ValueError, match=r"PPO: kl_coef must be >= 0"):
-        PPO(partial_credit, hidden_size=4, kl_coef=-0.1)
+        PPO(hidden_size=4, kl_coef=-0.1)
 
 
 def test_needs_reference_and_shardable_are_declared():
-    assert not GRPO(partial_credit).needs_reference
-    assert GRPO(partial_credit, kl_coef=0.1).needs_reference
-    assert PPO.from_run(partial_credit, replace(RUN, kl_coef=0.2)).needs_reference
+    assert not GRPO().needs_reference
+    assert GRPO(kl_coef=0.1).needs_reference
+    assert PPO.from_run(replace(RUN, kl_coef=0.2)).needs_reference
     assert [name for name, cls in ALGORITHMS.items() if not cls.shardable] == ["ppo"]
 
 
@@ -438,9 +444,9 @@ def test_rloo_ppo_and_the_doc_algorithm_train_in_the_real_loop(tmp_path, tokeniz
         return 0.5 + len(set(completion)) / 16
 
     runs = [
-        RLOO(varied, group_size=2),
-        PPO(varied, hidden_size=hidden),
-        namespace["MovingAverageReinforce"](varied),
+        RLOO(group_size=2),
+        PPO(hidden_size=hidden),
+        namespace["MovingAverageReinforce"](),
     ]
     # One generator process for all three runs (each spawn costs seconds of imports); each run
     # continues the weight versions of the one before.
@@ -449,7 +455,13 @@ def test_rloo_ppo_and_the_doc_algorithm_train_in_the_real_loop(tmp_path, tokeniz
             before = {k: v.clone() for k, v in policy.state_dict().items()}
             head = [p.detach().clone() for p in algorithm.trainable_parameters()]
             rollouts = RolloutStream(
-                sgs, PromptSource(prompts, 4), tokenizer, algorithm, max_tokens=8, context=256
+                sgs,
+                PromptSource(prompts, 4),
+                tokenizer,
+                algorithm,
+                reward=varied,
+                max_tokens=8,
+                context=256,
             )
             # StreamRLModule's own configure_optimizers: it must hand PPO's value head to the
             # optimizer (a module overriding it here would hide a head left out).

@@ -45,7 +45,7 @@ def test_elastic_run_adds_an_instance_when_generation_lags_and_trains_everything
     policy = build_tiny_model(tokenizer, "test", seed=0)
     save_policy(policy, tokenizer, tmp_path / "policy")
     prompts = make_prompt_set(64, ["copy"], median_len=3, max_len=6, seed=0)
-    algorithm = GRPO(partial_credit, group_size=4)
+    algorithm = GRPO(group_size=4)
     # PTL rises with the batch: spreading 16 samples over more instances pays.
     latency = LatencyModel([1, 4, 8, 16], [0.001, 0.0012, 0.0016, 0.0024])
     controller = ElasticController(latency, max_batch_size=16, max_instances=2)
@@ -57,6 +57,7 @@ def test_elastic_run_adds_an_instance_when_generation_lags_and_trains_everything
             PromptSource(prompts, 4),
             tokenizer,
             algorithm,
+            reward=partial_credit,
             max_tokens=160,
             context=256,
             forced_lengths=growing_lengths(4),

@@ -90,14 +90,22 @@ def test_custom_parts_from_python_through_the_builders(tmp_path, tokenizer):
     model_dir = save_policy(policy, tokenizer, tmp_path / "policy")
     markers = tmp_path / "markers"
     markers.mkdir()
-    algorithm = plugins.SignGRPO(plugins.quarter_or_half, group_size=2)
+    algorithm = plugins.SignGRPO(group_size=2)
     dispatcher = plugins.LastInstanceDispatcher(max_batch_size=8, cap=3)
     engine = plugins.MarkingEngine(str(markers))
     prompts = PromptSource(make_prompt_set(16, ["copy"], median_len=3, max_len=6), 4)
     with StreamGenerationService(
         model_dir, 2, engine=engine, dispatcher=dispatcher, max_batch_size=8
     ) as service:
-        rollouts = RolloutStream(service, prompts, tokenizer, algorithm, max_tokens=8, context=256)
+        rollouts = RolloutStream(
+            service,
+            prompts,
+            tokenizer,
+            algorithm,
+            reward=plugins.quarter_or_half,
+            max_tokens=8,
+            context=256,
+        )
         module = build_module(policy, algorithm, rollouts, iterations=2, lr=1e-3)
         build_trainer(module, show_progress=False).fit(module)
     assert sorted(p.name for p in markers.iterdir()) == ["instance-0", "instance-1"]
@@ -117,9 +125,12 @@ def test_custom_parts_from_python_through_the_builders(tmp_path, tokenizer):
             r"Unknown name 'quarter_or_hlf'.*"
             r"did you mean 'quarter_or_half'",
         ),
-        ({"reward": "extension_plugins:LastInstanceDispatcher"}, r"rl.reward: .*wrong signature"),
+        ({"reward": "json:loads"}, r"rl.reward: json:loads has the wrong signature"),
         ({"algorithm": "extension_plugins:quarter_or_half"}, r"is not a subclass of .*Algorithm"),
-        ({"dispatcher": "extension_plugins:SignGRPO"}, r"rl.dispatcher: .*needs \['reward_fn'\]"),
+        (
+            {"dispatcher": "extension_plugins:MarkingEngine"},
+            r"rl.dispatcher: .*needs \['marker_dir'\]",
+        ),
         (
             {"dispatcher": {"name": "extension_plugins:LastInstanceDispatcher", "cop": 3}},
             r"takes no option\(s\) \['cop'\]",

@@ -30,7 +30,6 @@ from streamrl.models import build_tiny_model, build_tokenizer
 from streamrl.module import StreamRLModule
 from streamrl.records import Sample, ScoredGroup
 from streamrl.rollout import IterationStats
-from streamrl.tasks import partial_credit
 from streamrl.timeline import TraceRecorder
 
 pytestmark = pytest.mark.timeout(180)
@@ -44,7 +43,7 @@ class RecordingGRPO(GRPO):
     opened by ``FixedRollouts.groups``)."""
 
     def __init__(self) -> None:
-        super().__init__(partial_credit, group_size=GROUP_SIZE)
+        super().__init__(group_size=GROUP_SIZE)
         self.losses: list[list[float]] = []
 
     def token_loss(self, batch: LossInputs):
@@ -106,7 +105,7 @@ def _scored_groups(seed: int = 0) -> list[ScoredGroup]:
     tokenizer = build_tokenizer()
     policy = build_tiny_model(tokenizer, "test", seed=0)
     rng = torch.Generator().manual_seed(seed)
-    grpo, groups = GRPO(partial_credit, group_size=GROUP_SIZE), []
+    grpo, groups = GRPO(group_size=GROUP_SIZE), []
     for g in range(GROUPS):
         samples = []
         for i in range(GROUP_SIZE):

@@ -9,7 +9,6 @@ import torch
 from streamrl.algorithms import GRPO
 from streamrl.algorithms.base import LossInputs
 from streamrl.components.training.off_policy import correct_stale
-from streamrl.tasks import partial_credit
 
 
 def test_stale_rows_get_proximal_old_logprobs_and_truncated_weights():
@@ -39,7 +38,7 @@ def test_weights_scale_the_surrogate_and_its_gradient():
     batch = LossInputs(
         logprobs, fix.old_logprobs, torch.tensor([1.0]), torch.ones(1, 2), token_weights=fix.weights
     )
-    loss = GRPO(partial_credit, group_size=2, clip_eps=0.2).loss(batch)  # the base applies them
+    loss = GRPO(group_size=2, clip_eps=0.2).loss(batch)  # the base applies them
     # Ratio to the proximal policy is 1 (value), so the loss is -A x weight, averaged: weights
     # min(2, 1.5) = 1.5 and 0.5 -> -(1.5 + 0.5) / 2 = -1.0; d/dlogprob = -weight / 2.
     assert loss.item() == -1.0

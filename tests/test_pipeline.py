@@ -56,7 +56,7 @@ class _NoRollouts:
 
 
 def accumulated_grads(policy, groups, token_budget: int) -> dict[str, torch.Tensor]:
-    module = StreamRLModule(policy, GRPO(partial_credit, group_size=4), _NoRollouts(), iterations=1)
+    module = StreamRLModule(policy, GRPO(group_size=4), _NoRollouts(), iterations=1)
     policy.zero_grad()
     total = sum(len(g.samples) for g in groups)
     pipeline = DynamicBatchPipeline(token_budget=token_budget)
@@ -80,7 +80,7 @@ def test_arrival_order_does_not_change_the_update(tokenizer):
 def test_mixed_prompt_lengths_give_each_sample_its_own_logprobs(tokenizer):
     policy = build_tiny_model(tokenizer, "test", seed=0).eval()
     samples = [s for g in make_groups(3, 2, seed=3) for s in g.samples]
-    module = StreamRLModule(policy, GRPO(partial_credit, group_size=2), _NoRollouts(), iterations=1)
+    module = StreamRLModule(policy, GRPO(group_size=2), _NoRollouts(), iterations=1)
     with torch.no_grad():
         batched = module.loss_inputs(MicroBatch(samples, [0.0] * len(samples)))
         for row, s in enumerate(samples):
@@ -126,10 +126,16 @@ def test_async_mode_overlaps_generation_and_training(tmp_path, tokenizer):
     policy = build_tiny_model(tokenizer, "test", seed=0)
     save_policy(policy, tokenizer, tmp_path / "policy")
     prompts = make_prompt_set(64, ["copy", "count"], median_len=6, max_len=12, seed=0)
-    algorithm = GRPO(partial_credit, group_size=4)
+    algorithm = GRPO(group_size=4)
     with StreamGenerationService(tmp_path / "policy", 2, max_batch_size=8) as sgs:
         rollouts = RolloutStream(
-            sgs, PromptSource(prompts, 8), tokenizer, algorithm, max_tokens=16, context=256
+            sgs,
+            PromptSource(prompts, 8),
+            tokenizer,
+            algorithm,
+            reward=partial_credit,
+            max_tokens=16,
+            context=256,
         )
         pipeline = DynamicBatchPipeline(token_budget=64, staleness_bound=1)
         module = StreamRLModule(

@@ -13,6 +13,7 @@ from streamrl.algorithms import GRPO
 from streamrl.cli import main
 from streamrl.components.skewness.ranker import LengthRanker, prompt_features
 from streamrl.metrics import recall_at_k
+from streamrl.models import build_tokenizer
 from streamrl.prompts import PromptSource
 from streamrl.protocols import LengthPredictor
 from streamrl.records import Sample
@@ -75,7 +76,10 @@ def test_bench_ranker_command(tmp_path, capsys):
         "train_s",
         "n_train",
         "n_test",
+        "char_baseline",
+        "samples",
     }
+    assert result["char_baseline"]["ranker"] == "chars" and result["samples"] == 1
     assert result["ranker"] == "fast" and result["n_train"] == 160 and result["n_test"] == 40
     assert all(0.0 <= result[f"recall@{k}"] <= 1.0 for k in (20, 10, 5))
     assert -1.0 <= result["kendall_tau"] <= 1.0 and result["train_s"] >= 0
@@ -107,6 +111,109 @@ def test_sampling_ceiling_is_perfect_when_lengths_do_not_vary():
 
     rows = [{"prompt": f"p{i}", "length": i, "lengths": [i] * 4} for i in range(50)]
     assert sampling_ceiling(rows) == 1.0
+
+
+def _chat_rows(n: int, seed: int = 0) -> list[dict]:
+    """Chat prompts whose length follows their words: a requested word count and a style."""
+    rng = random.Random(seed)
+    topics = ["rivers", "the moon", "bread", "old trains", "jazz", "glaciers", "tea"]
+    styles = {"Answer briefly.": 0.5, "Explain step by step.": 3.0, "": 1.0}
+    rows = []
+    for _ in range(n):
+        words, (style, factor) = rng.randint(5, 100), rng.choice(list(styles.items()))
+        system = rng.choice(["", "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"])
+        prompt = (
+            f"{system}<|im_start|>user\nTell me about {rng.choice(topics)} in about {words} "
+            f"words. {style}<|im_end|>\n<|im_start|>assistant\n"
+        )
+        expected = 4 + words * factor
+        lengths = [max(1, round(expected * rng.lognormvariate(0, 0.2))) for _ in range(4)]
+        rows.append({"prompt": prompt, "lengths": lengths, "expected": expected})
+    return rows
+
+
+def test_token_features_use_the_policy_tokenizer_on_chat_prompts():
+    from tokenizers import ByteLevelBPETokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    from streamrl.components.skewness.ranker import token_features, word_ids
+
+    rows = _chat_rows(400)
+    bpe = ByteLevelBPETokenizer()
+    bpe.train_from_iterator([r["prompt"] for r in rows], vocab_size=400, show_progress=False)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe._tokenizer)
+    chat = rows[0]["prompt"]
+    ids = tokenizer(chat)["input_ids"]
+    assert token_features(ids, 64).shape == token_features([], 64).shape == (65,)
+    assert token_features(ids, 64)[-1] == pytest.approx(math.log1p(len(ids)))
+    assert not (token_features(ids, 64) == token_features(word_ids(chat), 64)).all()
+    prompts = [r["prompt"] for r in rows]
+    lengths = [sum(r["lengths"]) / 4 for r in rows]
+    ranker = LengthRanker(epochs=150, seed=0, tokenizer=tokenizer, token_buckets=512)
+    ranker.fit(prompts[:320], lengths[:320])
+    width = 1024 + 8 + 512 + 1  # char n-grams, numeric, token n-grams, token count
+    assert ranker.net[0].in_features == width
+    expected = [r["expected"] for r in rows[320:]]
+    assert recall_at_k(ranker.predict(prompts[320:]), expected, 0.2) >= 0.7
+    # Checkpoints from before token features (no "token_buckets") load as character-only.
+    old = LengthRanker(epochs=5, seed=0)
+    old.fit(prompts[:20], lengths[:20])
+    state = old.state_dict()
+    del state["token_buckets"]
+    loaded = LengthRanker(tokenizer=tokenizer)
+    loaded.load_state_dict(state)
+    assert loaded.predict(prompts[:3]) == old.predict(prompts[:3])
+
+
+def test_lengths_rows_load_and_bench_against_the_ceiling(tmp_path, capsys):
+    from streamrl.bench.ranker import load_length_rows
+
+    rows = _chat_rows(60)
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    _, samples, expected = load_length_rows(data)
+    assert samples == [r["lengths"] for r in rows] and expected == [r["expected"] for r in rows]
+    old = tmp_path / "old.jsonl"  # the one-length format loads as one sample each
+    old.write_text(
+        "".join(json.dumps({"prompt": f"p{i}", "length": i + 1}) + "\n" for i in range(10))
+    )
+    assert load_length_rows(old) == (
+        [f"p{i}" for i in range(10)],
+        [[i + 1] for i in range(10)],
+        None,
+    )
+    assert main(["bench", "ranker", "--data", str(data)]) == 0
+    out = capsys.readouterr()
+    result = json.loads(out.out.strip().splitlines()[-1])
+    assert result["samples"] == 4 and result["n_test"] == 12
+    assert 0 <= result["ceiling@20"] <= 1 and 0 <= result["oracle@20"] <= 1
+    assert "ceiling (mean of other samples)" in out.err and "chars" in out.err
+
+
+def test_ceiling_ranks_by_the_mean_of_the_other_samples():
+    from streamrl.bench.ranker import held_out_recall
+
+    # 10 prompts, top 20% = 2. p1 is noisy (90 or 10); the others are steady.
+    samples = [[100, 100], [90, 10], [50, 60]] + [[1, 2]] * 7
+    # Truth = sample 0: top {p0, p1}; the other sample ranks {p0, p2}: 0.5. Truth = sample 1:
+    # top {p0, p2}; the other sample ranks {p0, p1}: 0.5.
+    assert held_out_recall(None, samples) == 0.5
+    # Ranking by the expected lengths {p0, p2} gets 0.5 on truth 0 and 1.0 on truth 1.
+    expected = [100, 50, 55] + [1.5] * 7
+    assert held_out_recall(expected, samples) == 0.75
+
+
+def test_chat_length_data_is_documented_synthetic_rows():
+    pytest.importorskip("reasoning_gym")
+    from streamrl.bench.length_data import STYLES, TASKS, make_length_rows
+
+    rows, tokenizer = make_length_rows(per_task=2, samples=3, vocab_size=300)
+    assert len(rows) == 2 * len(TASKS) and {r["task"] for r in rows} == set(TASKS)
+    for row in rows:
+        assert "<|im_start|>user\n" in row["prompt"]
+        assert row["prompt"].endswith("<|im_start|>assistant\n") and row["style"] in STYLES
+        assert len(row["lengths"]) == 3 and all(n >= 1 for n in row["lengths"])
+    assert tokenizer.encode(rows[0]["prompt"]).ids
 
 
 def test_bench_ranker_from_policy_samples_the_policy(tmp_path, capsys, tokenizer):
@@ -173,16 +280,6 @@ def test_learn_fits_first_then_refreshes_with_the_constructor_epochs():
     assert fresh.ready and len(fresh.recent) == 2
 
 
-class _CharTokenizer:
-    """One token per character (what RolloutStream needs of a tokenizer)."""
-
-    def __call__(self, text: str) -> dict:
-        return {"input_ids": [ord(c) for c in text]}
-
-    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        return "".join(map(chr, ids))
-
-
 class _FakeDispatcher:
     def __init__(self) -> None:
         self.observed: list[list[int]] = []
@@ -247,8 +344,9 @@ def test_any_length_predictor_plugs_into_the_rollout_stream():
     stream = RolloutStream(
         service,
         PromptSource(rows, 3, seed=0),
-        _CharTokenizer(),
-        GRPO(lambda completion, answer: float(len(completion) % 2), group_size=2),
+        build_tokenizer(),  # one token per character
+        GRPO(group_size=2),
+        reward=lambda completion, answer: float(len(completion) % 2),
         max_tokens=16,
         context=64,
         ranker=predictor,

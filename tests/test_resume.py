@@ -50,13 +50,14 @@ class Recorded(StreamRLModule):
 
 def fit(run_dir, model_dir, tokenizer, policy, crash_at=None, ckpt_path=None) -> Recorded:
     prompts = make_prompt_set(64, ["copy"], median_len=3, max_len=6, seed=0)
-    algorithm = GRPO(partial_credit, group_size=GROUP)
+    algorithm = GRPO(group_size=GROUP)
     with StreamGenerationService(model_dir, 1, max_batch_size=8) as sgs:
         rollouts = RolloutStream(
             sgs,
             PromptSource(prompts, PROMPTS),
             tokenizer,
             algorithm,
+            reward=partial_credit,
             max_tokens=24,
             context=256,
             forced_lengths=iter([4, 24] * 1000),

@@ -56,12 +56,18 @@ def learning_run(tmp_path_factory, tokenizer) -> LogprobProbe:
     policy = build_tiny_model(tokenizer, "test", seed=0)
     save_policy(policy, tokenizer, model_dir)
     prompts = make_prompt_set(64, ["copy"], median_len=3, max_len=6, seed=0)
-    algorithm = GRPO(share_of_a, group_size=4)
+    algorithm = GRPO(group_size=4)
     with StreamGenerationService(
         model_dir, 1, max_batch_size=32, temperature=TEMPERATURE, seed=0
     ) as sgs:
         rollouts = RolloutStream(
-            sgs, PromptSource(prompts, 8), tokenizer, algorithm, max_tokens=8, context=256
+            sgs,
+            PromptSource(prompts, 8),
+            tokenizer,
+            algorithm,
+            reward=share_of_a,
+            max_tokens=8,
+            context=256,
         )
         module = LogprobProbe(
             policy, algorithm, rollouts, LEARN_ITERATIONS, lr=LEARN_LR, temperature=TEMPERATURE
@@ -93,16 +99,16 @@ def test_generator_logprobs_are_the_trainers_right_after_each_weight_sync(learni
 
 
 def test_grpo_advantages_hand_computed():
-    grpo = GRPO(partial_credit, group_size=4)
+    grpo = GRPO(group_size=4)
     # rewards 1, 0, 0, 1: mean 0.5, population std 0.5 -> advantages +-1
     assert grpo.score_group([1.0, 0.0, 0.0, 1.0]) == pytest.approx([1, -1, -1, 1], abs=1e-5)
     assert grpo.score_group([0.3, 0.3, 0.3, 0.3]) == [0.0] * 4
     with pytest.raises(ValueError, match="group_size >= 2"):
-        GRPO(partial_credit, group_size=1)
+        GRPO(group_size=1)
 
 
 def test_grpo_clipped_loss_hand_computed():
-    grpo = GRPO(partial_credit, group_size=2, clip_eps=0.2)
+    grpo = GRPO(group_size=2, clip_eps=0.2)
     logprobs = torch.log(torch.tensor([[0.5, 0.6], [0.5, 0.5]]))
     old = torch.log(torch.tensor([[0.25, 0.6], [0.5, 0.25]]))
     batch = LossInputs(logprobs, old, torch.tensor([1.0, -1.0]), torch.tensor([[1, 1], [1, 0]]))
@@ -112,13 +118,17 @@ def test_grpo_clipped_loss_hand_computed():
 
 
 def test_reward_errors_name_the_prompt():
-    from streamrl.records import Sample
+    # Rewards are computed by the run's reward pool (inline here), before the algorithm sees them.
+    from streamrl.rewards.pool import RewardPool
+    from streamrl.rewards.spec import RewardSpec
 
-    sample = Sample("q7", 2, [5], [6], [-0.1], 0, 1)
-    with pytest.raises(RewardError, match=r"prompt 'q7' .*sample 2, instance 1.*ZeroDivisionError"):
-        GRPO(lambda c, a: 1 / 0, group_size=2).score_sample(sample, "x", "y")
-    with pytest.raises(RewardError, match="returned nan for prompt 'q7'"):
-        GRPO(lambda c, a: math.nan, group_size=2).score_sample(sample, "x", "y")
+    row = {"prompt_id": "q7", "answer": "y"}
+    raising = RewardPool([RewardSpec(lambda c, answer: 1 / 0)], workers=0)
+    with raising, pytest.raises(RewardError, match=r"ZeroDivisionError.* on prompt\(s\) \['q7'\]"):
+        raising.submit(("q7", 2), "x", row)
+    nan = RewardPool([RewardSpec(lambda c, answer: math.nan)], workers=0)
+    with nan, pytest.raises(RewardError, match="returned nan for prompt 'q7'"):
+        nan.submit(("q7", 2), "x", row)
 
 
 def test_grpo_iterations_with_two_generator_processes(tmp_path, tokenizer):
@@ -126,10 +136,16 @@ def test_grpo_iterations_with_two_generator_processes(tmp_path, tokenizer):
     save_policy(policy, tokenizer, tmp_path / "policy")
     before = {k: v.clone() for k, v in policy.state_dict().items()}
     prompts = make_prompt_set(32, ["copy", "count"], median_len=3, max_len=6, seed=0)
-    algorithm = GRPO(partial_credit, group_size=4)
+    algorithm = GRPO(group_size=4)
     with StreamGenerationService(tmp_path / "policy", 2, max_batch_size=8) as sgs:
         rollouts = RolloutStream(
-            sgs, PromptSource(prompts, 4), tokenizer, algorithm, max_tokens=12, context=256
+            sgs,
+            PromptSource(prompts, 4),
+            tokenizer,
+            algorithm,
+            reward=partial_credit,
+            max_tokens=12,
+            context=256,
         )
         module = StreamRLModule(policy, algorithm, rollouts, iterations=3, lr=1e-3)
         trainer = build_trainer(module, show_progress=False)
@@ -155,7 +171,7 @@ def test_ranker_dispatch_and_lpt_wired_into_the_loop(tmp_path, tokenizer):
     policy = build_tiny_model(tokenizer, "test", seed=0)
     save_policy(policy, tokenizer, tmp_path / "policy")
     prompts = make_prompt_set(64, ["copy", "count"], median_len=4, max_len=16, seed=0)
-    algorithm = GRPO(partial_credit, group_size=2)
+    algorithm = GRPO(group_size=2)
     # "sum" always isolates a tail pool once prompts are scored (what this test checks).
     latency = LatencyModel([1, 8], [0.001, 0.002])
     dispatcher = SkewAwareDispatcher(latency, max_batch_size=8, objective="sum")
@@ -168,6 +184,7 @@ def test_ranker_dispatch_and_lpt_wired_into_the_loop(tmp_path, tokenizer):
             PromptSource(prompts, 10),
             tokenizer,
             algorithm,
+            reward=partial_credit,
             max_tokens=16,
             context=256,
             ranker=ranker,
@@ -197,10 +214,16 @@ def test_dynamic_sampling_refills_filtered_groups_and_the_ledger_balances(tmp_pa
     def parity(completion: str, answer: str) -> float:  # varies at random between samples
         return float(len(completion) % 2)
 
-    algorithm = GRPO(parity, group_size=2, dynamic_sampling=True)
+    algorithm = GRPO(group_size=2, dynamic_sampling=True)
     with StreamGenerationService(tmp_path / "policy", 1, max_batch_size=8) as sgs:
         rollouts = RolloutStream(
-            sgs, PromptSource(prompts, 4), tokenizer, algorithm, max_tokens=12, context=256
+            sgs,
+            PromptSource(prompts, 4),
+            tokenizer,
+            algorithm,
+            reward=parity,
+            max_tokens=12,
+            context=256,
         )
         module = StreamRLModule(policy, algorithm, rollouts, iterations=3, lr=1e-3)
         trainer = build_trainer(module, show_progress=False)

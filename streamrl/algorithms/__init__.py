@@ -4,19 +4,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from streamrl.algorithms.base import (
-    Algorithm,
-    LossInputs,
-    RewardError,
-    RunFacts,
-    TokenLoss,
-)
+from streamrl.algorithms.base import Algorithm, LossInputs, RunFacts, TokenLoss
 from streamrl.algorithms.grpo import DAPO, GRPO
 from streamrl.algorithms.ppo import PPO
 from streamrl.algorithms.reinforce_pp import ReinforcePlusPlus, ReinforcePlusPlusBaseline
 from streamrl.algorithms.rloo import RLOO
-from streamrl.errors import ConfigError, unknown_name
-from streamrl.protocols import RewardFn
+from streamrl.errors import ConfigError, RewardError, unknown_name
 
 #: Algorithms selectable by name from a config (``rl.algorithm``). ``build_algorithm`` builds
 #: each with its ``from_run``, which takes what the algorithm needs from the run's facts.
@@ -30,10 +23,8 @@ ALGORITHMS: dict[str, type[Algorithm]] = {
 }
 
 
-def build_algorithm(
-    algorithm: str | type[Algorithm], reward_fn: RewardFn, run: RunFacts, **options: Any
-) -> Algorithm:
-    """Build an algorithm for a run: ``cls.from_run(reward_fn, run, **options)``.
+def build_algorithm(algorithm: str | type[Algorithm], run: RunFacts, **options: Any) -> Algorithm:
+    """Build an algorithm for a run: ``cls.from_run(run, **options)``.
 
     Each algorithm takes from ``run`` what it needs (``Algorithm.from_run``); nothing here depends
     on which one it is.
@@ -41,7 +32,6 @@ def build_algorithm(
     Args:
         algorithm: a key of ``ALGORITHMS`` (a config's ``rl.algorithm``) or an ``Algorithm``
             subclass.
-        reward_fn: rule-based reward.
         run: the run's facts (group size, clip range, KL weight, generation budget, hidden size,
             prompts per iteration).
         **options: further constructor arguments of the algorithm.
@@ -52,12 +42,11 @@ def build_algorithm(
         ValueError: the algorithm rejects the run's facts (e.g. GRPO with ``group_size`` 1).
 
     Examples:
-        >>> from streamrl.tasks import partial_credit
         >>> run = RunFacts(group_size=4, clip_eps=0.2, kl_coef=0.0, max_tokens=64,
         ...                hidden_size=32, prompts_per_iteration=8)
-        >>> build_algorithm("dapo", partial_credit, run).max_tokens
+        >>> build_algorithm("dapo", run).max_tokens
         64
-        >>> build_algorithm(ReinforcePlusPlus, partial_credit, run).moments.decay  # 1 - 1 / 32
+        >>> build_algorithm(ReinforcePlusPlus, run).moments.decay  # 1 - 1 / 32
         0.96875
     """
     if isinstance(algorithm, str):
@@ -71,7 +60,7 @@ def build_algorithm(
             f"build_algorithm takes a name of ALGORITHMS or an Algorithm subclass, got "
             f"{algorithm!r}."
         )
-    return cls.from_run(reward_fn, run, **options)
+    return cls.from_run(run, **options)
 
 
 __all__ = [

@@ -1,10 +1,10 @@
 """Algorithm hooks that follow RL timing, and the contract the base enforces.
 
-A sample is scored the moment it arrives (``score_sample``), a prompt's group once all its samples
-are in (``score_group``: advantages; ``keep_group``: train on it or not), and a micro-batch when
-the trainer reaches it (``token_loss``, with per-token values from ``token_values`` for algorithms
-with a critic). A new algorithm overrides only the hooks it changes, in tens of lines; see
-docs/algorithms.md.
+The task reward of each sample arrives from the run's reward functions; ``score_sample`` may shape
+it. A prompt's group is scored once all its samples are in (``score_group``: advantages;
+``keep_group``: train on it or not), and a micro-batch when the trainer reaches it
+(``token_loss``, with per-token values from ``token_values`` for algorithms with a critic). A
+new algorithm overrides only the hooks it changes, in tens of lines; see docs/algorithms.md.
 
 Algorithms *declare* what they need and the base applies what no algorithm may forget:
 
@@ -20,19 +20,13 @@ Algorithms *declare* what they need and the base applies what no algorithm may f
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
 
-from streamrl.protocols import RewardFn
 from streamrl.records import Sample
-
-
-class RewardError(ValueError):
-    """A reward function raised or returned a non-finite value; names the prompt."""
 
 
 @dataclass
@@ -149,10 +143,9 @@ def reduce_token_loss(
 
 
 class Algorithm:
-    """Base class: reward from a rule, no advantage, no loss. Subclasses fill in the hooks.
+    """Base class: the task reward unchanged, no advantage, no loss. Subclasses fill in the hooks.
 
     Args:
-        reward_fn: scores a decoded completion against the reference answer.
         group_size: samples per prompt; at least the class's ``min_group_size``.
         clip_eps: PPO clip range, > 0 (used by the algorithms with a clipped surrogate).
         kl_coef: weight of the KL penalty to a frozen reference policy, >= 0; 0 disables it (and
@@ -189,7 +182,6 @@ class Algorithm:
 
     def __init__(
         self,
-        reward_fn: RewardFn,
         *,
         group_size: int = 1,
         clip_eps: float = 0.2,
@@ -209,11 +201,10 @@ class Algorithm:
             raise ValueError(
                 f"{name}: kl_coef must be >= 0 (0 disables the KL penalty), got {kl_coef}."
             )
-        self.reward_fn = reward_fn
         self.group_size, self.clip_eps, self.kl_coef = group_size, clip_eps, kl_coef
 
     @classmethod
-    def from_run(cls, reward_fn: RewardFn, run: RunFacts, **options: Any) -> Algorithm:
+    def from_run(cls, run: RunFacts, **options: Any) -> Algorithm:
         """Build the algorithm for a run.
 
         This is how an algorithm declares what it needs from the run: the default passes
@@ -222,36 +213,29 @@ class Algorithm:
         ``run``. Builders call ``from_run`` and never branch on the algorithm's name.
 
         Args:
-            reward_fn: rule-based reward.
             run: the run's facts.
             **options: further constructor arguments; they win over what is taken from ``run``.
         """
         shared = dict(group_size=run.group_size, clip_eps=run.clip_eps, kl_coef=run.kl_coef)
-        return cls(reward_fn, **{**shared, **options})
+        return cls(**{**shared, **options})
 
     @property
     def needs_reference(self) -> bool:
         """Whether the trainer must keep a frozen reference policy (only with a KL penalty)."""
         return self.kl_coef > 0
 
-    def score_sample(self, sample: Sample, completion: str, answer: str) -> float:
-        """Reward of one finished sample, computed on arrival.
+    def score_sample(self, sample: Sample, reward: float) -> float:
+        """Shape the task reward of one finished sample, on arrival; default: ``reward`` unchanged.
 
-        Raises:
-            RewardError: the reward function raised or returned a non-finite number.
+        Args:
+            sample: the finished sample (its ``length``, ``prompt_id``, ...).
+            reward: its task reward, already computed by the run's reward functions and checked
+                to be finite.
+
+        Returns:
+            The reward the algorithm scores the group with (DAPO subtracts its overlong penalty).
         """
-        try:
-            reward = float(self.reward_fn(completion, answer))
-        except Exception as err:
-            raise RewardError(
-                f"Reward function failed on prompt {sample.prompt_id!r} (sample "
-                f"{sample.sample_index}, instance {sample.instance_id}): {err!r}"
-            ) from err
-        if not math.isfinite(reward):
-            raise RewardError(
-                f"Reward function returned {reward} for prompt {sample.prompt_id!r} (sample "
-                f"{sample.sample_index}); rewards must be finite numbers."
-            )
+        del sample
         return reward
 
     def score_group(self, rewards: Sequence[float]) -> list[float]:

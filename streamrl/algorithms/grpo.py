@@ -15,7 +15,6 @@ import torch
 
 from streamrl.algorithms.base import Algorithm, LossInputs, RunFacts, TokenLoss
 from streamrl.algorithms.losses import policy_token_loss
-from streamrl.protocols import RewardFn
 from streamrl.records import Sample
 
 
@@ -28,7 +27,6 @@ class GRPO(Algorithm):
     optional KL penalty to a reference policy (the k3 estimator).
 
     Args:
-        reward_fn: rule-based reward.
         group_size: samples per prompt (>= 2: advantages compare a prompt's samples).
         clip_eps: PPO clip range (the lower one when ``clip_eps_high`` is set).
         kl_coef: weight of the KL penalty; 0 disables it (and the reference model).
@@ -48,8 +46,7 @@ class GRPO(Algorithm):
             whose rewards are all equal (no learning signal).
 
     Examples:
-        >>> from streamrl.tasks import partial_credit
-        >>> [round(a, 4) for a in GRPO(partial_credit, group_size=2).score_group([1.0, 0.0])]
+        >>> [round(a, 4) for a in GRPO(group_size=2).score_group([1.0, 0.0])]
         [1.0, -1.0]
     """
 
@@ -58,7 +55,6 @@ class GRPO(Algorithm):
 
     def __init__(
         self,
-        reward_fn: RewardFn,
         *,
         group_size: int = 8,
         clip_eps: float = 0.2,
@@ -70,7 +66,7 @@ class GRPO(Algorithm):
         overlong_penalty: float = 1.0,
         dynamic_sampling: bool = False,
     ) -> None:
-        super().__init__(reward_fn, group_size=group_size, clip_eps=clip_eps, kl_coef=kl_coef)
+        super().__init__(group_size=group_size, clip_eps=clip_eps, kl_coef=kl_coef)
         name = self.display_name
         if (token_level or overlong_buffer) and (max_tokens is None or max_tokens < 1):
             raise ValueError(
@@ -88,8 +84,8 @@ class GRPO(Algorithm):
         self.overlong_buffer, self.overlong_penalty = overlong_buffer, overlong_penalty
         self.dynamic_sampling = dynamic_sampling
 
-    def score_sample(self, sample: Sample, completion: str, answer: str) -> float:
-        reward = super().score_sample(sample, completion, answer)
+    def score_sample(self, sample: Sample, reward: float) -> float:
+        """The task reward minus DAPO's overlong penalty (when ``overlong_buffer`` is set)."""
         if self.overlong_buffer:
             reward -= overlong_penalty(
                 sample.length, self.max_tokens, self.overlong_buffer, self.overlong_penalty
@@ -135,7 +131,6 @@ class DAPO(GRPO):
     the KL term; ``kl_coef`` is kept for the uniform constructor and should stay 0.
 
     Args:
-        reward_fn: rule-based reward.
         group_size: samples per prompt (>= 2).
         clip_eps: lower clip range.
         kl_coef: weight of the k3 KL penalty (0 in the paper).
@@ -145,15 +140,13 @@ class DAPO(GRPO):
             ``None``: a fifth of ``max_tokens`` (at least 1).
 
     Examples:
-        >>> from streamrl.tasks import partial_credit
-        >>> algo = DAPO(partial_credit, group_size=4, max_tokens=64)
+        >>> algo = DAPO(group_size=4, max_tokens=64)
         >>> algo.overlong_buffer, algo.token_norm, algo.keep_group([1.0, 1.0, 1.0, 1.0])
         (12, 64.0, False)
     """
 
     def __init__(
         self,
-        reward_fn: RewardFn,
         *,
         group_size: int = 8,
         clip_eps: float = 0.2,
@@ -164,7 +157,6 @@ class DAPO(GRPO):
     ) -> None:
         buffer = max(1, max_tokens // 5) if overlong_buffer is None else overlong_buffer
         super().__init__(
-            reward_fn,
             group_size=group_size,
             clip_eps=clip_eps,
             kl_coef=kl_coef,
@@ -176,7 +168,7 @@ class DAPO(GRPO):
         )
 
     @classmethod
-    def from_run(cls, reward_fn: RewardFn, run: RunFacts, **options: Any) -> Algorithm:
+    def from_run(cls, run: RunFacts, **options: Any) -> Algorithm:
         """Needs the generation budget (``run.max_tokens``) besides the shared facts."""
         options.setdefault("max_tokens", run.max_tokens)
-        return super().from_run(reward_fn, run, **options)
+        return super().from_run(run, **options)

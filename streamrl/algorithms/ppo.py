@@ -21,7 +21,6 @@ import torch
 
 from streamrl.algorithms.base import Algorithm, LossInputs, RunFacts, TokenLoss
 from streamrl.algorithms.losses import clipped_surrogate
-from streamrl.protocols import RewardFn
 
 
 def gae(
@@ -86,7 +85,6 @@ class PPO(Algorithm):
     """Proximal Policy Optimization with a linear value head and GAE.
 
     Args:
-        reward_fn: rule-based reward.
         hidden_size: the policy's hidden size (``policy.config.hidden_size``), the value head's
             input; ``from_run`` passes ``run.hidden_size``.
         group_size: samples per prompt; PPO needs no groups (1, as the paper's §7 runs).
@@ -106,8 +104,7 @@ class PPO(Algorithm):
     head is not sharded by FSDP yet: ``shardable`` is ``False``.
 
     Examples:
-        >>> from streamrl.tasks import partial_credit
-        >>> ppo = PPO(partial_credit, hidden_size=64)
+        >>> ppo = PPO(hidden_size=64)
         >>> ppo.score_group([0.5])  # the sequence reward; GAE makes token advantages later
         [0.5]
     """
@@ -116,7 +113,6 @@ class PPO(Algorithm):
 
     def __init__(
         self,
-        reward_fn: RewardFn,
         hidden_size: int,
         *,
         group_size: int = 1,
@@ -128,7 +124,7 @@ class PPO(Algorithm):
         value_clip_eps: float = 0.2,
         train_trunk: bool = False,
     ) -> None:
-        super().__init__(reward_fn, group_size=group_size, clip_eps=clip_eps, kl_coef=kl_coef)
+        super().__init__(group_size=group_size, clip_eps=clip_eps, kl_coef=kl_coef)
         if hidden_size < 1:
             raise ValueError(
                 f"PPO needs hidden_size >= 1 (policy.config.hidden_size, the value head's input), "
@@ -144,10 +140,10 @@ class PPO(Algorithm):
         torch.nn.init.zeros_(self.value_head.bias)
 
     @classmethod
-    def from_run(cls, reward_fn: RewardFn, run: RunFacts, **options: Any) -> Algorithm:
+    def from_run(cls, run: RunFacts, **options: Any) -> Algorithm:
         """Needs the policy's hidden size (``run.hidden_size``) for its value head."""
         options.setdefault("hidden_size", run.hidden_size)
-        return super().from_run(reward_fn, run, **options)
+        return super().from_run(run, **options)
 
     def score_group(self, rewards: Sequence[float]) -> list[float]:
         return [float(r) for r in rewards]

@@ -25,7 +25,6 @@ from typing import Any, ClassVar
 
 from streamrl.algorithms.base import Algorithm, LossInputs, RunFacts, TokenLoss
 from streamrl.algorithms.losses import policy_token_loss
-from streamrl.protocols import RewardFn
 
 
 class RunningMoments:
@@ -81,7 +80,6 @@ class ReinforcePlusPlus(Algorithm):
     because reference log-probs exist only at loss time, after advantages are fixed.
 
     Args:
-        reward_fn: rule-based reward.
         group_size: samples per prompt (1 is fine here; ``ReinforcePlusPlusBaseline`` needs 2).
         clip_eps: PPO clip range.
         kl_coef: weight of the k3 KL penalty; 0 disables it.
@@ -90,8 +88,7 @@ class ReinforcePlusPlus(Algorithm):
             default); ``None``: all.
 
     Examples:
-        >>> from streamrl.tasks import partial_credit
-        >>> algo = ReinforcePlusPlus(partial_credit, group_size=2, norm_window=None)
+        >>> algo = ReinforcePlusPlus(group_size=2, norm_window=None)
         >>> algo.score_group([1.0, 0.0]), algo.score_group([1.0, 1.0])  # doctest: +SKIP
         ([1.0, -1.0], [0.577, 0.577])
     """
@@ -102,21 +99,20 @@ class ReinforcePlusPlus(Algorithm):
 
     def __init__(
         self,
-        reward_fn: RewardFn,
         *,
         group_size: int = 1,
         clip_eps: float = 0.2,
         kl_coef: float = 0.0,
         norm_window: int | None = 1024,
     ) -> None:
-        super().__init__(reward_fn, group_size=group_size, clip_eps=clip_eps, kl_coef=kl_coef)
+        super().__init__(group_size=group_size, clip_eps=clip_eps, kl_coef=kl_coef)
         self.moments = RunningMoments(norm_window)
 
     @classmethod
-    def from_run(cls, reward_fn: RewardFn, run: RunFacts, **options: Any) -> Algorithm:
+    def from_run(cls, run: RunFacts, **options: Any) -> Algorithm:
         """Normalises over about one iteration's samples (``run.samples_per_iteration``)."""
         options.setdefault("norm_window", run.samples_per_iteration)
-        return super().from_run(reward_fn, run, **options)
+        return super().from_run(run, **options)
 
     def score_group(self, rewards: Sequence[float]) -> list[float]:
         x = [r - sum(rewards) / len(rewards) for r in rewards] if self.baseline else list(rewards)
@@ -142,8 +138,7 @@ class ReinforcePlusPlusBaseline(ReinforcePlusPlus):
     ``group_size`` >= 2 (8 by default).
 
     Examples:
-        >>> from streamrl.tasks import partial_credit
-        >>> algo = ReinforcePlusPlusBaseline(partial_credit, group_size=2, norm_window=None)
+        >>> algo = ReinforcePlusPlusBaseline(group_size=2, norm_window=None)
         >>> [round(a, 4) for a in algo.score_group([1.0, 0.0])]  # x = [0.5, -0.5]
         [1.0, -1.0]
         >>> algo.score_group([1.0, 1.0])  # x = [0, 0]: the stream's mean, whatever its std
@@ -157,7 +152,6 @@ class ReinforcePlusPlusBaseline(ReinforcePlusPlus):
 
     def __init__(
         self,
-        reward_fn: RewardFn,
         *,
         group_size: int = 8,
         clip_eps: float = 0.2,
@@ -165,7 +159,6 @@ class ReinforcePlusPlusBaseline(ReinforcePlusPlus):
         norm_window: int | None = 1024,
     ) -> None:
         super().__init__(
-            reward_fn,
             group_size=group_size,
             clip_eps=clip_eps,
             kl_coef=kl_coef,

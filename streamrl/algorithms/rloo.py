@@ -9,7 +9,6 @@ import torch
 
 from streamrl.algorithms.base import Algorithm, LossInputs, TokenLoss
 from streamrl.algorithms.losses import policy_token_loss
-from streamrl.protocols import RewardFn
 
 
 class RLOO(Algorithm):
@@ -21,14 +20,12 @@ class RLOO(Algorithm):
     on-policy samples the ratio is 1 and it reduces to RLOO's REINFORCE gradient.
 
     Args:
-        reward_fn: rule-based reward.
         group_size: samples per prompt (``k >= 2``).
         clip_eps: PPO clip range.
         kl_coef: weight of the k3 KL penalty to the reference policy; 0 disables it.
 
     Examples:
-        >>> from streamrl.tasks import partial_credit
-        >>> RLOO(partial_credit, group_size=3).score_group([1.0, 0.0, 0.5])
+        >>> RLOO(group_size=3).score_group([1.0, 0.0, 0.5])
         [0.75, -0.75, 0.0]
     """
 
@@ -37,13 +34,12 @@ class RLOO(Algorithm):
 
     def __init__(
         self,
-        reward_fn: RewardFn,
         *,
         group_size: int = 8,
         clip_eps: float = 0.2,
         kl_coef: float = 0.0,
     ) -> None:
-        super().__init__(reward_fn, group_size=group_size, clip_eps=clip_eps, kl_coef=kl_coef)
+        super().__init__(group_size=group_size, clip_eps=clip_eps, kl_coef=kl_coef)
 
     def score_group(self, rewards: Sequence[float]) -> list[float]:
         r = torch.tensor(rewards, dtype=torch.float64)

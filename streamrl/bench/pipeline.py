@@ -31,8 +31,10 @@ from streamrl.errors import ConfigError
 from streamrl.models import load_policy
 from streamrl.module import MODES
 from streamrl.prompts import PromptSource
+from streamrl.rewards.pool import RewardPool
+from streamrl.rewards.spec import RewardSpec
 from streamrl.rollout import RolloutStream
-from streamrl.tasks import exact_match, make_prompt_set
+from streamrl.tasks import make_prompt_set
 from streamrl.timeline import busy_fraction, draw_timeline
 
 DEFAULT_LENGTHS = Path(__file__).resolve().parents[1] / "data" / "lengths_longtail.json"
@@ -44,7 +46,7 @@ def run_mode(mode: str, model_dir: Path, lengths: list[int], args) -> dict:
     L.seed_everything(args.seed, verbose=False)
     policy, tokenizer = load_policy(model_dir)
     prompts = _prompt_set(args)
-    algorithm = GRPO(exact_match, group_size=args.group_size)
+    algorithm = GRPO(group_size=args.group_size)
     steps = args.warmup + args.iterations
     # Two cores: colocated decodes on both, then trains on both; the disaggregated modes give
     # the generators --generators cores and the trainer the rest (default one each).
@@ -58,12 +60,18 @@ def run_mode(mode: str, model_dir: Path, lengths: list[int], args) -> dict:
         cluster=getattr(args, "cluster", "local"),
         weight_transport=getattr(args, "weight_transport", "gloo"),
     )
-    with service as sgs:
+    # `bench reward` varies where the rewards run; `bench pipeline` scores exact match inline.
+    rewards = RewardPool(
+        RewardSpec.from_config(getattr(args, "reward", "exact"), where="--reward"),
+        workers=getattr(args, "reward_workers", 0),
+    )
+    with service as sgs, rewards:
         rollouts = RolloutStream(
             sgs,
             PromptSource(prompts, args.batch, seed=args.seed),
             tokenizer,
             algorithm,
+            reward=rewards,
             max_tokens=max(lengths),
             context=policy.config.max_position_embeddings,
             forced_lengths=itertools.cycle(lengths),

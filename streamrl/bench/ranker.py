@@ -4,92 +4,197 @@ from __future__ import annotations
 
 import json
 import random
+import sys
 from pathlib import Path
 
 import torch
 
 from streamrl.bench.inputs import check_context
-from streamrl.components.skewness.ranker import LengthRanker
+from streamrl.components.skewness.ranker import LengthRanker, word_tokenizer
 from streamrl.errors import ConfigError
 from streamrl.metrics import kendall_tau, recall_at_k
 
 POLICY_MAX_TOKENS = 64  # --from-policy: the longest answer sampled
 
 
-def load_length_rows(path: str | Path) -> tuple[list[str], list[int]]:
-    """``(prompts, lengths)`` from JSONL rows ``{"prompt": str, "length": int}``.
+def load_length_rows(path: str | Path) -> tuple[list[str], list[list[int]], list[float] | None]:
+    """``(prompts, samples, expected)`` from JSONL rows ``{"prompt": str, "lengths": [int, ...]}``
+    (several sampled output lengths of the prompt) or ``{"prompt": str, "length": int}`` (one).
+
+    ``expected`` holds each row's ``"expected"`` length where every row has one (synthetic data,
+    ``streamrl.bench.length_data``), else ``None``.
 
     Raises:
-        ConfigError: no such file, a row that is not such an object or whose length is not a
-            positive integer, or fewer than 10 rows.
+        ConfigError: no such file, a row that is not such an object or whose lengths are not
+            positive integers, or fewer than 10 rows.
     """
     if not Path(path).is_file():
         raise ConfigError(f"--data: no file at {str(path)!r}.")
-    prompts, lengths = [], []
+    prompts, samples, expected = [], [], []
     for line_no, line in enumerate(Path(path).read_text().splitlines(), start=1):
         if not line.strip():
             continue
         try:
             row = json.loads(line)
-            prompt, length = str(row["prompt"]), row["length"]
+            prompt = str(row["prompt"])
+            lengths = list(row["lengths"]) if "lengths" in row else [row["length"]]
         except (json.JSONDecodeError, KeyError, TypeError) as err:
             raise ConfigError(
-                f"{path}:{line_no}: need {{'prompt': str, 'length': int}} ({err})."
+                f"{path}:{line_no}: need {{'prompt': str, 'length': int}} or "
+                f"{{'prompt': str, 'lengths': [int, ...]}} ({err})."
             ) from err
-        if isinstance(length, bool) or not isinstance(length, int) or length < 1:
-            raise ConfigError(
-                f"{path}:{line_no}: length {length!r}; need a positive integer (output tokens)."
-            )
+        for length in lengths or [None]:
+            if isinstance(length, bool) or not isinstance(length, int) or length < 1:
+                raise ConfigError(
+                    f"{path}:{line_no}: length {length!r}; need a positive integer (output tokens)."
+                )
         prompts.append(prompt)
-        lengths.append(length)
+        samples.append(lengths)
+        expected.append(row.get("expected"))
     if len(prompts) < 10:
         raise ConfigError(f"{path}: {len(prompts)} rows; need at least 10 to split 80/20.")
-    return prompts, lengths
+    known = all(isinstance(e, (int, float)) and not isinstance(e, bool) for e in expected)
+    return prompts, samples, [float(e) for e in expected] if known else None
 
 
-def bench_ranker(data: str, seed: int = 0, backbone: str | None = None) -> dict:
-    """Train on a seeded 80% split, score the other 20%.
+def split(n: int, seed: int = 0) -> tuple[list[int], list[int]]:
+    """Seeded 80/20 split of ``range(n)``: (train, test) indices."""
+    order = list(range(n))
+    random.Random(seed).shuffle(order)
+    cut = int(0.8 * n)
+    return order[:cut], order[cut:]
+
+
+def held_out_recall(
+    scores: list[float] | None, samples: list[list[int]], fraction: float = 0.20
+) -> float:
+    """recall@``fraction`` of ``scores`` against one sampled length per prompt, averaged over
+    which sample is the truth (sample ``j`` of every prompt, for ``j`` below the fewest samples).
+
+    ``scores=None`` scores each truth by the leave-one-out mean: for truth ``j``, the mean of the
+    prompt's other samples (the sampling ceiling, see ``sampling_ceiling``).
+    """
+    truths = min(map(len, samples))
+    recalls = []
+    for j in range(truths):
+        truth = [lengths[j] for lengths in samples]
+        loo = scores is None  # leave-one-out: the mean of the prompt's other samples
+        ranked = [(sum(s) - s[j]) / (len(s) - 1) for s in samples] if loo else scores
+        recalls.append(recall_at_k(ranked, truth, fraction))
+    return sum(recalls) / len(recalls)
+
+
+def sampling_ceiling(rows: list[dict], seed: int = 0, fraction: float = 0.20) -> float:
+    """recall@``fraction`` (20%) that a perfect ranker can expect when lengths are sampled, on
+    the seeded 20% test split of ``rows`` (``{"lengths": [int, ...]}``, at least two each).
+
+    A perfect ranker knows each prompt's expected length; the truth it is scored against is one
+    sampled length. Estimate: for each truth sample ``j``, rank by the mean of the prompt's
+    *other* samples (an unbiased estimate of the expected length, independent of the truth),
+    then average over ``j``. With few samples this mean is itself noisy, so the estimate is a
+    little below the true ceiling (a ranker that pools similar prompts can beat it); where the
+    expected length is known (synthetic data) ``bench_ranker`` also reports the exact one.
+    """
+    samples = [list(row["lengths"]) for row in rows]
+    if min(map(len, samples)) < 2:
+        raise ValueError("sampling_ceiling: need at least two sampled lengths per prompt.")
+    _, test = split(len(samples), seed)
+    return held_out_recall(None, [samples[i] for i in test], fraction)
+
+
+def bench_ranker(data: str, seed: int = 0, backbone: str | None = None, tokenizer=None) -> dict:
+    """Train on a seeded 80% split of the prompts, score the other 20%.
+
+    The rankers train on each training prompt's mean sampled length and are scored against one
+    sampled length per test prompt, averaged over which sample (``held_out_recall``): the same
+    truth as the sampling ceiling.
 
     Args:
-        data: JSONL rows ``{"prompt": str, "length": int}``.
+        data: JSONL rows ``{"prompt": str, "lengths": [int, ...]}`` or ``{"prompt": str,
+            "length": int}``.
         seed: split and initialisation seed.
         backbone: a local causal-LM directory: bench the ``BackboneLengthRanker`` on it (LoRA +
             length head) instead of the fast ``LengthRanker``, which then runs on the same split
             as the baseline (under ``"baseline"``).
+        tokenizer: the policy's tokenizer, the path of a ``tokenizer.json`` or a model
+            directory, or ``"words"`` (``word_tokenizer``): the fast ranker's token features
+            use its tokens; ``None``: words.
 
     Returns:
-        recall@20/10/5, Kendall tau and training seconds of the ranker on the held-out 20%.
+        recall@20/10/5, Kendall tau and training seconds of the ranker on the held-out 20%;
+        ``"char_baseline"``: the same for the ranker with character features only; with two or
+        more samples per prompt, ``"ceiling@20"`` (``sampling_ceiling``), and where the data
+        carries expected lengths, ``"oracle@20"``: recall@20 of ranking by them.
     """
     torch.set_num_threads(1)
-    prompts, lengths = load_length_rows(data)
-    order = list(range(len(prompts)))
-    random.Random(seed).shuffle(order)
-    cut = int(0.8 * len(order))
-    train = ([prompts[i] for i in order[:cut]], [lengths[i] for i in order[:cut]])
-    test = ([prompts[i] for i in order[cut:]], [lengths[i] for i in order[cut:]])
-    result = _score(LengthRanker(seed=seed), "fast", train, test)
+    prompts, samples, expected = load_length_rows(data)
+    if tokenizer is None or tokenizer == "words":
+        tokenizer = word_tokenizer
+    elif isinstance(tokenizer, (str, Path)):
+        tokenizer = _load_tokenizer(tokenizer)
+    train, test = split(len(prompts), seed)
+    train = ([prompts[i] for i in train], [sum(samples[i]) / len(samples[i]) for i in train])
+    test_samples = [samples[i] for i in test]
+    test = ([prompts[i] for i in test], test_samples)
+    result = _score(LengthRanker(seed=seed, tokenizer=tokenizer), "fast", train, test)
+    result["char_baseline"] = _score(LengthRanker(seed=seed), "chars", train, test)
     if backbone is not None:
         from streamrl.components.skewness.backbone_ranker import BackboneLengthRanker
 
         baseline = result
         result = _score(BackboneLengthRanker(backbone, seed=seed), "backbone", train, test)
         result["baseline"] = baseline
+    result["samples"] = min(map(len, test_samples))
+    if result["samples"] >= 2:
+        result["ceiling@20"] = round(held_out_recall(None, test_samples), 4)
+    if expected is not None:
+        oracle = [expected[i] for i in split(len(prompts), seed)[1]]
+        result["oracle@20"] = round(held_out_recall(oracle, test_samples), 4)
+    _print_table(result)
     return result
+
+
+def _load_tokenizer(path: str | Path):
+    if Path(path).is_file():  # a tokenizer.json, e.g. written by streamrl.bench.length_data
+        from transformers import PreTrainedTokenizerFast
+
+        return PreTrainedTokenizerFast(tokenizer_file=str(path))
+    from streamrl.models import load_tokenizer
+
+    return load_tokenizer(path)
 
 
 def _score(ranker, name: str, train: tuple[list, list], test: tuple[list, list]) -> dict:
     ranker.fit(*train)
-    predicted, true = ranker.predict(test[0]), test[1]
+    predicted, samples = ranker.predict(test[0]), test[1]
+    mean = [sum(s) / len(s) for s in samples]
     return {
         "ranker": name,
-        "recall@20": round(recall_at_k(predicted, true, 0.20), 4),
-        "recall@10": round(recall_at_k(predicted, true, 0.10), 4),
-        "recall@5": round(recall_at_k(predicted, true, 0.05), 4),
-        "kendall_tau": round(kendall_tau(predicted, true), 4),
+        "recall@20": round(held_out_recall(predicted, samples, 0.20), 4),
+        "recall@10": round(held_out_recall(predicted, samples, 0.10), 4),
+        "recall@5": round(held_out_recall(predicted, samples, 0.05), 4),
+        "kendall_tau": round(kendall_tau(predicted, mean), 4),
         "train_s": round(ranker.train_s, 2),
         "n_train": len(train[0]),
-        "n_test": len(true),
+        "n_test": len(samples),
     }
+
+
+def _print_table(result: dict) -> None:
+    rows = [result, *(result[k] for k in ("char_baseline", "baseline") if k in result)]
+    print(
+        f"{'ranker':<10} {'recall@20':>9} {'@10':>6} {'@5':>6} {'tau':>6} {'train s':>8}",
+        file=sys.stderr,
+    )
+    for row in rows:
+        print(
+            f"{row['ranker']:<10} {row['recall@20']:>9.3f} {row['recall@10']:>6.3f} "
+            f"{row['recall@5']:>6.3f} {row['kendall_tau']:>6.3f} {row['train_s']:>8.1f}",
+            file=sys.stderr,
+        )
+    for key, label in (("ceiling@20", "ceiling (mean of other samples)"), ("oracle@20", "oracle")):
+        if key in result:
+            print(f"{label:<32} recall@20 {result[key]:.3f}", file=sys.stderr)
 
 
 def policy_lengths(
@@ -119,14 +224,3 @@ def policy_lengths(
     return [
         {"prompt": p, "length": lengths[i][0], "lengths": lengths[i]} for i, p in enumerate(prompts)
     ]
-
-
-def sampling_ceiling(rows: list[dict], seed: int = 0) -> float:
-    """recall@20 of the best possible ranker when lengths are sampled: rank each test prompt by
-    its mean length over the *other* samples, score against the one sample used as truth."""
-    order = list(range(len(rows)))
-    random.Random(seed).shuffle(order)
-    test = order[int(0.8 * len(order)) :]
-    truth = [rows[i]["lengths"][0] for i in test]
-    mean_rest = [sum(rows[i]["lengths"][1:]) / max(1, len(rows[i]["lengths"]) - 1) for i in test]
-    return recall_at_k(mean_rest, truth, 0.20)

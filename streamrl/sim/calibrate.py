@@ -54,9 +54,8 @@ def _micro_batch_s(policy, rows: int, width: int, repeats: int) -> float:
     from streamrl.algorithms.base import LossInputs
     from streamrl.algorithms.grpo import GRPO
     from streamrl.logprobs import completion_logprobs
-    from streamrl.tasks import exact_match
 
-    loss_fn = GRPO(exact_match, group_size=4)
+    loss_fn = GRPO(group_size=4)
     seq = PROMPT_TOKENS + width
     vocab = policy.config.vocab_size
     times = []

@@ -52,7 +52,8 @@ class HFEngine:
     """``HFStreamGenerator`` in every instance: continuous batching on ``transformers``.
 
     Inside the instance it loads the policy from the model directory
-    (``streamrl.models.load_policy``) onto the instance's device. With ``lora`` it wraps the
+    (``streamrl.models.load_policy``) onto the instance's device. Sequences stop on the model's
+    eos and the spec's ``stop_token_ids``, and on its ``stop_strings``. With ``lora`` it wraps the
     model with the trainer's adapters and returns a ``LoRAStreamGenerator``: updates carry only
     the adapter tensors (push ``streamrl.lora.adapter_weights(policy)``), merged into the base
     weights while decoding.
@@ -78,8 +79,15 @@ class HFEngine:
         )
         from streamrl.models import load_policy
 
-        model = load_policy(spec.model_dir)[0].to(spec.device)
+        model, tokenizer = load_policy(spec.model_dir)
+        model = model.to(spec.device)
+        eos = model.config.eos_token_id
+        eos_ids = [] if eos is None else [int(e) for e in ([eos] if isinstance(eos, int) else eos)]
+        eos_ids += [int(t) for t in spec.stop_token_ids if int(t) not in eos_ids]
         settings = dict(
+            eos_token_id=eos_ids,
+            stop_strings=spec.stop_strings,
+            tokenizer=tokenizer if spec.stop_strings else None,
             max_batch_size=spec.max_batch_size,
             scheduler=scheduler,
             instance_id=spec.instance_id,
@@ -126,6 +134,7 @@ class VLLMEngine:
     def __call__(self, spec: EngineSpec, scheduler: AdmissionScheduler) -> VLLMStreamGenerator:
         from streamrl.components.generation.vllm_generator import VLLMStreamGenerator
 
+        stops = dict(stop_token_ids=spec.stop_token_ids, stop_strings=spec.stop_strings)
         return VLLMStreamGenerator(
             spec.model_dir,
             max_batch_size=spec.max_batch_size,
@@ -136,6 +145,7 @@ class VLLMEngine:
             seed=spec.seed,
             weight_version=spec.weight_version,
             device=spec.device,
+            **{name: value for name, value in stops.items() if value},  # only those given
             **self.options,
         )
 

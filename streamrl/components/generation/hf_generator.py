@@ -25,13 +25,13 @@ from __future__ import annotations
 
 import hashlib
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
-from transformers import PreTrainedModel
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from streamrl.components.generation.admission import AdmissionQueue, budget
 from streamrl.components.generation.kv_cache import SlotCache
@@ -80,6 +80,10 @@ class HFStreamGenerator(AdmissionQueue):
         temperature: softmax temperature when sampling.
         greedy: take the argmax instead of sampling.
         eos_token_id: stop token(s); defaults to ``model.config.eos_token_id``.
+        stop_strings: a sequence also stops (finish reason ``"stop"``) once the text of its last
+            few tokens contains one of these; the tokens are kept whole, so the sample may end
+            with text past the stop string (``streamrl.chat.completion_text`` cuts it).
+        tokenizer: decodes those tokens; needed with ``stop_strings`` only.
         pad_token_id: filler id for padded prefill positions; defaults to the config's or 0.
         seed: seed of the sampling ``torch.Generator``; it is reseeded from ``(seed, version)``
             whenever weights of a new version load, so what a version samples does not depend
@@ -97,6 +101,8 @@ class HFStreamGenerator(AdmissionQueue):
         temperature: float = 1.0,
         greedy: bool = False,
         eos_token_id: int | list[int] | None = None,
+        stop_strings: Sequence[str] = (),
+        tokenizer: PreTrainedTokenizerBase | None = None,
         pad_token_id: int | None = None,
         seed: int = 0,
         weight_version: int = 0,
@@ -114,6 +120,13 @@ class HFStreamGenerator(AdmissionQueue):
         self.context_length = int(config.max_position_embeddings)
         eos = config.eos_token_id if eos_token_id is None else eos_token_id
         self._eos = [] if eos is None else [int(e) for e in np.atleast_1d(eos)]
+        self.stop_strings = tuple(s for s in stop_strings if s)
+        if self.stop_strings and tokenizer is None:
+            raise ValueError("HFStreamGenerator: stop_strings need the tokenizer= to decode with.")
+        self.tokenizer = tokenizer
+        # Tokens decoded per check: each holds at least one byte of text, plus two for a
+        # character split across tokens or a space the decoder drops at the start.
+        self._stop_window = max((len(s.encode()) for s in self.stop_strings), default=0) + 2
         pad = config.pad_token_id if pad_token_id is None else pad_token_id
         self.pad_token_id = 0 if pad is None else int(pad)
         self._seed = seed
@@ -278,7 +291,15 @@ class HFStreamGenerator(AdmissionQueue):
             return "forced" if len(row.token_ids) >= req.forced_length else None
         if token in self._eos:
             return "eos"
+        if self.stop_strings and self._has_stop_string(row.token_ids):
+            return "stop"
         return "length" if len(row.token_ids) >= req.max_tokens else None
+
+    def _has_stop_string(self, token_ids: list[int]) -> bool:
+        """Whether the text of the last few tokens holds a stop string (checked every token,
+        so one that ends with the newest token is found at once)."""
+        tail = self.tokenizer.decode(token_ids[-self._stop_window :])
+        return any(s in tail for s in self.stop_strings)
 
     def _release(self, done: list[int]) -> None:
         """Free the slots in ``done``: move the last surviving rows into the holes."""

@@ -96,6 +96,9 @@ class StreamGenerationService:
             (its *head*), so one copy per version crosses to each remote site (§6,
             ``weight_relay``). ``None``: every instance beside the trainer.
         trainer_site: the trainer's site.
+        stop_token_ids: token ids a sample also stops on besides the model's EOS (a chat
+            template's end of turn: ``streamrl.chat.stop_token_ids``).
+        stop_strings: a sample stops once its decoded text contains one of these.
 
     Raises:
         ConfigError: the engine's ``check`` failed, or the cluster or transport is unknown or
@@ -127,6 +130,8 @@ class StreamGenerationService:
         weight_transport: str = "gloo",
         sites: Sequence[str] | None = None,
         trainer_site: str = "local",
+        stop_token_ids: Sequence[int] = (),
+        stop_strings: Sequence[str] = (),
     ) -> None:
         if num_instances < 1:
             raise ValueError(f"num_instances must be >= 1, got {num_instances}.")
@@ -147,6 +152,7 @@ class StreamGenerationService:
         self.num_instances = num_instances
         self.max_batch_size, self.temperature, self.greedy = max_batch_size, temperature, greedy
         self.seed = seed
+        self.stop_token_ids, self.stop_strings = tuple(stop_token_ids), tuple(stop_strings)
         self.cluster, self.gpus_per_instance = cluster, gpus_per_instance
         self.weight_transport = weight_transport
         self.trainer_site = trainer_site
@@ -375,6 +381,8 @@ class StreamGenerationService:
             ),
             transport=self.weight_transport,
             relays=site != self.trainer_site,
+            stop_token_ids=self.stop_token_ids,
+            stop_strings=self.stop_strings,
         )
         if self.cluster == "ray":
             return RayInstanceHandle.spawn_actor(self._ray, instance_id, what, self.start_timeout_s)

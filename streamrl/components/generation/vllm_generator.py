@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -91,6 +91,9 @@ class VLLMStreamGenerator(AdmissionQueue):
         weight_version: version tag of the weights in ``model_dir``.
         device: ``"cpu"`` or ``"cuda"``; must match the installed vLLM build. A GPU is picked
             with ``CUDA_VISIBLE_DEVICES`` for the process, not by an index here.
+        stop_token_ids: more ids that end a sequence, besides the config's eos.
+        stop_strings: vLLM's ``stop`` (finish reason ``"stop"``); they make vLLM load the
+            model directory's tokenizer to detokenize.
         **engine_kwargs: more ``vllm.EngineArgs`` fields (e.g. ``max_model_len``,
             ``enforce_eager``, ``kv_cache_memory_bytes``, ``dtype``); they override ours.
 
@@ -112,6 +115,8 @@ class VLLMStreamGenerator(AdmissionQueue):
         seed: int = 0,
         weight_version: int = 0,
         device: str = "cpu",
+        stop_token_ids: Sequence[int] = (),
+        stop_strings: Sequence[str] = (),
         **engine_kwargs: Any,
     ) -> None:
         super().__init__(
@@ -149,11 +154,13 @@ class VLLMStreamGenerator(AdmissionQueue):
         self._templates = _parameters_on_meta(config)
         eos = config.eos_token_id
         self._eos = [] if eos is None else [int(e) for e in np.atleast_1d(eos)]
+        self._eos += [int(t) for t in stop_token_ids if int(t) not in self._eos]
+        self._stop = [s for s in stop_strings if s]
         # dtype: vLLM's "auto" runs float32 checkpoints in 16 bits; float32 keeps the behaviour
         # log-probs equal to the trainer's (it computes in float32). Pass dtype= to trade that.
         args = dict(
             model=str(model_dir),
-            skip_tokenizer_init=True,
+            skip_tokenizer_init=not self._stop,  # stop strings need vLLM's detokenizer
             max_num_seqs=max_batch_size,
             seed=seed,
             dtype="float32",
@@ -237,6 +244,7 @@ class VLLMStreamGenerator(AdmissionQueue):
                 min_tokens=budget(req) if forced else 0,
                 ignore_eos=forced,
                 stop_token_ids=self._eos,  # no tokenizer, so vLLM knows EOS only from here
+                stop=None if forced else self._stop or None,
                 logprobs=0,  # the sampled token's log-prob only
                 output_kind=RequestOutputKind.FINAL_ONLY,
             )
@@ -271,7 +279,10 @@ class VLLMStreamGenerator(AdmissionQueue):
             submitted_s=row.submitted_s,
             started_s=row.started_s,
             finished_s=now,
-            finish_reason=reasons[completion.finish_reason],
+            # vLLM's stop_reason is the stop string when one ended the sequence.
+            finish_reason="stop"
+            if isinstance(completion.stop_reason, str)
+            else reasons[completion.finish_reason],
         )
 
     def _checked(self, state_dict: Mapping[str, Any]) -> list[tuple[str, torch.Tensor]]:

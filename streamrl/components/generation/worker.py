@@ -70,6 +70,8 @@ class WorkerSpec:
     device: str = "cpu"  # where the model runs: "cpu", or "cuda" with a GPU of its own
     transport: str = "gloo"  # how weights arrive: "gloo", "bucketed" or "nccl" (WeightGroup)
     relays: bool = False  # at a remote site: may forward weights to its site (weight_relay)
+    stop_token_ids: tuple[int, ...] = ()  # end-of-turn ids a sample also stops on
+    stop_strings: tuple[str, ...] = ()  # a sample stops once its text contains one
 
     def engine_spec(self) -> EngineSpec:
         """What the engine gets to build this instance."""
@@ -82,6 +84,8 @@ class WorkerSpec:
             temperature=self.temperature,
             greedy=self.greedy,
             seed=self.seed,
+            stop_token_ids=self.stop_token_ids,
+            stop_strings=self.stop_strings,
         )
 
 

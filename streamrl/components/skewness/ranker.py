@@ -2,10 +2,12 @@
 
 "Rankability over predictability": exact lengths are hard to predict, their order much less so.
 The fast default here trains in seconds on a CPU: a small MLP on features that any prompt text
-has (hashed character n-grams, the numbers it contains and their spreads, its length), fitted by
-regression on log-length plus a pairwise ranking term, and refreshed online from finished
-samples as the policy's lengths drift. The paper fine-tunes a 1.5B-7B LLM instead; that backbone
-option is for GPUs.
+has (hashed character n-grams, the numbers it contains and their spreads, its length, and hashed
+token unigrams and bigrams when given the policy's ``tokenizer`` or ``word_tokenizer``), fitted
+by regression on log-length plus a pairwise ranking term, and refreshed online from finished
+samples as the policy's lengths drift. Token n-grams carry word-level meaning ("step by step",
+"7 disks", "matrix") that character n-grams blur on long natural-language and chat prompts.
+The paper fine-tunes a 1.5B-7B LLM instead; that backbone option is for GPUs.
 
 It is a ``streamrl.protocols.LengthPredictor``: ``RolloutStream`` hands ``learn`` the policy's
 finished samples (the first call fits, later ones refresh) and consults ``predict`` once ``ready``.
@@ -25,7 +27,7 @@ import re
 import time
 import zlib
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -33,6 +35,9 @@ import torch
 from streamrl.records import Sample
 
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+_WORD = re.compile(r"\w+|[^\w\s]")
+_CHAR_WIDTH = 1024 + 8  # prompt_features(): char n-gram buckets + numeric summary
+TOKEN_STD_FLOOR = 1.0
 
 
 @functools.lru_cache(maxsize=65_536)
@@ -65,6 +70,30 @@ def prompt_features(prompt: str, buckets: int = 1024) -> np.ndarray:
     return np.concatenate([np.log1p(grams), np.log1p(np.abs(numeric)).astype(np.float32)])
 
 
+def token_features(tokens: Sequence[int], buckets: int = 2048) -> np.ndarray:
+    """Features of one tokenized prompt: hashed token unigrams and bigrams (counts, log-scaled) in
+    ``buckets`` buckets (half each), plus the log token count."""
+    ids = np.asarray(tokens, dtype=np.uint64)  # arithmetic below wraps mod 2**64: a hash
+    half = buckets // 2
+    uni = (ids * np.uint64(0x9E3779B1)) % np.uint64(1_000_000_007) % np.uint64(half)
+    bi = (ids[:-1] * np.uint64(0x85EBCA6B) + ids[1:] * np.uint64(0xC2B2AE35)) % np.uint64(
+        1_000_000_007
+    ) % np.uint64(buckets - half) + np.uint64(half)
+    grams = np.bincount(np.concatenate([uni, bi]).astype(np.int64), minlength=buckets)
+    grams = grams.astype(np.float32)
+    return np.concatenate([np.log1p(grams), np.float32([math.log1p(len(ids))])])
+
+
+def word_ids(prompt: str) -> list[int]:
+    """Token ids of ``prompt`` without a tokenizer: its words and punctuation marks, hashed."""
+    return [zlib.crc32(w.encode()) for w in _WORD.findall(prompt.lower())]
+
+
+def word_tokenizer(prompt: str) -> dict[str, list[int]]:
+    """A ``tokenizer`` for ``LengthRanker`` when the policy's is not at hand: ``word_ids``."""
+    return {"input_ids": word_ids(prompt)}
+
+
 class LengthRanker:
     """Predicts an output-length score per prompt (higher means longer); a ``LengthPredictor``.
 
@@ -81,6 +110,11 @@ class LengthRanker:
         learn_epochs: epochs of the fit from scratch that ``learn`` runs while not ``ready``.
         refresh_epochs: epochs of the refresh over the recent buffer that each ``learn`` runs
             once ``ready``.
+        tokenizer: the policy's tokenizer (``tokenizer(text)["input_ids"]``), or
+            ``word_tokenizer``: adds hashed token unigram and bigram features, which carry
+            word-level meaning on natural-language and chat prompts. ``None``: character and
+            numeric features only.
+        token_buckets: hashed token unigram + bigram buckets (with a ``tokenizer``).
     """
 
     def __init__(
@@ -94,8 +128,12 @@ class LengthRanker:
         seed: int = 0,
         learn_epochs: int = 100,
         refresh_epochs: int = 10,
+        tokenizer: Callable[[str], Mapping[str, list[int]]] | None = None,
+        token_buckets: int = 2048,
     ) -> None:
         self.hidden, self.epochs, self.lr = hidden, epochs, lr
+        self.tokenizer, self.token_buckets = tokenizer, token_buckets
+        self._cache: dict[str, np.ndarray] = {}  # token features by prompt
         self.rank_weight, self.seed = rank_weight, seed
         self.learn_epochs, self.refresh_epochs = learn_epochs, refresh_epochs
         self.recent: deque[tuple[str, int]] = deque(maxlen=buffer)
@@ -120,12 +158,28 @@ class LengthRanker:
         """
         _learn(self, prompts, lengths)
 
+    def _prompt_features(self, prompt: str) -> np.ndarray:
+        chars = prompt_features(prompt)
+        if self.tokenizer is None or not self.token_buckets:
+            return chars
+        tokens = self._cache.get(prompt)
+        if tokens is None:
+            tokens = token_features(self.tokenizer(prompt)["input_ids"], self.token_buckets)
+            if len(self._cache) >= 65_536:  # RL re-deals the same prompts: a bounded memo
+                self._cache.clear()
+            self._cache[prompt] = tokens
+        return np.concatenate([chars, tokens])
+
     def _features(self, prompts: Sequence[str]) -> torch.Tensor:
-        x = np.stack([prompt_features(p) for p in prompts])
+        x = np.stack([self._prompt_features(p) for p in prompts])
         if self._mean is None:
             std = x.std(0)
             # A feature constant in training (an n-gram never seen) keeps its raw scale.
-            self._mean, self._std = x.mean(0), np.where(std < 1e-3, 1.0, std)
+            std = np.where(std < 1e-3, 1.0, std)
+            # Token n-grams: rare ones are not blown up to the scale of common ones (a few
+            # hundred prompts would overfit them).
+            std[_CHAR_WIDTH:] = np.maximum(std[_CHAR_WIDTH:], TOKEN_STD_FLOOR)
+            self._mean, self._std = x.mean(0), std
         # Clipped: text unlike anything seen in training must not blow the MLP up.
         return torch.from_numpy(np.clip((x - self._mean) / self._std, -10, 10)).float()
 
@@ -210,6 +264,8 @@ class LengthRanker:
             "std": None if self._std is None else torch.from_numpy(self._std),
             "recent": list(self.recent),
             "hidden": self.hidden,
+            # Feature width: 0 without a tokenizer (then the loading ranker uses none either).
+            "token_buckets": self.token_buckets if self.tokenizer is not None else 0,
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -217,6 +273,12 @@ class LengthRanker:
             None if state[k] is None else np.asarray(state[k]) for k in ("mean", "std")
         )
         self.hidden = state["hidden"]
+        self.token_buckets = state.get("token_buckets", 0)  # saved before token features: none
+        if self.token_buckets and self.tokenizer is None:
+            raise ValueError(
+                "LengthRanker.load_state_dict: saved with token features; pass the same "
+                "tokenizer to the constructor."
+            )
         self.recent.clear()
         self.recent.extend(state["recent"])
         if state["net"] is not None:

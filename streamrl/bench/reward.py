@@ -1,0 +1,71 @@
+"""``streamrl bench reward``: samples/s with rewards in a worker pool vs computed in the trainer.
+
+The same disaggregated run (``bench pipeline``'s protocol: forced long-tailed lengths, one
+generator instance, the trainer on the other core) is repeated with the reward computed inline
+(``--workers 0``) and in 1, 2... reward worker processes, interleaved, medians reported. A slow
+verifier (the default is ``math``, math-verify's symbolic check) scored inline stalls the trainer
+between backward passes; in the pool it overlaps training.
+"""
+
+from __future__ import annotations
+
+import copy
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+from streamrl.bench.inputs import load_lengths, model_dir_for, tokenizer_for
+from streamrl.bench.pipeline import DEFAULT_LENGTHS, _prompt_set, run_mode
+from streamrl.errors import ConfigError
+
+
+def bench_reward(args) -> dict:
+    """Run ``args.mode`` once per worker count per repeat; report medians and the ratio of each
+    pool to inline scoring."""
+    try:
+        settings = [int(w) for w in args.workers.split(",") if w.strip()]
+    except ValueError as err:
+        raise ConfigError(f"--workers: comma-separated integers, got {args.workers!r}.") from err
+    if not settings or min(settings) < 0:
+        raise ConfigError(f"--workers: need counts >= 0 (0 = inline), got {args.workers!r}.")
+    lengths = load_lengths(args.lengths or DEFAULT_LENGTHS)
+    tokenizer = tokenizer_for(args.model)
+    longest_prompt = max(len(tokenizer(p)["input_ids"]) for p in _prompt_set(args)["prompt"])
+    runs: dict[int, list[dict]] = {w: [] for w in settings}
+    with tempfile.TemporaryDirectory(prefix="streamrl-bench-") as tmp:
+        model_dir = model_dir_for(
+            args.model, Path(tmp), args.seed, context=longest_prompt + max(lengths)
+        )
+        for repeat in range(args.repeats):
+            for workers in settings:  # interleaved: drift on the machine hits every setting
+                run_args = copy.copy(args)
+                run_args.reward_workers = workers
+                result = run_mode(args.mode, model_dir, lengths, run_args)
+                runs[workers].append(result)
+                rate = result["samples_per_s"]
+                print(
+                    f"[{repeat + 1}/{args.repeats}] workers={workers}: {rate:.1f} samples/s",
+                    file=sys.stderr,
+                )
+    table = {
+        f"workers={w}": {
+            "samples_per_s": round(statistics.median(r["samples_per_s"] for r in rs), 3),
+            "runs": [round(r["samples_per_s"], 3) for r in rs],
+            "trainer_idle_frac": round(statistics.median(r["trainer_idle_frac"] for r in rs), 3),
+        }
+        for w, rs in runs.items()
+    }
+    result = {"reward": args.reward, "mode": args.mode, "settings": table}
+    if 0 in runs:
+        base = table["workers=0"]["samples_per_s"]
+        result["ratio_to_inline"] = {
+            k: round(v["samples_per_s"] / base, 3) for k, v in table.items()
+        }
+    for name, row in table.items():
+        ratio = result.get("ratio_to_inline", {}).get(name)
+        print(
+            f"{name:<12} {row['samples_per_s']:>8.1f} samples/s  runs {row['runs']}  x{ratio}",
+            file=sys.stderr,
+        )
+    return result

@@ -1,0 +1,1 @@
+"""Rewards: verifiers, reward models and the specs that combine them."""

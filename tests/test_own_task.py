@@ -1,0 +1,184 @@
+"""Your own task end to end: a local dataset with chat-message prompts and extra columns, your
+reward module imported by path (run in a reward worker, weighted with a built-in), a byte-level
+BPE tokenizer with a chat template trained at run time, and periodic evaluation with the task's
+own reward. And each bad input failing before work, naming what was wrong."""
+
+from __future__ import annotations
+
+import csv
+import json
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from streamrl.config import RunConfig, from_dict
+from streamrl.errors import ConfigError
+from streamrl.prepare import prepare_run
+from streamrl.run_parts import check_parts
+
+REWARD_MODULE = '''
+import json, os
+
+def names_the_unit(completion, row):
+    """1 when the completion ends with the row's own unit (a column only this task has)."""
+    with open(os.environ["OWN_TASK_REWARD_LOG"], "a") as log:
+        log.write(json.dumps({"completion": completion, "columns": sorted(row)}) + "\\n")
+    return 1.0 if completion.endswith(row["unit"]) else 0.0
+'''
+
+
+def write_dataset(path: Path, n: int) -> Path:
+    """Chat-message prompts, a reference answer under another name, two extra columns."""
+    units = ["cm", "kg", "ms"]
+    with path.open("w") as f:
+        for i in range(n):
+            unit = units[i % 3]
+            row = {
+                "messages": [{"role": "user", "content": f"How far is {i} {unit}? Say it."}],
+                "solution": f"{i} {unit}",
+                "unit": unit,
+                "source": ["geometry", "physics"][i % 2],
+            }
+            f.write(json.dumps(row) + "\n")
+    return path
+
+
+def own_task(tmp_path: Path, **overrides) -> RunConfig:
+    data = {
+        "path": str(write_dataset(tmp_path / "units.jsonl", 40)),
+        "prompt_column": "messages",
+        "answer_column": "solution",
+        "task_column": "source",
+        "heldout_fraction": 0.2,
+        "system_prompt": "Answer with a number and its unit.",
+        **overrides.pop("data", {}),
+    }
+    rl = {
+        "iterations": 2,
+        "prompts_per_iteration": 4,
+        "group_size": 2,
+        "generators": 1,
+        "max_tokens": 16,
+        "reward": [
+            {"name": "own_rewards:names_the_unit", "weight": 1.0},
+            {"name": "exact", "weight": 0.5},
+        ],
+        "reward_workers": 1,
+        "eval_every": 1,
+        **overrides.pop("rl", {}),
+    }
+    return from_dict(
+        RunConfig,
+        {
+            "output_dir": str(tmp_path / "run"),
+            "data": data,
+            "sft": {"model_size": "test", "steps": 30},
+            "rl": rl,
+            **overrides,
+        },
+        where="test",
+    )
+
+
+@pytest.fixture()
+def reward_module(tmp_path, monkeypatch):
+    """The user's reward module, importable here and in spawned reward workers."""
+    (tmp_path / "own_rewards.py").write_text(textwrap.dedent(REWARD_MODULE))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    log = tmp_path / "reward_log.jsonl"
+    monkeypatch.setenv("OWN_TASK_REWARD_LOG", str(log))
+    return log
+
+
+@pytest.mark.timeout(400)
+def test_own_dataset_reward_and_chat_format_in_a_real_fit(tmp_path, reward_module):
+    from streamrl.jobs import run_fit
+
+    config = own_task(tmp_path)
+    summary = run_fit(config, show_progress=False)
+
+    assert summary["samples_lost"] == 0
+    out = Path(config.output_dir)
+    # The reward saw every column of the row, and only the assistant's text.
+    calls = [json.loads(line) for line in reward_module.read_text().splitlines()]
+    assert calls and all(
+        {"prompt_id", "prompt", "answer", "task", "unit"} <= set(c["columns"]) for c in calls
+    )
+    assert not any("<|im_" in c["completion"] or "assistant" in c["completion"] for c in calls)
+    # Each reward logged on its own, next to the weighted total the algorithm trained on.
+    rows = list(csv.DictReader(next(out.rglob("metrics.csv")).open()))
+    trained = [r for r in rows if r.get("rollout/reward")]
+    assert trained and all(r["reward/names_the_unit"] and r["reward/exact"] for r in trained)
+    for r in trained:
+        total = float(r["reward/names_the_unit"]) + 0.5 * float(r["reward/exact"])
+        assert float(r["rollout/reward"]) == pytest.approx(total)
+    # Evaluation with the run's reward, per data source, every iteration; logged and plotted.
+    assert set(summary["heldout_by_task_after"]) <= {"geometry", "physics"}
+    assert 0.0 <= summary["heldout_reward_after"] <= 1.5
+    evaluated = sorted({int(r["step"]) for r in rows if r.get("eval/reward")})
+    assert evaluated == [1, 2]
+    assert (out / "eval.png").stat().st_size > 0
+
+
+def test_the_tokenizer_is_a_chat_bpe_and_prompts_are_templated(tmp_path, reward_module):
+    run = prepare_run(own_task(tmp_path))
+    tokenizer = run.tokenizer
+    assert tokenizer.chat_template and len(tokenizer) > 300
+    assert any(len(tokenizer.convert_ids_to_tokens(i)) > 2 for i in range(260, len(tokenizer)))
+    from streamrl.chat import render_prompt
+
+    ids = render_prompt(tokenizer, run.train[0]["prompt"], system_prompt="Be brief.")
+    text = tokenizer.decode(ids)
+    assert text.startswith("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n")
+    assert text.endswith("<|im_start|>assistant\n")
+    assert len(run.train) == 32 and len(run.heldout) == 8
+    assert not set(run.train["prompt_id"]) & set(run.heldout["prompt_id"])
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"data": {"answer_column": "solutoin"}}, r"solutoin.*did you mean 'solution'"),
+        ({"rl": {"prompts_per_iteration": 64}}, r"has 32 rows; one iteration needs 64"),
+        ({"data": {"system_prompt": "x " * 400}}, r"needs \d+ prompt tokens \(after the chat"),
+    ],
+)
+def test_bad_data_fails_before_work_naming_it(tmp_path, reward_module, overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        prepare_run(own_task(tmp_path, **overrides))
+
+
+@pytest.mark.parametrize(
+    ("reward", "message"),
+    [
+        ("own_rewardz:names_the_unit", r"cannot import module 'own_rewardz'"),
+        ("own_rewards:names_the_units", r"did you mean 'names_the_unit'"),
+        ("json:dumps", r"json:dumps has the wrong signature"),
+    ],
+)
+def test_bad_reward_references_fail_before_work(tmp_path, reward_module, reward, message):
+    config = own_task(tmp_path, rl={"reward": reward})
+    with pytest.raises(ConfigError, match=message):
+        check_parts(config.rl)
+
+
+@pytest.mark.timeout(400)
+def test_reasoning_gym_config_runs_at_a_small_size(tmp_path):
+    """configs/reasoning_gym.yaml, every stage, on a few rows: the suite's prompts, its verifier as
+    the reward (in a reward worker), a character tokenizer learned from the data, the warm start
+    on the suite's answers, evaluation per task."""
+    from streamrl.config import load_config
+    from streamrl.jobs import run_fit
+
+    config = load_config(Path(__file__).resolve().parents[1] / "configs" / "reasoning_gym.yaml")
+    config.output_dir = str(tmp_path / "run")
+    config.data.n_train, config.data.n_heldout, config.sft.steps = 64, 16, 20
+    config.rl.iterations, config.rl.prompts_per_iteration, config.rl.eval_every = 2, 8, 1
+    summary = run_fit(config, show_progress=False)
+
+    assert summary["samples_lost"] == 0
+    assert set(summary["heldout_by_task_after"]) == {"spell_backward", "chain_sum"}
+    assert 0.0 <= summary["heldout_reward_after"] <= 1.0
+    assert (tmp_path / "run" / "eval.png").stat().st_size > 0

@@ -39,9 +39,9 @@ CONFIG = Path(__file__).resolve().parents[1] / "configs" / "reasoning_gym.yaml"
 
 # %%
 config = load_config(CONFIG)
-rows = reasoning_gym_dataset(config.data.reasoning_gym, size=4, seed=0)
-for row in rows:
-    print(f"[{row['task']}] ...{row['prompt'][-60:]!r} -> {row['answer']!r}")
+if __name__ == "__main__":
+    for row in reasoning_gym_dataset(config.data.reasoning_gym, size=4, seed=0):
+        print(f"[{row['task']}] ...{row['prompt'][-60:]!r} -> {row['answer']!r}")
 
 # %% [markdown]
 # ## Warm start, then RL
@@ -49,15 +49,20 @@ for row in rows:
 # `run_fit` checks every input, learns a character tokenizer from the training rows, runs the
 # SFT warm start (cached), evaluates, trains, and evaluates again every `rl.eval_every`
 # iterations with the task's verifier.
+#
+# The generator and reward workers are **spawned** processes, which first import the script that
+# started them; run as a plain `python` script, the cells that start them (and what uses their
+# results) sit under `if __name__ == "__main__":` (always true in Jupyter).
 
 # %%
-config.output_dir = str(OUT / "07_run")
-if SMALL:  # a quick pass through every stage
-    config.data.n_train, config.data.n_heldout, config.sft.steps = 128, 32, 30
-    config.rl.iterations, config.rl.prompts_per_iteration, config.rl.eval_every = 3, 8, 1
-summary = run_fit(config, show_progress=not SMALL)
-before, after = summary["heldout_by_task_before"], summary["heldout_by_task_after"]
-print(json.dumps({k: summary[k] for k in ("heldout_reward_before", "heldout_reward_after")}))
+if __name__ == "__main__":
+    config.output_dir = str(OUT / "07_run")
+    if SMALL:  # a quick pass through every stage
+        config.data.n_train, config.data.n_heldout, config.sft.steps = 128, 32, 30
+        config.rl.iterations, config.rl.prompts_per_iteration, config.rl.eval_every = 3, 8, 1
+    summary = run_fit(config, show_progress=not SMALL)
+    before, after = summary["heldout_by_task_before"], summary["heldout_by_task_after"]
+    print(json.dumps({k: summary[k] for k in ("heldout_reward_before", "heldout_reward_after")}))
 
 # %% [markdown]
 # ## Held-out reward per task, and the training reward
@@ -66,18 +71,21 @@ print(json.dumps({k: summary[k] for k in ("heldout_reward_before", "heldout_rewa
 # Right: the mean reward of each iteration's samples (temperature 1).
 
 # %%
-with next(Path(config.output_dir).rglob("metrics.csv")).open() as f:
-    train_reward = [float(r["rollout/reward"]) for r in csv.DictReader(f) if r["rollout/reward"]]
-fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.6))
-tasks = sorted(after)
-x = range(len(tasks))
-ax1.bar([i - 0.2 for i in x], [before[t]["reward"] for t in tasks], 0.4, label="warm start")
-ax1.bar([i + 0.2 for i in x], [after[t]["reward"] for t in tasks], 0.4, label="after RL")
-ax1.set_xticks(list(x), tasks)
-ax1.set_ylabel("held-out reward (verifier)")
-ax1.legend()
-ax2.plot(train_reward)
-ax2.set_xlabel("iteration")
-ax2.set_ylabel("rollout reward")
-fig.tight_layout()
-fig.savefig(OUT / "07_reasoning_gym.png", dpi=120)
+if __name__ == "__main__":
+    with next(Path(config.output_dir).rglob("metrics.csv")).open() as f:
+        train_reward = [
+            float(r["rollout/reward"]) for r in csv.DictReader(f) if r["rollout/reward"]
+        ]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.6))
+    tasks = sorted(after)
+    x = range(len(tasks))
+    ax1.bar([i - 0.2 for i in x], [before[t]["reward"] for t in tasks], 0.4, label="warm start")
+    ax1.bar([i + 0.2 for i in x], [after[t]["reward"] for t in tasks], 0.4, label="after RL")
+    ax1.set_xticks(list(x), tasks)
+    ax1.set_ylabel("held-out reward (verifier)")
+    ax1.legend()
+    ax2.plot(train_reward)
+    ax2.set_xlabel("iteration")
+    ax2.set_ylabel("rollout reward")
+    fig.tight_layout()
+    fig.savefig(OUT / "07_reasoning_gym.png", dpi=120)

@@ -19,6 +19,7 @@ import os
 import random
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -154,28 +155,52 @@ def sft_train(
     rng = random.Random(config.seed)
     torch.manual_seed(config.seed)
     alphabet = "".join(sorted(set("".join(demos["answer"])))) or "a"
-    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=0.01)
-    warmup = max(1, config.steps // 20)
-
-    def lr_factor(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        return 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, config.steps - warmup)))
-
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
     prompts, answers, tasks = demos["prompt"], demos["answer"], demos["task"]
     batches = token_budget_batches(
         [len(p) + len(a) + 1 for p, a in zip(prompts, answers)], config.tokens_per_batch
     )
+
+    def batch(idx: list[int]) -> Batch:
+        batch_answers = [imperfect(answers[i], tasks[i], rng, config, alphabet) for i in idx]
+        return encode_demos(tokenizer, [prompts[i] for i in idx], batch_answers)
+
+    return train_steps(
+        model,
+        batch,
+        batches,
+        steps=config.steps,
+        lr=config.lr,
+        rng=rng,
+        show_progress=show_progress,
+    )
+
+
+Batch = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # input ids, attention mask, labels
+
+
+def train_steps(
+    model: PreTrainedModel,
+    make_batch: Callable[[list[int]], Batch],
+    batches: list[list[int]],
+    *,
+    steps: int,
+    lr: float,
+    rng: random.Random,
+    show_progress: bool = False,
+) -> list[float]:
+    """The SFT loop both warm starts share: ``steps`` AdamW steps over ``batches`` (lists of
+    example indices, reshuffled with ``rng`` each epoch), each encoded by ``make_batch``; linear
+    warm-up over the first 5% of steps then cosine decay, gradient norm clipped at 1. Returns
+    the loss of every step and leaves ``model`` in eval mode."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(steps))
     losses: list[float] = []
     model.train()
-    bar = progress_bar(range(config.steps), "sft", enabled=show_progress)
+    bar = progress_bar(range(steps), "sft", enabled=show_progress)
     for step in bar:
         if step % len(batches) == 0:
             rng.shuffle(batches)
-        idx = batches[step % len(batches)]
-        batch_answers = [imperfect(answers[i], tasks[i], rng, config, alphabet) for i in idx]
-        input_ids, mask, labels = encode_demos(tokenizer, [prompts[i] for i in idx], batch_answers)
+        input_ids, mask, labels = make_batch(batches[step % len(batches)])
         loss = model(input_ids=input_ids, attention_mask=mask, labels=labels).loss
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -186,6 +211,18 @@ def sft_train(
         bar.set_postfix(loss=f"{losses[-1]:.3f}", refresh=False)
     model.eval()
     return losses
+
+
+def warmup_cosine(steps: int) -> Callable[[int], float]:
+    """LR factor: linear warm-up over the first 5% of ``steps``, then cosine decay to 0."""
+    warmup = max(1, steps // 20)
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        return 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, steps - warmup)))
+
+    return factor
 
 
 def default_cache_dir() -> Path:

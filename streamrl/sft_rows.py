@@ -19,7 +19,6 @@ Examples:
 
 from __future__ import annotations
 
-import math
 import random
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -27,8 +26,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from streamrl.progress import progress_bar
-from streamrl.sft import token_budget_batches
+from streamrl.sft import Batch, token_budget_batches, train_steps
 
 #: ``render(tokenizer, prompt) -> prompt token ids``.
 Render = Callable[[PreTrainedTokenizerBase, Any], list[int]]
@@ -106,41 +104,19 @@ def sft_on_rows(
             f"tokens_per_batch={tokens_per_batch}; raise tokens_per_batch."
         )
     batches = token_budget_batches(lengths, tokens_per_batch)
-    rng = random.Random(seed)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(steps))
-    losses: list[float] = []
-    model.train()
-    bar = progress_bar(range(steps), "sft", enabled=show_progress)
-    for step in bar:
-        if step % len(batches) == 0:
-            rng.shuffle(batches)
-        idx = batches[step % len(batches)]
-        ids, mask, labels = encode_rows(
-            tokenizer, [prompts[i] for i in idx], [answers[i] for i in idx]
-        )
-        loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        scheduler.step()
-        losses.append(loss.item())
-        bar.set_postfix(loss=f"{losses[-1]:.3f}", refresh=False)
-    model.eval()
-    return losses
 
+    def batch(idx: list[int]) -> Batch:
+        return encode_rows(tokenizer, [prompts[i] for i in idx], [answers[i] for i in idx])
 
-def warmup_cosine(steps: int) -> Callable[[int], float]:
-    """LR factor: linear warm-up over the first 5% of ``steps``, then cosine decay to 0."""
-    warmup = max(1, steps // 20)
-
-    def factor(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        return 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, steps - warmup)))
-
-    return factor
+    return train_steps(
+        model,
+        batch,
+        batches,
+        steps=steps,
+        lr=lr,
+        rng=random.Random(seed),
+        show_progress=show_progress,
+    )
 
 
 def corrupt(

@@ -103,6 +103,10 @@ class WarmStartConfig:
             ``data.reasoning_gym``): ``"bpe"`` (byte-level BPE with a ChatML template, trained
             on the training rows) or ``"char"`` (one id per character of the data, no template:
             what character-level tasks such as spelling backwards learn best).
+        demo_share: on your own data, the share of the training rows the warm start learns
+            from, set apart from the rows RL trains on (a seeded split), as a real pipeline
+            keeps its SFT data apart from its RL prompts; ``None``: SFT on every training row,
+            RL on the same rows (which the policy then partly knows by heart).
     """
 
     model_size: str = "demo"
@@ -113,6 +117,7 @@ class WarmStartConfig:
     demo_noise: float = 0.3
     early_stop: float = 0.6
     early_stop_tasks: list[str] = field(default_factory=lambda: ["copy", "count", "sort"])
+    demo_share: float | None = None
 
 
 @dataclass
@@ -376,6 +381,11 @@ def check_values(config: RunConfig) -> None:
             "sft: need steps >= 0, lr > 0, 0 <= demo_noise <= 1 and 0 <= early_stop <= 1, got "
             f"steps={sft.steps}, lr={sft.lr}, demo_noise={sft.demo_noise}, "
             f"early_stop={sft.early_stop}."
+        )
+    if sft.demo_share is not None and not 0 < sft.demo_share < 1:
+        raise ConfigError(
+            f"sft.demo_share: need a share strictly between 0 and 1 (or null), got "
+            f"{sft.demo_share}."
         )
     for task in sft.early_stop_tasks:
         if task not in FAMILIES:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import random
 import string
 import time
 from dataclasses import asdict, dataclass
@@ -47,6 +48,8 @@ class PreparedRun:
         context: the policy's context length in tokens.
         tokenizer: the policy's tokenizer (for the built-in tiny policy on your own data, a
             byte-level BPE trained on the training rows).
+        demos: the rows the tiny policy's warm start learns from when ``sft.demo_share`` sets
+            them apart from ``train``; ``None``: it learns from ``train``.
     """
 
     train: datasets.Dataset
@@ -54,6 +57,7 @@ class PreparedRun:
     context: int
     tokenizer: PreTrainedTokenizerBase | None = None
     model_dir: Path | None = None
+    demos: datasets.Dataset | None = None
 
 
 def prepare_run(config: RunConfig) -> PreparedRun:
@@ -67,10 +71,15 @@ def prepare_run(config: RunConfig) -> PreparedRun:
     if data.path or data.reasoning_gym:
         train, heldout = _dataset_splits(config)
         tokenizer, context = _tokenizer_and_context(config, train)
+        demos = None
+        if config.model == "tiny" and config.sft.demo_share is not None:
+            demos, train = _set_demos_apart(train, config.sft.demo_share, config.seed)
         check_enough_rows(train, config.rl.prompts_per_iteration, repr(data.path or "train"))
         for split in (train, heldout):
             _check_fits_context(split, tokenizer, context, data)
-        return PreparedRun(train=train, heldout=heldout, context=context, tokenizer=tokenizer)
+        return PreparedRun(
+            train=train, heldout=heldout, context=context, tokenizer=tokenizer, demos=demos
+        )
     tokenizer, context = _tokenizer_and_context(config)
     if data.prompt_file:
         rows = load_prompt_file(data.prompt_file).shuffle(seed=config.seed)
@@ -93,6 +102,25 @@ def prepare_run(config: RunConfig) -> PreparedRun:
     for split in (train, heldout):
         _check_fits_context(split, tokenizer, context, data)
     return PreparedRun(train=train, heldout=heldout, context=context, tokenizer=tokenizer)
+
+
+def _set_demos_apart(
+    train: datasets.Dataset, share: float, seed: int
+) -> tuple[datasets.Dataset, datasets.Dataset]:
+    """``(demos, rl_rows)``: a seeded ``share`` of ``train`` for the warm start, the rest for RL.
+
+    Raises:
+        ConfigError: either part would be empty.
+    """
+    order = list(range(len(train)))
+    random.Random(seed).shuffle(order)
+    cut = round(share * len(train))
+    if not 0 < cut < len(train):
+        raise ConfigError(
+            f"sft.demo_share={share} of {len(train)} training rows leaves no rows for the warm "
+            "start or none for RL; give more rows or another share."
+        )
+    return train.select(sorted(order[:cut])), train.select(sorted(order[cut:]))
 
 
 def _dataset_splits(config: RunConfig) -> tuple[datasets.Dataset, datasets.Dataset]:
@@ -154,19 +182,21 @@ def ensure_policy(config: RunConfig, run: PreparedRun, show_progress: bool = Tru
 
 
 def warm_start_on_data(config: RunConfig, run: PreparedRun, *, show_progress: bool) -> Path:
-    """The tiny policy warm-started by SFT on your training rows (cached by the recipe).
+    """The tiny policy warm-started by SFT on your training rows, or on the share of them that
+    ``sft.demo_share`` sets apart from RL's (cached by the recipe).
 
     A ``sft.demo_noise`` share of the demonstrated answers carries one typo (an imperfect
     demonstrator, as the built-in warm start has), so the policy starts imperfect and a
     verifiable reward has something to improve. The BPE tokenizer is ``data_tokenizer``'s.
     """
     sft, data = config.sft, config.data
+    demos = run.demos if run.demos is not None else run.train
     recipe = {
         "recipe": DATA_RECIPE_VERSION,
         "sft": asdict(sft),
         "data": asdict(data),
         "seed": config.seed,
-        "rows": sorted(run.train["prompt_id"]),
+        "rows": sorted(demos["prompt_id"]),
     }
     key = hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:12]
     target = config.resolved_cache_dir() / f"sft-data-{sft.model_size}-{key}"
@@ -174,7 +204,7 @@ def warm_start_on_data(config: RunConfig, run: PreparedRun, *, show_progress: bo
         return target
     tokenizer = run.tokenizer
     model = build_tiny_model(tokenizer, size=sft.model_size, max_positions=TINY_CONTEXT)
-    demos = corrupt(run.train, sft.demo_noise, seed=config.seed)
+    demos = corrupt(demos, sft.demo_noise, seed=config.seed)
     started = time.perf_counter()
     losses = sft_on_rows(
         demos,

@@ -137,6 +137,38 @@ def test_the_tokenizer_is_a_chat_bpe_and_prompts_are_templated(tmp_path, reward_
     assert not set(run.train["prompt_id"]) & set(run.heldout["prompt_id"])
 
 
+def test_demo_share_keeps_the_warm_start_rows_apart_from_rl(tmp_path, reward_module):
+    from streamrl.prepare import ensure_policy
+
+    whole = prepare_run(own_task(tmp_path))
+    run = prepare_run(
+        own_task(tmp_path, sft={"model_size": "test", "steps": 2, "demo_share": 0.25})
+    )
+    assert whole.demos is None and len(whole.train) == 32
+    # 8 of the 32 training rows teach the warm start; RL gets the other 24; held out unchanged.
+    assert len(run.demos) == 8 and len(run.train) == 24
+    assert not set(run.demos["prompt_id"]) & set(run.train["prompt_id"])
+    assert set(run.demos["prompt_id"]) | set(run.train["prompt_id"]) == set(
+        whole.train["prompt_id"]
+    )
+    assert run.heldout["prompt_id"] == whole.heldout["prompt_id"]
+    # The warm start learned from the demo rows (its cached recipe lists them), not RL's.
+    config = own_task(tmp_path, sft={"model_size": "test", "steps": 2, "demo_share": 0.25})
+    config.cache_dir = str(tmp_path / "cache")
+    meta = json.loads(
+        (ensure_policy(config, run, show_progress=False) / "sft_meta.json").read_text()
+    )
+    assert meta["recipe"]["rows"] == sorted(run.demos["prompt_id"])
+
+
+@pytest.mark.parametrize("share", [0.0, 1.0, 1.5])
+def test_a_demo_share_outside_0_1_fails_before_work(tmp_path, reward_module, share):
+    from streamrl.config import check_values
+
+    with pytest.raises(ConfigError, match=r"sft\.demo_share"):
+        check_values(own_task(tmp_path, sft={"demo_share": share}))
+
+
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [

@@ -76,7 +76,7 @@ _EXPORTS = {
     "evaluate": "streamrl.evaluation",
     "PeriodicEval": "streamrl.eval_callback",
     "RunConfig": "streamrl.config",
-    "load_config": "streamrl.config",
+    "load_config": "streamrl.config_file",
     "run_fit": "streamrl.jobs",
 }
 

@@ -7,7 +7,7 @@ only the YAML of its config).
 ``streamrl fit`` reads its arguments with ``jsonargparse``, as ``LightningCLI`` does: any number
 of ``--config`` YAML files and a dotted option per field of ``streamrl.config.RunConfig``
 (``--rl.lr 3e-5``), the later winning; the merged values then pass the same checks as
-``streamrl.config.load_config``. The other commands use ``argparse``.
+``streamrl.config_file.load_config``. The other commands use ``argparse``.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 
 
 def _cmd_fit(fit: FitArgs) -> dict:
-    from streamrl.config import check_values
+    from streamrl.config_checks import check_values
     from streamrl.jobs import run_fit
 
     quiet_lightning()

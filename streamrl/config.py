@@ -1,8 +1,8 @@
 """Run configuration: flat dataclasses that mirror the YAML (at most two levels deep).
 
-The Python constructors are the primary API; YAML files only fill them in. Unknown keys, wrong
-types and impossible values are errors with a "did you mean" where one fits, raised before any
-work starts.
+The Python constructors are the primary API; YAML files only fill them in
+(``streamrl.config_file.load_config``), and ``streamrl.config_checks.check_values`` checks what
+types alone cannot, before any work starts.
 
 Examples:
     >>> cfg = RunConfig(seed=3)
@@ -12,19 +12,10 @@ Examples:
 
 from __future__ import annotations
 
-import dataclasses
-import importlib.util
-import types
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-from streamrl.components.weights.nccl import import_nccl
-from streamrl.components.weights.transport import TRANSPORTS
-from streamrl.errors import ConfigError, unknown_name
 from streamrl.sft import default_cache_dir
 from streamrl.tasks.families import FAMILIES
 
@@ -240,10 +231,6 @@ class RLConfig:
     )
 
 
-#: Lightning loggers a run can write to, and the package each needs.
-LOGGERS = {"csv": None, "tensorboard": "tensorboard", "wandb": "wandb"}
-
-
 @dataclass
 class RunConfig:
     """Everything ``streamrl fit`` needs.
@@ -275,226 +262,3 @@ class RunConfig:
         if self.cache_dir:
             return Path(self.cache_dir)
         return default_cache_dir()
-
-
-def load_config(path: str | Path) -> RunConfig:
-    """Read a YAML file into a validated ``RunConfig``.
-
-    Raises:
-        ConfigError: missing or unreadable file, an unknown key, a wrong type or a bad value;
-            the message names the key and the fix.
-    """
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError(
-            f"Config file {str(path)!r} does not exist. Pass --config with a YAML file, e.g. "
-            "configs/demo.yaml."
-        )
-    try:
-        data = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as err:
-        raise ConfigError(f"Config file {str(path)!r} is not valid YAML: {err}") from err
-    if not isinstance(data, dict):
-        raise ConfigError(f"Config file {str(path)!r} must hold a mapping of keys to values.")
-    config = from_dict(RunConfig, data, where=str(path))
-    check_values(config)
-    return config
-
-
-def from_dict(cls: type, data: dict[str, Any], where: str) -> Any:
-    """Build dataclass ``cls`` from ``data``, checking keys and value types."""
-    hints = typing.get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls)]
-    kwargs = {}
-    for key, value in data.items():
-        if key not in hints:
-            raise ConfigError(f"{where}: {unknown_name('key', str(key), names)}")
-        kwargs[key] = _convert(hints[key], value, f"{where}: {key}")
-    return cls(**kwargs)
-
-
-def _convert(hint: Any, value: Any, where: str) -> Any:
-    if dataclasses.is_dataclass(hint):
-        if not isinstance(value, dict):
-            raise ConfigError(f"{where} must be a mapping of keys to values, got {value!r}.")
-        return from_dict(hint, value, where)
-    args = typing.get_args(hint)
-    if type(None) in args:  # X | None
-        if value is None:
-            return None
-        args = tuple(a for a in args if a is not type(None))
-        hint = args[0] if len(args) == 1 else typing.Union[args]  # noqa: UP007
-    if typing.get_origin(hint) in (typing.Union, types.UnionType):  # str | dict: a name or options
-        for option in typing.get_args(hint):
-            if isinstance(value, typing.get_origin(option) or option):
-                return value
-        names = " or ".join((typing.get_origin(a) or a).__name__ for a in typing.get_args(hint))
-        raise ConfigError(f"{where} must be a {names}, got {value!r}.")
-    origin = typing.get_origin(hint)
-    if origin is list:
-        if not isinstance(value, list):
-            raise ConfigError(f"{where} must be a list, got {value!r}.")
-        return [_convert(typing.get_args(hint)[0], v, where) for v in value]
-    if hint is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if not isinstance(value, hint) or (hint is int and isinstance(value, bool)):
-        raise ConfigError(f"{where} must be of type {hint.__name__}, got {value!r}.")
-    return value
-
-
-def check_values(config: RunConfig) -> None:
-    """Check values that types alone cannot (ranges, names); raises ``ConfigError``."""
-    data, sft = config.data, config.sft
-    check_data_source(data)
-    if not (data.prompt_file or data.path or data.reasoning_gym):
-        if not data.tasks:
-            raise ConfigError(f"data.tasks is empty; choose from {sorted(FAMILIES)}.")
-        for task in data.tasks:
-            if task not in FAMILIES:
-                raise ConfigError(f"data.tasks: {unknown_name('task', task, FAMILIES)}")
-    if data.n_train < 1 or data.n_heldout < 1:
-        raise ConfigError(
-            f"data.n_train and data.n_heldout must be >= 1 (an empty prompt set has nothing to "
-            f"train or evaluate on), got {data.n_train} and {data.n_heldout}."
-        )
-    if not 1 <= data.median_len <= data.max_len or data.tail < 0:
-        raise ConfigError(
-            "data: need 1 <= median_len <= max_len and tail >= 0, got "
-            f"median_len={data.median_len}, max_len={data.max_len}, tail={data.tail}."
-        )
-    if sft.tokenizer not in ("bpe", "char"):
-        raise ConfigError(
-            f"sft.tokenizer: {unknown_name('tokenizer', sft.tokenizer, ['bpe', 'char'])}"
-        )
-    if sft.model_size not in ("test", "demo"):
-        raise ConfigError(
-            f"sft.model_size: {unknown_name('size', sft.model_size, ['test', 'demo'])}"
-        )
-    if config.logger not in LOGGERS:
-        raise ConfigError(f"logger: {unknown_name('logger', config.logger, LOGGERS)}")
-    needed = LOGGERS[config.logger]
-    if needed is not None and importlib.util.find_spec(needed) is None:
-        raise ConfigError(f"logger: {config.logger!r} needs {needed!r}: pip install {needed}")
-    check_rl(config.rl)
-    if sft.steps < 0 or sft.lr <= 0 or not 0 <= sft.demo_noise <= 1 or not 0 <= sft.early_stop <= 1:
-        raise ConfigError(
-            "sft: need steps >= 0, lr > 0, 0 <= demo_noise <= 1 and 0 <= early_stop <= 1, got "
-            f"steps={sft.steps}, lr={sft.lr}, demo_noise={sft.demo_noise}, "
-            f"early_stop={sft.early_stop}."
-        )
-    if sft.demo_share is not None and not 0 < sft.demo_share < 1:
-        raise ConfigError(
-            f"sft.demo_share: need a share strictly between 0 and 1 (or null), got "
-            f"{sft.demo_share}."
-        )
-    for task in sft.early_stop_tasks:
-        if task not in FAMILIES:
-            raise ConfigError(f"sft.early_stop_tasks: {unknown_name('task', task, FAMILIES)}")
-
-
-def check_data_source(data: DataConfig) -> None:
-    """One source of prompts, and held-out options only where they apply; ``ConfigError``."""
-    sources = [k for k in ("prompt_file", "path", "reasoning_gym") if getattr(data, k)]
-    if len(sources) > 1:
-        raise ConfigError(
-            f"data: {' and '.join(sources)} are both set; choose one source of prompts."
-        )
-    heldout = [k for k in ("heldout_path", "heldout_split", "heldout_fraction") if getattr(data, k)]
-    if heldout and not data.path:
-        raise ConfigError(f"data.{heldout[0]} applies to data.path only; set data.path too.")
-    if len(heldout) > 1:
-        raise ConfigError(f"data: {' and '.join(heldout)} are both set; choose one held-out set.")
-    if data.heldout_fraction is not None and not 0 < data.heldout_fraction < 1:
-        raise ConfigError(
-            f"data.heldout_fraction must be between 0 and 1, got {data.heldout_fraction}."
-        )
-
-
-def check_trainer_ranks(rl: RLConfig) -> None:
-    """What a sharded trainer (``rl.trainer_ranks > 1``) does not support yet; ``ConfigError``."""
-    if rl.trainer_ranks < 1:
-        raise ConfigError(f"rl.trainer_ranks must be >= 1, got {rl.trainer_ranks}.")
-    if rl.trainer_ranks == 1:
-        return
-    if rl.eval_every > 0:  # a sharded policy runs forward on all ranks together
-        raise ConfigError(
-            f"rl.eval_every={rl.eval_every} evaluates on one trainer rank, but "
-            f"rl.trainer_ranks={rl.trainer_ranks} shards the policy; set rl.eval_every: 0 (the "
-            "held-out evaluation after training still runs) or train on one rank."
-        )
-    if rl.lora_r > 0:  # an algorithm that cannot shard says so itself (Algorithm.shardable)
-        raise ConfigError(
-            f"rl.trainer_ranks={rl.trainer_ranks} (FSDP2) does not support rl.lora_r > 0 yet; "
-            "use rl.trainer_ranks: 1 with LoRA."
-        )
-
-
-def check_rl(rl: RLConfig) -> None:
-    """Check the RL section; raises ``ConfigError``."""
-    if rl.mode not in ("sync", "async", "colocated"):
-        raise ConfigError(
-            f"rl.mode: {unknown_name('mode', rl.mode, ['sync', 'async', 'colocated'])}"
-        )
-    positive = dict(
-        prompts_per_iteration=rl.prompts_per_iteration,
-        generators=rl.generators,
-        max_batch_size=rl.max_batch_size,
-        max_tokens=rl.max_tokens,
-        token_budget=rl.token_budget,
-        min_samples=rl.min_samples,
-        ranker_refresh_every=rl.ranker_refresh_every,
-    )
-    for name, value in positive.items():
-        if value < 1:
-            raise ConfigError(f"rl.{name} must be >= 1, got {value}.")
-    if rl.gpus < 0:
-        raise ConfigError(f"rl.gpus must be >= 0 (0 generates on the CPU), got {rl.gpus}.")
-    if rl.reward_workers < 0 or rl.reward_timeout_s <= 0 or rl.eval_every < 0 or rl.eval_k < 1:
-        raise ConfigError(
-            "rl: need reward_workers >= 0 (0 = in the trainer), reward_timeout_s > 0, "
-            f"eval_every >= 0 and eval_k >= 1, got reward_workers={rl.reward_workers}, "
-            f"reward_timeout_s={rl.reward_timeout_s}, eval_every={rl.eval_every}, "
-            f"eval_k={rl.eval_k}."
-        )
-    if rl.lora_r < 0:
-        raise ConfigError(f"rl.lora_r must be >= 0 (0 = full fine-tuning), got {rl.lora_r}.")
-    check_trainer_ranks(rl)
-    if rl.sites and len(rl.sites) != rl.generators:
-        raise ConfigError(
-            f"rl.sites names {len(rl.sites)} sites for rl.generators={rl.generators} instances; "
-            "give one site per generator, or none."
-        )
-    if rl.weight_transport not in TRANSPORTS:
-        raise ConfigError(
-            f"rl.weight_transport: {unknown_name('transport', rl.weight_transport, TRANSPORTS)}"
-        )
-    if rl.weight_transport == "nccl":
-        try:
-            import_nccl()
-        except ConfigError as err:
-            raise ConfigError(f"rl.weight_transport: {err}") from err
-    if rl.lora_r > 0:
-        from streamrl.lora import LoRASpec
-
-        LoRASpec(rl.lora_r, rl.lora_alpha, 0.0, tuple(rl.lora_target_modules))  # ConfigError
-    if rl.checkpoint_every < 0:
-        raise ConfigError(f"rl.checkpoint_every must be >= 0, got {rl.checkpoint_every}.")
-    if rl.max_generators < rl.generators or rl.max_restarts < 0:
-        raise ConfigError(
-            f"rl: need max_generators >= generators and max_restarts >= 0, got "
-            f"max_generators={rl.max_generators}, generators={rl.generators}, "
-            f"max_restarts={rl.max_restarts}."
-        )
-    if rl.iterations < 0 or rl.group_size < 1:
-        raise ConfigError(
-            f"rl: need iterations >= 0 and group_size >= 1, got iterations={rl.iterations}, "
-            f"group_size={rl.group_size}."
-        )
-    if rl.is_cap < 1:
-        raise ConfigError(f"rl.is_cap must be >= 1 (a truncation of ratios), got {rl.is_cap}.")
-    if rl.lr <= 0 or rl.temperature <= 0 or rl.clip_eps <= 0 or rl.kl_coef < 0:
-        raise ConfigError(
-            "rl: need lr > 0, temperature > 0, clip_eps > 0 and kl_coef >= 0, got "
-            f"lr={rl.lr}, temperature={rl.temperature}, clip_eps={rl.clip_eps}, "
-            f"kl_coef={rl.kl_coef}."
-        )

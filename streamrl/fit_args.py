@@ -2,7 +2,7 @@
 
 As ``LightningCLI`` does: any number of ``--config`` YAML files and a dotted option per field
 (``--rl.lr 3e-5``), the later winning, ``--print_config`` to write the resolved config out; the
-merged values then pass the same checks as ``streamrl.config.load_config``, and a mistake is
+merged values then pass the same checks as ``streamrl.config_file.load_config``, and a mistake is
 reported in our words (the key, a "did you mean", the fix).
 """
 
@@ -77,14 +77,15 @@ def build_fit_parser() -> jsonargparse.ArgumentParser:
 
 def parse_fit(argv: Sequence[str]) -> FitArgs:
     """Parse ``streamrl fit``'s arguments (without the command) into a ``RunConfig`` built by
-    ``streamrl.config.from_dict``; its values are checked later, by ``check_values``.
+    ``streamrl.config_file.from_dict``; its values are checked later, by ``check_values``.
 
     Raises:
         ConfigError: an unreadable file, an unknown key (with a "did you mean") or a wrong type.
     """
     from jsonargparse import ArgumentError
 
-    from streamrl.config import RunConfig, from_dict
+    from streamrl.config import RunConfig
+    from streamrl.config_file import from_dict
 
     argv = [_fit_alias(token) for token in argv]
     try:

@@ -23,7 +23,8 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from streamrl.builders import make_logger
 from streamrl.chat import completion_text, render_prompt, stop_token_ids
 from streamrl.components.generation.service import StreamGenerationService
-from streamrl.config import RunConfig, check_values
+from streamrl.config import RunConfig
+from streamrl.config_checks import check_values
 from streamrl.errors import ConfigError
 from streamrl.eval_callback import PeriodicEval, plot_eval
 from streamrl.evaluation import EvalResult, evaluate

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from streamrl.cli import build_parser, main
-from streamrl.config import RunConfig, load_config
+from streamrl.config import RunConfig
+from streamrl.config_file import load_config
 
 DEMO = Path(__file__).resolve().parents[1] / "configs" / "demo.yaml"
 

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from streamrl.config import RunConfig, load_config
+from streamrl.config import RunConfig
+from streamrl.config_file import load_config
 from streamrl.errors import ConfigError
 from streamrl.prepare import prepare_run
 from streamrl.run_parts import check_parts

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from streamrl.config import RunConfig, from_dict
+from streamrl.config import RunConfig
+from streamrl.config_file import from_dict
 from streamrl.errors import ConfigError
 from streamrl.run_parts import check_parts
 

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from streamrl.config import RunConfig, from_dict
+from streamrl.config import RunConfig
+from streamrl.config_file import from_dict
 from streamrl.errors import ConfigError
 from streamrl.prepare import prepare_run
 from streamrl.run_parts import check_parts
@@ -163,7 +164,7 @@ def test_demo_share_keeps_the_warm_start_rows_apart_from_rl(tmp_path, reward_mod
 
 @pytest.mark.parametrize("share", [0.0, 1.0, 1.5])
 def test_a_demo_share_outside_0_1_fails_before_work(tmp_path, reward_module, share):
-    from streamrl.config import check_values
+    from streamrl.config_checks import check_values
 
     with pytest.raises(ConfigError, match=r"sft\.demo_share"):
         check_values(own_task(tmp_path, sft={"demo_share": share}))
@@ -201,7 +202,7 @@ def test_reasoning_gym_config_runs_at_a_small_size(tmp_path):
     """configs/reasoning_gym.yaml, every stage, on a few rows: the suite's prompts, its verifier as
     the reward (in a reward worker), a character tokenizer learned from the data, the warm start
     on the suite's answers, evaluation per task."""
-    from streamrl.config import load_config
+    from streamrl.config_file import load_config
     from streamrl.jobs import run_fit
 
     config = load_config(Path(__file__).resolve().parents[1] / "configs" / "reasoning_gym.yaml")

@@ -18,14 +18,11 @@ import json
 import os
 import sys
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from streamrl.errors import ConfigError, NonFiniteLossError, RewardError
 from streamrl.fit_args import FitArgs, build_fit_parser, parse_fit, print_fit_config
 from streamrl.quiet import quiet_libraries, quiet_lightning
-
-if TYPE_CHECKING:
-    pass
 
 
 def _cmd_fit(fit: FitArgs) -> dict:

@@ -16,8 +16,8 @@
 #
 # **Run it.** In Jupyter or `python notebooks/07_reasoning_gym.py`;
 # `STREAMRL_NOTEBOOK_BUDGET=small` for the short version, figures in `$STREAMRL_NOTEBOOK_OUT`
-# (default `notebooks/out/`). The full budget is `configs/reasoning_gym.yaml` (about 15 minutes
-# on 2 cores, most of it the SFT warm start, cached afterwards).
+# (default `notebooks/out/`). The full budget is `configs/reasoning_gym.yaml` (9 min 47 s
+# measured on 2 cores: 4 min of SFT warm start, cached afterwards, then 150 RL iterations).
 
 # %%
 import csv

@@ -21,6 +21,7 @@ Examples:
 from __future__ import annotations
 
 import functools
+import logging
 import re
 from typing import Any
 
@@ -169,4 +170,12 @@ def _math_verify() -> Any:
         raise ConfigError(
             "The 'math' reward needs math-verify: pip install 'math-verify>=0.9'."
         ) from err
+    for name in ("math_verify.grader", "math_verify.parser"):  # its other warnings still show
+        logging.getLogger(name).addFilter(_our_timeout_notice)
     return math_verify
+
+
+def _our_timeout_notice(record: logging.LogRecord) -> bool:
+    """Drop math-verify's "Timeout is disabled" warning: we disable its signal-based timeouts on
+    purpose, and the reward pool enforces ``rl.reward_timeout_s`` instead."""
+    return not str(record.msg).startswith("Timeout is disabled")

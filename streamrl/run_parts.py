@@ -106,7 +106,7 @@ class RunParts:
                 "rl.dispatcher",
             ),
             scheduler=_scheduler(rl),
-            length_predictor=_length_predictor(rl, config.seed),
+            length_predictor=_length_predictor(rl, config.seed, tokenizer),
             elastic=elastic,
             lora=lora,
         )
@@ -197,13 +197,16 @@ def _scheduler(rl: RLConfig) -> Callable[[], AdmissionScheduler]:
     return functools.partial(factory, **options)  # one queue per instance, made there
 
 
-def _length_predictor(rl: RLConfig, seed: int) -> LengthPredictor | None:
+def _length_predictor(
+    rl: RLConfig, seed: int, tokenizer: PreTrainedTokenizerBase | None = None
+) -> LengthPredictor | None:
+    """The run's length predictor; one that takes a ``tokenizer`` (``LengthRanker``) gets the
+    policy's, so it reads your prompts in the policy's own tokens (§5.2 on real prompts)."""
     if rl.length_predictor is None:
         return None
     factory, options = _pick(rl.length_predictor, "length predictor", LENGTH_PREDICTORS)
-    predictor = construct(
-        factory, provided=dict(seed=seed), options=options, where="rl.length_predictor"
-    )
+    provided = dict(seed=seed, tokenizer=tokenizer)
+    predictor = construct(factory, provided=provided, options=options, where="rl.length_predictor")
     return _checked(predictor, LengthPredictor, "rl.length_predictor")
 
 

@@ -370,3 +370,44 @@ def test_any_length_predictor_plugs_into_the_rollout_stream():
     assert predictor.asked and len(requests) == 3 * 2
     mean = sum(learned) / len(learned)
     assert scores == [mean + len(texts[r.prompt_id]) for r in requests]
+
+
+def test_the_run_s_ranker_reads_prompts_in_the_policy_s_tokens():
+    """``rl.length_predictor: ranker`` gets the policy's tokenizer from the run: its features
+    include the policy's token n-grams (a predictor that takes no tokenizer is built without)."""
+    from streamrl.config import RunConfig
+    from streamrl.models import build_tiny_model
+    from streamrl.run_parts import RunParts
+
+    tokenizer = build_tokenizer()
+    policy = build_tiny_model(tokenizer, size="test")
+    config = RunConfig()
+    config.rl.generators = 1  # no latency profile needed to build the parts
+    ranker = RunParts.from_config(config, policy, tokenizer).length_predictor
+    assert isinstance(ranker, LengthRanker) and ranker.tokenizer is tokenizer
+    ranker.learn_epochs = 5
+    ranker.fit(["copy abc=", "rev abcdefgh=", "count 1 9="] * 4, [3, 8, 20] * 4)
+    assert ranker.net[0].in_features == 1024 + 8 + ranker.token_buckets + 1
+    config.rl.length_predictor = "test_ranker:_NoTokenizerPredictor"
+    assert RunParts.from_config(config, policy, tokenizer).length_predictor.seed == 0
+
+
+class _NoTokenizerPredictor:
+    """A length predictor whose constructor takes a seed but no tokenizer."""
+
+    ready = False
+
+    def __init__(self, seed: int) -> None:
+        self.seed = seed
+
+    def predict(self, prompts):
+        return [0.0] * len(prompts)
+
+    def learn(self, prompts, lengths):
+        pass
+
+    def state_dict(self):
+        return {}
+
+    def load_state_dict(self, state):
+        pass

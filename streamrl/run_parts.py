@@ -201,13 +201,25 @@ def _length_predictor(
     rl: RLConfig, seed: int, tokenizer: PreTrainedTokenizerBase | None = None
 ) -> LengthPredictor | None:
     """The run's length predictor; one that takes a ``tokenizer`` (``LengthRanker``) gets the
-    policy's, so it reads your prompts in the policy's own tokens (§5.2 on real prompts)."""
+    policy's, so it reads your prompts in the policy's own tokens (§5.2 on real prompts).
+
+    A character-level tokenizer (the built-in toy tasks') is not given: its token n-grams would
+    repeat the ranker's character n-grams at twice the training cost.
+    """
     if rl.length_predictor is None:
         return None
     factory, options = _pick(rl.length_predictor, "length predictor", LENGTH_PREDICTORS)
+    if tokenizer is not None and _one_character_tokens(tokenizer):
+        tokenizer = None
     provided = dict(seed=seed, tokenizer=tokenizer)
     predictor = construct(factory, provided=provided, options=options, where="rl.length_predictor")
     return _checked(predictor, LengthPredictor, "rl.length_predictor")
+
+
+def _one_character_tokens(tokenizer: PreTrainedTokenizerBase) -> bool:
+    """Whether every token but the special ones is a single character."""
+    special = set(tokenizer.all_special_tokens)
+    return all(len(t) == 1 for t in tokenizer.get_vocab() if t not in special)
 
 
 def _pick(

@@ -376,18 +376,23 @@ def test_the_run_s_ranker_reads_prompts_in_the_policy_s_tokens():
     """``rl.length_predictor: ranker`` gets the policy's tokenizer from the run: its features
     include the policy's token n-grams (a predictor that takes no tokenizer is built without)."""
     from streamrl.config import RunConfig
-    from streamrl.models import build_tiny_model
+    from streamrl.models import build_bpe_tokenizer, build_tiny_model
     from streamrl.run_parts import RunParts
 
-    tokenizer = build_tokenizer()
+    prompts = ["copy abc=", "rev abcdefgh=", "count 1 9=", "Spell backward: word"] * 4
+    tokenizer = build_bpe_tokenizer(prompts * 8, vocab_size=300)
     policy = build_tiny_model(tokenizer, size="test")
     config = RunConfig()
     config.rl.generators = 1  # no latency profile needed to build the parts
     ranker = RunParts.from_config(config, policy, tokenizer).length_predictor
     assert isinstance(ranker, LengthRanker) and ranker.tokenizer is tokenizer
     ranker.learn_epochs = 5
-    ranker.fit(["copy abc=", "rev abcdefgh=", "count 1 9="] * 4, [3, 8, 20] * 4)
+    ranker.fit(prompts, [3, 8, 20, 4] * 4)
     assert ranker.net[0].in_features == 1024 + 8 + ranker.token_buckets + 1
+    # A character-level tokenizer's tokens would only repeat the character n-grams: not given.
+    chars = build_tokenizer()
+    policy = build_tiny_model(chars, size="test")
+    assert RunParts.from_config(config, policy, chars).length_predictor.tokenizer is None
     config.rl.length_predictor = "test_ranker:_NoTokenizerPredictor"
     assert RunParts.from_config(config, policy, tokenizer).length_predictor.seed == 0
 

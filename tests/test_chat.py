@@ -7,6 +7,7 @@ import random
 
 import pytest
 import torch
+from varied_models import varied_model
 
 from streamrl.chat import completion_text, render_prompt, stop_token_ids
 from streamrl.components.generation.engines import HFEngine
@@ -171,17 +172,6 @@ def test_completion_text_cuts_at_the_first_stop_string(bpe):
 # -- generation stops at the end of the turn and at stop strings -----------------------------
 
 
-def _varied_model(tok, seed: int = 0):
-    """The "test" model with weights at std 0.2, so greedy completions vary token to token."""
-    model = build_tiny_model(tok, size="test", seed=seed)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for param in model.parameters():
-            if param.dim() == 2:
-                param.copy_(torch.randn(param.shape, generator=gen) * 0.2)
-    return model.eval()
-
-
 def _bias_logits(model, token_ids: list[int], value: float):
     """Add ``value`` to the logits of ``token_ids`` at every step (a forward hook on the head)."""
 
@@ -198,7 +188,7 @@ def _generate(gen: HFStreamGenerator, prompts: list[list[int]], max_tokens: int 
 
 
 def test_generator_stops_at_end_of_turn_by_default(bpe):
-    model = _varied_model(bpe)
+    model = varied_model(bpe)
     handle = _bias_logits(model, [2], 1e4)  # <|im_end|> is always the best token
     try:
         out = _generate(HFStreamGenerator(model, greedy=True), [render_prompt(bpe, "hi")])
@@ -218,7 +208,7 @@ def _stop_string_after(tok, tokens: list[int], k: int) -> str | None:
 
 
 def test_generator_stops_right_after_a_stop_string(bpe):
-    model = _varied_model(bpe)
+    model = varied_model(bpe)
     prompts = [render_prompt(bpe, p) for p in ("count the apples", "sort the numbers")]
     handle = _bias_logits(model, stop_token_ids(bpe), -1e4)  # no natural stop
     try:
@@ -275,7 +265,7 @@ def test_hf_engine_passes_the_spec_stops_to_the_generator(bpe, tokenizer, tmp_pa
 
 
 def test_hf_engine_generation_stops_at_a_stop_string(tokenizer, tmp_path):
-    model_dir = save_policy(_varied_model(tokenizer), tokenizer, tmp_path / "policy")
+    model_dir = save_policy(varied_model(tokenizer), tokenizer, tmp_path / "policy")
     prompt = tokenizer("1+2=")["input_ids"]
     free = _generate(HFEngine()(_spec(model_dir), None), [prompt], max_tokens=16)["p0"]
     text = tokenizer.decode(free.token_ids)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from varied_models import varied_model
 
 from streamrl.components import FIFOScheduler, HFStreamGenerator
 from streamrl.models import build_tiny_model, build_tokenizer
@@ -17,21 +18,6 @@ PROMPTS = ["rev ab=", "1+2=", "sort 3,1,2=", "x", "abcdefghij=", "(1*2)+3=", "zz
 @pytest.fixture(scope="module")
 def tok():
     return build_tokenizer()
-
-
-def _model(tok, seed: int = 0):
-    """The "test" model with weights rescaled to std 0.2.
-
-    The default 0.02 init repeats one token whatever the context, which would hide cache and
-    position bugs; at 0.2 greedy completions vary with every prefix token.
-    """
-    model = build_tiny_model(tok, size="test", seed=seed)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for param in model.parameters():
-            if param.dim() == 2:
-                param.copy_(torch.randn(param.shape, generator=gen) * 0.2)
-    return model.eval()
 
 
 def _requests(tok, max_tokens: list[int] | None = None, forced: list[int] | None = None):
@@ -66,7 +52,7 @@ def _strip(ids: list[int], eos: int) -> list[int]:
 @pytest.mark.parametrize("slots", [3, 7])
 @pytest.mark.parametrize("eos_char", [None, "k"])  # "k" stops several prompts mid-sequence
 def test_greedy_matches_generate(tok, eos_char, slots):
-    model = _model(tok)
+    model = varied_model(tok)
     eos = tok.eos_token_id if eos_char is None else tok.convert_tokens_to_ids(eos_char)
     requests = _requests(tok, max_tokens=[5, 17, 9, 24, 3, 12, 20])
     gen = HFStreamGenerator(model, max_batch_size=slots, greedy=True, eos_token_id=eos)
@@ -94,7 +80,7 @@ def test_greedy_matches_generate(tok, eos_char, slots):
 
 
 def test_completion_order(tok):
-    gen = HFStreamGenerator(_model(tok), max_batch_size=3, greedy=True)
+    gen = HFStreamGenerator(varied_model(tok), max_batch_size=3, greedy=True)
     samples = _run_list(gen, _requests(tok, forced=[12, 3, 7]))
     assert [s.length for s in samples] == [3, 7, 12]
     finished = [s.finished_s for s in samples]
@@ -104,7 +90,7 @@ def test_completion_order(tok):
 
 def test_slots_bounded_and_refilled_at_once(tok):
     forced = [4, 9, 2, 6, 3, 8, 5, 1, 7]
-    gen = HFStreamGenerator(_model(tok), max_batch_size=3, greedy=True)
+    gen = HFStreamGenerator(varied_model(tok), max_batch_size=3, greedy=True)
     gen.submit(_requests(tok, forced=forced))
     done: list[Sample] = []
     while not gen.idle:
@@ -128,12 +114,14 @@ def test_admission_follows_scheduler(tok):
     requests = _requests(tok, forced=[2, 6, 4])
     for req in requests:
         req.predicted_length = float(req.forced_length)
-    gen = HFStreamGenerator(_model(tok), max_batch_size=1, greedy=True, scheduler=LongestFirst())
+    gen = HFStreamGenerator(
+        varied_model(tok), max_batch_size=1, greedy=True, scheduler=LongestFirst()
+    )
     assert [s.length for s in _run_list(gen, requests)] == [6, 4, 2]
 
 
 def test_forced_length_ignores_eos(tok):
-    model = _model(tok)
+    model = varied_model(tok)
     eos = tok.convert_tokens_to_ids("k")  # a frequent token, so unforced runs do stop on it
     free = _run(
         HFStreamGenerator(model, eos_token_id=eos, seed=1), _requests(tok, max_tokens=[40] * 7)
@@ -157,7 +145,7 @@ def _recomputed_logprobs(model, sample: Sample, temperature: float = 1.0) -> tor
 
 @pytest.mark.parametrize(("greedy", "temperature"), [(True, 1.0), (False, 0.7)])
 def test_logprobs_match_full_forward(tok, greedy, temperature):
-    model = _model(tok)
+    model = varied_model(tok)
     gen = HFStreamGenerator(model, max_batch_size=3, greedy=greedy, temperature=temperature)
     out = _run(gen, _requests(tok, max_tokens=[5, 17, 9, 24, 3, 12, 20]))
     for sample in out.values():
@@ -166,13 +154,13 @@ def test_logprobs_match_full_forward(tok, greedy, temperature):
 
 
 def test_load_weights_changes_outputs_and_version(tok):
-    model = _model(tok)
+    model = varied_model(tok)
     storage = {n: p.data_ptr() for n, p in model.named_parameters()}
     gen = HFStreamGenerator(model, max_batch_size=2, greedy=True)
     before = _run(gen, _requests(tok, max_tokens=[8] * 7))
     gen.submit(_requests(tok, max_tokens=[8] * 7))
     early = gen.step()  # two sequences admitted under version 0 ...
-    new_state = _model(tok, seed=1).state_dict()
+    new_state = varied_model(tok, seed=1).state_dict()
     half = {k: v.numpy() if i % 2 else v for i, (k, v) in enumerate(new_state.items())}
     gen.load_weights(half, version=3)  # ... then the weights change between steps
     rest = early + list(gen.stream())
@@ -186,7 +174,7 @@ def test_load_weights_changes_outputs_and_version(tok):
 
 
 def test_load_weights_rejects_bad_entries(tok):
-    gen = HFStreamGenerator(_model(tok))
+    gen = HFStreamGenerator(varied_model(tok))
     with pytest.raises(ValueError, match="not a tensor"):
         gen.load_weights({"nope": torch.zeros(1)}, version=1)
     with pytest.raises(ValueError, match="shape"):
@@ -199,7 +187,7 @@ def test_load_weights_rejects_bad_entries(tok):
     [([], 4, None), ([5, 6], 0, None), ([5] * 250, 10, None), ([5] * 200, 4, 60)],
 )
 def test_bad_input_raises_with_prompt_id(tok, prompt, max_tokens, forced):
-    gen = HFStreamGenerator(_model(tok))
+    gen = HFStreamGenerator(varied_model(tok))
     good = Request("fine", [5, 6], 4)
     bad = Request("bad-7", prompt, max_tokens, forced_length=forced)
     with pytest.raises(ValueError, match="bad-7"):
@@ -208,7 +196,6 @@ def test_bad_input_raises_with_prompt_id(tok, prompt, max_tokens, forced):
 
 
 def test_hf_generator_satisfies_the_stream_generator_protocol(tokenizer):
-    from streamrl.models import build_tiny_model
     from streamrl.protocols import StreamGenerator
 
     assert isinstance(HFStreamGenerator(build_tiny_model(tokenizer, "test")), StreamGenerator)

@@ -4,6 +4,7 @@ it, and one bounded multi-process run (spawned gloo processes standing in for tw
 from __future__ import annotations
 
 import datetime
+import io
 import multiprocessing as mp
 import queue
 
@@ -139,7 +140,11 @@ def instance_main(instance_id: int, port: int, results: mp.Queue) -> None:
         tensors = [torch.zeros_like(t) for t in trainer_weights()]
         tree = TreeBroadcaster(plan, member, store, bucket_bytes=64, timeout_s=TIMEOUT_S)
         tree.broadcast(tensors)
-        results.put((instance_id, tensors, dict(tree.sent_bytes), dict(tree.received_bytes)))
+        # As bytes: a tensor put on the queue is shared through this process's fd server, which
+        # is gone if the process exits before the test reads it (a flaky FileNotFoundError).
+        buf = io.BytesIO()
+        torch.save(tensors, buf)
+        results.put((instance_id, buf.getvalue(), dict(tree.sent_bytes), dict(tree.received_bytes)))
     except BaseException as err:
         results.put((instance_id, repr(err), {}, {}))
 
@@ -167,6 +172,8 @@ def test_tree_broadcast_across_processes():
                 instance_id, *rest = results.get(timeout=TIMEOUT_S)
             except queue.Empty:
                 pytest.fail(f"an instance did not report within {TIMEOUT_S} s")
+            if isinstance(rest[0], bytes):
+                rest[0] = torch.load(io.BytesIO(rest[0]))
             got[instance_id] = rest
     finally:
         for proc in procs:

@@ -31,3 +31,8 @@ def unknown_name(kind: str, name: str, choices: Iterable[str]) -> str:
 class RewardError(ValueError):
     """A reward function failed, hung or returned something that is not a finite number; the
     message names the reward and the prompt."""
+
+
+class EnvError(RuntimeError):
+    """An environment broke its contract (a malformed step, a reset that raised); the message
+    names the environment, the prompt and what it must return."""

@@ -327,9 +327,7 @@ class StreamRLModule(L.LightningModule):
         values = self.algorithm.token_values(
             self.policy, b.input_ids, b.attention, b.starts, b.width
         )
-        stale = torch.tensor(
-            [s.weight_version < self.weight_version for s in samples], device=self.device
-        )
+        stale = b.versions < self.weight_version  # per token: an episode's turns may differ
         fix = correct_stale(current, b.behaviour, b.mask, stale, self.is_cap)
         if fix.stale_samples:
             self.off_policy.append(fix)

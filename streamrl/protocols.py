@@ -9,7 +9,8 @@ where it is called, so a reader can follow one sample from prompt to gradient:
 3. a ``Dispatcher`` splits an iteration's requests over generator instances (§5.3);
 4. an ``AdmissionScheduler`` picks the request for a freed batch slot inside an instance (LPT);
 5. a ``GenerationEngine`` builds each instance's ``StreamGenerator`` in its own process (§3);
-6. the ``Algorithm`` turns rewards into advantages and micro-batches into a loss.
+6. the ``Algorithm`` turns rewards into advantages and micro-batches into a loss;
+7. an ``Environment`` answers each turn of a multi-turn episode (``streamrl.envs``).
 
 In YAML each of them is a short name for a built-in or ``package.module:Name`` for your own
 (``streamrl.references``), checked before any work starts.
@@ -24,7 +25,7 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 import torch
 
-from streamrl.records import Request, Sample
+from streamrl.records import Request, Sample, Step
 
 
 class RewardFn(Protocol):
@@ -198,4 +199,28 @@ class GenerationEngine(Protocol):
 
     def __call__(self, spec: EngineSpec, scheduler: AdmissionScheduler) -> StreamGenerator:
         """Load the model and return the instance's generator (runs in the instance process)."""
+        ...
+
+
+@runtime_checkable
+class Environment(Protocol):
+    """One episode's environment: a tool set, a game, a multi-step task (``streamrl.envs``).
+
+    The ``EpisodeRunner`` makes one per episode (a fresh object from the run's factory), calls
+    ``reset`` with the episode's dataset row, then ``step`` with each model turn's text until a
+    step is ``done`` or a limit is hit, then ``close``. Both run on an environment worker thread,
+    never in a generator's decode loop, and each call has a timeout.
+    """
+
+    def reset(self, row: Mapping) -> str | list[dict]:
+        """The episode's first prompt: a string, or chat messages (a system message with the
+        tools, then the task)."""
+        ...
+
+    def step(self, action: str) -> Step:
+        """Answer the model's turn (its text, before the end-of-turn token)."""
+        ...
+
+    def close(self) -> None:
+        """Free what the episode held (called once, also after a failure)."""
         ...

@@ -6,7 +6,7 @@ torch tensors (a tensor on a queue costs ~30x more and breaks when its producer 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass
@@ -24,6 +24,11 @@ class Request:
         min_weight_version: the instance holds the request until it has at least this weight
             version (paces admission so that no sample exceeds the staleness bound, §4.1).
         iteration: the RL iteration the request belongs to (several may be in flight).
+        keep_prefix: keep the finished sequence's KV cache on its instance, so that the next
+            turn of the same episode (a request with the same ``key`` whose prompt extends this
+            one) prefills only its new tokens (``streamrl.envs``).
+        prefer_instance: the instance that should run it (the one holding its prefix); the
+            dispatcher places it if that instance is not active.
     """
 
     prompt_id: str
@@ -34,6 +39,8 @@ class Request:
     predicted_length: float | None = None
     min_weight_version: int = 0
     iteration: int = 0
+    keep_prefix: bool = False
+    prefer_instance: int | None = None
 
     @property
     def key(self) -> tuple[str, int, int]:
@@ -55,9 +62,17 @@ class Sample:
         instance_id: the generator instance that produced it.
         submitted_s / started_s / finished_s: wall-clock timestamps (``time.time()``) of
             submission, admission into a batch slot and completion.
-        finish_reason: ``"eos"``, ``"length"`` (hit ``max_tokens``) or ``"forced"``.
-        reward: filled in by the trainer once scored.
+        finish_reason: ``"eos"``, ``"length"`` (hit ``max_tokens``) or ``"forced"``; an
+            episode's: ``"done"``, or why it was truncated (``streamrl.envs.Episode``).
+        reward: filled in by the trainer once scored (an episode comes with its env's reward).
         iteration: the RL iteration of its request.
+        loss_mask: per token of ``token_ids``, 1 if the policy generated it (trained on) and 0
+            if an environment or tool did (an episode's observations); ``None``: all 1.
+        token_versions: per token, the weight version that generated it (an episode's turns
+            may span weight updates); ``None``: all ``weight_version``.
+        turns: the model turns it holds (1 for a single completion).
+        prefill_tokens / cached_tokens: prompt tokens this instance computed, and those whose
+            KV cache it reused from the episode's previous turn (``Request.keep_prefix``).
     """
 
     prompt_id: str
@@ -73,11 +88,21 @@ class Sample:
     finish_reason: str = "eos"
     reward: float | None = None
     iteration: int = 0
+    loss_mask: list[int] | None = None
+    token_versions: list[int] | None = None
+    turns: int = 1
+    prefill_tokens: int = 0
+    cached_tokens: int = 0
 
     @property
     def length(self) -> int:
-        """Number of generated tokens."""
+        """Number of tokens after the prompt (an episode's observations included)."""
         return len(self.token_ids)
+
+    @property
+    def trained_tokens(self) -> int:
+        """Tokens the loss is taken on (the policy's own)."""
+        return len(self.token_ids) if self.loss_mask is None else sum(self.loss_mask)
 
     @property
     def key(self) -> tuple[str, int, int]:
@@ -94,3 +119,24 @@ class ScoredGroup:
     rewards: list[float]
     advantages: list[float]
     iteration: int = 0
+
+
+@dataclass
+class Step:
+    """What an environment answers to one model turn (``Environment.step``, ``streamrl.envs``).
+
+    Attributes:
+        observation: the environment's reply, shown to the model as the next message (a tool's
+            result, a game's new state); ``None`` when the episode ends without one.
+        reward: this turn's reward; an episode's reward is the sum over its turns.
+        done: the episode is over (success, failure, or the environment's own limit).
+        role: the chat role the observation is shown with (``"user"``; ``"tool"`` for a tool's
+            result).
+        info: anything to log (not used by training).
+    """
+
+    observation: str | None = None
+    reward: float = 0.0
+    done: bool = False
+    role: str = "user"
+    info: dict = field(default_factory=dict)

@@ -18,6 +18,7 @@ from transformers import PreTrainedTokenizerBase
 from streamrl.algorithms.base import Algorithm
 from streamrl.chat import completion_text, render_prompt
 from streamrl.components.generation.service import StreamGenerationService
+from streamrl.envs.runner import EpisodeRunner
 from streamrl.prompts import PromptSource
 from streamrl.protocols import LengthPredictor
 from streamrl.records import Request, Sample, ScoredGroup
@@ -94,6 +95,9 @@ class RolloutStream:
         max_refills: groups an algorithm filters out (``keep_group``, e.g. DAPO's dynamic
             sampling) are replaced by new prompts from the stream, at most this many per
             iteration (default: twice the prompts per iteration).
+        episodes: run multi-turn episodes instead of single completions: each sample is an
+            episode of the runner's environments on ``service`` (``streamrl.envs``), rewarded
+            by its environment (``reward`` is then not used).
     """
 
     def __init__(
@@ -114,8 +118,12 @@ class RolloutStream:
         chat_template: bool | None = None,
         stop_strings: Sequence[str] = (),
         max_refills: int | None = None,
+        episodes: EpisodeRunner | None = None,
     ) -> None:
         self.service, self.prompts, self.tokenizer = service, prompts, tokenizer
+        self.episodes = episodes
+        #: Where requests go and samples come from: the service, or the episode runner on it.
+        self.sampler: StreamGenerationService | EpisodeRunner = episodes or service
         if not isinstance(reward, RewardPool):
             reward = RewardPool([RewardSpec(reward)], workers=0)
         self.reward = reward
@@ -161,7 +169,7 @@ class RolloutStream:
             awaiting=len(requests),
         )
         self.prompts_dispatched += len(rows)
-        self.service.submit(requests, self._predicted_lengths(requests, rows))
+        self.sampler.submit(requests, self._predicted_lengths(requests, rows))
         if self._refresh_due:  # while the instances generate, not on the trainer's critical path
             self._refresh_ranker()
         return iteration
@@ -188,6 +196,11 @@ class RolloutStream:
         self, pid: str, row: dict, iteration: int, min_weight_version: int
     ) -> list[Request]:
         """One request per sample of the prompt's group."""
+        if self.episodes is not None:  # each starts an episode: its env gives the prompt
+            group = range(self.algorithm.group_size)
+            firsts = [self.episodes.start(row, i, iteration, min_weight_version) for i in group]
+            self._prompt_ids[pid] = firsts[0].prompt_ids
+            return firsts
         ids = self.prompt_ids(pid, row)
         budget = min(self.max_tokens, self.context - len(ids))
         if budget < 1:
@@ -225,7 +238,7 @@ class RolloutStream:
 
     def _prompt_text(self, row: dict) -> str:
         """What the length predictor reads: the prompt string, or the rendered conversation."""
-        if isinstance(row["prompt"], str):
+        if isinstance(row.get("prompt"), str):
             return row["prompt"]
         return self.tokenizer.decode(self.prompt_ids(row["prompt_id"], row))
 
@@ -244,7 +257,7 @@ class RolloutStream:
                     scored = self.reward.collect(0.0 if batch.awaiting else REWARD_POLL_S)
                     self._scored(scored)
                 if batch.awaiting and not batch.ready:
-                    self._receive(self.service.next_sample())
+                    self._receive(self.sampler.next_sample())
             batch.stats.wait_s += time.perf_counter() - waited
         batch.stats.generate_s = time.perf_counter() - batch.dispatched_s
         del self._batches[iteration]
@@ -288,7 +301,7 @@ class RolloutStream:
         requests = self._requests(pid, row, iteration, batch.min_weight_version)
         batch.awaiting += len(requests)
         self.prompts_dispatched += 1
-        self.service.submit(requests, self._predicted_lengths(requests, {pid: row}))
+        self.sampler.submit(requests, self._predicted_lengths(requests, {pid: row}))
 
     def _receive(self, sample: Sample) -> None:
         """A sample arrived: send its completion to the reward (scored off the critical path
@@ -296,6 +309,9 @@ class RolloutStream:
         batch = self._batches[sample.iteration]
         batch.awaiting -= 1
         batch.unscored[sample.key] = sample
+        if self.episodes is not None:  # an episode comes scored by its environment
+            self._scored([Scored(sample.key, float(sample.reward), {})])
+            return
         row = batch.rows[sample.prompt_id]
         text = completion_text(self.tokenizer, sample.token_ids, stop_strings=self.stop_strings)
         self.reward.submit(sample.key, text, row)

@@ -35,6 +35,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from streamrl.components.generation.admission import AdmissionQueue, budget
 from streamrl.components.generation.kv_cache import SlotCache
+from streamrl.components.generation.prefix_stash import PrefixStash
 from streamrl.lora import MergedLoRA, adapter_weights
 from streamrl.protocols import AdmissionScheduler
 from streamrl.records import Request, Sample
@@ -55,6 +56,7 @@ class _Running:
     next_input: int
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    offset: int = 0  # prompt columns whose KV was kept from the episode's previous turn
 
 
 class HFStreamGenerator(AdmissionQueue):
@@ -89,6 +91,8 @@ class HFStreamGenerator(AdmissionQueue):
             whenever weights of a new version load, so what a version samples does not depend
             on what earlier versions sampled (a resumed run samples as the uninterrupted one).
         weight_version: version tag of the weights the model holds now.
+        prefix_entries: finished sequences of ``keep_prefix`` requests whose KV cache is kept
+            for their episode's next turn (``PrefixStash``; cleared when weights load).
     """
 
     def __init__(
@@ -106,6 +110,7 @@ class HFStreamGenerator(AdmissionQueue):
         pad_token_id: int | None = None,
         seed: int = 0,
         weight_version: int = 0,
+        prefix_entries: int | None = None,
     ) -> None:
         super().__init__(
             max_batch_size=max_batch_size,
@@ -134,6 +139,8 @@ class HFStreamGenerator(AdmissionQueue):
         self._rng.manual_seed(_version_seed(seed, weight_version))
         self._cache = SlotCache(config.num_hidden_layers, max_batch_size)
         self._rows: list[_Running] = []
+        #: Episodes' kept prefixes (``hits``: turns that reused one).
+        self.prefixes = PrefixStash(prefix_entries or 4 * max_batch_size)
 
     # ----------------------------------------------------------------- public API
     @property
@@ -175,6 +182,7 @@ class HFStreamGenerator(AdmissionQueue):
             for name, src in sources.items():
                 targets[name].copy_(src)  # copy_ converts dtype/device and keeps the storage
         self._weight_version = int(version)
+        self.prefixes.clear()
         # A resumed run's new process loads the checkpoint's version first: reseeding here
         # gives it the random stream the uninterrupted process had for that version.
         self._rng.manual_seed(_version_seed(self._seed, self._weight_version))
@@ -193,21 +201,38 @@ class HFStreamGenerator(AdmissionQueue):
     def _admit(self) -> None:
         now = time.time()
         needed = 0
-        while len(self._rows) < self._batch_limit and len(self._scheduler):
+        fresh, resumed = [], []
+        while len(self._rows) + len(fresh) + len(resumed) < self._batch_limit and len(
+            self._scheduler
+        ):
             req = self._scheduler.pop()
             prompt = req.prompt_ids
             submitted = self._submitted_s.pop(id(req), now)
             # The last prompt token is fed by the shared decode forward, which yields token one.
             row = _Running(req, submitted, now, self._weight_version, len(prompt) - 1, prompt[-1])
-            self._rows.append(row)
+            kept = self.prefixes.take(req.key, prompt, self._weight_version)
+            if kept is None:
+                fresh.append(row)
+            else:
+                row.offset = len(kept.token_ids)
+                resumed.append((row, kept.kv))
             needed = max(needed, len(prompt) + budget(req) - 1)
         if needed > self._cache.capacity:
             # Doubling keeps growth copies amortised O(1) per token.
             self._cache.capacity = min(max(needed, 2 * self._cache.capacity), self.context_length)
+        # Fresh rows first: one batched prefill writes them from column 0; then each resumed
+        # row gets its kept columns back and prefills only what follows them.
+        self._rows.extend(fresh)
+        for row, kv in resumed:
+            self._cache.load_row(len(self._rows), kv)
+            self._rows.append(row)
 
     def _prefill(self, start: int) -> None:
-        new = self._rows[start:]
-        width = max(r.length for r in new)
+        resumed = [i for i in range(start, len(self._rows)) if self._rows[i].offset]
+        for i in resumed:
+            self._prefill_after_prefix(i)
+        new = self._rows[start : resumed[0] if resumed else len(self._rows)]
+        width = max((r.length for r in new), default=0)
         if width == 0:
             return
         dev = self.model.device
@@ -224,6 +249,19 @@ class HFStreamGenerator(AdmissionQueue):
         )
         self._cache.prepare(slice(start, start + len(new)), width)
         self._forward(ids.to(dev), cols.expand(len(new), width), allowed)
+
+    def _prefill_after_prefix(self, i: int) -> None:
+        """Prefill row ``i``'s prompt after its kept columns ``[0, offset)`` (alone: its new
+        tokens start at its own column)."""
+        row = self._rows[i]
+        new = row.request.prompt_ids[row.offset : row.length]
+        if not new:
+            return
+        dev = self.model.device
+        pos = torch.arange(row.offset, row.length, device=dev)[None]  # [1, new]
+        allowed = torch.arange(row.length, device=dev)[None, None, :] <= pos[:, :, None]
+        self._cache.prepare(slice(i, i + 1), row.length, write_pos=pos)
+        self._forward(torch.tensor([new], device=dev), pos, allowed)
 
     def _decode(self) -> tuple[list[int], list[float]]:
         dev = self.model.device
@@ -281,6 +319,10 @@ class HFStreamGenerator(AdmissionQueue):
             if reason is not None:
                 finished.append(self._to_sample(row, reason, now))
                 done.append(i)
+                if row.request.keep_prefix and row.weight_version == self._weight_version:
+                    kept = (row.request.prompt_ids + row.token_ids)[: row.length]
+                    kv = self._cache.save_row(i, row.length)
+                    self.prefixes.put(row.request.key, kept, kv, row.weight_version)
         if done:
             self._release(done)
         return finished
@@ -328,6 +370,8 @@ class HFStreamGenerator(AdmissionQueue):
             started_s=row.started_s,
             finished_s=now,
             finish_reason=reason,
+            prefill_tokens=len(req.prompt_ids) - row.offset,
+            cached_tokens=row.offset,
         )
 
 

@@ -2,7 +2,9 @@
 
 Every running sequence owns one row of a preallocated buffer shared by all layers; rows are
 written in place, dropped by moving other rows over them, and the buffer only grows (doubling)
-up to the context length. ``HFStreamGenerator`` drives it through ``prepare`` and ``move_rows``.
+up to the context length. ``HFStreamGenerator`` drives it through ``prepare`` and ``move_rows``;
+``save_row`` / ``load_row`` copy one sequence's columns out and back in (an episode's prefix kept
+between two turns, ``PrefixStash``).
 """
 
 from __future__ import annotations
@@ -30,8 +32,10 @@ class SlotCache(Cache):
         self.write_pos: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def prepare(self, rows: slice, kv_len: int, write_pos: torch.Tensor | None = None) -> None:
-        """Next forward runs ``rows`` and attends to ``kv_len`` columns; it writes one token per
-        row at column ``write_pos[i]`` (decode) or, if ``None``, its whole input from column 0."""
+        """Next forward runs ``rows`` and attends to ``kv_len`` columns. It writes row ``i``'s
+        input at columns ``write_pos[i]``: one column per row (``[batch]``, decode), one per input
+        token (``[batch, tokens]``, a prefill after a kept prefix) or, if ``None``, the whole
+        input from column 0."""
         self.rows, self.kv_len, self.write_pos = rows, kv_len, None
         if write_pos is not None:
             # Built once per forward and reused by every layer's update().
@@ -47,10 +51,14 @@ class SlotCache(Cache):
         if self.write_pos is None:
             keys[self.rows, :, : new_k.shape[2]] = new_k
             values[self.rows, :, : new_v.shape[2]] = new_v
-        else:
+        elif self.write_pos[1].dim() == 1:
             row_idx, cols = self.write_pos  # each row's new token lands at that row's own length
             keys[row_idx, :, cols] = new_k[:, :, 0]
             values[row_idx, :, cols] = new_v[:, :, 0]
+        else:  # [batch, tokens] columns: indexing gives [batch, tokens, heads, dim]
+            row_idx, cols = self.write_pos
+            keys[row_idx[:, None], :, cols] = new_k.transpose(1, 2)
+            values[row_idx[:, None], :, cols] = new_v.transpose(1, 2)
         return keys[self.rows, :, : self.kv_len], values[self.rows, :, : self.kv_len]
 
     def _ensure_capacity(self, like: torch.Tensor) -> None:
@@ -68,6 +76,16 @@ class SlotCache(Cache):
         """Copy rows ``src`` onto rows ``dst`` (first ``columns`` columns only)."""
         if self.kv is not None and src:
             self.kv[:, :, dst, :, :columns] = self.kv[:, :, src, :, :columns]
+
+    def save_row(self, row: int, columns: int) -> torch.Tensor:
+        """A copy of row ``row``'s first ``columns`` columns, every layer's keys and values."""
+        return self.kv[:, :, row, :, :columns].clone()
+
+    def load_row(self, row: int, saved: torch.Tensor) -> None:
+        """Write ``saved`` (from ``save_row``) into row ``row``'s first columns."""
+        if self.kv is None or self.kv.shape[-2] < self.capacity:
+            self._ensure_capacity(saved[0, 0][None])  # [1, heads, columns, head_dim]
+        self.kv[:, :, row, :, : saved.shape[-2]] = saved
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.kv_len

@@ -182,21 +182,36 @@ class InstancePool:
         return [h.info() for h in self.handles]
 
     def dispatch(self, requests: list[Request], scores: Sequence[float] | None) -> None:
-        """Deal ``requests`` to the active instances (held until one is active if none is)."""
+        """Deal ``requests`` to the active instances (held until one is active if none is): a
+        request's ``prefer_instance`` if it is active, the dispatcher's plan for the others."""
         if not requests:
             return
         active = self.active()
         if not active:  # every instance is (re)starting: held until one is active
             self._orphans.extend(requests)
             return
-        parts = self.dispatcher.plan(requests, scores, len(active))
+        # An episode's next turn goes to the instance holding its prefix, if still active.
+        held = {h.instance_id: h for h in active}
+        placed = [r.prefer_instance in held for r in requests]
+        for request in (r for r, p in zip(requests, placed) if p):
+            self._send(held[request.prefer_instance], [request])
+        rest = [r for r, p in zip(requests, placed) if not p]
+        if not rest:
+            return
+        if scores is not None:
+            scores = [x for x, p in zip(scores, placed) if not p]
+        parts = self.dispatcher.plan(rest, scores, len(active))
         limits = self.dispatcher.batch_limits(len(active))  # per-pool batch sizes (§5.3)
         for i, (handle, batch) in enumerate(zip(active, parts)):
             if limits is not None:
                 handle.inbox.put(("limit", limits[i]))
             if batch:
-                handle.open.update((r.key, r) for r in batch)
-                handle.inbox.put(("submit", list(batch)))
+                self._send(handle, batch)
+
+    @staticmethod
+    def _send(handle: InstanceHandle, batch: list[Request]) -> None:
+        handle.open.update((r.key, r) for r in batch)
+        handle.inbox.put(("submit", list(batch)))
 
     # -- weights -----------------------------------------------------------------------------
     def push_weights(self, weights: Weights, version: int) -> float:
@@ -335,20 +350,22 @@ class InstancePool:
                 )
             self.next_message(deadline)
 
-    def next_message(self, deadline: float | None = None) -> tuple[str, Any]:
+    def next_message(self, deadline: float | None = None, quiet: bool = False) -> tuple[str, Any]:
         """Next message from any instance (failures handled on the way; a sample also goes to
         ``backlog``): ``(kind, payload)``, or ``("handled", None)`` for bookkeeping only.
-        Raises ``GeneratorError`` on timeout."""
+        Raises ``GeneratorError`` on timeout, or returns ``("timeout", None)`` if ``quiet``."""
         deadline = deadline if deadline is not None else time.monotonic() + self.sample_timeout_s
         now = time.monotonic()
         if now - self._last_read > 1.0:  # the caller was away: silence meant nothing meanwhile
             self._reading_since = now
         try:
             while True:
-                message = self._receive(0.25)
+                message = self._receive(min(0.25, max(0.0, deadline - time.monotonic())))
                 if message is None or time.monotonic() - self._checked > 1.0:
                     self._check_health()
                 if message is None:
+                    if time.monotonic() >= deadline and quiet:
+                        return "timeout", None
                     if time.monotonic() > deadline:
                         raise GeneratorError(
                             "No message from any generator instance within the timeout; "

@@ -204,6 +204,11 @@ class StreamGenerationService:
         discarded (late copies from failed instances), instances restarted."""
         return self.pool.counts
 
+    @property
+    def open_requests(self) -> int:
+        """Requests submitted whose sample has not been taken yet."""
+        return len(self._outstanding)
+
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self) -> StreamGenerationService:
         """Spawn the instances and wait until each has loaded the model and joined its group."""
@@ -294,6 +299,23 @@ class StreamGenerationService:
             raise RuntimeError("next_sample: no request is open; submit() some first.")
         while not self.pool.backlog:
             self.pool.next_message(time.monotonic() + self.sample_timeout_s)
+        return self._take()
+
+    def poll_sample(self, timeout_s: float) -> Sample | None:
+        """The next finished sample if one comes within ``timeout_s``, else ``None`` (for a
+        caller with other work meanwhile: an episode runner waits on its environments too).
+
+        Raises:
+            GeneratorError: instances failed more often than ``max_restarts`` allows.
+        """
+        self.pool.require_running()
+        deadline = time.monotonic() + timeout_s
+        while not self.pool.backlog and self._outstanding:
+            if self.pool.next_message(deadline, quiet=True)[0] == "timeout":
+                return None
+        return self._take() if self.pool.backlog else None
+
+    def _take(self) -> Sample:
         sample = self.pool.backlog.popleft()
         self._outstanding.discard(sample.key)
         self.counts["samples_returned"] += 1

@@ -37,30 +37,31 @@ def correct_stale(
     stale: torch.Tensor,
     cap: float,
 ) -> Correction:
-    """Decoupled correction of the ``stale`` rows (``[batch]`` bool).
+    """Decoupled correction of the ``stale`` samples or tokens.
 
     Args:
         current: the current policy's log-probs (with grad; detached here as the proximal).
         behaviour: the generator's log-probs.
-        mask: 1 for real completion tokens.
-        stale: which samples came from older weights.
+        mask: 1 for the completion tokens trained on.
+        stale: which samples (``[batch]`` bool) or which tokens (``[batch, seq]``: an episode's
+            turns may come from different weights) came from older weights.
         cap: truncation of the importance ratio (``inf`` keeps it whole).
     """
-    if not bool(stale.any()):
+    tokens = (stale if stale.dim() == 2 else stale[:, None]) & mask.bool()  # stale real tokens
+    if not bool(tokens.any()):
         return Correction(behaviour, None)
     proximal = current.detach()
     ratio = torch.exp(proximal - behaviour)  # [batch, seq]
-    rows = stale[:, None] & mask.bool()  # stale real tokens
-    weights = torch.where(rows, ratio.clamp(max=cap), torch.ones_like(ratio))
-    old = torch.where(stale[:, None], proximal, behaviour)
-    picked = ratio[rows]
+    weights = torch.where(tokens, ratio.clamp(max=cap), torch.ones_like(ratio))
+    old = torch.where(tokens, proximal, behaviour)
+    picked = ratio[tokens]
     return Correction(
         old,
         weights,
         ratio_mean=float(picked.mean()),
         ratio_max=float(picked.max()),
         truncated_frac=float((picked > cap).float().mean()),
-        stale_samples=int(stale.sum()),
+        stale_samples=int(tokens.any(1).sum()),
     )
 
 

@@ -21,8 +21,11 @@ class PaddedBatch:
         input_ids: ``[batch, seq]``, each row ``prompt + completion + padding``.
         attention: ``[batch, seq]``, 1 on real tokens.
         starts: ``[batch]``, where each row's completion starts.
-        mask: ``[batch, width]``, 1 on real completion tokens (``width``: the longest).
+        mask: ``[batch, width]``, 1 on the completion tokens trained on (``width``: the
+            longest): not padding, and not an episode's environment tokens (``loss_mask``).
         behaviour: ``[batch, width]``, the generators' log-probs of the completion tokens.
+        versions: ``[batch, width]``, the weight version of each completion token
+            (``token_versions``; an episode's turns may differ).
     """
 
     input_ids: torch.Tensor
@@ -30,6 +33,7 @@ class PaddedBatch:
     starts: torch.Tensor
     mask: torch.Tensor
     behaviour: torch.Tensor
+    versions: torch.Tensor
 
     @property
     def width(self) -> int:
@@ -57,12 +61,15 @@ def pad_samples(samples: list[Sample], pad_token_id: int, device: torch.device) 
     ]
     lengths = torch.tensor([s.length for s in samples], device=device)
     total = torch.tensor(prompt_lens, device=device) + lengths
+
+    def padded(values: list[list], fill: float | int) -> torch.Tensor:
+        return torch.tensor([v + [fill] * (width - len(v)) for v in values], device=device)
+
     return PaddedBatch(
         input_ids=torch.tensor(rows, device=device),
         attention=(torch.arange(seq, device=device) < total[:, None]).long(),
         starts=torch.tensor(prompt_lens, device=device),
-        mask=(torch.arange(width, device=device) < lengths[:, None]).long(),
-        behaviour=torch.tensor(
-            [s.logprobs + [0.0] * (width - s.length) for s in samples], device=device
-        ),
+        mask=padded([s.loss_mask or [1] * s.length for s in samples], 0).long(),
+        behaviour=padded([s.logprobs for s in samples], 0.0),
+        versions=padded([s.token_versions or [s.weight_version] * s.length for s in samples], 0),
     )

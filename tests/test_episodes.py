@@ -1,0 +1,221 @@
+"""Multi-turn episodes on the real service: the tokens trained on are the tokens generated and
+seen, turns reuse their prefix's KV cache, environments' failures have defined outcomes, and an
+instance killed mid-episode loses nothing."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from streamrl.chat import stop_token_ids
+from streamrl.components import StreamGenerationService
+from streamrl.envs.episode import TurnFormat
+from streamrl.envs.runner import EpisodeRunner
+from streamrl.errors import EnvError
+from streamrl.logprobs import completion_logprobs
+from streamrl.models import build_bpe_tokenizer, build_tiny_model, load_policy, save_policy
+from streamrl.records import Step
+from streamrl.tasks.tool_tasks import CalculatorEnv, calculator_rows
+
+torch.set_num_threads(1)
+CONTEXT = 256
+
+
+@pytest.fixture(scope="module")
+def policy_dir(tmp_path_factory):
+    env = CalculatorEnv()
+    texts = [str(env.reset(r)) + r["answer"] for r in calculator_rows(200, seed=0)]
+    tok = build_bpe_tokenizer(texts, vocab_size=320)
+    path = tmp_path_factory.mktemp("policy")
+    save_policy(build_tiny_model(tok, "test", seed=0), tok, path)
+    return path
+
+
+def service(policy_dir, instances: int = 1, **kw) -> StreamGenerationService:
+    _, tok = load_policy(policy_dir)
+    return StreamGenerationService(
+        policy_dir, instances, max_batch_size=4, stop_token_ids=stop_token_ids(tok), **kw
+    )
+
+
+class Echo:
+    """A game of ``turns`` steps: each observation names the turn; reward 1 at the end."""
+
+    def __init__(self, turns: int = 3, delay_s: float = 0.0, bad: object = None) -> None:
+        self.turns, self.delay_s, self.bad, self.seen = turns, delay_s, bad, []
+
+    def reset(self, row):
+        self.turns = row.get("turns", self.turns)
+        return [{"role": "user", "content": row["prompt"]}]
+
+    def step(self, action: str) -> Step:
+        time.sleep(self.delay_s)
+        self.seen.append(action)
+        if self.bad is not None:
+            return self.bad
+        done = len(self.seen) >= self.turns
+        return Step(None if done else f"turn {len(self.seen)} seen", float(done), done)
+
+    def close(self) -> None:
+        pass
+
+
+def run_episodes(runner: EpisodeRunner, rows: list[dict], group: int = 2) -> list:
+    firsts = [runner.start(row, i) for row in rows for i in range(group)]
+    runner.submit(firsts)
+    return [runner.next_sample() for _ in firsts]
+
+
+def test_turn_format_appends_what_the_template_puts_between_turns(policy_dir):
+    _, tok = load_policy(policy_dir)
+    fmt = TurnFormat(tok)
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    ids = fmt.observation_ids([5, end], "tool", "42")
+    assert tok.decode(ids) == "\n<|im_start|>tool\n42<|im_end|>\n<|im_start|>assistant\n"
+    cut = fmt.observation_ids([5, 6], "user", "hi")  # a turn cut by max_tokens gets closed
+    assert tok.decode(cut) == "<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_trained_tokens_are_the_generated_and_observed_ones(policy_dir):
+    """The exact-token test: every episode's sequence is its turns' prompts and generations,
+    separators included; it decodes to the template's own rendering of the conversation; and
+    the trainer's log-probs of its generated tokens are the generators'."""
+    policy, tok = load_policy(policy_dir)
+    rows = [{"prompt_id": f"q{i}", "prompt": f"Echo game {i}, go."} for i in range(3)]
+    with service(policy_dir) as sgs:
+        turns = []  # every turn's sample, as the service returned it
+        poll = sgs.poll_sample
+
+        def spy(timeout_s):
+            sample = poll(timeout_s)
+            if sample is not None:
+                turns.append(sample)
+            return sample
+
+        sgs.poll_sample = spy
+        envs = {}
+
+        def make_env():
+            env = Echo(turns=3)
+            envs[len(envs)] = env
+            return env
+
+        runner = EpisodeRunner(sgs, make_env, tok, max_tokens=12, context=CONTEXT)
+        episodes = run_episodes(runner, rows)
+    assert len(episodes) == 6 and runner.counts["episodes_finished"] == 6
+    assert sgs.counts["requests_submitted"] == len(turns) == sum(e.turns for e in episodes)
+    for ep in episodes:
+        own = sorted((t for t in turns if t.key == ep.key), key=lambda t: len(t.prompt_ids))
+        assert len(own) == ep.turns == 3
+        full = ep.prompt_ids + ep.token_ids
+        mask = [0] * len(ep.prompt_ids) + ep.loss_mask
+        # Each turn was prompted with exactly the sequence so far, and generated what follows.
+        for turn in own:
+            n = len(turn.prompt_ids)
+            assert full[:n] == turn.prompt_ids
+            assert full[n : n + turn.length] == turn.token_ids
+            assert mask[n : n + turn.length] == [1] * turn.length
+        trained = [t for t, m in zip(ep.token_ids, ep.loss_mask) if m]
+        assert trained == [t for turn in own for t in turn.token_ids]
+        assert len(ep.logprobs) == len(ep.token_versions) == len(ep.token_ids)
+        # Decoded, it is the chat template's rendering of the same conversation.
+        messages = [{"role": "user", "content": rows[int(ep.prompt_id[1:])]["prompt"]}]
+        end = tok.convert_tokens_to_ids("<|im_end|>")
+        for k, turn in enumerate(own):
+            text = tok.decode(turn.token_ids[:-1] if turn.token_ids[-1] == end else turn.token_ids)
+            messages.append({"role": "assistant", "content": text})
+            if k < 2:
+                messages.append({"role": "user", "content": f"turn {k + 1} seen"})
+        rendered = tok.apply_chat_template(messages, tokenize=False)
+        # The last turn is not closed: the episode ended there.
+        last = "\n" if own[-1].token_ids[-1] == end else "<|im_end|>\n"
+        assert tok.decode(full) == rendered.removesuffix(last)
+        # The trainer's log-probs of the generated tokens are the generator's (mask 1 only).
+        ids = torch.tensor([full])
+        lp = completion_logprobs(
+            policy, ids, torch.ones_like(ids), torch.tensor([len(ep.prompt_ids)]), ep.length
+        )[0]
+        picked = torch.tensor(ep.loss_mask).bool()
+        assert lp[picked].tolist() == pytest.approx(
+            [x for x, m in zip(ep.logprobs, ep.loss_mask) if m], abs=1e-4
+        )
+        assert ep.reward == 1.0 and ep.finish_reason == "done"
+        # Turns two and three reused the KV of the turn before on the same instance.
+        assert own[0].cached_tokens == 0 and all(t.cached_tokens > 0 for t in own[1:])
+        assert ep.cached_tokens == sum(t.cached_tokens for t in own)
+
+
+def test_calculator_tool_episodes_and_prefill_saved(policy_dir):
+    _, tok = load_policy(policy_dir)
+    rows = calculator_rows(4, seed=1)
+    with service(policy_dir) as sgs:
+        runner = EpisodeRunner(sgs, CalculatorEnv, tok, max_tokens=16, context=CONTEXT, max_turns=3)
+        episodes = run_episodes(runner, rows)
+    assert len(episodes) == 8
+    assert {e.finish_reason for e in episodes} <= {"done", "max_turns", "context"}
+    multi = [e for e in episodes if e.turns > 1]
+    assert all(e.cached_tokens > 0 for e in multi)
+    for e in episodes:
+        assert e.prefill_tokens + e.cached_tokens > len(e.prompt_ids) * (e.turns > 1)
+
+
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        ("not a step", "returned str"),
+        (Step("x", reward=float("nan")), "reward nan"),
+        (Step(None, done=False), "observation None"),
+    ],
+)
+def test_malformed_steps_raise_env_errors(policy_dir, bad, match):
+    _, tok = load_policy(policy_dir)
+    with service(policy_dir) as sgs:
+        runner = EpisodeRunner(sgs, lambda: Echo(bad=bad), tok, max_tokens=4, context=CONTEXT)
+        with pytest.raises(EnvError, match=match):
+            run_episodes(runner, [{"prompt_id": "q", "prompt": "go"}], group=1)
+
+
+def test_hung_steps_turn_limits_and_full_contexts_end_episodes_with_a_flag(policy_dir):
+    _, tok = load_policy(policy_dir)
+    rows = [{"prompt_id": "q", "prompt": "go"}]
+    with service(policy_dir) as sgs:
+        hung = EpisodeRunner(
+            sgs, lambda: Echo(delay_s=60), tok, max_tokens=4, context=CONTEXT, env_timeout_s=0.5
+        )
+        started = time.monotonic()
+        (ep,) = run_episodes(hung, rows, group=1)
+        assert ep.finish_reason == "env_timeout" and time.monotonic() - started < 20
+        assert hung.counts["env_timeouts"] == 1
+        limited = EpisodeRunner(
+            sgs, lambda: Echo(turns=9), tok, max_tokens=4, context=CONTEXT, max_turns=2
+        )
+        (ep,) = run_episodes(limited, rows, group=1)
+        assert ep.finish_reason == "max_turns" and ep.turns == 2
+        short = EpisodeRunner(
+            sgs, lambda: Echo(turns=99), tok, max_tokens=8, context=48, max_turns=99
+        )
+        (ep,) = run_episodes(short, rows, group=1)
+        assert ep.finish_reason == "context" and len(ep.prompt_ids) + ep.length <= 48
+
+
+def test_a_killed_instance_loses_no_episode(policy_dir):
+    _, tok = load_policy(policy_dir)
+    # One short episode; when it ends, the long ones are mid-way on both instances.
+    rows = [{"prompt_id": f"q{i}", "prompt": f"game {i}", "turns": 6} for i in range(4)]
+    rows[0]["turns"] = 1
+    with service(policy_dir, 2, heartbeat_timeout_s=5) as sgs:
+        runner = EpisodeRunner(sgs, lambda: Echo(delay_s=0.2), tok, max_tokens=12, context=CONTEXT)
+        firsts = [runner.start(row, i) for row in rows for i in range(2)]
+        runner.submit(firsts)
+        got = [runner.next_sample()]
+        os.kill(sgs.instances()[0].pid, signal.SIGKILL)
+        got += [runner.next_sample() for _ in firsts[1:]]
+    assert sorted(e.key for e in got) == sorted(r.key for r in firsts)
+    assert all(e.finish_reason == "done" for e in got)
+    assert sorted(e.turns for e in got) == [1, 1] + [6] * 6
+    assert sgs.counts["instances_restarted"] == 1 and sgs.counts["requests_requeued"] >= 1
+    assert runner.counts["episodes_started"] == runner.counts["episodes_finished"] == 8

@@ -78,6 +78,18 @@ _EXPORTS = {
     "RunConfig": "streamrl.config",
     "load_config": "streamrl.config_file",
     "run_fit": "streamrl.jobs",
+    "Step": "streamrl.records",
+    "Environment": "streamrl.protocols",
+    "ToolEnvironment": "streamrl.envs.tools",
+    "tool_schema": "streamrl.envs.tools",
+    "format_call": "streamrl.envs.tools",
+    "EpisodeRunner": "streamrl.envs.runner",
+    "evaluate_episodes": "streamrl.envs.evaluate",
+    "sft_on_episodes": "streamrl.envs.demos",
+    "stop_token_ids": "streamrl.chat",
+    "CalculatorEnv": "streamrl.tasks.tool_tasks",
+    "calculator_rows": "streamrl.tasks.tool_tasks",
+    "calculator_demonstration": "streamrl.tasks.tool_tasks",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -20,7 +20,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from streamrl.errors import ConfigError, NonFiniteLossError, RewardError
+from streamrl.errors import ConfigError, EnvError, NonFiniteLossError, RewardError
 from streamrl.fit_args import FitArgs, build_fit_parser, parse_fit, print_fit_config
 from streamrl.quiet import quiet_libraries, quiet_lightning
 
@@ -338,6 +338,9 @@ def build_parser() -> argparse.ArgumentParser:
         "instead; the fast ranker runs as baseline",
     )
     rank.set_defaults(func=_bench_ranker)
+    from streamrl.bench.commands import add_episodes_command
+
+    add_episodes_command(bench_sub)
 
     prof = sub.add_parser("profile", help="measure PTL(BS), the per-token decode latency")
     prof.add_argument("--model", default="tiny", help="'tiny' (~1M params, random) or a model dir")
@@ -393,7 +396,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ConfigError, FileNotFoundError) as err:  # bad input, found before any work
         print(f"streamrl {command}: error: {err}", file=sys.stderr)
         return 2
-    except (RewardError, GeneratorError, NonFiniteLossError) as err:  # stopped, all cleaned up
+    except (RewardError, EnvError, GeneratorError, NonFiniteLossError) as err:  # cleaned up
         print(f"streamrl {command}: stopped: {err}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

@@ -13,13 +13,14 @@ import torch
 
 from streamrl.chat import stop_token_ids
 from streamrl.components import StreamGenerationService
+from streamrl.envs.demos import sft_on_episodes
 from streamrl.envs.episode import TurnFormat
 from streamrl.envs.runner import EpisodeRunner
 from streamrl.errors import EnvError
 from streamrl.logprobs import completion_logprobs
 from streamrl.models import build_bpe_tokenizer, build_tiny_model, load_policy, save_policy
 from streamrl.records import Step
-from streamrl.tasks.tool_tasks import CalculatorEnv, calculator_rows
+from streamrl.tasks.tool_tasks import CalculatorEnv, calculator_demonstration, calculator_rows
 
 torch.set_num_threads(1)
 CONTEXT = 256
@@ -27,11 +28,24 @@ CONTEXT = 256
 
 @pytest.fixture(scope="module")
 def policy_dir(tmp_path_factory):
-    env = CalculatorEnv()
-    texts = [str(env.reset(r)) + r["answer"] for r in calculator_rows(200, seed=0)]
-    tok = build_bpe_tokenizer(texts, vocab_size=320)
+    """A tiny policy warm-started on a few calculator episodes: its turns often end on the
+    template's end-of-turn token, and sometimes run out of tokens."""
+    env, rows = CalculatorEnv(), calculator_rows(200, seed=0)
+    tok = build_bpe_tokenizer([str(env.reset(r)) + r["answer"] for r in rows], vocab_size=320)
+    policy = build_tiny_model(tok, "test", seed=0)
+    sft_on_episodes(
+        rows,
+        make_env=CalculatorEnv,
+        demonstrate=calculator_demonstration,
+        tokenizer=tok,
+        model=policy,
+        steps=40,
+        lr=3e-3,
+        tokens_per_batch=1024,
+        seed=0,
+    )
     path = tmp_path_factory.mktemp("policy")
-    save_policy(build_tiny_model(tok, "test", seed=0), tok, path)
+    save_policy(policy, tok, path)
     return path
 
 
@@ -108,6 +122,7 @@ def test_trained_tokens_are_the_generated_and_observed_ones(policy_dir):
         episodes = run_episodes(runner, rows)
     assert len(episodes) == 6 and runner.counts["episodes_finished"] == 6
     assert sgs.counts["requests_submitted"] == len(turns) == sum(e.turns for e in episodes)
+    ended_on_eot = 0  # turns followed by an observation that the model itself closed
     for ep in episodes:
         own = sorted((t for t in turns if t.key == ep.key), key=lambda t: len(t.prompt_ids))
         assert len(own) == ep.turns == 3
@@ -144,9 +159,11 @@ def test_trained_tokens_are_the_generated_and_observed_ones(policy_dir):
             [x for x, m in zip(ep.logprobs, ep.loss_mask) if m], abs=1e-4
         )
         assert ep.reward == 1.0 and ep.finish_reason == "done"
+        ended_on_eot += sum(t.token_ids[-1] == end for t in own[:-1])
         # Turns two and three reused the KV of the turn before on the same instance.
         assert own[0].cached_tokens == 0 and all(t.cached_tokens > 0 for t in own[1:])
         assert ep.cached_tokens == sum(t.cached_tokens for t in own)
+    assert ended_on_eot > 0  # both ways a turn ends were exercised
 
 
 def test_calculator_tool_episodes_and_prefill_saved(policy_dir):

@@ -27,7 +27,9 @@ def _turns(gen: HFStreamGenerator, tok, observations: list[str], others: bool) -
     for turn, obs in enumerate(observations):
         reqs = [Request(pid, ids, max_tokens=6, keep_prefix=True) for pid, ids in prompts.items()]
         if others:
-            reqs += [Request(f"x{turn}{i}", tok("1+2=" * (i + 1))["input_ids"], 9) for i in range(3)]
+            reqs += [
+                Request(f"x{turn}{i}", tok("1+2=" * (i + 1))["input_ids"], 9) for i in range(3)
+            ]
         gen.submit(reqs)
         done = {s.prompt_id: s for s in gen.stream()}
         for pid in prompts:
@@ -41,7 +43,9 @@ def _turns(gen: HFStreamGenerator, tok, observations: list[str], others: bool) -
 def test_reused_prefix_gives_the_tokens_of_a_full_prefill(tok, others):
     model = varied_model(tok)
     observations = ["=ok", "=more?", "=end"]
-    reused = _turns(HFStreamGenerator(model, max_batch_size=3, greedy=True), tok, observations, others)
+    reused = _turns(
+        HFStreamGenerator(model, max_batch_size=3, greedy=True), tok, observations, others
+    )
     # The baseline recomputes every prompt: a stash that can hold nothing useful (new weights
     # each turn would clear it; here it is emptied by hand).
     base_gen = HFStreamGenerator(model, max_batch_size=3, greedy=True)

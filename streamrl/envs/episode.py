@@ -69,6 +69,13 @@ class TurnFormat:
         before, after = full[len(closed) :].split(_MARK)
         return closed.split(_TURN)[1], before, after
 
+    def end_of_turn_id(self) -> int:
+        """The token the template closes an assistant turn with (``<|im_end|>`` in ChatML; eos
+        without a template): what a demonstrated turn ends with."""
+        close = self.pieces("user")[0]
+        ids = self.tokenizer(close, add_special_tokens=False)["input_ids"] if close else []
+        return int(ids[0]) if ids else int(self.tokenizer.eos_token_id)
+
     def observation_ids(self, turn_ids: Sequence[int], role: str, text: str) -> list[int]:
         """The tokens to append after a model turn ``turn_ids`` for an observation ``text``."""
         close, before, after = self.pieces(role)

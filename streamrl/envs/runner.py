@@ -63,6 +63,8 @@ class EpisodeRunner:
         env_timeout_s: the longest one ``reset`` or ``step`` may take.
         rebalance_requests: move an episode's next turn off its instance when that instance has
             this many more requests open than the least loaded one (``None``: never move).
+        affinity: send each turn to the instance of the episode's last turn (its prefix's KV
+            cache is there); ``False``: the dispatcher places every turn (a turn-level balancer).
         system_prompt: put before the first prompt (when the environment gives no system
             message).
         stop_strings: a turn's text ends before these (the generators stop on them too).
@@ -83,6 +85,7 @@ class EpisodeRunner:
         max_turns: int = 8,
         env_timeout_s: float = 30.0,
         rebalance_requests: int | None = None,
+        affinity: bool = True,
         system_prompt: str | None = None,
         stop_strings: Sequence[str] = (),
     ) -> None:
@@ -91,6 +94,7 @@ class EpisodeRunner:
         self.service, self.make_env, self.tokenizer = service, make_env, tokenizer
         self.max_tokens, self.context, self.max_turns = max_tokens, context, max_turns
         self.env_timeout_s, self.rebalance_requests = env_timeout_s, rebalance_requests
+        self.affinity = affinity
         self.system_prompt, self.stop_strings = system_prompt, tuple(stop_strings)
         self.format = TurnFormat(tokenizer)
         self.counts: Counter[str] = Counter()
@@ -264,6 +268,8 @@ class EpisodeRunner:
     def _placement(self, episode: Episode) -> int | None:
         """The instance for the episode's next turn: the one holding its prefix, unless it has
         ``rebalance_requests`` more open than the least loaded instance."""
+        if not self.affinity:
+            return None
         if self.rebalance_requests is None:
             return episode.instance_id
         load = {h.instance_id: len(h.open) for h in self.service.pool.active()}

@@ -13,7 +13,7 @@ Examples:
     >>> env.step(format_call("multiply", {"a": 964, "b": 494})).observation
     '476216'
     >>> env.step("476216").reward, env.step("476217").reward
-    (1.0, 0.0)
+    (1.0, 0.8333333333333334)
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import random
 from collections.abc import Mapping
 
 from streamrl.envs.tools import ToolEnvironment, format_call
-from streamrl.tasks.rewards import exact_match
+from streamrl.tasks.rewards import partial_credit
 
 
 def multiply(a: int, b: int) -> int:
@@ -36,10 +36,11 @@ def multiply(a: int, b: int) -> int:
 
 
 class CalculatorEnv(ToolEnvironment):
-    """The calculator task's environment: the ``multiply`` tool, exact-match reward."""
+    """The calculator task's environment: the ``multiply`` tool; the answer gets partial credit
+    (the share of digits right, ``partial_credit``), so a reward of 1 is an exact answer."""
 
     def __init__(self, tool_timeout_s: float = 5.0) -> None:
-        super().__init__([multiply], reward=exact_match, tool_timeout_s=tool_timeout_s)
+        super().__init__([multiply], reward=partial_credit, tool_timeout_s=tool_timeout_s)
 
 
 def calculator_rows(n: int, seed: int = 0, prefix: str = "calc") -> list[dict]:

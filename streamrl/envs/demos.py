@@ -1,0 +1,125 @@
+"""Supervised warm start on demonstrated episodes, in the token layout RL trains on.
+
+A demonstration is the model turns of a good episode (``demonstrate(row) -> [turn text, ...]``).
+Each is played against a fresh environment exactly as ``EpisodeRunner`` plays the policy's turns:
+the first prompt rendered once, each turn's tokens followed by the end-of-turn token, each
+observation appended with ``TurnFormat``. The loss covers the turns' tokens only, so the warm
+start and RL see the same sequences and train on the same positions.
+
+Examples:
+    >>> from streamrl.models import build_bpe_tokenizer, build_tiny_model
+    >>> from streamrl.tasks import tool_tasks as calc
+    >>> rows = calc.calculator_rows(4)
+    >>> tok = build_bpe_tokenizer([str(calc.CalculatorEnv().reset(r)) for r in rows], 300)
+    >>> turns = calc.calculator_demonstration(rows[0])
+    >>> ids, labels = demo_tokens(rows[0], calc.CalculatorEnv(), turns, tok)
+    >>> len(ids) == len(labels), sum(label != -100 for label in labels) > 0
+    (True, True)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from streamrl.chat import render_prompt
+from streamrl.envs.episode import TurnFormat
+from streamrl.protocols import Environment
+from streamrl.sft import Batch, token_budget_batches, train_steps
+from streamrl.sft_rows import encode_rows
+
+
+def demo_tokens(
+    row: Mapping[str, Any],
+    env: Environment,
+    turns: Sequence[str],
+    tokenizer: PreTrainedTokenizerBase,
+    *,
+    system_prompt: str | None = None,
+) -> tuple[list[int], list[int]]:
+    """``(input ids, labels)`` of one demonstrated episode (labels ``-100`` off the turns).
+
+    Raises:
+        ValueError: the environment ended the episode before the last demonstrated turn.
+    """
+    fmt = TurnFormat(tokenizer)
+    end = fmt.end_of_turn_id()
+    try:
+        prompt = env.reset(row)
+        ids = render_prompt(tokenizer, prompt, system_prompt=system_prompt)
+        labels = [-100] * len(ids)
+        for k, text in enumerate(turns):
+            turn = [*tokenizer(text, add_special_tokens=False)["input_ids"], end]
+            ids, labels = ids + turn, labels + turn
+            step = env.step(text)
+            if step.done:
+                if k != len(turns) - 1:
+                    raise ValueError(
+                        f"Demonstration of {row.get('prompt_id')!r}: the episode ended after "
+                        f"turn {k + 1} of {len(turns)}."
+                    )
+                break
+            observed = fmt.observation_ids(turn, step.role, step.observation)
+            ids, labels = ids + observed, labels + [-100] * len(observed)
+    finally:
+        env.close()
+    return ids, labels
+
+
+def sft_on_episodes(
+    rows: Iterable[Mapping[str, Any]],
+    *,
+    make_env: Callable[[], Environment],
+    demonstrate: Callable[[Mapping[str, Any]], Sequence[str]],
+    tokenizer: PreTrainedTokenizerBase,
+    model: PreTrainedModel,
+    steps: int,
+    lr: float,
+    tokens_per_batch: int,
+    seed: int,
+    show_progress: bool = False,
+) -> list[float]:
+    """Fine-tune ``model`` in place on one demonstrated episode per row; returns the losses.
+
+    Args:
+        rows: the task's rows.
+        make_env: the run's environment factory.
+        demonstrate: a good episode's model turns for a row.
+        tokenizer: the policy's tokenizer.
+        model: trained in place, left in eval mode.
+        steps / lr / tokens_per_batch / seed: as ``streamrl.sft_rows.sft_on_rows``.
+        show_progress: draw a progress bar.
+
+    Raises:
+        ValueError: no rows, or an episode longer than ``tokens_per_batch``.
+    """
+    import random
+
+    demos = [demo_tokens(row, make_env(), demonstrate(row), tokenizer) for row in rows]
+    if not demos:
+        raise ValueError("sft_on_episodes: no rows to train on.")
+    lengths = [len(ids) for ids, _ in demos]
+    if max(lengths) > tokens_per_batch:
+        raise ValueError(
+            f"sft_on_episodes: an episode has {max(lengths)} tokens, more than "
+            f"tokens_per_batch={tokens_per_batch}; raise tokens_per_batch."
+        )
+
+    def batch(idx: list[int]) -> Batch:
+        ids, mask, _ = encode_rows(tokenizer, [demos[i][0] for i in idx], [[] for _ in idx])
+        labels = ids.new_full(ids.shape, -100)
+        for row, i in enumerate(idx):
+            labels[row, : lengths[i]] = ids.new_tensor(demos[i][1])
+        return ids, mask, labels
+
+    return train_steps(
+        model,
+        batch,
+        token_budget_batches(lengths, tokens_per_batch),
+        steps=steps,
+        lr=lr,
+        rng=random.Random(seed),
+        show_progress=show_progress,
+    )

@@ -232,6 +232,36 @@ class RLConfig:
 
 
 @dataclass
+class EnvConfig:
+    """Multi-turn episodes (``streamrl.envs``): each sample is an episode of an environment.
+
+    Attributes:
+        name: ``null`` for single completions (the default); a built-in environment
+            (``calculator``: a multiplication tool; ``blackjack``: gymnasium's game as text), or
+            ``package.module:Name`` for yours (a class or factory of ``Environment`` s).
+        options: keyword arguments of your environment's constructor.
+        max_turns: model turns per episode (the episode is cut, flagged ``max_turns``).
+        timeout_s: the longest one environment ``reset`` or ``step`` may take (a step past it
+            ends its episode, flagged ``env_timeout``).
+        rebalance_requests: move an episode's next turn off its instance when it has this many
+            more requests open than the least loaded one (``null``: never).
+        demonstrations: ``package.module:fn``, ``fn(row) -> [turn text, ...]``: the good
+            episodes the tiny policy warm-starts on (the built-in environments bring theirs).
+        n_train / n_heldout: the rows a built-in environment makes (yours come from
+            ``data.path``).
+    """
+
+    name: str | None = None
+    options: dict[str, Any] = field(default_factory=dict)
+    max_turns: int = 8
+    timeout_s: float = 30.0
+    rebalance_requests: int | None = None
+    demonstrations: str | None = None
+    n_train: int = 2000
+    n_heldout: int = 200
+
+
+@dataclass
 class RunConfig:
     """Everything ``streamrl fit`` needs.
 
@@ -247,6 +277,7 @@ class RunConfig:
         data: the prompt sets.
         sft: the warm start (used when ``model`` is ``"tiny"``).
         rl: the RL loop.
+        env: multi-turn episodes instead of single completions (``env.name``).
     """
 
     model: str = "tiny"
@@ -257,6 +288,7 @@ class RunConfig:
     data: DataConfig = field(default_factory=DataConfig)
     sft: WarmStartConfig = field(default_factory=WarmStartConfig)
     rl: RLConfig = field(default_factory=RLConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
 
     def resolved_cache_dir(self) -> Path:
         if self.cache_dir:

@@ -80,6 +80,10 @@ def _convert(hint: Any, value: Any, where: str) -> Any:
         if not isinstance(value, list):
             raise ConfigError(f"{where} must be a list, got {value!r}.")
         return [_convert(typing.get_args(hint)[0], v, where) for v in value]
+    if origin is dict:  # options passed through to a constructor, checked by it
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where} must be a mapping of keys to values, got {value!r}.")
+        return dict(value)
     if hint is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if not isinstance(value, hint) or (hint is int and isinstance(value, bool)):

@@ -25,6 +25,7 @@ from streamrl.chat import completion_text, render_prompt, stop_token_ids
 from streamrl.components.generation.service import StreamGenerationService
 from streamrl.config import RunConfig
 from streamrl.config_checks import check_values
+from streamrl.envs.runner import EpisodeRunner
 from streamrl.errors import ConfigError
 from streamrl.eval_callback import PeriodicEval, plot_eval
 from streamrl.evaluation import EvalResult, evaluate
@@ -33,6 +34,7 @@ from streamrl.models import load_policy, save_policy
 from streamrl.module import StreamRLModule
 from streamrl.prepare import ensure_policy, prepare_run
 from streamrl.prompts import PromptSource
+from streamrl.rewards.pool import RewardPool
 from streamrl.rewards.spec import load_rewards
 from streamrl.rollout import RolloutStream
 from streamrl.run_parts import (
@@ -69,6 +71,10 @@ def run_fit(config: RunConfig, show_progress: bool = True, resume: str | None = 
         ``wall_s``, the starting policy's output lengths, and
         ``policy_dir``: the trained policy saved as a model directory (``<output_dir>/policy``).
     """
+    if config.env.name is not None:  # multi-turn episodes: the same job, episode by episode
+        from streamrl.envs.fit import run_episode_fit
+
+        return run_episode_fit(config, show_progress, resume)
     started = time.perf_counter()
     check_values(config)
     check_parts(config.rl)  # every extension point resolves and fits, before any work
@@ -187,11 +193,13 @@ def _train(
     resume: str | None = None,
     job: ClusterEnvironment | None = None,
     callbacks: Sequence[L.Callback] = (),
+    episodes: Callable[[StreamGenerationService], EpisodeRunner] | None = None,
 ) -> tuple[StreamRLModule, PreTrainedModel]:
     """Config -> component objects -> the public builders: start the generation service and
     let a Lightning ``Trainer`` run the RL iterations (from the checkpoint ``resume``, if given:
-    weights, optimizer, stream position, in-flight prompts, component states). Returns the
-    module and the trained policy (unsharded)."""
+    weights, optimizer, stream position, in-flight prompts, component states). ``episodes``
+    makes the episode runner of a multi-turn run on the started service (its environments
+    reward the samples). Returns the module and the trained policy (unsharded)."""
     rl = config.rl
     policy, tokenizer = policy_and_tokenizer
     torch.set_num_threads(1)  # one thread per process: the generators need the other cores
@@ -217,7 +225,10 @@ def _train(
         stop_token_ids=stop_token_ids(tokenizer),
         stop_strings=config.data.stop_strings,
     )
-    with service, reward_pool(rl, parts.rewards) as rewards:
+    rewards_in = (
+        RewardPool(parts.rewards, workers=0) if episodes else reward_pool(rl, parts.rewards)
+    )
+    with service, rewards_in as rewards:
         rollouts = RolloutStream(
             service,
             PromptSource(train_set, rl.prompts_per_iteration, seed=config.seed),
@@ -231,6 +242,7 @@ def _train(
             context=context,
             ranker=parts.length_predictor,
             ranker_refresh_every=rl.ranker_refresh_every,
+            episodes=episodes(service) if episodes else None,
         )
         setup = RankSetup.from_config(config, parts.algorithm, job)
         module = setup.module(policy, rollouts, elastic=parts.elastic)
@@ -323,10 +335,19 @@ def ledger(module: StreamRLModule) -> dict:
     service, rollouts = module.rollouts.service, module.rollouts
     requested = rollouts.prompts_dispatched * rollouts.algorithm.group_size
     filtered = module.pipeline.dropped_stale + rollouts.samples_filtered
+    episodes = {}  # a multi-turn run: samples are episodes, each of several requests (turns)
+    if rollouts.episodes is not None:
+        counts = rollouts.episodes.counts
+        episodes = {"turns": counts["turns"], "episode_counts": dict(counts)}
     return {
         "prompts_dispatched": rollouts.prompts_dispatched,
         "samples_requested": requested,
-        "samples_generated": service.counts["samples_returned"],
+        "samples_generated": (
+            rollouts.episodes.counts["episodes_finished"]
+            if rollouts.episodes is not None
+            else service.counts["samples_returned"]
+        ),
+        **episodes,
         "samples_trained": module.samples_trained,
         "samples_filtered": filtered,
         "samples_requeued": service.counts["requests_requeued"],

@@ -69,7 +69,7 @@ def prepare_run(config: RunConfig) -> PreparedRun:
     """
     data = config.data
     if data.path or data.reasoning_gym:
-        train, heldout = _dataset_splits(config)
+        train, heldout = dataset_splits(config)
         tokenizer, context = _tokenizer_and_context(config, train)
         demos = None
         if config.model == "tiny" and config.sft.demo_share is not None:
@@ -123,7 +123,7 @@ def _set_demos_apart(
     return train.select(sorted(order[:cut])), train.select(sorted(order[cut:]))
 
 
-def _dataset_splits(config: RunConfig) -> tuple[datasets.Dataset, datasets.Dataset]:
+def dataset_splits(config: RunConfig) -> tuple[datasets.Dataset, datasets.Dataset]:
     """Training and held-out rows of ``data.path`` (held out by file, split or fraction) or of
     ``data.reasoning_gym`` (``n_train`` and ``n_heldout`` rows, no prompt in both)."""
     data = config.data

@@ -80,3 +80,36 @@ class MarkingEngine:
     def __call__(self, spec: EngineSpec, scheduler: AdmissionScheduler) -> StreamGenerator:
         Path(self.marker_dir, f"instance-{spec.instance_id}").write_text(spec.model_dir)
         return HFEngine()(spec, scheduler)
+
+
+class GuessEnv:
+    """A user's multi-turn environment: guess the row's word; each wrong guess is told "no".
+
+    Its episodes take as many turns as the model needs (up to the run's ``max_turns``), and it
+    counts its instances' ``close`` calls in a file, as evidence that each episode closed.
+    """
+
+    def __init__(self, log: str | None = None) -> None:
+        self.log, self.tries = log, 0
+
+    def reset(self, row):
+        self.word = row["answer"]
+        return f"Guess the word. Hint: {row['prompt']}"
+
+    def step(self, action: str):
+        from streamrl.records import Step
+
+        self.tries += 1
+        if action.strip() == self.word:
+            return Step(None, reward=1.0, done=True)
+        return Step("no", reward=0.0)
+
+    def close(self) -> None:
+        if self.log:
+            with open(self.log, "a") as out:
+                out.write("closed\n")
+
+
+def guess_demonstration(row) -> list[str]:
+    """A good episode: one wrong guess, then the word."""
+    return ["maybe", row["answer"]]

@@ -83,9 +83,11 @@ class EpisodeEval:
     rewards: list[float] = field(default_factory=list, repr=False)
 
     def metrics(self, prefix: str = "eval") -> dict[str, float]:
+        """What to log; success is also ``pass@1`` (the curve ``PeriodicEval`` plots)."""
         return {
-            f"{prefix}/success": self.success,
             f"{prefix}/reward": self.reward,
+            f"{prefix}/pass@1": self.success,
+            f"{prefix}/success": self.success,
             f"{prefix}/turns": self.turns,
         }
 

@@ -279,11 +279,20 @@ class EpisodeRunner:
         self.counts["turns_moved"] += 1
         return min(load, key=load.__getitem__)
 
+    @property
+    def prefill_saved(self) -> float:
+        """The share of the finished episodes' prompt tokens whose KV cache was reused from the
+        turn before (not prefilled again)."""
+        cached, computed = self.counts["cached_tokens"], self.counts["prefill_tokens"]
+        return cached / max(1, cached + computed)
+
     def _finish(self, episode: Episode, reason: str) -> None:
         episode.finish_reason = reason
         del self._episodes[episode.request.key]
         self._close(episode.env)
         self.counts[f"episodes_{reason}"] += 1
+        self.counts["prefill_tokens"] += episode.prefill_tokens
+        self.counts["cached_tokens"] += episode.cached_tokens
         if reason != "error":
             self.counts["episodes_finished"] += 1
             self._finished.append(episode.to_sample())

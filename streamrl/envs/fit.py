@@ -1,0 +1,192 @@
+"""``streamrl fit`` with ``env.name`` set: RL on multi-turn episodes, top to bottom.
+
+The same job as ``streamrl.jobs.run_fit``, with episodes for samples: check the inputs, warm-start
+the tiny policy on demonstrated episodes (cached), measure held-out success, stream episodes from
+the generation service through the ``EpisodeRunner`` into the Lightning-driven loop, measure
+again. The summary holds ``heldout_success_before`` / ``_after``, the episodes' ledger and how
+much prefill the kept prefixes saved.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from collections.abc import Callable
+from dataclasses import asdict
+from pathlib import Path
+
+import lightning as L
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from streamrl.components.generation.service import StreamGenerationService
+from streamrl.config import RunConfig
+from streamrl.config_checks import check_values
+from streamrl.envs.demos import demo_tokens, sft_on_episodes
+from streamrl.envs.evaluate import EpisodeEval, evaluate_episodes
+from streamrl.envs.runner import EpisodeRunner
+from streamrl.envs.task import EpisodeTask, episode_task
+from streamrl.errors import ConfigError
+from streamrl.eval_callback import PeriodicEval, plot_eval
+from streamrl.models import build_bpe_tokenizer, build_tiny_model, load_policy, save_policy
+from streamrl.prepare import TINY_CONTEXT
+from streamrl.run_parts import check_parts
+from streamrl.sft import save_cached_policy
+from streamrl.tasks.local_data import check_enough_rows
+
+#: Bump when the warm start on episodes changes, so stale caches are not reused.
+EPISODE_RECIPE_VERSION = 1
+
+
+def run_episode_fit(
+    config: RunConfig, show_progress: bool = True, resume: str | None = None
+) -> dict:
+    """Train on ``config.env``'s episodes; returns the summary (also ``summary.json``)."""
+    from streamrl.jobs import _rl_summary, _train, ledger
+
+    started = time.perf_counter()
+    check_values(config)
+    check_parts(config.rl)
+    env, rl = config.env, config.rl
+    if rl.trainer_ranks != 1:
+        raise ConfigError("env: episode runs train on one trainer rank; set rl.trainer_ranks: 1.")
+    L.seed_everything(config.seed, verbose=False)
+    task = episode_task(config)
+    check_enough_rows(task.train, rl.prompts_per_iteration, f"env {env.name!r}")
+    model_dir = episode_policy(config, task, show_progress)
+    policy, tokenizer = load_policy(model_dir)
+    context = int(policy.config.max_position_embeddings)
+
+    def evaluator(model: PreTrainedModel) -> EpisodeEval:
+        return evaluate_episodes(
+            model,
+            tokenizer,
+            task.make_env,
+            task.heldout,
+            max_tokens=rl.max_tokens,
+            context=context,
+            max_turns=env.max_turns,
+            env_timeout_s=env.timeout_s,
+        )
+
+    before = evaluator(policy)
+    summary: dict = {**_eval_summary(before, "before"), "env": env.name}
+    if rl.iterations > 0:
+        training_started = time.perf_counter()
+        periodic = None
+        if rl.eval_every > 0:
+            periodic = PeriodicEval(evaluator, every=rl.eval_every, output_dir=config.output_dir)
+            periodic.record(0, before)
+        module, policy = _train(
+            config,
+            task.train,
+            context,
+            model_dir,
+            (policy, tokenizer),
+            show_progress,
+            resume,
+            callbacks=[periodic] if periodic else [],
+            episodes=_runner_factory(config, task, tokenizer, context),
+        )
+        summary["train_wall_s"] = time.perf_counter() - training_started
+        after = evaluator(policy)
+        if periodic is not None:
+            periodic.record(module.weight_version, after)
+            plot_eval(periodic.history, Path(config.output_dir) / "eval.png")
+        summary.update(_eval_summary(after, "after"))
+        if module.history:
+            summary.update(_rl_summary(module, len(module.history)))
+        summary.update(ledger(module))
+        summary["prefill_saved"] = module.rollouts.episodes.prefill_saved
+        trained = save_policy(policy, tokenizer, Path(config.output_dir) / "policy")
+        summary["policy_dir"] = str(trained)
+    summary.update(
+        iterations=rl.iterations,
+        model_dir=str(model_dir),
+        output_dir=config.output_dir,
+        wall_s=time.perf_counter() - started,
+    )
+    out = Path(config.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+def _runner_factory(
+    config: RunConfig, task: EpisodeTask, tokenizer: PreTrainedTokenizerBase, context: int
+) -> Callable[[StreamGenerationService], EpisodeRunner]:
+    env = config.env
+
+    def make(service: StreamGenerationService) -> EpisodeRunner:
+        return EpisodeRunner(
+            service,
+            task.make_env,
+            tokenizer,
+            max_tokens=config.rl.max_tokens,
+            context=context,
+            max_turns=env.max_turns,
+            env_timeout_s=env.timeout_s,
+            rebalance_requests=env.rebalance_requests,
+            system_prompt=config.data.system_prompt,
+            stop_strings=config.data.stop_strings,
+        )
+
+    return make
+
+
+def _eval_summary(result: EpisodeEval, when: str) -> dict:
+    return {
+        f"heldout_success_{when}": result.success,
+        f"heldout_reward_{when}": result.reward,
+        f"heldout_turns_{when}": result.turns,
+        f"heldout_finish_{when}": result.finish_reasons,
+    }
+
+
+def episode_policy(config: RunConfig, task: EpisodeTask, show_progress: bool) -> Path:
+    """The policy directory: yours (``model``), or the tiny policy warm-started on one
+    demonstrated episode per training row, with a byte-level BPE learned from those episodes
+    (cached by the recipe)."""
+    if config.model != "tiny":
+        return Path(config.model)
+    if task.demonstrate is None:
+        raise ConfigError(
+            f"env.name: {config.env.name!r} has no demonstrations for the tiny policy's warm "
+            "start; set env.demonstrations (fn(row) -> [turn, ...]) or pass model: <your dir>."
+        )
+    sft = config.sft
+    recipe = {
+        "recipe": EPISODE_RECIPE_VERSION,
+        "sft": asdict(sft),
+        "env": asdict(config.env),
+        "seed": config.seed,
+        "rows": sorted(r["prompt_id"] for r in task.train),
+    }
+    key = hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:12]
+    target = config.resolved_cache_dir() / f"sft-episodes-{sft.model_size}-{key}"
+    if (target / "sft_meta.json").is_file():
+        return target
+    # The vocabulary is learned from rendered demonstrations: what the policy reads and writes.
+    bootstrap = build_bpe_tokenizer(["-"], vocab_size=300)
+    sample = task.train[:500]
+    texts = [
+        bootstrap.decode(demo_tokens(r, task.make_env(), task.demonstrate(r), bootstrap)[0])
+        for r in sample
+    ]
+    tokenizer = build_bpe_tokenizer(texts, vocab_size=512)
+    model = build_tiny_model(tokenizer, size=sft.model_size, max_positions=TINY_CONTEXT)
+    started = time.perf_counter()
+    losses = sft_on_episodes(
+        task.train,
+        make_env=task.make_env,
+        demonstrate=task.demonstrate,
+        tokenizer=tokenizer,
+        model=model,
+        steps=sft.steps,
+        lr=sft.lr,
+        tokens_per_batch=sft.tokens_per_batch,
+        seed=config.seed,
+        show_progress=show_progress,
+    )
+    meta = {"recipe": recipe, "losses": losses, "train_s": time.perf_counter() - started}
+    return save_cached_policy(model, tokenizer, target, meta)

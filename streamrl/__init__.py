@@ -86,6 +86,7 @@ _EXPORTS = {
     "EpisodeRunner": "streamrl.envs.runner",
     "evaluate_episodes": "streamrl.envs.evaluate",
     "sft_on_episodes": "streamrl.envs.demos",
+    "episode_tokenizer": "streamrl.envs.demos",
     "stop_token_ids": "streamrl.chat",
     "CalculatorEnv": "streamrl.tasks.tool_tasks",
     "calculator_rows": "streamrl.tasks.tool_tasks",

@@ -17,6 +17,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "train_grpo.py"
 RG_EXAMPLE = REPO / "examples" / "train_reasoning_gym.py"
+TOOL_EXAMPLE = REPO / "examples" / "train_tool_use.py"
 RUN_TIMEOUT_S = 240  # about 40 s on an idle 2-core machine; headroom for a busy one
 
 #: Every notebook and the figures it must write.
@@ -29,6 +30,7 @@ NOTEBOOKS = {
     "05_simulate_cluster.py": ["05_cluster.png", "05_timeline_async.png"],
     "06_scale_out.py": ["06_weight_bytes.png", "06_fsdp.png"],
     "07_reasoning_gym.py": ["07_reasoning_gym.png", "07_run/eval.png"],
+    "08_episodes.py": ["08_episodes.png", "08_calculator/eval.png", "08_blackjack/eval.png"],
 }
 
 pytestmark = pytest.mark.timeout(RUN_TIMEOUT_S + 60)
@@ -53,7 +55,7 @@ def run_script(path: Path, *args: str, **env: str) -> subprocess.CompletedProces
     return proc
 
 
-@pytest.mark.parametrize("example", [EXAMPLE, RG_EXAMPLE], ids=lambda p: p.name)
+@pytest.mark.parametrize("example", [EXAMPLE, RG_EXAMPLE, TOOL_EXAMPLE], ids=lambda p: p.name)
 def test_example_fits_on_one_screen(example):
     lines = example.read_text().splitlines()
     assert len(lines) <= 50, f"examples/{example.name} has {len(lines)} lines; keep it <= 50."
@@ -70,6 +72,12 @@ def test_reasoning_gym_example_trains_with_a_tiny_budget():
     proc = run_script(RG_EXAMPLE, "--iterations", "2", "--sft-steps", "10", "--rows", "64")
     last = proc.stdout.strip().splitlines()[-1]
     assert last.startswith("held-out reward ") and "(2 iterations)" in last, last
+
+
+def test_tool_use_example_trains_with_a_tiny_budget():
+    proc = run_script(TOOL_EXAMPLE, "--iterations", "2", "--sft-steps", "10", "--rows", "64")
+    last = proc.stdout.strip().splitlines()[-1]
+    assert last.startswith("held-out success ") and "; 2 iterations)" in last, last
 
 
 @pytest.mark.parametrize("name", sorted(NOTEBOOKS))

@@ -26,6 +26,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from streamrl.chat import render_prompt
 from streamrl.envs.episode import TurnFormat
+from streamrl.models import build_bpe_tokenizer
 from streamrl.protocols import Environment
 from streamrl.sft import Batch, token_budget_batches, train_steps
 from streamrl.sft_rows import encode_rows
@@ -123,3 +124,21 @@ def sft_on_episodes(
         rng=random.Random(seed),
         show_progress=show_progress,
     )
+
+
+def episode_tokenizer(
+    rows: Sequence[Mapping[str, Any]],
+    make_env: Callable[[], Environment],
+    demonstrate: Callable[[Mapping[str, Any]], Sequence[str]],
+    *,
+    vocab_size: int = 512,
+    sample: int = 500,
+) -> PreTrainedTokenizerBase:
+    """A byte-level BPE (ChatML template) learned from the first ``sample`` rows' demonstrated
+    episodes, rendered as the policy will read and write them (deterministic)."""
+    bootstrap = build_bpe_tokenizer(["-"], vocab_size=300)  # bytes only: renders the episodes
+    texts = [
+        bootstrap.decode(demo_tokens(row, make_env(), demonstrate(row), bootstrap)[0])
+        for row in rows[:sample]
+    ]
+    return build_bpe_tokenizer(texts, vocab_size=vocab_size)

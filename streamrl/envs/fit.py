@@ -22,13 +22,13 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from streamrl.components.generation.service import StreamGenerationService
 from streamrl.config import RunConfig
 from streamrl.config_checks import check_values
-from streamrl.envs.demos import demo_tokens, sft_on_episodes
+from streamrl.envs.demos import episode_tokenizer, sft_on_episodes
 from streamrl.envs.evaluate import EpisodeEval, evaluate_episodes
 from streamrl.envs.runner import EpisodeRunner
 from streamrl.envs.task import EpisodeTask, episode_task
 from streamrl.errors import ConfigError
 from streamrl.eval_callback import PeriodicEval, plot_eval
-from streamrl.models import build_bpe_tokenizer, build_tiny_model, load_policy, save_policy
+from streamrl.models import build_tiny_model, load_policy, save_policy
 from streamrl.prepare import TINY_CONTEXT
 from streamrl.run_parts import check_parts
 from streamrl.sft import save_cached_policy
@@ -167,13 +167,7 @@ def episode_policy(config: RunConfig, task: EpisodeTask, show_progress: bool) ->
     if (target / "sft_meta.json").is_file():
         return target
     # The vocabulary is learned from rendered demonstrations: what the policy reads and writes.
-    bootstrap = build_bpe_tokenizer(["-"], vocab_size=300)
-    sample = task.train[:500]
-    texts = [
-        bootstrap.decode(demo_tokens(r, task.make_env(), task.demonstrate(r), bootstrap)[0])
-        for r in sample
-    ]
-    tokenizer = build_bpe_tokenizer(texts, vocab_size=512)
+    tokenizer = episode_tokenizer(task.train, task.make_env, task.demonstrate)
     model = build_tiny_model(tokenizer, size=sft.model_size, max_positions=TINY_CONTEXT)
     started = time.perf_counter()
     losses = sft_on_episodes(

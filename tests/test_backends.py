@@ -17,11 +17,8 @@ from streamrl.components.generation.engines import (
     check_gpus,
     instance_device,
 )
-from streamrl.components.generation.hf_generator import (
-    HFStreamGenerator,
-    LoRAStreamGenerator,
-    fingerprint,
-)
+from streamrl.components.generation.hf_generator import HFStreamGenerator, fingerprint
+from streamrl.components.generation.lora_generator import LoRAStreamGenerator
 from streamrl.components.skewness.schedulers import FIFOScheduler, LPTScheduler
 from streamrl.errors import ConfigError
 from streamrl.lora import LoRASpec, adapter_weights, apply_lora

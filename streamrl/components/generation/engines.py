@@ -73,10 +73,8 @@ class HFEngine:
             )
 
     def __call__(self, spec: EngineSpec, scheduler: AdmissionScheduler) -> HFStreamGenerator:
-        from streamrl.components.generation.hf_generator import (
-            HFStreamGenerator,
-            LoRAStreamGenerator,
-        )
+        from streamrl.components.generation.hf_generator import HFStreamGenerator
+        from streamrl.components.generation.lora_generator import LoRAStreamGenerator
         from streamrl.models import load_policy
 
         model, tokenizer = load_policy(spec.model_dir)

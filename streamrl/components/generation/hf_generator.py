@@ -27,7 +27,6 @@ import hashlib
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 import torch
@@ -36,7 +35,6 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from streamrl.components.generation.admission import AdmissionQueue, budget
 from streamrl.components.generation.kv_cache import SlotCache
 from streamrl.components.generation.prefix_stash import PrefixStash
-from streamrl.lora import MergedLoRA, adapter_weights
 from streamrl.protocols import AdmissionScheduler
 from streamrl.records import Request, Sample
 
@@ -373,35 +371,6 @@ class HFStreamGenerator(AdmissionQueue):
             prefill_tokens=len(req.prompt_ids) - row.offset,
             cached_tokens=row.offset,
         )
-
-
-class LoRAStreamGenerator(HFStreamGenerator):
-    """``HFStreamGenerator`` on a model wrapped by ``streamrl.lora.apply_lora``: updates carry
-    only the adapter tensors, and the adapters stay merged into the base weights while decoding
-    (``MergedLoRA``: base-model speed between two loads).
-
-    Args:
-        model: the LoRA-wrapped model (the trainer's ``LoRASpec``); merged on construction.
-        **settings: as for ``HFStreamGenerator``.
-    """
-
-    def __init__(self, model: PreTrainedModel, **settings: Any) -> None:
-        super().__init__(model, **settings)
-        self.merged = MergedLoRA(self.model)
-
-    def weight_templates(self) -> dict[str, torch.Tensor]:
-        """The adapter tensors, with the trainer's names and order (``adapter_weights``)."""
-        return adapter_weights(self.model)
-
-    def load_weights(self, state_dict: WeightMap, version: int) -> None:
-        """Load new adapters into the unmerged model, then merge them again."""
-        with self.merged.unmerged():
-            super().load_weights(state_dict, version)
-
-    def fingerprint(self) -> str:
-        """The hash of the unmerged weights: comparable with the trainer's LoRA policy."""
-        with self.merged.unmerged():
-            return super().fingerprint()
 
 
 def fingerprint(model: torch.nn.Module) -> str:

@@ -29,6 +29,7 @@ def test_every_command_has_help(capsys):
         ["bench", "pipeline", "--help"],
         ["bench", "dispatch", "--help"],
         ["bench", "ranker", "--help"],
+        ["bench", "episodes", "--help"],
         ["profile", "--help"],
     ):
         with pytest.raises(SystemExit) as exit_info:
@@ -162,6 +163,23 @@ def test_bench_generate_reports_both_decoders(capsys):
         assert all(v > 0 for v in rates[decoder].values())
     for batch, ratio in result["ratio"].items():  # the ratio of the two reported rates
         assert ratio == pytest.approx(rates["stream"][batch] / rates["hf_generate"][batch], 1e-2)
+
+
+@pytest.mark.timeout(300)
+def test_bench_episodes_plays_every_policy_on_the_same_episodes(capsys):
+    argv = ["bench", "episodes", "--episodes", "16", "--history", "24", "--repeats", "1"]
+    assert main(argv) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    policies = {"round_robin", "round_robin_affinity", "episode_aware"}
+    assert set(result["episodes_per_s"]) == policies
+    turns = {run["turns"] for run in result["runs"]}
+    assert len(turns) == 1  # the same episodes (each as many turns as its rounds) every time
+    saved = result["prefill_saved"]
+    # Turns kept on their instance reuse the prefix; dealt turn by turn, only by chance.
+    assert saved["round_robin_affinity"] > saved["round_robin"]
+    assert result["speedup_vs_round_robin"] == pytest.approx(
+        result["episodes_per_s"]["episode_aware"] / result["episodes_per_s"]["round_robin"]
+    )
 
 
 @pytest.mark.timeout(300)

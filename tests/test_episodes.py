@@ -236,3 +236,61 @@ def test_a_killed_instance_loses_no_episode(policy_dir):
     assert sorted(e.turns for e in got) == [1, 1] + [6] * 6
     assert sgs.counts["instances_restarted"] == 1 and sgs.counts["requests_requeued"] >= 1
     assert runner.counts["episodes_started"] == runner.counts["episodes_finished"] == 8
+
+
+class Recorder:
+    """A length predictor that keeps what it is taught (the ranker's side of the contract)."""
+
+    ready = False
+
+    def __init__(self) -> None:
+        self.taught: list[tuple[str, int]] = []
+
+    def predict(self, prompts):
+        return [0.0] * len(prompts)
+
+    def learn(self, prompts, lengths):
+        self.taught += list(zip(prompts, lengths))
+
+    def state_dict(self):
+        return {}
+
+    def load_state_dict(self, state):
+        pass
+
+
+def test_the_ranker_learns_episode_cost_and_groups_are_episodes(policy_dir):
+    """Through the trainer's stream: GRPO groups hold one row's episodes, scored by their
+    environment, and the length predictor learns each episode's whole token count."""
+    from streamrl.algorithms import GRPO
+    from streamrl.prompts import PromptSource
+    from streamrl.rollout import RolloutStream
+
+    _, tok = load_policy(policy_dir)
+    rows = [{"prompt_id": f"q{i}", "prompt": f"play {i}", "turns": 1 + i % 3} for i in range(4)]
+    recorder = Recorder()
+    with service(policy_dir) as sgs:
+        runner = EpisodeRunner(sgs, Echo, tok, max_tokens=8, context=CONTEXT)
+        stream = RolloutStream(
+            sgs,
+            PromptSource(rows, 4),
+            tok,
+            GRPO(group_size=2),
+            reward=lambda completion, row: 99.0,  # never used: the environment rewards
+            max_tokens=8,
+            context=CONTEXT,
+            ranker=recorder,
+            ranker_refresh_every=1,
+            episodes=runner,
+        )
+        groups = list(stream.iteration())
+        stream.dispatch()  # the refresh runs with the next dispatch
+        list(stream.groups(1))
+    assert sorted(g.prompt_id for g in groups) == ["q0", "q1", "q2", "q3"]
+    for group in groups:
+        turns = {s.turns for s in group.samples}
+        assert len(group.samples) == 2 and turns == {1 + int(group.prompt_id[1:]) % 3}
+        assert group.rewards == [1.0, 1.0] and all(s.loss_mask for s in group.samples)
+    lengths = sorted(s.length for g in groups for s in g.samples)
+    assert sorted(n for _, n in recorder.taught[: len(lengths)]) == lengths
+    assert max(lengths) > 2 * 8  # a 3-turn episode's cost: its turns and observations

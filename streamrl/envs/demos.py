@@ -90,7 +90,10 @@ def sft_on_episodes(
         demonstrate: a good episode's model turns for a row.
         tokenizer: the policy's tokenizer.
         model: trained in place, left in eval mode.
-        steps / lr / tokens_per_batch / seed: as ``streamrl.sft_rows.sft_on_rows``.
+        steps: optimizer steps (epochs repeat, reshuffled).
+        lr: peak learning rate (warm-up, then cosine decay).
+        tokens_per_batch: padded tokens per step (episodes of similar length batch together).
+        seed: shuffles the batches.
         show_progress: draw a progress bar.
 
     Raises:

@@ -132,9 +132,15 @@ def run_fit(config: RunConfig, show_progress: bool = True, resume: str | None = 
         # The trained policy as a model directory: `--config` with `model: <this dir>` goes on.
         trained = save_policy(_plain(policy), tokenizer, Path(config.output_dir) / "policy")
         summary["policy_dir"] = str(trained)
+    summary["accuracy_by_task_before"] = before.accuracy_by_task
+    return write_summary(summary, config, model_dir, started)
+
+
+def write_summary(summary: dict, config: RunConfig, model_dir: Path, started: float) -> dict:
+    """Add what every run's summary ends with (iterations, directories, wall time since
+    ``started``) and write it to ``<output_dir>/summary.json``; returns it."""
     summary.update(
-        accuracy_by_task_before=before.accuracy_by_task,
-        iterations=rl.iterations,
+        iterations=config.rl.iterations,
         model_dir=str(model_dir),
         output_dir=config.output_dir,
         wall_s=time.perf_counter() - started,

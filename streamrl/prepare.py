@@ -198,8 +198,7 @@ def warm_start_on_data(config: RunConfig, run: PreparedRun, *, show_progress: bo
         "seed": config.seed,
         "rows": sorted(demos["prompt_id"]),
     }
-    key = hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:12]
-    target = config.resolved_cache_dir() / f"sft-data-{sft.model_size}-{key}"
+    target = recipe_dir(config, f"sft-data-{sft.model_size}", recipe)
     if (target / "sft_meta.json").is_file():
         return target
     tokenizer = run.tokenizer
@@ -221,6 +220,12 @@ def warm_start_on_data(config: RunConfig, run: PreparedRun, *, show_progress: bo
     )
     meta = {"recipe": recipe, "losses": losses, "train_s": time.perf_counter() - started}
     return save_cached_policy(model, tokenizer, target, meta)
+
+
+def recipe_dir(config: RunConfig, name: str, recipe: dict) -> Path:
+    """Where a warm start of ``recipe`` is cached: ``<cache>/<name>-<hash of the recipe>``."""
+    key = hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:12]
+    return config.resolved_cache_dir() / f"{name}-{key}"
 
 
 def _tokenizer_and_context(

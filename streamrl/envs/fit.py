@@ -9,8 +9,6 @@ much prefill the kept prefixes saved.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import time
 from collections.abc import Callable
 from dataclasses import asdict
@@ -29,7 +27,7 @@ from streamrl.envs.task import EpisodeTask, episode_task
 from streamrl.errors import ConfigError
 from streamrl.eval_callback import PeriodicEval, plot_eval
 from streamrl.models import build_tiny_model, load_policy, save_policy
-from streamrl.prepare import TINY_CONTEXT
+from streamrl.prepare import TINY_CONTEXT, recipe_dir
 from streamrl.run_parts import check_parts
 from streamrl.sft import save_cached_policy
 from streamrl.tasks.local_data import check_enough_rows
@@ -42,7 +40,7 @@ def run_episode_fit(
     config: RunConfig, show_progress: bool = True, resume: str | None = None
 ) -> dict:
     """Train on ``config.env``'s episodes; returns the summary (also ``summary.json``)."""
-    from streamrl.jobs import _rl_summary, _train, ledger
+    from streamrl.jobs import _rl_summary, _train, ledger, write_summary
 
     started = time.perf_counter()
     check_values(config)
@@ -100,16 +98,7 @@ def run_episode_fit(
         summary["prefill_saved"] = module.rollouts.episodes.prefill_saved
         trained = save_policy(policy, tokenizer, Path(config.output_dir) / "policy")
         summary["policy_dir"] = str(trained)
-    summary.update(
-        iterations=rl.iterations,
-        model_dir=str(model_dir),
-        output_dir=config.output_dir,
-        wall_s=time.perf_counter() - started,
-    )
-    out = Path(config.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "summary.json").write_text(json.dumps(summary, indent=2))
-    return summary
+    return write_summary(summary, config, model_dir, started)
 
 
 def _runner_factory(
@@ -162,8 +151,7 @@ def episode_policy(config: RunConfig, task: EpisodeTask, show_progress: bool) ->
         "seed": config.seed,
         "rows": sorted(r["prompt_id"] for r in task.train),
     }
-    key = hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:12]
-    target = config.resolved_cache_dir() / f"sft-episodes-{sft.model_size}-{key}"
+    target = recipe_dir(config, f"sft-episodes-{sft.model_size}", recipe)
     if (target / "sft_meta.json").is_file():
         return target
     # The vocabulary is learned from rendered demonstrations: what the policy reads and writes.

@@ -168,6 +168,7 @@ def test_bench_generate_reports_both_decoders(capsys):
 @pytest.mark.timeout(300)
 def test_bench_episodes_plays_every_policy_on_the_same_episodes(capsys):
     argv = ["bench", "episodes", "--episodes", "16", "--history", "24", "--repeats", "1"]
+    argv += ["--model-size", "test"]
     assert main(argv) == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     policies = {"round_robin", "round_robin_affinity", "episode_aware"}

@@ -23,6 +23,9 @@ def add_episodes_command(bench_sub: Any) -> None:
         ("--seed", 0, "seed"),
     ]:
         episodes.add_argument(name, type=int, default=default, help=help_text)
+    episodes.add_argument(
+        "--model-size", choices=["test", "demo"], default="demo", help="the random tiny policy"
+    )
     episodes.set_defaults(func=_run_episodes)
 
 

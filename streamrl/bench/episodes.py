@@ -77,10 +77,10 @@ def rounds_rows(n: int, seed: int, prefix: str) -> list[dict]:
     return rows
 
 
-def _policy_dir(out: Path) -> Path:
+def _policy_dir(out: Path, size: str) -> Path:
     texts = [r["prompt"] for r in rounds_rows(400, 0, "t")] + ["Round 3 of 7."] * 50
     tok = build_bpe_tokenizer(texts, vocab_size=320)
-    return save_policy(build_tiny_model(tok, "test", seed=0), tok, out / "policy")
+    return save_policy(build_tiny_model(tok, size, seed=0), tok, out / "policy")
 
 
 def _play(policy: str, model_dir: Path, tok, rows, scores, history, latency, args) -> dict:
@@ -130,7 +130,7 @@ def bench_episodes(args) -> dict:
     """Run the benchmark (module docstring); returns the JSON summary."""
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = _policy_dir(Path(tmp))
+        model_dir = _policy_dir(Path(tmp), args.model_size)
         policy, tok = load_policy(model_dir)
         history = rounds_rows(args.history, args.seed + 1, "h")
         rows = rounds_rows(args.episodes, args.seed, "e")

@@ -90,7 +90,8 @@ class HFStreamGenerator(AdmissionQueue):
             on what earlier versions sampled (a resumed run samples as the uninterrupted one).
         weight_version: version tag of the weights the model holds now.
         prefix_entries: finished sequences of ``keep_prefix`` requests whose KV cache is kept
-            for their episode's next turn (``PrefixStash``; cleared when weights load).
+            for their episode's next turn (``PrefixStash``; cleared when weights load); one per
+            batch slot by default (each holds a sequence's whole KV cache: mind a GPU's memory).
     """
 
     def __init__(
@@ -138,7 +139,7 @@ class HFStreamGenerator(AdmissionQueue):
         self._cache = SlotCache(config.num_hidden_layers, max_batch_size)
         self._rows: list[_Running] = []
         #: Episodes' kept prefixes (``hits``: turns that reused one).
-        self.prefixes = PrefixStash(prefix_entries or 4 * max_batch_size)
+        self.prefixes = PrefixStash(prefix_entries or max_batch_size)
 
     # ----------------------------------------------------------------- public API
     @property

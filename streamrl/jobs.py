@@ -265,7 +265,11 @@ def _train(
             with trainer_ranks(setup, model_dir, resume):
                 trainer.fit(module, ckpt_path=resume)
         else:
-            trainer.fit(module, ckpt_path=resume)
+            try:
+                trainer.fit(module, ckpt_path=resume)
+            finally:  # episodes still open (an iteration dispatched ahead) close their envs
+                if rollouts.episodes is not None:
+                    rollouts.episodes.close()
         if setup.ranks > 1:
             policy = load_policy(model_dir)[0]  # the sharded copy's full weights, unsharded
             policy.load_state_dict(module.final_weights, strict=False)

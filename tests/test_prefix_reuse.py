@@ -76,3 +76,14 @@ def test_new_weights_drop_kept_prefixes(tok):
     gen.submit([Request("a", ids + first.token_ids + ids, 4, keep_prefix=True)])
     (second,) = list(gen.stream())
     assert second.cached_tokens == 0 and second.prefill_tokens == len(second.prompt_ids)
+
+
+def test_a_turn_with_a_kept_prefix_is_admitted_before_new_requests(tok):
+    gen = HFStreamGenerator(varied_model(tok), max_batch_size=1, greedy=True)
+    ids = tok("rev ab=")["input_ids"]
+    gen.submit([Request("a", ids, 3, keep_prefix=True)])
+    (first,) = list(gen.stream())
+    fresh = [Request(f"new{i}", tok("1+2=")["input_ids"], 3) for i in range(3)]
+    gen.submit([*fresh, Request("a", ids + first.token_ids + ids, 3, keep_prefix=True)])
+    order = [s.prompt_id for s in gen.stream()]
+    assert order == ["a", "new0", "new1", "new2"]  # one slot: the resumed turn went first

@@ -9,6 +9,7 @@ skewness-aware dispatcher gives long-tail instances small batches). ``HFStreamGe
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Iterable, Iterator
 
 from streamrl.components.skewness.schedulers import AdmissionScheduler, FIFOScheduler
@@ -53,6 +54,8 @@ class AdmissionQueue:
         self._scheduler = scheduler if scheduler is not None else FIFOScheduler()
         self._weight_version = weight_version
         self._submitted_s: dict[int, float] = {}  # id(request) -> submission time
+        # Next turns of episodes whose prefix this generator kept: admitted before the rest.
+        self._resuming: deque[Request] = deque()
 
     @property
     def weight_version(self) -> int:
@@ -67,12 +70,12 @@ class AdmissionQueue:
     @property
     def num_waiting(self) -> int:
         """Submitted requests not yet admitted."""
-        return len(self._scheduler)
+        return len(self._scheduler) + len(self._resuming)
 
     @property
     def idle(self) -> bool:
         """True when nothing is running or waiting."""
-        return not self.num_running and not len(self._scheduler)
+        return not self.num_running and not self.num_waiting
 
     @property
     def batch_limit(self) -> int:
@@ -99,7 +102,19 @@ class AdmissionQueue:
         now = time.time()
         for req in requests:
             self._submitted_s[id(req)] = now
-            self._scheduler.push(req)
+            if self._resumable(req):
+                self._resuming.append(req)
+            else:
+                self._scheduler.push(req)
+
+    def _resumable(self, req: Request) -> bool:
+        """Whether ``req`` continues an episode whose prefix this generator kept (admitted
+        first, so the kept cache is used before it is evicted); none by default."""
+        return False
+
+    def _next_request(self) -> Request:
+        """The request a freed slot admits: a resuming turn first, then the scheduler's."""
+        return self._resuming.popleft() if self._resuming else self._scheduler.pop()
 
     def step(self) -> list[Sample]:
         """Admit into free slots, decode, return the samples that finished in this step."""

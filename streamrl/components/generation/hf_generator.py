@@ -90,8 +90,9 @@ class HFStreamGenerator(AdmissionQueue):
             on what earlier versions sampled (a resumed run samples as the uninterrupted one).
         weight_version: version tag of the weights the model holds now.
         prefix_entries: finished sequences of ``keep_prefix`` requests whose KV cache is kept
-            for their episode's next turn (``PrefixStash``; cleared when weights load); one per
+            for their episode's next turn (``PrefixStash``; cleared when weights load); four per
             batch slot by default (each holds a sequence's whole KV cache: mind a GPU's memory).
+            Such a turn is admitted before the scheduler's requests.
     """
 
     def __init__(
@@ -139,7 +140,7 @@ class HFStreamGenerator(AdmissionQueue):
         self._cache = SlotCache(config.num_hidden_layers, max_batch_size)
         self._rows: list[_Running] = []
         #: Episodes' kept prefixes (``hits``: turns that reused one).
-        self.prefixes = PrefixStash(prefix_entries or max_batch_size)
+        self.prefixes = PrefixStash(prefix_entries or 4 * max_batch_size)
 
     # ----------------------------------------------------------------- public API
     @property
@@ -201,10 +202,8 @@ class HFStreamGenerator(AdmissionQueue):
         now = time.time()
         needed = 0
         fresh, resumed = [], []
-        while len(self._rows) + len(fresh) + len(resumed) < self._batch_limit and len(
-            self._scheduler
-        ):
-            req = self._scheduler.pop()
+        while len(self._rows) + len(fresh) + len(resumed) < self._batch_limit and self.num_waiting:
+            req = self._next_request()
             prompt = req.prompt_ids
             submitted = self._submitted_s.pop(id(req), now)
             # The last prompt token is fed by the shared decode forward, which yields token one.
@@ -225,6 +224,9 @@ class HFStreamGenerator(AdmissionQueue):
         for row, kv in resumed:
             self._cache.load_row(len(self._rows), kv)
             self._rows.append(row)
+
+    def _resumable(self, req: Request) -> bool:
+        return req.key in self.prefixes
 
     def _prefill(self, start: int) -> None:
         resumed = [i for i in range(start, len(self._rows)) if self._rows[i].offset]

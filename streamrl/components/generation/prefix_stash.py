@@ -57,6 +57,9 @@ class PrefixStash:
     def __len__(self) -> int:
         return len(self._kept)
 
+    def __contains__(self, key: Hashable) -> bool:
+        return key in self._kept
+
     def put(
         self, key: Hashable, token_ids: list[int], kv: torch.Tensor, weight_version: int
     ) -> None:

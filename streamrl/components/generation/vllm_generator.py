@@ -234,8 +234,8 @@ class VLLMStreamGenerator(AdmissionQueue):
         from vllm.sampling_params import RequestOutputKind
 
         now = time.time()
-        while len(self._running) < self._batch_limit and len(self._scheduler):
-            req = self._scheduler.pop()
+        while len(self._running) < self._batch_limit and self.num_waiting:
+            req = self._next_request()
             forced = req.forced_length is not None
             params = SamplingParams(
                 temperature=0.0 if self.greedy else self.temperature,  # vLLM: 0 means argmax

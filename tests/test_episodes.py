@@ -294,3 +294,29 @@ def test_the_ranker_learns_episode_cost_and_groups_are_episodes(policy_dir):
     lengths = sorted(s.length for g in groups for s in g.samples)
     assert sorted(n for _, n in recorder.taught[: len(lengths)]) == lengths
     assert max(lengths) > 2 * 8  # a 3-turn episode's cost: its turns and observations
+
+
+def test_a_runner_waits_no_longer_than_the_services_timeout(policy_dir):
+    """A service that takes turns but never returns one (a stand-in: the real service's own
+    heartbeats catch hung instances first) ends the wait with a GeneratorError."""
+    from streamrl.components.generation.pool import GeneratorError
+
+    class Silent:
+        sample_timeout_s, open_requests = 0.5, 0
+
+        def submit(self, requests, scores=None):
+            self.open_requests += len(requests)
+
+        def poll_sample(self, timeout_s):
+            time.sleep(timeout_s)
+
+        def instances(self):
+            return []
+
+    _, tok = load_policy(policy_dir)
+    runner = EpisodeRunner(Silent(), Echo, tok, max_tokens=4, context=CONTEXT)
+    runner.submit([runner.start({"prompt_id": "q", "prompt": "go"})])
+    started = time.monotonic()
+    with pytest.raises(GeneratorError, match="came back within"):
+        runner.next_sample()
+    assert time.monotonic() - started < 5

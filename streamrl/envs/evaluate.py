@@ -37,6 +37,10 @@ class LocalGeneration:
     notebooks): ``submit``, ``poll_sample`` and ``open_requests``."""
 
     dispatcher = None
+    sample_timeout_s = 300.0
+
+    def instances(self) -> list:
+        return []
 
     def __init__(self, generator: HFStreamGenerator) -> None:
         self.generator = generator

@@ -36,7 +36,7 @@ from typing import Any
 from transformers import PreTrainedTokenizerBase
 
 from streamrl.chat import completion_text, render_prompt
-from streamrl.components.generation.service import StreamGenerationService
+from streamrl.components.generation.service import GeneratorError, StreamGenerationService
 from streamrl.envs.episode import Episode, TurnFormat
 from streamrl.envs.tools import run_with_timeout
 from streamrl.errors import EnvError
@@ -162,11 +162,15 @@ class EpisodeRunner:
 
         Raises:
             EnvError: an environment broke its contract.
-            GeneratorError: the instances failed (``StreamGenerationService``).
+            GeneratorError: the instances failed (``StreamGenerationService``), or no turn
+                came back within the service's ``sample_timeout_s``.
         """
+        timeout_s = getattr(self.service, "sample_timeout_s", 300.0)
+        progress = time.monotonic()  # when a turn or a step last came back
         while not self._finished:
             if not self._episodes:
                 raise RuntimeError("next_sample: no episode is open; submit() some first.")
+            steps = self.counts["env_steps"] + self.counts["env_timeouts"]
             self._take_steps()
             if self._finished:
                 break
@@ -174,8 +178,16 @@ class EpisodeRunner:
                 sample = self.service.poll_sample(POLL_S if self._stepping else 0.5)
                 if sample is not None:
                     self._on_turn(sample)
+                    progress = time.monotonic()
             else:  # only environments are working: wait for one
                 self._take_steps(block_s=POLL_S)
+            if self.counts["env_steps"] + self.counts["env_timeouts"] > steps:
+                progress = time.monotonic()
+            elif time.monotonic() - progress > timeout_s:
+                raise GeneratorError(
+                    f"No turn of {len(self._episodes)} open episodes came back within "
+                    f"{timeout_s:.0f} s; instances: {self.service.instances()}."
+                )
         return self._finished.popleft()
 
     # -- turns and steps -------------------------------------------------------------------

@@ -320,3 +320,33 @@ def test_a_runner_waits_no_longer_than_the_services_timeout(policy_dir):
     with pytest.raises(GeneratorError, match="came back within"):
         runner.next_sample()
     assert time.monotonic() - started < 5
+
+
+class AllToFirst:
+    """Puts every request on the first instance: an imbalance for the runner to correct."""
+
+    def plan(self, requests, scores, instances):
+        return [list(requests)] + [[] for _ in range(instances - 1)]
+
+    def observe(self, lengths):
+        pass
+
+    def batch_limits(self, instances):
+        return None
+
+    def state_dict(self):
+        return {}
+
+    def load_state_dict(self, state):
+        pass
+
+
+def test_turns_move_off_an_overloaded_instance(policy_dir):
+    _, tok = load_policy(policy_dir)
+    rows = [{"prompt_id": f"q{i}", "prompt": f"game {i}", "turns": 3} for i in range(6)]
+    with service(policy_dir, 2, dispatcher=AllToFirst()) as sgs:
+        runner = EpisodeRunner(sgs, Echo, tok, max_tokens=8, context=CONTEXT, rebalance_requests=2)
+        episodes = run_episodes(runner, rows)
+    assert runner.counts["turns_moved"] > 0
+    assert {e.instance_id for e in episodes} == {0, 1}  # some finished where they moved
+    assert all(e.turns == 3 and e.finish_reason == "done" for e in episodes)

@@ -175,6 +175,7 @@ def test_bench_episodes_plays_every_policy_on_the_same_episodes(capsys):
     assert set(result["episodes_per_s"]) == policies
     turns = {run["turns"] for run in result["runs"]}
     assert len(turns) == 1  # the same episodes (each as many turns as its rounds) every time
+    assert all(run["truncated"] == 0 for run in result["runs"])  # every episode fits
     saved = result["prefill_saved"]
     # Turns kept on their instance reuse the prefix; dealt turn by turn, only by chance.
     assert saved["round_robin_affinity"] > saved["round_robin"]

@@ -18,7 +18,7 @@ def add_episodes_command(bench_sub: Any) -> None:
         ("--history", 192, "episodes the ranker learns their cost from (other prompts)"),
         ("--instances", 2, "generator instances"),
         ("--max-batch-size", 8, "slots per instance"),
-        ("--turn-tokens", 12, "tokens per turn (most turns generate all of them)"),
+        ("--turn-tokens", 16, "tokens per turn (most turns generate all of them)"),
         ("--repeats", 3, "runs per policy, interleaved (median reported)"),
         ("--seed", 0, "seed"),
     ]:

@@ -33,13 +33,14 @@ from streamrl.components.skewness.dispatch import RoundRobinDispatcher
 from streamrl.components.skewness.ranker import LengthRanker
 from streamrl.components.skewness.schedulers import FIFOScheduler, LPTScheduler
 from streamrl.components.skewness.skew_dispatch import SkewAwareDispatcher
+from streamrl.envs.demos import episode_tokenizer
 from streamrl.envs.runner import EpisodeRunner
 from streamrl.metrics import recall_at_k
-from streamrl.models import build_bpe_tokenizer, build_tiny_model, load_policy, save_policy
+from streamrl.models import build_tiny_model, load_policy, save_policy
 from streamrl.records import Step
 
 POLICIES = ("round_robin", "round_robin_affinity", "episode_aware")
-MAX_ROUNDS = 8  # 8 turns of 12 tokens and their observations fit the tiny policy's context
+MAX_ROUNDS = 8  # 8 turns of 16 tokens and their observations fit the tiny policy's context
 CONTEXT = 256
 
 
@@ -78,8 +79,10 @@ def rounds_rows(n: int, seed: int, prefix: str) -> list[dict]:
 
 
 def _policy_dir(out: Path, size: str) -> Path:
-    texts = [r["prompt"] for r in rounds_rows(400, 0, "t")] + ["Round 3 of 7."] * 50
-    tok = build_bpe_tokenizer(texts, vocab_size=320)
+    """A random policy whose BPE knows the episodes' text, the chat template's included (its
+    turns and observations take few tokens, so the longest episodes fit the context)."""
+    rows = rounds_rows(400, 0, "t")
+    tok = episode_tokenizer(rows, Rounds, lambda row: ["ok"] * row["rounds"], vocab_size=320)
     return save_policy(build_tiny_model(tok, size, seed=0), tok, out / "policy")
 
 
@@ -122,6 +125,7 @@ def _play(policy: str, model_dir: Path, tok, rows, scores, history, latency, arg
         "cached_tokens": sum(e.cached_tokens for e in episodes),
         "turns": sum(e.turns for e in episodes),
         "turns_moved": runner.counts["turns_moved"],
+        "truncated": sum(e.finish_reason != "done" for e in episodes),
         "cost": {e.prompt_id: e.length for e in episodes},
     }
 

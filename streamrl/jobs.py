@@ -7,10 +7,8 @@ stream generation service, let Lightning drive the disaggregated RL loop, evalua
 from __future__ import annotations
 
 import copy
-import json
-import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 
 import datasets
@@ -20,36 +18,25 @@ import torch.distributed as dist
 from lightning.fabric.plugins.environments import ClusterEnvironment
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from streamrl.builders import make_logger
 from streamrl.chat import completion_text, render_prompt, stop_token_ids
-from streamrl.components.generation.service import StreamGenerationService
 from streamrl.config import RunConfig
 from streamrl.config_checks import check_values
-from streamrl.envs.runner import EpisodeRunner
 from streamrl.errors import ConfigError
 from streamrl.eval_callback import PeriodicEval, plot_eval
 from streamrl.evaluation import EvalResult, evaluate
-from streamrl.lora import apply_lora
 from streamrl.models import load_policy, save_policy
-from streamrl.module import StreamRLModule
 from streamrl.prepare import ensure_policy, prepare_run
-from streamrl.prompts import PromptSource
-from streamrl.rewards.pool import RewardPool
 from streamrl.rewards.spec import load_rewards
-from streamrl.rollout import RolloutStream
+from streamrl.rl_job import ledger, rl_summary, train_rl, write_summary
 from streamrl.run_parts import (
-    RunParts,
     build_run_algorithm,
     check_parts,
-    reward_pool,
     reward_specs,
 )
-from streamrl.timeline import draw_timeline
 from streamrl.trainer_ranks import (
     RankSetup,
     join_launched_job,
     launched_job,
-    trainer_ranks,
     wait_for_rank_zero,
 )
 
@@ -106,7 +93,7 @@ def run_fit(config: RunConfig, show_progress: bool = True, resume: str | None = 
         if rl.eval_every > 0:
             periodic = PeriodicEval(evaluator, every=rl.eval_every, output_dir=config.output_dir)
             periodic.record(0, before)
-        module, policy = _train(
+        module, policy = train_rl(
             config,
             run.train,
             run.context,
@@ -126,7 +113,7 @@ def run_fit(config: RunConfig, show_progress: bool = True, resume: str | None = 
             plot_eval(periodic.history, Path(config.output_dir) / "eval.png")
         summary.update(_eval_summary(after, "after"))
         if module.history:  # a resumed run may have had no iteration left
-            summary.update(_rl_summary(module, len(module.history)))
+            summary.update(rl_summary(module, len(module.history)))
         summary.update(ledger(module), heldout_acc_after=after.accuracy)
         summary["accuracy_by_task_after"] = after.accuracy_by_task
         # The trained policy as a model directory: `--config` with `model: <this dir>` goes on.
@@ -134,21 +121,6 @@ def run_fit(config: RunConfig, show_progress: bool = True, resume: str | None = 
         summary["policy_dir"] = str(trained)
     summary["accuracy_by_task_before"] = before.accuracy_by_task
     return write_summary(summary, config, model_dir, started)
-
-
-def write_summary(summary: dict, config: RunConfig, model_dir: Path, started: float) -> dict:
-    """Add what every run's summary ends with (iterations, directories, wall time since
-    ``started``) and write it to ``<output_dir>/summary.json``; returns it."""
-    summary.update(
-        iterations=config.rl.iterations,
-        model_dir=str(model_dir),
-        output_dir=config.output_dir,
-        wall_s=time.perf_counter() - started,
-    )
-    out = Path(config.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "summary.json").write_text(json.dumps(summary, indent=2))
-    return summary
 
 
 def heldout_evaluator(
@@ -189,100 +161,6 @@ def _eval_summary(result: EvalResult, when: str) -> dict:
     return out
 
 
-def _train(
-    config: RunConfig,
-    train_set: datasets.Dataset,
-    context: int,
-    model_dir: Path,
-    policy_and_tokenizer: tuple[PreTrainedModel, PreTrainedTokenizerBase],
-    show_progress: bool,
-    resume: str | None = None,
-    job: ClusterEnvironment | None = None,
-    callbacks: Sequence[L.Callback] = (),
-    episodes: Callable[[StreamGenerationService], EpisodeRunner] | None = None,
-) -> tuple[StreamRLModule, PreTrainedModel]:
-    """Config -> component objects -> the public builders: start the generation service and
-    let a Lightning ``Trainer`` run the RL iterations (from the checkpoint ``resume``, if given:
-    weights, optimizer, stream position, in-flight prompts, component states). ``episodes``
-    makes the episode runner of a multi-turn run on the started service (its environments
-    reward the samples). Returns the module and the trained policy (unsharded)."""
-    rl = config.rl
-    policy, tokenizer = policy_and_tokenizer
-    torch.set_num_threads(1)  # one thread per process: the generators need the other cores
-    parts = RunParts.from_config(config, policy, tokenizer)
-    if parts.lora is not None:  # adapters only: they train, and only they travel to generators
-        policy = apply_lora(policy, parts.lora)
-    service = StreamGenerationService(
-        model_dir,
-        rl.generators,
-        engine=parts.engine,
-        dispatcher=parts.dispatcher,
-        scheduler=parts.scheduler,
-        max_batch_size=rl.max_batch_size,
-        temperature=rl.temperature,
-        seed=config.seed,
-        max_restarts=rl.max_restarts,
-        status_path=Path(config.output_dir) / "instances.json",
-        cluster=rl.cluster,
-        gpus_per_instance=rl.gpus,
-        weight_transport=rl.weight_transport,
-        sites=rl.sites or None,
-        trainer_site=rl.trainer_site,
-        stop_token_ids=stop_token_ids(tokenizer),
-        stop_strings=config.data.stop_strings,
-    )
-    rewards_in = (
-        RewardPool(parts.rewards, workers=0) if episodes else reward_pool(rl, parts.rewards)
-    )
-    with service, rewards_in as rewards:
-        rollouts = RolloutStream(
-            service,
-            PromptSource(train_set, rl.prompts_per_iteration, seed=config.seed),
-            tokenizer,
-            parts.algorithm,
-            reward=rewards,
-            system_prompt=config.data.system_prompt,
-            chat_template=config.data.chat_template,
-            stop_strings=config.data.stop_strings,
-            max_tokens=rl.max_tokens,
-            context=context,
-            ranker=parts.length_predictor,
-            ranker_refresh_every=rl.ranker_refresh_every,
-            episodes=episodes(service) if episodes else None,
-        )
-        setup = RankSetup.from_config(config, parts.algorithm, job)
-        module = setup.module(policy, rollouts, elastic=parts.elastic)
-        trainer = setup.trainer(
-            module,
-            logger=make_logger(config.logger, config.output_dir),
-            show_progress=show_progress,
-            callbacks=callbacks,
-        )
-        if job is not None:  # rank 0 of a launcher's ranks: the others run _follow_rank_zero
-            trainer.fit(module, ckpt_path=resume)
-            dist.destroy_process_group()
-        elif setup.ranks > 1:  # rank 0 of rl.trainer_ranks FSDP2 ranks; the others start here
-            with trainer_ranks(setup, model_dir, resume):
-                trainer.fit(module, ckpt_path=resume)
-        else:
-            try:
-                trainer.fit(module, ckpt_path=resume)
-            finally:  # episodes still open (an iteration dispatched ahead) close their envs
-                if rollouts.episodes is not None:
-                    rollouts.episodes.close()
-        if setup.ranks > 1:
-            policy = load_policy(model_dir)[0]  # the sharded copy's full weights, unsharded
-            policy.load_state_dict(module.final_weights, strict=False)
-    policy.eval()
-    out = Path(config.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    trace_path = rollouts.trace.to_json(out / "trace.json")
-    if rollouts.trace.spans:  # a resumed run may have had nothing left to do
-        draw_timeline(rollouts.trace.spans, out / "timeline.png", title=f"streamrl {rl.mode}")
-        print(f"timeline: {trace_path} -> {out / 'timeline.png'}", file=sys.stderr)
-    return module, policy
-
-
 def check_launched(config: RunConfig, world: int) -> None:
     """Under an external launcher the trainer ranks are the launcher's; ``ConfigError`` if the
     config asks for another number (it would spawn ranks of its own on top)."""
@@ -317,52 +195,3 @@ def _plain(policy: PreTrainedModel) -> PreTrainedModel:
     if hasattr(policy, "merge_and_unload"):
         return copy.deepcopy(policy).merge_and_unload()
     return policy
-
-
-def _rl_summary(module: StreamRLModule, iterations: int) -> dict:
-    history = module.history
-    rewards = [h["rollout/reward"] for h in history]
-    rl_wall = sum(h["time/iteration_s"] for h in history)
-    samples = iterations * module.rollouts.samples_per_iteration
-    head = rewards[: min(3, len(rewards))]
-    tail = rewards[-min(3, len(rewards)) :]
-    return {
-        "reward_first": sum(head) / len(head),
-        "reward_last": sum(tail) / len(tail),
-        "samples_per_s": samples / rl_wall,
-        "trainer_wait_frac": sum(h["time/wait_s"] for h in history) / rl_wall,
-        "rl_wall_s": rl_wall,
-        "mode": module.mode,
-        "staleness_max": max(h["train/staleness_max"] for h in history),
-        "dropped_stale": module.pipeline.dropped_stale,
-        "sync_exposed_s_total": sum(h["time/sync_exposed_s"] for h in history),
-        "sync_transfer_s_total": module.sync_transfer_s,
-    }
-
-
-def ledger(module: StreamRLModule) -> dict:
-    """Where every requested sample went; ``samples_lost`` must be 0 (see docs/failures.md)."""
-    service, rollouts = module.rollouts.service, module.rollouts
-    requested = rollouts.prompts_dispatched * rollouts.algorithm.group_size
-    filtered = module.pipeline.dropped_stale + rollouts.samples_filtered
-    episodes = {}  # a multi-turn run: samples are episodes, each of several requests (turns)
-    if rollouts.episodes is not None:
-        counts = rollouts.episodes.counts
-        episodes = {"turns": counts["turns"], "episode_counts": dict(counts)}
-    return {
-        "prompts_dispatched": rollouts.prompts_dispatched,
-        "samples_requested": requested,
-        "samples_generated": (
-            rollouts.episodes.counts["episodes_finished"]
-            if rollouts.episodes is not None
-            else service.counts["samples_returned"]
-        ),
-        **episodes,
-        "samples_trained": module.samples_trained,
-        "samples_filtered": filtered,
-        "samples_requeued": service.counts["requests_requeued"],
-        "samples_discarded_late": service.counts["samples_discarded"],
-        "samples_lost": requested - module.samples_trained - filtered,
-        "instances_restarted": service.counts["instances_restarted"],
-        "generators_final": sum(i.state != "failed" for i in service.instances()),
-    }

@@ -28,6 +28,7 @@ from streamrl.errors import ConfigError
 from streamrl.eval_callback import PeriodicEval, plot_eval
 from streamrl.models import build_tiny_model, load_policy, save_policy
 from streamrl.prepare import TINY_CONTEXT, recipe_dir
+from streamrl.rl_job import ledger, rl_summary, train_rl, write_summary
 from streamrl.run_parts import check_parts
 from streamrl.sft import save_cached_policy
 from streamrl.tasks.local_data import check_enough_rows
@@ -40,8 +41,6 @@ def run_episode_fit(
     config: RunConfig, show_progress: bool = True, resume: str | None = None
 ) -> dict:
     """Train on ``config.env``'s episodes; returns the summary (also ``summary.json``)."""
-    from streamrl.jobs import _rl_summary, _train, ledger, write_summary
-
     started = time.perf_counter()
     check_values(config)
     check_parts(config.rl)
@@ -75,7 +74,7 @@ def run_episode_fit(
         if rl.eval_every > 0:
             periodic = PeriodicEval(evaluator, every=rl.eval_every, output_dir=config.output_dir)
             periodic.record(0, before)
-        module, policy = _train(
+        module, policy = train_rl(
             config,
             task.train,
             context,
@@ -93,7 +92,7 @@ def run_episode_fit(
             plot_eval(periodic.history, Path(config.output_dir) / "eval.png")
         summary.update(_eval_summary(after, "after"))
         if module.history:
-            summary.update(_rl_summary(module, len(module.history)))
+            summary.update(rl_summary(module, len(module.history)))
         summary.update(ledger(module))
         summary["prefill_saved"] = module.rollouts.episodes.prefill_saved
         trained = save_policy(policy, tokenizer, Path(config.output_dir) / "policy")

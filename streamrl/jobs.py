@@ -22,12 +22,11 @@ from streamrl.chat import completion_text, render_prompt, stop_token_ids
 from streamrl.config import RunConfig
 from streamrl.config_checks import check_values
 from streamrl.errors import ConfigError
-from streamrl.eval_callback import PeriodicEval, plot_eval
 from streamrl.evaluation import EvalResult, evaluate
 from streamrl.models import load_policy, save_policy
 from streamrl.prepare import ensure_policy, prepare_run
 from streamrl.rewards.spec import load_rewards
-from streamrl.rl_job import ledger, rl_summary, train_rl, write_summary
+from streamrl.rl_job import ledger, rl_summary, train_rl, train_with_eval, write_summary
 from streamrl.run_parts import (
     build_run_algorithm,
     check_parts,
@@ -88,29 +87,22 @@ def run_fit(config: RunConfig, show_progress: bool = True, resume: str | None = 
     }
     rl = config.rl
     if rl.iterations > 0:
-        training_started = time.perf_counter()
-        periodic = None
-        if rl.eval_every > 0:
-            periodic = PeriodicEval(evaluator, every=rl.eval_every, output_dir=config.output_dir)
-            periodic.record(0, before)
-        module, policy = train_rl(
+        module, policy, after, summary["train_wall_s"] = train_with_eval(
             config,
-            run.train,
-            run.context,
-            model_dir,
-            (policy, tokenizer),
-            show_progress,
-            resume,
-            job,
-            callbacks=[periodic] if periodic else [],
+            evaluator,
+            before,
+            lambda callbacks: train_rl(
+                config,
+                run.train,
+                run.context,
+                model_dir,
+                (policy, tokenizer),
+                show_progress,
+                resume,
+                job,
+                callbacks=callbacks,
+            ),
         )
-        # A user's stopwatch on the training call: process spawns, profiling, checkpoint writes
-        # and Lightning's own overhead included (``rl_wall_s`` counts the iterations only).
-        summary["train_wall_s"] = time.perf_counter() - training_started
-        after = evaluator(policy)
-        if periodic is not None:
-            periodic.record(module.weight_version, after)
-            plot_eval(periodic.history, Path(config.output_dir) / "eval.png")
         summary.update(_eval_summary(after, "after"))
         if module.history:  # a resumed run may have had no iteration left
             summary.update(rl_summary(module, len(module.history)))

@@ -12,6 +12,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import datasets
 import lightning as L
@@ -25,6 +26,7 @@ from streamrl.chat import stop_token_ids
 from streamrl.components.generation.service import StreamGenerationService
 from streamrl.config import RunConfig
 from streamrl.envs.runner import EpisodeRunner
+from streamrl.eval_callback import PeriodicEval, plot_eval
 from streamrl.lora import apply_lora
 from streamrl.models import load_policy
 from streamrl.module import StreamRLModule
@@ -34,6 +36,34 @@ from streamrl.rollout import RolloutStream
 from streamrl.run_parts import RunParts, reward_pool
 from streamrl.timeline import draw_timeline
 from streamrl.trainer_ranks import RankSetup, trainer_ranks
+
+
+def train_with_eval(
+    config: RunConfig,
+    evaluator: Callable[[PreTrainedModel], Any],
+    before: Any,
+    train: Callable[[list[L.Callback]], tuple[StreamRLModule, PreTrainedModel]],
+) -> tuple[StreamRLModule, PreTrainedModel, Any, float]:
+    """``train(callbacks)`` with ``rl.eval_every``'s ``PeriodicEval`` (its history starting at
+    ``before``, ``eval.png`` drawn at the end), then the held-out evaluation after training.
+
+    Returns:
+        ``(module, policy, after, train_wall_s)``; ``train_wall_s`` is a user's stopwatch on
+        the training call: process spawns, profiling, checkpoint writes and Lightning's own
+        overhead included (``rl_wall_s`` counts the iterations only).
+    """
+    periodic = None
+    if config.rl.eval_every > 0:
+        periodic = PeriodicEval(evaluator, every=config.rl.eval_every, output_dir=config.output_dir)
+        periodic.record(0, before)
+    started = time.perf_counter()
+    module, policy = train([periodic] if periodic else [])
+    train_wall_s = time.perf_counter() - started
+    after = evaluator(policy)
+    if periodic is not None:
+        periodic.record(module.weight_version, after)
+        plot_eval(periodic.history, Path(config.output_dir) / "eval.png")
+    return module, policy, after, train_wall_s
 
 
 def write_summary(summary: dict, config: RunConfig, model_dir: Path, started: float) -> dict:

@@ -25,10 +25,9 @@ from streamrl.envs.evaluate import EpisodeEval, evaluate_episodes
 from streamrl.envs.runner import EpisodeRunner
 from streamrl.envs.task import EpisodeTask, episode_task
 from streamrl.errors import ConfigError
-from streamrl.eval_callback import PeriodicEval, plot_eval
 from streamrl.models import build_tiny_model, load_policy, save_policy
 from streamrl.prepare import TINY_CONTEXT, recipe_dir
-from streamrl.rl_job import ledger, rl_summary, train_rl, write_summary
+from streamrl.rl_job import ledger, rl_summary, train_rl, train_with_eval, write_summary
 from streamrl.run_parts import check_parts
 from streamrl.sft import save_cached_policy
 from streamrl.tasks.local_data import check_enough_rows
@@ -69,27 +68,22 @@ def run_episode_fit(
     before = evaluator(policy)
     summary: dict = {**_eval_summary(before, "before"), "env": env.name}
     if rl.iterations > 0:
-        training_started = time.perf_counter()
-        periodic = None
-        if rl.eval_every > 0:
-            periodic = PeriodicEval(evaluator, every=rl.eval_every, output_dir=config.output_dir)
-            periodic.record(0, before)
-        module, policy = train_rl(
+        module, policy, after, summary["train_wall_s"] = train_with_eval(
             config,
-            task.train,
-            context,
-            model_dir,
-            (policy, tokenizer),
-            show_progress,
-            resume,
-            callbacks=[periodic] if periodic else [],
-            episodes=_runner_factory(config, task, tokenizer, context),
+            evaluator,
+            before,
+            lambda callbacks: train_rl(
+                config,
+                task.train,
+                context,
+                model_dir,
+                (policy, tokenizer),
+                show_progress,
+                resume,
+                callbacks=callbacks,
+                episodes=_runner_factory(config, task, tokenizer, context),
+            ),
         )
-        summary["train_wall_s"] = time.perf_counter() - training_started
-        after = evaluator(policy)
-        if periodic is not None:
-            periodic.record(module.weight_version, after)
-            plot_eval(periodic.history, Path(config.output_dir) / "eval.png")
         summary.update(_eval_summary(after, "after"))
         if module.history:
             summary.update(rl_summary(module, len(module.history)))

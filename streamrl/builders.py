@@ -35,9 +35,9 @@ from streamrl.algorithms.base import Algorithm
 from streamrl.components.capacity.elastic import ElasticController
 from streamrl.components.skewness.latency import LatencyModel
 from streamrl.components.skewness.profiler import Profiler
-from streamrl.components.training.pipeline import DynamicBatchPipeline
+from streamrl.components.training.pipeline import DynamicBatchPipeline, staleness_bound_of
 from streamrl.fsdp import ShardedStreamRLModule, fsdp_strategy
-from streamrl.module import STALENESS_BOUND, Mode, StreamRLModule
+from streamrl.module import Mode, StreamRLModule
 from streamrl.rollout import RolloutStream
 
 LoggerName = Literal["csv", "tensorboard", "wandb"]
@@ -70,13 +70,16 @@ def build_module(
     token_budget: int = 1024,
     min_samples: int = 1,
     is_cap: float = 2.0,
+    staleness_bound: int | None = None,
+    correction: str = "decoupled",
     elastic: ElasticController | None = None,
     sharded: bool = False,
 ) -> StreamRLModule:
     """The LightningModule of a run.
 
     What the algorithm declares is honoured here: a frozen copy of ``policy`` as the reference
-    when ``algorithm.needs_reference``; the staleness bound follows ``mode``.
+    when ``algorithm.needs_reference``; the staleness bound follows ``mode`` (and
+    ``staleness_bound`` in async mode).
 
     Args:
         policy: the causal LM to train.
@@ -91,12 +94,15 @@ def build_module(
         token_budget: padded tokens per micro-batch of the dynamic-batch pipeline.
         min_samples: samples gathered before an iteration's first backward pass.
         is_cap: truncation of the importance ratio of stale samples (async).
+        staleness_bound: async only: iterations generated ahead, k >= 1 (default 1, the
+            paper's one-step mode); no trained token is more than k versions old.
+        correction: how stale tokens are corrected: ``"decoupled"``, ``"behaviour"`` or
+            ``"mask"`` (``streamrl.components.training.off_policy``).
         elastic: adds generator instances when generation lags training (§4.2).
         sharded: FSDP2 over the trainer ranks (``streamrl.fsdp``); rank 0 deals each
             micro-batch of its stream to the others.
     """
-    if mode not in STALENESS_BOUND:
-        raise ValueError(f"mode must be one of {sorted(STALENESS_BOUND)}, got {mode!r}.")
+    bound = staleness_bound_of(mode, staleness_bound)
     if rollouts is not None:
         service_temperature = rollouts.service.temperature
         if temperature is not None and temperature != service_temperature:
@@ -108,9 +114,7 @@ def build_module(
         temperature = service_temperature
     elif temperature is None:
         raise ValueError("build_module: without rollouts, pass the generators' temperature.")
-    pipeline = DynamicBatchPipeline(
-        token_budget, min_samples=min_samples, staleness_bound=STALENESS_BOUND[mode]
-    )
+    pipeline = DynamicBatchPipeline(token_budget, min_samples=min_samples, staleness_bound=bound)
     reference = copy.deepcopy(policy) if algorithm.needs_reference else None
     options: dict[str, Any] = dict(
         lr=lr,
@@ -120,6 +124,8 @@ def build_module(
         pipeline=pipeline,
         elastic=elastic,
         is_cap=is_cap,
+        staleness_bound=bound,
+        correction=correction,
     )
     if sharded:
         if not algorithm.shardable:

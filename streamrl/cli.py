@@ -147,9 +147,16 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=_cmd_bench_generate)
 
     pipe = bench_sub.add_parser(
-        "pipeline", help="colocated vs disaggregated sync vs one-step async, same cores and lengths"
+        "pipeline",
+        help="colocated vs disaggregated sync vs async (one-step, k=2, partial rollout), same "
+        "cores and lengths",
     )
-    pipe.add_argument("--modes", default="colocated,sync,async", help="any of colocated,sync,async")
+    pipe.add_argument(
+        "--modes",
+        default="colocated,sync,async,async-k2,partial-keep,partial-recompute",
+        help="any of colocated, sync, async, async-k2, partial-keep, partial-recompute, "
+        "partial-keep-k2",
+    )
     pipe.add_argument(
         "--lengths",
         help="JSON list (or JSONL with 'length') of forced output "

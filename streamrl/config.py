@@ -152,6 +152,17 @@ class RLConfig:
         kl_coef: KL penalty to the starting policy; 0 disables it.
         is_cap: truncation of the importance ratio that corrects samples from older weights in
             async mode (decoupled PPO with truncated IS, docs/algorithms.md).
+        staleness_bound: async mode: iterations generated ahead of the one training, k >= 1;
+            no trained token is more than k weight versions old (``null``: 1, the paper's
+            one-step mode; sync and colocated are 0).
+        partial_rollout: what generators do with running sequences when new weights arrive:
+            ``"off"`` (finish them under the old weights: each sample from one version),
+            ``"keep"`` (continue under the new weights, keeping the old key/value cache) or
+            ``"recompute"`` (continue, the cache computed again); async mode only
+            (docs/partial_rollout.md).
+        correction: how tokens of older weights are corrected: ``"decoupled"`` (proximal policy
+            plus truncated IS), ``"behaviour"`` (PPO's clip against the behaviour policy) or
+            ``"mask"`` (tokens with a ratio outside ``[1/is_cap, is_cap]`` left out).
         reward: the task reward: a built-in (``"exact"``, ``"partial"``, ``"math"`` (math-verify),
             ``"reward_model"`` (``{name: reward_model, path: DIR}``), ``"reasoning_gym"``), or
             your function ``fn(completion, row) -> float`` as ``package.module:function`` (``row``
@@ -207,6 +218,9 @@ class RLConfig:
     clip_eps: float = 0.2
     kl_coef: float = 0.0
     is_cap: float = 2.0
+    staleness_bound: int | None = None
+    partial_rollout: str = "off"
+    correction: str = "decoupled"
     reward: str | dict[str, Any] | list[Any] = "exact"
     reward_workers: int = 1
     reward_timeout_s: float = 60.0

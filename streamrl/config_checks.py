@@ -168,9 +168,31 @@ def check_rl(rl: RLConfig) -> None:
         )
     if rl.is_cap < 1:
         raise ConfigError(f"rl.is_cap must be >= 1 (a truncation of ratios), got {rl.is_cap}.")
+    check_asynchrony(rl)
     if rl.lr <= 0 or rl.temperature <= 0 or rl.clip_eps <= 0 or rl.kl_coef < 0:
         raise ConfigError(
             "rl: need lr > 0, temperature > 0, clip_eps > 0 and kl_coef >= 0, got "
             f"lr={rl.lr}, temperature={rl.temperature}, clip_eps={rl.clip_eps}, "
             f"kl_coef={rl.kl_coef}."
+        )
+
+
+def check_asynchrony(rl: RLConfig) -> None:
+    """``rl.staleness_bound``, ``rl.partial_rollout`` and ``rl.correction``: known values that
+    the mode can keep."""
+    from streamrl.components.generation.partial import check_partial_rollout
+    from streamrl.components.training.off_policy import check_correction
+    from streamrl.components.training.pipeline import staleness_bound_of
+
+    try:
+        staleness_bound_of(rl.mode, rl.staleness_bound)
+        check_partial_rollout(rl.partial_rollout)
+        check_correction(rl.correction)
+    except (ValueError, ConfigError) as err:
+        raise ConfigError(f"rl.{err}") from err
+    if rl.partial_rollout != "off" and rl.mode != "async":
+        raise ConfigError(
+            f"rl.partial_rollout: {rl.partial_rollout} needs rl.mode: async (in {rl.mode} mode "
+            "no sequence is running when new weights arrive); set rl.mode: async or "
+            "rl.partial_rollout: off."
         )

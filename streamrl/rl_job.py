@@ -122,6 +122,7 @@ def train_rl(
         trainer_site=rl.trainer_site,
         stop_token_ids=stop_token_ids(tokenizer),
         stop_strings=config.data.stop_strings,
+        partial_rollout=rl.partial_rollout,
     )
     rewards_in = (
         RewardPool(parts.rewards, workers=0) if episodes else reward_pool(rl, parts.rewards)

@@ -101,6 +101,8 @@ class RankSetup:
                 token_budget=rl.token_budget,
                 min_samples=rl.min_samples,
                 is_cap=rl.is_cap,
+                staleness_bound=rl.staleness_bound,
+                correction=rl.correction,
             ),
         )
 

@@ -48,10 +48,12 @@ class Recorded(StreamRLModule):
         self._pending = set()
 
 
-def fit(run_dir, model_dir, tokenizer, policy, crash_at=None, ckpt_path=None) -> Recorded:
+def fit(
+    run_dir, model_dir, tokenizer, policy, crash_at=None, ckpt_path=None, bound=1, partial="off"
+) -> Recorded:
     prompts = make_prompt_set(64, ["copy"], median_len=3, max_len=6, seed=0)
     algorithm = GRPO(group_size=GROUP)
-    with StreamGenerationService(model_dir, 1, max_batch_size=8) as sgs:
+    with StreamGenerationService(model_dir, 1, max_batch_size=8, partial_rollout=partial) as sgs:
         rollouts = RolloutStream(
             sgs,
             PromptSource(prompts, PROMPTS),
@@ -63,7 +65,14 @@ def fit(run_dir, model_dir, tokenizer, policy, crash_at=None, ckpt_path=None) ->
             forced_lengths=iter([4, 24] * 1000),
         )
         module = Recorded(
-            policy, algorithm, rollouts, ITERATIONS, lr=1e-3, mode="async", crash_at=crash_at
+            policy,
+            algorithm,
+            rollouts,
+            ITERATIONS,
+            lr=1e-3,
+            mode="async",
+            crash_at=crash_at,
+            staleness_bound=bound,
         )
         checkpoints = ModelCheckpoint(run_dir / "ckpt", every_n_train_steps=1, save_last=True)
         trainer = build_trainer(
@@ -78,7 +87,12 @@ def fit(run_dir, model_dir, tokenizer, policy, crash_at=None, ckpt_path=None) ->
     return module
 
 
-def test_async_run_killed_mid_iteration_resumes_without_loss_or_repeat(tmp_path, tokenizer):
+@pytest.mark.parametrize(
+    ("bound", "partial"), [(1, "off"), (2, "keep")], ids=["one-step", "k2-partial"]
+)
+def test_async_run_killed_mid_iteration_resumes_without_loss_or_repeat(
+    tmp_path, tokenizer, bound, partial
+):
     model_dir = save_policy(
         build_tiny_model(tokenizer, "test", seed=0), tokenizer, tmp_path / "policy"
     )
@@ -86,20 +100,29 @@ def test_async_run_killed_mid_iteration_resumes_without_loss_or_repeat(tmp_path,
     def policy(seed: int = 0):
         return build_tiny_model(tokenizer, "test", seed=seed)
 
-    uninterrupted = fit(tmp_path / "a", model_dir, tokenizer, policy())
+    run = dict(bound=bound, partial=partial)
+    uninterrupted = fit(tmp_path / "a", model_dir, tokenizer, policy(), **run)
     assert uninterrupted.weight_version == ITERATIONS
-    crashed = fit(tmp_path / "b", model_dir, tokenizer, policy(), crash_at=CRASH_AT)
+    crashed = fit(tmp_path / "b", model_dir, tokenizer, policy(), crash_at=CRASH_AT, **run)
     assert crashed.weight_version == CRASH_AT
     checkpoint = torch.load(tmp_path / "b" / "ckpt" / "last.ckpt", weights_only=False)
-    assert checkpoint["streamrl"]["rollouts"]["in_flight"]  # async: the next iteration was out
+    in_flight = checkpoint["streamrl"]["rollouts"]["in_flight"]
+    assert len(in_flight) == bound  # async: the k iterations ahead were out
     resumed = fit(
         tmp_path / "b",
         model_dir,
         tokenizer,
         policy(seed=1),
         ckpt_path=tmp_path / "b" / "ckpt" / "last.ckpt",
+        **run,
     )
     assert resumed.weight_version == ITERATIONS
+    # The bound holds after the resume too (per token: samples may span versions).
+    for module in (uninterrupted, resumed):
+        assert all(h["train/staleness_max"] <= bound for h in module.history)
+        lags = {int(k.rsplit("_", 1)[1]) for h in module.history for k in h if "tokens_lag" in k}
+        assert max(lags) <= bound
+    assert max(h["train/staleness_max"] for h in uninterrupted.history) == bound
     trained = crashed.committed + resumed.committed
     assert set(trained) == set(uninterrupted.committed)  # same pairs...
     assert set(trained.values()) == {1}  # ...each trained in exactly one committed step

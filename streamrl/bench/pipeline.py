@@ -1,7 +1,7 @@
-"""``streamrl bench pipeline``: colocated vs disaggregated sync vs one-step async, same run.
+"""``streamrl bench pipeline``: colocated vs disaggregated sync vs asynchronous modes, same run.
 
 Every mode uses the same generator and trainer code, the same model, prompts and forced output
-lengths (the paper's throughput protocol, §7), and the same two cores:
+lengths (the paper's throughput protocol, §7), and the same two cores (``BENCH_MODES``):
 
 - ``colocated``: two generator instances decode on both cores, then the trainer trains on both
   cores (time-sharing, as verl and the paper's ColocationRL do; no overlap);
@@ -9,7 +9,12 @@ lengths (the paper's throughput protocol, §7), and the same two cores:
   back-propagates each micro-batch as soon as it has streamed in (dynamic-batch pipelining,
   §4.1);
 - ``async``: as ``sync``, plus the next iteration is generated while this one trains and the
-  weight transfer runs in the background (one-step staleness, §4.1).
+  weight transfer runs in the background (one-step staleness, §4.1); each sample comes from one
+  weight version, so an instance finishes its running sequences before it loads new weights;
+- ``async-k2``: as ``async``, two iterations ahead (staleness bound 2);
+- ``partial-keep`` / ``partial-recompute``: as ``async``, with partial rollout: running
+  sequences go on under new weights, keeping their key/value cache or computing it again
+  (``streamrl.components.generation.partial``); ``partial-keep-k2``: keep, two ahead.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import itertools
 import statistics
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import lightning as L
@@ -29,7 +35,6 @@ from streamrl.builders import build_module, build_trainer
 from streamrl.components.generation.service import StreamGenerationService
 from streamrl.errors import ConfigError
 from streamrl.models import load_policy
-from streamrl.module import MODES
 from streamrl.prompts import PromptSource
 from streamrl.rewards.pool import RewardPool
 from streamrl.rewards.spec import RewardSpec
@@ -40,8 +45,32 @@ from streamrl.timeline import busy_fraction, draw_timeline
 DEFAULT_LENGTHS = Path(__file__).resolve().parents[1] / "data" / "lengths_longtail.json"
 
 
-def run_mode(mode: str, model_dir: Path, lengths: list[int], args) -> dict:
-    """One timed run of ``mode``; medians over the measured (post-warm-up) iterations."""
+@dataclass(frozen=True)
+class BenchMode:
+    """How one benchmarked mode runs: the module's ``mode``, its staleness bound and the
+    instances' partial-rollout policy."""
+
+    mode: str
+    staleness_bound: int | None = None
+    partial_rollout: str = "off"
+
+
+BENCH_MODES: dict[str, BenchMode] = {
+    "colocated": BenchMode("colocated"),
+    "sync": BenchMode("sync"),
+    "async": BenchMode("async"),
+    "async-k2": BenchMode("async", 2),
+    "partial-keep": BenchMode("async", 1, "keep"),
+    "partial-recompute": BenchMode("async", 1, "recompute"),
+    "partial-keep-k2": BenchMode("async", 2, "keep"),
+}
+
+
+def run_mode(name: str, model_dir: Path, lengths: list[int], args) -> dict:
+    """One timed run of the mode ``name`` (``BENCH_MODES``); medians over the measured
+    (post-warm-up) iterations."""
+    variant = BENCH_MODES[name]
+    mode = variant.mode
     torch.set_num_threads(1)
     L.seed_everything(args.seed, verbose=False)
     policy, tokenizer = load_policy(model_dir)
@@ -59,6 +88,7 @@ def run_mode(mode: str, model_dir: Path, lengths: list[int], args) -> dict:
         gpus_per_instance=int(on_gpu),
         cluster=getattr(args, "cluster", "local"),
         weight_transport=getattr(args, "weight_transport", "gloo"),
+        partial_rollout=variant.partial_rollout,
     )
     # `bench reward` varies where the rewards run; `bench pipeline` scores exact match inline.
     rewards = RewardPool(
@@ -78,7 +108,14 @@ def run_mode(mode: str, model_dir: Path, lengths: list[int], args) -> dict:
         )
         budget = args.colocated_token_budget if mode == "colocated" else args.token_budget
         module = build_module(
-            policy, algorithm, rollouts, iterations=steps, lr=1e-5, mode=mode, token_budget=budget
+            policy,
+            algorithm,
+            rollouts,
+            iterations=steps,
+            lr=1e-5,
+            mode=mode,
+            token_budget=budget,
+            staleness_bound=variant.staleness_bound,
         )
         accelerator = "gpu" if on_gpu else "cpu"
         build_trainer(module, show_progress=False, accelerator=accelerator, devices=1).fit(module)
@@ -101,6 +138,9 @@ def run_mode(mode: str, model_dir: Path, lengths: list[int], args) -> dict:
         ),
         "generator_idle_frac": 1 - statistics.mean(gen_busy) if gen_busy else 1.0,
         "exposed_sync_s": statistics.median(h["time/sync_exposed_s"] for h in measured),
+        "token_lag_mean": statistics.mean(
+            h.get("train/token_staleness_mean", 0.0) for h in measured
+        ),
         "_trace": rollouts.trace,
     }
 
@@ -108,9 +148,9 @@ def run_mode(mode: str, model_dir: Path, lengths: list[int], args) -> dict:
 def bench_pipeline(args) -> dict:
     """Run every mode ``args.repeats`` times; report medians and speedups over colocated."""
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    unknown = [m for m in modes if m not in MODES]
+    unknown = [m for m in modes if m not in BENCH_MODES]
     if unknown or not modes:
-        raise ConfigError(f"--modes: unknown {unknown}; choose from {', '.join(MODES)}.")
+        raise ConfigError(f"--modes: unknown {unknown}; choose from {', '.join(BENCH_MODES)}.")
     lengths = load_lengths(args.lengths or DEFAULT_LENGTHS)
     if getattr(args, "device", "cpu") == "cuda" and not torch.cuda.is_available():
         raise ConfigError(
@@ -138,6 +178,13 @@ def bench_pipeline(args) -> dict:
             m: round(v["samples_per_s"] / base, 3)
             for m, v in result["modes"].items()
             if m != "colocated"
+        }
+    if "async" in runs:  # the asynchronous variants against the paper's one-step async
+        base = result["modes"]["async"]["samples_per_s"]
+        result["over_async"] = {
+            m: round(v["samples_per_s"] / base, 3)
+            for m, v in result["modes"].items()
+            if BENCH_MODES[m].mode == "async" and m != "async"
         }
     if args.timeline_dir:
         out = Path(args.timeline_dir)
@@ -171,9 +218,12 @@ def _print_table(result: dict) -> None:
         "trainer_idle_frac",
         "generator_idle_frac",
         "exposed_sync_s",
+        "token_lag_mean",
     ]
-    print(f"{'mode':<10}" + "".join(f"{c:>20}" for c in cols), file=sys.stderr)
+    print(f"{'mode':<18}" + "".join(f"{c:>20}" for c in cols), file=sys.stderr)
     for mode, row in result["modes"].items():
-        print(f"{mode:<10}" + "".join(f"{row[c]:>20.3f}" for c in cols), file=sys.stderr)
+        print(f"{mode:<18}" + "".join(f"{row[c]:>20.3f}" for c in cols), file=sys.stderr)
     for mode, speedup in result.get("speedup", {}).items():
         print(f"speedup {mode}/colocated: {speedup:.2f}x", file=sys.stderr)
+    for mode, speedup in result.get("over_async", {}).items():
+        print(f"speedup {mode}/async: {speedup:.2f}x", file=sys.stderr)

@@ -132,7 +132,7 @@ class Episode:
         self.token_ids += sample.token_ids
         self.loss_mask += [1] * sample.length
         self.logprobs += sample.logprobs
-        self.versions += [sample.weight_version] * sample.length
+        self.versions += sample.token_versions or [sample.weight_version] * sample.length
         self.turns += 1
         self.instance_id = sample.instance_id
         self.prefill_tokens += sample.prefill_tokens

@@ -12,7 +12,9 @@ from typing import Literal
 
 from streamrl.components.capacity.allocator import TrainerCostModel
 from streamrl.components.capacity.elastic import ElasticController
+from streamrl.components.generation.partial import PARTIAL_ROLLOUT
 from streamrl.components.skewness.latency import LatencyModel
+from streamrl.components.training.pipeline import staleness_bound_of
 from streamrl.components.weights.broadcast_tree import plan_broadcast, plan_time_s
 
 SimMode = Literal["colocated", "sync", "async"]
@@ -35,7 +37,11 @@ class GeneratorPool:
             the same time (on a 2-core CPU; 1.0 on separate GPUs).
         colocated_slowdown: the same in colocated mode (instances share the cores with each
             other and with the process that receives the samples).
-        prefill_s: one prefill pass, paid each time an instance admits samples.
+        prefill_s: one prefill pass, paid each time an instance admits samples (and the fixed
+            part of a re-prefill).
+        prefill_s_per_token: seconds per padded token of a re-prefill of the running samples
+            (partial rollout ``"recompute"``), times ``slowdown``; admission passes pay
+            ``prefill_s`` alone.
     """
 
     latency: LatencyModel
@@ -46,6 +52,7 @@ class GeneratorPool:
     slowdown: float = 1.0
     colocated_slowdown: float = 1.0
     prefill_s: float = 0.0
+    prefill_s_per_token: float = 0.0
 
 
 @dataclass
@@ -102,8 +109,14 @@ class SimConfig:
         generators / trainer: the two pools (in colocated mode both describe the same GPUs,
             used one phase after the other, and are priced once, as the larger of the two).
         workload: prompts and lengths.
-        mode: ``"colocated"``, ``"sync"`` (dynamic-batch pipelining) or ``"async"`` (one-step
+        mode: ``"colocated"``, ``"sync"`` (dynamic-batch pipelining) or ``"async"`` (bounded
             staleness, weight transfer in the background).
+        staleness_bound: async only: iterations dispatched ahead of the one training, k >= 1;
+            iteration ``j`` needs weights >= ``j - k`` (``None``: 1 in async, 0 otherwise, as
+            the real ``StreamRLModule``; ``staleness`` is the value in force).
+        partial_rollout: what an instance does with running samples when new weights arrive:
+            ``"off"`` (finish them first), ``"keep"`` (go on under the new weights) or
+            ``"recompute"`` (re-prefill them, then go on); not ``"off"`` only in async mode.
         dispatch / admission: Algorithm 2 or a baseline; LPT or FIFO inside an instance.
         iterations / warmup: measured iterations after unmeasured ones.
         weight_bytes / link_gbps / sync_latency_s: the weight transfer, ``bytes / bandwidth``
@@ -125,6 +138,8 @@ class SimConfig:
     trainer: TrainerPool
     workload: Workload
     mode: SimMode = "sync"
+    staleness_bound: int | None = None
+    partial_rollout: str = "off"
     dispatch: DispatchPolicy = "round-robin"
     admission: Admission = "fifo"
     iterations: int = 6
@@ -147,6 +162,16 @@ class SimConfig:
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}.")
+        staleness_bound_of(self.mode, self.staleness_bound)  # ValueError if it cannot hold
+        if self.partial_rollout not in PARTIAL_ROLLOUT:
+            raise ValueError(
+                f"partial_rollout must be one of {PARTIAL_ROLLOUT}, got {self.partial_rollout!r}."
+            )
+        if self.partial_rollout != "off" and self.mode != "async":
+            raise ValueError(
+                f"partial_rollout={self.partial_rollout!r} needs mode async (in {self.mode} "
+                "mode no weights arrive while samples run)."
+            )
         if self.dispatch not in ("random", "round-robin", "skew"):
             raise ValueError(
                 f"dispatch must be random, round-robin or skew, got {self.dispatch!r}."
@@ -159,6 +184,11 @@ class SimConfig:
             raise ValueError(f"Bandwidths must be > 0, got {self.link_gbps=}, {self.local_gbps=}.")
         if self.sites is not None:  # a bad site map fails here, not mid-run
             plan_broadcast(self.sites, self.trainer_site, self.trainer_ranks)
+
+    @property
+    def staleness(self) -> int:
+        """The staleness bound in force: ``staleness_bound``, or the mode's default."""
+        return staleness_bound_of(self.mode, self.staleness_bound)
 
     @property
     def weight_transfer_s(self) -> float:

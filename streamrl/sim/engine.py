@@ -1,16 +1,22 @@
 """The discrete-event simulator of a StreamRL run (§3-§5): ``simulate(config) -> SimResult``.
 
 Events are sample finishes on generator instances (continuous batching with ``PTL(BS)``),
-request releases (an instance holds an iteration's requests until the weights they need have
-arrived) and the trainer becoming free. The trainer follows the real ``StreamRLModule``:
+request releases, weight arrivals (each instance loads them as its partial-rollout policy says
+and holds an iteration's requests until it has loaded the weights they need,
+``streamrl.sim.instance``) and the trainer becoming free. The trainer follows the real
+``StreamRLModule``:
 
 - a step starts by dispatching: ``sync`` / ``colocated`` dispatch this step's batch; ``async``
-  dispatches the *next* batch, released once the previous weights arrive (one-step staleness);
+  with staleness bound k makes sure iterations ``t .. t + k`` are dispatched, iteration ``j``
+  needing weights >= ``j - k`` (one-step staleness for k = 1);
 - groups stream in; they are packed into length buckets and a bucket trains as soon as it holds
   ``token_budget`` padded tokens (dynamic-batch pipelining, §4.1); ``colocated`` first waits for
   every sample (time-sharing), then switches the GPUs to training;
 - one optimizer step, then the weights travel (``bytes / bandwidth``): blocking in ``sync`` and
   ``colocated``, in the background in ``async``.
+
+Each trained token's staleness (trainer version minus the version that drew it) is counted, as
+the real run's ``train/token_staleness_mean``.
 
 Every span goes to a ``TraceRecorder`` in the same JSON format as real runs, with simulated seconds
 as timestamps, so ``streamrl timeline`` draws a simulated run.
@@ -19,8 +25,6 @@ as timestamps, so ``streamrl timeline`` draws a simulated run.
 from __future__ import annotations
 
 import heapq
-import statistics
-from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -29,49 +33,12 @@ from streamrl.components.skewness.skew_dispatch import SkewAwareDispatcher
 from streamrl.records import Request
 from streamrl.sim.config import SimConfig, bucket_of
 from streamrl.sim.instance import SimInstance
-from streamrl.timeline import Span, TraceRecorder, busy_fraction
+from streamrl.sim.result import SimResult, lag_stats, summarize
+from streamrl.timeline import Span, TraceRecorder
+
+__all__ = ["SimResult", "simulate"]
 
 _EPS = 1e-9
-
-
-@dataclass
-class SimResult:
-    """What a simulated run measured (same names as ``streamrl bench pipeline``).
-
-    Attributes:
-        samples_per_s: samples per iteration over the median iteration time.
-        iteration_s / gen_s / train_s: medians over the measured iterations.
-        trainer_idle_frac / generator_idle_frac: idle share of the measured window.
-        exposed_sync_s: median weight-transfer time the trainer was blocked on.
-        cost_per_sample: GPU price x time per sample.
-        per_iteration: one dict per iteration (times, instances, elastic decision).
-        trace: the spans.
-    """
-
-    samples_per_s: float
-    iteration_s: float
-    gen_s: float
-    train_s: float
-    trainer_idle_frac: float
-    generator_idle_frac: float
-    exposed_sync_s: float
-    cost_per_sample: float
-    per_iteration: list[dict] = field(default_factory=list)
-    trace: TraceRecorder = field(default_factory=TraceRecorder)
-
-    def summary(self) -> dict:
-        """The scalar results, rounded, as a JSON-ready dict."""
-        keys = (
-            "samples_per_s",
-            "iteration_s",
-            "gen_s",
-            "train_s",
-            "trainer_idle_frac",
-            "generator_idle_frac",
-            "exposed_sync_s",
-            "cost_per_sample",
-        )
-        return {k: round(float(getattr(self, k)), 6) for k in keys}
 
 
 class _Trainer:
@@ -102,7 +69,9 @@ class _Run:
         self.dispatcher = self._dispatcher()
         self.events: list[tuple[float, int, str, object]] = []
         self.seq = 0
-        self.arrival = {0: 0.0}  # weight version -> when the generators have it
+        self.latest = 0  # the newest weight version that has reached the generators
+        self.dispatched = -1  # the last iteration dispatched
+        self.lags: dict[int, dict[int, int]] = {}  # iteration -> {token staleness: tokens}
         self.partial: dict[tuple[int, str], int] = {}
         self.ready: dict[int, list[int]] = {}  # batch -> lengths of its complete groups
         self.batch_info: dict[int, dict] = {}
@@ -113,7 +82,7 @@ class _Run:
         budget = config.colocated_token_budget if self.colocated else None
         self.budget = budget or config.trainer.token_budget
 
-    def _instance(self, index: int) -> SimInstance:
+    def _instance(self, index: int, version: int = 0) -> SimInstance:
         gen = self.c.generators
         return SimInstance(
             index,
@@ -122,6 +91,10 @@ class _Run:
             self.c.admission == "lpt",
             self.slowdown,
             gen.prefill_s,
+            partial_rollout=self.c.partial_rollout,
+            prefill_s_per_token=gen.prefill_s_per_token,
+            prompt_tokens=self.c.workload.prompt_tokens,
+            version=version,
         )
 
     def _dispatcher(self):
@@ -153,12 +126,16 @@ class _Run:
                 if kind == "release":
                     index, requests = data
                     self.instances[index].release(requests, now)
+                elif kind == "weights":  # a version reaches every instance
+                    self.latest = max(self.latest, data)
+                    for inst in self.instances:
+                        inst.offer(data, now)
                 elif kind == "step":
                     self.start_step(now)
             self.poll(now)
 
     # -- generation side ---------------------------------------------------------------------
-    def dispatch(self, batch: int, release_s: float) -> None:
+    def dispatch(self, batch: int, release_s: float, min_version: int) -> None:
         w = self.c.workload
         lengths = w.lengths(batch)
         noise = self.rng.lognormal(0.0, w.ranker_noise, len(lengths)) if w.ranker_noise else 1.0
@@ -171,7 +148,7 @@ class _Run:
                 s,
                 forced_length=n,
                 predicted_length=p,
-                min_weight_version=max(0, batch - (self.c.mode == "async")),
+                min_weight_version=min_version,
                 iteration=batch,
             )
             for j, (n, p) in enumerate(zip(lengths, predicted))
@@ -182,12 +159,13 @@ class _Run:
             self.dispatcher.observe(int(p) for p in predicted)  # D from predictions at first
         parts = self.dispatcher.plan(requests, scores, self.active)
         while len(self.instances) < self.active:  # elastic scale-out: a fresh instance
-            new = self._instance(len(self.instances))
+            new = self._instance(len(self.instances), self.latest)
             new.now = release_s
             self.instances.append(new)
         for index, part in enumerate(parts):
             if part:
                 self.push(release_s, "release", (index, part))
+        self.dispatched = batch
         self.batch_info[batch] = {
             "release_s": release_s,
             "last_s": release_s,
@@ -201,8 +179,12 @@ class _Run:
             "prompt_id": r.prompt_id,
             "sample_index": r.sample_index,
             "length": r.max_tokens,
-            "weight_version": r.min_weight_version,
+            "weight_version": running.version,
+            "token_versions": sorted(running.tokens.items()),
         }
+        lags = self.lags.setdefault(r.iteration, {})
+        for version, tokens in running.tokens.items():  # trained at step r.iteration
+            lags[r.iteration - version] = lags.get(r.iteration - version, 0) + tokens
         lane = f"generator-{inst.instance_id}"
         self.trace.add(Span(lane, "generate", running.admitted_s, at, r.iteration, meta))
         info = self.batch_info[r.iteration]
@@ -223,12 +205,12 @@ class _Run:
             self.span("colocated-switch", now, now + self.c.switch_s, b)
             release = now + self.c.switch_s
         if mode != "async":
-            self.dispatch(b, max(release, self.arrival[b]))
-        else:
-            if b == 0:
-                self.dispatch(0, now)
-            if b + 1 < self.steps:  # batch b+1 needs weights b: at most one version stale
-                self.dispatch(b + 1, max(now, self.arrival[b]))
+            self.dispatch(b, release, b)
+        else:  # iterations b .. b + k; iteration j needs weights j - k: at most k stale
+            k = self.c.staleness
+            while self.dispatched < min(b + k, self.steps - 1):
+                j = self.dispatched + 1
+                self.dispatch(j, now, max(0, j - k))
         self.t.state, self.t.busy_until, self.t.consumed = "idle", now, 0
         self.t.switched, self.t.train_s, self.t.buckets = False, 0.0, {}
 
@@ -295,7 +277,7 @@ class _Run:
 
     def sync(self, now: float) -> str:
         b, transfer = self.t.step, self.c.weight_transfer_s
-        self.arrival[b + 1] = now + transfer
+        self.push(now + transfer, "weights", b + 1)
         if self.c.mode == "async":  # the push returns at once; the transfer runs alongside
             self.trace.add(Span("weights", "sync-bg", now, now + transfer, b))
             self.iters[-1]["exposed_sync_s"] = 0.0
@@ -313,6 +295,7 @@ class _Run:
             train_s=self.t.train_s,
             gen_s=gen_s,
             instances=info["instances"],
+            **lag_stats(self.lags.get(self.t.step, {})),
         )
         if self.c.elastic is not None:
             per_sample = [n for n in info["lengths"] for _ in range(self.c.workload.group_size)]
@@ -336,36 +319,4 @@ def simulate(config: SimConfig) -> SimResult:
     """Run ``config``; medians over its measured iterations (after ``warmup``)."""
     run = _Run(config)
     run.run()
-    measured = run.iters[config.warmup :]
-    start, end = measured[0]["start_s"], measured[-1]["end_s"]
-    spans = run.trace.spans
-    lanes = sorted({s.lane for s in spans if s.lane.startswith("generator-")})
-    gen_busy = [busy_fraction(spans, lane, start, end) for lane in lanes]
-    samples = config.workload.samples
-    iteration_s = statistics.median(it["iteration_s"] for it in measured)
-    return SimResult(
-        samples_per_s=samples / iteration_s,
-        iteration_s=iteration_s,
-        gen_s=statistics.median(it["gen_s"] for it in measured),
-        train_s=statistics.median(it["train_s"] for it in measured),
-        trainer_idle_frac=1.0 - busy_fraction(spans, "trainer", start, end),
-        generator_idle_frac=1.0 - statistics.mean(gen_busy) if gen_busy else 1.0,
-        exposed_sync_s=statistics.median(it["exposed_sync_s"] for it in measured),
-        cost_per_sample=_cost(config, measured) / (samples * len(measured)),
-        per_iteration=run.iters,
-        trace=run.trace,
-    )
-
-
-def _cost(config: SimConfig, measured: list[dict]) -> float:
-    gen, trainer = config.generators, config.trainer
-    total = 0.0
-    for it in measured:
-        gen_price = it["instances"] * gen.gpus_per_instance * gen.price_per_gpu_s
-        train_price = trainer.gpus * trainer.price_per_gpu_s
-        if config.mode == "colocated":  # the same GPUs do both stages
-            price = max(gen_price, train_price)
-        else:
-            price = gen_price + train_price
-        total += price * (it["end_s"] - it["start_s"])
-    return total
+    return summarize(config, run.iters, run.trace, run.instances)

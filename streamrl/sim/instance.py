@@ -1,14 +1,26 @@
 """One simulated generator instance: continuous batching with ``PTL(BS)`` (StreamRL §5.1, §5.3).
 
 The instance decodes its running samples one token per step; a step costs ``PTL`` of the number
-running (Eq. 1), so between two finishes its speed is constant. Requests it was dispatched wait
-until their release time (the weight version they need has arrived, as a real instance holds
-them), then queue in its admission scheduler (the real ``FIFOScheduler`` / ``LPTScheduler``).
+running (Eq. 1), so between two finishes its speed is constant. Requests it was dispatched are
+held until it has loaded the weight version they need (``Request.min_weight_version``, as a
+real instance holds them), then queue in its admission scheduler (the real ``FIFOScheduler`` /
+``LPTScheduler``).
+
+Weight versions arrive with ``offer``; when the instance loads one follows the partial-rollout
+policy of the real ``WeightLoader`` (``streamrl.components.generation.partial``):
+
+- ``"off"``: only once idle (nothing running, nothing queued), then the newest received;
+- ``"keep"``: at once; running samples go on under the new weights;
+- ``"recompute"``: at once, then one prefill pass of the running samples' current lengths
+  (``recompute_cost_s``) before the next decode step.
+
+Each running sample counts the tokens each version drew (``Running.tokens``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 
 from streamrl.components.skewness.latency import LatencyModel
 from streamrl.components.skewness.schedulers import FIFOScheduler, LPTScheduler
@@ -19,11 +31,47 @@ _EPS = 1e-9
 
 @dataclass
 class Running:
-    """A sample being decoded."""
+    """A sample being decoded.
+
+    Attributes:
+        request: what it decodes.
+        left: tokens still to decode (fractional between two events).
+        admitted_s: when it took its slot.
+        version: the weights loaded at admission (the real ``Sample.weight_version``).
+        tokens: tokens drawn by each weight version, the last entry still growing (``close``
+            completes it); the real ``Sample.token_versions``, counted.
+    """
 
     request: Request
     left: float
     admitted_s: float
+    version: int = 0
+    tokens: dict[int, int] = field(default_factory=dict)
+    _current: int = 0  # the version drawing now
+    _mark: int = 0  # tokens drawn before ``_current`` loaded
+
+    def __post_init__(self) -> None:
+        self._current = self.version
+
+    @property
+    def generated(self) -> float:
+        return float(self.request.forced_length) - self.left
+
+    def switch(self, version: int) -> None:
+        """New weights load between two decode steps: the step in progress still belongs to the
+        old ones (so the count rounds up)."""
+        done = min(self.request.forced_length, math.ceil(self.generated - 1e-6))
+        if done > self._mark:
+            self.tokens[self._current] = self.tokens.get(self._current, 0) + done - self._mark
+        self._current, self._mark = version, max(done, self._mark)
+
+    def close(self) -> dict[int, int]:
+        """The finished sample's tokens per version."""
+        rest = self.request.forced_length - self._mark
+        if rest > 0:
+            self.tokens[self._current] = self.tokens.get(self._current, 0) + rest
+            self._mark = self.request.forced_length
+        return self.tokens
 
 
 class SimInstance:
@@ -34,9 +82,14 @@ class SimInstance:
         latency: ``PTL(BS)``.
         max_batch_size: batch slots.
         lpt: admit the longest predicted first (else FIFO).
-        slowdown: multiplies every step's ``PTL``.
+        slowdown: multiplies every step's ``PTL`` (and the per-token part of a re-prefill).
         prefill_s: seconds the instance spends on a prefill pass each time it admits samples
-            (running samples wait meanwhile; a real instance prefills new rows in one forward).
+            (running samples wait meanwhile; a real instance prefills new rows in one forward),
+            and the fixed part of a re-prefill.
+        partial_rollout: ``"off"``, ``"keep"`` or ``"recompute"`` (module docstring).
+        prefill_s_per_token: seconds per padded token of a re-prefill (``"recompute"``).
+        prompt_tokens: prompt length, part of a running sample's length when re-prefilled.
+        version: the weight version loaded at the start.
     """
 
     def __init__(
@@ -47,24 +100,60 @@ class SimInstance:
         lpt: bool,
         slowdown: float = 1.0,
         prefill_s: float = 0.0,
+        *,
+        partial_rollout: str = "off",
+        prefill_s_per_token: float = 0.0,
+        prompt_tokens: int = 0,
+        version: int = 0,
     ) -> None:
         self.instance_id, self.latency, self.max_batch_size = instance_id, latency, max_batch_size
         self.slowdown, self.prefill_s = slowdown, prefill_s
+        self.policy, self.prefill_s_per_token = partial_rollout, prefill_s_per_token
+        self.prompt_tokens, self.version = prompt_tokens, version
         self.paused_until = 0.0  # prefilling: no decode step before this
         self.queue: FIFOScheduler | LPTScheduler = LPTScheduler() if lpt else FIFOScheduler()
         self.running: list[Running] = []
+        self.held: list[Request] = []  # released, but needing weights not loaded yet
+        self.pending: list[int] = []  # received versions not loaded yet
+        self.loads: list[tuple[float, int]] = []  # (when, version) of each load
+        self.recomputes: list[tuple[float, float, int]] = []  # re-prefills: start, end, version
         self.now = 0.0
+
+    @property
+    def recompute_s(self) -> float:
+        """Seconds spent re-prefilling running samples so far."""
+        return sum(end - start for start, end, _ in self.recomputes)
+
+    @property
+    def idle(self) -> bool:
+        """Nothing running and nothing admissible waiting (as the real generator's ``idle``)."""
+        return not self.running and not len(self.queue)
 
     def step_s(self) -> float:
         """Seconds per decode step at the current batch size."""
         return self.latency.ptl(len(self.running)) * self.slowdown
 
     def release(self, requests: list[Request], now: float) -> None:
-        """Queue ``requests`` (their weight version has arrived) and fill free slots."""
+        """Hand ``requests`` over; those the loaded weights may serve queue at once, the others
+        are held for their version. Fills free slots."""
         self.advance(now)
-        for request in requests:
-            self.queue.push(request)
-        self._admit()
+        self.held.extend(requests)
+        self._settle()
+
+    def offer(self, version: int, now: float) -> None:
+        """Weights of ``version`` have arrived; load them if the policy allows it now."""
+        self.advance(now)
+        self.pending.append(version)
+        self._settle()
+
+    def recompute_cost_s(self) -> float:
+        """One batched prefill of every running sample, prompt and tokens so far (right-padded
+        to the longest, as ``HFStreamGenerator.recompute_running`` does)."""
+        if not self.running:
+            return 0.0
+        width = self.prompt_tokens + max(math.ceil(r.generated - 1e-6) for r in self.running)
+        padded = len(self.running) * width
+        return self.prefill_s + self.prefill_s_per_token * padded * self.slowdown
 
     def next_finish_s(self) -> float:
         """When the next running sample finishes (``inf`` when idle)."""
@@ -81,8 +170,10 @@ class SimInstance:
             self._progress(at)
             done = [r for r in self.running if r.left <= _EPS]
             self.running = [r for r in self.running if r.left > _EPS]
+            for r in done:
+                r.close()
             finished += [(r, at) for r in done]
-            self._admit()
+            self._settle()
         self._progress(max(to_s, self.now))
         return finished
 
@@ -94,11 +185,46 @@ class SimInstance:
                 r.left -= tokens
         self.now = max(self.now, to_s)
 
+    def _settle(self) -> None:
+        """Queue what the loaded weights admit, fill slots, load pending weights if allowed."""
+        if self.pending and self.policy != "off":  # between two decode steps
+            self._load()
+        self._unhold()
+        self._admit()
+        if self.pending and self.idle:  # "off": once nothing it may still serve is left
+            self._load()
+            self._unhold()
+            self._admit()
+
+    def _load(self) -> None:
+        newest = max(self.pending)
+        self.pending = []
+        if newest <= self.version:
+            return
+        self.version = newest
+        self.loads.append((self.now, newest))
+        for r in self.running:
+            r.switch(newest)
+        if self.policy == "recompute" and self.running:
+            cost = self.recompute_cost_s()
+            start = max(self.now, self.paused_until)
+            self.paused_until = start + cost
+            self.recomputes.append((start, start + cost, newest))
+
+    def _unhold(self) -> None:
+        ready = [r for r in self.held if r.min_weight_version <= self.version]
+        if ready:
+            self.held = [r for r in self.held if r.min_weight_version > self.version]
+            for request in ready:
+                self.queue.push(request)
+
     def _admit(self) -> None:
         admitted = False
         while len(self.queue) and len(self.running) < self.max_batch_size:
             request = self.queue.pop()
-            self.running.append(Running(request, float(request.forced_length), self.now))
+            self.running.append(
+                Running(request, float(request.forced_length), self.now, self.version)
+            )
             admitted = True
         if admitted and self.prefill_s > 0:
             self.paused_until = max(self.now, self.paused_until) + self.prefill_s

@@ -54,7 +54,9 @@ class _Running:
     next_input: int
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)  # per generated token, its weights
     offset: int = 0  # prompt columns whose KV was kept from the episode's previous turn
+    recomputed: int = 0  # cache columns computed again under newer weights (partial rollout)
 
 
 class HFStreamGenerator(AdmissionQueue):
@@ -66,8 +68,11 @@ class HFStreamGenerator(AdmissionQueue):
     in one batched forward, and returns the sequences that finished, freeing their slots at once.
 
     A sample's ``weight_version`` is the version loaded when it was admitted. A ``load_weights``
-    between steps also applies to sequences already running: their remaining tokens (and
-    ``logprobs``) come from the new weights, while their tag stays the admission version.
+    between steps also applies to sequences already running (partial rollout): their remaining
+    tokens (and ``logprobs``) come from the new weights, and ``token_versions`` says which
+    weights drew each token. Their KV cache, computed by the old weights, is kept;
+    ``recompute_running()`` recomputes it under the new ones (``streamrl.components.generation.
+    partial``).
     ``logprobs`` are under the distribution each token was drawn from: ``logits / temperature``
     (temperature 1 when greedy), with EOS masked out for ``forced_length`` requests.
 
@@ -187,6 +192,19 @@ class HFStreamGenerator(AdmissionQueue):
         # gives it the random stream the uninterrupted process had for that version.
         self._rng.manual_seed(_version_seed(self._seed, self._weight_version))
 
+    def recompute_running(self) -> int:
+        """Prefill every running sequence again, prompt and tokens so far, under the weights
+        loaded now (the re-prefill policy of partial rollout); returns the columns computed."""
+        if not self._rows:
+            return 0
+        with torch.inference_mode():
+            self._prefill_columns(
+                0, [(r.request.prompt_ids + r.token_ids)[: r.length] for r in self._rows]
+            )
+        for row in self._rows:
+            row.recomputed += row.length
+        return sum(r.length for r in self._rows)
+
     def weight_templates(self) -> dict[str, torch.Tensor]:
         """The tensors a weight update fills: the model's parameters (live, not copies), in
         ``named_parameters()`` order, as the trainer's policy sends them."""
@@ -233,14 +251,19 @@ class HFStreamGenerator(AdmissionQueue):
         for i in resumed:
             self._prefill_after_prefix(i)
         new = self._rows[start : resumed[0] if resumed else len(self._rows)]
-        width = max((r.length for r in new), default=0)
+        self._prefill_columns(start, [r.request.prompt_ids[: r.length] for r in new])
+
+    def _prefill_columns(self, start: int, columns: list[list[int]]) -> None:
+        """One batched forward that writes rows ``start, start + 1, ...`` of the cache from
+        column 0 with ``columns`` (each row's tokens before its next input)."""
+        width = max(map(len, columns), default=0)
         if width == 0:
             return
         dev = self.model.device
-        ids = torch.full((len(new), width), self.pad_token_id, dtype=torch.long)
-        for i, r in enumerate(new):
-            ids[i, : r.length] = torch.tensor(r.request.prompt_ids[:-1])
-        lengths = torch.tensor([r.length for r in new], device=dev)
+        ids = torch.full((len(columns), width), self.pad_token_id, dtype=torch.long)
+        for i, tokens in enumerate(columns):
+            ids[i, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+        lengths = torch.tensor([len(t) for t in columns], device=dev)
         cols = torch.arange(width, device=dev)
         # Right-padded: a query sees earlier columns that hold prompt tokens. Padding queries also
         # see themselves so no row is fully masked (NaN in half precision); they are never read.
@@ -248,8 +271,8 @@ class HFStreamGenerator(AdmissionQueue):
         allowed = causal & (
             (cols < lengths[:, None])[:, None] | torch.eye(width, dtype=torch.bool, device=dev)
         )
-        self._cache.prepare(slice(start, start + len(new)), width)
-        self._forward(ids.to(dev), cols.expand(len(new), width), allowed)
+        self._cache.prepare(slice(start, start + len(columns)), width)
+        self._forward(ids.to(dev), cols.expand(len(columns), width), allowed)
 
     def _prefill_after_prefix(self, i: int) -> None:
         """Prefill row ``i``'s prompt after its kept columns ``[0, offset)`` (alone: its new
@@ -316,6 +339,7 @@ class HFStreamGenerator(AdmissionQueue):
             row.next_input = tok
             row.token_ids.append(tok)
             row.logprobs.append(lp)
+            row.versions.append(self._weight_version)
             reason = self._finish_reason(row, tok)
             if reason is not None:
                 finished.append(self._to_sample(row, reason, now))
@@ -366,12 +390,13 @@ class HFStreamGenerator(AdmissionQueue):
             token_ids=row.token_ids,
             logprobs=row.logprobs,
             weight_version=row.weight_version,
+            token_versions=row.versions,
             instance_id=self.instance_id,
             submitted_s=row.submitted_s,
             started_s=row.started_s,
             finished_s=now,
             finish_reason=reason,
-            prefill_tokens=len(req.prompt_ids) - row.offset,
+            prefill_tokens=len(req.prompt_ids) - row.offset + row.recomputed,
             cached_tokens=row.offset,
         )
 

@@ -40,6 +40,7 @@ from streamrl.components.generation.engines import (
     instance_device,
 )
 from streamrl.components.generation.instance import InstanceHandle, InstanceInfo
+from streamrl.components.generation.partial import PartialRollout, check_partial_rollout
 from streamrl.components.generation.pool import GeneratorError, InstancePool
 from streamrl.components.generation.ray_instance import RayInstanceHandle, RayOptions
 from streamrl.components.skewness.dispatch import RoundRobinDispatcher
@@ -99,6 +100,11 @@ class StreamGenerationService:
         stop_token_ids: token ids a sample also stops on besides the model's EOS (a chat
             template's end of turn: ``streamrl.chat.stop_token_ids``).
         stop_strings: a sample stops once its decoded text contains one of these.
+        partial_rollout: what an instance does with running sequences when new weights
+            arrive: ``"off"`` (finish them under the old weights first: each sample from one
+            version), ``"keep"`` (go on under the new weights with the old cache) or
+            ``"recompute"`` (their cache computed again under the new weights); see
+            ``streamrl.components.generation.partial``.
 
     Raises:
         ConfigError: the engine's ``check`` failed, or the cluster or transport is unknown or
@@ -132,6 +138,7 @@ class StreamGenerationService:
         trainer_site: str = "local",
         stop_token_ids: Sequence[int] = (),
         stop_strings: Sequence[str] = (),
+        partial_rollout: PartialRollout = "off",
     ) -> None:
         if num_instances < 1:
             raise ValueError(f"num_instances must be >= 1, got {num_instances}.")
@@ -153,6 +160,7 @@ class StreamGenerationService:
         self.max_batch_size, self.temperature, self.greedy = max_batch_size, temperature, greedy
         self.seed = seed
         self.stop_token_ids, self.stop_strings = tuple(stop_token_ids), tuple(stop_strings)
+        self.partial_rollout = check_partial_rollout(partial_rollout)
         self.cluster, self.gpus_per_instance = cluster, gpus_per_instance
         self.weight_transport = weight_transport
         self.trainer_site = trainer_site
@@ -405,6 +413,7 @@ class StreamGenerationService:
             relays=site != self.trainer_site,
             stop_token_ids=self.stop_token_ids,
             stop_strings=self.stop_strings,
+            partial_rollout=self.partial_rollout,
         )
         if self.cluster == "ray":
             return RayInstanceHandle.spawn_actor(self._ray, instance_id, what, self.start_timeout_s)

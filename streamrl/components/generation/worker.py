@@ -33,6 +33,7 @@ import torch
 
 # fingerprint: imported from here by callers that compare an instance's weights with a policy.
 from streamrl.components.generation.hf_generator import fingerprint
+from streamrl.components.generation.partial import WeightLoader
 from streamrl.components.skewness.schedulers import FIFOScheduler
 from streamrl.components.weights.relay import WeightRelay, relay_messages
 from streamrl.protocols import AdmissionScheduler, EngineSpec, GenerationEngine
@@ -72,6 +73,7 @@ class WorkerSpec:
     relays: bool = False  # at a remote site: may forward weights to its site (weight_relay)
     stop_token_ids: tuple[int, ...] = ()  # end-of-turn ids a sample also stops on
     stop_strings: tuple[str, ...] = ()  # a sample stops once its text contains one
+    partial_rollout: str = "off"  # running sequences at a weight update (``partial.py``)
 
     def engine_spec(self) -> EngineSpec:
         """What the engine gets to build this instance."""
@@ -139,6 +141,7 @@ class _Instance:
             WeightRelay(spec.store_host, spec.timeout_s, spec.transport) if spec.relays else None
         )
         self.receiver = _WeightReceiver(group, synced, on, relay)
+        self.loader = WeightLoader(self.generator, spec.partial_rollout)
         self.held: list[Request] = []
 
     def run(self, inbox: Any) -> None:
@@ -188,9 +191,13 @@ class _Instance:
 
     def _apply_received_weights(self) -> None:
         for version, buffers in self.receiver.ready():
-            # Between two decode steps: running sequences keep their slots (no batch restart).
-            self.generator.load_weights(buffers, version)
+            self.loader.offer(version, buffers)
+        # Between two decode steps (running sequences keep their slots), or once idle when
+        # each sample must come from one version (partial_rollout "off").
+        loaded = self.loader.apply()
+        for version in loaded:
             _put(self.outbox, ("updated", self.spec.instance_id, version), self.parent)
+        if loaded:
             self._release_held()
 
     def _release_held(self) -> None:

@@ -1,0 +1,83 @@
+"""Partial rollout: what a generator instance does with its running sequences when new weights
+arrive (beyond StreamRL §4.1, which trains each sample on one weight version).
+
+Three policies (``rl.partial_rollout``, ``StreamGenerationService(partial_rollout=...)``):
+
+- ``"off"``: every sample comes from one weight version. The instance finishes what runs, and
+  the requests those weights may still admit, under the weights it holds, and loads the new
+  ones once it is idle. This is one-step asynchronous RL as the paper has it, and the
+  iteration's longest sample decides when the next weights load: the slots it does not use
+  stay empty meanwhile (the tail bubble partial rollout removes).
+- ``"keep"``: load between two decode steps; running sequences go on under the new weights
+  with the key/value cache the old weights computed (as TRL's async trainer and OpenRLHF do).
+- ``"recompute"``: load, then prefill every running sequence again, prompt and tokens so far,
+  under the new weights (the re-prefill of verl's fully-async mode, AReaL and slime), which
+  costs one prefill of the running sequences per update.
+
+With ``"keep"`` and ``"recompute"`` a sample may span versions: each token carries the version
+that drew it (``Sample.token_versions``), and the trainer corrects each token by its own
+version (``streamrl.components.training.off_policy``). Admission pacing keeps every token
+within the run's staleness bound (``Request.min_weight_version``): nothing is dropped for
+being long.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from streamrl.errors import ConfigError
+
+PartialRollout = Literal["off", "keep", "recompute"]
+PARTIAL_ROLLOUT: tuple[str, ...] = ("off", "keep", "recompute")
+
+
+def check_partial_rollout(policy: str) -> str:
+    """``policy`` if it is one of ``PARTIAL_ROLLOUT``; a ``ConfigError`` saying the choices
+    otherwise."""
+    if policy not in PARTIAL_ROLLOUT:
+        raise ConfigError(
+            f"partial_rollout: {policy!r} is not a policy; choose one of "
+            f"{', '.join(PARTIAL_ROLLOUT)} (off: each sample from one weight version; keep: "
+            "running sequences go on under new weights with their cache; recompute: their "
+            "cache is computed again under the new weights)."
+        )
+    return policy
+
+
+class WeightLoader:
+    """Received weight versions waiting to be loaded into one instance's generator.
+
+    ``offer`` hands over a received version; ``apply`` loads what the policy allows now and
+    returns the versions loaded (each is announced to the service). With ``"off"`` nothing
+    loads until the generator is idle; then only the newest version is copied in (the older
+    ones are announced too: the instance has moved past them).
+    """
+
+    def __init__(self, generator: Any, policy: str = "off") -> None:
+        self.generator, self.policy = generator, check_partial_rollout(policy)
+        if policy == "recompute" and not hasattr(generator, "recompute_running"):
+            raise ConfigError(
+                f"partial_rollout: recompute needs a generator with recompute_running(); "
+                f"{type(generator).__name__} has none. Use keep or off."
+            )
+        self._pending: list[tuple[int, dict]] = []
+        self.recomputed_columns = 0
+
+    @property
+    def draining(self) -> bool:
+        """Weights wait for the running sequences to finish (policy ``"off"``)."""
+        return bool(self._pending)
+
+    def offer(self, version: int, buffers: dict) -> None:
+        self._pending.append((version, buffers))
+
+    def apply(self) -> list[int]:
+        if not self._pending or (self.policy == "off" and not self.generator.idle):
+            return []
+        versions = [v for v, _ in self._pending]
+        newest, buffers = max(self._pending, key=lambda item: item[0])
+        self._pending = []
+        self.generator.load_weights(buffers, newest)
+        if self.policy == "recompute":
+            self.recomputed_columns += self.generator.recompute_running()
+        return versions

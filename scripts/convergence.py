@@ -6,7 +6,12 @@ a PNG of the reward curves. Async and sync train on the same number of samples (
 prompts and group size); only ``rl.mode`` differs.
 
     python scripts/convergence.py modes --seeds 0,1,2 --out runs/modes   # async vs sync
+    python scripts/convergence.py partial --seeds 0,1,2 --out runs/partial  # partial vs sync
     python scripts/convergence.py algorithms --out runs/algorithms        # grpo, ppo, rloo
+
+Runs of the asynchronous modes also get their off-policy metrics drawn
+(``offpolicy-<experiment>.png``): the staleness histogram of the trained tokens and the
+importance ratios of the stale ones, iteration by iteration.
 """
 
 from __future__ import annotations
@@ -24,7 +29,14 @@ import yaml
 EXPERIMENTS = {
     "modes": lambda seed: [("sync", {"mode": "sync"}, seed), ("async", {"mode": "async"}, seed)],
     "algorithms": lambda seed: [(a, {"algorithm": a}, seed) for a in ("grpo", "ppo", "rloo")],
+    # Partial rollout: running sequences go on under new weights (their old KV cache kept).
+    "partial": lambda seed: [
+        ("sync", {"mode": "sync"}, seed),
+        ("partial", {"mode": "async", "partial_rollout": "keep"}, seed),
+    ],
 }
+#: Per-iteration off-policy metrics read from each run's metrics.csv.
+OFF_POLICY = ("train/is_ratio_mean", "train/is_ratio_max", "train/is_truncated_frac")
 
 
 def run(name: str, rl: dict, seed: int, out: Path) -> dict:
@@ -50,6 +62,7 @@ def run(name: str, rl: dict, seed: int, out: Path) -> dict:
         raise RuntimeError(f"{name} seed {seed} failed:\n{done.stderr[-3000:]}")
     summary = json.loads(done.stdout.strip().splitlines()[-1])
     summary["rewards"] = _rewards(run_dir)
+    summary["off_policy"] = _off_policy(run_dir)
     print(
         f"{name} seed {seed}: held-out {summary['heldout_acc_before']:.3f} -> "
         f"{summary['heldout_acc_after']:.3f}",
@@ -62,6 +75,60 @@ def _rewards(run_dir: Path) -> list[float]:
     metrics = next((run_dir / "logs").rglob("metrics.csv"))
     with metrics.open() as f:
         return [float(r["rollout/reward"]) for r in csv.DictReader(f) if r.get("rollout/reward")]
+
+
+def _off_policy(run_dir: Path) -> dict:
+    """The run's staleness histogram (trained tokens by lag, summed over iterations) and the
+    importance-ratio statistics of each iteration (empty where nothing was stale)."""
+    metrics = next((run_dir / "logs").rglob("metrics.csv"))
+    with metrics.open() as f:
+        rows = [r for r in csv.DictReader(f) if r.get("rollout/reward")]
+    lags: dict[int, float] = {}
+    for row in rows:
+        for key, value in row.items():
+            if key.startswith("train/tokens_lag_") and value:
+                lag = int(key.rsplit("_", 1)[1])
+                lags[lag] = lags.get(lag, 0.0) + float(value)
+    series = {k: [float(r[k]) if r.get(k) else None for r in rows] for k in OFF_POLICY}
+    return {"token_lags": {str(k): v for k, v in sorted(lags.items())}, **series}
+
+
+def plot_off_policy(results: dict[str, list[dict]], path: Path, title: str) -> None:
+    """Left: share of trained tokens at each staleness; right: importance ratios of stale
+    tokens per iteration (mean, max, share truncated), one line per run."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (hist, ratios) = plt.subplots(1, 2, figsize=(10, 3.6))
+    names = list(results)
+    width = 0.8 / max(1, len(names))
+    for i, name in enumerate(names):
+        totals: dict[int, float] = {}
+        for r in results[name]:
+            for lag, n in r["off_policy"]["token_lags"].items():
+                totals[int(lag)] = totals.get(int(lag), 0.0) + n
+        total = sum(totals.values()) or 1.0
+        lags = sorted(totals)
+        bars = hist.bar([x + i * width for x in lags], [totals[x] / total for x in lags], width)
+        bars.set_label(name)
+    hist.set_xlabel("staleness of a trained token (weight versions behind the trainer)")
+    hist.set_ylabel("share of trained tokens")
+    hist.legend(fontsize=8)
+    styles = {"train/is_ratio_mean": "-", "train/is_ratio_max": "--"}
+    for name in names:
+        for r in results[name]:
+            for key, style in styles.items():
+                values = r["off_policy"][key]
+                if any(v is not None for v in values):
+                    ratios.plot(range(len(values)), values, style, linewidth=0.8, alpha=0.7)
+    ratios.set_xlabel("iteration")
+    ratios.set_ylabel("pi_prox / pi_behaviour (stale tokens)")
+    ratios.set_title("mean (solid) and max (dashed), each run", fontsize=9)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
 
 
 def _smooth(values: list[float], window: int = 5) -> list[float]:
@@ -105,12 +172,14 @@ def main() -> int:
         saved = json.loads((out / f"{args.experiment}.json").read_text())
         runs = {
             name: [
-                {"rewards": c, "heldout_acc_after": a}
-                for c, a in zip(v["rewards"], v["heldout_acc_after"])
+                {"rewards": c, "heldout_acc_after": a, "off_policy": o}
+                for c, a, o in zip(v["rewards"], v["heldout_acc_after"], v["off_policy"])
             ]
             for name, v in saved.items()
         }
-        plot(runs, out / f"convergence-{args.experiment}.png", f"demo task: {args.experiment}")
+        title = f"demo task: {args.experiment}"
+        plot(runs, out / f"convergence-{args.experiment}.png", title)
+        plot_off_policy(runs, out / f"offpolicy-{args.experiment}.png", title)
         return 0
     results: dict[str, list[dict]] = {}
     for seed in (int(s) for s in args.seeds.split(",")):
@@ -123,11 +192,17 @@ def main() -> int:
             "mean_after": statistics.mean(r["heldout_acc_after"] for r in runs),
             "samples_per_s": [round(r["samples_per_s"], 1) for r in runs],
             "rewards": [r["rewards"] for r in runs],
+            "staleness_max": [r.get("staleness_max") for r in runs],
+            "samples_lost": [r.get("samples_lost") for r in runs],
+            "off_policy": [r["off_policy"] for r in runs],
         }
         for name, runs in results.items()
     }
     (out / f"{args.experiment}.json").write_text(json.dumps(summary, indent=2))
     plot(results, out / f"convergence-{args.experiment}.png", f"demo task: {args.experiment}")
+    plot_off_policy(
+        results, out / f"offpolicy-{args.experiment}.png", f"demo task: {args.experiment}"
+    )
     print(json.dumps(summary))
     return 0
 

@@ -156,7 +156,7 @@ class RLConfig:
             no trained token is more than k weight versions old (``null``: 1, the paper's
             one-step mode; sync and colocated are 0).
         partial_rollout: what generators do with running sequences when new weights arrive:
-            ``"off"`` (finish them under the old weights: each sample from one version),
+            ``"finish"`` (finish them under the old weights: each sample from one version),
             ``"keep"`` (continue under the new weights, keeping the old key/value cache) or
             ``"recompute"`` (continue, the cache computed again); async mode only
             (docs/partial_rollout.md).
@@ -219,7 +219,7 @@ class RLConfig:
     kl_coef: float = 0.0
     is_cap: float = 2.0
     staleness_bound: int | None = None
-    partial_rollout: str = "off"
+    partial_rollout: str = "finish"
     correction: str = "decoupled"
     reward: str | dict[str, Any] | list[Any] = "exact"
     reward_workers: int = 1

@@ -190,9 +190,9 @@ def check_asynchrony(rl: RLConfig) -> None:
         check_correction(rl.correction)
     except (ValueError, ConfigError) as err:
         raise ConfigError(f"rl.{err}") from err
-    if rl.partial_rollout != "off" and rl.mode != "async":
+    if rl.partial_rollout != "finish" and rl.mode != "async":
         raise ConfigError(
             f"rl.partial_rollout: {rl.partial_rollout} needs rl.mode: async (in {rl.mode} mode "
             "no sequence is running when new weights arrive); set rl.mode: async or "
-            "rl.partial_rollout: off."
+            "rl.partial_rollout: finish."
         )

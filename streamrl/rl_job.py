@@ -190,11 +190,26 @@ def rl_summary(module: StreamRLModule, iterations: int) -> dict:
         "trainer_wait_frac": sum(h["time/wait_s"] for h in history) / rl_wall,
         "rl_wall_s": rl_wall,
         "mode": module.mode,
+        "staleness_bound": module.staleness_bound,
+        "partial_rollout": module.rollouts.service.partial_rollout,
+        "correction": module.correction,
         "staleness_max": max(h["train/staleness_max"] for h in history),
+        "token_staleness": token_staleness(history),
         "dropped_stale": module.pipeline.dropped_stale,
         "sync_exposed_s_total": sum(h["time/sync_exposed_s"] for h in history),
         "sync_transfer_s_total": module.sync_transfer_s,
     }
+
+
+def token_staleness(history: list[dict]) -> dict[str, float]:
+    """The run's staleness histogram: trained tokens at each lag, summed over iterations."""
+    lags: dict[str, float] = {}
+    for row in history:
+        for key, value in row.items():
+            if key.startswith("train/tokens_lag_"):
+                lag = key.rsplit("_", 1)[1]
+                lags[lag] = lags.get(lag, 0.0) + value
+    return dict(sorted(lags.items(), key=lambda item: int(item[0])))
 
 
 def ledger(module: StreamRLModule) -> dict:

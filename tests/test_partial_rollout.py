@@ -96,8 +96,8 @@ class _FakeGenerator:
         return 5
 
 
-def test_weight_loader_waits_for_idle_only_when_partial_rollout_is_off():
-    off, keep, again = (WeightLoader(_FakeGenerator(), p) for p in ("off", "keep", "recompute"))
+def test_weight_loader_waits_for_idle_only_when_sequences_must_finish():
+    off, keep, again = (WeightLoader(_FakeGenerator(), p) for p in ("finish", "keep", "recompute"))
     for loader in (off, keep, again):
         loader.offer(1, {})
         loader.offer(2, {})
@@ -110,7 +110,7 @@ def test_weight_loader_waits_for_idle_only_when_partial_rollout_is_off():
 
 
 def test_unknown_policy_and_generator_without_recompute_fail_clearly():
-    with pytest.raises(ConfigError, match="choose one of off, keep, recompute"):
+    with pytest.raises(ConfigError, match="choose one of finish, keep, recompute"):
         check_partial_rollout("drop")
     with pytest.raises(ConfigError, match="recompute_running"):
         WeightLoader(object(), "recompute")
@@ -124,8 +124,8 @@ def model_dir(tmp_path_factory, tok):
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("policy", ["off", "keep"])
-def test_an_instance_finishes_under_old_weights_only_when_partial_rollout_is_off(
+@pytest.mark.parametrize("policy", ["finish", "keep"])
+def test_an_instance_finishes_under_old_weights_only_with_policy_finish(
     model_dir, tok, policy
 ):
     """Real instance: a long sample runs when version 1 is pushed."""
@@ -140,7 +140,7 @@ def test_an_instance_finishes_under_old_weights_only_when_partial_rollout_is_off
         sgs.submit([Request("after", prompt, 5)])
         samples = {s.prompt_id: s for s in (sgs.next_sample(), sgs.next_sample())}
     long = samples["long"]
-    if policy == "off":  # loaded once the instance was idle: one version per sample
+    if policy == "finish":  # loaded once the instance was idle: one version per sample
         assert set(long.token_versions) == {0}
     else:  # loaded between two decode steps: the rest of the long sample is version 1's
         assert long.token_versions[0] == 0 and long.token_versions[-1] == 1

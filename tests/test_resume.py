@@ -49,7 +49,7 @@ class Recorded(StreamRLModule):
 
 
 def fit(
-    run_dir, model_dir, tokenizer, policy, crash_at=None, ckpt_path=None, bound=1, partial="off"
+    run_dir, model_dir, tokenizer, policy, crash_at=None, ckpt_path=None, bound=1, partial="finish"
 ) -> Recorded:
     prompts = make_prompt_set(64, ["copy"], median_len=3, max_len=6, seed=0)
     algorithm = GRPO(group_size=GROUP)
@@ -88,7 +88,7 @@ def fit(
 
 
 @pytest.mark.parametrize(
-    ("bound", "partial"), [(1, "off"), (2, "keep")], ids=["one-step", "k2-partial"]
+    ("bound", "partial"), [(1, "finish"), (2, "keep")], ids=["one-step", "k2-partial"]
 )
 def test_async_run_killed_mid_iteration_resumes_without_loss_or_repeat(
     tmp_path, tokenizer, bound, partial

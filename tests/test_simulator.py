@@ -1,5 +1,6 @@
-"""The StreamRL simulator: hand-worked tiny runs, the trace format, the KV-cache batch bound, and
-an out-of-sample validation against fresh real runs (``streamrl sim validate``, small).
+"""The StreamRL simulator: hand-worked tiny runs, the trace format, the KV-cache batch bound, the
+asynchronous variants (staleness bound k, partial rollout finish / keep / recompute), and an
+out-of-sample validation against fresh real runs (``streamrl sim validate``, small, slow).
 """
 
 from __future__ import annotations
@@ -11,11 +12,21 @@ from streamrl.components.capacity.allocator import TrainerCostModel
 from streamrl.components.capacity.elastic import ElasticController
 from streamrl.components.skewness.batching import decode_schedule
 from streamrl.components.skewness.latency import LatencyModel
+from streamrl.records import Request
 from streamrl.sim.config import GeneratorPool, SimConfig, TrainerPool, Workload
 from streamrl.sim.engine import simulate
 from streamrl.sim.hardware import H800, LINK_GBPS, QWEN25, decode_latency, kv_batch_limit
+from streamrl.sim.instance import SimInstance
 from streamrl.sim.presets import paper_config, paper_lengths
-from streamrl.sim.validate import CALIBRATION, PREDICTED, fit_calibration, validate
+from streamrl.sim.validate import (
+    CALIBRATION,
+    PREDICTED,
+    Calibration,
+    fit_calibration,
+    sim_config,
+    sim_mode_fields,
+    validate,
+)
 from streamrl.timeline import load_trace
 
 # PTL 1.0 s per step alone, 1.5 s with two running.
@@ -160,3 +171,188 @@ def test_simulator_predicts_a_fresh_real_run_it_was_not_fitted_to():
     row = result["rows"]["fat-tail"]
     assert not row["fitted"] and row["real"] > 0
     assert abs(row["error"]) < OUT_OF_SAMPLE_BOUND, result
+
+
+# -- asynchronous variants: staleness bound k, partial rollout (finish / keep / recompute) -------
+
+CONST = LatencyModel([1], [1.0])  # 1 s per decode step at any batch size
+#: One 64-token sample and seven 8-token ones per iteration: a long tail on one instance.
+LONG_TAIL = [64] + [8] * 7
+
+
+def async_config(
+    policy: str, k: int | None = None, trainer_s_per_token: float = 1e-4, sync_s: float = 0.0, **gen
+):
+    """One 8-slot instance at 1 s a step, LONG_TAIL, 4-token prompts, async (bound ``k``),
+    weights arriving ``sync_s`` after each optimizer step."""
+    generators = GeneratorPool(CONST, 1, 8, **gen)
+    trainer = TrainerPool(TrainerCostModel(trainer_s_per_token), 1, token_budget=1)
+    workload = Workload(lambda it: list(LONG_TAIL), len(LONG_TAIL), 1, 4, ranker_noise=0.0)
+    return SimConfig(
+        generators,
+        trainer,
+        workload,
+        mode="async",
+        staleness_bound=k,
+        partial_rollout=policy,
+        iterations=4,
+        warmup=1,
+        sync_latency_s=sync_s,
+    )
+
+
+def generate_spans(result):
+    return [s for s in result.trace.spans if s.name == "generate"]
+
+
+def test_instance_weight_load_policies_hand_computed():
+    # One 10-token sample, 4-token prompt, 1 s a step; admission prefill 0.5 s, so decoding
+    # starts at 0.5. Version 1 arrives at 4.2 s: 3.7 tokens done, the 4th in progress belongs to
+    # version 0. Re-prefill: 0.5 + 0.01 x 1 row x (4 + 4) tokens = 0.58 s.
+    def run(policy: str):
+        inst = SimInstance(
+            0,
+            CONST,
+            8,
+            False,
+            1.0,
+            0.5,
+            partial_rollout=policy,
+            prefill_s_per_token=0.01,
+            prompt_tokens=4,
+        )
+        inst.release([Request("p", [0], 10, forced_length=10)], 0.0)
+        assert inst.advance(4.2) == []
+        inst.offer(1, 4.2)
+        ((running, at),) = inst.advance(100.0)
+        return inst, running, at
+
+    inst, running, at = run("finish")  # loads only once idle
+    assert at == pytest.approx(10.5) and running.tokens == {0: 10}
+    assert inst.loads == [(pytest.approx(10.5), 1)] and inst.version == 1
+    inst, running, at = run("keep")  # loads at once, no pause
+    assert at == pytest.approx(10.5) and running.tokens == {0: 4, 1: 6}
+    assert inst.loads == [(pytest.approx(4.2), 1)] and inst.recompute_s == 0.0
+    inst, running, at = run("recompute")  # loads at once, then re-prefills prompt + 4 tokens
+    assert inst.recompute_s == pytest.approx(0.58)
+    assert at == pytest.approx(10.5 + 0.58) and running.tokens == {0: 4, 1: 6}
+
+
+def test_instance_holds_requests_until_it_has_their_weights():
+    inst = SimInstance(0, CONST, 8, False, partial_rollout="finish")
+    inst.release([Request("a", [0], 4, forced_length=4, min_weight_version=1)], 0.0)
+    assert not inst.running and len(inst.held) == 1  # needs version 1, holds version 0
+    inst.offer(1, 2.0)  # idle: loads at once, then admits it
+    assert inst.version == 1 and [r.request.prompt_id for r in inst.running] == ["a"]
+    assert inst.running[0].version == 1
+
+
+def test_partial_keep_beats_finish_when_generation_bound():
+    # finish: iteration j+1 needs weights j, which the instance loads only once j's 64-token
+    # sample is done (the tail bubble): 64 s an iteration. keep: it loads them as they arrive
+    # and fills the 7 idle slots with iteration j+1 while the long sample runs: 32 s.
+    finish = simulate(async_config("finish"))
+    keep = simulate(async_config("keep"))
+    assert finish.iteration_s == pytest.approx(64.0, rel=1e-3)
+    assert keep.iteration_s == pytest.approx(32.0, rel=1e-3)
+    assert keep.samples_per_s > 1.9 * finish.samples_per_s
+
+
+def test_finish_keeps_each_sample_on_one_version_keep_does_not():
+    for policy in ("finish", "keep"):
+        spans = generate_spans(simulate(async_config(policy)))
+        for s in spans:  # every token is counted once, under some version
+            assert sum(n for _, n in s.meta["token_versions"]) == s.meta["length"]
+        spanning = [s for s in spans if len(s.meta["token_versions"]) > 1]
+        if policy == "finish":
+            assert not spanning
+            assert all(s.meta["token_versions"][0][0] == s.meta["weight_version"] for s in spans)
+        else:  # the long samples run on under the weights that arrive meanwhile
+            assert spanning and all(n > 0 for s in spanning for _, n in s.meta["token_versions"])
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_staleness_bound_paces_admission_and_bounds_token_staleness(k):
+    # Trainer-bound (1 s per token trained): the generators run as far ahead as allowed, so
+    # iteration j is admitted at exactly version j - k and trained k versions stale. Weights
+    # take 5 s to arrive: iteration t + k, dispatched at step t, waits for version t.
+    result = simulate(async_config("finish", k, trainer_s_per_token=1.0, sync_s=5.0))
+    spans = generate_spans(result)
+    assert all(s.meta["weight_version"] >= max(0, s.iteration - k) for s in spans)
+    assert min(s.meta["weight_version"] - (s.iteration - k) for s in spans if s.iteration >= k) == 0
+    assert result.token_lag_max == k
+    assert all(it["token_lag_max"] <= k for it in result.per_iteration)
+    starts = [it["start_s"] for it in result.per_iteration]  # k ahead: j runs before step j-k+1
+    for j in range(k, len(starts)):
+        assert min(s.start_s for s in spans if s.iteration == j) < starts[j - k + 1]
+    keep = simulate(async_config("keep", k, sync_s=5.0))  # generation-bound: still within k
+    assert 0 < keep.token_lag_mean <= k and keep.token_lag_max <= k
+    # The mean is over trained tokens (not samples), iteration by iteration, as the real one.
+    per_iteration = {}
+    for s in generate_spans(keep):
+        lags = per_iteration.setdefault(s.iteration, [0, 0])
+        for version, n in s.meta["token_versions"]:
+            lags[0], lags[1] = lags[0] + n * (s.iteration - version), lags[1] + n
+    measured = [per_iteration[i] for i in range(1, 5)]  # warm-up 1, 4 measured
+    assert keep.token_lag_mean == pytest.approx(np.mean([lag / n for lag, n in measured]))
+
+
+def test_token_staleness_is_zero_in_sync_and_one_in_one_step_finish():
+    assert simulate(tiny_config("sync", [2, 4], 0.5, budget=1)).token_lag_mean == 0.0
+    assert simulate(async_config("finish")).token_lag_mean == pytest.approx(1.0)
+
+
+def test_recompute_costs_generator_time_keep_does_not():
+    keep = simulate(async_config("keep", prefill_s_per_token=0.01))
+    recompute = simulate(async_config("recompute", prefill_s_per_token=0.01))
+    assert keep.recompute_s == 0.0 and recompute.recompute_s > 0.0
+    decode = lambda r: sum(s.end_s - s.start_s for s in generate_spans(r))  # noqa: E731
+    assert decode(recompute) > decode(keep) + recompute.recompute_s * 0.5
+    assert recompute.iteration_s > keep.iteration_s
+    # A dearer re-prefill costs more.
+    dearer = simulate(async_config("recompute", prefill_s_per_token=0.1))
+    assert dearer.recompute_s > recompute.recompute_s and dearer.iteration_s > recompute.iteration_s
+
+
+def test_sim_config_checks_the_new_modes():
+    with pytest.raises(ValueError, match="async"):
+        tiny_config("sync", [2], 0.5, budget=1, partial_rollout="keep")
+    with pytest.raises(ValueError, match="partial_rollout"):
+        tiny_config("async", [2], 0.5, budget=1, partial_rollout="sometimes")
+    with pytest.raises(ValueError, match="staleness_bound"):
+        tiny_config("async", [2], 0.5, budget=1, staleness_bound=0)
+    with pytest.raises(ValueError, match="staleness_bound"):
+        tiny_config("sync", [2], 0.5, budget=1, staleness_bound=1)
+    assert tiny_config("async", [2], 0.5, budget=1).staleness == 1
+    assert tiny_config("sync", [2], 0.5, budget=1).staleness == 0
+
+
+def test_validation_rows_simulate_their_bench_mode():
+    """Each row's ``BENCH_MODES`` entry reaches the simulated side (simulation only)."""
+    from streamrl.bench.pipeline import BENCH_MODES
+
+    for name, variant in BENCH_MODES.items():
+        fields = sim_mode_fields(name)
+        assert fields == {
+            "mode": variant.mode,
+            "staleness_bound": variant.staleness_bound,
+            "partial_rollout": variant.partial_rollout,
+        }
+    rows = {"async-k2", "partial-keep", "partial-recompute", "async-16", "partial-keep-16"}
+    assert rows | {"async-k2-16"} <= set(PREDICTED)
+    assert {PREDICTED[n].max_batch_size for n in ("async-16", "async-k2-16")} == {16}
+    cal = Calibration(
+        LatencyModel([1, 64], [0.002, 0.006]),
+        TrainerCostModel(1e-5, microbatch_overhead_s=1e-3, step_s=0.01),
+        None,
+        slowdown=1.2,
+        trainer_scale=1.0,
+        sync_s=0.02,
+        overhead_s=0.04,
+        prefill_s_per_token=2e-6,
+    )
+    sims = {n: simulate(sim_config(PREDICTED[n], cal, 3, 1)) for n in (*rows, "async")}
+    assert sims["partial-recompute"].recompute_s > 0.0 and sims["partial-keep"].recompute_s == 0
+    assert sims["async-k2"].token_lag_max == 2 and sims["async"].token_lag_max == 1
+    spans = generate_spans(sims["async-16"])
+    assert max(sum(1 for t in spans if t.start_s <= s.start_s < t.end_s) for s in spans) <= 16

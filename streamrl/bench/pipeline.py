@@ -52,7 +52,7 @@ class BenchMode:
 
     mode: str
     staleness_bound: int | None = None
-    partial_rollout: str = "off"
+    partial_rollout: str = "finish"
 
 
 BENCH_MODES: dict[str, BenchMode] = {

@@ -2,11 +2,12 @@
 
 The simulator predicts the real ``streamrl bench pipeline`` only if it is fed what that bench runs
 on: the decode latency ``PTL(BS)`` of one generator process (``streamrl profile``), the cost of a
-forward/backward pass of the trainer per padded token (measured here, on 1 and on 2 threads) and
+forward/backward pass of the trainer per padded token (measured here, on 1 and on 2 threads),
 how much a generator process slows down while the trainer computes on the other core (measured
-here by profiling while a second process trains). StreamRL §4.2 calls this the profiler-based
-estimation model ``P``; the paper gives no functional form, so the trainer is fitted as
-``seconds = overhead + s_per_token x padded_tokens`` per micro-batch.
+here by profiling while a second process trains) and what a re-prefill of the running sequences
+costs (partial rollout ``"recompute"``, measured here on the real generator). StreamRL §4.2 calls
+this the profiler-based estimation model ``P``; the paper gives no functional form, so the
+trainer and the re-prefill are fitted as ``seconds = overhead + s_per_token x padded_tokens``.
 """
 
 from __future__ import annotations
@@ -114,6 +115,57 @@ def measure_trainer_cost(
     )
 
 
+#: Re-prefills timed: (running rows, tokens generated so far), up to the bench's 64 slots.
+RECOMPUTE_SHAPES = ((4, 8), (16, 16), (64, 8), (8, 64), (32, 32), (64, 32), (16, 128), (64, 64))
+
+
+def measure_recompute_cost(
+    policy,
+    prompt_ids: Sequence[int],
+    shapes: Sequence[tuple[int, int]] = RECOMPUTE_SHAPES,
+    repeats: int = 3,
+) -> tuple[float, float]:
+    """Fit ``seconds = intercept + s_per_token x padded tokens`` to the real re-prefill of
+    partial rollout ``"recompute"`` (``HFStreamGenerator.recompute_running``), on one thread as
+    in a generator instance, with the policy and prompt ``PTL`` is profiled with.
+
+    Each shape decodes ``rows`` sequences for ``generated`` tokens, then times the re-prefill
+    of all of them (prompt and tokens so far, right-padded to the longest: ``rows x (prompt +
+    generated)`` padded tokens) ``repeats`` times, keeping the fastest.
+
+    Returns:
+        ``(intercept_s, s_per_token)``.
+    """
+    import torch
+
+    from streamrl.components.generation.hf_generator import HFStreamGenerator
+    from streamrl.records import Request
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        tokens, seconds = [], []
+        for rows, generated in shapes:
+            generator = HFStreamGenerator(policy, max_batch_size=rows, greedy=True)
+            generator.submit(
+                Request(f"r{i}", list(prompt_ids), generated + 2, forced_length=generated + 2)
+                for i in range(rows)
+            )
+            for _ in range(generated):
+                generator.step()
+            times = []
+            for _ in range(repeats + 1):  # the first is a warm-up
+                started = time.perf_counter()
+                generator.recompute_running()
+                times.append(time.perf_counter() - started)
+            tokens.append(rows * (len(prompt_ids) + generated))
+            seconds.append(min(times[1:]))
+        slope, intercept = np.polyfit(tokens, seconds, 1)
+    finally:
+        torch.set_num_threads(before)
+    return max(0.0, float(intercept)), max(0.0, float(slope))
+
+
 def _burn(stop) -> None:
     import torch
 
@@ -153,6 +205,9 @@ def measure_contended_ptl(
 if __name__ == "__main__":  # python -m streamrl.sim.calibrate
     for n in (1, 2):
         print(f"trainer, {n} thread(s):", measure_trainer_cost(n))
+    policy, tokenizer = _tiny_policy()
+    intercept, per_token = measure_recompute_cost(policy, tokenizer("copy abcdefgh=")["input_ids"])
+    print(f"re-prefill: {intercept * 1000:.3f} ms + {per_token * 1e6:.3f} us per padded token")
     alone, contended = measure_contended_ptl()
     ratios = [c / a for a, c in zip(alone.ptl_s, contended.ptl_s)]
     print("PTL alone ms:", [round(p * 1000, 3) for p in alone.ptl_s])

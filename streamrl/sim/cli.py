@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import replace
 
 from streamrl.components.capacity.allocator import ResourceAllocator
 from streamrl.components.capacity.elastic import ElasticController
+from streamrl.components.generation.partial import PARTIAL_ROLLOUT
 from streamrl.errors import ConfigError
 from streamrl.sim.ablation import LABELS, ablation_summary, run_ablation
+from streamrl.sim.config import SimConfig
 from streamrl.sim.engine import SimResult, simulate
 from streamrl.sim.hardware import GPUS, LINK_GBPS, SYNC_LATENCY_S, kv_batch_limit
 from streamrl.sim.presets import (
@@ -42,6 +45,18 @@ def add_simulate_command(subparsers: argparse._SubParsersAction) -> None:
         help="the four-row Table 3 ablation, or one mode",
     )
     p.add_argument("--iterations", type=int, default=3, help="measured iterations (1 warm-up)")
+    p.add_argument(
+        "--staleness-bound",
+        type=int,
+        help="async: iterations generated ahead of the one training (default 1)",
+    )
+    p.add_argument(
+        "--partial-rollout",
+        default="finish",
+        choices=PARTIAL_ROLLOUT,
+        help="async: running samples at a weight update: finish first (finish), go on (keep) or "
+        "re-prefill (recompute)",
+    )
     p.add_argument("--gen-gpus", type=int, help="generator GPUs (default: Algorithm 1's plan)")
     p.add_argument("--train-gpus", type=int, help="trainer GPUs (default: Algorithm 1's plan)")
     p.add_argument("--gen-gpu", default="h800", choices=sorted(GPUS), help="generator GPU type")
@@ -67,6 +82,9 @@ def run_simulate_command(args: argparse.Namespace) -> dict:
     """Run the ablation or one mode; print a table; return the results."""
     if args.iterations < 1:
         raise ConfigError(f"--iterations must be >= 1, got {args.iterations}.")
+    variant = args.staleness_bound is not None or args.partial_rollout != "finish"
+    if variant and args.mode == "ablation":
+        raise ConfigError("--staleness-bound / --partial-rollout need one mode: --mode async.")
     if args.preset == "cpu":
         return _simulate_cpu(args)
     _parse(args.preset)  # fail early on a bad name
@@ -96,13 +114,26 @@ def run_simulate_command(args: argparse.Namespace) -> dict:
         config.elastic = ElasticController(
             config.generators.latency, config.generators.max_batch_size, step=node
         )
-    result = simulate(config)
+    result = simulate(_variant(config, args))
     return _single(args, config.labels, result)
+
+
+def _variant(config: SimConfig, args: argparse.Namespace) -> SimConfig:
+    """``config`` with the staleness bound and partial-rollout policy of the command line."""
+    try:
+        return replace(
+            config,
+            staleness_bound=getattr(args, "staleness_bound", None),
+            partial_rollout=getattr(args, "partial_rollout", "finish"),
+        )
+    except ValueError as err:
+        raise ConfigError(f"simulate: {err}") from err
 
 
 def _simulate_cpu(args: argparse.Namespace) -> dict:
     modes = ["colocated", "sync", "async"] if args.mode == "ablation" else [args.mode]
-    results = {m: simulate(cpu_config(m, iterations=max(args.iterations, 6))) for m in modes}
+    iterations = max(args.iterations, 6)
+    results = {m: simulate(_variant(cpu_config(m, iterations=iterations), args)) for m in modes}
     # Stored inputs only: for a comparison with real runs use ``streamrl sim validate``.
     print(
         f"{'mode':<10}{'sim samples/s':>15}   (stored cpu profile; real: streamrl sim validate)",

@@ -115,8 +115,8 @@ class SimConfig:
             iteration ``j`` needs weights >= ``j - k`` (``None``: 1 in async, 0 otherwise, as
             the real ``StreamRLModule``; ``staleness`` is the value in force).
         partial_rollout: what an instance does with running samples when new weights arrive:
-            ``"off"`` (finish them first), ``"keep"`` (go on under the new weights) or
-            ``"recompute"`` (re-prefill them, then go on); not ``"off"`` only in async mode.
+            ``"finish"`` (finish them first), ``"keep"`` (go on under the new weights) or
+            ``"recompute"`` (re-prefill them, then go on); not ``"finish"`` only in async mode.
         dispatch / admission: Algorithm 2 or a baseline; LPT or FIFO inside an instance.
         iterations / warmup: measured iterations after unmeasured ones.
         weight_bytes / link_gbps / sync_latency_s: the weight transfer, ``bytes / bandwidth``
@@ -139,7 +139,7 @@ class SimConfig:
     workload: Workload
     mode: SimMode = "sync"
     staleness_bound: int | None = None
-    partial_rollout: str = "off"
+    partial_rollout: str = "finish"
     dispatch: DispatchPolicy = "round-robin"
     admission: Admission = "fifo"
     iterations: int = 6
@@ -167,7 +167,7 @@ class SimConfig:
             raise ValueError(
                 f"partial_rollout must be one of {PARTIAL_ROLLOUT}, got {self.partial_rollout!r}."
             )
-        if self.partial_rollout != "off" and self.mode != "async":
+        if self.partial_rollout != "finish" and self.mode != "async":
             raise ValueError(
                 f"partial_rollout={self.partial_rollout!r} needs mode async (in {self.mode} "
                 "mode no weights arrive while samples run)."

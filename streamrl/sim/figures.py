@@ -38,7 +38,7 @@ def _figure(width: float = 7.0, height: float = 3.6):
 def validation_figure(result: dict, path: str | Path) -> Path:
     """Bars of ``streamrl sim validate``'s result: real vs simulated samples/s per config."""
     rows = result["rows"]
-    fig = _figure(9, 3.4)
+    fig = _figure(max(9.0, 0.8 * len(rows)), 3.4)  # the partial-rollout rows make 13
     ax = fig.add_subplot()
     x = np.arange(len(rows))
     real = [r["real"] for r in rows.values()]
@@ -54,7 +54,8 @@ def validation_figure(result: dict, path: str | Path) -> Path:
             textcoords="offset points",
             fontsize=8,
         )
-    ax.set_xticks(x, [f"{n}*" if r["fitted"] else n for n, r in rows.items()], fontsize=8)
+    labels = [f"{n}*" if r["fitted"] else n for n, r in rows.items()]
+    ax.set_xticks(x, labels, fontsize=8, rotation=20 if len(rows) > 7 else 0)
     ax.set_ylabel("samples/s (bench pipeline)")
     ax.legend(fontsize=8, loc="upper right")
     ax.set_title("Simulator vs fresh real runs on this machine (streamrl sim validate)")

@@ -9,7 +9,7 @@ real instance holds them), then queue in its admission scheduler (the real ``FIF
 Weight versions arrive with ``offer``; when the instance loads one follows the partial-rollout
 policy of the real ``WeightLoader`` (``streamrl.components.generation.partial``):
 
-- ``"off"``: only once idle (nothing running, nothing queued), then the newest received;
+- ``"finish"``: only once idle (nothing running, nothing queued), then the newest received;
 - ``"keep"``: at once; running samples go on under the new weights;
 - ``"recompute"``: at once, then one prefill pass of the running samples' current lengths
   (``recompute_cost_s``) before the next decode step.
@@ -86,7 +86,7 @@ class SimInstance:
         prefill_s: seconds the instance spends on a prefill pass each time it admits samples
             (running samples wait meanwhile; a real instance prefills new rows in one forward),
             and the fixed part of a re-prefill.
-        partial_rollout: ``"off"``, ``"keep"`` or ``"recompute"`` (module docstring).
+        partial_rollout: ``"finish"``, ``"keep"`` or ``"recompute"`` (module docstring).
         prefill_s_per_token: seconds per padded token of a re-prefill (``"recompute"``).
         prompt_tokens: prompt length, part of a running sample's length when re-prefilled.
         version: the weight version loaded at the start.
@@ -101,7 +101,7 @@ class SimInstance:
         slowdown: float = 1.0,
         prefill_s: float = 0.0,
         *,
-        partial_rollout: str = "off",
+        partial_rollout: str = "finish",
         prefill_s_per_token: float = 0.0,
         prompt_tokens: int = 0,
         version: int = 0,
@@ -187,11 +187,11 @@ class SimInstance:
 
     def _settle(self) -> None:
         """Queue what the loaded weights admit, fill slots, load pending weights if allowed."""
-        if self.pending and self.policy != "off":  # between two decode steps
+        if self.pending and self.policy != "finish":  # between two decode steps
             self._load()
         self._unhold()
         self._admit()
-        if self.pending and self.idle:  # "off": once nothing it may still serve is left
+        if self.pending and self.idle:  # "finish": once nothing it may still serve is left
             self._load()
             self._unhold()
             self._admit()

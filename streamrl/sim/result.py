@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from streamrl.sim.config import SimConfig
 from streamrl.sim.instance import SimInstance
-from streamrl.timeline import Span, TraceRecorder, busy_fraction
+from streamrl.timeline import TraceRecorder, busy_fraction
 
 
 @dataclass
@@ -62,12 +62,10 @@ class SimResult:
 def summarize(
     config: SimConfig, iters: list[dict], trace: TraceRecorder, instances: list[SimInstance]
 ) -> SimResult:
-    """Medians over the measured iterations (after ``config.warmup``) of a finished run; adds
-    the instances' re-prefills to ``trace`` (a ``recompute`` span on their lanes)."""
-    for inst in instances:
-        for start_s, end_s, version in inst.recomputes:
-            lane = f"generator-{inst.instance_id}"
-            trace.add(Span(lane, "recompute", start_s, end_s, version - 1, {}))
+    """Medians over the measured iterations (after ``config.warmup``) of a finished run.
+
+    A re-prefill has no span of its own (the trace format knows no such stage): the running
+    samples' ``generate`` spans cover it, and ``recompute_s`` sums it."""
     measured = iters[config.warmup :]
     start, end = measured[0]["start_s"], measured[-1]["end_s"]
     spans = trace.spans

@@ -13,7 +13,11 @@ sample, on this machine, against the real ``streamrl bench pipeline`` code:
    one factor on the trainer's cost (the real step also builds loss inputs and runs Lightning's
    hooks), the blocking weight update and the training loop's own time per iteration.
 3. **Predict** every other configuration (other lengths, batch, micro-batch budget, instance
-   count, mode): run it fresh for real, simulate it with the calibrated model, compare samples/s.
+   count, generator slots, mode: a ``bench.pipeline.BENCH_MODES`` name, the asynchronous
+   variants with their staleness bound and partial-rollout policy included): run it fresh for
+   real, simulate it with the calibrated model, compare samples/s (and the mean token staleness).
+   Rows with partial rollout ``"recompute"`` add one micro-benchmark: the real generator's
+   re-prefill cost per padded token (``calibrate.measure_recompute_cost``).
 
 Nothing is fitted to the predicted rows, and no stored number is on the "real" side.
 """
@@ -24,87 +28,50 @@ import argparse
 import statistics
 import sys
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from streamrl.components.capacity.allocator import TrainerCostModel
 from streamrl.components.skewness.latency import LatencyModel
-from streamrl.sim.calibrate import DEFAULT_SHAPES, PROMPT_TOKENS, measure_trainer_cost
-from streamrl.sim.config import GeneratorPool, SimConfig, SimMode, TrainerPool, Workload
+from streamrl.sim.bench_rows import (
+    CALIBRATION,
+    LENGTH_SETS,
+    MAX_BATCH_SIZE,
+    PREDICTED,
+    BenchConfig,
+    bench_mode,
+    fat_tail_lengths,
+    shipped_lengths,
+    sim_mode_fields,
+)
+from streamrl.sim.calibrate import (
+    DEFAULT_SHAPES,
+    PROMPT_TOKENS,
+    measure_recompute_cost,
+    measure_trainer_cost,
+)
+from streamrl.sim.config import GeneratorPool, SimConfig, TrainerPool, Workload
 from streamrl.sim.engine import simulate
-from streamrl.sim.presets import DEFAULT_LENGTHS, paper_lengths
 
 #: Micro-batch shapes timed by a quick calibration (the full one times ``DEFAULT_SHAPES``).
 QUICK_SHAPES = ((4, 16), (16, 32), (8, 128), (32, 64))
 PROFILE_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
-MAX_BATCH_SIZE = 64  # slots per generator instance, as ``bench pipeline`` runs it
-
-
-def shipped_lengths() -> list[int]:
-    """The bench's default lengths (512, median 22.5, p90 75, max 200 tokens)."""
-    from streamrl.bench import load_lengths
-
-    return load_lengths(DEFAULT_LENGTHS)
-
-
-def fat_tail_lengths(count: int = 512, seed: int = 1) -> list[int]:
-    """Another long-tail draw, a different shape: the paper presets' CodeMath-like mixture
-    (§7.1, Fig. 7; 60% log-normal body, 40% uniform tail) scaled to at most 200 tokens (mean
-    58 tokens against the shipped file's 33)."""
-    return paper_lengths(count, 200, seed)
-
-
-LENGTH_SETS: dict[str, Callable[[], list[int]]] = {
-    "shipped": shipped_lengths,
-    "fat-tail": fat_tail_lengths,
-}
-
-
-@dataclass(frozen=True)
-class BenchConfig:
-    """One real ``streamrl bench pipeline`` configuration: a row of the validation.
-
-    Attributes:
-        name: the row's name (``--configs``).
-        mode: ``colocated``, ``sync`` or ``async``.
-        lengths: a key of ``LENGTH_SETS``.
-        batch: prompts per iteration.
-        group_size: samples per prompt.
-        instances: generator instances (one process each).
-        token_budget: padded tokens per trainer micro-batch.
-    """
-
-    name: str
-    mode: SimMode
-    lengths: str = "shipped"
-    batch: int = 16
-    group_size: int = 4
-    instances: int = 1
-    token_budget: int = 256
-
-    def describe(self) -> str:
-        """A short label: what differs from the bench's defaults."""
-        return (
-            f"{self.mode}, {self.lengths} lengths, {self.batch}x{self.group_size}, "
-            f"{self.instances} inst., budget {self.token_budget}"
-        )
-
-
-#: The calibration run: ``streamrl bench pipeline --modes sync`` with its defaults.
-CALIBRATION = BenchConfig("calibration", "sync")
-#: The out-of-sample rows; each changes the mode, the lengths, the batch or the instances.
-PREDICTED = {
-    c.name: c
-    for c in (
-        BenchConfig("async", "async"),
-        BenchConfig("colocated", "colocated", instances=2, token_budget=4096),
-        BenchConfig("fat-tail", "sync", lengths="fat-tail"),
-        BenchConfig("fat-tail-async", "async", lengths="fat-tail"),
-        BenchConfig("batch-8", "sync", batch=8, token_budget=512),
-        BenchConfig("two-instances", "sync", instances=2),
-    )
-}
+__all__ = [  # the rows live in ``bench_rows``; importable from here as before
+    "CALIBRATION",
+    "LENGTH_SETS",
+    "MAX_BATCH_SIZE",
+    "PREDICTED",
+    "BenchConfig",
+    "Calibration",
+    "bench_mode",
+    "fat_tail_lengths",
+    "fit_calibration",
+    "shipped_lengths",
+    "sim_config",
+    "sim_mode_fields",
+    "validate",
+]
 
 
 @dataclass
@@ -119,6 +86,8 @@ class Calibration:
         trainer_scale: real train_s over the micro-benchmark's prediction of it.
         sync_s: the blocking weight update (median of the run's exposed sync).
         overhead_s: loop time per iteration outside wait, train and sync (median residual).
+        prefill_s_per_token: a re-prefill's cost per padded token (partial rollout
+            ``"recompute"``; micro-benchmark, 0 when no row needs it).
     """
 
     latency: LatencyModel
@@ -128,11 +97,15 @@ class Calibration:
     trainer_scale: float
     sync_s: float
     overhead_s: float
+    prefill_s_per_token: float = 0.0
 
     def to_dict(self) -> dict:
-        out = {k: round(v, 5) for k, v in asdict(self).items() if isinstance(v, float)}
+        fields = asdict(self)
+        per_token = fields.pop("prefill_s_per_token")
+        out = {k: round(v, 5) for k, v in fields.items() if isinstance(v, float)}
         out["ptl_ms"] = [round(p * 1000, 3) for p in self.latency.ptl_s]
         out["trainer_s_per_token"] = self.trainer.s_per_token
+        out["prefill_us_per_token"] = round(per_token * 1e6, 4)
         return out
 
 
@@ -150,7 +123,7 @@ def run_real(
         iterations=iterations,
         generators=config.instances,
         colocated_generators=config.instances,
-        max_batch_size=MAX_BATCH_SIZE,
+        max_batch_size=config.max_batch_size,
         token_budget=config.token_budget,
         colocated_token_budget=config.token_budget,
         device="cpu",
@@ -174,10 +147,11 @@ def sim_config(config: BenchConfig, cal: Calibration, iterations: int, warmup: i
     generators = GeneratorPool(
         cal.latency,
         config.instances,
-        MAX_BATCH_SIZE,
+        config.max_batch_size,
         slowdown=cal.slowdown,
         colocated_slowdown=cal.slowdown,
         prefill_s=cal.latency.ptl(1),
+        prefill_s_per_token=cal.prefill_s_per_token,
     )
     trainer = TrainerPool(cal.trainer, 1, token_budget=config.token_budget)
     workload = Workload(cycled, config.batch, config.group_size, PROMPT_TOKENS, ranker_noise=0.0)
@@ -185,7 +159,7 @@ def sim_config(config: BenchConfig, cal: Calibration, iterations: int, warmup: i
         generators,
         trainer,
         workload,
-        mode=config.mode,
+        **sim_mode_fields(config.mode),
         dispatch="round-robin",
         admission="fifo",
         iterations=iterations,
@@ -215,6 +189,7 @@ def fit_calibration(
     colocated_trainer: TrainerCostModel | None,
     iterations: int,
     warmup: int,
+    prefill_s_per_token: float = 0.0,
 ) -> Calibration:
     """Fit contention, the trainer factor, sync and loop time on one real ``sync`` run.
 
@@ -223,6 +198,7 @@ def fit_calibration(
             simulated ``gen_s`` both mean dispatch to last sample).
         real: ``run_real``'s medians for it.
         latency / trainer / colocated_trainer: the micro-benchmarks' models.
+        prefill_s_per_token: the re-prefill micro-benchmark's cost per token (kept as it is).
 
     Raises:
         ValueError: ``config`` is not a sync run.
@@ -237,7 +213,14 @@ def fit_calibration(
         - real["trainer_idle_frac"] * real["iteration_s"],
     )
     cal = Calibration(
-        latency, trainer, colocated_trainer, 1.0, 1.0, real["exposed_sync_s"], overhead
+        latency,
+        trainer,
+        colocated_trainer,
+        1.0,
+        1.0,
+        real["exposed_sync_s"],
+        overhead,
+        prefill_s_per_token,
     )
     lo, hi = 0.25, 8.0  # gen_s grows with the slowdown: bisect it onto the real gen_s
     for _ in range(30):
@@ -275,6 +258,17 @@ def profile(
     return latency, one, two
 
 
+def profile_recompute(quick: bool) -> float:
+    """The re-prefill micro-benchmark: seconds per padded token (``measure_recompute_cost``)."""
+    from streamrl.sim.calibrate import RECOMPUTE_SHAPES, _tiny_policy
+
+    policy, tokenizer = _tiny_policy()
+    prompt = tokenizer("copy abcdefgh=")["input_ids"]
+    shapes = RECOMPUTE_SHAPES[::2] if quick else RECOMPUTE_SHAPES
+    _, per_token = measure_recompute_cost(policy, prompt, shapes, 1 if quick else 3)
+    return per_token
+
+
 def _median_runs(runs: list[dict]) -> dict:
     return {k: statistics.median(r[k] for r in runs) for k in runs[0]}
 
@@ -303,15 +297,18 @@ def validate(
     from streamrl.bench import model_dir_for
 
     say = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
+    variants = {c.mode: bench_mode(c.mode) for c in (calibration, *predicted)}  # fail early
     say("profiling PTL(BS) and the trainer's cost per token ...")
     latency, one, two = profile(quick, any(c.mode == "colocated" for c in predicted))
+    recompute = any(v.partial_rollout == "recompute" for v in variants.values())
+    per_token = profile_recompute(quick) if recompute else 0.0
     rows = {}
     with tempfile.TemporaryDirectory(prefix="streamrl-validate-") as tmp:
         model_dir = model_dir_for("tiny", Path(tmp), seed)
         say(f"calibration run: {calibration.describe()}")
         runs = [run_real(calibration, model_dir, iterations, warmup, seed) for _ in range(repeats)]
         real = _median_runs(runs)
-        cal = fit_calibration(calibration, real, latency, one, two, iterations, warmup)
+        cal = fit_calibration(calibration, real, latency, one, two, iterations, warmup, per_token)
         rows[calibration.name] = _row(calibration, real, cal, iterations, warmup, fitted=True)
         for config in predicted:
             say(f"real run: {config.name} ({config.describe()})")
@@ -349,6 +346,8 @@ def _row(
         "sim_gen_s": round(sim.gen_s, 3),
         "real_train_s": round(real["train_s"], 3),
         "sim_train_s": round(sim.train_s, 3),
+        "real_token_lag": round(real.get("token_lag_mean", 0.0), 3),
+        "sim_token_lag": round(sim.token_lag_mean, 3),
     }
 
 
@@ -361,12 +360,16 @@ def print_table(result: dict) -> None:
         f"{cal['ptl_ms']}",
         file=sys.stderr,
     )
-    print(f"{'config':<16}{'setting':<48}{'real/s':>9}{'sim/s':>9}{'error':>9}", file=sys.stderr)
+    print(
+        f"{'config':<19}{'setting':<68}{'real/s':>9}{'sim/s':>9}{'error':>9}"
+        f"{'lag real':>10}{'lag sim':>9}",
+        file=sys.stderr,
+    )
     for name, row in result["rows"].items():
         tag = f"{name}*" if row["fitted"] else name
         print(
-            f"{tag:<16}{row['config']:<48}{row['real']:>9.1f}{row['sim']:>9.1f}"
-            f"{row['error']:>+9.1%}",
+            f"{tag:<19}{row['config']:<68}{row['real']:>9.1f}{row['sim']:>9.1f}"
+            f"{row['error']:>+9.1%}{row['real_token_lag']:>10.3f}{row['sim_token_lag']:>9.3f}",
             file=sys.stderr,
         )
     print("* fitted on this run (in-sample); the other rows are out of sample", file=sys.stderr)

@@ -184,6 +184,35 @@ def test_running_sequences_keep_their_admission_version(gen):
     assert sample.weight_version == gen.weight_version - 1 and sample.length == 12
 
 
+@pytest.mark.parametrize("recompute", [False, True], ids=["keep", "recompute"])
+def test_an_interrupted_sample_carries_both_versions_on_the_right_tokens(gen, recompute):
+    other = _policy(seed=1)
+    (request,) = _forced([12], tag="interrupted")
+    gen.submit([request])
+    for _ in range(4):
+        assert gen.step() == []
+    (row,) = gen._running.values()
+    before, version = len(row.token_ids), gen.weight_version
+    assert 0 < before < 12
+    gen.load_weights({n: p.detach() for n, p in other.named_parameters()}, version=version + 1)
+    if recompute:
+        assert gen.recompute_running() == len(request.prompt_ids) + before
+    try:
+        (sample,) = list(gen.stream())
+    finally:
+        gen.load_weights(_original_weights(), version=version + 2)
+    assert sample.token_versions == [version] * before + [version + 1] * (12 - before)
+    assert sample.length == len(sample.logprobs) == 12 and sample.weight_version == version
+    if recompute:  # the rest is exactly the new weights' greedy continuation of the prefix
+        rest = Request(
+            "ref", request.prompt_ids + sample.token_ids[:before], 12, forced_length=12 - before
+        )
+        tokens, logprobs, _ = _hf_greedy(other, rest)
+        assert sample.token_ids[before:] == tokens
+        torch.testing.assert_close(sample.logprobs[before:], logprobs, atol=1e-4, rtol=0)
+        assert sample.prefill_tokens == len(request.prompt_ids) * 2 + before
+
+
 def test_batch_limit_bounds_requests_inside_the_engine(gen):
     gen.set_batch_limit(2)
     try:

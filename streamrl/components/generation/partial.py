@@ -3,7 +3,7 @@ arrive (beyond StreamRL §4.1, which trains each sample on one weight version).
 
 Three policies (``rl.partial_rollout``, ``StreamGenerationService(partial_rollout=...)``):
 
-- ``"off"``: every sample comes from one weight version. The instance finishes what runs, and
+- ``"finish"``: every sample comes from one weight version. The instance finishes what runs, and
   the requests those weights may still admit, under the weights it holds, and loads the new
   ones once it is idle. This is one-step asynchronous RL as the paper has it, and the
   iteration's longest sample decides when the next weights load: the slots it does not use
@@ -27,8 +27,8 @@ from typing import Any, Literal
 
 from streamrl.errors import ConfigError
 
-PartialRollout = Literal["off", "keep", "recompute"]
-PARTIAL_ROLLOUT: tuple[str, ...] = ("off", "keep", "recompute")
+PartialRollout = Literal["finish", "keep", "recompute"]
+PARTIAL_ROLLOUT: tuple[str, ...] = ("finish", "keep", "recompute")
 
 
 def check_partial_rollout(policy: str) -> str:
@@ -37,7 +37,7 @@ def check_partial_rollout(policy: str) -> str:
     if policy not in PARTIAL_ROLLOUT:
         raise ConfigError(
             f"partial_rollout: {policy!r} is not a policy; choose one of "
-            f"{', '.join(PARTIAL_ROLLOUT)} (off: each sample from one weight version; keep: "
+            f"{', '.join(PARTIAL_ROLLOUT)} (finish: running sequences finish under their weights, each sample from one version; keep: "
             "running sequences go on under new weights with their cache; recompute: their "
             "cache is computed again under the new weights)."
         )
@@ -48,31 +48,31 @@ class WeightLoader:
     """Received weight versions waiting to be loaded into one instance's generator.
 
     ``offer`` hands over a received version; ``apply`` loads what the policy allows now and
-    returns the versions loaded (each is announced to the service). With ``"off"`` nothing
+    returns the versions loaded (each is announced to the service). With ``"finish"`` nothing
     loads until the generator is idle; then only the newest version is copied in (the older
     ones are announced too: the instance has moved past them).
     """
 
-    def __init__(self, generator: Any, policy: str = "off") -> None:
+    def __init__(self, generator: Any, policy: str = "finish") -> None:
         self.generator, self.policy = generator, check_partial_rollout(policy)
         if policy == "recompute" and not hasattr(generator, "recompute_running"):
             raise ConfigError(
                 f"partial_rollout: recompute needs a generator with recompute_running(); "
-                f"{type(generator).__name__} has none. Use keep or off."
+                f"{type(generator).__name__} has none. Use keep or finish."
             )
         self._pending: list[tuple[int, dict]] = []
         self.recomputed_columns = 0
 
     @property
     def draining(self) -> bool:
-        """Weights wait for the running sequences to finish (policy ``"off"``)."""
+        """Weights wait for the running sequences to finish (policy ``"finish"``)."""
         return bool(self._pending)
 
     def offer(self, version: int, buffers: dict) -> None:
         self._pending.append((version, buffers))
 
     def apply(self) -> list[int]:
-        if not self._pending or (self.policy == "off" and not self.generator.idle):
+        if not self._pending or (self.policy == "finish" and not self.generator.idle):
             return []
         versions = [v for v, _ in self._pending]
         newest, buffers = max(self._pending, key=lambda item: item[0])

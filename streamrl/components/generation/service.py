@@ -101,7 +101,7 @@ class StreamGenerationService:
             template's end of turn: ``streamrl.chat.stop_token_ids``).
         stop_strings: a sample stops once its decoded text contains one of these.
         partial_rollout: what an instance does with running sequences when new weights
-            arrive: ``"off"`` (finish them under the old weights first: each sample from one
+            arrive: ``"finish"`` (finish them under the old weights first: each sample from one
             version), ``"keep"`` (go on under the new weights with the old cache) or
             ``"recompute"`` (their cache computed again under the new weights); see
             ``streamrl.components.generation.partial``.
@@ -138,7 +138,7 @@ class StreamGenerationService:
         trainer_site: str = "local",
         stop_token_ids: Sequence[int] = (),
         stop_strings: Sequence[str] = (),
-        partial_rollout: PartialRollout = "off",
+        partial_rollout: PartialRollout = "finish",
     ) -> None:
         if num_instances < 1:
             raise ValueError(f"num_instances must be >= 1, got {num_instances}.")

@@ -18,7 +18,7 @@ start children, and because in-process the new weights reach the model without b
 vLLM APIs used (0.32): ``EngineArgs`` / ``LLMEngine.from_engine_args``, ``add_request`` with a
 ``TokensPrompt`` (``skip_tokenizer_init``: token ids in, token ids out), ``SamplingParams``
 (``ignore_eos``, ``min_tokens = max_tokens`` for forced lengths, ``logprobs=0``, output kind
-``FINAL_ONLY``), ``logprobs_mode="processed_logprobs"`` (log-probs after temperature and the
+``DELTA``: each step's new tokens, tagged with the weight version that drew them), ``logprobs_mode="processed_logprobs"`` (log-probs after temperature and the
 min-tokens EOS mask, what ``HFStreamGenerator`` reports), ``scheduling_policy="priority"`` with
 the admission order as priority (if vLLM must preempt for KV space it evicts the latest admitted),
 and the worker's ``reload_weights`` through ``collective_rpc`` for in-place weight updates.
@@ -37,7 +37,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -60,12 +60,17 @@ INSTALL_HINT = (
 
 @dataclass
 class _Admitted:
-    """A request inside the engine."""
+    """A request inside the engine, with what it generated so far (streamed step by step)."""
 
     request: Request
     submitted_s: float
     started_s: float
     weight_version: int
+    priority: int = 0
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)  # per generated token, its weights
+    recomputed: int = 0  # tokens prefilled again under newer weights (partial rollout)
 
 
 #: KV cache of one instance on the CPU build, unless ``kv_cache_memory_bytes`` is passed.
@@ -77,7 +82,10 @@ class VLLMStreamGenerator(AdmissionQueue):
 
     StreamRL §3 / §5; same public API and ``Sample`` fields as ``HFStreamGenerator``. A sample's
     ``weight_version`` is the version loaded when it was admitted; a ``load_weights`` between
-    steps also applies to the remaining tokens of running sequences.
+    steps also applies to the remaining tokens of running sequences (partial rollout, keeping
+    their KV cache), and ``token_versions`` says which weights drew each token (the engine
+    streams each step's new tokens). ``recompute_running()`` prefills them again under the new
+    weights instead: each is aborted and re-added with its tokens so far as prompt.
 
     Args:
         model_dir: a Hugging Face model directory (``save_policy`` writes one). vLLM needs no
@@ -191,9 +199,36 @@ class VLLMStreamGenerator(AdmissionQueue):
         self._admit()
         if not self._running:
             return []
-        finished = [out for out in self._engine.step() if out.finished]
+        finished = []
+        for out in self._engine.step():
+            row = self._running.get(out.request_id)
+            if row is None:  # a request aborted by recompute_running, added back under a new id
+                continue
+            delta = out.outputs[0]
+            tokens = list(delta.token_ids)
+            row.token_ids += tokens
+            # One {token id: Logprob} dict per new token, holding the sampled token.
+            row.logprobs += [step[tok].logprob for tok, step in zip(tokens, delta.logprobs)]
+            row.versions += [self._weight_version] * len(tokens)
+            if out.finished:
+                finished.append(out)
         now = time.time()
         return [self._to_sample(out, now) for out in finished]
+
+    def recompute_running(self) -> int:
+        """Prefill every running sequence again under the weights loaded now (the re-prefill
+        policy of partial rollout): abort it and add it back with its prompt plus the tokens it
+        generated, for the rest of its budget. Returns the tokens prefilled."""
+        rows = list(self._running.items())
+        self._engine.abort_request([request_id for request_id, _ in rows])
+        self._running = {}
+        columns = 0
+        for _, row in rows:
+            prefix = list(row.request.prompt_ids) + row.token_ids
+            row.recomputed += len(prefix)
+            columns += len(prefix)
+            self._add(row, prefix, budget(row.request) - len(row.token_ids))
+        return columns
 
     def load_weights(
         self, state_dict: Mapping[str, torch.Tensor | np.ndarray], version: int
@@ -229,31 +264,37 @@ class VLLMStreamGenerator(AdmissionQueue):
 
     # ----------------------------------------------------------------- internals
     def _admit(self) -> None:
+        now = time.time()
+        while len(self._running) < self._batch_limit and self.num_waiting:
+            req = self._next_request()
+            submitted = self._submitted_s.pop(id(req), now)
+            row = _Admitted(req, submitted, now, self._weight_version, priority=self._admitted)
+            self._add(row, list(req.prompt_ids), budget(req))
+
+    def _add(self, row: _Admitted, prompt_ids: list[int], tokens: int) -> None:
+        """Put ``row`` into the engine: ``prompt_ids`` in, at most ``tokens`` more out (its
+        admission order is its priority: if vLLM must preempt, the latest goes first)."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
 
-        now = time.time()
-        while len(self._running) < self._batch_limit and self.num_waiting:
-            req = self._next_request()
-            forced = req.forced_length is not None
-            params = SamplingParams(
-                temperature=0.0 if self.greedy else self.temperature,  # vLLM: 0 means argmax
-                max_tokens=budget(req),
-                # Forced: exactly forced_length tokens; min_tokens also masks EOS meanwhile.
-                min_tokens=budget(req) if forced else 0,
-                ignore_eos=forced,
-                stop_token_ids=self._eos,  # no tokenizer, so vLLM knows EOS only from here
-                stop=None if forced else self._stop or None,
-                logprobs=0,  # the sampled token's log-prob only
-                output_kind=RequestOutputKind.FINAL_ONLY,
-            )
-            request_id = f"{self.instance_id}-{self._admitted}"
-            prompt = TokensPrompt(prompt_token_ids=list(req.prompt_ids))
-            self._engine.add_request(request_id, prompt, params, priority=self._admitted)
-            submitted = self._submitted_s.pop(id(req), now)
-            self._running[request_id] = _Admitted(req, submitted, now, self._weight_version)
-            self._admitted += 1
+        forced = row.request.forced_length is not None
+        params = SamplingParams(
+            temperature=0.0 if self.greedy else self.temperature,  # vLLM: 0 means argmax
+            max_tokens=tokens,
+            # Forced: exactly forced_length tokens; min_tokens also masks EOS meanwhile.
+            min_tokens=tokens if forced else 0,
+            ignore_eos=forced,
+            stop_token_ids=self._eos,  # no tokenizer, so vLLM knows EOS only from here
+            stop=None if forced else self._stop or None,
+            logprobs=0,  # the sampled token's log-prob only
+            output_kind=RequestOutputKind.DELTA,  # each step's new tokens: tagged by version
+        )
+        request_id = f"{self.instance_id}-{self._admitted}"
+        prompt = TokensPrompt(prompt_token_ids=prompt_ids)
+        self._engine.add_request(request_id, prompt, params, priority=row.priority)
+        self._running[request_id] = row
+        self._admitted += 1
 
     def _to_sample(self, out: Any, now: float) -> Sample:
         row = self._running.pop(out.request_id)
@@ -264,17 +305,16 @@ class VLLMStreamGenerator(AdmissionQueue):
                 f"vLLM finished request {req.prompt_id!r} with {completion.finish_reason!r}; "
                 "only EOS and length stops are expected (check the engine log)."
             )
-        tokens = list(completion.token_ids)
-        # One {token id: Logprob} dict per generated token, holding the sampled token.
-        logprobs = [step[tok].logprob for tok, step in zip(tokens, completion.logprobs)]
         return Sample(
             prompt_id=req.prompt_id,
             sample_index=req.sample_index,
             iteration=req.iteration,
             prompt_ids=list(req.prompt_ids),
-            token_ids=tokens,
-            logprobs=logprobs,
+            token_ids=row.token_ids,
+            logprobs=row.logprobs,
             weight_version=row.weight_version,
+            token_versions=row.versions,
+            prefill_tokens=len(req.prompt_ids) + row.recomputed,
             instance_id=self.instance_id,
             submitted_s=row.submitted_s,
             started_s=row.started_s,

@@ -73,7 +73,7 @@ class WorkerSpec:
     relays: bool = False  # at a remote site: may forward weights to its site (weight_relay)
     stop_token_ids: tuple[int, ...] = ()  # end-of-turn ids a sample also stops on
     stop_strings: tuple[str, ...] = ()  # a sample stops once its text contains one
-    partial_rollout: str = "off"  # running sequences at a weight update (``partial.py``)
+    partial_rollout: str = "finish"  # running sequences at a weight update (``partial.py``)
 
     def engine_spec(self) -> EngineSpec:
         """What the engine gets to build this instance."""
@@ -193,7 +193,7 @@ class _Instance:
         for version, buffers in self.receiver.ready():
             self.loader.offer(version, buffers)
         # Between two decode steps (running sequences keep their slots), or once idle when
-        # each sample must come from one version (partial_rollout "off").
+        # each sample must come from one version (partial_rollout "finish").
         loaded = self.loader.apply()
         for version in loaded:
             _put(self.outbox, ("updated", self.spec.instance_id, version), self.parent)

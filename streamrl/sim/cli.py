@@ -158,6 +158,7 @@ def _simulate_cpu(args: argparse.Namespace) -> dict:
             for m, r in results.items()
         },
         "cost_per_sample": {m: round(r.cost_per_sample, 6) for m, r in results.items()},
+        "token_lag_mean": {m: round(r.token_lag_mean, 4) for m, r in results.items()},
         "trace": args.trace,
     }
 

@@ -125,9 +125,7 @@ def model_dir(tmp_path_factory, tok):
 
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("policy", ["finish", "keep"])
-def test_an_instance_finishes_under_old_weights_only_with_policy_finish(
-    model_dir, tok, policy
-):
+def test_an_instance_finishes_under_old_weights_only_with_policy_finish(model_dir, tok, policy):
     """Real instance: a long sample runs when version 1 is pushed."""
     prompt = tok("copy ab=")["input_ids"]
     trainer = build_tiny_model(tok, "test", seed=1)

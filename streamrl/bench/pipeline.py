@@ -39,6 +39,7 @@ from streamrl.prompts import PromptSource
 from streamrl.rewards.pool import RewardPool
 from streamrl.rewards.spec import RewardSpec
 from streamrl.rollout import RolloutStream
+from streamrl.sim.result import PIPELINE_COLUMNS
 from streamrl.tasks import make_prompt_set
 from streamrl.timeline import busy_fraction, draw_timeline
 
@@ -210,16 +211,7 @@ def _median_run(runs: list[dict]) -> dict:
 
 
 def _print_table(result: dict) -> None:
-    cols = [
-        "samples_per_s",
-        "iteration_s",
-        "gen_s",
-        "train_s",
-        "trainer_idle_frac",
-        "generator_idle_frac",
-        "exposed_sync_s",
-        "token_lag_mean",
-    ]
+    cols = PIPELINE_COLUMNS
     print(f"{'mode':<18}" + "".join(f"{c:>20}" for c in cols), file=sys.stderr)
     for mode, row in result["modes"].items():
         print(f"{mode:<18}" + "".join(f"{row[c]:>20.3f}" for c in cols), file=sys.stderr)

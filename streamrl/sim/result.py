@@ -10,6 +10,18 @@ from streamrl.sim.config import SimConfig
 from streamrl.sim.instance import SimInstance
 from streamrl.timeline import TraceRecorder, busy_fraction
 
+#: What a pipeline run reports, real (``streamrl bench pipeline``) or simulated, by name.
+PIPELINE_COLUMNS: tuple[str, ...] = (
+    "samples_per_s",
+    "iteration_s",
+    "gen_s",
+    "train_s",
+    "trainer_idle_frac",
+    "generator_idle_frac",
+    "exposed_sync_s",
+    "token_lag_mean",
+)
+
 
 @dataclass
 class SimResult:
@@ -45,17 +57,7 @@ class SimResult:
 
     def summary(self) -> dict:
         """The scalar results, rounded, as a JSON-ready dict."""
-        keys = (
-            "samples_per_s",
-            "iteration_s",
-            "gen_s",
-            "train_s",
-            "trainer_idle_frac",
-            "generator_idle_frac",
-            "exposed_sync_s",
-            "cost_per_sample",
-            "token_lag_mean",
-        )
+        keys = (*PIPELINE_COLUMNS, "cost_per_sample")
         return {k: round(float(getattr(self, k)), 6) for k in keys}
 
 

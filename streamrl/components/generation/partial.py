@@ -37,9 +37,9 @@ def check_partial_rollout(policy: str) -> str:
     if policy not in PARTIAL_ROLLOUT:
         raise ConfigError(
             f"partial_rollout: {policy!r} is not a policy; choose one of "
-            f"{', '.join(PARTIAL_ROLLOUT)} (finish: running sequences finish under their weights, each sample from one version; keep: "
-            "running sequences go on under new weights with their cache; recompute: their "
-            "cache is computed again under the new weights)."
+            f"{', '.join(PARTIAL_ROLLOUT)} (finish: running sequences finish under their "
+            "weights, each sample from one version; keep: they go on under new weights with "
+            "their cache; recompute: their cache is computed again under the new weights)."
         )
     return policy
 

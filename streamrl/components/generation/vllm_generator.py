@@ -18,10 +18,12 @@ start children, and because in-process the new weights reach the model without b
 vLLM APIs used (0.32): ``EngineArgs`` / ``LLMEngine.from_engine_args``, ``add_request`` with a
 ``TokensPrompt`` (``skip_tokenizer_init``: token ids in, token ids out), ``SamplingParams``
 (``ignore_eos``, ``min_tokens = max_tokens`` for forced lengths, ``logprobs=0``, output kind
-``DELTA``: each step's new tokens, tagged with the weight version that drew them), ``logprobs_mode="processed_logprobs"`` (log-probs after temperature and the
+``DELTA``: each step's new tokens, tagged with the weight version that drew them),
+``logprobs_mode="processed_logprobs"`` (log-probs after temperature and the
 min-tokens EOS mask, what ``HFStreamGenerator`` reports), ``scheduling_policy="priority"`` with
 the admission order as priority (if vLLM must preempt for KV space it evicts the latest admitted),
-and the worker's ``reload_weights`` through ``collective_rpc`` for in-place weight updates.
+and the worker's ``reload_weights`` through ``collective_rpc`` for in-place weight updates
+(``abort_request`` and a new ``add_request`` re-prefill a running sequence: ``recompute_running``).
 
 Examples:
     Needs vLLM (``make test-vllm`` builds a virtualenv with it) and a model directory:

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from streamrl.cli import build_parser, main
+from streamrl.sim.result import PIPELINE_COLUMNS
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
@@ -211,28 +212,32 @@ def test_bench_pipeline_runs_every_mode_and_reports_speedups(tmp_path, capsys):
     assert main(argv) == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     modes = result["modes"]
-    assert set(modes) == {"colocated", "sync", "async"}
+    every = {"colocated", "sync", "async", "async-k2", "partial-keep", "partial-recompute"}
+    assert set(modes) == every  # the default --modes
     for row in modes.values():
-        assert set(row) == {
-            "samples_per_s",
-            "iteration_s",
-            "gen_s",
-            "train_s",
-            "trainer_idle_frac",
-            "generator_idle_frac",
-            "exposed_sync_s",
-        }
+        assert set(row) == set(PIPELINE_COLUMNS)
         # One repeat: every iteration trains exactly the 2 x 2 samples requested.
         assert row["samples_per_s"] * row["iteration_s"] == pytest.approx(4, rel=1e-2)
         assert 0 <= row["trainer_idle_frac"] <= 1 and 0 <= row["generator_idle_frac"] <= 1
         assert 0 <= row["exposed_sync_s"] <= row["iteration_s"]
         assert row["gen_s"] > 0 and row["train_s"] > 0
+    # Staleness of the trained tokens: none in sync; exactly one version in one-step async,
+    # where each sample finishes under the weights it started with; at most k otherwise.
+    assert modes["sync"]["token_lag_mean"] == modes["colocated"]["token_lag_mean"] == 0
+    assert modes["async"]["token_lag_mean"] == 1
+    assert 1 <= modes["async-k2"]["token_lag_mean"] <= 2
+    assert 0 < modes["partial-keep"]["token_lag_mean"] <= 1
     # The speedups are the ratios of the reported rates.
-    assert set(result["speedup"]) == {"sync", "async"}
+    assert set(result["speedup"]) == every - {"colocated"}
     for mode, speedup in result["speedup"].items():
         rate = modes[mode]["samples_per_s"] / modes["colocated"]["samples_per_s"]
         assert speedup == pytest.approx(rate, abs=2e-3)
-    assert (tmp_path / "tl" / "pipeline-async.png").stat().st_size > 0
+    assert set(result["over_async"]) == {"async-k2", "partial-keep", "partial-recompute"}
+    for mode, speedup in result["over_async"].items():
+        rate = modes[mode]["samples_per_s"] / modes["async"]["samples_per_s"]
+        assert speedup == pytest.approx(rate, abs=2e-3)
+    for mode in every:
+        assert (tmp_path / "tl" / f"pipeline-{mode}.png").stat().st_size > 0
 
 
 @pytest.mark.parametrize(

@@ -12,7 +12,9 @@ interleaved round by round (``--repeats`` rounds), medians reported:
 - ``trl-cb``: the same with TRL's transformers continuous-batching generation
   (``use_transformers_continuous_batching=True``);
 - ``streamrl-sync`` / ``streamrl-async``: ``streamrl fit`` defaults (2 generator processes
-  streaming into a one-thread trainer, skew dispatch on), sync and one-step async.
+  streaming into a one-thread trainer, skew dispatch on), sync and one-step async (with
+  ``rl.partial_rollout: keep``, as it was measured: running sequences go on across a weight
+  update).
 
 The clock is the same for all: wall-clock from the start of the training call to its end
 (``trainer.train()`` for TRL; for streamrl the whole training call inside ``run_fit``, so process
@@ -122,6 +124,8 @@ def run_streamrl(mode: str, args, out: Path) -> dict:
 
     config = RunConfig(output_dir=str(out))
     config.rl.iterations, config.rl.mode = args.steps, mode
+    if mode == "async":  # how the published figure was measured (docs/partial_rollout.md)
+        config.rl.partial_rollout = "keep"
     config.rl.prompts_per_iteration, config.rl.group_size = args.prompts, args.group
     summary = run_fit(config, show_progress=False)
     assert summary["samples_lost"] == 0, summary

@@ -241,3 +241,22 @@ def test_a_bound_the_mode_cannot_keep_is_refused(tok, mode, bound, message):
             mode=mode,
             staleness_bound=bound,
         )
+
+
+@pytest.mark.parametrize(
+    ("rl", "message"),
+    [
+        ({"mode": "sync", "partial_rollout": "keep"}, "needs rl.mode: async"),
+        ({"mode": "async", "partial_rollout": "drop"}, "rl.partial_rollout: 'drop'"),
+        ({"mode": "async", "staleness_bound": 0}, "rl.staleness_bound=0"),
+        ({"mode": "colocated", "staleness_bound": 1}, "only async mode"),
+        ({"mode": "async", "correction": "tis"}, "rl.correction: 'tis' is not one"),
+    ],
+)
+def test_config_checks_name_the_key_and_the_fix(rl, message):
+    from streamrl.config import RLConfig
+    from streamrl.config_checks import check_rl
+
+    with pytest.raises(ConfigError, match=message):
+        check_rl(RLConfig(**rl))
+    check_rl(RLConfig(mode="async", staleness_bound=2, partial_rollout="recompute"))  # fine

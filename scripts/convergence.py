@@ -111,8 +111,21 @@ def plot_off_policy(results: dict[str, list[dict]], path: Path, title: str) -> N
                 totals[int(lag)] = totals.get(int(lag), 0.0) + n
         total = sum(totals.values()) or 1.0
         lags = sorted(totals)
-        bars = hist.bar([x + i * width for x in lags], [totals[x] / total for x in lags], width)
-        bars.set_label(name)
+        offset = (i - (len(names) - 1) / 2) * width  # the runs side by side around each lag
+        shares = [totals[x] / total for x in lags]
+        hist.bar([x + offset for x in lags], shares, width, label=name)
+        for x, share in zip(lags, shares):
+            hist.text(x + offset, share, f"{share:.0%}", ha="center", va="bottom", fontsize=7)
+    hist.set_xticks(
+        sorted(
+            {
+                int(lag)
+                for r in results.values()
+                for run in r
+                for lag in run["off_policy"]["token_lags"]
+            }
+        )
+    )
     hist.set_xlabel("staleness of a trained token (weight versions behind the trainer)")
     hist.set_ylabel("share of trained tokens")
     hist.legend(fontsize=8)

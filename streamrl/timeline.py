@@ -231,6 +231,20 @@ def busy_fraction(
     return busy / (end_s - start_s)
 
 
+def mean_running(spans: Sequence[Span], lane: str, start_s: float, end_s: float) -> float:
+    """How many of ``lane``'s spans are open at once on average over ``[start_s, end_s]``: a
+    generator's mean number of running sequences (its batch occupancy; a long tail run at a
+    small batch lowers it, while ``busy_fraction`` still counts the lane busy)."""
+    if end_s <= start_s:
+        return 0.0
+    covered = sum(
+        max(0.0, min(s.end_s, end_s) - max(s.start_s, start_s))
+        for s in spans
+        if s.lane == lane and s.name not in IDLE_STAGES
+    )
+    return covered / (end_s - start_s)
+
+
 def lane_order(lane: str) -> tuple:
     """Sort key: generators by numeric id first, other lanes by name, the trainer last."""
     match = re.fullmatch(r"generator-(\d+)", lane)

@@ -215,7 +215,8 @@ def test_bench_pipeline_runs_every_mode_and_reports_speedups(tmp_path, capsys):
     every = {"colocated", "sync", "async", "async-k2", "partial-keep", "partial-recompute"}
     assert set(modes) == every  # the default --modes
     for row in modes.values():
-        assert set(row) == set(PIPELINE_COLUMNS)
+        assert set(row) == {*PIPELINE_COLUMNS, "slot_use"}
+        assert 0 < row["slot_use"] <= 1  # mean running sequences over the slots
         # One repeat: every iteration trains exactly the 2 x 2 samples requested.
         assert row["samples_per_s"] * row["iteration_s"] == pytest.approx(4, rel=1e-2)
         assert 0 <= row["trainer_idle_frac"] <= 1 and 0 <= row["generator_idle_frac"] <= 1

@@ -16,6 +16,7 @@ from streamrl.timeline import (
     busy_fraction,
     draw_timeline,
     load_trace,
+    mean_running,
 )
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -64,6 +65,10 @@ def test_busy_fraction_counts_overlaps_once():
     assert busy_fraction(spans, "g", 2.0, 6.0) == pytest.approx(0.5)  # clipped to the window
     assert busy_fraction(spans, "g", 0.0, 4.0) == pytest.approx(0.75)  # [5, 6] lies outside
     assert busy_fraction(spans, "g") == pytest.approx(0.4)  # default window: the whole trace
+    # Occupancy counts every open span: two running at once over [1, 2].
+    assert mean_running(spans, "g", 0.0, 4.0) == pytest.approx((2 + 2) / 4)
+    assert mean_running(spans, "g", 1.0, 2.0) == pytest.approx(2.0)
+    assert mean_running(spans, "g", 6.0, 6.0) == 0.0
     assert busy_fraction(spans, "missing") == 0.0
 
 

@@ -216,7 +216,7 @@ def test_bench_pipeline_runs_every_mode_and_reports_speedups(tmp_path, capsys):
     assert set(modes) == every  # the default --modes
     for row in modes.values():
         assert set(row) == {*PIPELINE_COLUMNS, "slot_use"}
-        assert 0 < row["slot_use"] <= 1  # mean running sequences over the slots
+        assert 0 <= row["slot_use"] <= 1  # mean running sequences over the slots
         # One repeat: every iteration trains exactly the 2 x 2 samples requested.
         assert row["samples_per_s"] * row["iteration_s"] == pytest.approx(4, rel=1e-2)
         assert 0 <= row["trainer_idle_frac"] <= 1 and 0 <= row["generator_idle_frac"] <= 1
@@ -225,6 +225,7 @@ def test_bench_pipeline_runs_every_mode_and_reports_speedups(tmp_path, capsys):
     # Staleness of the trained tokens: none in sync; exactly one version in one-step async,
     # where each sample finishes under the weights it started with; at most k otherwise.
     assert modes["sync"]["token_lag_mean"] == modes["colocated"]["token_lag_mean"] == 0
+    assert modes["sync"]["slot_use"] > 0  # sync generates inside its measured iterations
     assert modes["async"]["token_lag_mean"] == 1
     assert 1 <= modes["async-k2"]["token_lag_mean"] <= 2
     assert 0 < modes["partial-keep"]["token_lag_mean"] <= 1

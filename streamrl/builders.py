@@ -35,7 +35,8 @@ from streamrl.algorithms.base import Algorithm
 from streamrl.components.capacity.elastic import ElasticController
 from streamrl.components.skewness.latency import LatencyModel
 from streamrl.components.skewness.profiler import Profiler
-from streamrl.components.training.pipeline import DynamicBatchPipeline, staleness_bound_of
+from streamrl.components.training.pipeline import DynamicBatchPipeline
+from streamrl.components.training.staleness import staleness_bound_of
 from streamrl.fsdp import ShardedStreamRLModule, fsdp_strategy
 from streamrl.module import Mode, StreamRLModule
 from streamrl.rollout import RolloutStream

@@ -182,7 +182,7 @@ def check_asynchrony(rl: RLConfig) -> None:
     the mode can keep."""
     from streamrl.components.generation.partial import check_partial_rollout
     from streamrl.components.training.off_policy import check_correction
-    from streamrl.components.training.pipeline import staleness_bound_of
+    from streamrl.components.training.staleness import staleness_bound_of
 
     try:
         staleness_bound_of(rl.mode, rl.staleness_bound)

@@ -221,7 +221,7 @@ def test_async_dispatches_k_ahead_and_admits_iteration_j_at_version_j_minus_k(to
         assert dispatched == min(step + bound + 1, 6)  # k ahead, never past the run
     assert module.rollouts.floors == [max(0, j - bound) for j in range(6)]
     # A resumed run starts with nothing ahead and sends the same window again.
-    module._ahead, module.rollouts = [], _Dispatches(start=3)
+    module._window.ahead, module.rollouts = [], _Dispatches(start=3)
     assert module.dispatch(3) == 3
     assert module.rollouts.floors == [max(0, j - bound) for j in range(3, min(4 + bound, 6))]
 

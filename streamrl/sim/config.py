@@ -14,7 +14,7 @@ from streamrl.components.capacity.allocator import TrainerCostModel
 from streamrl.components.capacity.elastic import ElasticController
 from streamrl.components.generation.partial import PARTIAL_ROLLOUT
 from streamrl.components.skewness.latency import LatencyModel
-from streamrl.components.training.pipeline import staleness_bound_of
+from streamrl.components.training.staleness import staleness_bound_of
 from streamrl.components.weights.broadcast_tree import plan_broadcast, plan_time_s
 
 SimMode = Literal["colocated", "sync", "async"]

@@ -23,9 +23,8 @@ Examples:
 
 from __future__ import annotations
 
-import hashlib
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -33,13 +32,11 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from streamrl.components.generation.admission import AdmissionQueue, budget
+from streamrl.components.generation.hf_weights import WeightMap, copy_into, fingerprint
 from streamrl.components.generation.kv_cache import SlotCache
 from streamrl.components.generation.prefix_stash import PrefixStash
 from streamrl.protocols import AdmissionScheduler
 from streamrl.records import Request, Sample
-
-#: Parameter/buffer name -> new value, as a torch tensor or a numpy array.
-WeightMap = Mapping[str, torch.Tensor | np.ndarray]
 
 
 @dataclass
@@ -171,21 +168,7 @@ class HFStreamGenerator(AdmissionQueue):
         Keys are the model's ``state_dict`` names; a subset is allowed. Shapes are checked for
         every entry before anything is copied, so a bad entry leaves the model untouched.
         """
-        targets = self.model.state_dict(keep_vars=True)
-        sources = {}
-        for name, value in state_dict.items():
-            if name not in targets:
-                raise ValueError(f"load_weights: {name!r} is not a tensor of the model.")
-            src = value if isinstance(value, torch.Tensor) else torch.from_numpy(np.array(value))
-            if tuple(src.shape) != tuple(targets[name].shape):
-                raise ValueError(
-                    f"load_weights: {name!r} has shape {tuple(src.shape)}, the model expects "
-                    f"{tuple(targets[name].shape)}."
-                )
-            sources[name] = src
-        with torch.no_grad():
-            for name, src in sources.items():
-                targets[name].copy_(src)  # copy_ converts dtype/device and keeps the storage
+        copy_into(self.model, state_dict)
         self._weight_version = int(version)
         self.prefixes.clear()
         # A resumed run's new process loads the checkpoint's version first: reseeding here
@@ -399,15 +382,6 @@ class HFStreamGenerator(AdmissionQueue):
             prefill_tokens=len(req.prompt_ids) - row.offset + row.recomputed,
             cached_tokens=row.offset,
         )
-
-
-def fingerprint(model: torch.nn.Module) -> str:
-    """A hash of every parameter's bytes: equal fingerprints mean equal weights."""
-    digest = hashlib.sha256()
-    for name, param in model.named_parameters():
-        digest.update(name.encode())
-        digest.update(param.detach().cpu().contiguous().numpy().tobytes())
-    return digest.hexdigest()
 
 
 def _version_seed(seed: int, version: int) -> int:

@@ -115,12 +115,17 @@ def correction_metrics(corrections: list[Correction]) -> dict[str, float]:
     }
 
 
-def token_lags(versions: torch.Tensor, mask: torch.Tensor, trainer_version: int) -> dict[int, int]:
+def token_lags(
+    versions: torch.Tensor, mask: torch.Tensor, trainer_version: int, into: dict | None = None
+) -> dict[int, int]:
     """Trained tokens by staleness: ``{versions behind the trainer: count}`` (the staleness
-    histogram of a micro-batch; ``versions``/``mask``: ``[batch, seq]``)."""
+    histogram of a micro-batch; ``versions``/``mask``: ``[batch, seq]``), added to ``into``."""
     lags = (trainer_version - versions)[mask.bool()]
     values, counts = torch.unique(lags, return_counts=True)
-    return {int(v): int(c) for v, c in zip(values.tolist(), counts.tolist())}
+    out = {} if into is None else into
+    for lag, n in zip(values.tolist(), counts.tolist()):
+        out[int(lag)] = out.get(int(lag), 0) + int(n)
+    return out
 
 
 def token_lag_metrics(lags: dict[int, int]) -> dict[str, float]:

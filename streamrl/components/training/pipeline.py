@@ -15,31 +15,6 @@ from dataclasses import dataclass, field
 
 from streamrl.records import Sample, ScoredGroup
 
-#: The staleness bound each mode trains under by default, in weight versions (§4.1): sync and
-#: colocated train only on samples of the current weights; async (one-step, as in the paper) on
-#: tokens at most one version behind; ``staleness_bound=k`` lets async run k iterations ahead.
-STALENESS_BOUND: dict[str, int] = {"sync": 0, "colocated": 0, "async": 1}
-
-
-def staleness_bound_of(mode: str, bound: int | None) -> int:
-    """The bound a run of ``mode`` trains under: ``bound``, or the mode's default if ``None``;
-    a ``ValueError`` if the mode cannot keep it."""
-    if mode not in STALENESS_BOUND:
-        raise ValueError(f"mode must be one of {sorted(STALENESS_BOUND)}, got {mode!r}.")
-    if bound is None:
-        return STALENESS_BOUND[mode]
-    if mode == "async" and bound < 1:
-        raise ValueError(
-            f"staleness_bound={bound}: async mode runs at least one iteration ahead (>= 1); "
-            "use mode sync for on-policy training."
-        )
-    if mode != "async" and bound != 0:
-        raise ValueError(
-            f"staleness_bound={bound} with mode {mode!r}: only async mode trains on samples "
-            "of older weights; set mode async, or leave staleness_bound unset."
-        )
-    return int(bound)
-
 
 @dataclass
 class MicroBatch:

@@ -61,12 +61,6 @@ class WeightLoader:
                 f"{type(generator).__name__} has none. Use keep or finish."
             )
         self._pending: list[tuple[int, dict]] = []
-        self.recomputed_columns = 0
-
-    @property
-    def draining(self) -> bool:
-        """Weights wait for the running sequences to finish (policy ``"finish"``)."""
-        return bool(self._pending)
 
     def offer(self, version: int, buffers: dict) -> None:
         self._pending.append((version, buffers))
@@ -79,5 +73,5 @@ class WeightLoader:
         self._pending = []
         self.generator.load_weights(buffers, newest)
         if self.policy == "recompute":
-            self.recomputed_columns += self.generator.recompute_running()
+            self.generator.recompute_running()  # counted in each sample's prefill_tokens
         return versions

@@ -117,7 +117,7 @@ if __name__ == "__main__":
 # %% [markdown]
 # ## Two FSDP2 trainer ranks
 #
-# `rl.trainer_ranks: 2` spawns a second trainer process; both shard the policy with FSDP2, and
+# `trainer.devices: 2` spawns a second trainer process; both shard the policy with FSDP2, and
 # rank 0 (this process, which owns the generation service) deals each micro-batch of the stream
 # to both as it forms. One iteration on one generator gives both runs the very same samples, so
 # their updates must agree to float rounding.
@@ -131,7 +131,8 @@ if __name__ == "__main__":
         config.sft.model_size, config.sft.steps = "test", 20
         rl = config.rl
         rl.iterations, rl.prompts_per_iteration, rl.group_size = 1, 6, 2
-        rl.generators, rl.max_tokens, rl.reward, rl.trainer_ranks = 1, 12, "partial", ranks
+        rl.generators, rl.max_tokens, rl.reward = 1, 12, "partial"
+        config.trainer.devices = ranks
         summary = run_fit(config, show_progress=False)
         trained[ranks] = dict(load_policy(summary["policy_dir"])[0].named_parameters())
         start = dict(load_policy(summary["model_dir"])[0].named_parameters())

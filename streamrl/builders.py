@@ -21,7 +21,6 @@ Examples:
 
 from __future__ import annotations
 
-import copy
 import warnings
 from pathlib import Path
 from typing import Any, Literal
@@ -35,7 +34,10 @@ from streamrl.algorithms.base import Algorithm
 from streamrl.components.capacity.elastic import ElasticController
 from streamrl.components.skewness.latency import LatencyModel
 from streamrl.components.skewness.profiler import Profiler
+from streamrl.components.training.layout import Layout
 from streamrl.components.training.pipeline import DynamicBatchPipeline
+from streamrl.components.training.reference import reference_policy
+from streamrl.components.training.sharding import Precision, enable_activation_checkpointing
 from streamrl.components.training.staleness import staleness_bound_of
 from streamrl.fsdp import ShardedStreamRLModule, fsdp_strategy
 from streamrl.module import Mode, StreamRLModule
@@ -68,22 +70,28 @@ def build_module(
     mode: Mode = "sync",
     lr: float = 1e-4,
     temperature: float | None = None,
-    token_budget: int = 1024,
+    max_tokens_per_micro_batch: int = 1024,
+    layout: Layout = "packed",
     min_samples: int = 1,
     is_cap: float = 2.0,
     staleness_bound: int | None = None,
     correction: str = "decoupled",
     elastic: ElasticController | None = None,
     sharded: bool = False,
+    precision: Precision = "32-true",
+    activation_checkpointing: bool = False,
+    reference_offload: bool = False,
+    logprob_chunk_tokens: int | None = None,
 ) -> StreamRLModule:
     """The LightningModule of a run.
 
-    What the algorithm declares is honoured here: a frozen copy of ``policy`` as the reference
-    when ``algorithm.needs_reference``; the staleness bound follows ``mode`` (and
-    ``staleness_bound`` in async mode).
+    What the algorithm declares is honoured here: a reference policy when
+    ``algorithm.needs_reference`` (the policy with its adapters off under LoRA, else a frozen
+    copy in the compute dtype, sharded with the policy); the staleness bound follows ``mode``
+    (and ``staleness_bound`` in async mode).
 
     Args:
-        policy: the causal LM to train.
+        policy: the causal LM to train (its float32 master weights).
         algorithm: scores samples and computes the loss.
         rollouts: the sample stream; ``None`` on FSDP ranks > 0, which receive their share
             from rank 0.
@@ -92,7 +100,9 @@ def build_module(
         lr: AdamW learning rate.
         temperature: the generators' sampling temperature; by default the service's (given
             once); required without ``rollouts``.
-        token_budget: padded tokens per micro-batch of the dynamic-batch pipeline.
+        max_tokens_per_micro_batch: the most tokens one forward/backward pass takes (a
+            ceiling; a longer sample trains alone).
+        layout: ``"packed"`` (samples end to end, no padding) or ``"padded"`` micro-batches.
         min_samples: samples gathered before an iteration's first backward pass.
         is_cap: truncation of the importance ratio of stale samples (async).
         staleness_bound: async only: iterations generated ahead, k >= 1 (default 1, the
@@ -100,8 +110,14 @@ def build_module(
         correction: how stale tokens are corrected: ``"decoupled"``, ``"behaviour"`` or
             ``"mask"`` (``streamrl.components.training.off_policy``).
         elastic: adds generator instances when generation lags training (§4.2).
-        sharded: FSDP2 over the trainer ranks (``streamrl.fsdp``); rank 0 deals each
-            micro-batch of its stream to the others.
+        sharded: FSDP2 over the trainer ranks (``streamrl.fsdp``); rank 0 deals its stream
+            to the ranks. ``precision="bf16-mixed"`` is always sharded (one rank is fine).
+        precision: ``"bf16-mixed"`` (bfloat16 compute over float32 FSDP2 shards, float32
+            gradient reduction) or ``"32-true"``.
+        activation_checkpointing: recompute each decoder layer in the backward pass.
+        reference_offload: keep a sharded reference's shards in host memory.
+        logprob_chunk_tokens: completion tokens per chunk of the LM head (``None``: 64M
+            logits per chunk, ``streamrl.logprobs``).
     """
     bound = staleness_bound_of(mode, staleness_bound)
     if rollouts is not None:
@@ -115,8 +131,22 @@ def build_module(
         temperature = service_temperature
     elif temperature is None:
         raise ValueError("build_module: without rollouts, pass the generators' temperature.")
-    pipeline = DynamicBatchPipeline(token_budget, min_samples=min_samples, staleness_bound=bound)
-    reference = copy.deepcopy(policy) if algorithm.needs_reference else None
+    sharded = sharded or precision == "bf16-mixed"  # the mixed-precision policy is FSDP2's
+    if sharded and not algorithm.shardable:
+        raise ValueError(
+            f"{type(algorithm).__name__} cannot train sharded yet (its own parameters are not "
+            "sharded by FSDP), and bf16-mixed training is sharded: train it on one rank with "
+            "precision '32-true'."
+        )
+    pipeline = DynamicBatchPipeline(
+        max_tokens_per_micro_batch,
+        min_samples=min_samples,
+        staleness_bound=bound,
+        packed=layout == "packed",
+    )
+    reference = reference_policy(policy, algorithm.needs_reference, precision)
+    if activation_checkpointing:  # before fully_shard, as FSDP2 expects
+        enable_activation_checkpointing(policy)
     options: dict[str, Any] = dict(
         lr=lr,
         reference=reference,
@@ -127,49 +157,63 @@ def build_module(
         is_cap=is_cap,
         staleness_bound=bound,
         correction=correction,
+        layout=layout,
+        logprob_chunk_tokens=logprob_chunk_tokens,
     )
     if sharded:
-        if not algorithm.shardable:
-            raise ValueError(
-                f"{type(algorithm).__name__} cannot train sharded yet (its own parameters are "
-                "not sharded by FSDP); train it on one rank."
-            )
         return ShardedStreamRLModule(
-            policy.train(), algorithm, rollouts, iterations, share_stream=True, **options
+            policy.train(),
+            algorithm,
+            rollouts,
+            iterations,
+            share_stream=True,
+            precision=precision,
+            reference_offload=reference_offload,
+            **options,
         )
+    if reference_offload:
+        raise ValueError("reference_offload keeps FSDP2 shards in host memory: pass sharded=True.")
     return StreamRLModule(policy.train(), algorithm, rollouts, iterations, **options)
 
 
 def build_trainer(
     module: StreamRLModule,
     *,
-    ranks: int = 1,
-    nodes: int = 1,
+    accelerator: Literal["cpu", "cuda"] = "cpu",
+    devices: int | list[int] = 1,
+    num_nodes: int = 1,
     output_dir: str | Path | None = None,
     logger: Logger | None = None,
     checkpoint_every: int | None = None,
     show_progress: bool = True,
     **trainer_options: Any,
 ) -> L.Trainer:
-    """The Lightning ``Trainer`` that runs ``module``'s iterations (one step each), on the CPU.
+    """The Lightning ``Trainer`` that runs ``module``'s iterations (one step each).
+
+    A sharded module (``build_module(..., sharded=True)`` or ``precision="bf16-mixed"``) runs
+    under Lightning's ``ModelParallelStrategy``: FSDP2 over gloo on the CPU, NCCL on CUDA.
 
     Args:
         module: from ``build_module``; its ``iterations`` are the trainer's steps.
-        ranks: trainer ranks (FSDP2 when > 1; every rank builds the same trainer).
-        nodes: machines the ranks run on (under an external launcher: ``torchrun``, SLURM).
+        accelerator: ``"cpu"`` or ``"cuda"`` (``streamrl.devices.resolve_placement`` resolves
+            ``"auto"`` and checks the GPUs).
+        devices: trainer processes of this node on the CPU; on CUDA their number or the GPU
+            indices (``[0, 1, 2, 3]``), one rank per GPU. Every rank builds the same trainer.
+        num_nodes: machines the ranks run on (under an external launcher: ``torchrun``, SLURM).
         output_dir: where checkpoints go (``<output_dir>/checkpoints``); ``None`` saves none.
         logger: a Lightning logger (``make_logger``); ``None`` logs nothing.
         checkpoint_every: iterations between checkpoints; 0 or ``None`` saves only
             ``last.ckpt`` at the end.
         show_progress: draw Lightning's progress bar.
-        trainer_options: any other ``lightning.Trainer`` argument (``accelerator="gpu"``,
-            ``callbacks=[...]``, added to the checkpoint callback...); it wins over the
-            settings above.
+        trainer_options: any other ``lightning.Trainer`` argument (``callbacks=[...]``, added
+            to the checkpoint callback...); it wins over the settings above.
     """
     settings: dict[str, Any] = dict(
         max_steps=module.iterations,
         max_epochs=-1,
-        accelerator="cpu",
+        accelerator="gpu" if accelerator == "cuda" else accelerator,
+        devices=devices,
+        num_nodes=num_nodes,
         logger=logger if logger is not None else False,
         log_every_n_steps=1,
         enable_checkpointing=False,
@@ -182,8 +226,10 @@ def build_trainer(
             enable_checkpointing=True,
             callbacks=[checkpoints(output_dir, every=checkpoint_every or 0)],
         )
-    if ranks > 1:
-        settings.update(devices=ranks // nodes, num_nodes=nodes, strategy=fsdp_strategy(ranks))
+    if isinstance(module, ShardedStreamRLModule):
+        ranks = (len(devices) if isinstance(devices, list) else devices) * num_nodes
+        backend = "nccl" if accelerator == "cuda" else "gloo"
+        settings.update(strategy=fsdp_strategy(ranks, backend=backend))
     # Your callbacks join the checkpoint callback rather than replace it.
     callbacks = [*settings.pop("callbacks", []), *trainer_options.pop("callbacks", [])]
     return L.Trainer(**{**settings, **trainer_options}, callbacks=callbacks)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from streamrl.sft import default_cache_dir
 from streamrl.tasks.families import FAMILIES
@@ -140,9 +140,9 @@ class RLConfig:
             its site's first instance, so one copy per version crosses to each site (§6). Empty:
             every generator beside the trainer.
         trainer_site: the trainer's site.
-        trainer_ranks: trainer processes sharing the policy with FSDP2 (``streamrl.fsdp``); rank
-            0 runs the generation service and deals each micro-batch to the ranks. 1 trains in
-            this process.
+        generator_devices: the GPU indices local generator instances take, round-robin
+            (with ``gpus`` > 0); ``null``: every GPU the trainer does not hold
+            (``trainer.devices``). A GPU either trains or generates: an overlap is refused.
         weight_transport: how weights reach each generator: ``"gloo"`` (a broadcast per
             tensor), ``"bucketed"`` (tensors packed into large buffers) or ``"nccl"`` (buckets
             GPU to GPU through CuPy's NCCL; needs CuPy and GPUs).
@@ -178,7 +178,11 @@ class RLConfig:
         eval_k: samples per held-out prompt for pass@k (1: greedy pass@1 only).
         temperature: sampling temperature of the generators.
         max_tokens: generation budget per sample (capped by the context).
-        token_budget: padded tokens per micro-batch of the dynamic-batch pipeline.
+        max_tokens_per_micro_batch: the most tokens (prompt + completion) one forward/backward
+            pass of the trainer takes: a ceiling no micro-batch exceeds; a longer sample forms
+            its own micro-batch. Padded tokens when ``pack_sequences`` is off.
+        pack_sequences: put a micro-batch's samples end to end in one row, without padding
+            (``streamrl.components.training.layout``); ``false``: padded rows.
         min_samples: samples gathered before an iteration's first backward pass.
         dispatcher: which instance gets which prompt: ``"skew"`` (Algorithm 2 on predicted
             lengths, §5.3), ``"round_robin"``, ``"random"`` or your ``Dispatcher``.
@@ -200,6 +204,12 @@ class RLConfig:
             resumable with ``streamrl fit --resume``); 0 saves only at the end.
     """
 
+    #: Keys that moved, and where to (a config that still sets one is told so).
+    MOVED: ClassVar[dict[str, str]] = {
+        "trainer_ranks": "trainer.devices (trainer processes on the CPU, GPUs on CUDA)",
+        "token_budget": "rl.max_tokens_per_micro_batch (now a ceiling no micro-batch exceeds)",
+    }
+
     algorithm: str | dict[str, Any] = "grpo"
     mode: str = "sync"
     iterations: int = 60
@@ -212,7 +222,7 @@ class RLConfig:
     weight_transport: str = "gloo"
     sites: list[str] = field(default_factory=list)
     trainer_site: str = "local"
-    trainer_ranks: int = 1
+    generator_devices: list[int] | None = None
     max_batch_size: int = 64
     lr: float = 1e-4
     clip_eps: float = 0.2
@@ -228,7 +238,8 @@ class RLConfig:
     eval_k: int = 1
     temperature: float = 0.7
     max_tokens: int = 64
-    token_budget: int = 1024
+    max_tokens_per_micro_batch: int = 1024
+    pack_sequences: bool = True
     min_samples: int = 1
     dispatcher: str | dict[str, Any] = "skew"
     scheduler: str | dict[str, Any] = "lpt"
@@ -243,6 +254,40 @@ class RLConfig:
     lora_target_modules: list[str] = field(
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"]
     )
+
+
+@dataclass
+class TrainerConfig:
+    """Where and how the trainer runs: its devices, precision and memory savers (docs/fsdp.md,
+    docs/memory.md).
+
+    Attributes:
+        accelerator: ``"auto"`` (CUDA when a GPU is visible, else the CPU), ``"cpu"`` or
+            ``"cuda"``.
+        devices: on the CPU, trainer processes; on CUDA, a number of GPUs (``0..n-1``) or a
+            list of GPU indices (``[0, 1, 2, 3]``); the generators take the GPUs the trainer
+            does not (``rl.generator_devices``). Several ranks shard the policy with FSDP2:
+            rank 0 runs the generation service and deals each micro-batch to the ranks.
+            ``null``: one.
+        num_nodes: machines the trainer ranks run on (under ``torchrun`` or SLURM).
+        precision: ``"bf16-mixed"`` (bf16 compute over fp32 FSDP2 shards, fp32 gradient
+            reduction and optimizer; the default on CUDA) or ``"32-true"`` (the default on the
+            CPU); ``null``: by accelerator.
+        activation_checkpointing: keep only each decoder layer's input in the forward pass and
+            recompute the layer in the backward pass (less memory, about a third more compute).
+        reference_offload: keep the KL reference policy's shards in host memory, copied to the
+            device layer by layer (``rl.kl_coef > 0`` only; a LoRA run needs no reference copy).
+        logprob_chunk_tokens: completion tokens per chunk of the LM head when the trainer
+            computes log-probs (``streamrl.logprobs``); ``null``: 64M logits per chunk.
+    """
+
+    accelerator: str = "auto"
+    devices: int | list[int] | None = None
+    num_nodes: int = 1
+    precision: str | None = None
+    activation_checkpointing: bool = False
+    reference_offload: bool = False
+    logprob_chunk_tokens: int | None = None
 
 
 @dataclass
@@ -291,6 +336,7 @@ class RunConfig:
         data: the prompt sets.
         sft: the warm start (used when ``model`` is ``"tiny"``).
         rl: the RL loop.
+        trainer: where and how the trainer runs (devices, precision, memory).
         env: multi-turn episodes instead of single completions (``env.name``).
     """
 
@@ -302,6 +348,7 @@ class RunConfig:
     data: DataConfig = field(default_factory=DataConfig)
     sft: WarmStartConfig = field(default_factory=WarmStartConfig)
     rl: RLConfig = field(default_factory=RLConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
     env: EnvConfig = field(default_factory=EnvConfig)
 
     def resolved_cache_dir(self) -> Path:

@@ -11,6 +11,7 @@ import importlib.util
 from streamrl.components.weights.nccl import import_nccl
 from streamrl.components.weights.transport import TRANSPORTS
 from streamrl.config import DataConfig, RLConfig, RunConfig
+from streamrl.devices import Placement, resolve_placement
 from streamrl.errors import ConfigError, unknown_name
 from streamrl.tasks.families import FAMILIES
 
@@ -52,6 +53,7 @@ def check_values(config: RunConfig) -> None:
     if needed is not None and importlib.util.find_spec(needed) is None:
         raise ConfigError(f"logger: {config.logger!r} needs {needed!r}: pip install {needed}")
     check_rl(config.rl)
+    check_trainer(config)
     if sft.steps < 0 or sft.lr <= 0 or not 0 <= sft.demo_noise <= 1 or not 0 <= sft.early_stop <= 1:
         raise ConfigError(
             "sft: need steps >= 0, lr > 0, 0 <= demo_noise <= 1 and 0 <= early_stop <= 1, got "
@@ -86,22 +88,45 @@ def check_data_source(data: DataConfig) -> None:
         )
 
 
-def check_trainer_ranks(rl: RLConfig) -> None:
-    """What a sharded trainer (``rl.trainer_ranks > 1``) does not support yet; ``ConfigError``."""
-    if rl.trainer_ranks < 1:
-        raise ConfigError(f"rl.trainer_ranks must be >= 1, got {rl.trainer_ranks}.")
-    if rl.trainer_ranks == 1:
+def placement_of(config: RunConfig) -> Placement:
+    """Where ``config``'s trainer runs and which GPUs its generators take
+    (``streamrl.devices.resolve_placement``); ``ConfigError`` for an impossible or
+    overlapping choice, before any work."""
+    trainer, rl = config.trainer, config.rl
+    return resolve_placement(
+        trainer.accelerator,
+        trainer.devices,
+        trainer.num_nodes,
+        trainer.precision,
+        generator_gpus_per_instance=rl.gpus,
+        generator_devices=rl.generator_devices,
+        cluster=rl.cluster,
+    )
+
+
+def check_trainer(config: RunConfig) -> None:
+    """The trainer section: its devices against this machine's GPUs and the generators', and
+    what several trainer ranks do not support yet; ``ConfigError``."""
+    trainer, rl = config.trainer, config.rl
+    placement = placement_of(config)
+    if trainer.logprob_chunk_tokens is not None and trainer.logprob_chunk_tokens < 1:
+        raise ConfigError(
+            f"trainer.logprob_chunk_tokens must be >= 1 (or null), got "
+            f"{trainer.logprob_chunk_tokens}."
+        )
+    if trainer.reference_offload and not placement.sharded:
+        raise ConfigError(
+            "trainer.reference_offload keeps the reference's FSDP2 shards in host memory, but "
+            "this trainer is not sharded (one process, trainer.precision: 32-true); use "
+            "trainer.precision: bf16-mixed or more trainer.devices, or drop the option."
+        )
+    if placement.ranks == 1:
         return
     if rl.eval_every > 0:  # a sharded policy runs forward on all ranks together
         raise ConfigError(
             f"rl.eval_every={rl.eval_every} evaluates on one trainer rank, but "
-            f"rl.trainer_ranks={rl.trainer_ranks} shards the policy; set rl.eval_every: 0 (the "
+            f"{placement.ranks} trainer ranks shard the policy; set rl.eval_every: 0 (the "
             "held-out evaluation after training still runs) or train on one rank."
-        )
-    if rl.lora_r > 0:  # an algorithm that cannot shard says so itself (Algorithm.shardable)
-        raise ConfigError(
-            f"rl.trainer_ranks={rl.trainer_ranks} (FSDP2) does not support rl.lora_r > 0 yet; "
-            "use rl.trainer_ranks: 1 with LoRA."
         )
 
 
@@ -116,7 +141,7 @@ def check_rl(rl: RLConfig) -> None:
         generators=rl.generators,
         max_batch_size=rl.max_batch_size,
         max_tokens=rl.max_tokens,
-        token_budget=rl.token_budget,
+        max_tokens_per_micro_batch=rl.max_tokens_per_micro_batch,
         min_samples=rl.min_samples,
         ranker_refresh_every=rl.ranker_refresh_every,
     )
@@ -134,7 +159,6 @@ def check_rl(rl: RLConfig) -> None:
         )
     if rl.lora_r < 0:
         raise ConfigError(f"rl.lora_r must be >= 0 (0 = full fine-tuning), got {rl.lora_r}.")
-    check_trainer_ranks(rl)
     if rl.sites and len(rl.sites) != rl.generators:
         raise ConfigError(
             f"rl.sites names {len(rl.sites)} sites for rl.generators={rl.generators} instances; "

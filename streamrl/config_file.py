@@ -51,7 +51,10 @@ def from_dict(cls: type, data: dict[str, Any], where: str) -> Any:
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
     kwargs = {}
+    moved = getattr(cls, "MOVED", {})
     for key, value in data.items():
+        if key in moved:
+            raise ConfigError(f"{where}: {key} has moved: set {moved[key]} instead.")
         if key not in hints:
             raise ConfigError(f"{where}: {unknown_name('key', str(key), names)}")
         kwargs[key] = _convert(hints[key], value, f"{where}: {key}")

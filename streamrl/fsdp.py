@@ -1,13 +1,17 @@
 """FSDP2 trainer: the policy sharded with ``fully_shard`` across data-parallel trainer ranks.
 
 Each rank holds a 1/N shard of every parameter, its gradients and AdamW states; a layer's full
-weights exist only while that layer runs forward or backward. Gradients are averaged across the
-ranks by FSDP's reduce-scatter, so every rank must back-propagate its own share of the
-iteration's samples, with the loss divided by that share (``samples_per_iteration`` of its
-stream). The generators need whole tensors: ``full_state`` gathers them (see docs/fsdp.md).
+weights exist only while that layer runs forward or backward. Under ``"bf16-mixed"`` the
+gathered weights and the compute are bfloat16 over float32 shards (FSDP2's
+``MixedPrecisionPolicy``, ``streamrl.components.training.sharding``); with activation
+checkpointing each decoder layer is recomputed in the backward pass. A KL reference policy is
+sharded the same way (only a shard per rank, in the compute dtype). Gradients are averaged
+across the ranks by FSDP's reduce-scatter, so every rank must back-propagate its own share of the
+iteration's samples, with the loss divided by that share. The generators need whole tensors:
+``full_state`` gathers them (see docs/fsdp.md).
 
 Lightning's ``fsdp`` strategy refuses the CPU; ``ModelParallelStrategy`` (FSDP2, DTensor) runs on
-it with the gloo backend, which is how the 2-process CPU test runs it.
+it with the gloo backend, which is how the 2-process CPU test runs it, and on GPUs with NCCL.
 
 Examples:
     >>> import lightning as L
@@ -26,11 +30,15 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.fsdp import FSDPModule
 
 from streamrl.components.training.pipeline import MicroBatch
+from streamrl.components.training.reference import FrozenCopy
+from streamrl.components.training.sharding import Precision, full_state, shard_model
+from streamrl.lora import adapter_names
 from streamrl.module import StreamRLModule
+
+__all__ = ["ShardedStreamRLModule", "fsdp_strategy", "full_state", "shard_policy"]
 
 #: How long a trainer rank > 0 waits for its next share: rank 0 may wait that long for samples.
 SHARE_TIMEOUT_S = 900.0
@@ -69,59 +77,17 @@ def fsdp_strategy(
     )
 
 
-def shard_policy(policy: torch.nn.Module, device_mesh: DeviceMesh) -> torch.nn.Module:
-    """Shard ``policy`` in place with FSDP2: each decoder layer, then the root.
-
-    One ``fully_shard`` per decoder layer lets FSDP gather one layer at a time (and free it after
-    its forward), as the FSDP2 docs recommend; the root call takes the remaining parameters
-    (embeddings, final norm, a tied LM head) as one more group.
-
-    Args:
-        policy: a Hugging Face causal LM; its decoder layers are the modules whose class is
-            named in ``policy._no_split_modules`` (``Qwen2DecoderLayer`` for our tiny models).
-        device_mesh: a 1-D mesh of the data-parallel ranks (``module.device_mesh
-            ["data_parallel"]`` under ``ModelParallelStrategy``).
-
-    Returns:
-        ``policy`` itself: its parameters are now ``DTensor`` shards, names unchanged.
+def shard_policy(
+    policy: torch.nn.Module, device_mesh: DeviceMesh, precision: Precision = "32-true"
+) -> torch.nn.Module:
+    """Shard ``policy`` in place with FSDP2: each decoder layer, then the root (one group per
+    layer lets FSDP gather one layer at a time); ``precision`` ``"bf16-mixed"`` computes in
+    bfloat16 over float32 shards. See ``streamrl.components.training.sharding.shard_model``.
 
     Raises:
-        ValueError: no decoder layer was found (one group for the whole model would gather
-            every weight at once; pass a model that names its layers in ``_no_split_modules``).
+        ValueError: no decoder layer was found (classes named in ``_no_split_modules``).
     """
-    layer_classes = set(getattr(policy, "_no_split_modules", None) or ())
-    layers = [m for m in policy.modules() if type(m).__name__ in layer_classes]
-    if not layers:
-        raise ValueError(
-            f"shard_policy: found no decoder layer in {type(policy).__name__} (looked for the "
-            f"classes in _no_split_modules: {sorted(layer_classes)}). Pass a Hugging Face causal "
-            "LM, or shard its layers with fully_shard yourself."
-        )
-    for layer in layers:
-        fully_shard(layer, mesh=device_mesh)
-    fully_shard(policy, mesh=device_mesh)
-    return policy
-
-
-def full_state(policy: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The policy's full (unsharded) parameters, for the generators' weight update.
-
-    A collective: every rank must call it, in the same order; every rank gets the full tensors
-    (all-gathered shard by shard, on the parameters' device). Names and order are those of
-    ``policy.named_parameters()``, what ``StreamGenerationService.update`` expects; a tied
-    LM head appears once, under the embedding's name, as on an unsharded policy.
-
-    Args:
-        policy: a policy sharded by ``shard_policy`` (an unsharded one is returned as is).
-
-    Returns:
-        ``{name: tensor}``, detached plain tensors.
-    """
-    with torch.no_grad():
-        return {
-            name: (p.full_tensor() if isinstance(p, DTensor) else p).detach()
-            for name, p in policy.named_parameters()
-        }
+    return shard_model(policy, device_mesh, precision=precision)
 
 
 class ShardedStreamRLModule(StreamRLModule):
@@ -131,11 +97,18 @@ class ShardedStreamRLModule(StreamRLModule):
     the ranks:
 
     - every rank has ``rollouts`` streaming its own share of the iteration's samples;
-    - ``share_stream=True``: only rank 0 has ``rollouts`` (one generation service); it splits
-      each micro-batch of its stream across the ranks as it forms (``split_micro_batch``), so
-      every rank runs the same number of forward/backward passes, which FSDP's collectives
-      need. The other ranks pass ``rollouts=None``. This is how ``streamrl fit`` runs
-      ``rl.trainer_ranks > 1``.
+    - ``share_stream=True``: only rank 0 has ``rollouts`` (one generation service); it deals
+      its stream in rounds of one micro-batch per rank (``DynamicBatchPipeline.rounds``: each
+      under the token ceiling, the ranks' tokens balanced), so every rank runs the same number
+      of forward/backward passes, which FSDP's collectives need; a rank with nothing left in
+      the last round runs a two-token pass. The other ranks pass ``rollouts=None``. This is
+      how ``streamrl fit`` runs several trainer ranks (``trainer.devices``).
+
+    Args:
+        share_stream: rank 0 deals its stream to the ranks (above).
+        precision: ``"bf16-mixed"`` (bfloat16 compute over float32 shards) or ``"32-true"``.
+        reference_offload: keep a frozen reference's shards in host memory.
+        *args, **kwargs: ``StreamRLModule``'s.
 
     Raises:
         ValueError: the algorithm trains parameters of its own (PPO's value head): they would
@@ -148,9 +121,17 @@ class ShardedStreamRLModule(StreamRLModule):
         >>> # L.Trainer(accelerator="cpu", devices=2, strategy=fsdp_strategy(2)).fit(module)
     """
 
-    def __init__(self, *args, share_stream: bool = False, **kwargs) -> None:
+    def __init__(
+        self,
+        *args,
+        share_stream: bool = False,
+        precision: Precision = "32-true",
+        reference_offload: bool = False,
+        **kwargs,
+    ) -> None:
         super().__init__(*args, **kwargs)
-        self.share_stream = share_stream
+        self.share_stream, self.precision = share_stream, precision
+        self.reference_offload = reference_offload
         self._shares: dist.ProcessGroup | None = None
         #: Rank 0's full weights after the last step (gathered at the end of ``fit``).
         self.final_weights: dict[str, torch.Tensor] | None = None
@@ -161,17 +142,22 @@ class ShardedStreamRLModule(StreamRLModule):
                 f"ShardedStreamRLModule: {type(self.algorithm).__name__} has trainable "
                 "parameters of its own (a value head); they are not sharded, so their gradients "
                 "would not be averaged across ranks. Use a critic-free algorithm (GRPO) or "
-                "StreamRLModule on one process."
+                "StreamRLModule on one process with trainer.precision: 32-true."
             )
 
     def configure_model(self) -> None:
         # Lightning may call this hook more than once (e.g. fit after validate): shard once.
-        if not isinstance(self.policy, FSDPModule):
-            shard_policy(self.policy, self.device_mesh["data_parallel"])
+        if isinstance(self.policy, FSDPModule):
+            return
+        mesh = self.device_mesh["data_parallel"]
+        shard_model(self.policy, mesh, precision=self.precision)
+        if isinstance(self.reference, FrozenCopy):  # a shard per rank, like the policy
+            self.reference.shard(mesh, offload=self.reference_offload)
 
     def weights_to_sync(self) -> dict[str, torch.Tensor]:
-        """The full weights the generators load after each step (a collective: all ranks)."""
-        return full_state(self.policy)
+        """The full weights the generators load after each step (a collective: all ranks);
+        a LoRA policy's adapters only."""
+        return full_state(self.policy, adapter_names(self.policy) or None)
 
     def on_fit_start(self) -> None:
         if self.share_stream:  # gloo carries the shares whatever backend FSDP uses
@@ -189,11 +175,15 @@ class ShardedStreamRLModule(StreamRLModule):
             train_s = super().train_on_stream(iteration)
         # Each rank holds its share's loss; FSDP averages the ranks' gradients, so the mean of
         # their losses is the loss one process training every sample would log.
-        self.iteration_loss = self.trainer.strategy.reduce(self.iteration_loss, reduce_op="mean")
+        reduce = self.trainer.strategy.reduce
+        self.iteration_loss = reduce(self.iteration_loss, reduce_op="mean")
+        self.entropy_sum = reduce(self.entropy_sum, reduce_op="sum")
+        self.entropy_tokens = reduce(self.entropy_tokens, reduce_op="sum")
         return train_s
 
     def _train_on_shares(self, iteration: int) -> float:
-        """``share_stream``: rank 0 deals each micro-batch of its stream to every rank."""
+        """``share_stream``: rank 0 deals its stream to the ranks, one micro-batch per rank per
+        round (``DynamicBatchPipeline.rounds``: each under the token ceiling, balanced)."""
         if self.rollouts is None:  # a rank > 0: train on what rank 0 sends, until it says done
             train_s = 0.0
             while (share := self._exchange(None)) is not None:
@@ -202,16 +192,12 @@ class ShardedStreamRLModule(StreamRLModule):
         train_s, total = 0.0, self.rollouts.samples_per_iteration
         world = self.trainer.world_size
         groups = self.rollouts.groups(self.dispatch(iteration))
-        for micro in self.pipeline.micro_batches(groups, self.weight_version):
+        for micro_batches in self.pipeline.rounds(groups, self.weight_version, world):
             # Each rank's loss is scaled by world/total: FSDP averages the ranks' gradients, so
             # the update equals one process back-propagating every sample divided by total.
-            shares = [
-                (part, world / total if real else 0.0)
-                for part, real in split_micro_batch(micro, world)
-            ]
-            mine = self._exchange(shares)
+            mine = self._exchange([(m, world / total) for m in micro_batches])
             train_s += self.backward_micro(mine[0], iteration, mine[1])
-            self.samples_trained += len(micro.samples)
+            self.samples_trained += sum(len(m.samples) for m in micro_batches)
         self._exchange([None] * world)  # the iteration's stream is over
         return train_s
 
@@ -220,28 +206,3 @@ class ShardedStreamRLModule(StreamRLModule):
         mine: list = [None]
         dist.scatter_object_list(mine, shares, src=0, group=self._shares)
         return mine[0]
-
-
-def split_micro_batch(micro: MicroBatch, world: int) -> list[tuple[MicroBatch, bool]]:
-    """``micro`` dealt to ``world`` ranks, longest samples first, round-robin (similar padded
-    tokens per rank). A rank left without a sample gets a copy of the first one, flagged
-    ``False``: it still runs forward and backward (FSDP's collectives need every rank), with its
-    loss scaled by 0.
-
-    Examples:
-        >>> from streamrl.records import Sample
-        >>> s = [Sample(f"p{n}", 0, [1], [2] * n, [0.0] * n, 0, 0) for n in (3, 1, 2)]
-        >>> [[x.length for x in part.samples] for part, _ in split_micro_batch(
-        ...     MicroBatch(s, [1.0, 2.0, 3.0]), 2)]
-        [[3, 1], [2]]
-    """
-    order = sorted(range(len(micro.samples)), key=lambda i: -micro.samples[i].length)
-    parts: list[tuple[MicroBatch, bool]] = []
-    for rank in range(world):
-        picked = order[rank::world]
-        if picked:
-            samples = [micro.samples[i] for i in picked]
-            parts.append((MicroBatch(samples, [micro.advantages[i] for i in picked]), True))
-        else:
-            parts.append((MicroBatch(micro.samples[:1], micro.advantages[:1]), False))
-    return parts

@@ -13,14 +13,13 @@ from pathlib import Path
 
 import datasets
 import lightning as L
-import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.environments import ClusterEnvironment
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from streamrl.chat import completion_text, render_prompt, stop_token_ids
 from streamrl.config import RunConfig
-from streamrl.config_checks import check_values
+from streamrl.config_checks import check_values, placement_of
 from streamrl.errors import ConfigError
 from streamrl.evaluation import EvalResult, evaluate
 from streamrl.models import load_policy, save_policy
@@ -36,6 +35,7 @@ from streamrl.trainer_ranks import (
     RankSetup,
     join_launched_job,
     launched_job,
+    pin_threads,
     wait_for_rank_zero,
 )
 
@@ -63,7 +63,9 @@ def run_fit(config: RunConfig, show_progress: bool = True, resume: str | None = 
         return run_episode_fit(config, show_progress, resume)
     started = time.perf_counter()
     check_values(config)
-    check_parts(config.rl)  # every extension point resolves and fits, before any work
+    check_parts(
+        config.rl, placement_of(config)
+    )  # every extension point resolves and fits, before any work
     job = launched_job()  # torchrun or SLURM started this process as one of several ranks
     if job is not None:
         check_launched(config, job.world_size())
@@ -156,11 +158,14 @@ def _eval_summary(result: EvalResult, when: str) -> dict:
 def check_launched(config: RunConfig, world: int) -> None:
     """Under an external launcher the trainer ranks are the launcher's; ``ConfigError`` if the
     config asks for another number (it would spawn ranks of its own on top)."""
-    if config.rl.trainer_ranks not in (1, world):
+    devices = config.trainer.devices
+    asked = len(devices) if isinstance(devices, list) else (devices or 1)
+    asked *= config.trainer.num_nodes
+    if asked not in (1, world):
         raise ConfigError(
-            f"The launcher started {world} trainer ranks but rl.trainer_ranks is "
-            f"{config.rl.trainer_ranks}; set it to 1 or {world} (under torchrun or SLURM the "
-            "launcher's processes are the ranks)."
+            f"The launcher started {world} trainer ranks but trainer.devices x "
+            f"trainer.num_nodes is {asked}; leave them unset or ask for {world} (under torchrun "
+            "or SLURM the launcher's processes are the ranks)."
         )
     if config.rl.iterations < 1:
         raise ConfigError("rl.iterations must be >= 1 under a launcher of several ranks.")
@@ -175,7 +180,7 @@ def _follow_rank_zero(config: RunConfig, job: ClusterEnvironment, resume: str | 
     policy = load_policy(model_dir)[0]
     algorithm = build_run_algorithm(config.rl, policy.config.hidden_size)
     setup = RankSetup.from_config(config, algorithm, job)
-    torch.set_num_threads(1)
+    pin_threads(setup.placement)
     module = setup.module(policy, None)
     setup.trainer(module).fit(module, ckpt_path=resume)
     dist.destroy_process_group()

@@ -142,6 +142,11 @@ def adapter_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return weights
 
 
+def adapter_names(model: torch.nn.Module) -> set[str]:
+    """Names of ``model``'s LoRA parameters (empty when it has none)."""
+    return {name for name, _ in model.named_parameters() if _is_adapter(name)}
+
+
 def synced_weights(policy: torch.nn.Module) -> torch.nn.Module | dict[str, torch.Tensor]:
     """What one weight update of ``policy`` carries, for ``StreamGenerationService.update`` /
     ``push_weights``: the adapters of a LoRA policy (its generators hold the base weights

@@ -214,14 +214,19 @@ def save_policy(
     return path
 
 
-def load_policy(path: str | Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+def load_policy(
+    path: str | Path, dtype: torch.dtype = torch.float32
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load a causal LM and its tokenizer from a local directory, never from a hub.
 
     Args:
         path: a directory written by ``save_pretrained`` (ours or any local HF model).
+        dtype: the dtype of the loaded weights, whatever the checkpoint's: float32 for the
+            trainer's master weights (``"32-true"`` and ``"bf16-mixed"`` both keep them so;
+            the forward pass of ``"bf16-mixed"`` casts them to bfloat16).
 
     Returns:
-        ``(model, tokenizer)``, the model in eval mode, float32, on the CPU.
+        ``(model, tokenizer)``, the model in eval mode, in ``dtype``, on the CPU.
 
     Raises:
         FileNotFoundError: the directory or its ``config.json`` is missing.
@@ -236,7 +241,7 @@ def load_policy(path: str | Path) -> tuple[PreTrainedModel, PreTrainedTokenizerB
     tokenizer = load_tokenizer(path)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
-    model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype)
     return model.eval(), tokenizer
 
 

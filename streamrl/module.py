@@ -23,6 +23,7 @@ from transformers import PreTrainedModel
 
 from streamrl.algorithms.base import Algorithm, LossInputs
 from streamrl.components.capacity.elastic import ElasticController
+from streamrl.components.training.layout import Layout, layout_batch
 from streamrl.components.training.off_policy import (
     Correction,
     check_correction,
@@ -31,13 +32,14 @@ from streamrl.components.training.off_policy import (
     token_lag_metrics,
     token_lags,
 )
-from streamrl.components.training.padding import pad_samples
 from streamrl.components.training.pipeline import DynamicBatchPipeline, MicroBatch
+from streamrl.components.training.reference import FrozenCopy, ReferencePolicy
 from streamrl.components.training.staleness import AheadWindow, staleness_bound_of
 from streamrl.components.weights.sync import Weights
 from streamrl.errors import NonFiniteLossError
 from streamrl.logprobs import completion_logprobs
 from streamrl.lora import synced_weights
+from streamrl.records import Sample
 from streamrl.rng_state import rng_state, set_rng_state
 from streamrl.rollout import RolloutStream
 from streamrl.timeline import TraceRecorder
@@ -85,7 +87,8 @@ class StreamRLModule(L.LightningModule):
         iterations: optimizer steps to run.
         lr: AdamW learning rate.
         max_grad_norm: gradient clipping.
-        reference: frozen reference policy for a KL penalty, or ``None``.
+        reference: the frozen reference policy of a KL penalty (``streamrl.components.
+            training.reference``; a plain model is held as a ``FrozenCopy``), or ``None``.
         temperature: the generators' sampling temperature; the trainer scores tokens under the
             same tempered distribution, so behaviour and current log-probs are comparable.
         mode: ``"sync"`` (step k trains on samples of weights k, streamed as they finish),
@@ -104,6 +107,11 @@ class StreamRLModule(L.LightningModule):
         staleness_bound: async only: k >= 1 iterations generated ahead, so no trained token is
             more than k versions old (``staleness.AheadWindow``; ``None``: 1, the paper's).
         correction: how stale tokens are corrected (``off_policy.CORRECTIONS``).
+        layout: how a micro-batch goes through the forward pass: ``"packed"`` (samples end to
+            end in one row, no padding) or ``"padded"`` (``streamrl.components.training.
+            layout``); the pipeline's ceiling counts the same tokens.
+        logprob_chunk_tokens: completion tokens per chunk of the LM head
+            (``streamrl.logprobs``); ``None``: 64M logits per chunk.
     """
 
     def __init__(
@@ -115,7 +123,7 @@ class StreamRLModule(L.LightningModule):
         *,
         lr: float = 1e-4,
         max_grad_norm: float = 1.0,
-        reference: PreTrainedModel | None = None,
+        reference: ReferencePolicy | torch.nn.Module | None = None,
         temperature: float = 1.0,
         mode: Mode = "sync",
         pipeline: DynamicBatchPipeline | None = None,
@@ -124,16 +132,25 @@ class StreamRLModule(L.LightningModule):
         is_cap: float = 2.0,
         staleness_bound: int | None = None,
         correction: str = "decoupled",
+        layout: Layout = "packed",
+        logprob_chunk_tokens: int | None = None,
     ) -> None:
         super().__init__()
         bound = staleness_bound_of(mode, staleness_bound)
         self.automatic_optimization = False
         self.policy, self.algorithm, self.rollouts = policy, algorithm, rollouts
-        self.reference = reference.eval().requires_grad_(False) if reference is not None else None
+        if isinstance(reference, torch.nn.Module):
+            reference = FrozenCopy(reference)
+        # Not a submodule: Lightning neither moves it (it may be sharded, or offloaded) nor
+        # checkpoints it (it is the starting policy, rebuilt on resume).
+        self.reference: ReferencePolicy | None = reference
+        self.layout, self.logprob_chunk_tokens = layout, logprob_chunk_tokens
         self.iterations, self.lr, self.max_grad_norm = iterations, lr, max_grad_norm
         self.weight_version, self.temperature, self.mode = 0, temperature, mode
         self.staleness_bound, self.correction = bound, check_correction(correction)
-        self.pipeline = pipeline or DynamicBatchPipeline(staleness_bound=bound)
+        self.pipeline = pipeline or DynamicBatchPipeline(
+            staleness_bound=bound, packed=layout == "packed"
+        )
         if self.pipeline.staleness_bound < bound:
             raise ValueError(
                 f"mode={mode!r} trains samples up to {bound} weight version(s) old, but the "
@@ -153,6 +170,8 @@ class StreamRLModule(L.LightningModule):
         self._window = AheadWindow(bound, iterations)  # async: iterations dispatched ahead
         self.token_lags: dict[int, int] = {}  # this iteration's trained tokens by staleness
         self.grad_norm = torch.zeros(())  # of the last optimizer step, before clipping
+        #: This iteration's summed entropy of the trained tokens' distributions, and their count.
+        self.entropy_sum, self.entropy_tokens = torch.zeros(()), torch.zeros(())
 
     def training_step(self, batch: int) -> None:
         """One RL iteration, stage by stage: dispatch, stream and score, micro-batch backward
@@ -161,6 +180,8 @@ class StreamRLModule(L.LightningModule):
         iteration = self.weight_version
         started = time.perf_counter()
         self.iteration_loss = torch.zeros((), device=self.device)
+        self.entropy_sum = torch.zeros((), device=self.device)
+        self.entropy_tokens = torch.zeros((), device=self.device)
         train_s = self.train_on_stream(iteration)
         train_s += self.optimizer_step(iteration)
         self.weight_version += 1
@@ -222,8 +243,14 @@ class StreamRLModule(L.LightningModule):
 
     def backward_micro(self, micro: MicroBatch, iteration: int, scale: float) -> float:
         """One forward/backward of ``micro`` with its summed loss times ``scale`` (gradients
-        accumulate until the iteration's optimizer step); returns the seconds it took."""
+        accumulate until the iteration's optimizer step); returns the seconds it took.
+
+        An empty ``micro`` (an FSDP rank with nothing left this round) runs a two-token pass
+        whose loss counts nothing: the ranks' collectives must match.
+        """
         started = time.perf_counter()
+        if not micro.samples:
+            micro, scale = MicroBatch([_idle_sample(self.weight_version)], [0.0]), 0.0
         with self.trace.span("trainer", "train", iteration, samples=len(micro.samples)):
             per_sample = self.algorithm.loss(self.loss_inputs(micro))  # [micro]
             _check_finite(per_sample, micro.samples, iteration)
@@ -270,6 +297,10 @@ class StreamRLModule(L.LightningModule):
         }
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
+        # Checkpoints written before the reference stopped being a submodule still hold it.
+        weights = checkpoint.get("state_dict", {})
+        for key in [k for k in weights if k.startswith("reference.")]:
+            del weights[key]
         state = checkpoint.get("streamrl")
         if state is None:
             return
@@ -309,24 +340,27 @@ class StreamRLModule(L.LightningModule):
             self.sync_transfer_s = service.weight_sync.transfer_s
 
     def loss_inputs(self, batch: MicroBatch) -> LossInputs:
-        """Pad a micro-batch into tensors and compute current (and reference) log-probs, the
-        critic's values (if the algorithm has one) and the correction of stale samples."""
-        samples = batch.samples
+        """Lay a micro-batch out for the forward pass (``self.layout``) and compute current (and
+        reference) log-probs, chunk by chunk (``streamrl.logprobs``), the critic's values (if
+        the algorithm has one) and the correction of stale tokens."""
         pad = int(self.policy.config.pad_token_id or 0)
-        b = pad_samples(samples, pad, self.device)
+        b = layout_batch(batch.samples, self.layout, pad, self.device)
+        chunk = self.logprob_chunk_tokens
         ref = None
         if self.reference is not None:
-            with torch.no_grad():
-                ref = completion_logprobs(
-                    self.reference, b.input_ids, b.attention, b.starts, b.width, self.temperature
-                )
-        current = completion_logprobs(
-            self.policy, b.input_ids, b.attention, b.starts, b.width, self.temperature
+            ref = b.per_sample(self.reference.logprobs(b.tokens, self.temperature, chunk))
+        scored = completion_logprobs(
+            self.policy, b.tokens, self.temperature, chunk_tokens=chunk, entropy=True
         )
-        # Per-token critic values for algorithms with a critic (PPO); None for the others.
-        values = self.algorithm.token_values(
-            self.policy, b.input_ids, b.attention, b.starts, b.width
-        )
+        current = b.per_sample(scored.logprobs)  # [batch, width]
+        self.entropy_sum += (b.per_sample(scored.entropy) * b.mask).sum()
+        self.entropy_tokens += b.mask.sum()
+        values = None
+        if self.algorithm.has_critic:  # its own forward pass, over padded rows
+            rows = b.padded(pad)
+            values = self.algorithm.token_values(
+                self.policy, rows.input_ids, rows.attention, rows.starts, b.width
+            )
         # Per token: a partial rollout's or an episode's tokens may come from several versions.
         stale = b.versions < self.weight_version
         token_lags(b.versions, b.mask, self.weight_version, into=self.token_lags)
@@ -357,6 +391,7 @@ class StreamRLModule(L.LightningModule):
             "time/train_s": train_s,
             "train/loss": float(self.iteration_loss),
             "train/grad_norm": float(self.grad_norm),
+            "train/entropy": float(self.entropy_sum / self.entropy_tokens.clamp(min=1)),
             "train/weight_version": float(self.weight_version),
             "train/staleness_mean": sum(lags) / max(1, len(lags)),
             "train/staleness_max": float(max(lags, default=0)),
@@ -387,6 +422,11 @@ class StreamRLModule(L.LightningModule):
         return torch.utils.data.DataLoader(
             IterationTicker(self.iterations), batch_size=None, collate_fn=lambda x: x
         )
+
+
+def _idle_sample(version: int) -> Sample:
+    """Two tokens, trained on by nothing (loss mask 0): an FSDP rank's pass without a sample."""
+    return Sample("idle", 0, [0], [0], [0.0], version, -1, loss_mask=[0])
 
 
 def _check_finite(per_sample: torch.Tensor, samples: list, iteration: int) -> None:

@@ -16,7 +16,6 @@ from typing import Any
 
 import datasets
 import lightning as L
-import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.environments import ClusterEnvironment
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -35,7 +34,7 @@ from streamrl.rewards.pool import RewardPool
 from streamrl.rollout import RolloutStream
 from streamrl.run_parts import RunParts, reward_pool
 from streamrl.timeline import draw_timeline
-from streamrl.trainer_ranks import RankSetup, trainer_ranks
+from streamrl.trainer_ranks import RankSetup, pin_threads, trainer_ranks
 
 
 def train_with_eval(
@@ -100,8 +99,9 @@ def train_rl(
     reward the samples). Returns the module and the trained policy (unsharded)."""
     rl = config.rl
     policy, tokenizer = policy_and_tokenizer
-    torch.set_num_threads(1)  # one thread per process: the generators need the other cores
     parts = RunParts.from_config(config, policy, tokenizer)
+    setup = RankSetup.from_config(config, parts.algorithm, job)
+    pin_threads(setup.placement)  # on the CPU the generators need the other cores
     if parts.lora is not None:  # adapters only: they train, and only they travel to generators
         policy = apply_lora(policy, parts.lora)
     service = StreamGenerationService(
@@ -117,6 +117,7 @@ def train_rl(
         status_path=Path(config.output_dir) / "instances.json",
         cluster=rl.cluster,
         gpus_per_instance=rl.gpus,
+        gpu_ids=setup.placement.generator_gpus or None,
         weight_transport=rl.weight_transport,
         sites=rl.sites or None,
         trainer_site=rl.trainer_site,
@@ -143,7 +144,6 @@ def train_rl(
             ranker_refresh_every=rl.ranker_refresh_every,
             episodes=episodes(service) if episodes else None,
         )
-        setup = RankSetup.from_config(config, parts.algorithm, job)
         module = setup.module(policy, rollouts, elastic=parts.elastic)
         trainer = setup.trainer(
             module,
@@ -163,8 +163,10 @@ def train_rl(
             finally:  # episodes still open (an iteration dispatched ahead) close their envs
                 if rollouts.episodes is not None:
                     rollouts.episodes.close()
-        if setup.ranks > 1:
+        if setup.placement.sharded:
             policy = load_policy(model_dir)[0]  # the sharded copy's full weights, unsharded
+            if parts.lora is not None:
+                policy = apply_lora(policy, parts.lora)
             policy.load_state_dict(module.final_weights, strict=False)
     policy.eval()
     out = Path(config.output_dir)

@@ -34,6 +34,7 @@ from streamrl.components.skewness.ranker import LengthRanker
 from streamrl.components.skewness.schedulers import FIFOScheduler, LPTScheduler
 from streamrl.components.skewness.skew_dispatch import SkewAwareDispatcher
 from streamrl.config import RLConfig, RunConfig
+from streamrl.devices import Placement
 from streamrl.errors import ConfigError
 from streamrl.lora import LoRASpec
 from streamrl.protocols import AdmissionScheduler, Dispatcher, GenerationEngine, LengthPredictor
@@ -112,8 +113,9 @@ class RunParts:
         )
 
 
-def check_parts(rl: RLConfig) -> None:
-    """Resolve and check every extension point of ``rl`` without loading a model.
+def check_parts(rl: RLConfig, placement: Placement | None = None) -> None:
+    """Resolve and check every extension point of ``rl`` without loading a model (and, given
+    the trainer's ``placement``, that the algorithm can train there).
 
     Raises:
         ConfigError: a name that is neither a built-in nor importable, a wrong signature, a
@@ -121,10 +123,12 @@ def check_parts(rl: RLConfig) -> None:
     """
     load_rewards(reward_specs(rl))  # every reward imports and has a signature we can call
     algorithm = build_run_algorithm(rl, hidden_size=1)  # the algorithm checks its own needs
-    if rl.trainer_ranks > 1 and not algorithm.shardable:
+    if placement is not None and placement.sharded and not algorithm.shardable:
         raise ConfigError(
-            f"rl.trainer_ranks={rl.trainer_ranks}: {type(algorithm).__name__} cannot train "
-            "sharded yet (its own parameters are not sharded by FSDP); use rl.trainer_ranks: 1."
+            f"{type(algorithm).__name__} cannot train sharded yet (its own parameters are not "
+            f"sharded by FSDP), but trainer.devices={placement.ranks_per_node} and "
+            f"trainer.precision={placement.precision} train with FSDP2; use one trainer "
+            "process with trainer.precision: 32-true."
         )
     factory, options = _pick(rl.dispatcher, "dispatcher", DISPATCHERS)
     facts = dict(latency=None, max_batch_size=rl.max_batch_size, seed=0)

@@ -22,7 +22,7 @@ import multiprocessing as mp
 import os
 import socket
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -42,6 +42,8 @@ from streamrl.algorithms.base import Algorithm
 from streamrl.builders import build_module, build_trainer
 from streamrl.components.capacity.elastic import ElasticController
 from streamrl.config import RunConfig
+from streamrl.config_checks import placement_of
+from streamrl.devices import Placement
 from streamrl.module import StreamRLModule
 from streamrl.rollout import RolloutStream
 
@@ -61,8 +63,8 @@ class RankSetup:
     Attributes:
         algorithm: the run's algorithm object.
         iterations: optimizer steps.
-        ranks: trainer ranks in all (FSDP2 when > 1).
-        nodes: machines they run on (an external launcher's; ``ranks`` divides evenly).
+        placement: the trainer's accelerator, ranks, GPUs and precision
+            (``streamrl.devices.resolve_placement``); FSDP2 when ``placement.sharded``.
         output_dir: where checkpoints go.
         checkpoint_every: iterations between checkpoints (0: only ``last.ckpt``).
         module_options: the rest of ``build_module``'s keyword arguments.
@@ -70,39 +72,51 @@ class RankSetup:
 
     algorithm: Algorithm
     iterations: int
-    ranks: int = 1
-    nodes: int = 1
+    placement: Placement = field(default_factory=lambda: Placement("cpu", 1, 1, (), (), "32-true"))
     output_dir: str | None = None
     checkpoint_every: int = 0
     module_options: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def ranks(self) -> int:
+        """Trainer ranks in all."""
+        return self.placement.ranks
 
     @classmethod
     def from_config(
         cls, config: RunConfig, algorithm: Algorithm, job: ClusterEnvironment | None = None
     ) -> RankSetup:
         """The setup of ``config``'s run; under an external launcher (``job``) its world is
-        the launcher's."""
-        rl = config.rl
-        ranks, nodes = rl.trainer_ranks, 1
+        the launcher's (``LOCAL_WORLD_SIZE`` ranks on each of its nodes)."""
+        rl, trainer = config.rl, config.trainer
+        placement = placement_of(config)
         if job is not None:
-            ranks = job.world_size()
-            nodes = ranks // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+            per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+            nodes = job.world_size() // per_node
+            gpus = tuple(range(per_node)) if placement.accelerator == "cuda" else ()
+            placement = replace(
+                placement, ranks_per_node=per_node, num_nodes=nodes, trainer_gpus=gpus
+            )
         return cls(
             algorithm,
             rl.iterations,
-            ranks=ranks,
-            nodes=nodes,
+            placement=placement,
             output_dir=config.output_dir,
             checkpoint_every=rl.checkpoint_every,
             module_options=dict(
                 mode=rl.mode,
                 lr=rl.lr,
                 temperature=rl.temperature,
-                token_budget=rl.token_budget,
+                max_tokens_per_micro_batch=rl.max_tokens_per_micro_batch,
+                layout="packed" if rl.pack_sequences else "padded",
                 min_samples=rl.min_samples,
                 is_cap=rl.is_cap,
                 staleness_bound=rl.staleness_bound,
                 correction=rl.correction,
+                precision=placement.precision,
+                activation_checkpointing=trainer.activation_checkpointing,
+                reference_offload=trainer.reference_offload,
+                logprob_chunk_tokens=trainer.logprob_chunk_tokens,
             ),
         )
 
@@ -120,7 +134,7 @@ class RankSetup:
             rollouts,
             iterations=self.iterations,
             elastic=elastic,
-            sharded=self.ranks > 1,
+            sharded=self.placement.sharded,
             **self.module_options,
         )
 
@@ -135,14 +149,22 @@ class RankSetup:
         """This rank's Lightning trainer (logging, progress and ``callbacks`` on rank 0 only)."""
         return build_trainer(
             module,
-            ranks=self.ranks,
-            nodes=self.nodes,
+            accelerator=self.placement.accelerator,
+            devices=self.placement.lightning_devices(),
+            num_nodes=self.placement.num_nodes,
             output_dir=self.output_dir,
             logger=logger,
             checkpoint_every=self.checkpoint_every,
             show_progress=show_progress,
             callbacks=list(callbacks),
         )
+
+
+def pin_threads(placement: Placement) -> None:
+    """One torch thread per trainer process on the CPU, where the generators need the other
+    cores; on CUDA the host threads are left alone."""
+    if placement.accelerator == "cpu":
+        torch.set_num_threads(1)
 
 
 @contextlib.contextmanager
@@ -196,7 +218,7 @@ def _rank_main(
 ) -> None:
     """Trainer rank ``rank`` > 0: the sharded module without rollouts, fed by rank 0."""
     os.environ.update(job, RANK=str(rank), LOCAL_RANK=str(rank))
-    torch.set_num_threads(1)
+    pin_threads(setup.placement)
     from streamrl.models import load_policy
     from streamrl.quiet import quiet_libraries, quiet_lightning
 

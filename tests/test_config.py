@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from streamrl.config import RunConfig
+from streamrl.config_checks import placement_of
 from streamrl.config_file import load_config
 from streamrl.errors import ConfigError
 from streamrl.prepare import prepare_run
@@ -28,7 +29,7 @@ def load_checked(path: Path) -> RunConfig:
     """What ``streamrl fit`` checks before any work: the YAML, its values and every extension
     point it names."""
     config = load_config(path)
-    check_parts(config.rl)
+    check_parts(config.rl, placement_of(config))
     return config
 
 
@@ -123,11 +124,17 @@ def test_duplicate_prompt_ids_name_the_line(tmp_path):
         ("rl:\n  dispatcher: 3\n", r"rl: dispatcher must be a str or dict, got 3"),
         ("rl:\n  cluster: rey\n", r"cluster: Unknown cluster 'rey' \(did you mean 'ray'\?\)"),
         ("rl:\n  gpus: -1\n", r"rl.gpus must be >= 0"),
-        ("rl:\n  trainer_ranks: 0\n", r"rl.trainer_ranks must be >= 1"),
+        ("rl:\n  trainer_ranks: 2\n", r"trainer_ranks has moved: set trainer.devices"),
+        ("rl:\n  token_budget: 64\n", r"set rl.max_tokens_per_micro_batch"),
+        ("trainer:\n  devices: 0\n", r"trainer.devices must be a number of processes >= 1"),
+        ("trainer:\n  devices: [0, 1]\n", r"a list names GPU indices"),
+        ("trainer:\n  precision: bf16\n", r"Unknown precision 'bf16'"),
+        ("trainer:\n  accelerator: cuda\n", r"this machine has no GPU"),
+        ("trainer:\n  reference_offload: true\n", r"this trainer is not sharded"),
         ("rl:\n  sites: [a, b, c]\n", r"rl.sites names 3 sites for rl.generators=2"),
         (
-            "rl:\n  trainer_ranks: 2\n  algorithm: ppo\n",
-            r"trainer_ranks=2: PPO cannot train sharded yet",
+            "rl:\n  algorithm: ppo\ntrainer:\n  devices: 2\n",
+            r"PPO cannot train sharded yet",
         ),
         ("rl:\n  weight_transport: ncl\n", r"Unknown transport 'ncl' \(did you mean 'nccl'\?\)"),
     ],
@@ -174,7 +181,7 @@ def test_engine_without_its_extra_says_how_to_install(
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a GPU-less machine")
 def test_gpus_on_a_machine_without_gpus_fail_before_work(tmp_path):
-    with pytest.raises(ConfigError, match=r"rl.engine: gpus=1 but this machine has no CUDA GPU"):
+    with pytest.raises(ConfigError, match=r"rl.gpus is 1 but this machine has no CUDA GPU"):
         load_checked(write(tmp_path, "rl:\n  gpus: 1\n"))
 
 

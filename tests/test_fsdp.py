@@ -25,7 +25,7 @@ from torch.distributed.tensor import DTensor
 from streamrl.algorithms import GRPO
 from streamrl.algorithms.base import LossInputs
 from streamrl.fsdp import ShardedStreamRLModule, fsdp_strategy, full_state, shard_policy
-from streamrl.logprobs import completion_logprobs
+from streamrl.bench.full_logprobs import full_vocab_logprobs
 from streamrl.models import build_tiny_model, build_tokenizer
 from streamrl.module import StreamRLModule
 from streamrl.records import Sample, ScoredGroup
@@ -112,7 +112,7 @@ def _scored_groups(seed: int = 0) -> list[ScoredGroup]:
             prompt_len, length = (int(n) for n in torch.randint(2, 9, (2,), generator=rng))
             ids = torch.randint(3, len(tokenizer), (1, prompt_len + length), generator=rng)
             with torch.no_grad():
-                current = completion_logprobs(
+                current = full_vocab_logprobs(
                     policy, ids, torch.ones_like(ids), torch.tensor([prompt_len]), length
                 )[0]
             behaviour = current + 0.2 * torch.randn(length, generator=rng)

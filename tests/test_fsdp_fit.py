@@ -1,5 +1,5 @@
 """`streamrl fit` with two FSDP2 trainer ranks against the same run on one rank: the ranks spawned
-by `streamrl fit` itself (`rl.trainer_ranks: 2`), or started by an external launcher (`torchrun
+by `streamrl fit` itself (`trainer.devices: 2`), or started by an external launcher (`torchrun
 --nnodes 2`, two "nodes" on this machine, each running `streamrl fit`). Either way rank 0 hosts
 the one generation service and deals each micro-batch of its stream to both ranks.
 
@@ -48,10 +48,11 @@ def _config(root: Path, name: str, iterations: int, ranks: int) -> Path:
         "data: {tasks: [copy, count], n_train: 32, n_heldout: 8, median_len: 3, max_len: 6}\n"
         "sft: {model_size: test, steps: 20}\n"
         f"rl: {{iterations: {iterations}, prompts_per_iteration: {PROMPTS}, group_size: {GROUP},"
-        " generators: 1, max_tokens: 12, token_budget: 64, checkpoint_every: 1, reward: partial,"
+        " generators: 1, max_tokens: 12, max_tokens_per_micro_batch: 64, checkpoint_every: 1,"
         # A KL term: on-policy GRPO's loss is 0 (group-normalised advantages), the KL's is not
         # once the policy has moved, and it gives every iteration a gradient.
-        f" kl_coef: 0.1, lr: 0.001, trainer_ranks: {ranks}}}\n"
+        f" reward: partial, kl_coef: 0.1, lr: 0.001}}\n"
+        f"trainer: {{devices: {ranks}}}\n"
     )
     return config
 

@@ -14,7 +14,7 @@ from streamrl.builders import build_trainer
 from streamrl.components.generation.service import StreamGenerationService
 from streamrl.components.generation.worker import fingerprint
 from streamrl.components.training.pipeline import DynamicBatchPipeline, MicroBatch
-from streamrl.logprobs import completion_logprobs
+from streamrl.bench.full_logprobs import full_vocab_logprobs
 from streamrl.models import build_tiny_model, save_policy
 from streamrl.module import StreamRLModule
 from streamrl.prompts import PromptSource
@@ -55,11 +55,11 @@ class _NoRollouts:
     trace = TraceRecorder()
 
 
-def accumulated_grads(policy, groups, token_budget: int) -> dict[str, torch.Tensor]:
+def accumulated_grads(policy, groups, max_tokens: int) -> dict[str, torch.Tensor]:
     module = StreamRLModule(policy, GRPO(group_size=4), _NoRollouts(), iterations=1)
     policy.zero_grad()
     total = sum(len(g.samples) for g in groups)
-    pipeline = DynamicBatchPipeline(token_budget=token_budget)
+    pipeline = DynamicBatchPipeline(max_tokens=max_tokens)
     for micro in pipeline.micro_batches(groups, trainer_version=0):
         (module.algorithm.loss(module.loss_inputs(micro)).sum() / total).backward()
     return {n: p.grad.clone() for n, p in policy.named_parameters()}
@@ -68,11 +68,11 @@ def accumulated_grads(policy, groups, token_budget: int) -> dict[str, torch.Tens
 def test_arrival_order_does_not_change_the_update(tokenizer):
     policy = build_tiny_model(tokenizer, "test", seed=0)
     groups = make_groups(6, 4, seed=1)
-    reference = accumulated_grads(policy, groups, token_budget=10_000)  # one micro-batch
+    reference = accumulated_grads(policy, groups, max_tokens=10_000)  # one micro-batch
     shuffled = groups[:]
     random.Random(7).shuffle(shuffled)
     for budget in (1, 60, 200):  # one sample per micro-batch ... a few groups per micro-batch
-        grads = accumulated_grads(policy, shuffled, token_budget=budget)
+        grads = accumulated_grads(policy, shuffled, max_tokens=budget)
         for name, grad in grads.items():
             torch.testing.assert_close(grad, reference[name], rtol=1e-4, atol=1e-6)
 
@@ -85,7 +85,7 @@ def test_mixed_prompt_lengths_give_each_sample_its_own_logprobs(tokenizer):
         batched = module.loss_inputs(MicroBatch(samples, [0.0] * len(samples)))
         for row, s in enumerate(samples):
             ids = torch.tensor([s.prompt_ids + s.token_ids])
-            alone = completion_logprobs(
+            alone = full_vocab_logprobs(
                 policy, ids, torch.ones_like(ids), torch.tensor([len(s.prompt_ids)]), s.length
             )
             torch.testing.assert_close(
@@ -113,7 +113,7 @@ def test_staleness_bound_is_never_exceeded(versions, trainer_version, bound, bud
         for i, v in enumerate(versions)
     ]
     random.Random(seed).shuffle(groups)  # any arrival order
-    pipeline = DynamicBatchPipeline(token_budget=budget, staleness_bound=bound)
+    pipeline = DynamicBatchPipeline(max_tokens=budget, staleness_bound=bound)
     trained = [s for m in pipeline.micro_batches(groups, trainer_version) for s in m.samples]
     assert all(trainer_version - s.weight_version <= bound for s in trained)
     fresh = [v for v in versions if trainer_version - v <= bound]
@@ -137,7 +137,7 @@ def test_async_mode_overlaps_generation_and_training(tmp_path, tokenizer):
             max_tokens=16,
             context=256,
         )
-        pipeline = DynamicBatchPipeline(token_budget=64, staleness_bound=1)
+        pipeline = DynamicBatchPipeline(max_tokens=64, staleness_bound=1)
         module = StreamRLModule(
             policy, algorithm, rollouts, iterations=4, lr=1e-3, mode="async", pipeline=pipeline
         )
@@ -162,3 +162,64 @@ def test_async_mode_overlaps_generation_and_training(tmp_path, tokenizer):
         if g.iteration == t.iteration + 1 and g.start_s < t.end_s and t.start_s < g.end_s
     ]
     assert overlapping, "no generation of iteration k+1 overlapped training of iteration k"
+
+
+def _lengths_groups(lengths: list[int], group_size: int = 2) -> list[ScoredGroup]:
+    """Groups of one-token prompts whose completions have ``lengths`` (in order)."""
+    groups = []
+    for g in range(0, len(lengths), group_size):
+        samples = [
+            Sample(f"p{g}", i, [3], [5] * n, [0.0] * n, 0, 0)
+            for i, n in enumerate(lengths[g : g + group_size])
+        ]
+        groups.append(ScoredGroup(f"p{g}", samples, [0.0] * len(samples), [1.0] * len(samples)))
+    return groups
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    lengths=st.lists(st.integers(1, 300), min_size=1, max_size=40),
+    ceiling=st.integers(1, 400),
+    packed=st.booleans(),
+    min_samples=st.integers(1, 8),
+)
+def test_no_micro_batch_exceeds_its_token_ceiling(lengths, ceiling, packed, min_samples):
+    pipeline = DynamicBatchPipeline(ceiling, min_samples=min_samples, packed=packed)
+    micro_batches = list(pipeline.micro_batches(_lengths_groups(lengths), trainer_version=0))
+    for micro in micro_batches:
+        assert micro.samples
+        # Over the ceiling only as a single sample longer than it (it trains alone).
+        assert pipeline.cost(micro) <= ceiling or len(micro.samples) == 1
+    trained = sorted(len(s.token_ids) for m in micro_batches for s in m.samples)
+    assert trained == sorted(lengths)  # every sample exactly once
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    lengths=st.lists(st.integers(1, 300), min_size=1, max_size=40),
+    ceiling=st.integers(1, 400),
+    ranks=st.integers(1, 4),
+)
+def test_rounds_give_every_rank_a_micro_batch_under_the_ceiling(lengths, ceiling, ranks):
+    pipeline = DynamicBatchPipeline(ceiling)
+    rounds = list(pipeline.rounds(_lengths_groups(lengths), 0, ranks))
+    for micro_batches in rounds:
+        assert len(micro_batches) == ranks
+        for micro in micro_batches:
+            assert micro.tokens <= ceiling or len(micro.samples) == 1
+    trained = sorted(len(s.token_ids) for r in rounds for m in r for s in m.samples)
+    assert trained == sorted(lengths)
+
+
+def test_the_last_round_balances_the_ranks_tokens():
+    # Nothing fills a micro-batch of 10,000 tokens: everything is dealt when the stream ends,
+    # longest first to the rank with the fewest tokens.
+    pipeline = DynamicBatchPipeline(10_000)
+    lengths = [900, 100, 800, 200, 500, 500, 300, 700]
+    (only,) = pipeline.rounds(_lengths_groups(lengths), 0, ranks=2)
+    tokens = [m.tokens for m in only]
+    assert sum(tokens) == sum(n + 1 for n in lengths)
+    assert max(tokens) - min(tokens) <= 100  # 2,004 / 2,004 here; a deal in order: 2,404 / 1,604
+    # Fewer samples than ranks: a rank gets an empty micro-batch (a two-token pass), not a copy.
+    rounds = list(pipeline.rounds(_lengths_groups([40]), 0, ranks=3))
+    assert [len(m.samples) for m in rounds[0]] == [1, 0, 0]

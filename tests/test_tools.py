@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from streamrl.components.training.off_policy import correct_stale
-from streamrl.components.training.padding import pad_samples
+from streamrl.components.training.layout import layout_batch
 from streamrl.envs.tools import ToolEnvironment, format_call, parse_call, tool_schema
 from streamrl.errors import ConfigError
 from streamrl.records import Sample
@@ -111,7 +111,7 @@ def test_the_loss_mask_and_token_versions_reach_the_tensors():
     episode = Sample("p", 0, [5, 6], [7, 8, 9, 10], [-1.0, 0.0, 0.0, -2.0], 3, 0)
     episode.loss_mask, episode.token_versions = [1, 0, 0, 1], [3, 3, 3, 4]
     single = Sample("q", 0, [5], [7, 8], [-0.5, -0.5], 4, 0)
-    b = pad_samples([episode, single], 0, torch.device("cpu"))
+    b = layout_batch([episode, single], "packed", 0, torch.device("cpu"))
     assert b.mask.tolist() == [[1, 0, 0, 1], [1, 1, 0, 0]]
     assert b.versions.tolist() == [[3, 3, 3, 4], [4, 4, 0, 0]]
     # At version 4, only the episode's first turn is stale: corrected per token.

@@ -290,6 +290,12 @@ class Algorithm:
         del policy, input_ids, attention, starts, width
         return None
 
+    @property
+    def has_critic(self) -> bool:
+        """Whether the algorithm computes critic values (it overrides ``token_values``): the
+        trainer then gives that hook the micro-batch as padded rows."""
+        return type(self).token_values is not Algorithm.token_values
+
     def trainable_parameters(self) -> list[torch.nn.Parameter]:
         """Parameters the algorithm owns (a value head) that the optimizer must update with the
         policy's. Default: none."""

@@ -107,7 +107,6 @@ def run_mode(name: str, model_dir: Path, lengths: list[int], args) -> dict:
             context=policy.config.max_position_embeddings,
             forced_lengths=itertools.cycle(lengths),
         )
-        budget = args.colocated_token_budget if mode == "colocated" else args.token_budget
         module = build_module(
             policy,
             algorithm,
@@ -115,7 +114,7 @@ def run_mode(name: str, model_dir: Path, lengths: list[int], args) -> dict:
             iterations=steps,
             lr=1e-5,
             mode=mode,
-            token_budget=budget,
+            max_tokens_per_micro_batch=args.token_budget,
             staleness_bound=variant.staleness_bound,
         )
         accelerator = "gpu" if on_gpu else "cpu"

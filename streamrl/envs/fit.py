@@ -19,7 +19,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from streamrl.components.generation.service import StreamGenerationService
 from streamrl.config import RunConfig
-from streamrl.config_checks import check_values
+from streamrl.config_checks import check_values, placement_of
 from streamrl.envs.demos import episode_tokenizer, sft_on_episodes
 from streamrl.envs.evaluate import EpisodeEval, evaluate_episodes
 from streamrl.envs.runner import EpisodeRunner
@@ -42,10 +42,10 @@ def run_episode_fit(
     """Train on ``config.env``'s episodes; returns the summary (also ``summary.json``)."""
     started = time.perf_counter()
     check_values(config)
-    check_parts(config.rl)
+    check_parts(config.rl, placement_of(config))
     env, rl = config.env, config.rl
-    if rl.trainer_ranks != 1:
-        raise ConfigError("env: episode runs train on one trainer rank; set rl.trainer_ranks: 1.")
+    if placement_of(config).ranks != 1:
+        raise ConfigError("env: episode runs train on one trainer rank; set trainer.devices: 1.")
     L.seed_everything(config.seed, verbose=False)
     task = episode_task(config)
     check_enough_rows(task.train, rl.prompts_per_iteration, f"env {env.name!r}")

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import importlib.util
 import pickle
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -183,21 +184,32 @@ def check_gpus(cluster: str, gpus_per_instance: int) -> None:
 
 
 def instance_device(
-    instance_id: int, gpus_per_instance: int, cluster: str, spare_first: bool = False
+    instance_id: int,
+    gpus_per_instance: int,
+    cluster: str,
+    spare_first: bool = False,
+    gpu_ids: Sequence[int] | None = None,
 ) -> str:
     """The torch device an instance's model runs on.
 
-    Local instances take the machine's GPUs round-robin, leaving ``cuda:0`` to the trainer when
-    ``spare_first`` (NCCL refuses two members of a group on one GPU); a Ray actor sees only the
-    GPUs Ray gave it (``CUDA_VISIBLE_DEVICES``), so ``"cuda"`` is its own.
+    Local instances take ``gpu_ids`` round-robin (``streamrl.devices.Placement.generator_gpus``:
+    the trainer's GPUs already left out). Without ``gpu_ids`` they take every GPU of the machine,
+    leaving ``cuda:0`` to the trainer when ``spare_first`` (NCCL refuses two members of a group
+    on one GPU). A Ray actor sees only the GPUs Ray gave it (``CUDA_VISIBLE_DEVICES``), so
+    ``"cuda"`` is its own.
 
     Raises:
-        ConfigError: ``spare_first`` on a machine with fewer than 2 GPUs.
+        ConfigError: ``gpu_ids`` is empty, or ``spare_first`` without ``gpu_ids`` on a machine
+            with fewer than 2 GPUs.
     """
     if gpus_per_instance <= 0:
         return "cpu"
     if cluster == "ray":
         return "cuda"
+    if gpu_ids is not None:
+        if not gpu_ids:
+            raise ConfigError("gpu_ids is empty: name the generators' GPUs, or None for all.")
+        return f"cuda:{gpu_ids[instance_id % len(gpu_ids)]}"
     import torch
 
     count = max(torch.cuda.device_count(), 1)

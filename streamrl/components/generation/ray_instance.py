@@ -24,6 +24,7 @@ import queue
 import secrets
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from multiprocessing.connection import Client, Connection, Listener
 from typing import Any
@@ -48,6 +49,11 @@ class RayOptions:
         cpus_per_instance: CPUs in each bundle.
         num_cpus: CPUs of a local cluster started here (``None``: all of them).
         temp_dir: Ray's session folder for a local cluster (keep it short: socket paths).
+        gpu_ids: this machine's GPUs a local cluster started here gets (``num_gpus`` and
+            ``CUDA_VISIBLE_DEVICES`` for ``ray.init``), so Ray never hands a trainer GPU to an
+            actor; ``None``: every GPU. A cluster you join (``address`` or ``RAY_ADDRESS``)
+            keeps its own GPUs: start its nodes with only the generators' GPUs
+            (``CUDA_VISIBLE_DEVICES=2,3 ray start ...`` where the trainer uses 0 and 1).
     """
 
     address: str | None = None
@@ -55,6 +61,7 @@ class RayOptions:
     cpus_per_instance: float = 1
     num_cpus: int | None = None
     temp_dir: str | None = None
+    gpu_ids: tuple[int, ...] | None = None
 
 
 def import_ray() -> Any:
@@ -71,7 +78,8 @@ def import_ray() -> Any:
 def connect(options: RayOptions) -> Any:
     """Join (or start) the Ray cluster once per process; check it has the GPUs asked for.
 
-    A local cluster starts without dashboard or token authentication (one machine, loopback).
+    A local cluster starts without dashboard or token authentication (one machine, loopback),
+    with only ``options.gpu_ids`` when given.
     """
     ray = import_ray()
     if not ray.is_initialized():
@@ -79,9 +87,14 @@ def connect(options: RayOptions) -> Any:
         kwargs: dict[str, Any] = dict(
             include_dashboard=False, configure_logging=False, log_to_driver=False
         )
-        if options.address is None and "RAY_ADDRESS" not in os.environ:
+        local = options.address is None and "RAY_ADDRESS" not in os.environ
+        gpu_ids = options.gpu_ids if local else None
+        if local:
             kwargs.update(num_cpus=options.num_cpus, _temp_dir=options.temp_dir)
-        ray.init(address=options.address, **kwargs)
+        if gpu_ids is not None:
+            kwargs["num_gpus"] = len(gpu_ids)
+        with _visible_gpus(gpu_ids):
+            ray.init(address=options.address, **kwargs)
     have = ray.cluster_resources().get("GPU", 0)
     if options.gpus_per_instance > have:
         raise ConfigError(
@@ -89,6 +102,25 @@ def connect(options: RayOptions) -> Any:
             f"cluster has {have:g}; set gpus to 0 or join a cluster with GPUs (ray start ...)."
         )
     return ray
+
+
+@contextlib.contextmanager
+def _visible_gpus(gpu_ids: tuple[int, ...] | None) -> Iterator[None]:
+    """``CUDA_VISIBLE_DEVICES`` narrowed to ``gpu_ids`` (torch's indices, so read through a
+    variable already set) while Ray starts its node, which keeps it; restored afterwards."""
+    if gpu_ids is None:
+        yield
+        return
+    before = os.environ.get("CUDA_VISIBLE_DEVICES")
+    visible = before.split(",") if before else [str(i) for i in range(max(gpu_ids, default=0) + 1)]
+    os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(visible[i] for i in gpu_ids)
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = before
 
 
 class GeneratorActor:

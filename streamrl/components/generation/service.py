@@ -89,6 +89,10 @@ class StreamGenerationService:
         cluster: where instances run: ``"local"`` (processes of this machine) or ``"ray"``
             (Ray actors, the ``[ray]`` extra; see ``ray_instance``).
         gpus_per_instance: GPUs each instance runs on (0: the CPU).
+        gpu_ids: the GPUs local instances take, round-robin (``Placement.generator_gpus`` of
+            ``streamrl.devices.resolve_placement``, which leaves out the trainer's); ``None``:
+            every GPU of this machine. With ``cluster="ray"`` a local Ray cluster started here
+            is given only these GPUs (``RayOptions.gpu_ids``).
         ray: Ray cluster options (address, local cluster size, temp dir) for ``cluster="ray"``.
         weight_transport: ``"gloo"``, ``"bucketed"`` or ``"nccl"`` (GPU to GPU through CuPy):
             how each instance's weight group moves tensors (``WeightGroup``).
@@ -107,8 +111,8 @@ class StreamGenerationService:
             ``streamrl.components.generation.partial``.
 
     Raises:
-        ConfigError: the engine's ``check`` failed, or the cluster or transport is unknown or
-            not installed.
+        ConfigError: the engine's ``check`` failed, the cluster or transport is unknown or
+            not installed, or ``gpu_ids`` is empty while instances need GPUs.
         TypeError: ``engine`` or ``scheduler`` is not what it must be (an engine object; a
             factory, not a queue), or cannot be pickled to the instances.
     """
@@ -132,6 +136,7 @@ class StreamGenerationService:
         status_path: str | Path | None = None,
         cluster: str = "local",
         gpus_per_instance: int = 0,
+        gpu_ids: Sequence[int] | None = None,
         ray: RayOptions | None = None,
         weight_transport: str = "gloo",
         sites: Sequence[str] | None = None,
@@ -152,6 +157,11 @@ class StreamGenerationService:
                 f"weight_transport: {unknown_name('transport', weight_transport, TRANSPORTS)}"
             )
         engine.check(cluster=cluster, gpus_per_instance=gpus_per_instance)
+        if gpu_ids is not None and not gpu_ids and gpus_per_instance > 0:
+            raise ConfigError(
+                "gpu_ids is empty but gpus_per_instance > 0: name the GPUs the instances take, "
+                "or pass None for every GPU of this machine."
+            )
         if weight_transport == "nccl":
             import_nccl()  # CuPy and a GPU, or a ConfigError saying how to get them
         self.engine, self.scheduler = engine, scheduler
@@ -162,10 +172,13 @@ class StreamGenerationService:
         self.stop_token_ids, self.stop_strings = tuple(stop_token_ids), tuple(stop_strings)
         self.partial_rollout = check_partial_rollout(partial_rollout)
         self.cluster, self.gpus_per_instance = cluster, gpus_per_instance
+        self.gpu_ids = tuple(gpu_ids) if gpu_ids is not None else None
         self.weight_transport = weight_transport
         self.trainer_site = trainer_site
         self._sites = list(sites) if sites is not None else [trainer_site] * num_instances
         self._ray = replace(ray or RayOptions(), gpus_per_instance=gpus_per_instance)
+        if self.gpu_ids is not None:  # else keep the RayOptions' own (None: all GPUs)
+            self._ray = replace(self._ray, gpu_ids=self.gpu_ids)
         self._ctx = mp.get_context("spawn")
         self.start_timeout_s, self.sample_timeout_s = start_timeout_s, sample_timeout_s
         dispatcher = dispatcher if dispatcher is not None else RoundRobinDispatcher()
@@ -408,6 +421,7 @@ class StreamGenerationService:
                 self.gpus_per_instance,
                 self.cluster,
                 spare_first=self.weight_transport == "nccl",
+                gpu_ids=self.gpu_ids,
             ),
             transport=self.weight_transport,
             relays=site != self.trainer_site,

@@ -1,8 +1,14 @@
 #!/usr/bin/env bash
-# The one prepared check for a lent GPU machine (issue 7): the `gpu`-marked tests, then a short
-# `streamrl bench pipeline` on a random-init Qwen2 with Qwen2.5-0.5B's shapes (~494M parameters)
-# and forced output lengths, generators and trainer on the GPU. Results: $OUT/gpu_check.json
-# (plus the logs). Each step has its own timeout and a failed step is recorded, not fatal.
+# The one prepared check for a lent GPU machine: the trainer's real-hardware path on one GPU.
+#   1. the `gpu`-marked tests;
+#   2. `streamrl fit` end to end on a random-init Qwen2.5-0.5B-shaped model (494M parameters,
+#      vocabulary 151,936): trainer.accelerator cuda, bf16-mixed (FSDP2 on NCCL, one rank),
+#      every decoder layer checkpointed, chunked log-probs, 4k-token samples (a random policy
+#      does not stop), the HF generator on the same GPU (rl.share_trainer_gpus);
+#   3. `streamrl bench memory` at the same shape, --seq 4096, old path beside the new;
+# then prints one JSON object (peak GPU memory, tokens/s, each step's rc and seconds) and writes
+# it to $OUT/gpu_check.json. Each step has its own timeout; a failed step is recorded, not fatal.
+# Budget: under 8 minutes in all.
 #
 # Here, first: scripts/gpu_wheels.sh (the machine has no network). Then, with the device tool:
 #   run(command="bash scripts/gpu_check.sh", carry=[".whl"], timeout_s=540)
@@ -11,6 +17,7 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-check-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false MPLBACKEND=Agg
+export STREAMRL_CACHE="$OUT/cache" HF_HOME="$OUT/hf"
 if compgen -G ".whl/*.whl" > /dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl
@@ -25,35 +32,65 @@ print(json.dumps({"torch": torch.__version__, "transformers": transformers.__ver
                   "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]}))
 PY
 
-started=$(date +%s)
-timeout 200 python3 -m pytest tests -m gpu -q -p no:cacheprovider -o addopts="" \
-  --junitxml "$OUT/gpu-tests.xml" > "$OUT/gpu-tests.log" 2>&1
-tests_rc=$?
-tests_s=$(( $(date +%s) - started ))
+step() {  # step NAME TIMEOUT COMMAND...: run it, record rc and seconds in $OUT/NAME.status
+  local name=$1 limit=$2; shift 2
+  local started=$(date +%s)
+  timeout "$limit" "$@" > "$OUT/$name.out" 2> "$OUT/$name.log"
+  echo "$? $(( $(date +%s) - started ))" > "$OUT/$name.status"
+}
 
-# Forced lengths with a long tail: the bundled file (median 22.5, max 200 tokens) x2, so three
-# modes x 4 iterations fit the step's timeout with HF decoding at ~20 ms per step.
-python3 -c "import json; from streamrl.bench.pipeline import DEFAULT_LENGTHS as p; \
-print(json.dumps([2 * n for n in json.load(open(p))]))" > "$OUT/lengths.json"
-started=$(date +%s)
-timeout 300 python3 -m streamrl.cli bench pipeline --device cuda --model qwen2-0.5b \
-  --lengths "$OUT/lengths.json" --batch 16 --group-size 4 --iterations 3 --warmup 1 --repeats 1 \
-  --generators 1 --colocated-generators 1 --max-batch-size 64 \
-  --timeline-dir "$OUT" > "$OUT/bench.json" 2> "$OUT/bench.log"
-bench_rc=$?
-bench_s=$(( $(date +%s) - started ))
+step gpu-tests 90 python3 -m pytest tests -m gpu -q -p no:cacheprovider -o addopts="" \
+  --junitxml "$OUT/gpu-tests.xml"
+step model 60 python3 -m streamrl.cli model --size 0.5b --out "$OUT/qwen0.5b" --context 4608
 
-python3 - "$OUT" "$tests_rc" "$tests_s" "$bench_rc" "$bench_s" <<'PY'
+cat > "$OUT/fit.yaml" <<YAML
+model: $OUT/qwen0.5b
+output_dir: $OUT/fit
+data: {tasks: [copy, count], n_train: 32, n_heldout: 2}
+rl: {iterations: 2, prompts_per_iteration: 2, group_size: 2, generators: 1, gpus: 1,
+     share_trainer_gpus: true, max_batch_size: 4, temperature: 1.0, max_tokens: 4096,
+     max_tokens_per_micro_batch: 8400, reward: partial, reward_workers: 0,
+     length_predictor: null, checkpoint_every: 0}
+trainer: {accelerator: cuda, devices: 1, precision: bf16-mixed, activation_checkpointing: true}
+YAML
+step fit 240 python3 -m streamrl.cli fit --config "$OUT/fit.yaml" --no-progress
+step bench-memory 120 python3 -m streamrl.cli bench memory --shape 0.5b --seq 4096 \
+  --device cuda --timeout-s 50
+
+python3 - "$OUT" <<'PY'
 import json, sys
 from pathlib import Path
-out, tests_rc, tests_s, bench_rc, bench_s = sys.argv[1], *map(int, sys.argv[2:])
-out = Path(out)
-lines = [l for l in (out / "bench.json").read_text().splitlines() if l.startswith("{")]
-summary = (out / "gpu-tests.log").read_text().strip().splitlines()[-1:] or [""]
-result = {"env": json.loads((out / "env.json").read_text() or "{}"),
-          "gpu_tests": {"rc": tests_rc, "wall_s": tests_s, "summary": summary[0]},
-          "bench_pipeline": {"rc": bench_rc, "wall_s": bench_s,
-                             "result": json.loads(lines[-1]) if lines else None}}
+out = Path(sys.argv[1])
+
+def last_json(name):
+    path = out / f"{name}.out"
+    lines = [l for l in path.read_text().splitlines() if l.startswith("{")] if path.is_file() else []
+    return json.loads(lines[-1]) if lines else None
+
+def status(name):
+    path = out / f"{name}.status"
+    rc, seconds = path.read_text().split() if path.is_file() else ("-1", "0")
+    log = out / f"{name}.log"
+    tail = log.read_text().strip().splitlines()[-3:] if log.is_file() else []
+    return {"rc": int(rc), "wall_s": int(seconds), "log_tail": tail}
+
+fit, memory = last_json("fit"), last_json("bench-memory")
+trainer = (fit or {}).get("trainer", {})
+result = {
+    "env": json.loads((out / "env.json").read_text() or "{}"),
+    "gpu_tests": status("gpu-tests"),
+    "model": {**status("model"), "result": last_json("model")},
+    "fit": {**status("fit"),
+            "trainer_peak_gpu_bytes": trainer.get("peak_memory_bytes_per_rank"),
+            "samples_per_s": (fit or {}).get("samples_per_s"),
+            "train_wall_s": (fit or {}).get("train_wall_s"),
+            "samples_trained": (fit or {}).get("samples_trained"),
+            "samples_lost": (fit or {}).get("samples_lost")},
+    "bench_memory": {**status("bench-memory"),
+                     "cases": [{k: c.get(k) for k in ("path", "seq", "peak_bytes", "tokens_per_s",
+                                                      "logprob_extra_bytes", "oom")}
+                               for c in (memory or {}).get("cases", [])]},
+}
 (out / "gpu_check.json").write_text(json.dumps(result, indent=1))
-print(json.dumps(result, indent=1))
+print(json.dumps(result))
 PY

@@ -92,6 +92,19 @@ def _cmd_profile(args: argparse.Namespace) -> dict:
     }
 
 
+def _cmd_model(args: argparse.Namespace) -> dict:
+    from streamrl.models import count_parameters, load_policy, write_random_policy
+
+    path = write_random_policy(args.out, args.size, context=args.context, seed=args.seed)
+    model, tokenizer = load_policy(path)
+    return {
+        "model_dir": str(path),
+        "parameters": count_parameters(model),
+        "vocab": model.config.vocab_size,
+        "tokenizer_ids": len(tokenizer),
+    }
+
+
 def _bench_ranker(args: argparse.Namespace) -> dict:
     from streamrl.bench.ranker import bench_ranker, policy_lengths, sampling_ceiling
 
@@ -345,9 +358,19 @@ def build_parser() -> argparse.ArgumentParser:
         "instead; the fast ranker runs as baseline",
     )
     rank.set_defaults(func=_bench_ranker)
-    from streamrl.bench.commands import add_episodes_command
+    from streamrl.bench.commands import add_episodes_command, add_memory_command
 
     add_episodes_command(bench_sub)
+    add_memory_command(bench_sub)
+
+    model = sub.add_parser(
+        "model", help="write a random-init model directory of a built-in shape (e.g. 0.5b)"
+    )
+    model.add_argument("--size", choices=["test", "demo", "0.5b"], default="0.5b")
+    model.add_argument("--out", required=True, help="the directory to write")
+    model.add_argument("--context", type=int, default=2048, help="positions (prompt + output)")
+    model.add_argument("--seed", type=int, default=0)
+    model.set_defaults(func=_cmd_model)
 
     prof = sub.add_parser("profile", help="measure PTL(BS), the per-token decode latency")
     prof.add_argument("--model", default="tiny", help="'tiny' (~1M params, random) or a model dir")

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 from streamrl.sft import default_cache_dir
 from streamrl.tasks.families import FAMILIES
@@ -143,6 +143,9 @@ class RLConfig:
         generator_devices: the GPU indices local generator instances take, round-robin
             (with ``gpus`` > 0); ``null``: every GPU the trainer does not hold
             (``trainer.devices``). A GPU either trains or generates: an overlap is refused.
+        share_trainer_gpus: let generators run on the trainer's GPUs too (a one-GPU machine or
+            a check; both then share the GPU's memory); ``generator_devices`` may then overlap
+            ``trainer.devices``, and by default the generators take every GPU.
         weight_transport: how weights reach each generator: ``"gloo"`` (a broadcast per
             tensor), ``"bucketed"`` (tensors packed into large buffers) or ``"nccl"`` (buckets
             GPU to GPU through CuPy's NCCL; needs CuPy and GPUs).
@@ -204,12 +207,6 @@ class RLConfig:
             resumable with ``streamrl fit --resume``); 0 saves only at the end.
     """
 
-    #: Keys that moved, and where to (a config that still sets one is told so).
-    MOVED: ClassVar[dict[str, str]] = {
-        "trainer_ranks": "trainer.devices (trainer processes on the CPU, GPUs on CUDA)",
-        "token_budget": "rl.max_tokens_per_micro_batch (now a ceiling no micro-batch exceeds)",
-    }
-
     algorithm: str | dict[str, Any] = "grpo"
     mode: str = "sync"
     iterations: int = 60
@@ -223,6 +220,7 @@ class RLConfig:
     sites: list[str] = field(default_factory=list)
     trainer_site: str = "local"
     generator_devices: list[int] | None = None
+    share_trainer_gpus: bool = False
     max_batch_size: int = 64
     lr: float = 1e-4
     clip_eps: float = 0.2

@@ -101,6 +101,7 @@ def placement_of(config: RunConfig) -> Placement:
         generator_gpus_per_instance=rl.gpus,
         generator_devices=rl.generator_devices,
         cluster=rl.cluster,
+        share_trainer_gpus=rl.share_trainer_gpus,
     )
 
 

@@ -17,9 +17,17 @@ from typing import Any
 
 import yaml
 
-from streamrl.config import RunConfig
+from streamrl.config import RLConfig, RunConfig
 from streamrl.config_checks import check_values
 from streamrl.errors import ConfigError, unknown_name
+
+#: Keys that moved, by section, and where to: a config that still sets one is told so.
+MOVED_KEYS: dict[type, dict[str, str]] = {
+    RLConfig: {
+        "trainer_ranks": "trainer.devices (trainer processes on the CPU, GPUs on CUDA)",
+        "token_budget": "rl.max_tokens_per_micro_batch (now a ceiling no micro-batch exceeds)",
+    }
+}
 
 
 def load_config(path: str | Path) -> RunConfig:
@@ -51,7 +59,7 @@ def from_dict(cls: type, data: dict[str, Any], where: str) -> Any:
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
     kwargs = {}
-    moved = getattr(cls, "MOVED", {})
+    moved = MOVED_KEYS.get(cls, {})
     for key, value in data.items():
         if key in moved:
             raise ConfigError(f"{where}: {key} has moved: set {moved[key]} instead.")

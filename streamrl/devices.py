@@ -107,6 +107,7 @@ def resolve_placement(
     generator_gpus_per_instance: int = 0,
     generator_devices: list[int] | None = None,
     cluster: str = "local",
+    share_trainer_gpus: bool = False,
 ) -> Placement:
     """Resolve the trainer's and the generators' devices against this machine's GPUs.
 
@@ -123,6 +124,9 @@ def resolve_placement(
             take; ``None``: every GPU the trainer does not hold.
         cluster: where generator instances run, ``"local"`` or ``"ray"`` (Ray assigns each
             actor its GPUs out of ``generator_gpus`` when it starts a local cluster here).
+        share_trainer_gpus: ``rl.share_trainer_gpus``: let the generators use the trainer's
+            GPUs too (a one-GPU machine, a check): no overlap is refused, and by default the
+            generators take every GPU.
 
     Returns:
         The ``Placement``.
@@ -142,7 +146,11 @@ def resolve_placement(
     if precision not in PRECISIONS:
         raise ConfigError(f"trainer.precision: {unknown_name('precision', precision, PRECISIONS)}")
     generator_gpus = _generator_gpus(
-        trainer_gpus, count, generator_gpus_per_instance, generator_devices, cluster
+        () if share_trainer_gpus else trainer_gpus,
+        count,
+        generator_gpus_per_instance,
+        generator_devices,
+        cluster,
     )
     return Placement(kind, ranks_per_node, num_nodes, trainer_gpus, generator_gpus, precision)
 

@@ -129,11 +129,14 @@ def _explain_fit_error(argv: Sequence[str]) -> None:
 def _check_option(name: str) -> None:
     """``--name`` (e.g. ``rl.lr``) must name a field (or a run option); ``ConfigError``."""
     from streamrl.config import RunConfig
+    from streamrl.config_file import MOVED_KEYS
 
     cls: Any = RunConfig
     parts = name.removesuffix("+").split(".")  # --data.tasks+ copy appends to a list
     for depth, part in enumerate(parts):
         hints = typing.get_type_hints(cls)
+        if part in MOVED_KEYS.get(cls, {}):
+            raise ConfigError(f"--{name} has moved: set {MOVED_KEYS[cls][part]} instead.")
         known = [*hints, *(_FIT_RUN_OPTIONS if depth == 0 else ())]
         if part not in known or (
             depth < len(parts) - 1 and not dataclasses.is_dataclass(hints.get(part))

@@ -108,7 +108,8 @@ class ShardedStreamRLModule(StreamRLModule):
         share_stream: rank 0 deals its stream to the ranks (above).
         precision: ``"bf16-mixed"`` (bfloat16 compute over float32 shards) or ``"32-true"``.
         reference_offload: keep a frozen reference's shards in host memory.
-        *args, **kwargs: ``StreamRLModule``'s.
+
+    The other arguments are ``StreamRLModule``'s.
 
     Raises:
         ValueError: the algorithm trains parameters of its own (PPO's value head): they would
@@ -167,6 +168,9 @@ class ShardedStreamRLModule(StreamRLModule):
     def on_train_end(self) -> None:
         self.final_weights = full_state(self.policy)  # a collective: every rank is here
         super().on_train_end()
+        peaks: list = [None] * dist.get_world_size()
+        dist.all_gather_object(peaks, self.peak_memory_bytes[0], group=self._shares)
+        self.peak_memory_bytes = peaks
 
     def train_on_stream(self, iteration: int) -> float:
         if self.share_stream:

@@ -63,9 +63,8 @@ def run_fit(config: RunConfig, show_progress: bool = True, resume: str | None = 
         return run_episode_fit(config, show_progress, resume)
     started = time.perf_counter()
     check_values(config)
-    check_parts(
-        config.rl, placement_of(config)
-    )  # every extension point resolves and fits, before any work
+    # Every extension point resolves and fits where the trainer runs, before any work.
+    check_parts(config.rl, placement_of(config))
     job = launched_job()  # torchrun or SLURM started this process as one of several ranks
     if job is not None:
         check_launched(config, job.world_size())

@@ -224,14 +224,13 @@ class _ChunkedHead(torch.autograd.Function):
             grad = logits.sub_(lse[s:e, None]).exp_().mul_(-go)  # -softmax x upstream grad
             grad.scatter_add_(1, targets[s:e, None], go)  # + onehot(target) x upstream grad
             if temperature != 1.0:
-                grad.div_(temperature)
-            grad = grad.to(hidden.dtype)  # [chunk, vocab], d loss / d raw logits
-            if need_hidden:
-                grad_hidden[s:e] = grad @ weight
-            if need_weight:
-                grad_weight += (grad.t() @ hidden[s:e]).float()
+                grad.div_(temperature)  # [chunk, vocab] float32: d loss / d raw logits
+            if need_weight:  # in place: no [vocab, hidden] temporary per chunk
+                grad_weight.addmm_(grad.t(), hidden[s:e].float())
             if need_bias and bias is not None:
-                grad_bias += grad.float().sum(0)
+                grad_bias += grad.sum(0)
+            if need_hidden:
+                grad_hidden[s:e] = grad.to(hidden.dtype) @ weight
         return (
             grad_hidden,
             grad_weight.to(weight.dtype) if need_weight else None,

@@ -49,8 +49,8 @@ DEFAULT_CHAT_TEMPLATE = (
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}"
 )
 
-#: Shapes of the built-in tiny models (hidden, layers, heads, kv heads, MLP width).
-_SIZES: dict[str, dict[str, int]] = {
+#: Shapes of the built-in models (hidden, layers, heads, kv heads, MLP width; a vocabulary).
+SHAPES: dict[str, dict[str, int]] = {
     # ~150K parameters: unit and integration tests.
     "test": dict(
         hidden_size=64,
@@ -180,11 +180,11 @@ def build_tiny_model(
     """
     from streamrl.chat import stop_token_ids
 
-    if size not in _SIZES:
+    if size not in SHAPES:
         raise ValueError(
-            f"build_tiny_model: unknown size {size!r}; choose one of {sorted(_SIZES)}."
+            f"build_tiny_model: unknown size {size!r}; choose one of {sorted(SHAPES)}."
         )
-    shape = {"vocab_size": len(tokenizer), **_SIZES[size]}  # a preset may pad the vocabulary
+    shape = {"vocab_size": len(tokenizer), **SHAPES[size]}  # a preset may pad the vocabulary
     stops = stop_token_ids(tokenizer)
     eos = stops if len(stops) > 1 else tokenizer.eos_token_id
     config = Qwen2Config(
@@ -201,6 +201,32 @@ def build_tiny_model(
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.generation_config.eos_token_id = eos
     return model
+
+
+def write_random_policy(
+    out: str | Path,
+    size: ModelSize = "0.5b",
+    *,
+    context: int = 2048,
+    seed: int = 0,
+) -> Path:
+    """A random-init model directory of a built-in shape with a byte-level BPE tokenizer built
+    here (trained on the built-in tasks' prompts and answers), for ``streamrl fit --model``,
+    the benchmarks and the GPU check: the code path of a real local model, at its real shapes.
+
+    Args:
+        out: the directory to write (``save_pretrained`` layout).
+        size: a built-in shape; ``"0.5b"`` is Qwen2.5-0.5B's (151,936-token vocabulary: ids
+            past the tokenizer's decode to nothing).
+        context: positions of the model (prompt plus completion).
+        seed: initialisation seed.
+    """
+    from streamrl.tasks import make_prompt_set
+
+    rows = make_prompt_set(2048, seed=seed)
+    tokenizer = build_bpe_tokenizer([*rows["prompt"], *rows["answer"]], vocab_size=512)
+    model = build_tiny_model(tokenizer, size, max_positions=context, seed=seed)
+    return save_policy(model, tokenizer, out)
 
 
 def save_policy(

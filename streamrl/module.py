@@ -39,6 +39,7 @@ from streamrl.components.weights.sync import Weights
 from streamrl.errors import NonFiniteLossError
 from streamrl.logprobs import completion_logprobs
 from streamrl.lora import synced_weights
+from streamrl.peak_memory import peak_memory_bytes
 from streamrl.records import Sample
 from streamrl.rng_state import rng_state, set_rng_state
 from streamrl.rollout import RolloutStream
@@ -172,6 +173,9 @@ class StreamRLModule(L.LightningModule):
         self.grad_norm = torch.zeros(())  # of the last optimizer step, before clipping
         #: This iteration's summed entropy of the trained tokens' distributions, and their count.
         self.entropy_sum, self.entropy_tokens = torch.zeros(()), torch.zeros(())
+        #: Each trainer rank's peak memory over the run (``streamrl.peak_memory``), at its end.
+        self.peak_memory_bytes: list[int] = []
+        self.trained_on = "cpu"
 
     def training_step(self, batch: int) -> None:
         """One RL iteration, stage by stage: dispatch, stream and score, micro-batch backward
@@ -331,6 +335,8 @@ class StreamRLModule(L.LightningModule):
                 self.rollouts.service.update(weights, self.weight_version)
 
     def on_train_end(self) -> None:
+        self.peak_memory_bytes = [peak_memory_bytes(self.device)]
+        self.trained_on = self.device.type  # Lightning may move the module back to the CPU after
         # Leave the generators on the final weights (async pushes may still be in flight).
         if self.rollouts is None:
             return
@@ -346,12 +352,12 @@ class StreamRLModule(L.LightningModule):
         pad = int(self.policy.config.pad_token_id or 0)
         b = layout_batch(batch.samples, self.layout, pad, self.device)
         chunk = self.logprob_chunk_tokens
-        ref = None
-        if self.reference is not None:
-            ref = b.per_sample(self.reference.logprobs(b.tokens, self.temperature, chunk))
         scored = completion_logprobs(
             self.policy, b.tokens, self.temperature, chunk_tokens=chunk, entropy=True
         )
+        ref = None
+        if self.reference is not None:  # after the policy: FSDP2 first sees it train (LoRA)
+            ref = b.per_sample(self.reference.logprobs(b.tokens, self.temperature, chunk))
         current = b.per_sample(scored.logprobs)  # [batch, width]
         self.entropy_sum += (b.per_sample(scored.entropy) * b.mask).sum()
         self.entropy_tokens += b.mask.sum()

@@ -154,7 +154,7 @@ def train_rl(
         if job is not None:  # rank 0 of a launcher's ranks: the others run _follow_rank_zero
             trainer.fit(module, ckpt_path=resume)
             dist.destroy_process_group()
-        elif setup.ranks > 1:  # rank 0 of rl.trainer_ranks FSDP2 ranks; the others start here
+        elif setup.ranks > 1:  # rank 0 of trainer.devices FSDP2 ranks; the others start here
             with trainer_ranks(setup, model_dir, resume):
                 trainer.fit(module, ckpt_path=resume)
         else:
@@ -163,6 +163,8 @@ def train_rl(
             finally:  # episodes still open (an iteration dispatched ahead) close their envs
                 if rollouts.episodes is not None:
                     rollouts.episodes.close()
+                if setup.placement.sharded and dist.is_initialized():  # one FSDP2 rank
+                    dist.destroy_process_group()  # a later run in this process starts afresh
         if setup.placement.sharded:
             policy = load_policy(model_dir)[0]  # the sharded copy's full weights, unsharded
             if parts.lora is not None:
@@ -200,6 +202,15 @@ def rl_summary(module: StreamRLModule, iterations: int) -> dict:
         "dropped_stale": module.pipeline.dropped_stale,
         "sync_exposed_s_total": sum(h["time/sync_exposed_s"] for h in history),
         "sync_transfer_s_total": module.sync_transfer_s,
+        "trainer": {
+            "device": module.trained_on,
+            "ranks": module.trainer.world_size,
+            "precision": getattr(module, "precision", "32-true"),
+            "activation_checkpointing": any(
+                getattr(m, "gradient_checkpointing", False) for m in module.policy.modules()
+            ),
+            "peak_memory_bytes_per_rank": module.peak_memory_bytes,
+        },
     }
 
 

@@ -59,7 +59,8 @@ def tiny_model(tokenizer):
 def fit_small(tmp_path, capsys):
     """``streamrl fit`` in this process on a tiny run (2 iterations x 4 prompts x 2 samples,
     output in ``tmp_path/<out>``, default ``out``); keyword arguments change the ``rl`` section,
-    ``model_size`` the warm-started policy, ``args`` are more command-line arguments (e.g.
+    ``model_size`` the warm-started policy, ``trainer`` the ``trainer`` section, ``args`` are
+    more command-line arguments (e.g.
     ``["--resume", path]``). Returns the run's JSON summary, after checking every requested
     sample was trained."""
     import json
@@ -73,6 +74,7 @@ def fit_small(tmp_path, capsys):
         tasks: tuple[str, ...] = ("copy", "count"),
         out: str = "out",
         args: tuple[str, ...] = (),
+        trainer: dict | None = None,
         **rl,
     ) -> dict:
         config = tmp_path / f"{out}.yaml"
@@ -97,6 +99,7 @@ def fit_small(tmp_path, capsys):
                     },
                     "sft": {"model_size": model_size, "steps": 20},
                     "rl": rl,
+                    "trainer": trainer or {},
                 }
             )
         )

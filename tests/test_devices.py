@@ -229,3 +229,11 @@ def test_a_local_ray_cluster_sees_only_the_generators_gpus(monkeypatch):
     ray_instance.connect(RayOptions(gpus_per_instance=1, gpu_ids=(4, 6)))
     assert (seen["num_gpus"], seen["visible"]) == (2, "4,6")
     assert os.environ["CUDA_VISIBLE_DEVICES"] == "0,1,2,3,4,5,6,7"  # restored
+
+
+def test_sharing_the_trainers_gpus_is_an_explicit_choice(gpus):
+    gpus(1)
+    with pytest.raises(ConfigError, match="the trainer holds all 1 GPUs"):
+        resolve_placement("cuda", generator_gpus_per_instance=1)
+    shared = resolve_placement("cuda", generator_gpus_per_instance=1, share_trainer_gpus=True)
+    assert shared.trainer_gpus == (0,) and shared.generator_gpus == (0,)

@@ -13,6 +13,7 @@ import torch
 
 from streamrl.chat import stop_token_ids
 from streamrl.components import StreamGenerationService
+from streamrl.components.training.layout import layout_batch
 from streamrl.envs.demos import sft_on_episodes
 from streamrl.envs.episode import TurnFormat
 from streamrl.envs.runner import EpisodeRunner
@@ -150,10 +151,8 @@ def test_trained_tokens_are_the_generated_and_observed_ones(policy_dir):
         last = "\n" if own[-1].token_ids[-1] == end else "<|im_end|>\n"
         assert tok.decode(full) == rendered.removesuffix(last)
         # The trainer's log-probs of the generated tokens are the generator's (mask 1 only).
-        ids = torch.tensor([full])
-        lp = completion_logprobs(
-            policy, ids, torch.ones_like(ids), torch.tensor([len(ep.prompt_ids)]), ep.length
-        )[0]
+        batch = layout_batch([ep], "packed", 0, torch.device("cpu"))
+        lp = batch.per_sample(completion_logprobs(policy, batch.tokens).logprobs)[0]
         picked = torch.tensor(ep.loss_mask).bool()
         assert lp[picked].tolist() == pytest.approx(
             [x for x, m in zip(ep.logprobs, ep.loss_mask) if m], abs=1e-4

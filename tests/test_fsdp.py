@@ -24,8 +24,8 @@ from torch.distributed.tensor import DTensor
 
 from streamrl.algorithms import GRPO
 from streamrl.algorithms.base import LossInputs
-from streamrl.fsdp import ShardedStreamRLModule, fsdp_strategy, full_state, shard_policy
 from streamrl.bench.full_logprobs import full_vocab_logprobs
+from streamrl.fsdp import ShardedStreamRLModule, fsdp_strategy, full_state, shard_policy
 from streamrl.models import build_tiny_model, build_tokenizer
 from streamrl.module import StreamRLModule
 from streamrl.records import Sample, ScoredGroup

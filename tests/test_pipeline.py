@@ -10,11 +10,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from streamrl.algorithms import GRPO
+from streamrl.bench.full_logprobs import full_vocab_logprobs
 from streamrl.builders import build_trainer
 from streamrl.components.generation.service import StreamGenerationService
 from streamrl.components.generation.worker import fingerprint
 from streamrl.components.training.pipeline import DynamicBatchPipeline, MicroBatch
-from streamrl.bench.full_logprobs import full_vocab_logprobs
 from streamrl.models import build_tiny_model, save_policy
 from streamrl.module import StreamRLModule
 from streamrl.prompts import PromptSource

@@ -162,3 +162,22 @@ def test_bf16_mixed_loss_and_a_sharded_reference_on_two_ranks(tmp_path):
         assert r["reference_bytes"] <= 0.55 * r["reference_full_bf16_bytes"]
         assert r["reference_bytes"] <= 0.3 * r["policy_fp32_bytes"]
         assert r["reference_gap"] < 0.1  # its log-probs are the starting policy's, in bf16
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_fit_in_bf16_mixed_with_checkpointing_and_a_kl_reference(fit_small, lora):
+    """``streamrl fit`` on one FSDP2 rank in bf16-mixed, every layer checkpointed, a KL term
+    against the reference (a bf16 shard, or under LoRA the policy with adapters off)."""
+    options = {"lora_r": 4} if lora else {}
+    summary = fit_small(
+        kl_coef=0.1,
+        trainer={"precision": "bf16-mixed", "activation_checkpointing": True},
+        out="lora" if lora else "full",
+        **options,
+    )
+    trainer = summary["trainer"]
+    assert trainer["precision"] == "bf16-mixed" and trainer["activation_checkpointing"]
+    assert trainer["ranks"] == 1 and trainer["device"] == "cpu"
+    assert len(trainer["peak_memory_bytes_per_rank"]) == 1
+    assert summary["iterations"] == 2

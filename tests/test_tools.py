@@ -8,8 +8,8 @@ import time
 import pytest
 import torch
 
-from streamrl.components.training.off_policy import correct_stale
 from streamrl.components.training.layout import layout_batch
+from streamrl.components.training.off_policy import correct_stale
 from streamrl.envs.tools import ToolEnvironment, format_call, parse_call, tool_schema
 from streamrl.errors import ConfigError
 from streamrl.records import Sample

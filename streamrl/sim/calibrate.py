@@ -54,18 +54,23 @@ def _micro_batch_s(policy, rows: int, width: int, repeats: int) -> float:
 
     from streamrl.algorithms.base import LossInputs
     from streamrl.algorithms.grpo import GRPO
+    from streamrl.components.training.layout import layout_batch
     from streamrl.logprobs import completion_logprobs
+    from streamrl.records import Sample
 
     loss_fn = GRPO(group_size=4)
     seq = PROMPT_TOKENS + width
     vocab = policy.config.vocab_size
     times = []
     for _ in range(repeats):
-        ids = torch.randint(3, vocab, (rows, seq))  # [rows, seq]
-        attention = torch.ones_like(ids)
-        starts = torch.full((rows,), PROMPT_TOKENS)
+        ids = torch.randint(3, vocab, (rows, seq)).tolist()  # [rows, seq]
+        samples = [
+            Sample(f"p{r}", 0, row[:PROMPT_TOKENS], row[PROMPT_TOKENS:], [0.0] * width, 0, 0)
+            for r, row in enumerate(ids)
+        ]
         started = time.perf_counter()
-        logprobs = completion_logprobs(policy, ids, attention, starts, width)  # [rows, width]
+        batch = layout_batch(samples, "padded", 0, torch.device("cpu"))  # the sim pads
+        logprobs = batch.per_sample(completion_logprobs(policy, batch.tokens).logprobs)
         inputs = LossInputs(
             logprobs, logprobs.detach() - 0.01, torch.randn(rows), torch.ones(rows, width)
         )

@@ -39,6 +39,10 @@ class ReferencePolicy(Protocol):
 class DisabledAdapters:
     """The reference of a LoRA policy: the same model with its adapters switched off.
 
+    ``peft`` switches adapters off by marking them frozen for the call: under FSDP2 the
+    policy's first forward must come before this one, so that FSDP sets up their gradients
+    (``StreamRLModule.loss_inputs`` scores the policy first).
+
     Args:
         policy: the ``peft`` model being trained (its base weights are the reference's).
     """

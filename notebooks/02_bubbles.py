@@ -53,8 +53,7 @@ settings = SimpleNamespace(
     max_batch_size=64,
     generators=1,  # sync / async: generator instances (one core each)
     colocated_generators=2,
-    token_budget=256,  # sync / async: small micro-batches, training starts early
-    colocated_token_budget=4096,  # colocated: every sample is there already
+    max_tokens_per_micro_batch=256,  # every mode: small micro-batches, training starts early
     seed=0,
 )
 # The shipped long-tailed lengths (median 22.5, p90 75, max 200 tokens); the short run caps

@@ -201,18 +201,11 @@ def build_parser() -> argparse.ArgumentParser:
         "with training, one phase after the other)",
     )
     pipe.add_argument(
-        "--token-budget",
+        "--max-tokens-per-micro-batch",
         type=int,
         default=256,
-        help="tokens per micro-batch in the sync and async modes (small: training "
-        "starts as soon as a few samples have streamed in)",
-    )
-    pipe.add_argument(
-        "--colocated-token-budget",
-        type=int,
-        default=4096,
-        help="tokens per micro-batch in the colocated mode (large: every sample is "
-        "there already, and fewer passes are faster)",
+        help="the token ceiling of a micro-batch, every mode alike (small: training starts "
+        "as soon as a few samples have streamed in)",
     )
     pipe.add_argument("--timeline-dir", help="write each mode's trace JSON and timeline PNG here")
     pipe.add_argument(
@@ -245,7 +238,6 @@ def build_parser() -> argparse.ArgumentParser:
     rew.set_defaults(
         func=_cmd_bench_reward,
         colocated_generators=2,
-        colocated_token_budget=4096,
         timeline_dir=None,
     )
     for name, default, help_text in [
@@ -256,7 +248,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("--repeats", 3, "runs per setting (median reported)"),
         ("--max-batch-size", 64, "slots per generator"),
         ("--generators", 1, "generator instances (one core each)"),
-        ("--token-budget", 256, "tokens per micro-batch"),
+        ("--max-tokens-per-micro-batch", 256, "the token ceiling of a micro-batch"),
         ("--seed", 0, "seed"),
     ]:
         rew.add_argument(name, type=int, default=default, help=help_text)

@@ -9,11 +9,8 @@ loggers and checkpoints keep working.
 
 from __future__ import annotations
 
-import contextlib
 import math
-import os
 import time
-from collections.abc import Iterator
 from typing import Literal
 
 import lightning as L
@@ -23,6 +20,7 @@ from transformers import PreTrainedModel
 
 from streamrl.algorithms.base import Algorithm, LossInputs
 from streamrl.components.capacity.elastic import ElasticController
+from streamrl.components.training.cores import free_cores
 from streamrl.components.training.layout import Layout, layout_batch
 from streamrl.components.training.off_policy import (
     Correction,
@@ -47,20 +45,6 @@ from streamrl.timeline import TraceRecorder
 
 Mode = Literal["sync", "async", "colocated"]
 MODES: tuple[str, ...] = ("sync", "async", "colocated")
-
-
-@contextlib.contextmanager
-def _all_cores(enabled: bool) -> Iterator[None]:
-    """In colocated mode the trainer has every core while it trains (generators are idle)."""
-    if not enabled:
-        yield
-        return
-    threads = torch.get_num_threads()
-    torch.set_num_threads(os.cpu_count() or 1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
 
 
 class IterationTicker(IterableDataset):
@@ -205,10 +189,15 @@ class StreamRLModule(L.LightningModule):
         groups = self.rollouts.groups(self.dispatch(iteration))
         if self.mode == "colocated":  # time-sharing: every sample first, then training
             groups = list(groups)
-        with _all_cores(self.mode == "colocated"):
+        threads = torch.get_num_threads()
+        try:
             for micro in self.pipeline.micro_batches(groups, self.weight_version):
+                if self.mode == "colocated":  # the generators are idle: every free core
+                    torch.set_num_threads(free_cores())
                 train_s += self.backward_micro(micro, iteration, 1.0 / total)
                 self.samples_trained += len(micro.samples)
+        finally:
+            torch.set_num_threads(threads)
         return train_s
 
     def dispatch(self, iteration: int) -> int:

@@ -114,7 +114,7 @@ def run_mode(name: str, model_dir: Path, lengths: list[int], args) -> dict:
             iterations=steps,
             lr=1e-5,
             mode=mode,
-            max_tokens_per_micro_batch=args.token_budget,
+            max_tokens_per_micro_batch=args.max_tokens_per_micro_batch,
             staleness_bound=variant.staleness_bound,
         )
         accelerator = "gpu" if on_gpu else "cpu"

@@ -45,7 +45,8 @@ def measure_case(case: MemoryCase) -> dict[str, Any]:
         ``peak_bytes``, the process's peak up to the end of the step; ``step_peak_bytes`` and
         ``step_extra_bytes``, the step's own peak and that minus ``static_bytes``;
         ``logprob_extra_bytes``, the peak of the log-prob + loss part (forward and backward,
-        from the final hidden states) over what was resident before it; ``step_s`` and
+        from the final hidden states) over what was resident before it, measured first (before
+        AdamW's state exists); ``step_s`` and
         ``tokens_per_s``. Out of memory: what was measured so far, ``oom``, the ``phase`` it
         failed in and ``needed_bytes`` (in use then + the failed allocation).
     """
@@ -77,13 +78,25 @@ def _measure(case: MemoryCase, device: torch.device, mesh: Any, out: dict[str, A
     if new:  # the trainer as it is now
         enable_activation_checkpointing(model)
         shard_model(model, mesh, precision="bf16-mixed")
+    vocab, pad = model.config.vocab_size, int(model.config.pad_token_id or 0)
+    batch = layout_batch(_samples(case, vocab), "packed" if new else "padded", pad, device)
+    # The log-prob + loss part first, before AdamW's state exists: it is measured over what is
+    # resident before it, and so it fits where the whole old step does not.
+    out["phase"] = "logprobs"
+    logprobs_of_hidden = (_new_head if new else _old_head)(model, batch, case.chunk_tokens)
+    gc.collect()
+    before = _current_bytes(device)
+    reset_peak_memory(device)
+    _grpo_loss(batch, logprobs_of_hidden()).backward()
+    out.update(logprob_extra_bytes=peak_memory_bytes(device) - before, vocab=vocab)
+    del logprobs_of_hidden
+    model.zero_grad(set_to_none=True)
+    gc.collect()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
     for p in model.parameters():  # a step on zero gradients creates AdamW's state
         p.grad = torch.zeros_like(p)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    vocab, pad = model.config.vocab_size, int(model.config.pad_token_id or 0)
-    batch = layout_batch(_samples(case, vocab), "packed" if new else "padded", pad, device)
     out["static_bytes"] = static = _current_bytes(device)
     setup_peak = peak_memory_bytes(device)
     reset_peak_memory(device)
@@ -101,14 +114,8 @@ def _measure(case: MemoryCase, device: torch.device, mesh: Any, out: dict[str, A
     step_peak = peak_memory_bytes(device)
     step_s = statistics.median(times[1:] if case.repeats > 1 else times)
     out.update(step_peak_bytes=step_peak, peak_bytes=max(setup_peak, step_peak))
-    out.update(step_extra_bytes=step_peak - static, step_s=round(step_s, 4), phase="logprobs")
+    out.update(step_extra_bytes=step_peak - static, step_s=round(step_s, 4), phase="done")
     out["tokens_per_s"] = round(case.batch * (case.prompt + case.seq) / step_s, 2)
-    logprobs_of_hidden = (_new_head if new else _old_head)(model, batch, case.chunk_tokens)
-    gc.collect()
-    before = _current_bytes(device)
-    reset_peak_memory(device)
-    _grpo_loss(batch, logprobs_of_hidden()).backward()
-    out.update(logprob_extra_bytes=peak_memory_bytes(device) - before, vocab=vocab, phase="done")
 
 
 def _build_model(case: MemoryCase) -> torch.nn.Module:

@@ -52,3 +52,13 @@ def test_bench_memory_reports_a_case_out_of_memory_and_goes_on(capsys):
     assert old["needed_bytes"] == old["in_use_at_failure_bytes"] + old["failed_allocation_bytes"]
     assert new["path"] == "new" and new["oom"] is False and new["peak_bytes"] > 0
     assert result["ratios"] == {}  # no ratio without both paths
+
+
+def test_ratios_keep_the_log_prob_figure_of_an_old_step_out_of_memory():
+    from streamrl.bench.memory import memory_ratios
+
+    old = {"path": "old", "seq": 8, "oom": True, "logprob_extra_bytes": 800}
+    new = {"path": "new", "seq": 8, "peak_bytes": 5, "step_extra_bytes": 4}
+    new.update(logprob_extra_bytes=100, tokens_per_s=2.0)
+    assert memory_ratios([old, new]) == {"8": {"logprob_extra": 0.125}}
+    assert memory_ratios([new]) == {}

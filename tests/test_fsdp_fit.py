@@ -158,3 +158,20 @@ def test_two_fsdp_ranks_checkpoint_and_resume(tmp_path, runs):
     uninterrupted = dict(load_policy(runs[2]["policy_dir"])[0].named_parameters())
     differ = [n for n in after if not torch.equal(after[n], uninterrupted[n])]
     assert not differ, f"resumed 2-rank weights differ from the uninterrupted run's: {differ}"
+
+
+def test_two_ranks_train_lora_adapters_in_bf16_mixed(tmp_path):
+    """LoRA under FSDP2 on two ranks, bf16-mixed, every layer checkpointed, a KL term against
+    the adapter-free reference: only the adapters train, and only they reach the generators."""
+    options = ("--rl.lora_r", "4", "--trainer.precision", "bf16-mixed")
+    summary = _fit(tmp_path, 2, 2, *options, "--trainer.activation_checkpointing", "true")
+    assert summary["samples_trained"] == 2 * SAMPLES and summary["samples_lost"] == 0
+    trainer = summary["trainer"]
+    assert trainer["ranks"] == 2 and trainer["precision"] == "bf16-mixed"
+    assert trainer["activation_checkpointing"] and len(trainer["peak_memory_bytes_per_rank"]) == 2
+    assert all(loss > 1e-4 for loss in _per_iteration(summary, "train/loss")[1:])  # the KL term
+    start = dict(load_policy(summary["model_dir"])[0].named_parameters())
+    merged = dict(load_policy(summary["policy_dir"])[0].named_parameters())  # adapters merged
+    moved = {n for n in start if not torch.equal(start[n], merged[n])}
+    assert moved and all(n.rsplit(".", 2)[-2].endswith("_proj") for n in moved)
+    assert all("self_attn" in n for n in moved)  # the adapted attention projections only

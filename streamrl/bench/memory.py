@@ -177,6 +177,7 @@ def bench_memory(cases: list[MemoryCase], timeout_s: float = 3600.0) -> dict[str
         print(f"memory: {case.path} seq={case.seq} ...", file=sys.stderr, flush=True)
         results.append(run_case(case, timeout_s))
         print(f"memory: {case.path} seq={case.seq}: {_cells(results[-1])}", file=sys.stderr)
+        print(f"memory: case {json.dumps(results[-1])}", file=sys.stderr, flush=True)
     print(_table(results), file=sys.stderr)
     first = cases[0]
     model = {"source": first.model_dir or "shape", **first.model_config}
@@ -194,15 +195,17 @@ def bench_memory(cases: list[MemoryCase], timeout_s: float = 3600.0) -> dict[str
 
 
 def memory_ratios(results: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
-    """New over old for each figure, at each ``seq`` where both paths ran to the end."""
-    done = {(r["path"], r["seq"]): r for r in results if "logprob_extra_bytes" in r}
+    """New over old for each figure both paths measured, at each ``seq`` (an old step out of
+    memory still has its log-prob figure, measured first)."""
+    cases = {(r["path"], r["seq"]): r for r in results}
     keys = ("peak_bytes", "step_extra_bytes", "logprob_extra_bytes", "tokens_per_s")
     ratios = {}
     for seq in sorted({r["seq"] for r in results}):
-        old, new = done.get(("old", seq)), done.get(("new", seq))
-        if old and new:
+        old, new = cases.get(("old", seq), {}), cases.get(("new", seq), {})
+        both = [k for k in keys if old.get(k) is not None and new.get(k) is not None]
+        if both:
             ratios[str(seq)] = {
-                k.removesuffix("_bytes"): round(new[k] / max(old[k], 1), 4) for k in keys
+                k.removesuffix("_bytes"): round(new[k] / max(old[k], 1), 4) for k in both
             }
     return ratios
 
@@ -261,7 +264,10 @@ def _cells(r: dict[str, Any]) -> str:
         return "-" if r.get(key) is None else f"{r[key] / GIB:.3f}"
 
     if r.get("oom"):
-        return f"out of memory in {r.get('phase', '?')} (needed {gib('needed_bytes')} GiB)"
+        measured = f"{gib('logprob_extra_bytes'):>19} " if "logprob_extra_bytes" in r else ""
+        return (
+            f"{measured}out of memory in {r.get('phase', '?')} (needed {gib('needed_bytes')} GiB)"
+        )
     if "logprob_extra_bytes" not in r:
         return "failed: " + (r.get("error") or "?").splitlines()[-1]
     figures = [gib(k) for k in ("peak_bytes", "step_extra_bytes", "logprob_extra_bytes")]

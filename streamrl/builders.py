@@ -186,6 +186,7 @@ def build_trainer(
     logger: Logger | None = None,
     checkpoint_every: int | None = None,
     show_progress: bool = True,
+    sharded_checkpoints: bool = False,
     **trainer_options: Any,
 ) -> L.Trainer:
     """The Lightning ``Trainer`` that runs ``module``'s iterations (one step each).
@@ -205,6 +206,8 @@ def build_trainer(
         checkpoint_every: iterations between checkpoints; 0 or ``None`` saves only
             ``last.ckpt`` at the end.
         show_progress: draw Lightning's progress bar.
+        sharded_checkpoints: a sharded module's checkpoints are folders of each rank's shards
+            (no full copy on rank 0); ``False``: one file with the gathered state.
         trainer_options: any other ``lightning.Trainer`` argument (``callbacks=[...]``, added
             to the checkpoint callback...); it wins over the settings above.
     """
@@ -229,7 +232,8 @@ def build_trainer(
     if isinstance(module, ShardedStreamRLModule):
         ranks = (len(devices) if isinstance(devices, list) else devices) * num_nodes
         backend = "nccl" if accelerator == "cuda" else "gloo"
-        settings.update(strategy=fsdp_strategy(ranks, backend=backend))
+        strategy = fsdp_strategy(ranks, backend=backend, full_checkpoints=not sharded_checkpoints)
+        settings.update(strategy=strategy)
     # Your callbacks join the checkpoint callback rather than replace it.
     callbacks = [*settings.pop("callbacks", []), *trainer_options.pop("callbacks", [])]
     return L.Trainer(**{**settings, **trainer_options}, callbacks=callbacks)

@@ -31,7 +31,7 @@ def _cmd_fit(fit: FitArgs) -> dict:
 
     quiet_lightning()
     check_values(fit.config)
-    if fit.resume and not os.path.isfile(fit.resume):
+    if fit.resume and not os.path.exists(fit.resume):  # a file, or a folder of shards
         raise ConfigError(f"--resume: no checkpoint at {fit.resume!r}.")
     return run_fit(fit.config, show_progress=not fit.no_progress, resume=fit.resume)
 

@@ -277,6 +277,10 @@ class TrainerConfig:
             device layer by layer (``rl.kl_coef > 0`` only; a LoRA run needs no reference copy).
         logprob_chunk_tokens: completion tokens per chunk of the LM head when the trainer
             computes log-probs (``streamrl.logprobs``); ``null``: 64M logits per chunk.
+        sharded_checkpoints: several ranks write a checkpoint as a folder of their own shards
+            (``torch.distributed.checkpoint``), so no rank gathers the full weights and
+            optimizer state (``false``: one file written by rank 0, whose host memory then
+            holds them whole: 16 bytes per parameter with AdamW).
     """
 
     accelerator: str = "auto"
@@ -286,6 +290,7 @@ class TrainerConfig:
     activation_checkpointing: bool = False
     reference_offload: bool = False
     logprob_chunk_tokens: int | None = None
+    sharded_checkpoints: bool = False
 
 
 @dataclass

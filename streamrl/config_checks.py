@@ -115,6 +115,11 @@ def check_trainer(config: RunConfig) -> None:
             f"trainer.logprob_chunk_tokens must be >= 1 (or null), got "
             f"{trainer.logprob_chunk_tokens}."
         )
+    if trainer.sharded_checkpoints and not placement.sharded:
+        raise ConfigError(
+            "trainer.sharded_checkpoints writes each FSDP2 rank's shards, but this trainer is "
+            "not sharded (one process, trainer.precision: 32-true); drop the option."
+        )
     if trainer.reference_offload and not placement.sharded:
         raise ConfigError(
             "trainer.reference_offload keeps the reference's FSDP2 shards in host memory, but "

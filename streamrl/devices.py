@@ -242,9 +242,9 @@ def _generator_gpus(
         return ()
     if cluster == "local" and count == 0:
         raise ConfigError(
-            f"rl.gpus is {gpus_per_instance} but this machine has no CUDA GPU "
-            "(torch.cuda.is_available() is False); set rl.gpus: 0 to generate on the CPU, or use "
-            "a CUDA torch on a GPU machine."
+            f"rl.gpus={gpus_per_instance} but this machine has no CUDA GPU "
+            "(torch.cuda.is_available() is False); drop --gpus / set rl.gpus: 0 to generate on "
+            "the CPU, or use a CUDA torch on a GPU machine."
         )
     if generator_devices is not None:
         gpus = _gpu_list("rl.generator_devices", generator_devices, count)

@@ -180,7 +180,7 @@ def _follow_rank_zero(config: RunConfig, job: ClusterEnvironment, resume: str | 
     algorithm = build_run_algorithm(config.rl, policy.config.hidden_size)
     setup = RankSetup.from_config(config, algorithm, job)
     pin_threads(setup.placement)
-    module = setup.module(policy, None)
+    module = setup.module(setup.trainable(policy), None)
     setup.trainer(module).fit(module, ckpt_path=resume)
     dist.destroy_process_group()
     return {"trainer_rank": job.global_rank(), "output_dir": config.output_dir}

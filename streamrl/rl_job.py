@@ -26,7 +26,6 @@ from streamrl.components.generation.service import StreamGenerationService
 from streamrl.config import RunConfig
 from streamrl.envs.runner import EpisodeRunner
 from streamrl.eval_callback import PeriodicEval, plot_eval
-from streamrl.lora import apply_lora
 from streamrl.models import load_policy
 from streamrl.module import StreamRLModule
 from streamrl.prompts import PromptSource
@@ -102,8 +101,7 @@ def train_rl(
     parts = RunParts.from_config(config, policy, tokenizer)
     setup = RankSetup.from_config(config, parts.algorithm, job)
     pin_threads(setup.placement)  # on the CPU the generators need the other cores
-    if parts.lora is not None:  # adapters only: they train, and only they travel to generators
-        policy = apply_lora(policy, parts.lora)
+    policy = setup.trainable(policy)  # LoRA: adapters only train, and only they travel
     service = StreamGenerationService(
         model_dir,
         rl.generators,
@@ -166,9 +164,8 @@ def train_rl(
                 if setup.placement.sharded and dist.is_initialized():  # one FSDP2 rank
                     dist.destroy_process_group()  # a later run in this process starts afresh
         if setup.placement.sharded:
-            policy = load_policy(model_dir)[0]  # the sharded copy's full weights, unsharded
-            if parts.lora is not None:
-                policy = apply_lora(policy, parts.lora)
+            # the sharded copy's full weights, unsharded
+            policy = setup.trainable(load_policy(model_dir)[0])
             policy.load_state_dict(module.final_weights, strict=False)
     policy.eval()
     out = Path(config.output_dir)

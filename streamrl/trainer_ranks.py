@@ -44,8 +44,10 @@ from streamrl.components.capacity.elastic import ElasticController
 from streamrl.config import RunConfig
 from streamrl.config_checks import placement_of
 from streamrl.devices import Placement
+from streamrl.lora import LoRASpec, apply_lora
 from streamrl.module import StreamRLModule
 from streamrl.rollout import RolloutStream
+from streamrl.run_parts import lora_spec
 
 #: How long ranks may take to leave after rank 0 finished (they are killed afterwards).
 LEAVE_TIMEOUT_S = 30.0
@@ -67,6 +69,8 @@ class RankSetup:
             (``streamrl.devices.resolve_placement``); FSDP2 when ``placement.sharded``.
         output_dir: where checkpoints go.
         checkpoint_every: iterations between checkpoints (0: only ``last.ckpt``).
+        sharded_checkpoints: checkpoints as folders of each rank's shards.
+        lora: the policy's adapters (every rank wraps its policy alike), or ``None``.
         module_options: the rest of ``build_module``'s keyword arguments.
     """
 
@@ -75,6 +79,8 @@ class RankSetup:
     placement: Placement = field(default_factory=lambda: Placement("cpu", 1, 1, (), (), "32-true"))
     output_dir: str | None = None
     checkpoint_every: int = 0
+    sharded_checkpoints: bool = False
+    lora: LoRASpec | None = None
     module_options: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -103,6 +109,8 @@ class RankSetup:
             placement=placement,
             output_dir=config.output_dir,
             checkpoint_every=rl.checkpoint_every,
+            sharded_checkpoints=trainer.sharded_checkpoints,
+            lora=lora_spec(rl),
             module_options=dict(
                 mode=rl.mode,
                 lr=rl.lr,
@@ -119,6 +127,11 @@ class RankSetup:
                 logprob_chunk_tokens=trainer.logprob_chunk_tokens,
             ),
         )
+
+    def trainable(self, policy: PreTrainedModel) -> PreTrainedModel:
+        """``policy`` as this run trains it: wrapped with the run's LoRA adapters, if any (drawn
+        from one seed, so every rank's adapters start the same and FSDP shards one model)."""
+        return policy if self.lora is None else apply_lora(policy, self.lora)
 
     def module(
         self,
@@ -156,6 +169,7 @@ class RankSetup:
             logger=logger,
             checkpoint_every=self.checkpoint_every,
             show_progress=show_progress,
+            sharded_checkpoints=self.sharded_checkpoints,
             callbacks=list(callbacks),
         )
 
@@ -224,7 +238,7 @@ def _rank_main(
 
     quiet_libraries()  # rank 0's stderr is the run's log: the other ranks add nothing to it
     quiet_lightning()
-    module = setup.module(load_policy(model_dir)[0], None)
+    module = setup.module(setup.trainable(load_policy(model_dir)[0]), None)
     setup.trainer(module).fit(module, ckpt_path=resume)
     # Leave at once: a normal exit tears down gloo's threads mid-receive and aborts.
     os._exit(0)

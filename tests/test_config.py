@@ -181,7 +181,7 @@ def test_engine_without_its_extra_says_how_to_install(
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a GPU-less machine")
 def test_gpus_on_a_machine_without_gpus_fail_before_work(tmp_path):
-    with pytest.raises(ConfigError, match=r"rl.gpus is 1 but this machine has no CUDA GPU"):
+    with pytest.raises(ConfigError, match=r"rl.gpus=1 but this machine has no CUDA GPU"):
         load_checked(write(tmp_path, "rl:\n  gpus: 1\n"))
 
 

@@ -170,7 +170,7 @@ def test_a_trainer_holding_every_gpu_is_refused(gpus):
 
 def test_generator_gpus_without_any_gpu_and_ignored_lists_are_refused(gpus):
     gpus(0)
-    with pytest.raises(ConfigError, match=r"rl.gpus is 1 but this machine has no CUDA GPU"):
+    with pytest.raises(ConfigError, match=r"rl.gpus=1 but this machine has no CUDA GPU"):
         resolve_placement("cpu", generator_gpus_per_instance=1)
     gpus(8)
     with pytest.raises(ConfigError, match=r"rl.generator_devices .* rl.gpus is 0"):

@@ -169,9 +169,27 @@ def test_two_ranks_train_lora_adapters_in_bf16_mixed(tmp_path):
     trainer = summary["trainer"]
     assert trainer["ranks"] == 2 and trainer["precision"] == "bf16-mixed"
     assert trainer["activation_checkpointing"] and len(trainer["peak_memory_bytes_per_rank"]) == 2
-    assert all(loss > 1e-4 for loss in _per_iteration(summary, "train/loss")[1:])  # the KL term
+    # The KL term against the adapter-free reference gives every step after the first a
+    # gradient, whatever the rewards (LoRA's B starts at 0: at step 1 the KL is 0 too).
+    assert all(norm > 1e-5 for norm in _per_iteration(summary, "train/grad_norm")[1:])
     start = dict(load_policy(summary["model_dir"])[0].named_parameters())
     merged = dict(load_policy(summary["policy_dir"])[0].named_parameters())  # adapters merged
     moved = {n for n in start if not torch.equal(start[n], merged[n])}
     assert moved and all(n.rsplit(".", 2)[-2].endswith("_proj") for n in moved)
     assert all("self_attn" in n for n in moved)  # the adapted attention projections only
+
+
+def test_sharded_checkpoints_resume_like_the_uninterrupted_run(tmp_path, runs):
+    """``trainer.sharded_checkpoints``: each rank writes its own shards (no full copy gathered on
+    rank 0); a resumed run of 2 ranks ends bit for bit where the uninterrupted one did."""
+    sharded = ("--trainer.sharded_checkpoints", "true")
+    first = _fit(tmp_path, 2, 2, *sharded, name="run")
+    last = tmp_path / "run" / "checkpoints" / "last.ckpt"
+    assert last.is_dir() and first["samples_trained"] == 2 * SAMPLES
+    assert len(list(last.glob("*.distcp"))) == 2  # one file of shards per rank
+    resumed = _fit(tmp_path, 2, 3, *sharded, "--resume", str(last), name="run")
+    assert resumed["samples_trained"] == 3 * SAMPLES and resumed["samples_lost"] == 0
+    after = dict(load_policy(resumed["policy_dir"])[0].named_parameters())
+    uninterrupted = dict(load_policy(runs[2]["policy_dir"])[0].named_parameters())
+    differ = [n for n in after if not torch.equal(after[n], uninterrupted[n])]
+    assert not differ, f"resumed from shards, the weights differ: {differ}"

@@ -39,8 +39,8 @@ from streamrl.logprobs import completion_logprobs
 from streamrl.lora import synced_weights
 from streamrl.peak_memory import peak_memory_bytes
 from streamrl.records import Sample
-from streamrl.rng_state import rng_state, set_rng_state
 from streamrl.rollout import RolloutStream
+from streamrl.run_state import load_run_state, save_run_state
 from streamrl.timeline import TraceRecorder
 
 Mode = Literal["sync", "async", "colocated"]
@@ -273,47 +273,10 @@ class StreamRLModule(L.LightningModule):
         self.history[-1]["elastic/delta_prime_s"] = decision.delta_prime_s
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
-        # What a resumed run needs beyond weights and optimizer (Lightning saves those): where the
-        # trainer, the prompt stream and the in-flight iterations are, and every component's state.
-        if self.rollouts is None:  # an FSDP rank > 0: rank 0 writes the checkpoint
-            return
-        checkpoint["streamrl"] = {
-            "weight_version": self.weight_version,
-            "samples_trained": self.samples_trained,
-            "rollouts": self.rollouts.state_dict(),
-            "elastic": self.elastic.state_dict() if self.elastic else None,
-            "algorithm": self.algorithm.state_dict(),
-            "prompt_source": self.rollouts.prompts.state_dict(),
-            "length_ranker": self.rollouts.ranker.state_dict() if self.rollouts.ranker else None,
-            "dispatcher": self.rollouts.service.dispatcher.state_dict(),
-            "rng": rng_state(),
-        }
+        save_run_state(self, checkpoint)
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
-        # Checkpoints written before the reference stopped being a submodule still hold it.
-        weights = checkpoint.get("state_dict", {})
-        for key in [k for k in weights if k.startswith("reference.")]:
-            del weights[key]
-        state = checkpoint.get("streamrl")
-        if state is None:
-            return
-        self.weight_version = state["weight_version"]
-        self.samples_trained = state.get("samples_trained", 0)
-        if "algorithm" in state:
-            self.algorithm.load_state_dict(state["algorithm"])
-        if "rng" in state:
-            set_rng_state(state["rng"])
-        if self.rollouts is None:  # an FSDP rank > 0: the stream's state is rank 0's
-            return
-        self.rollouts.prompts.load_state_dict(state["prompt_source"])
-        if "rollouts" in state:  # in-flight iterations are dispatched again, same prompts
-            self.rollouts.load_state_dict(state["rollouts"])
-        if self.elastic is not None and state.get("elastic") is not None:
-            self.elastic.load_state_dict(state["elastic"])
-        if self.rollouts.ranker is not None and state["length_ranker"] is not None:
-            self.rollouts.ranker.load_state_dict(state["length_ranker"])
-        if "dispatcher" in state:  # what it learned of the length distribution D (§5.3)
-            self.rollouts.service.dispatcher.load_state_dict(state["dispatcher"])
+        load_run_state(self, checkpoint)
 
     def on_train_start(self) -> None:
         # A resumed run starts new generator processes from the model directory: give them the

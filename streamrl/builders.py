@@ -34,7 +34,7 @@ from streamrl.algorithms.base import Algorithm
 from streamrl.components.capacity.elastic import ElasticController
 from streamrl.components.skewness.latency import LatencyModel
 from streamrl.components.skewness.profiler import Profiler
-from streamrl.components.training.layout import Layout
+from streamrl.components.training.layout import Layout, layout_for
 from streamrl.components.training.pipeline import DynamicBatchPipeline
 from streamrl.components.training.reference import reference_policy
 from streamrl.components.training.sharding import Precision, enable_activation_checkpointing
@@ -71,7 +71,7 @@ def build_module(
     lr: float = 1e-4,
     temperature: float | None = None,
     max_tokens_per_micro_batch: int = 1024,
-    layout: Layout = "packed",
+    layout: Layout | None = None,
     min_samples: int = 1,
     is_cap: float = 2.0,
     staleness_bound: int | None = None,
@@ -102,7 +102,8 @@ def build_module(
             once); required without ``rollouts``.
         max_tokens_per_micro_batch: the most tokens one forward/backward pass takes (a
             ceiling; a longer sample trains alone).
-        layout: ``"packed"`` (samples end to end, no padding) or ``"padded"`` micro-batches.
+        layout: ``"packed"`` (samples end to end, no padding) or ``"padded"`` micro-batches;
+            ``None``: the faster one for the policy's attention implementation (``layout_for``).
         min_samples: samples gathered before an iteration's first backward pass.
         is_cap: truncation of the importance ratio of stale samples (async).
         staleness_bound: async only: iterations generated ahead, k >= 1 (default 1, the
@@ -138,6 +139,7 @@ def build_module(
             "sharded by FSDP), and bf16-mixed training is sharded: train it on one rank with "
             "precision '32-true'."
         )
+    layout = layout or layout_for(policy)
     pipeline = DynamicBatchPipeline(
         max_tokens_per_micro_batch,
         min_samples=min_samples,

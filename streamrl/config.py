@@ -183,9 +183,11 @@ class RLConfig:
         max_tokens: generation budget per sample (capped by the context).
         max_tokens_per_micro_batch: the most tokens (prompt + completion) one forward/backward
             pass of the trainer takes: a ceiling no micro-batch exceeds; a longer sample forms
-            its own micro-batch. Padded tokens when ``pack_sequences`` is off.
-        pack_sequences: put a micro-batch's samples end to end in one row, without padding
-            (``streamrl.components.training.layout``); ``false``: padded rows.
+            its own micro-batch. Padded tokens count when micro-batches are padded.
+        pack_sequences: ``true``: a micro-batch's samples end to end in one row, without
+            padding (``streamrl.components.training.layout``); ``false``: padded rows;
+            ``null`` (default): packed under flash-attention, padded under SDPA or eager
+            attention (the CPU's), where a packed row's dense mask costs the square of its tokens.
         min_samples: samples gathered before an iteration's first backward pass.
         dispatcher: which instance gets which prompt: ``"skew"`` (Algorithm 2 on predicted
             lengths, §5.3), ``"round_robin"``, ``"random"`` or your ``Dispatcher``.
@@ -237,7 +239,7 @@ class RLConfig:
     temperature: float = 0.7
     max_tokens: int = 64
     max_tokens_per_micro_batch: int = 1024
-    pack_sequences: bool = True
+    pack_sequences: bool | None = None
     min_samples: int = 1
     dispatcher: str | dict[str, Any] = "skew"
     scheduler: str | dict[str, Any] = "lpt"

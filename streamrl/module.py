@@ -21,7 +21,7 @@ from transformers import PreTrainedModel
 from streamrl.algorithms.base import Algorithm, LossInputs
 from streamrl.components.capacity.elastic import ElasticController
 from streamrl.components.training.cores import free_cores
-from streamrl.components.training.layout import Layout, layout_batch
+from streamrl.components.training.layout import Layout, layout_batch, layout_for
 from streamrl.components.training.off_policy import (
     Correction,
     check_correction,
@@ -94,7 +94,8 @@ class StreamRLModule(L.LightningModule):
         correction: how stale tokens are corrected (``off_policy.CORRECTIONS``).
         layout: how a micro-batch goes through the forward pass: ``"packed"`` (samples end to
             end in one row, no padding) or ``"padded"`` (``streamrl.components.training.
-            layout``); the pipeline's ceiling counts the same tokens.
+            layout``); ``None``: the faster one for the policy's attention (``layout_for``).
+            The pipeline's ceiling counts the same tokens.
         logprob_chunk_tokens: completion tokens per chunk of the LM head
             (``streamrl.logprobs``); ``None``: 64M logits per chunk.
     """
@@ -117,7 +118,7 @@ class StreamRLModule(L.LightningModule):
         is_cap: float = 2.0,
         staleness_bound: int | None = None,
         correction: str = "decoupled",
-        layout: Layout = "packed",
+        layout: Layout | None = None,
         logprob_chunk_tokens: int | None = None,
     ) -> None:
         super().__init__()
@@ -129,6 +130,7 @@ class StreamRLModule(L.LightningModule):
         # Not a submodule: Lightning neither moves it (it may be sharded, or offloaded) nor
         # checkpoints it (it is the starting policy, rebuilt on resume).
         self.reference: ReferencePolicy | None = reference
+        layout = layout or layout_for(policy)
         self.layout, self.logprob_chunk_tokens = layout, logprob_chunk_tokens
         self.iterations, self.lr, self.max_grad_norm = iterations, lr, max_grad_norm
         self.weight_version, self.temperature, self.mode = 0, temperature, mode

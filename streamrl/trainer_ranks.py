@@ -116,7 +116,7 @@ class RankSetup:
                 lr=rl.lr,
                 temperature=rl.temperature,
                 max_tokens_per_micro_batch=rl.max_tokens_per_micro_batch,
-                layout="packed" if rl.pack_sequences else "padded",
+                layout={True: "packed", False: "padded", None: None}[rl.pack_sequences],
                 min_samples=rl.min_samples,
                 is_cap=rl.is_cap,
                 staleness_bound=rl.staleness_bound,

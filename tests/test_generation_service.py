@@ -325,6 +325,8 @@ def test_engine_and_scheduler_are_checked_before_any_process_starts(model_dir):
 
     with pytest.raises(ConfigError, match="this engine needs a GPU"):
         service(engine=NoGPUHere())
+    with pytest.raises(ConfigError, match=r"temperature must be > 0, got 0.0; pass greedy=True"):
+        service(temperature=0.0)  # refused here, not inside each generator process
     with pytest.raises(TypeError, match=r"engine object, e\.g\. HFEngine\(\).*not the name 'hf'"):
         service(engine="hf")
     with pytest.raises(TypeError, match=r"pass an instance, e\.g\. HFEngine\(\), not the class"):

@@ -130,3 +130,19 @@ def test_packed_rows_give_each_sample_its_own_logprobs(tokenizer):
             expected = completion_logprobs(model, alone.tokens, 1.0).logprobs
             torch.testing.assert_close(packed[row, : sample.length], expected, atol=1e-5, rtol=0)
             assert packed[row, sample.length :].abs().sum() == 0
+
+
+def test_the_default_layout_packs_only_where_attention_runs_per_sample():
+    """``layout_for``: flash-attention's variable-length kernels attend within each packed
+    sample; SDPA and eager attention would attend through a dense mask over the whole row."""
+    from types import SimpleNamespace
+
+    from streamrl.components.training.layout import layout_for
+
+    def model(implementation):
+        return SimpleNamespace(config=SimpleNamespace(_attn_implementation=implementation))
+
+    assert layout_for(model("flash_attention_2")) == "packed"
+    assert layout_for(model("flash_attention_3")) == "packed"
+    for implementation in ("sdpa", "eager", None):
+        assert layout_for(model(implementation)) == "padded"

@@ -162,6 +162,11 @@ class StreamGenerationService:
                 "gpu_ids is empty but gpus_per_instance > 0: name the GPUs the instances take, "
                 "or pass None for every GPU of this machine."
             )
+        if not greedy and not temperature > 0:
+            raise ConfigError(
+                f"temperature must be > 0, got {temperature}; pass greedy=True to take the "
+                "most likely token instead of sampling."
+            )
         if weight_transport == "nccl":
             import_nccl()  # CuPy and a GPU, or a ConfigError saying how to get them
         self.engine, self.scheduler = engine, scheduler

@@ -4,15 +4,22 @@ state. ``StreamRLModule``'s checkpoint hooks call these two functions."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from streamrl.rng_state import rng_state, set_rng_state
 
-if TYPE_CHECKING:
-    from streamrl.module import StreamRLModule
+
+class RunStateOwner(Protocol):
+    """What the two functions read and set (``StreamRLModule`` is one)."""
+
+    weight_version: int
+    samples_trained: int
+    rollouts: Any  # a RolloutStream, or None on an FSDP rank > 0
+    elastic: Any  # an ElasticController, or None
+    algorithm: Any  # an Algorithm
 
 
-def save_run_state(module: StreamRLModule, checkpoint: dict) -> None:
+def save_run_state(module: RunStateOwner, checkpoint: dict) -> None:
     """Add the run's state to ``checkpoint`` (under ``"streamrl"``); an FSDP rank > 0 adds
     nothing: the stream is rank 0's."""
     rollouts = module.rollouts
@@ -31,7 +38,7 @@ def save_run_state(module: StreamRLModule, checkpoint: dict) -> None:
     }
 
 
-def load_run_state(module: StreamRLModule, checkpoint: dict) -> None:
+def load_run_state(module: RunStateOwner, checkpoint: dict) -> None:
     """Restore what ``save_run_state`` wrote (older checkpoints lack some keys); in-flight
     iterations are dispatched again with the same prompts."""
     # Checkpoints written before the reference stopped being a submodule still hold it.

@@ -149,6 +149,18 @@ class RLConfig:
         weight_transport: how weights reach each generator: ``"gloo"`` (a broadcast per
             tensor), ``"bucketed"`` (tensors packed into large buffers) or ``"nccl"`` (buckets
             GPU to GPU through CuPy's NCCL; needs CuPy and GPUs).
+        weight_bucket_mb: the largest bucket a weight version travels in (MiB); the extra
+            device memory of a sync is about one bucket (docs/weights.md).
+        weight_fanout: generator instances each instance passes the weights on to (1: a
+            chain); the trainer sends one copy per version to each site.
+        start_timeout_s: how long a generator instance may take to start and load the model;
+            ``null``: 180 s plus 60 s per GB of the policy's weights (``timeouts.py``).
+        sample_timeout_s: the longest wait for the next sample; ``null``: 300 s plus 0.1 s
+            per token of ``max_tokens`` per GB of weights.
+        heartbeat_timeout_s: an instance silent this long is taken as hung (killed,
+            replaced); ``null``: 60 s plus 10 s per GB of weights.
+        weight_timeout_s: the longest one weight transfer may take: past it the instance
+            is replaced and its requests requeued; ``null``: 120 s plus 30 s per GB.
         max_batch_size: batch slots per generator instance.
         lr: policy learning rate (AdamW).
         clip_eps: PPO clip range.
@@ -219,6 +231,12 @@ class RLConfig:
     cluster: str = "local"
     gpus: int = 0
     weight_transport: str = "gloo"
+    weight_bucket_mb: int = 256
+    weight_fanout: int = 1
+    start_timeout_s: float | None = None
+    sample_timeout_s: float | None = None
+    heartbeat_timeout_s: float | None = None
+    weight_timeout_s: float | None = None
     sites: list[str] = field(default_factory=list)
     trainer_site: str = "local"
     generator_devices: list[int] | None = None

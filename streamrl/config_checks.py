@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 
+from streamrl.components.generation.timeouts import Timeouts
 from streamrl.components.weights.nccl import import_nccl
 from streamrl.components.weights.transport import TRANSPORTS
 from streamrl.config import DataConfig, RLConfig, RunConfig
@@ -174,6 +175,19 @@ def check_rl(rl: RLConfig) -> None:
         raise ConfigError(
             f"rl.weight_transport: {unknown_name('transport', rl.weight_transport, TRANSPORTS)}"
         )
+    if rl.weight_bucket_mb < 1 or rl.weight_fanout < 1:
+        raise ConfigError(
+            f"rl: need weight_bucket_mb >= 1 and weight_fanout >= 1, got weight_bucket_mb="
+            f"{rl.weight_bucket_mb}, weight_fanout={rl.weight_fanout}."
+        )
+    Timeouts.for_model(  # a timeout that is not positive: ConfigError, before any work
+        0.0,
+        rl.max_tokens,
+        rl.start_timeout_s,
+        rl.sample_timeout_s,
+        rl.heartbeat_timeout_s,
+        rl.weight_timeout_s,
+    )
     if rl.weight_transport == "nccl":
         try:
             import_nccl()

@@ -134,6 +134,7 @@ class ShardedStreamRLModule(StreamRLModule):
         self.share_stream, self.precision = share_stream, precision
         self.reference_offload = reference_offload
         self._shares: dist.ProcessGroup | None = None
+        self._wire_dtype: list | None = None  # [dtype], the same on every rank once known
         #: Rank 0's full weights after the last step (gathered at the end of ``fit``).
         self.final_weights: dict[str, torch.Tensor] | None = None
         if self.rollouts is None and not share_stream:
@@ -155,10 +156,19 @@ class ShardedStreamRLModule(StreamRLModule):
         if isinstance(self.reference, FrozenCopy):  # a shard per rank, like the policy
             self.reference.shard(mesh, offload=self.reference_offload)
 
-    def weights_to_sync(self) -> dict[str, torch.Tensor]:
-        """The full weights the generators load after each step (a collective: all ranks);
+    def weights_to_sync(self) -> list[tuple[str, torch.Tensor]]:
+        """The sharded parameters the generators load after each step (``DTensor`` s, each
+        gathered, cast and freed in turn as it is staged: a collective, every rank stages);
         a LoRA policy's adapters only."""
-        return full_state(self.policy, adapter_names(self.policy) or None)
+        names = adapter_names(self.policy) or None
+        return [(n, p) for n, p in self.policy.named_parameters() if names is None or n in names]
+
+    def wire_dtype(self) -> torch.dtype | None:
+        """The generators' dtype, which only rank 0 (the service's) knows: every rank must cast
+        before the same all-gathers."""
+        if self._wire_dtype is None:
+            self._wire_dtype = self.trainer.strategy.broadcast([super().wire_dtype()], src=0)
+        return self._wire_dtype[0]
 
     def on_fit_start(self) -> None:
         if self.share_stream:  # gloo carries the shares whatever backend FSDP uses

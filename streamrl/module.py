@@ -33,7 +33,8 @@ from streamrl.components.training.off_policy import (
 from streamrl.components.training.pipeline import DynamicBatchPipeline, MicroBatch
 from streamrl.components.training.reference import FrozenCopy, ReferencePolicy
 from streamrl.components.training.staleness import AheadWindow, staleness_bound_of
-from streamrl.components.weights.sync import Weights
+from streamrl.components.weights.staging import StagedWeights
+from streamrl.components.weights.sync import stage
 from streamrl.errors import NonFiniteLossError
 from streamrl.logprobs import completion_logprobs
 from streamrl.lora import synced_weights
@@ -175,10 +176,10 @@ class StreamRLModule(L.LightningModule):
         train_s = self.train_on_stream(iteration)
         train_s += self.optimizer_step(iteration)
         self.weight_version += 1
-        weights = self.weights_to_sync()  # a collective when the policy is sharded (FSDP)
         if self.rollouts is None:  # a trainer rank without the service (FSDP ranks > 0)
+            self.stage_weights()  # joins the sending rank's gathers
             return
-        sync_s = self.sync_weights(weights, iteration)
+        sync_s = self.sync_weights(iteration)
         self.log_iteration(iteration, time.perf_counter() - started, train_s, sync_s)
         if self.elastic is not None:
             self._scale(train_s)
@@ -224,17 +225,33 @@ class StreamRLModule(L.LightningModule):
             optimizer.zero_grad(set_to_none=True)
         return time.perf_counter() - started
 
-    def sync_weights(self, weights: Weights, iteration: int) -> float:
-        """Send the new weights to the generators; returns the seconds the trainer was blocked.
+    def sync_weights(self, iteration: int) -> float:
+        """Stage the new weights and send them to the generators; returns the seconds the
+        trainer was blocked.
 
         Sync mode waits until every instance holds them; async only starts the transfer, which
         overlaps the next step (§4.1).
         """
-        service = self.rollouts.service
+        service, started = self.rollouts.service, time.perf_counter()
         with self.trace.span("trainer", "sync", iteration, version=self.weight_version):
+            staged = self.stage_weights()
             if self.mode == "async":
-                return service.push_weights(weights, self.weight_version)
-            return service.update(weights, self.weight_version)
+                service.push_weights(staged, self.weight_version)
+            else:
+                service.update(staged, self.weight_version)
+        return time.perf_counter() - started
+
+    def stage_weights(self) -> StagedWeights | None:
+        """Stage this version for the generators, tensor by tensor, into the weight sync's
+        host copy in the wire dtype (``stage``; a collective when the policy is sharded:
+        every rank calls it); ``None`` on a rank without the service."""
+        sync = self.rollouts.service.weight_sync if self.rollouts is not None else None
+        return stage(self.weights_to_sync(), sync, self.weight_version, self.wire_dtype())
+
+    def wire_dtype(self) -> torch.dtype | None:
+        """The dtype weights travel in: the generators' engine dtype (``None``: the policy's)."""
+        sync = self.rollouts.service.weight_sync if self.rollouts is not None else None
+        return sync.dtype if sync is not None else None
 
     def backward_micro(self, micro: MicroBatch, iteration: int, scale: float) -> float:
         """One forward/backward of ``micro`` with its summed loss times ``scale`` (gradients
@@ -254,10 +271,13 @@ class StreamRLModule(L.LightningModule):
             self.iteration_loss += loss.detach()
         return time.perf_counter() - started
 
-    def weights_to_sync(self) -> Weights:
-        """What the generators receive: the policy, only its adapters (LoRA), or its gathered
-        full weights (a sharded subclass overrides this, see ``streamrl.fsdp``)."""
-        return synced_weights(self.policy)
+    def weights_to_sync(self) -> list[tuple[str, torch.Tensor]]:
+        """What the generators receive, ``(name, tensor)`` in order: the policy's parameters,
+        or only its adapters (LoRA); a sharded policy's are ``DTensor`` s, gathered one by one
+        when staged."""
+        weights = synced_weights(self.policy)
+        named = weights.named_parameters() if isinstance(weights, torch.nn.Module) else weights
+        return list(named.items() if isinstance(named, dict) else named)
 
     def _scale(self, train_s: float) -> None:
         """Elastic generation (§4.2): one more instance when generation lags training."""
@@ -284,9 +304,9 @@ class StreamRLModule(L.LightningModule):
         # A resumed run starts new generator processes from the model directory: give them the
         # checkpoint's weights before any prompt is dispatched.
         if self.weight_version > 0:
-            weights = self.weights_to_sync()  # a collective when sharded: every rank calls it
+            staged = self.stage_weights()  # a collective when sharded: every rank calls it
             if self.rollouts is not None:
-                self.rollouts.service.update(weights, self.weight_version)
+                self.rollouts.service.update(staged, self.weight_version)
 
     def on_train_end(self) -> None:
         self.peak_memory_bytes = [peak_memory_bytes(self.device)]

@@ -23,6 +23,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from streamrl.builders import make_logger
 from streamrl.chat import stop_token_ids
 from streamrl.components.generation.service import StreamGenerationService
+from streamrl.components.generation.timeouts import Timeouts
 from streamrl.config import RunConfig
 from streamrl.envs.runner import EpisodeRunner
 from streamrl.eval_callback import PeriodicEval, plot_eval
@@ -102,6 +103,14 @@ def train_rl(
     setup = RankSetup.from_config(config, parts.algorithm, job)
     pin_threads(setup.placement)  # on the CPU the generators need the other cores
     policy = setup.trainable(policy)  # LoRA: adapters only train, and only they travel
+    timeouts = Timeouts.for_model(
+        sum(p.numel() * p.element_size() for p in policy.parameters()),
+        rl.max_tokens,
+        start_s=rl.start_timeout_s,
+        sample_s=rl.sample_timeout_s,
+        heartbeat_s=rl.heartbeat_timeout_s,
+        weight_s=rl.weight_timeout_s,
+    )
     service = StreamGenerationService(
         model_dir,
         rl.generators,
@@ -117,6 +126,12 @@ def train_rl(
         gpus_per_instance=rl.gpus,
         gpu_ids=setup.placement.generator_gpus or None,
         weight_transport=rl.weight_transport,
+        weight_bucket_bytes=rl.weight_bucket_mb * 2**20,
+        weight_fanout=rl.weight_fanout,
+        start_timeout_s=timeouts.start_s,
+        sample_timeout_s=timeouts.sample_s,
+        heartbeat_timeout_s=timeouts.heartbeat_s,
+        weight_timeout_s=timeouts.weight_s,
         sites=rl.sites or None,
         trainer_site=rl.trainer_site,
         stop_token_ids=stop_token_ids(tokenizer),

@@ -14,7 +14,6 @@ import time
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
-from types import SimpleNamespace
 
 import lightning as L
 import pytest
@@ -25,6 +24,8 @@ from torch.distributed.tensor import DTensor
 from streamrl.algorithms import GRPO
 from streamrl.algorithms.base import LossInputs
 from streamrl.bench.full_logprobs import full_vocab_logprobs
+from streamrl.components.weights.staging import StagedWeights, stage_parameters
+from streamrl.components.weights.sync import AsyncWeightSync
 from streamrl.fsdp import ShardedStreamRLModule, fsdp_strategy, full_state, shard_policy
 from streamrl.models import build_tiny_model, build_tokenizer
 from streamrl.module import StreamRLModule
@@ -57,14 +58,19 @@ class RecordingGRPO(GRPO):
 
 
 class FixedService:
-    """Stands in for the generation service: records the weight versions it is given."""
+    """Stands in for the generation service: a real weight sync without instances; records
+    the versions it is given and what the last one staged (what instances would receive)."""
 
     def __init__(self) -> None:
         self.versions: list[int] = []
-        self.weight_sync = SimpleNamespace(transfer_s=0.0)  # what the module logs
+        self.weight_sync = AsyncWeightSync(timeout_s=60)
+        self.staged: dict[str, torch.Tensor] = {}
 
-    def update(self, weights: object, version: int) -> float:
+    def update(self, weights: StagedWeights, version: int) -> float:
         self.versions.append(version)
+        self.weight_sync.push(weights, version)
+        self.weight_sync.wait_sent(version)
+        self.staged = {name: t.clone() for name, t in weights.named()}
         return 0.0
 
     push_weights = update
@@ -143,11 +149,19 @@ def _fit(groups: list[ScoredGroup], sharded: bool) -> dict:
         enable_model_summary=False,
     )
     trainer.fit(module)
+    exact = None
+    if sharded:  # the wire dtype's staging: a collective, as in a run, on both ranks
+        bf16 = StagedWeights.like(module.weights_to_sync(), torch.bfloat16)
+        stage_parameters(module.weights_to_sync(), bf16, 9, torch.bfloat16)
+        full = full_state(policy)
+        exact = all(torch.equal(t, full[n].to(torch.bfloat16)) for n, t in bf16.named())
     held = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in policy.parameters())
     return {
         "losses": [sum(parts) for parts in algorithm.losses],  # summed over this rank's samples
         "grad_norms": [h["train/grad_norm"] for h in module.history],
-        "weights": module.weights_to_sync() if sharded else full_state(policy),
+        "weights": rollouts.service.staged,  # the last version as it left the trainer
+        "single_weights": None if sharded else full_state(policy),
+        "bf16_exact": exact,
         "versions": rollouts.service.versions,
         "held": held,
         "total": sum(p.numel() for p in policy.parameters()),
@@ -203,8 +217,13 @@ def test_fsdp_two_ranks_match_one_process(tmp_path):
     # it catches a summed instead of averaged reduction, which AdamW's first step would hide.
     for r in ranks:
         assert r["grad_norms"] == pytest.approx(single["grad_norms"], rel=1e-5)
-    # Updated full weights, gathered on every rank, match the single-process ones.
+    # Updated full weights, gathered and staged on every rank, match the single-process ones;
+    # a bfloat16 staging holds exactly the gathered weights cast to bfloat16 (streamed
+    # tensor by tensor, cast before the all-gather); one process stages its weights as they are.
     before = full_state(build_tiny_model(build_tokenizer(), "test", seed=0))
+    assert all(r["bf16_exact"] for r in ranks)
+    for name, tensor in single["single_weights"].items():
+        assert torch.equal(single["weights"][name], tensor)
     for r in ranks:
         assert list(r["weights"]) == list(single["weights"])
         for name, tensor in single["weights"].items():

@@ -115,9 +115,9 @@ def test_generators_receive_only_adapters_and_decode_with_them(tmp_path, tokeniz
                 p.add_(torch.randn_like(p) * 0.3)
         sent = sgs.weight_sync.bytes_sent
         sgs.update(adapter_weights(policy), version=1)
-        per_instance = (sgs.weight_sync.bytes_sent - sent) / 2
-        assert per_instance == sync_bytes(adapter_weights(policy))
-        assert per_instance < sync_bytes(policy) / 10  # pushing the whole policy: > 10x more
+        per_version = sgs.weight_sync.bytes_sent - sent  # one copy: the 2nd gets it from the 1st
+        assert per_version == sync_bytes(adapter_weights(policy))
+        assert per_version < sync_bytes(policy) / 10  # pushing the whole policy: > 10x more
         assert set(sgs.fingerprints().values()) == {fingerprint(policy)}
         samples = list(sgs.generate(requests_for(tokenizer)))
         assert {s.weight_version for s in samples} == {1}

@@ -13,6 +13,7 @@ from streamrl.components.generation.hf_generator import HFStreamGenerator
 from streamrl.components.generation.partial import WeightLoader, check_partial_rollout
 from streamrl.components.generation.service import StreamGenerationService
 from streamrl.components.training.pipeline import MicroBatch
+from streamrl.components.weights.staging import StagedWeights
 from streamrl.errors import ConfigError
 from streamrl.lora import synced_weights
 from streamrl.models import build_tiny_model, build_tokenizer, save_policy
@@ -96,17 +97,33 @@ class _FakeGenerator:
         return 5
 
 
+def _staged(version: int) -> StagedWeights:
+    staged = StagedWeights.like([("w", torch.zeros(2))], pin=False)
+    staged.fill([("w", torch.full((2,), float(version)))], version)
+    return staged
+
+
 def test_weight_loader_waits_for_idle_only_when_sequences_must_finish():
     off, keep, again = (WeightLoader(_FakeGenerator(), p) for p in ("finish", "keep", "recompute"))
     for loader in (off, keep, again):
-        loader.offer(1, {})
-        loader.offer(2, {})
+        staged = _staged(1)
+        loader.offer(1, staged)
+        staged.fill([("w", torch.full((2,), 2.0))], 2)  # version 2 received into the staging
+        loader.offer(2, staged)
     assert off.apply() == [] and off.generator.loaded == []  # waits: sequences still run
     off.generator.idle = True
     assert off.apply() == [1, 2] and off.generator.loaded == [2]  # the newest, both announced
     assert keep.apply() == [1, 2] and keep.generator.recomputed == 0
     assert again.apply() == [1, 2] and again.generator.recomputed == 1
     assert again.apply() == [] and again.generator.loaded == [2]  # nothing left pending
+
+
+def test_weight_loader_waits_while_the_next_version_is_being_received():
+    loader, staged = WeightLoader(_FakeGenerator(), "keep"), _staged(1)
+    loader.offer(1, staged)
+    with staged.lock:  # the receiving thread is filling the staging with version 2
+        assert loader.apply() == [] and loader.generator.loaded == []
+    assert loader.apply() == [1] and loader.generator.loaded == [1]
 
 
 def test_unknown_policy_and_generator_without_recompute_fail_clearly():

@@ -1,14 +1,17 @@
-"""Weights to a remote site through its head (StreamRL §6): one copy per version leaves the
-trainer for the site, its first instance forwards it to the others. Real processes and groups:
-one instance at the trainer's site, two (then three) at a "cloud" site."""
+"""Weights along chains, one copy per site (StreamRL §6): the trainer sends each version to one
+instance per site, which passes each bucket on to the next instance of its site. Real processes
+and groups: one instance at the trainer's site, two (then three) at a "cloud" site.
+"""
 
 from __future__ import annotations
 
 import os
 import signal
+import time
 
 import pytest
 import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from streamrl.components.generation.hf_generator import fingerprint
 from streamrl.components.generation.service import StreamGenerationService
@@ -24,7 +27,7 @@ def _nudge(policy: torch.nn.Module) -> None:
             p.add_(0.01)
 
 
-def test_remote_site_gets_one_copy_and_its_head_fans_out(tmp_path, tokenizer):
+def test_remote_site_gets_one_copy_and_its_instances_pass_it_on(tmp_path, tokenizer):
     policy = build_tiny_model(tokenizer, "test", seed=0)
     model_dir = save_policy(policy, tokenizer, tmp_path / "policy")
     payload = sum(p.numel() * p.element_size() for p in policy.parameters())
@@ -32,19 +35,19 @@ def test_remote_site_gets_one_copy_and_its_head_fans_out(tmp_path, tokenizer):
     with StreamGenerationService(
         model_dir, 3, max_batch_size=4, sites=sites, trainer_site="home"
     ) as sgs:
-        # The cloud instance that loaded first became the head; the other follows it.
-        head, member = sorted(sgs.pool.handles[1:], key=lambda h: h.head is not None)
-        assert head.head is None and member.head == head.instance_id
-        assert head.members == {member.instance_id}
+        # The first instances join in id order: instance 1 heads the cloud chain, 2 follows.
+        home, head, member = sgs.pool.handles
+        assert home.head is None and head.head is None and member.head == head.instance_id
+        assert head.members == {member.instance_id} and not member.members
         _nudge(policy)
         sgs.update(policy, version=1)
         assert set(sgs.fingerprints().values()) == {fingerprint(policy)}
         # The trainer sent two copies (home instance, cloud head), not three.
         assert sgs.weight_sync.bytes_sent == 2 * payload
 
-        # A newcomer at the cloud site catches up through the head, then follows it.
+        # A newcomer at the cloud site hangs on the chain's tail and catches up through it.
         new = sgs.add_instance(wait=True, site="cloud")
-        assert sgs.pool.handles[new].head == head.instance_id
+        assert sgs.pool.handles[new].head == member.instance_id
         assert sgs.fingerprints()[new] == fingerprint(policy)
         _nudge(policy)
         sgs.update(policy, version=2)
@@ -52,19 +55,20 @@ def test_remote_site_gets_one_copy_and_its_head_fans_out(tmp_path, tokenizer):
         assert sgs.weight_sync.bytes_sent == 4 * payload
         assert [i.weight_version for i in sgs.instances()] == [2, 2, 2, 2]
 
-        # A member killed: replaced at its site, relayed again, nothing lost.
-        os.kill(member.proc.pid, signal.SIGKILL)
+        # The tail killed: replaced at its site, on the chain again, nothing lost.
+        os.kill(sgs.pool.handles[new].proc.pid, signal.SIGKILL)
         ids = tokenizer("copy ab=")["input_ids"]
         reqs = [Request(f"p{i}", ids, max_tokens=8, iteration=2, forced_length=6) for i in range(8)]
         got = list(sgs.generate(reqs))
         assert sorted(s.key for s in got) == sorted(r.key for r in reqs)
         sgs.wait_active()
         replacement = sgs.pool.handles[-1]
-        assert replacement.site == "cloud" and replacement.head == head.instance_id
+        assert replacement.site == "cloud" and replacement.head == member.instance_id
         assert sgs.fingerprints()[replacement.instance_id] == fingerprint(policy)
-        assert head.members == {new, replacement.instance_id}
+        assert member.members == {replacement.instance_id}
 
-        # The head killed: it and its members are replaced; the site gets a new head.
+        # The head killed: only it is replaced; the trainer feeds the next one, whose chain
+        # goes on (re-fed at a version boundary, not replaced); the newcomer joins its tail.
         os.kill(head.proc.pid, signal.SIGKILL)
         done = list(
             sgs.generate(
@@ -77,15 +81,62 @@ def test_remote_site_gets_one_copy_and_its_head_fans_out(tmp_path, tokenizer):
         assert len(done) == 4
         sgs.wait_active()
         cloud = [h for h in sgs.pool.handles if h.site == "cloud" and h.state == "active"]
-        assert len(cloud) == 3 and sum(h.head is None for h in cloud) == 1
-        assert (
-            sgs.counts["instances_restarted"] == 2
-            and sgs.counts["instances_replaced_with_head"] == 2
-        )
+        assert [h.instance_id for h in cloud] == [member.instance_id, replacement.instance_id, 5]
+        assert [h.head for h in cloud] == [None, member.instance_id, replacement.instance_id]
+        assert sgs.counts["instances_restarted"] == 2  # the two killed, no healthy one
         _nudge(policy)
         sgs.update(policy, version=3)
         assert set(sgs.fingerprints().values()) == {fingerprint(policy)}
+        # v1, v2: two copies each; instance 2's catch-up from the trainer once re-fed; v3: two.
+        assert sgs.weight_sync.bytes_sent == 7 * payload
+
+
+@pytest.mark.parametrize("instances", [1, 3])
+def test_trainer_egress_per_version_does_not_grow_with_instances(tmp_path, tokenizer, instances):
+    policy = build_tiny_model(tokenizer, "test", seed=0)
+    model_dir = save_policy(policy, tokenizer, tmp_path / "policy")
+    payload = sum(p.numel() * p.element_size() for p in policy.parameters())
+    with StreamGenerationService(model_dir, instances, weight_bucket_bytes=4096) as sgs:
+        for version in (1, 2):
+            _nudge(policy)
+            sgs.update(policy, version=version)
+            assert set(sgs.fingerprints().values()) == {fingerprint(policy)}
+        assert len(sgs.weight_sync.staged.buffers) > 10  # many buckets, pipelined down the chain
+        assert sgs.weight_sync.bytes_sent == 2 * payload  # one copy per version, whatever N
 
 
 def test_fit_with_a_remote_site(fit_small):
     fit_small(generators=3, sites=["home", "cloud", "cloud"], trainer_site="home")
+
+
+def test_a_transfer_past_the_weight_timeout_fails_that_instance_not_the_trainer(
+    tmp_path, tokenizer
+):
+    """A stopped head (SIGSTOP) takes nothing off the wire: the trainer's send of a 50 MB
+    version passes ``weight_timeout_s``, the head is replaced, the instance it fed is fed by
+    the trainer instead, and the update completes with every instance on the new weights."""
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=512,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        intermediate_size=1536,
+        max_position_embeddings=64,
+        tie_word_embeddings=True,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    policy = Qwen2ForCausalLM(config).eval()
+    model_dir = save_policy(policy, tokenizer, tmp_path / "policy")
+    with StreamGenerationService(model_dir, 2, weight_timeout_s=4.0) as sgs:
+        head, member = sgs.pool.handles
+        assert member.head == head.instance_id
+        os.kill(head.proc.pid, signal.SIGSTOP)
+        _nudge(policy)
+        started = time.monotonic()
+        sgs.update(policy, version=1)
+        assert time.monotonic() - started < 90
+        assert head.state == "failed" and sgs.counts["instances_restarted"] == 1
+        assert member.state == "active" and member.head is None  # fed by the trainer now
+        assert set(sgs.fingerprints().values()) == {fingerprint(policy)}

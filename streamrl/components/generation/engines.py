@@ -61,24 +61,34 @@ class HFEngine:
 
     Attributes:
         lora: the adapters' shape, the same ``LoRASpec`` as the trainer's; ``None``: none.
+        dtype: the dtype the model runs in, and weight updates travel in: ``"float32"`` (the
+            trainer's master weights, so behaviour log-probs match the trainer's) or
+            ``"bfloat16"`` (half the memory and bytes per update).
     """
 
     lora: LoRASpec | None = None
+    dtype: str = "float32"
 
     def check(self, *, cluster: str, gpus_per_instance: int) -> None:
         """The GPUs asked for exist; peft is installed if there are adapters."""
         check_gpus(cluster, gpus_per_instance)
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ConfigError(
+                f"HFEngine dtype {self.dtype!r}: choose float32, bfloat16 or float16."
+            )
         if self.lora is not None and importlib.util.find_spec("peft") is None:
             raise ConfigError(
                 f"HFEngine(lora=...) needs the 'peft' package, not installed: {PEFT_INSTALL}"
             )
 
     def __call__(self, spec: EngineSpec, scheduler: AdmissionScheduler) -> HFStreamGenerator:
+        import torch
+
         from streamrl.components.generation.hf_generator import HFStreamGenerator
         from streamrl.components.generation.lora_generator import LoRAStreamGenerator
         from streamrl.models import load_policy
 
-        model, tokenizer = load_policy(spec.model_dir)
+        model, tokenizer = load_policy(spec.model_dir, dtype=getattr(torch, self.dtype))
         model = model.to(spec.device)
         eos = model.config.eos_token_id
         eos_ids = [] if eos is None else [int(e) for e in ([eos] if isinstance(eos, int) else eos)]

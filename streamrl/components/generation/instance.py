@@ -53,8 +53,9 @@ class InstanceHandle:
     last_seen: float = field(default_factory=time.monotonic)
     open: dict[tuple, Request] = field(default_factory=dict)  # requests it holds, by key
     site: str = "local"  # where it runs (the trainer's site unless the service was given sites)
-    head: int | None = None  # the instance forwarding it weights (remote sites), else None
-    members: set[int] = field(default_factory=set)  # instances it forwards weights to
+    head: int | None = None  # the instance feeding it weights; None: the trainer
+    members: set[int] = field(default_factory=set)  # instances it feeds weights to
+    feed_generation: int = 0  # bumped each time it is connected to a (new) feeder
 
     @classmethod
     def spawn(

@@ -47,10 +47,13 @@ def check_partial_rollout(policy: str) -> str:
 class WeightLoader:
     """Received weight versions waiting to be loaded into one instance's generator.
 
-    ``offer`` hands over a received version; ``apply`` loads what the policy allows now and
-    returns the versions loaded (each is announced to the service). With ``"finish"`` nothing
-    loads until the generator is idle; then only the newest version is copied in (the older
-    ones are announced too: the instance has moved past them).
+    ``offer`` hands over a received version (the instance's ``StagedWeights``, which holds the
+    newest one received); ``apply`` loads what the policy allows now and returns the versions
+    loaded (each is announced to the service). With ``"finish"`` nothing loads until the
+    generator is idle; then only the newest version is copied in (the older ones are
+    announced too: the instance has moved past them). The engine loads straight from the staging's
+    buffers (views, no copy); while the next version is being received into them, loading
+    waits for it.
     """
 
     def __init__(self, generator: Any, policy: str = "finish") -> None:
@@ -60,18 +63,29 @@ class WeightLoader:
                 f"partial_rollout: recompute needs a generator with recompute_running(); "
                 f"{type(generator).__name__} has none. Use keep or finish."
             )
-        self._pending: list[tuple[int, dict]] = []
+        self._pending: list[int] = []
+        self._staged: Any = None
+        self.loaded_version = -1
 
-    def offer(self, version: int, buffers: dict) -> None:
-        self._pending.append((version, buffers))
+    def offer(self, version: int, staged: Any) -> None:
+        self._pending.append(version)
+        self._staged = staged
 
     def apply(self) -> list[int]:
         if not self._pending or (self.policy == "finish" and not self.generator.idle):
             return []
-        versions = [v for v, _ in self._pending]
-        newest, buffers = max(self._pending, key=lambda item: item[0])
-        self._pending = []
-        self.generator.load_weights(buffers, newest)
-        if self.policy == "recompute":
-            self.generator.recompute_running()  # counted in each sample's prefill_tokens
+        staged = self._staged
+        if not staged.lock.acquire(blocking=False):  # the next version is arriving: after it
+            return []
+        try:
+            newest = staged.version
+            if newest is not None and newest > self.loaded_version:
+                self.generator.load_weights(dict(staged.named()), newest)
+                self.loaded_version = newest
+                if self.policy == "recompute":
+                    self.generator.recompute_running()  # counted in each sample's prefill_tokens
+        finally:
+            staged.lock.release()
+        versions = [v for v in self._pending if v <= self.loaded_version]
+        self._pending = [v for v in self._pending if v > self.loaded_version]
         return versions

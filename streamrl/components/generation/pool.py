@@ -3,9 +3,10 @@
 ``InstancePool`` is held by ``StreamGenerationService`` and owns what changes while instances
 come and go: their handles, the weight sync, the samples read but not yet taken, the ledger. It
 starts instances (with the ``launch`` it is given: what runs in them is the service's business)
-and connects their weight groups, at the trainer's site or through a remote site's head (§6,
-``weight_relay``); replaces those that die or hang and requeues what they held; deals requests
-to the active ones; and reads every instance's messages without starving any.
+and connects their weight groups: the trainer feeds one instance per site, which passes each
+bucket on along a chain (or a tree of ``fanout``) of the others (§6, ``weight_relay``); replaces
+those that die or hang and requeues what they held; deals requests to the active ones; and reads
+every instance's messages without starving any.
 """
 
 from __future__ import annotations
@@ -20,10 +21,12 @@ from multiprocessing import connection
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from streamrl.components.generation.feeding import WeightFeeds
 from streamrl.components.generation.instance import InstanceHandle, InstanceInfo
-from streamrl.components.weights.relay import RelayedGroup
+from streamrl.components.weights.nccl import DEFAULT_BUCKET_BYTES
 from streamrl.components.weights.sync import AsyncWeightSync, Weights
-from streamrl.components.weights.transport import WeightGroup
 from streamrl.protocols import Dispatcher
 from streamrl.records import Request, Sample
 
@@ -46,6 +49,12 @@ class InstancePool:
         trainer_site: the trainer's site; instances elsewhere get weights from their site's
             head.
         weight_transport: how each instance's weight group moves tensors (``WeightGroup``).
+        bucket_bytes: the largest bucket a version travels in (``StagedWeights``).
+        fanout: how many instances each instance feeds (1: a chain; the trainer feeds one
+            instance per site whatever the number).
+        weight_timeout_s: the longest a weight transfer (or a wait for one) may take before
+            the instance is failed (replaced, its requests requeued) or the trainer's wait
+            raises.
         start_timeout_s: how long an instance may take to start and connect its group.
         sample_timeout_s: the longest wait for the next message before giving up.
         max_restarts: failed instances replaced over the pool's life; one more failure raises
@@ -71,6 +80,9 @@ class InstancePool:
         dispatcher: Dispatcher,
         trainer_site: str = "local",
         weight_transport: str = "gloo",
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        fanout: int = 1,
+        weight_timeout_s: float = 300.0,
         start_timeout_s: float = 180.0,
         sample_timeout_s: float = 300.0,
         max_restarts: int = 3,
@@ -81,6 +93,10 @@ class InstancePool:
         self.dispatcher = dispatcher
         self.trainer_site = trainer_site
         self.weight_transport = weight_transport
+        if fanout < 1:
+            raise ValueError(f"fanout must be >= 1, got {fanout}.")
+        self.bucket_bytes, self.fanout = bucket_bytes, fanout
+        self.weight_timeout_s = weight_timeout_s
         self.start_timeout_s, self.sample_timeout_s = start_timeout_s, sample_timeout_s
         self.max_restarts, self.heartbeat_timeout_s = max_restarts, heartbeat_timeout_s
         self.status_path = Path(status_path) if status_path is not None else None
@@ -92,6 +108,7 @@ class InstancePool:
         self.running = False
         self._received: deque[tuple] = deque()  # read from the pipes, not yet handled
         self._orphans: list[Request] = []  # requeued while no instance was active
+        self._first_ready: list[InstanceHandle] | None = None  # at start: joined in id order
         self._reading_since = time.monotonic()
         self._last_read = 0.0
         self._checked = 0.0  # when instance health was last checked
@@ -100,8 +117,15 @@ class InstancePool:
     def start(self, sites: Sequence[str]) -> None:
         """Start one instance per site and wait until each is active; everything is stopped
         again if one fails."""
-        self.running, self.handles = True, []
-        self.weight_sync = AsyncWeightSync(self.start_timeout_s)
+        self.running, self.handles, self._first_ready = True, [], []
+        self.weight_sync = AsyncWeightSync(self.weight_timeout_s, self.bucket_bytes)
+        self.feeds = WeightFeeds(
+            self.weight_sync,
+            self.handles,
+            self.weight_transport,
+            self.weight_timeout_s,
+            self.fanout,
+        )
         try:
             for site in sites:
                 self.spawn(site)
@@ -146,23 +170,14 @@ class InstancePool:
         return handle
 
     def retire(self, instance_id: int | None = None) -> int:
-        """Drain one active instance (by default the newest that feeds no other), then stop it;
-        returns its id."""
+        """Drain one active instance (by default the newest), then stop it; returns its id. The
+        instances it fed weights to are fed by its own feeder from then on."""
         active = self.active()
         if len(active) < 2:
             raise ValueError("remove_instance: the service needs at least one active instance.")
-        if instance_id is None:  # the newest that feeds no other instance
-            handle = next(h for h in reversed(active) if not h.members)
-        else:
-            handle = self.handles[instance_id]
+        handle = active[-1] if instance_id is None else self.handles[instance_id]
         if handle.state != "active":
             raise ValueError(f"remove_instance: instance {handle.instance_id} is {handle.state}.")
-        if handle.members:
-            raise ValueError(
-                f"remove_instance: instance {handle.instance_id} forwards weights "
-                f"to instances {sorted(handle.members)} of its site; remove them "
-                "first."
-            )
         self._set_state(handle, "draining")
         self._retire_drained()
         return handle.instance_id
@@ -228,59 +243,36 @@ class InstancePool:
             timeout_s,
         )
 
+    def _ready(self, handle: InstanceHandle) -> None:
+        """An instance has loaded the model. The first ones join once all have, in id order,
+        so each site's chain is the same from run to run; later ones join at once."""
+        if self._first_ready is None:
+            self._join(handle)
+            return
+        self._first_ready.append(handle)
+        if not any(h.state == "starting" and h not in self._first_ready for h in self.handles):
+            ready, self._first_ready = sorted(self._first_ready, key=lambda h: h.instance_id), None
+            for first in ready:
+                self._join(first)
+
     def _join(self, handle: InstanceHandle) -> None:
-        """An instance has loaded the model: connect its weight group (or have its site's head
-        connect to it), queue its catch-up."""
-
-        def announce(version: int) -> None:
-            handle.inbox.put(("update", version))
-
-        head = self._site_head(handle)
-        if head is None:  # the trainer sends it every version
-            group = WeightGroup(
-                handle.store.port,
-                0,
-                2,
-                store=handle.store,
-                timeout_s=self.start_timeout_s,
-                transport=self.weight_transport,
-            )
-            self.weight_sync.add_group(handle.instance_id, group, announce)
-        else:  # its site's head forwards every version; the trainer only announces them
-
-            def start_relay(last: int | None) -> None:
-                first = last if last is not None else 0
-                head.inbox.put(("relay", handle.instance_id, handle.store.port, first))
-
-            handle.head = head.instance_id
-            head.members.add(handle.instance_id)
-            self.weight_sync.add_group(handle.instance_id, RelayedGroup(), announce, start_relay)
-        # Nothing pushed yet: the model directory is the current version.
+        """Connect its weight feed (``WeightFeeds.join``); it is active once it holds the last
+        version pushed (at once if none was: the model directory is the current version)."""
+        self.feeds.join(handle)
         self._set_state(handle, "joining" if self.pushed_version > 0 else "active")
 
-    def _site_head(self, handle: InstanceHandle) -> InstanceHandle | None:
-        """The instance that forwards weights to ``handle``: the first one of its remote site
-        fed by the trainer; ``None`` if ``handle`` is at the trainer's site, or is that one."""
-        if handle.site == self.trainer_site:
-            return None
-        for other in self.handles:
-            if (
-                other is not handle
-                and other.site == handle.site
-                and other.head is None
-                and other.state in ("joining", "active")
-            ):
-                return other
-        return None
-
-    def _leave_head(self, handle: InstanceHandle) -> None:
-        """``handle`` stops or fails: its head forwards nothing more to it."""
-        if handle.head is None:
-            return
-        head = self.handles[handle.head]
-        head.members.discard(handle.instance_id)
-        if head.state not in ("failed", "stopped"):
-            head.inbox.put(("unrelay", handle.instance_id))
+    def _set_wire_dtype(self, handle: InstanceHandle, name: str) -> None:
+        """The dtype the weights travel in: the instances' engine dtype, the same for all."""
+        dtype = getattr(torch, name, None)
+        if not isinstance(dtype, torch.dtype):
+            raise GeneratorError(f"Instance {handle.instance_id} reported no dtype ({name!r}).")
+        sync = self.weight_sync
+        if sync.dtype is not None and sync.dtype != dtype:
+            raise GeneratorError(
+                f"Instance {handle.instance_id} runs its engine in {name}, the others in "
+                f"{sync.dtype}: every generator instance must run the same dtype."
+            )
+        sync.dtype = dtype
 
     # -- state changes -----------------------------------------------------------------------
     def _set_state(self, handle: InstanceHandle, state: str) -> None:
@@ -294,39 +286,30 @@ class InstancePool:
         for handle in self.handles:
             if handle.state == "draining" and not handle.open:
                 handle.inbox.put(("stop",))
-                self.weight_sync.remove_group(handle.instance_id)
-                self._leave_head(handle)
+                self.feeds.leave(handle)
                 self._set_state(handle, "stopped")
 
-    def _fail(self, handle: InstanceHandle, reason: str, own_fault: bool = True) -> None:
+    def _fail(self, handle: InstanceHandle, reason: str) -> None:
         """Replace a dead or hung instance and requeue what it held, or raise past the limit.
-
-        ``own_fault=False``: a healthy instance replaced because its site's head failed
-        (counted as ``instances_replaced_with_head``, not against ``max_restarts``).
-        """
+        The instances it fed weights to are fed by its own feeder (``WeightFeeds.leave``)."""
         if handle.state in ("failed", "stopped"):
             return
         restarts = self.counts["instances_restarted"]
-        if own_fault and restarts >= self.max_restarts:
+        if restarts >= self.max_restarts:
             raise GeneratorError(
                 f"Generator instance {handle.instance_id} (pid {handle.proc.pid}) {reason}; "
                 f"{restarts} of max_restarts={self.max_restarts} replacements already used."
             )
         handle.stop(0.0)
         self.backlog.extend(handle.salvage())  # finished before it went: kept, not redone
-        self.weight_sync.remove_group(handle.instance_id)
-        self._leave_head(handle)
+        self.feeds.leave(handle)
         requests = list(handle.open.values())
         handle.open.clear()
         self._set_state(handle, "failed")
-        self.counts["instances_restarted" if own_fault else "instances_replaced_with_head"] += 1
+        self.counts["instances_restarted"] += 1
         self.counts["requests_requeued"] += len(requests)
         self.spawn(handle.site)
         self.dispatch(requests, [r.predicted_length or 0.0 for r in requests])
-        for member in sorted(handle.members):  # nothing would reach them any more
-            head_lost = f"lost instance {handle.instance_id}, its head"
-            self._fail(self.handles[member], head_lost, own_fault=False)
-        handle.members.clear()
 
     def write_status(self) -> None:
         """Rewrite the status file (if any) with every instance's ``InstanceInfo``."""
@@ -408,7 +391,13 @@ class InstancePool:
             self.counts["samples_discarded"] += kind == "sample"
             return False
         if kind == "ready":
-            self._join(handle)
+            self._set_wire_dtype(handle, message[3])
+            self._ready(handle)
+        elif kind == "weights_lost":  # its own fault, or its feeder died
+            _, _, version, generation, why = message
+            culprit = self.feeds.lost(handle, generation)
+            if culprit is not None:
+                self._fail(culprit, f"did not pass on weights {version} ({why})")
         elif kind == "updated":
             handle.version = max(handle.version, message[2])
             if handle.state == "joining" and handle.version >= self.pushed_version:

@@ -45,7 +45,7 @@ from streamrl.components.generation.pool import GeneratorError, InstancePool
 from streamrl.components.generation.ray_instance import RayInstanceHandle, RayOptions
 from streamrl.components.skewness.dispatch import RoundRobinDispatcher
 from streamrl.components.skewness.schedulers import FIFOScheduler
-from streamrl.components.weights.nccl import import_nccl
+from streamrl.components.weights.nccl import DEFAULT_BUCKET_BYTES, import_nccl
 from streamrl.components.weights.sync import AsyncWeightSync, Weights
 from streamrl.components.weights.transport import TRANSPORTS
 from streamrl.errors import ConfigError, unknown_name
@@ -59,8 +59,8 @@ class StreamGenerationService:
     """N generator instances, each a spawned process running continuous batching (§3, §5).
 
     Samples come back over one pipe per instance (bounded by the pipe's buffer: instances pause
-    when the trainer falls behind, memory stays bounded); weights go out over one
-    torch.distributed group per instance.
+    when the trainer falls behind, memory stays bounded); weights go out, bucket by bucket, to
+    one instance per site, which passes them on along a chain of the others (``fanout``).
 
     Args:
         model_dir: the policy's model directory; every instance loads it at start.
@@ -96,6 +96,10 @@ class StreamGenerationService:
         ray: Ray cluster options (address, local cluster size, temp dir) for ``cluster="ray"``.
         weight_transport: ``"gloo"``, ``"bucketed"`` or ``"nccl"`` (GPU to GPU through CuPy):
             how each instance's weight group moves tensors (``WeightGroup``).
+        weight_bucket_bytes: the largest bucket a weight version travels in.
+        weight_fanout: instances each instance passes the weights on to (1: a chain).
+        weight_timeout_s: the longest one weight transfer may take: past it the instance is
+            replaced (its requests requeued), and a trainer waiting for it raises.
         sites: the site of each instance, in order (``num_instances`` names); instances at a
             site other than ``trainer_site`` get the weights from their site's first instance
             (its *head*), so one copy per version crosses to each remote site (§6,
@@ -139,6 +143,9 @@ class StreamGenerationService:
         gpu_ids: Sequence[int] | None = None,
         ray: RayOptions | None = None,
         weight_transport: str = "gloo",
+        weight_bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        weight_fanout: int = 1,
+        weight_timeout_s: float = 300.0,
         sites: Sequence[str] | None = None,
         trainer_site: str = "local",
         stop_token_ids: Sequence[int] = (),
@@ -199,6 +206,9 @@ class StreamGenerationService:
             dispatcher=dispatcher,
             trainer_site=trainer_site,
             weight_transport=weight_transport,
+            bucket_bytes=weight_bucket_bytes,
+            fanout=weight_fanout,
+            weight_timeout_s=weight_timeout_s,
             start_timeout_s=start_timeout_s,
             sample_timeout_s=sample_timeout_s,
             max_restarts=max_restarts,
@@ -429,7 +439,8 @@ class StreamGenerationService:
                 gpu_ids=self.gpu_ids,
             ),
             transport=self.weight_transport,
-            relays=site != self.trainer_site,
+            bucket_bytes=self.pool.bucket_bytes,
+            weight_timeout_s=self.pool.weight_timeout_s,
             stop_token_ids=self.stop_token_ids,
             stop_strings=self.stop_strings,
             partial_rollout=self.partial_rollout,

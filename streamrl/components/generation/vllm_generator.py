@@ -161,19 +161,18 @@ class VLLMStreamGenerator(AdmissionQueue):
             )
         self.model_dir = Path(model_dir)
         config = AutoConfig.from_pretrained(self.model_dir, local_files_only=True)
-        self._templates = _parameters_on_meta(config)
         eos = config.eos_token_id
         self._eos = [] if eos is None else [int(e) for e in np.atleast_1d(eos)]
         self._eos += [int(t) for t in stop_token_ids if int(t) not in self._eos]
         self._stop = [s for s in stop_strings if s]
-        # dtype: vLLM's "auto" runs float32 checkpoints in 16 bits; float32 keeps the behaviour
-        # log-probs equal to the trainer's (it computes in float32). Pass dtype= to trade that.
+        # dtype: the checkpoint's own (bfloat16 for real models, float32 for the tiny ones; vLLM's
+        # "auto" would run float32 checkpoints in 16 bits). Weights travel in it too.
         args = dict(
             model=str(model_dir),
             skip_tokenizer_init=not self._stop,  # stop strings need vLLM's detokenizer
             max_num_seqs=max_batch_size,
             seed=seed,
-            dtype="float32",
+            dtype=checkpoint_dtype(config),
             logprobs_mode="processed_logprobs",
             scheduling_policy="priority",
             enable_prefix_caching=False,
@@ -187,6 +186,7 @@ class VLLMStreamGenerator(AdmissionQueue):
         args.update(engine_kwargs)
         self._engine = vllm.LLMEngine.from_engine_args(vllm.EngineArgs(**args))
         self.context_length = int(self._engine.model_config.max_model_len)
+        self._templates = _parameters_on_meta(config, self._engine.model_config.dtype)
         self._running: dict[str, _Admitted] = {}  # vLLM request id -> admission record
         self._admitted = 0  # admissions so far: request ids and vLLM priorities
 
@@ -357,11 +357,17 @@ def _import_vllm() -> Any:
     return vllm
 
 
-def _parameters_on_meta(config: PretrainedConfig) -> dict[str, torch.Tensor]:
-    """The trainer's parameters without memory: the HF model built on the meta device."""
+def checkpoint_dtype(config: PretrainedConfig) -> str:
+    """The dtype a checkpoint was saved in (``config.json``'s ``dtype``), float32 if unsaid."""
+    saved = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    return str(saved).removeprefix("torch.") if saved is not None else "float32"
+
+
+def _parameters_on_meta(config: PretrainedConfig, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The trainer's parameters without memory, in the engine's dtype (what travels): the HF
+    model built on the meta device."""
     with torch.device("meta"):
-        # float32, as the trainer loads the policy (streamrl.models.load_policy).
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     return {name: p.detach() for name, p in model.named_parameters()}
 
 

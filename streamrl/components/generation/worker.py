@@ -6,14 +6,21 @@ here), then loops: take requests and weight updates from its inbox, run one cont
 step, push every finished sample to its outbox (a pipe of its own to the service) at once.
 Messages are plain tuples of picklable values; samples hold lists, never tensors. A pipe per
 instance means an instance killed mid-write can garble only its own pipe. What a weight update
-fills is the generator's ``weight_templates()`` (the whole policy, or a LoRA policy's adapters).
+fills is the generator's ``weight_templates()`` (the whole policy, or a LoRA policy's adapters):
+each version is received bucket by bucket into one host staging in the engine's dtype
+(``StagedWeights``, pinned when CUDA is present), passed on bucket by bucket to the instances this
+one feeds, and loaded from there into the engine when the partial-rollout policy allows; no
+full-model receive buffer is allocated, and a version that must wait waits in host memory.
 
-Inbox:  ``("submit", [Request, ...])``, ``("limit", batch_size)``, ``("update", version)``,
-``("fingerprint",)``, ``("relay", member, port, first)`` / ``("unrelay", member)`` (a site's head
-forwards weights to a member, ``weight_relay``), ``("stop",)``.
-Outbox: ``("ready", instance_id, pid)``, ``("sample", Sample)``, ``("updated", instance_id,
-version)``, ``("fingerprint", instance_id, hex)``, ``("heartbeat", instance_id)`` (every
-``heartbeat_s`` while it runs), ``("error", instance_id, traceback_text)``.
+Inbox:  ``("submit", [Request, ...])``, ``("limit", batch_size)``, ``("update", version,
+generation)``, ``("refeed", generation)`` (a new feeder: ``feeding``), ``("fingerprint",)``,
+``("relay", member, port, first, generation)`` / ``("unrelay", member)`` (this instance passes
+weights on to a member, ``weight_relay``), ``("stop",)``.
+Outbox: ``("ready", instance_id, pid, wire_dtype)``, ``("sample", Sample)``,
+``("updated", instance_id, version)``, ``("fingerprint", instance_id, hex)``,
+``("heartbeat", instance_id)`` (every ``heartbeat_s`` while it runs),
+``("weights_lost", instance_id, version, generation, reason)`` (a version did not arrive: the
+service decides whose fault), ``("error", instance_id, traceback_text)``.
 """
 
 from __future__ import annotations
@@ -35,7 +42,9 @@ import torch
 from streamrl.components.generation.hf_generator import fingerprint
 from streamrl.components.generation.partial import WeightLoader
 from streamrl.components.skewness.schedulers import FIFOScheduler
+from streamrl.components.weights.nccl import DEFAULT_BUCKET_BYTES
 from streamrl.components.weights.relay import WeightRelay, relay_messages
+from streamrl.components.weights.staging import StagedWeights
 from streamrl.protocols import AdmissionScheduler, EngineSpec, GenerationEngine
 from streamrl.records import Request
 
@@ -65,12 +74,13 @@ class WorkerSpec:
     greedy: bool = False
     seed: int = 0
     weight_version: int = 0
-    timeout_s: float = 120.0
+    timeout_s: float = 120.0  # the service's start timeout
+    weight_timeout_s: float = 300.0  # one weight transfer (and its group's connection)
     heartbeat_s: float = 1.0
     store_host: str = "127.0.0.1"  # where the trainer hosts the weight group's store
     device: str = "cpu"  # where the model runs: "cpu", or "cuda" with a GPU of its own
     transport: str = "gloo"  # how weights arrive: "gloo", "bucketed" or "nccl" (WeightGroup)
-    relays: bool = False  # at a remote site: may forward weights to its site (weight_relay)
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES  # the staging's largest bucket (the trainer's)
     stop_token_ids: tuple[int, ...] = ()  # end-of-turn ids a sample also stops on
     stop_strings: tuple[str, ...] = ()  # a sample stops once its text contains one
     partial_rollout: str = "finish"  # running sequences at a weight update (``partial.py``)
@@ -125,22 +135,28 @@ class _Instance:
 
         self.spec, self.outbox, self.parent = spec, outbox, parent
         self.generator = spec.engine(spec.engine_spec(), spec.scheduler())
-        synced = dict(self.generator.weight_templates())  # the trainer's names, shapes, dtypes
-        _put(outbox, ("ready", spec.instance_id, os.getpid()), parent)
-        group = WeightGroup(
-            spec.store_port,
-            spec.rank,
-            spec.world_size,
-            timeout_s=spec.timeout_s,
-            host=spec.store_host,
-            transport=spec.transport,
-            device=spec.device,
+        # The trainer's names and shapes, in the engine's dtype: what travels.
+        staged = StagedWeights.like(
+            self.generator.weight_templates().items(), bucket_bytes=spec.bucket_bytes
         )
-        on = spec.device if spec.transport == "nccl" else "cpu"  # NCCL receives GPU to GPU
-        relay = (
-            WeightRelay(spec.store_host, spec.timeout_s, spec.transport) if spec.relays else None
-        )
-        self.receiver = _WeightReceiver(group, synced, on, relay)
+        wire = str(staged.specs[0].dtype).removeprefix("torch.") if staged.specs else "float32"
+        _put(outbox, ("ready", spec.instance_id, os.getpid(), wire), parent)
+        timeout_s = spec.weight_timeout_s
+
+        def connect(generation: int) -> WeightGroup:
+            return WeightGroup(
+                spec.store_port,
+                spec.rank,
+                spec.world_size,
+                timeout_s=timeout_s,
+                host=spec.store_host,
+                transport=spec.transport,
+                device=spec.device,
+                generation=generation,
+            )
+
+        relay = WeightRelay(staged, spec.store_host, timeout_s, spec.transport)
+        self.receiver = _WeightReceiver(connect, staged, relay)
         self.loader = WeightLoader(self.generator, spec.partial_rollout)
         self.held: list[Request] = []
 
@@ -169,8 +185,8 @@ class _Instance:
         if relay is not None:
             self.receiver.relay(*relay)  # in order with the receives, on the receiving thread
             return
-        if kind not in ("submit", "limit", "update", "fingerprint") or (
-            kind == "update" and not isinstance(message[1], int)
+        if kind not in ("submit", "limit", "update", "refeed", "fingerprint") or (
+            kind in ("update", "refeed") and not all(isinstance(x, int) for x in message[1:])
         ):  # fail loudly: the service replaces this instance and requeues its requests
             raise ValueError(f"Corrupt message from the service: {message!r:.200}")
         if kind == "submit":
@@ -179,7 +195,9 @@ class _Instance:
         elif kind == "limit":
             self.generator.set_batch_limit(message[1])
         elif kind == "update":
-            self.receiver.receive(message[1])  # joins the broadcast in the background
+            self.receiver.receive(*message[1:])  # joins the broadcast in the background
+        elif kind == "refeed":
+            self.receiver.refeed(message[1])
         elif kind == "fingerprint":
             digest = getattr(self.generator, "fingerprint", None)
             if digest is None:
@@ -190,8 +208,12 @@ class _Instance:
             _put(self.outbox, ("fingerprint", self.spec.instance_id, digest()), self.parent)
 
     def _apply_received_weights(self) -> None:
-        for version, buffers in self.receiver.ready():
-            self.loader.offer(version, buffers)
+        for version, staged in self.receiver.ready():
+            if isinstance(staged, str):  # it did not arrive: the service decides whose fault
+                lost = ("weights_lost", self.spec.instance_id, *version, staged)
+                _put(self.outbox, lost, self.parent)
+            else:
+                self.loader.offer(version, staged)
         # Between two decode steps (running sequences keep their slots), or once idle when
         # each sample must come from one version (partial_rollout "finish").
         loaded = self.loader.apply()
@@ -209,19 +231,22 @@ class _Instance:
 
 
 class _WeightReceiver:
-    """Receives broadcast weights on a background thread, so decoding goes on meanwhile; a
-    site's head also forwards them there to its members (``WeightRelay``)."""
+    """Receives broadcast weights into the staging on a background thread, so decoding goes on
+    meanwhile, and passes each bucket on to the instances this one feeds (``WeightRelay``).
+
+    Its group is that of its current feed (``feeding``): versions announced for an older feed
+    are skipped (the new feeder sends the last one first), and a version that fails to arrive
+    is reported, not raised: the service fails this instance or its dead feeder.
+    """
 
     def __init__(
-        self,
-        group: Any,
-        params: dict[str, torch.Tensor],
-        device: str = "cpu",
-        relay: WeightRelay | None = None,
+        self, connect: Callable[[int], Any], staged: StagedWeights, relay: WeightRelay
     ) -> None:
-        self.group, self.params, self.device, self._relay = group, params, device, relay
+        self.connect, self.staged, self._relay = connect, staged, relay
+        self.generation = 1
+        self.group: Any = None  # connected at the first transfer of each feed, as the sender
         self._todo: queue.Queue[tuple] = queue.Queue()
-        self._done: queue.Queue[tuple[int, dict] | BaseException] = queue.Queue()
+        self._done: queue.Queue[tuple] = queue.Queue()
         self._pending = 0
         threading.Thread(target=self._loop, daemon=True, name="weight-receiver").start()
 
@@ -229,26 +254,30 @@ class _WeightReceiver:
     def busy(self) -> bool:
         return self._pending > 0
 
-    def receive(self, version: int) -> None:
+    def receive(self, version: int, generation: int) -> None:
         self._pending += 1
-        self._todo.put(("receive", version))
+        self._todo.put(("receive", (version, generation)))
+
+    def refeed(self, generation: int) -> None:
+        self._todo.put(("refeed", (generation,)))
 
     def relay(self, kind: str, args: tuple) -> None:
-        if self._relay is None:
-            raise ValueError("relay: this instance was not started at a remote site.")
         self._todo.put((kind, args))
 
-    def ready(self) -> list[tuple[int, dict]]:
+    def ready(self) -> list[tuple]:
+        """``(version, staging)`` of each version received, or ``((version, generation),
+        reason)`` of one that did not arrive."""
         out = []
         while True:
             try:
                 item = self._done.get_nowait()
             except queue.Empty:
                 return out
+            if item[0] == "fatal":
+                raise RuntimeError("The weight-receiving thread failed") from item[1]
             self._pending -= 1
-            if isinstance(item, BaseException):
-                raise RuntimeError("Receiving weights failed") from item
-            out.append(item)
+            if item[1] is not None:
+                out.append(item)
 
     def _loop(self) -> None:
         while True:
@@ -258,24 +287,30 @@ class _WeightReceiver:
                     self._relay.add(*payload)
                 elif kind == "unrelay":
                     self._relay.remove(*payload)
+                elif kind == "refeed":
+                    self.generation, self.group = payload[0], None
                 else:
-                    self._done.put((payload, self._receive(payload)))
-            except BaseException as err:  # handed to the main loop, which reports it
-                if kind == "receive":
-                    self._done.put(err)
-                else:  # a member that never connected: the service replaces it
+                    self._done.put(self._receive(*payload))
+            except Exception as err:
+                if kind == "receive":  # handed to the main loop, which reports it
+                    self._done.put((payload, f"{type(err).__name__}: {err}"[:500]))
+                elif kind == "relay":  # a member we cannot reach: the service replaces it
                     self._relay.remove(payload[0])
+                else:  # a bug: the main loop raises it, the service replaces us
+                    self._done.put(("fatal", err))
 
-    def _receive(self, version: int) -> dict[str, torch.Tensor]:
-        # torch.empty, not empty_like: templates may live on the meta device (vLLM).
-        buffers = {
-            n: torch.empty(p.shape, dtype=p.dtype, device=self.device)
-            for n, p in self.params.items()
-        }
-        self.group.broadcast(buffers.values())
-        if self._relay is not None:
-            self._relay.forward(version, buffers)
-        return buffers
+    def _receive(self, version: int, generation: int) -> tuple:
+        if generation != self.generation:  # announced for a feed we no longer have
+            return version, None
+        if self.group is None:
+            self.group = self.connect(self.generation)
+        with self.staged.lock:  # the engine never loads a half-received version
+            self.staged.version = None
+            for index, buffer in enumerate(self.staged.buffers):
+                self.group.broadcast([buffer])
+                self._relay.forward(version, index, buffer)
+            self.staged.version = version
+        return version, self.staged
 
 
 def _next_message(inbox: Any, block: bool, poll_s: float = POLL_S) -> tuple | None:

@@ -1,0 +1,162 @@
+"""One weight version in host memory, laid out as the buckets it travels in.
+
+StreamRL §4.1 (one-step asynchrony) needs the trainer to hand a version off and go on training;
+§6 needs it to travel in large buffers. A ``StagedWeights`` is both: a fixed set of flat host
+buffers, one per bucket (``plan_buckets``), in the wire dtype (the generators' engine dtype),
+allocated once and refilled for every version (pinned when CUDA is present, so device copies
+are asynchronous DMA). This is the checkpoint-engine pattern: the trainer stages a version
+tensor by tensor right after its optimizer step (``stage_parameters``: a sharded tensor is
+gathered, cast, copied to host, freed, so the extra *device* memory is one tensor), then a
+background thread sends the buffers as they are. A generator instance receives into a staging
+of its own and loads the engine from it, so no full-model buffer is ever allocated on a device.
+
+Examples:
+    >>> staged = StagedWeights.like([("w", torch.ones(2, 3)), ("b", torch.zeros(3))])
+    >>> staged.fill([("w", torch.full((2, 3), 2.0)), ("b", torch.ones(3))], version=1)
+    >>> dict(staged.named())["w"].sum().item(), staged.nbytes, len(staged.buffers)
+    (12.0, 36, 1)
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable, Iterator, Sequence
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from streamrl.components.weights.nccl import DEFAULT_BUCKET_BYTES, Bucket, TensorSpec, plan_buckets
+
+__all__ = ["StagedWeights", "stage_parameters"]
+
+
+class StagedWeights:
+    """Host buffers holding one weight version, bucket by bucket.
+
+    Args:
+        specs: every tensor's name, shape and (wire) dtype, in the order they are sent.
+        bucket_bytes: the largest bucket (a larger tensor gets one of its own).
+        pin: page-locked buffers; ``None``: when CUDA is available.
+
+    Attributes:
+        bucket_bytes: the plan's largest bucket (``largest_bucket_bytes``: the actual one).
+        buckets: the layout, the same on every member that builds it from the same specs.
+        buffers: one flat host tensor per bucket; what travels.
+        version: the version the buffers hold (``None`` until filled).
+        lock: held while the buffers are written or read as a whole version.
+    """
+
+    def __init__(
+        self,
+        specs: Sequence[TensorSpec],
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        pin: bool | None = None,
+    ) -> None:
+        self.specs, self.bucket_bytes = tuple(specs), bucket_bytes
+        self.buckets: list[Bucket] = plan_buckets(self.specs, bucket_bytes)
+        pin = torch.cuda.is_available() if pin is None else pin
+        self.buffers = [torch.empty(b.numel, dtype=b.dtype, pin_memory=pin) for b in self.buckets]
+        self.version: int | None = None
+        self.lock = threading.Lock()
+        self._where = {  # tensor index -> (bucket, its slot)
+            slot.index: (i, slot) for i, b in enumerate(self.buckets) for slot in b.slots
+        }
+
+    @classmethod
+    def like(
+        cls,
+        named: Iterable[tuple[str, torch.Tensor]],
+        dtype: torch.dtype | None = None,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        pin: bool | None = None,
+    ) -> StagedWeights:
+        """A staging for tensors shaped as ``named`` (meta or sharded ones too), in ``dtype``
+        (their own by default)."""
+        specs = [
+            TensorSpec(name, tuple(t.shape), dtype if dtype is not None else t.dtype)
+            for name, t in named
+        ]
+        return cls(specs, bucket_bytes, pin)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the buffers (one model copy in the wire dtype)."""
+        return sum(b.nbytes for b in self.buckets)
+
+    @property
+    def largest_bucket_bytes(self) -> int:
+        """The largest bucket's bytes (what a receiver's device copy of one bucket costs)."""
+        return max((b.nbytes for b in self.buckets), default=0)
+
+    def view(self, index: int) -> torch.Tensor:
+        """Tensor ``index`` as a view into its bucket's buffer."""
+        bucket, slot = self._where[index]
+        return self.buffers[bucket][slot.offset : slot.offset + slot.numel].view(slot.shape)
+
+    def named(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(name, view)`` of every tensor, in send order; views, never copies."""
+        for index, spec in enumerate(self.specs):
+            yield spec.name, self.view(index)
+
+    def fill(self, named: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """Copy (and cast) ``named`` into the buffers, checking names and shapes, and mark them
+        as ``version``."""
+        count = 0
+        for index, (name, tensor) in enumerate(named):
+            self.copy_in(index, name, tensor)
+            count += 1
+        if count != len(self.specs):
+            raise ValueError(f"Staged {count} tensors, but the weights have {len(self.specs)}.")
+        self.version = version
+
+    def copy_in(self, index: int, name: str, tensor: torch.Tensor) -> None:
+        """Copy one tensor into its slot (cast to the wire dtype on the way)."""
+        spec = self.specs[index] if index < len(self.specs) else None
+        if spec is None or spec.name != name or tuple(tensor.shape) != spec.shape:
+            expected = f"{spec.name!r} {spec.shape}" if spec is not None else "nothing"
+            raise ValueError(
+                f"Weight {index} is {name!r} {tuple(tensor.shape)}, but the generators expect "
+                f"{expected}: the trainer's policy and the generators' model must have the same "
+                "parameters in the same order."
+            )
+        with torch.no_grad():
+            self.view(index).copy_(tensor.detach())
+
+
+def stage_parameters(
+    named: Iterable[tuple[str, torch.Tensor]],
+    staged: StagedWeights | None,
+    version: int,
+    dtype: torch.dtype | None = None,
+) -> None:
+    """Stage a (possibly FSDP-sharded) model's parameters tensor by tensor.
+
+    A collective when the parameters are ``DTensor`` s: every trainer rank calls it with the
+    same parameters in the same order (on the training thread, between optimizer steps, so the
+    gathers never race FSDP's own collectives); only the sending rank passes ``staged``, the
+    others gather and drop. Each sharded tensor is cast to the wire dtype *before* the
+    all-gather (half the bytes for bfloat16) and freed once copied, so the extra device memory
+    is one tensor, whatever the model's size.
+
+    Args:
+        named: the parameters, in send order.
+        staged: where the sending rank stages them; ``None`` on the other ranks.
+        version: the version they become.
+        dtype: the wire dtype, the same on every rank (the all-gathers must match).
+    """
+    count = 0
+    with torch.no_grad():
+        for index, (name, param) in enumerate(named):
+            if isinstance(param, DTensor):
+                wire = param.to(dtype) if dtype is not None else param
+                full = wire.full_tensor()  # the all-gather every rank joins
+            else:
+                full = param
+            if staged is not None:
+                staged.copy_in(index, name, full)
+            del full
+            count += 1
+    if staged is not None:
+        if count != len(staged.specs):
+            raise ValueError(f"Staged {count} tensors, but the weights have {len(staged.specs)}.")
+        staged.version = version

@@ -1,0 +1,170 @@
+"""A weight version staged once in host memory, bucket by bucket, and sent from there (StreamRL
+§4.1, §6): layout, casting, snapshot semantics, the wait before the next version overwrites
+the staging, and timeouts that fail instead of hanging."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from streamrl.components.generation.timeouts import Timeouts
+from streamrl.components.weights.staging import StagedWeights, stage_parameters
+from streamrl.components.weights.sync import AsyncWeightSync
+from streamrl.errors import ConfigError
+
+
+def _named() -> list[tuple[str, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(0)
+    return [
+        ("embed", torch.randn(10, 4, generator=gen)),
+        ("layer.w", torch.randn(4, 4, generator=gen)),
+        ("layer.b", torch.randn(4, generator=gen)),
+        ("head", torch.randn(4, 10, generator=gen).t()),  # not contiguous
+    ]
+
+
+class RecordingGroup:
+    """A peer that copies what it is sent (optionally slowly, or never returning)."""
+
+    def __init__(self, delay_s: float = 0.0, hang: bool = False) -> None:
+        self.received: list[list[torch.Tensor]] = []
+        self.delay_s, self.hang = delay_s, hang
+        self.sending = threading.Event()
+
+    def broadcast(self, buffers) -> int:
+        self.sending.set()
+        if self.hang:
+            threading.Event().wait()
+        time.sleep(self.delay_s)
+        self.received.append([b.clone() for b in buffers])
+        self.sending.clear()
+        return sum(b.numel() * b.element_size() for b in buffers)
+
+
+def _unpack(staged: StagedWeights, buffers: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    """What a receiver with the same layout reads from ``buffers``."""
+    receiver = StagedWeights(staged.specs, bucket_bytes=staged.bucket_bytes, pin=False)
+    for mine, theirs in zip(receiver.buffers, buffers):
+        mine.copy_(theirs)
+    return {name: t.clone() for name, t in receiver.named()}
+
+
+def test_staging_lays_tensors_out_in_buckets_and_casts_them():
+    named = _named()
+    staged = StagedWeights.like(named, torch.bfloat16, bucket_bytes=64, pin=False)
+    assert len(staged.buffers) == 3  # 80, 32 + 8, 80 bytes in bf16 (the two larger alone)
+    assert staged.nbytes == sum(t.numel() for _, t in named) * 2
+    staged.fill(named, version=3)
+    assert staged.version == 3
+    for (name, view), (_, tensor) in zip(staged.named(), named):
+        assert view.dtype == torch.bfloat16
+        assert torch.equal(view, tensor.to(torch.bfloat16)), name
+    # views, not copies: the engine loads straight from the buffers
+    first = next(staged.named())[1]
+    assert first.untyped_storage().data_ptr() == staged.buffers[0].untyped_storage().data_ptr()
+
+
+def test_staging_refuses_weights_of_another_model():
+    staged = StagedWeights.like(_named(), pin=False)
+    other = _named()
+    other[1] = ("layer.w", torch.zeros(4, 5))
+    with pytest.raises(ValueError, match=r"'layer.w' \(4, 5\).*expect 'layer.w' \(4, 4\)"):
+        staged.fill(other, version=1)
+    with pytest.raises(ValueError, match="Staged 3 tensors, but the weights have 4"):
+        staged.fill(_named()[:3], version=1)
+
+
+def test_stage_parameters_of_an_unsharded_model_is_the_model_in_the_wire_dtype():
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Linear(5, 3))
+    staged = StagedWeights.like(model.named_parameters(), torch.bfloat16, 64, pin=False)
+    stage_parameters(list(model.named_parameters()), staged, 2, torch.bfloat16)
+    assert staged.version == 2
+    for (name, view), (_, param) in zip(staged.named(), model.named_parameters()):
+        assert torch.equal(view, param.detach().to(torch.bfloat16)), name
+
+
+def test_a_push_sends_the_staged_snapshot_while_training_changes_the_weights():
+    named = _named()
+    group = RecordingGroup(delay_s=0.3)
+    sync = AsyncWeightSync(timeout_s=10, bucket_bytes=64)
+    announced: list[int] = []
+    sync.add_group(0, group, announced.append)
+    expected = {n: t.clone() for n, t in named}
+    sync.push(dict(named), version=1)
+    assert group.sending.wait(5)
+    for _, tensor in named:  # the next optimizer step, while version 1 is on the wire
+        tensor.add_(1.0)
+    sync.wait_sent(1)
+    got = _unpack(sync.staged, group.received[0])
+    assert all(torch.equal(got[n], t) for n, t in expected.items())
+    assert announced == [1] and sync.bytes_sent == sync.staged.nbytes
+    sync.close()
+
+
+def test_the_next_version_is_staged_only_once_the_previous_one_is_out():
+    named = _named()
+    group = RecordingGroup(delay_s=0.5)
+    sync = AsyncWeightSync(timeout_s=10, bucket_bytes=64)
+    sync.add_group(0, group, lambda v: None)
+    sync.push(dict(named), version=1)
+    started = time.perf_counter()
+    staged = sync.staging(named)  # blocks while version 1's buffers are being sent
+    assert time.perf_counter() - started > 0.3 and len(group.received) == 1
+    assert staged is sync.staged  # one host copy, reused
+    for _, tensor in named:
+        tensor.mul_(2.0)
+    staged.fill(named, version=2)
+    sync.push(staged, version=2)
+    sync.wait_sent(2)
+    second = _unpack(staged, group.received[1])
+    assert all(torch.equal(second[n], t) for n, t in named)
+    assert sync.exposed_s > 0.3  # the wait counts as the trainer's blocked time
+    sync.close()
+
+
+def test_a_newcomer_gets_the_staged_version_first():
+    named = _named()
+    sync = AsyncWeightSync(timeout_s=10)
+    sync.push(dict(named), version=4)
+    sync.wait_sent(4)
+    late, announced = RecordingGroup(), []
+    sync.add_group(7, late, announced.append)
+    sync.staging(named)  # returns once the catch-up is out
+    assert announced == [4] and len(late.received) == 1
+    assert all(torch.equal(_unpack(sync.staged, late.received[0])[n], t) for n, t in named)
+    sync.close()
+
+
+def test_a_stuck_transfer_times_out_instead_of_hanging_the_trainer():
+    sync = AsyncWeightSync(timeout_s=0.5)
+    sync.add_group(0, RecordingGroup(hang=True), lambda v: None)
+    sync.push(dict(_named()), version=1)
+    started = time.perf_counter()
+    with pytest.raises(TimeoutError, match=r"version 1 was not sent within 1 s \(the weight timeout, 0.5 s, per group"):
+        sync.wait_sent(1)
+    with pytest.raises(TimeoutError, match="previous weight version was not sent"):
+        sync.staging(_named())
+    assert time.perf_counter() - started < 3
+    sync.close()
+
+
+def test_push_refuses_a_staging_that_is_not_the_version():
+    sync = AsyncWeightSync()
+    staged = sync.staging(_named())
+    with pytest.raises(ValueError, match="hold version None, not 1"):
+        sync.push(staged, version=1)
+    sync.close()
+
+
+def test_default_timeouts_scale_with_the_model_and_a_given_one_wins():
+    small = Timeouts.for_model(model_bytes=1e6, max_tokens=64)
+    big = Timeouts.for_model(model_bytes=30e9, max_tokens=8192)
+    assert small.start_s == pytest.approx(180.1, abs=0.1)
+    for name in ("start_s", "sample_s", "heartbeat_s", "weight_s"):
+        assert getattr(big, name) > 5 * getattr(small, name)
+    assert Timeouts.for_model(30e9, 8192, weight_s=7).weight_s == 7
+    with pytest.raises(ConfigError, match=r"rl.weight_timeout_s must be > 0"):
+        Timeouts.for_model(1e6, 64, weight_s=0)

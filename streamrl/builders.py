@@ -76,6 +76,7 @@ def build_module(
     is_cap: float = 2.0,
     staleness_bound: int | None = None,
     correction: str = "decoupled",
+    correct_engine_gap: bool | None = None,
     elastic: ElasticController | None = None,
     sharded: bool = False,
     precision: Precision = "32-true",
@@ -110,6 +111,8 @@ def build_module(
             paper's one-step mode); no trained token is more than k versions old.
         correction: how stale tokens are corrected: ``"decoupled"``, ``"behaviour"`` or
             ``"mask"`` (``streamrl.components.training.off_policy``).
+        correct_engine_gap: correct every token for the generators' numerics (``None``: unless
+            both sides compute in float32; ``StreamRLModule``).
         elastic: adds generator instances when generation lags training (§4.2).
         sharded: FSDP2 over the trainer ranks (``streamrl.fsdp``); rank 0 deals its stream
             to the ranks. ``precision="bf16-mixed"`` is always sharded (one rank is fine).
@@ -159,6 +162,7 @@ def build_module(
         is_cap=is_cap,
         staleness_bound=bound,
         correction=correction,
+        correct_engine_gap=correct_engine_gap,
         layout=layout,
         logprob_chunk_tokens=logprob_chunk_tokens,
     )

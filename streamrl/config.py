@@ -178,6 +178,11 @@ class RLConfig:
         correction: how tokens of older weights are corrected: ``"decoupled"`` (proximal policy
             plus truncated IS), ``"behaviour"`` (PPO's clip against the behaviour policy) or
             ``"mask"`` (tokens with a ratio outside ``[1/is_cap, is_cap]`` left out).
+        correct_engine_gap: correct every token, fresh ones too, by ``correction``: the
+            generators' log-probs come from other numerics (bfloat16, vLLM's kernels) than the
+            trainer's, so PPO's ratio is taken against the trainer's own log-probs and each
+            token weighted by the truncated ratio trainer/generator; ``null``: on unless the
+            generators and the trainer both compute in float32 (docs/weights.md).
         reward: the task reward: a built-in (``"exact"``, ``"partial"``, ``"math"`` (math-verify),
             ``"reward_model"`` (``{name: reward_model, path: DIR}``), ``"reasoning_gym"``), or
             your function ``fn(completion, row) -> float`` as ``package.module:function`` (``row``
@@ -249,6 +254,7 @@ class RLConfig:
     staleness_bound: int | None = None
     partial_rollout: str = "finish"
     correction: str = "decoupled"
+    correct_engine_gap: bool | None = None
     reward: str | dict[str, Any] | list[Any] = "exact"
     reward_workers: int = 1
     reward_timeout_s: float = 60.0

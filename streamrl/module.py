@@ -93,6 +93,12 @@ class StreamRLModule(L.LightningModule):
         staleness_bound: async only: k >= 1 iterations generated ahead, so no trained token is
             more than k versions old (``staleness.AheadWindow``; ``None``: 1, the paper's).
         correction: how stale tokens are corrected (``off_policy.CORRECTIONS``).
+        correct_engine_gap: correct every token, not only stale ones: the generators'
+            numerics (bfloat16, vLLM's kernels) differ from the trainer's, so their log-probs
+            are not the trainer's policy even for fresh weights. PPO's ratio is then taken
+            against the trainer's own log-probs before the update and each token weighted by
+            the truncated ratio trainer/generator (``correction``). ``None``: on unless the
+            generators and the trainer both compute in float32 (docs/weights.md).
         layout: how a micro-batch goes through the forward pass: ``"packed"`` (samples end to
             end in one row, no padding) or ``"padded"`` (``streamrl.components.training.
             layout``); ``None``: the faster one for the policy's attention (``layout_for``).
@@ -119,6 +125,7 @@ class StreamRLModule(L.LightningModule):
         is_cap: float = 2.0,
         staleness_bound: int | None = None,
         correction: str = "decoupled",
+        correct_engine_gap: bool | None = None,
         layout: Layout | None = None,
         logprob_chunk_tokens: int | None = None,
     ) -> None:
@@ -136,6 +143,7 @@ class StreamRLModule(L.LightningModule):
         self.iterations, self.lr, self.max_grad_norm = iterations, lr, max_grad_norm
         self.weight_version, self.temperature, self.mode = 0, temperature, mode
         self.staleness_bound, self.correction = bound, check_correction(correction)
+        self.correct_engine_gap = correct_engine_gap
         self.pipeline = pipeline or DynamicBatchPipeline(
             staleness_bound=bound, packed=layout == "packed"
         )
@@ -301,6 +309,9 @@ class StreamRLModule(L.LightningModule):
         load_run_state(self, checkpoint)
 
     def on_train_start(self) -> None:
+        if self.correct_engine_gap is None:  # both in float32: the same numbers, nothing to fix
+            wire, compute = self.wire_dtype(), getattr(self, "precision", "32-true")
+            self.correct_engine_gap = wire not in (None, torch.float32) or compute != "32-true"
         # A resumed run starts new generator processes from the model directory: give them the
         # checkpoint's weights before any prompt is dispatched.
         if self.weight_version > 0:
@@ -343,6 +354,8 @@ class StreamRLModule(L.LightningModule):
             )
         # Per token: a partial rollout's or an episode's tokens may come from several versions.
         stale = b.versions < self.weight_version
+        if self.correct_engine_gap:  # every token: the generators' numerics are not ours
+            stale = torch.ones_like(stale)
         token_lags(b.versions, b.mask, self.weight_version, into=self.token_lags)
         fix = correct_stale(current, b.behaviour, b.mask, stale, self.is_cap, self.correction)
         if fix.stale_samples:

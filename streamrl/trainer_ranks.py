@@ -121,6 +121,7 @@ class RankSetup:
                 is_cap=rl.is_cap,
                 staleness_bound=rl.staleness_bound,
                 correction=rl.correction,
+                correct_engine_gap=rl.correct_engine_gap,
                 precision=placement.precision,
                 activation_checkpointing=trainer.activation_checkpointing,
                 reference_offload=trainer.reference_offload,

@@ -209,6 +209,33 @@ def test_each_token_is_corrected_by_its_own_version(tok):
     assert kept.tolist() != [1.0, 1.0]  # the behaviour log-probs put one token out of band
 
 
+def test_the_engine_gap_correction_treats_fresh_tokens_as_off_policy(tok):
+    """Generators in bfloat16 (or vLLM's kernels) give log-probs the trainer's float32 policy
+    does not: with the correction on, even fresh tokens take PPO's ratio against the trainer's
+    own log-probs and a truncated IS weight trainer/generator; off, the generator's log-probs
+    are the old policy as they are; by default on unless both sides compute in float32."""
+    policy = build_tiny_model(tok, "test", seed=0)
+    tokens = tok("abab")["input_ids"][:4]
+    behaviour = [-3.0, -0.5, -1.0, -1.0]
+    sample = Sample("p", 0, tok("copy ab=")["input_ids"], tokens, behaviour, 1, 0)
+    results = {}
+    for on in (True, False):
+        module = StreamRLModule(
+            policy, GRPO(group_size=2), None, 1, temperature=1.0, correct_engine_gap=on
+        )
+        module.weight_version = 1  # the sample is fresh
+        results[on] = module.loss_inputs(MicroBatch([sample], [1.0]))
+    current = results[True].logprobs.detach()[0]
+    ratio = torch.exp(current - torch.tensor(behaviour))
+    assert torch.allclose(results[True].old_logprobs[0], current)
+    assert torch.allclose(results[True].token_weights[0], ratio.clamp(max=2.0))
+    assert results[False].old_logprobs[0].tolist() == behaviour
+    assert results[False].token_weights is None
+    default = StreamRLModule(policy, GRPO(group_size=2), None, 1, temperature=1.0)
+    default.on_train_start()  # no generators: the trainer's float32 on both sides
+    assert default.correct_engine_gap is False
+
+
 class _Dispatches:
     """Stands in for a RolloutStream: records each iteration's ``min_weight_version``."""
 

@@ -143,7 +143,10 @@ def test_a_stuck_transfer_times_out_instead_of_hanging_the_trainer():
     sync.add_group(0, RecordingGroup(hang=True), lambda v: None)
     sync.push(dict(_named()), version=1)
     started = time.perf_counter()
-    with pytest.raises(TimeoutError, match=r"version 1 was not sent within 1 s \(the weight timeout, 0.5 s, per group"):
+    with pytest.raises(
+        TimeoutError,
+        match=r"version 1 was not sent within 1 s \(the weight timeout, 0.5 s, per group",
+    ):
         sync.wait_sent(1)
     with pytest.raises(TimeoutError, match="previous weight version was not sent"):
         sync.staging(_named())

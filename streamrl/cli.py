@@ -350,10 +350,15 @@ def build_parser() -> argparse.ArgumentParser:
         "instead; the fast ranker runs as baseline",
     )
     rank.set_defaults(func=_bench_ranker)
-    from streamrl.bench.commands import add_episodes_command, add_memory_command
+    from streamrl.bench.commands import (
+        add_episodes_command,
+        add_memory_command,
+        add_weights_command,
+    )
 
     add_episodes_command(bench_sub)
     add_memory_command(bench_sub)
+    add_weights_command(bench_sub)
 
     model = sub.add_parser(
         "model", help="write a random-init model directory of a built-in shape (e.g. 0.5b)"

@@ -4,6 +4,8 @@ this light module; the benchmark itself loads when it runs)."""
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 
@@ -129,3 +131,59 @@ def _run_memory(args: argparse.Namespace) -> dict:
     )
     cases = [MemoryCase(path, seq, **common) for seq in seqs for path in args.paths.split(",")]
     return bench_memory(cases, args.timeout_s)
+
+
+def add_weights_command(bench_sub: Any) -> None:
+    """``streamrl bench weights`` (``streamrl.bench.weights``)."""
+    weights = bench_sub.add_parser(
+        "weights",
+        help="seconds, memory and trainer egress per weight version: the old path (float32, "
+        "whole-model copies, one instance at a time) vs the new (staged buckets in the "
+        "engine's dtype down a chain), a process per case",
+    )
+    weights.add_argument(
+        "--size",
+        choices=["test", "demo", "0.5b"],
+        default="0.5b",
+        help="a built-in shape with random weights (0.5b: Qwen2.5-0.5B's)",
+    )
+    weights.add_argument("--model", help="instead of --size: a local HF model directory")
+    weights.add_argument("--instances", default="1,2,4", help="comma list of instance counts")
+    weights.add_argument("--trainer-ranks", default="1", help="comma list of FSDP2 rank counts")
+    weights.add_argument("--paths", default="old,new", help="any of old,new")
+    weights.add_argument("--versions", type=int, default=3, help="versions pushed per case")
+    weights.add_argument("--bucket-mb", type=int, default=256, help="the new path's buckets")
+    weights.add_argument("--dtype", default="bfloat16", help="the new path's engine and wire dtype")
+    weights.add_argument("--timeout-s", type=float, default=3600.0, help="per case")
+    weights.set_defaults(func=_run_weights)
+
+
+def _run_weights(args: argparse.Namespace) -> dict:
+    from streamrl.bench.weights import bench_weights, random_model_dir, weight_cases
+    from streamrl.errors import ConfigError
+
+    try:
+        instances = [int(n) for n in args.instances.split(",")]
+        ranks = [int(n) for n in args.trainer_ranks.split(",")]
+    except ValueError:
+        raise ConfigError(
+            "bench weights: --instances and --trainer-ranks take comma-separated integers, got "
+            f"{args.instances!r} and {args.trainer_ranks!r}."
+        ) from None
+    if args.dtype not in ("float32", "bfloat16", "float16"):
+        raise ConfigError(f"bench weights: --dtype {args.dtype!r}: float32, bfloat16 or float16.")
+    if args.model is not None and not (Path(args.model) / "config.json").is_file():
+        raise ConfigError(f"bench weights: --model {args.model!r} has no config.json.")
+    cases = weight_cases(
+        args.model or "",
+        instances,
+        ranks,
+        args.paths.split(","),
+        versions=args.versions,
+        bucket_bytes=args.bucket_mb * 2**20,
+        wire_dtype=args.dtype,
+        timeout_s=min(args.timeout_s, 900.0),
+    )
+    model_dir = args.model or random_model_dir(args.size)  # after the checks: fail fast
+    cases = [replace(case, model_dir=model_dir) for case in cases]
+    return bench_weights(cases, args.timeout_s)

@@ -211,7 +211,17 @@ def memory_ratios(results: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
 
 
 def run_case(case: MemoryCase, timeout_s: float) -> dict[str, Any]:
-    """Measure ``case`` in a fresh ``python -m streamrl.bench.memory_case`` process.
+    """Measure ``case`` in a fresh ``python -m streamrl.bench.memory_case`` process
+    (``run_in_fresh_process``)."""
+    result = {"path": case.path, "seq": case.seq, "vocab": case.vocab, "oom": False}
+    return run_in_fresh_process("streamrl.bench.memory_case", asdict(case), result, timeout_s)
+
+
+def run_in_fresh_process(
+    module: str, case: dict[str, Any], result: dict[str, Any], timeout_s: float
+) -> dict[str, Any]:
+    """Run ``python -m module --case JSON`` and return ``result`` updated with the JSON of its
+    last stdout line.
 
     Never raises for the case's own failure: running out of memory gives ``oom: true`` (and
     ``needed_bytes`` when the failed allocation's size is known); a process killed by a signal,
@@ -219,16 +229,9 @@ def run_case(case: MemoryCase, timeout_s: float) -> dict[str, Any]:
     ``timed_out``; any other failure, ``error`` with the end of its stderr. The process group is
     killed on every way out, Ctrl-C included.
     """
-    command = [
-        sys.executable,
-        "-m",
-        "streamrl.bench.memory_case",
-        "--case",
-        json.dumps(asdict(case)),
-    ]
+    command = [sys.executable, "-m", module, "--case", json.dumps(case)]
     env = {**_ALLOCATOR_ENV, **os.environ}  # the caller's own settings win
-    result: dict[str, Any] = {"path": case.path, "seq": case.seq, "vocab": case.vocab}
-    result["oom"], started = False, time.perf_counter()
+    started = time.perf_counter()
     process = subprocess.Popen(
         command,
         stdout=subprocess.PIPE,
@@ -251,7 +254,8 @@ def run_case(case: MemoryCase, timeout_s: float) -> dict[str, Any]:
         return {**result, "oom": name == "SIGKILL", "killed": name, "error": _tail(err)}
     lines = out.strip().splitlines()
     if process.returncode != 0 or not lines:
-        return {**result, "error": _tail(err) or f"exit status {process.returncode}"}
+        oom = any(marker in err.lower() for marker in _OOM_MARKERS)
+        return {**result, "oom": oom, "error": _tail(err) or f"exit status {process.returncode}"}
     return {**result, **json.loads(lines[-1])}
 
 

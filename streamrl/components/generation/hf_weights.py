@@ -48,5 +48,6 @@ def fingerprint(model: torch.nn.Module) -> str:
     digest = hashlib.sha256()
     for name, param in model.named_parameters():
         digest.update(name.encode())
-        digest.update(param.detach().cpu().contiguous().numpy().tobytes())
+        raw = param.detach().cpu().contiguous().reshape(-1).view(torch.uint8)  # bf16 too
+        digest.update(raw.numpy().tobytes())
     return digest.hexdigest()

@@ -150,7 +150,7 @@ class RLConfig:
             tensor), ``"bucketed"`` (tensors packed into large buffers) or ``"nccl"`` (buckets
             GPU to GPU through CuPy's NCCL; needs CuPy and GPUs).
         weight_bucket_mb: the largest bucket a weight version travels in (MiB); the extra
-            device memory of a sync is about one bucket (docs/weights.md).
+            device memory of a sync is about one bucket (docs/weight_transfer.md).
         weight_fanout: generator instances each instance passes the weights on to (1: a
             chain); the trainer sends one copy per version to each site.
         start_timeout_s: how long a generator instance may take to start and load the model;
@@ -182,7 +182,7 @@ class RLConfig:
             generators' log-probs come from other numerics (bfloat16, vLLM's kernels) than the
             trainer's, so PPO's ratio is taken against the trainer's own log-probs and each
             token weighted by the truncated ratio trainer/generator; ``null``: on unless the
-            generators and the trainer both compute in float32 (docs/weights.md).
+            generators and the trainer both compute in float32 (docs/weight_transfer.md).
         reward: the task reward: a built-in (``"exact"``, ``"partial"``, ``"math"`` (math-verify),
             ``"reward_model"`` (``{name: reward_model, path: DIR}``), ``"reasoning_gym"``), or
             your function ``fn(completion, row) -> float`` as ``package.module:function`` (``row``

@@ -98,7 +98,7 @@ class StreamRLModule(L.LightningModule):
             are not the trainer's policy even for fresh weights. PPO's ratio is then taken
             against the trainer's own log-probs before the update and each token weighted by
             the truncated ratio trainer/generator (``correction``). ``None``: on unless the
-            generators and the trainer both compute in float32 (docs/weights.md).
+            generators and the trainer both compute in float32 (docs/weight_transfer.md).
         layout: how a micro-batch goes through the forward pass: ``"packed"`` (samples end to
             end in one row, no padding) or ``"padded"`` (``streamrl.components.training.
             layout``); ``None``: the faster one for the policy's attention (``layout_for``).

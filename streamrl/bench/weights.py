@@ -1,5 +1,5 @@
 """``streamrl bench weights``: what moving one weight version costs, the old path beside the new,
-each case in a fresh process (docs/weights.md).
+each case in a fresh process (docs/weight_transfer.md).
 
 For each number of generator instances and trainer ranks, ``old`` (the whole float32 state
 gathered and cloned, then sent to each instance in turn, received into fresh full buffers) and

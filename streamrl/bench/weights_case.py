@@ -13,9 +13,12 @@ JSON line of figures.
   instance in turn over a group of its own; each instance receives into fresh full-model
   buffers, then copies them into its model.
 
-Memory is the resident set's peak during the pushes above the resident set before the first
-(Linux ``VmHWM``, reset through ``/proc/<pid>/clear_refs``), for this process and for every
-instance: on the CPU the host staging copy is inside it, so it is also reported apart.
+Memory is the resident set's peak during the pushes above the resident set before them (Linux
+``VmHWM``, reset through ``/proc/<pid>/clear_refs``), for this process and for every instance,
+after one untimed warm-up version (so that weights mapped from the checkpoint file and made
+private at their first write are not counted as the sync's). The host staging copy, resident
+since the warm-up, is added back: it exists for the sync, and on the CPU it is inside the peak,
+so it is also reported apart (``staging_bytes``).
 """
 
 from __future__ import annotations
@@ -79,11 +82,13 @@ def measure_case(case: WeightsCase) -> dict[str, Any]:
 
 def _push_versions(case: WeightsCase, model: torch.nn.Module, push: Any) -> dict[str, Any]:
     pids = push.instance_pids()
-    time.sleep(1.0)  # let start-up settle: its transient pages are not the sync's
+    _nudge(model)
+    push.push(1)  # the warm-up version, untimed
+    time.sleep(1.0)  # let it settle: its transient pages are not the next ones'
     before = {pid: _status_kb(pid, "VmRSS") for pid in [os.getpid(), *pids]}
     peak = dict.fromkeys(before, 0)
     seconds = []
-    for version in range(1, case.versions + 1):
+    for version in range(2, case.versions + 2):
         _nudge(model)
         for pid in before:
             Path(f"/proc/{pid}/clear_refs").write_text("5")  # the peak restarts from now
@@ -92,7 +97,7 @@ def _push_versions(case: WeightsCase, model: torch.nn.Module, push: Any) -> dict
         seconds.append(time.perf_counter() - started)
         for pid in before:
             peak[pid] = max(peak[pid], _status_kb(pid, "VmHWM"))
-    extra = {pid: (peak[pid] - before[pid]) * 1024 for pid in before}
+    extra = {pid: (peak[pid] - before[pid]) * 1024 + push.staging_bytes for pid in before}
     wire = push.wire_dtype
     return {
         "path": case.path,
@@ -103,7 +108,7 @@ def _push_versions(case: WeightsCase, model: torch.nn.Module, push: Any) -> dict
         "seconds_each": [round(s, 3) for s in seconds],
         "trainer_peak_extra_bytes": extra[os.getpid()],
         "generator_peak_extra_bytes": max(extra[pid] for pid in pids),
-        "egress_bytes_per_version": push.bytes_sent // case.versions,
+        "egress_bytes_per_version": push.bytes_sent // (case.versions + 1),
         "model_bytes": sum(p.numel() for p in model.parameters()) * _itemsize(wire),
         "wire_dtype": str(wire).removeprefix("torch."),
         "bucket_bytes": case.bucket_bytes if case.path == "new" else None,
@@ -224,7 +229,7 @@ def _old_instance_main(port: int, case: WeightsCase, link: Any) -> None:
         group.broadcast(buffers.values())
         copy_into(model, buffers)
         del buffers
-        link.send(fingerprint(model) if version == case.versions else "")
+        link.send(fingerprint(model) if version == case.versions + 1 else "")
 
 
 def _rank_main(rank: int, port: int, case: WeightsCase) -> None:
@@ -233,7 +238,7 @@ def _rank_main(rank: int, port: int, case: WeightsCase) -> None:
     model = _trainer_model(rank, port, case)
     names = list(model.named_parameters())
     wire = getattr(torch, case.wire_dtype)
-    for version in range(1, case.versions + 1):
+    for version in range(1, case.versions + 2):  # the warm-up version too
         _nudge(model)
         if case.path == "new":
             from streamrl.components.weights.staging import stage_parameters

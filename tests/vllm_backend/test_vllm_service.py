@@ -55,5 +55,42 @@ def test_service_streams_from_vllm_instances_and_updates_their_weights(tmp_path)
         assert service.counts["samples_returned"] == 6
 
 
+def test_a_bfloat16_checkpoint_runs_and_travels_in_bfloat16_bucket_by_bucket(tmp_path):
+    """vLLM runs the checkpoint's dtype; the trainer's float32 weights are cast to it when
+    staged, travel in small buckets (one copy per version: the second instance gets it from the
+    first), are loaded bucket by bucket, and the engine's log-probs then match the trainer's
+    within bfloat16's tolerance."""
+    tokenizer = build_tokenizer()
+    policy = build_tiny_model(tokenizer, "demo", seed=0)
+    model_dir = save_policy(policy.to(torch.bfloat16), tokenizer, tmp_path / "policy")
+    policy = policy.float()
+    service = StreamGenerationService(
+        model_dir,
+        2,
+        engine=VLLMEngine(options=ENGINE),
+        max_batch_size=4,
+        greedy=True,
+        weight_bucket_bytes=256 << 10,
+    )
+    with service:
+        with torch.no_grad():
+            for p in policy.parameters():
+                p.add_(torch.randn_like(p) * 0.2)
+        service.update(policy, version=1)
+        sync = service.weight_sync
+        assert sync.dtype == torch.bfloat16 and len(sync.staged.buffers) > 3
+        assert {b.dtype for b in sync.staged.buffers} == {torch.bfloat16}
+        assert sync.bytes_sent == sum(p.numel() for p in policy.parameters()) * 2
+        samples = list(service.generate(_requests(1)))
+    assert {s.weight_version for s in samples} == {1}
+    for s in samples:
+        ids = torch.tensor([s.prompt_ids + s.token_ids])
+        with torch.no_grad():
+            logits = policy(ids).logits[0, len(s.prompt_ids) - 1 : -1].float()
+        logits[:, tokenizer.eos_token_id] = float("-inf")  # masked while a forced length runs
+        expected = torch.log_softmax(logits, -1).gather(1, torch.tensor(s.token_ids)[:, None])
+        torch.testing.assert_close(torch.tensor(s.logprobs), expected[:, 0], atol=0.1, rtol=0)
+
+
 def test_fit_switches_to_vllm_with_one_field(fit_small):
     fit_small(model_size="demo", engine="vllm")  # head size 32: vLLM's CPU attention

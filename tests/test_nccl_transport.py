@@ -196,7 +196,7 @@ def test_over_real_gloo_groups_in_threads():
 def test_without_cupy_a_config_error_says_what_to_install(monkeypatch):
     for name in ("cupy", "cupy.cuda", "cupy.cuda.nccl"):
         monkeypatch.setitem(sys.modules, name, None)  # import now raises ImportError
-    with pytest.raises(ConfigError, match="pip install cupy-cuda12x") as info:
+    with pytest.raises(ConfigError, match=r"pip install 'streamrl\[gpu\]' \(cupy-cuda12x") as info:
         import_nccl()
     assert "GPU" in str(info.value)
     with pytest.raises(ConfigError, match="cupy-cuda12x"):

@@ -163,6 +163,11 @@ class ShardedStreamRLModule(StreamRLModule):
         names = adapter_names(self.policy) or None
         return [(n, p) for n, p in self.policy.named_parameters() if names is None or n in names]
 
+    def weights_root(self) -> int | None:
+        """Rank 0 holds the service with ``share_stream`` (the ranks send it their shards);
+        otherwise every rank has a service of its own and gathers the full weights."""
+        return 0 if self.share_stream else None
+
     def wire_dtype(self) -> torch.dtype | None:
         """The generators' dtype, which only rank 0 (the service's) knows: every rank must cast
         before the same all-gathers."""

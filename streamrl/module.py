@@ -254,7 +254,12 @@ class StreamRLModule(L.LightningModule):
         host copy in the wire dtype (``stage``; a collective when the policy is sharded:
         every rank calls it); ``None`` on a rank without the service."""
         sync = self.rollouts.service.weight_sync if self.rollouts is not None else None
-        return stage(self.weights_to_sync(), sync, self.weight_version, self.wire_dtype())
+        named, version = self.weights_to_sync(), self.weight_version
+        return stage(named, sync, version, self.wire_dtype(), self.weights_root())
+
+    def weights_root(self) -> int | None:
+        """The trainer rank that sends the weights (``None``: each rank sends its own)."""
+        return 0
 
     def wire_dtype(self) -> torch.dtype | None:
         """The dtype weights travel in: the generators' engine dtype (``None``: the policy's)."""

@@ -18,6 +18,7 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.distributed.tensor import DTensor
 
@@ -150,11 +151,15 @@ def _fit(groups: list[ScoredGroup], sharded: bool) -> dict:
     )
     trainer.fit(module)
     exact = None
-    if sharded:  # the wire dtype's staging: a collective, as in a run, on both ranks
-        bf16 = StagedWeights.like(module.weights_to_sync(), torch.bfloat16)
-        stage_parameters(module.weights_to_sync(), bf16, 9, torch.bfloat16)
+    if sharded:  # the wire dtype's staging, collectives as in a run, on both ranks
+        named, bf16, rank = module.weights_to_sync(), torch.bfloat16, dist.get_rank()
+        to_root = StagedWeights.like(named, bf16)  # every rank's rows sent to rank 0's
+        stage_parameters(named, to_root if rank == 0 else None, 9, bf16, root=0)
+        everywhere = StagedWeights.like(named, bf16)  # all-gathered on every rank
+        stage_parameters(named, everywhere, 9, bf16, root=None)
         full = full_state(policy)
-        exact = all(torch.equal(t, full[n].to(torch.bfloat16)) for n, t in bf16.named())
+        staged = [everywhere, to_root] if rank == 0 else [everywhere]
+        exact = all(torch.equal(t, full[n].to(bf16)) for s in staged for n, t in s.named())
     held = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in policy.parameters())
     return {
         "losses": [sum(parts) for parts in algorithm.losses],  # summed over this rank's samples

@@ -23,7 +23,8 @@ import threading
 from collections.abc import Iterable, Iterator, Sequence
 
 import torch
-from torch.distributed.tensor import DTensor
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Shard
 
 from streamrl.components.weights.nccl import DEFAULT_BUCKET_BYTES, Bucket, TensorSpec, plan_buckets
 
@@ -111,16 +112,20 @@ class StagedWeights:
 
     def copy_in(self, index: int, name: str, tensor: torch.Tensor) -> None:
         """Copy one tensor into its slot (cast to the wire dtype on the way)."""
+        self.check(index, name, tuple(tensor.shape))
+        with torch.no_grad():
+            self.view(index).copy_(tensor.detach())
+
+    def check(self, index: int, name: str, shape: tuple[int, ...]) -> None:
+        """Raise ``ValueError`` unless tensor ``index`` is ``name`` of ``shape`` here."""
         spec = self.specs[index] if index < len(self.specs) else None
-        if spec is None or spec.name != name or tuple(tensor.shape) != spec.shape:
+        if spec is None or spec.name != name or shape != spec.shape:
             expected = f"{spec.name!r} {spec.shape}" if spec is not None else "nothing"
             raise ValueError(
-                f"Weight {index} is {name!r} {tuple(tensor.shape)}, but the generators expect "
+                f"Weight {index} is {name!r} {shape}, but the generators expect "
                 f"{expected}: the trainer's policy and the generators' model must have the same "
                 "parameters in the same order."
             )
-        with torch.no_grad():
-            self.view(index).copy_(tensor.detach())
 
 
 def stage_parameters(
@@ -128,35 +133,81 @@ def stage_parameters(
     staged: StagedWeights | None,
     version: int,
     dtype: torch.dtype | None = None,
+    root: int | None = 0,
 ) -> None:
     """Stage a (possibly FSDP-sharded) model's parameters tensor by tensor.
 
     A collective when the parameters are ``DTensor`` s: every trainer rank calls it with the
     same parameters in the same order (on the training thread, between optimizer steps, so the
-    gathers never race FSDP's own collectives); only the sending rank passes ``staged``, the
-    others gather and drop. Each sharded tensor is cast to the wire dtype *before* the
-    all-gather (half the bytes for bfloat16) and freed once copied, so the extra device memory
-    is one tensor, whatever the model's size.
+    gathers never race FSDP's own collectives). Each shard is cast to the wire dtype first
+    (half the bytes for bfloat16). With ``root`` (the one rank that passes ``staged``), each
+    rank sends its rows of a tensor straight into ``root``'s staging: no full tensor exists on
+    any device, and a rank's extra memory is its cast shard (plus, over NCCL, one shard-sized
+    receive buffer on ``root``). With ``root=None`` every rank stages (each has a staging of
+    its own) and the tensors are all-gathered one at a time.
 
     Args:
         named: the parameters, in send order.
-        staged: where the sending rank stages them; ``None`` on the other ranks.
+        staged: where this rank stages them; ``None`` on ranks that only contribute shards.
         version: the version they become.
-        dtype: the wire dtype, the same on every rank (the all-gathers must match).
+        dtype: the wire dtype, the same on every rank.
+        root: the rank (in the parameters' mesh) holding the staging; ``None``: every rank.
     """
     count = 0
     with torch.no_grad():
         for index, (name, param) in enumerate(named):
-            if isinstance(param, DTensor):
-                wire = param.to(dtype) if dtype is not None else param
-                full = wire.full_tensor()  # the all-gather every rank joins
+            wire = param
+            if isinstance(param, DTensor) and dtype is not None and param.dtype != dtype:
+                wire = param.to(dtype)  # the shard, cast: what travels
+            if isinstance(wire, DTensor) and root is not None and _row_sharded(wire):
+                if staged is not None:
+                    staged.check(index, name, tuple(wire.shape))
+                _gather_rows(wire, staged.view(index) if staged is not None else None, root)
             else:
-                full = param
-            if staged is not None:
-                staged.copy_in(index, name, full)
-            del full
+                full = wire.full_tensor() if isinstance(wire, DTensor) else wire
+                if staged is not None:
+                    staged.copy_in(index, name, full)
+                del full
+            del wire
             count += 1
     if staged is not None:
         if count != len(staged.specs):
             raise ValueError(f"Staged {count} tensors, but the weights have {len(staged.specs)}.")
         staged.version = version
+
+
+def _row_sharded(tensor: DTensor) -> bool:
+    """Sharded along its first dimension over a one-dimensional mesh (FSDP2's layout)."""
+    return tensor.device_mesh.ndim == 1 and tensor.placements == (Shard(0),)
+
+
+def _gather_rows(tensor: DTensor, into: torch.Tensor | None, root: int) -> None:
+    """``root`` receives every rank's rows of ``tensor`` into ``into`` (host memory); the other
+    ranks send theirs. Rows split as ``torch.chunk`` splits them, FSDP2's sharding."""
+    group = tensor.device_mesh.get_group()
+    me, world = dist.get_rank(group), dist.get_world_size(group)
+    rows = tensor.shape[0]
+    chunk = -(-rows // world)
+    local = tensor.to_local()
+    if me != root:
+        if local.numel():
+            dist.send(local.contiguous(), dist.get_global_rank(group, root), group=group)
+        return
+    for rank in range(world):
+        start, end = min(rank * chunk, rows), min((rank + 1) * chunk, rows)
+        if start == end:
+            continue
+        target = into[start:end]
+        if rank == root:
+            if local.shape[0] != end - start:
+                raise ValueError(
+                    f"A shard of {tuple(tensor.shape)} holds {local.shape[0]} rows, not "
+                    f"{end - start}: not sharded as torch.chunk splits (FSDP2's layout)."
+                )
+            target.copy_(local)
+        elif local.is_cuda:  # NCCL receives on the device, then one copy to the host
+            buffer = torch.empty(target.shape, dtype=target.dtype, device=local.device)
+            dist.recv(buffer, dist.get_global_rank(group, rank), group=group)
+            target.copy_(buffer)
+        else:  # gloo receives straight into the staging
+            dist.recv(target, dist.get_global_rank(group, rank), group=group)

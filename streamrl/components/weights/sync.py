@@ -220,13 +220,15 @@ def stage(
     sync: AsyncWeightSync | None,
     version: int,
     dtype: torch.dtype | None = None,
+    root: int | None = 0,
 ) -> StagedWeights | None:
     """Stage ``named`` as ``version`` into ``sync``'s host copy, once the previous version is
-    out (a collective when the tensors are sharded: every trainer rank calls it, only the one
-    holding ``sync`` keeps the staging, ``stage_parameters``); returns the staging, or ``None``
-    on a rank without ``sync``."""
+    out (a collective when the tensors are sharded: every trainer rank calls it; ``root``, the
+    rank holding ``sync``, receives every rank's shards into its staging, or ``None``: every
+    rank holds a sync of its own; ``stage_parameters``); returns the staging, or ``None`` on a
+    rank without ``sync``."""
     staged = sync.staging(named) if sync is not None else None
     if staged is not None and staged.specs:
         dtype = staged.specs[0].dtype
-    stage_parameters(named, staged, version, dtype)
+    stage_parameters(named, staged, version, dtype, root)
     return staged

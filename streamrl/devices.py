@@ -14,7 +14,8 @@ GPU indices are those torch numbers on this machine (``cuda:k``, after any
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import os
+from collections.abc import MutableMapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -263,3 +264,32 @@ def _generator_gpus(
             "some to the generators (trainer.devices) or generate on the CPU (rl.gpus: 0)."
         )
     return gpus
+
+
+def pin_visible_gpu(device: str, environ: MutableMapping[str, str] | None = None) -> str:
+    """Make a local generator instance on ``cuda:k`` see that GPU only, before CUDA starts in
+    its process: ``CUDA_VISIBLE_DEVICES`` becomes the k-th GPU this process sees (the parent's
+    own ``CUDA_VISIBLE_DEVICES`` respected), so an engine that takes "the" GPU (vLLM) and NCCL's
+    current device are that one, never the trainer's ``cuda:0``. Returns the device as the
+    process then names it (``cuda:0``); any other device (``cpu``; ``cuda`` under Ray, which sets
+    the variable itself) is returned unchanged.
+
+    Examples:
+        >>> env = {"CUDA_VISIBLE_DEVICES": "4,5,6"}
+        >>> pin_visible_gpu("cuda:2", env), env["CUDA_VISIBLE_DEVICES"]
+        ('cuda:0', '6')
+        >>> pin_visible_gpu("cpu", env)
+        'cpu'
+    """
+    if not device.startswith("cuda:"):
+        return device
+    environ = os.environ if environ is None else environ
+    index = int(device.split(":", 1)[1])
+    visible = [d.strip() for d in environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    if visible and index >= len(visible):
+        raise ConfigError(
+            f"generator device {device} is not among the {len(visible)} GPUs this process sees "
+            f"(CUDA_VISIBLE_DEVICES={','.join(visible)})."
+        )
+    environ["CUDA_VISIBLE_DEVICES"] = visible[index] if visible else str(index)
+    return "cuda:0"

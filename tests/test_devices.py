@@ -14,7 +14,7 @@ from streamrl.components.generation import ray_instance, service
 from streamrl.components.generation.engines import instance_device
 from streamrl.components.generation.ray_instance import RayOptions
 from streamrl.components.generation.service import StreamGenerationService
-from streamrl.devices import Placement, resolve_placement
+from streamrl.devices import Placement, pin_visible_gpu, resolve_placement
 from streamrl.errors import ConfigError
 
 
@@ -237,3 +237,19 @@ def test_sharing_the_trainers_gpus_is_an_explicit_choice(gpus):
         resolve_placement("cuda", generator_gpus_per_instance=1)
     shared = resolve_placement("cuda", generator_gpus_per_instance=1, share_trainer_gpus=True)
     assert shared.trainer_gpus == (0,) and shared.generator_gpus == (0,)
+
+
+def test_a_local_instance_sees_only_its_gpu_before_cuda_starts():
+    """vLLM takes "the" GPU of its process and NCCL the current device: each local instance's
+    CUDA_VISIBLE_DEVICES names its own GPU (the k-th its parent sees), so none lands on the
+    trainer's cuda:0."""
+    env: dict[str, str] = {}
+    assert pin_visible_gpu("cuda:3", env) == "cuda:0" and env == {"CUDA_VISIBLE_DEVICES": "3"}
+    env = {"CUDA_VISIBLE_DEVICES": "2,5,7"}  # the parent was given GPUs 2, 5 and 7
+    assert pin_visible_gpu("cuda:1", env) == "cuda:0" and env["CUDA_VISIBLE_DEVICES"] == "5"
+    env = {"CUDA_VISIBLE_DEVICES": "2,5"}
+    with pytest.raises(ConfigError, match=r"cuda:4 is not among the 2 GPUs.*=2,5"):
+        pin_visible_gpu("cuda:4", env)
+    for device in ("cpu", "cuda"):  # the CPU; a Ray actor, whose GPU Ray already set
+        env = {"CUDA_VISIBLE_DEVICES": "2,5"}
+        assert pin_visible_gpu(device, env) == device and env["CUDA_VISIBLE_DEVICES"] == "2,5"

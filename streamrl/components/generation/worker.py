@@ -33,7 +33,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -45,6 +45,7 @@ from streamrl.components.skewness.schedulers import FIFOScheduler
 from streamrl.components.weights.nccl import DEFAULT_BUCKET_BYTES
 from streamrl.components.weights.relay import WeightRelay, relay_messages
 from streamrl.components.weights.staging import StagedWeights
+from streamrl.devices import pin_visible_gpu
 from streamrl.protocols import AdmissionScheduler, EngineSpec, GenerationEngine
 from streamrl.records import Request
 
@@ -111,6 +112,8 @@ def worker_main(spec: WorkerSpec, inbox: Any, outbox: Any, leave: Any = None) ->
     with contextlib.suppress(ValueError):  # not the main thread (a Ray actor may be threaded)
         signal.signal(signal.SIGINT, signal.SIG_IGN)
     torch.set_num_threads(1)
+    # Before CUDA starts here: this instance sees its own GPU only (vLLM takes "the" GPU).
+    spec = replace(spec, device=pin_visible_gpu(spec.device))
     parent = os.getppid()
     try:
         from transformers.utils import logging as hf_logging

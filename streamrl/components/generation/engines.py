@@ -72,6 +72,14 @@ class HFEngine:
     def check(self, *, cluster: str, gpus_per_instance: int) -> None:
         """The GPUs asked for exist; peft is installed if there are adapters."""
         check_gpus(cluster, gpus_per_instance)
+        import transformers
+
+        if _version(transformers.__version__) < (5, 20):
+            raise ConfigError(
+                f"HFEngine needs transformers>=5.20 (continuous batching over DynamicCache); "
+                f"this environment has {transformers.__version__} (vLLM 0.32 pins <5.20: "
+                "rl.engine: vllm there, or pip install 'transformers>=5.20' without vLLM)."
+            )
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ConfigError(
                 f"HFEngine dtype {self.dtype!r}: choose float32, bfloat16 or float16."
@@ -267,3 +275,8 @@ def check_factories(engine: object, scheduler: object) -> None:
                 f"process ({type(err).__name__}: {err}); define it at module level, with "
                 "plain settings."
             ) from err
+
+
+def _version(text: str) -> tuple[int, ...]:
+    """``"5.19.0"`` -> ``(5, 19)``: the release's first two numbers."""
+    return tuple(int("".join(c for c in part if c.isdigit()) or 0) for part in text.split(".")[:2])

@@ -201,3 +201,16 @@ def test_lora_with_the_vllm_backend_is_refused(tmp_path, monkeypatch):
     )
     with pytest.raises(ConfigError, match=r"rl.engine: 'vllm' takes no LoRA adapters"):
         load_checked(write(tmp_path, "rl:\n  engine: vllm\n  lora_r: 4\n"))
+
+
+def test_weight_settings_and_timeouts_are_checked_before_work(tmp_path):
+    for rl, error in [
+        ("{weight_timeout_s: 0}", r"rl.weight_timeout_s must be > 0 seconds, got 0"),
+        ("{sample_timeout_s: -5}", r"rl.sample_timeout_s must be > 0 seconds, got -5"),
+        ("{weight_bucket_mb: 0}", r"need weight_bucket_mb >= 1 and weight_fanout >= 1"),
+        ("{weight_fanout: 0}", r"weight_fanout=0"),
+    ]:
+        with pytest.raises(ConfigError, match=error):
+            load_checked(write(tmp_path, f"rl: {rl}\n"))
+    config = load_checked(write(tmp_path, "rl: {weight_timeout_s: 7, weight_fanout: 2}\n"))
+    assert config.rl.weight_timeout_s == 7 and config.rl.weight_fanout == 2

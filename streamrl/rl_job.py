@@ -24,6 +24,7 @@ from streamrl.builders import make_logger
 from streamrl.chat import stop_token_ids
 from streamrl.components.generation.service import StreamGenerationService
 from streamrl.components.generation.timeouts import Timeouts
+from streamrl.components.skewness.instance_profile import LatencyProfile
 from streamrl.config import RunConfig
 from streamrl.envs.runner import EpisodeRunner
 from streamrl.eval_callback import PeriodicEval, plot_eval
@@ -33,6 +34,7 @@ from streamrl.prompts import PromptSource
 from streamrl.rewards.pool import RewardPool
 from streamrl.rollout import RolloutStream
 from streamrl.run_parts import RunParts, reward_pool
+from streamrl.sft import default_cache_dir
 from streamrl.timeline import draw_timeline
 from streamrl.trainer_ranks import RankSetup, pin_threads, trainer_ranks
 
@@ -132,6 +134,11 @@ def train_rl(
         sample_timeout_s=timeouts.sample_s,
         heartbeat_timeout_s=timeouts.heartbeat_s,
         weight_timeout_s=timeouts.weight_s,
+        profile_latency=(
+            LatencyProfile.up_to(rl.max_batch_size, str(default_cache_dir()))
+            if parts.latency is not None
+            else None
+        ),
         sites=rl.sites or None,
         trainer_site=rl.trainer_site,
         stop_token_ids=stop_token_ids(tokenizer),
@@ -142,6 +149,8 @@ def train_rl(
         RewardPool(parts.rewards, workers=0) if episodes else reward_pool(rl, parts.rewards)
     )
     with service, rewards_in as rewards:
+        if parts.latency is not None:  # the instances' own PTL(BS), before any dispatch
+            parts.latency.update_from(service.measured_latency())
         rollouts = RolloutStream(
             service,
             PromptSource(train_set, rl.prompts_per_iteration, seed=config.seed),

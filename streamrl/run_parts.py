@@ -26,10 +26,10 @@ from typing import Any
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from streamrl.algorithms import ALGORITHMS, Algorithm, RunFacts
-from streamrl.builders import measure_latency
 from streamrl.components.capacity.elastic import ElasticController
 from streamrl.components.generation.engines import ENGINES, check_cluster
 from streamrl.components.skewness.dispatch import RandomDispatcher, RoundRobinDispatcher
+from streamrl.components.skewness.latency import LatencyModel
 from streamrl.components.skewness.ranker import LengthRanker
 from streamrl.components.skewness.schedulers import FIFOScheduler, LPTScheduler
 from streamrl.components.skewness.skew_dispatch import SkewAwareDispatcher
@@ -65,6 +65,10 @@ class RunParts:
         length_predictor: output-length predictions for dispatch and LPT, or ``None``.
         elastic: adds generator instances while training runs, or ``None``.
         lora: the policy's adapters, or ``None`` (full fine-tuning).
+        latency: the ``PTL(BS)`` the dispatcher and the elastic controller share, if either
+            uses one: measured by the generator instances themselves when they start
+            (``StreamGenerationService(profile_latency=...)``), then filled in here in place
+            (``LatencyModel.update_from``) before anything is dispatched; ``None``: unused.
     """
 
     algorithm: Algorithm
@@ -75,6 +79,7 @@ class RunParts:
     length_predictor: LengthPredictor | None
     elastic: ElasticController | None
     lora: LoRASpec | None
+    latency: LatencyModel | None = None
 
     @classmethod
     def from_config(
@@ -84,9 +89,10 @@ class RunParts:
         rl = config.rl
         latency = None
         dispatcher_factory, dispatcher_options = _pick(rl.dispatcher, "dispatcher", DISPATCHERS)
-        # Measured only when used: to size pools over several instances, or to scale them.
+        # Used only to size pools over several instances, or to scale them; measured by the
+        # instances on their own engine when they start (the run fills it in before dispatch).
         if (wants(dispatcher_factory, "latency") and rl.generators > 1) or rl.elastic:
-            latency = measure_latency(policy, tokenizer, rl.max_batch_size)
+            latency = LatencyModel([1], [float("nan")])
         provided = dict(latency=latency, max_batch_size=rl.max_batch_size, seed=config.seed)
         elastic = None
         if rl.elastic:
@@ -110,6 +116,7 @@ class RunParts:
             length_predictor=_length_predictor(rl, config.seed, tokenizer),
             elastic=elastic,
             lora=lora,
+            latency=latency,
         )
 
 

@@ -56,6 +56,7 @@ class InstanceHandle:
     head: int | None = None  # the instance feeding it weights; None: the trainer
     members: set[int] = field(default_factory=set)  # instances it feeds weights to
     feed_generation: int = 0  # bumped each time it is connected to a (new) feeder
+    latency: tuple | None = None  # (batch sizes, PTL seconds) it measured at start, if asked
 
     @classmethod
     def spawn(

@@ -391,6 +391,7 @@ class InstancePool:
             self.counts["samples_discarded"] += kind == "sample"
             return False
         if kind == "ready":
+            handle.latency = message[4]
             self._set_wire_dtype(handle, message[3])
             self._ready(handle)
         elif kind == "weights_lost":  # its own fault, or its feeder died

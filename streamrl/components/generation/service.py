@@ -44,6 +44,8 @@ from streamrl.components.generation.partial import PartialRollout, check_partial
 from streamrl.components.generation.pool import GeneratorError, InstancePool
 from streamrl.components.generation.ray_instance import RayInstanceHandle, RayOptions
 from streamrl.components.skewness.dispatch import RoundRobinDispatcher
+from streamrl.components.skewness.instance_profile import LatencyProfile
+from streamrl.components.skewness.latency import LatencyModel
 from streamrl.components.skewness.schedulers import FIFOScheduler
 from streamrl.components.weights.nccl import DEFAULT_BUCKET_BYTES, import_nccl
 from streamrl.components.weights.sync import AsyncWeightSync, Weights
@@ -100,6 +102,8 @@ class StreamGenerationService:
         weight_fanout: instances each instance passes the weights on to (1: a chain).
         weight_timeout_s: the longest one weight transfer may take: past it the instance is
             replaced (its requests requeued), and a trainer waiting for it raises.
+        profile_latency: each instance measures its ``PTL(BS)`` before it says ready
+            (``instance_profile``); ``measured_latency`` averages them.
         sites: the site of each instance, in order (``num_instances`` names); instances at a
             site other than ``trainer_site`` get the weights from their site's first instance
             (its *head*), so one copy per version crosses to each remote site (§6,
@@ -146,6 +150,7 @@ class StreamGenerationService:
         weight_bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         weight_fanout: int = 1,
         weight_timeout_s: float = 300.0,
+        profile_latency: LatencyProfile | None = None,
         sites: Sequence[str] | None = None,
         trainer_site: str = "local",
         stop_token_ids: Sequence[int] = (),
@@ -185,7 +190,7 @@ class StreamGenerationService:
         self.partial_rollout = check_partial_rollout(partial_rollout)
         self.cluster, self.gpus_per_instance = cluster, gpus_per_instance
         self.gpu_ids = tuple(gpu_ids) if gpu_ids is not None else None
-        self.weight_transport = weight_transport
+        self.weight_transport, self.profile_latency = weight_transport, profile_latency
         self.trainer_site = trainer_site
         self._sites = list(sites) if sites is not None else [trainer_site] * num_instances
         self._ray = replace(ray or RayOptions(), gpus_per_instance=gpus_per_instance)
@@ -400,6 +405,15 @@ class StreamGenerationService:
         return time.perf_counter() - started
 
     # -- inspection --------------------------------------------------------------------------
+    def measured_latency(self) -> LatencyModel | None:
+        """The mean ``PTL(BS)`` the instances measured at start (``profile_latency``; §5.1), at
+        the batch sizes all of them measured; ``None`` if none did."""
+        curves = [dict(zip(*h.latency)) for h in self.pool.handles if h.latency is not None]
+        sizes = sorted(set.intersection(*(set(c) for c in curves))) if curves else []
+        if not sizes:
+            return None
+        return LatencyModel(sizes, [sum(c[b] for c in curves) / len(curves) for b in sizes])
+
     def instances(self) -> list[InstanceInfo]:
         """Pid, liveness, weight version and state of every instance (for operators, tests)."""
         return self.pool.infos()
@@ -440,6 +454,7 @@ class StreamGenerationService:
             ),
             transport=self.weight_transport,
             bucket_bytes=self.pool.bucket_bytes,
+            profile=self.profile_latency,
             weight_timeout_s=self.pool.weight_timeout_s,
             stop_token_ids=self.stop_token_ids,
             stop_strings=self.stop_strings,

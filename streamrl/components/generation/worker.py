@@ -16,7 +16,8 @@ Inbox:  ``("submit", [Request, ...])``, ``("limit", batch_size)``, ``("update", 
 generation)``, ``("refeed", generation)`` (a new feeder: ``feeding``), ``("fingerprint",)``,
 ``("relay", member, port, first, generation)`` / ``("unrelay", member)`` (this instance passes
 weights on to a member, ``weight_relay``), ``("stop",)``.
-Outbox: ``("ready", instance_id, pid, wire_dtype)``, ``("sample", Sample)``,
+Outbox: ``("ready", instance_id, pid, wire_dtype, latency)`` (its measured ``PTL(BS)``, or
+None), ``("sample", Sample)``,
 ``("updated", instance_id, version)``, ``("fingerprint", instance_id, hex)``,
 ``("heartbeat", instance_id)`` (every ``heartbeat_s`` while it runs),
 ``("weights_lost", instance_id, version, generation, reason)`` (a version did not arrive: the
@@ -41,6 +42,7 @@ import torch
 # fingerprint: imported from here by callers that compare an instance's weights with a policy.
 from streamrl.components.generation.hf_generator import fingerprint
 from streamrl.components.generation.partial import WeightLoader
+from streamrl.components.skewness.instance_profile import LatencyProfile, profiled_latency
 from streamrl.components.skewness.schedulers import FIFOScheduler
 from streamrl.components.weights.nccl import DEFAULT_BUCKET_BYTES
 from streamrl.components.weights.relay import WeightRelay, relay_messages
@@ -82,6 +84,7 @@ class WorkerSpec:
     device: str = "cpu"  # where the model runs: "cpu", or "cuda" with a GPU of its own
     transport: str = "gloo"  # how weights arrive: "gloo", "bucketed" or "nccl" (WeightGroup)
     bucket_bytes: int = DEFAULT_BUCKET_BYTES  # the staging's largest bucket (the trainer's)
+    profile: LatencyProfile | None = None  # measure PTL(BS) here before saying ready
     stop_token_ids: tuple[int, ...] = ()  # end-of-turn ids a sample also stops on
     stop_strings: tuple[str, ...] = ()  # a sample stops once its text contains one
     partial_rollout: str = "finish"  # running sequences at a weight update (``partial.py``)
@@ -143,7 +146,13 @@ class _Instance:
             self.generator.weight_templates().items(), bucket_bytes=spec.bucket_bytes
         )
         wire = str(staged.specs[0].dtype).removeprefix("torch.") if staged.specs else "float32"
-        _put(outbox, ("ready", spec.instance_id, os.getpid(), wire), parent)
+        curve = None
+        if spec.profile is not None:  # PTL(BS) of this engine, device and dtype (§5.1)
+            model, _ = profiled_latency(
+                self.generator, spec.profile, spec.model_dir, spec.engine, spec.device
+            )
+            curve = (model.batch_sizes, model.ptl_s)
+        _put(outbox, ("ready", spec.instance_id, os.getpid(), wire, curve), parent)
         timeout_s = spec.weight_timeout_s
 
         def connect(generation: int) -> WeightGroup:

@@ -66,6 +66,11 @@ class LatencyModel:
         sizes = sorted(table)
         return cls(sizes, [table[b] / 1000 for b in sizes])
 
+    def update_from(self, other: LatencyModel) -> None:
+        """Take ``other``'s points, in place: whoever holds this model (the dispatcher, the
+        elastic controller) plans with them from now on."""
+        self.batch_sizes, self.ptl_s = list(other.batch_sizes), list(other.ptl_s)
+
     def ptl(self, batch_size: float) -> float:
         """Seconds per decode step with ``batch_size`` running sequences."""
         sizes, values = self.batch_sizes, self.ptl_s

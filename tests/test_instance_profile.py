@@ -1,0 +1,48 @@
+"""PTL(BS) measured where generation runs (StreamRL §5.1): each instance profiles its own engine
+at start, the service averages the curves, and a second run reads them from the cache."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from streamrl.components.generation.hf_generator import HFStreamGenerator
+from streamrl.components.generation.service import StreamGenerationService
+from streamrl.components.skewness.instance_profile import LatencyProfile, profiled_latency
+from streamrl.models import build_tiny_model, save_policy
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def test_the_profile_times_the_generator_and_is_cached_by_shape_engine_and_device(
+    tmp_path, tokenizer
+):
+    model = build_tiny_model(tokenizer, "test", seed=0)
+    model_dir = save_policy(model, tokenizer, tmp_path / "policy")
+    generator = HFStreamGenerator(model, max_batch_size=4, greedy=True)
+    profile = LatencyProfile((1, 2, 4, 8), tokens=6, cache_dir=str(tmp_path / "cache"))
+    first, cached = profiled_latency(generator, profile, str(model_dir), "hf", "cpu")
+    assert not cached and first.batch_sizes == [1, 2, 4]  # 8 is past the instance's limit
+    assert all(s > 0 for s in first.ptl_s) and generator.idle
+    again, cached = profiled_latency(generator, profile, str(model_dir), "hf", "cpu")
+    assert cached and again == first
+    _, cached = profiled_latency(generator, profile, str(model_dir), "vllm", "cpu")
+    assert not cached  # another engine is profiled on its own
+    assert len(list((tmp_path / "cache").glob("latency-*.json"))) == 2
+    assert json.loads(next((tmp_path / "cache").glob("latency-*.json")).read_text())
+
+
+def test_instances_report_their_latency_and_the_service_averages_it(tmp_path, tokenizer):
+    model_dir = save_policy(build_tiny_model(tokenizer, "test", seed=0), tokenizer, tmp_path / "p")
+    profile = LatencyProfile.up_to(4)
+    assert profile.batch_sizes == (1, 2, 4)
+    with StreamGenerationService(model_dir, 2, max_batch_size=4, profile_latency=profile) as sgs:
+        curves = [h.latency for h in sgs.pool.handles]
+        measured = sgs.measured_latency()
+    assert all(c is not None and list(c[0]) == [1, 2, 4] for c in curves)
+    assert measured.batch_sizes == [1, 2, 4]
+    for i in range(3):
+        assert measured.ptl_s[i] == pytest.approx((curves[0][1][i] + curves[1][1][i]) / 2)
+    with StreamGenerationService(model_dir, 1, max_batch_size=4) as sgs:
+        assert sgs.pool.handles[0].latency is None and sgs.measured_latency() is None

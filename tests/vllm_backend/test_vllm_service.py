@@ -83,13 +83,24 @@ def test_a_bfloat16_checkpoint_runs_and_travels_in_bfloat16_bucket_by_bucket(tmp
         assert sync.bytes_sent == sum(p.numel() for p in policy.parameters()) * 2
         samples = list(service.generate(_requests(1)))
     assert {s.weight_version for s in samples} == {1}
+    # The trainer's log-probs with the weights as they travelled (rounded to bfloat16); what is
+    # left is the engine computing in bfloat16. The weights before the update are far off.
+    before = build_tiny_model(tokenizer, "demo", seed=0).to(torch.bfloat16).float()
+    sent = policy.to(torch.bfloat16).float()
     for s in samples:
-        ids = torch.tensor([s.prompt_ids + s.token_ids])
-        with torch.no_grad():
-            logits = policy(ids).logits[0, len(s.prompt_ids) - 1 : -1].float()
-        logits[:, tokenizer.eos_token_id] = float("-inf")  # masked while a forced length runs
-        expected = torch.log_softmax(logits, -1).gather(1, torch.tensor(s.token_ids)[:, None])
-        torch.testing.assert_close(torch.tensor(s.logprobs), expected[:, 0], atol=0.1, rtol=0)
+        got = torch.tensor(s.logprobs)
+        gap = (got - _logprobs(sent, s, tokenizer)).abs().max()
+        stale = (got - _logprobs(before, s, tokenizer)).abs().max()
+        assert gap < 0.25 < stale  # measured: gaps 0.05-0.17, stale 3.7-3.9
+
+
+def _logprobs(model, sample, tokenizer) -> torch.Tensor:
+    ids = torch.tensor([sample.prompt_ids + sample.token_ids])
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(sample.prompt_ids) - 1 : -1].float()
+    logits[:, tokenizer.eos_token_id] = float("-inf")  # masked while a forced length runs
+    logp = torch.log_softmax(logits, -1)
+    return logp.gather(1, torch.tensor(sample.token_ids)[:, None])[:, 0]
 
 
 def test_fit_switches_to_vllm_with_one_field(fit_small):

@@ -171,3 +171,32 @@ def test_default_timeouts_scale_with_the_model_and_a_given_one_wins():
     assert Timeouts.for_model(30e9, 8192, weight_s=7).weight_s == 7
     with pytest.raises(ConfigError, match=r"rl.weight_timeout_s must be > 0"):
         Timeouts.for_model(1e6, 64, weight_s=0)
+
+
+def test_a_receiver_skips_versions_announced_for_a_feed_it_no_longer_has():
+    """After a re-feed (its feeder stopped or failed), versions announced for the old feed are
+    not waited for: the new feeder's catch-up brings the last one (``feeding``)."""
+    from streamrl.components.generation.worker import _WeightReceiver
+
+    connected: list[int] = []
+
+    def connect(generation: int) -> RecordingGroup:
+        connected.append(generation)
+        return RecordingGroup()
+
+    class NoMembers:
+        def forward(self, version, index, buffer) -> None:
+            pass
+
+    staged = StagedWeights.like(_named(), pin=False)
+    receiver = _WeightReceiver(connect, staged, NoMembers())
+    receiver.refeed(2)
+    receiver.receive(5, 1)  # announced for feed 1, arrives after the re-feed: skipped
+    receiver.receive(5, 2)  # the new feeder's catch-up
+    deadline = time.monotonic() + 5
+    got: list = []
+    while len(got) < 1 and time.monotonic() < deadline:
+        got += receiver.ready()
+        time.sleep(0.01)
+    assert got == [(5, staged)] and staged.version == 5
+    assert connected == [2] and not receiver.busy  # one group, of the new feed

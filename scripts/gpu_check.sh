@@ -4,7 +4,10 @@
 #   2. `streamrl fit` end to end on a random-init Qwen2.5-0.5B-shaped model (494M parameters,
 #      vocabulary 151,936): trainer.accelerator cuda, bf16-mixed (FSDP2 on NCCL, one rank),
 #      every decoder layer checkpointed, chunked log-probs, 4k-token samples (a random policy
-#      does not stop), the HF generator on the same GPU (rl.share_trainer_gpus);
+#      does not stop), the HF generator on the same GPU (rl.share_trainer_gpus) in bfloat16: each
+#      weight version staged from the CUDA trainer into pinned host buffers in bf16, bucket by
+#      bucket, received into the instance's staging and loaded onto its GPU (gloo: NCCL refuses
+#      two members on one GPU), the engine-gap correction on;
 #   3. `streamrl bench memory` at the same shape, --seq 4096, old path beside the new;
 # then prints one JSON object (peak GPU memory, tokens/s, each step's rc and seconds) and writes
 # it to $OUT/gpu_check.json. Each step has its own timeout; a failed step is recorded, not fatal.
@@ -48,7 +51,8 @@ model: $OUT/qwen0.5b
 output_dir: $OUT/fit
 data: {tasks: [copy, count], n_train: 32, n_heldout: 2}
 rl: {iterations: 2, prompts_per_iteration: 2, group_size: 2, generators: 1, gpus: 1,
-     share_trainer_gpus: true, max_batch_size: 4, temperature: 1.0, max_tokens: 4096,
+     share_trainer_gpus: true, engine: {name: hf, dtype: bfloat16},
+     max_batch_size: 4, temperature: 1.0, max_tokens: 4096,
      max_tokens_per_micro_batch: 8400, reward: partial, reward_workers: 0,
      length_predictor: null, checkpoint_every: 0}
 trainer: {accelerator: cuda, devices: 1, precision: bf16-mixed, activation_checkpointing: true}
@@ -85,7 +89,9 @@ result = {
             "samples_per_s": (fit or {}).get("samples_per_s"),
             "train_wall_s": (fit or {}).get("train_wall_s"),
             "samples_trained": (fit or {}).get("samples_trained"),
-            "samples_lost": (fit or {}).get("samples_lost")},
+            "samples_lost": (fit or {}).get("samples_lost"),
+            "sync_exposed_s_total": (fit or {}).get("sync_exposed_s_total"),
+            "sync_transfer_s_total": (fit or {}).get("sync_transfer_s_total")},
     "bench_memory": {**status("bench-memory"),
                      "cases": [{k: c.get(k) for k in ("path", "seq", "peak_bytes", "tokens_per_s",
                                                       "logprob_extra_bytes", "oom")}

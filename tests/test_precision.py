@@ -181,3 +181,16 @@ def test_fit_in_bf16_mixed_with_checkpointing_and_a_kl_reference(fit_small, lora
     assert trainer["ranks"] == 1 and trainer["device"] == "cpu"
     assert len(trainer["peak_memory_bytes_per_rank"]) == 1
     assert summary["iterations"] == 2
+
+
+@pytest.mark.timeout(400)
+def test_fit_with_generators_in_bf16_and_two_trainer_ranks(fit_small):
+    """Generators in bfloat16, two FSDP2 ranks: every version is staged from the shards (rows
+    sent to rank 0) in bfloat16, received and loaded; every token corrected for the gap."""
+    summary = fit_small(
+        generators=2,
+        engine={"name": "hf", "dtype": "bfloat16"},
+        trainer={"devices": 2},
+    )
+    assert summary["trainer"]["ranks"] == 2 and summary["iterations"] == 2
+    assert summary["sync_transfer_s_total"] > 0

@@ -44,7 +44,7 @@ from streamrl.components.generation.partial import PartialRollout, check_partial
 from streamrl.components.generation.pool import GeneratorError, InstancePool
 from streamrl.components.generation.ray_instance import RayInstanceHandle, RayOptions
 from streamrl.components.skewness.dispatch import RoundRobinDispatcher
-from streamrl.components.skewness.instance_profile import LatencyProfile
+from streamrl.components.skewness.instance_profile import LatencyProfile, mean_curve
 from streamrl.components.skewness.latency import LatencyModel
 from streamrl.components.skewness.schedulers import FIFOScheduler
 from streamrl.components.weights.nccl import DEFAULT_BUCKET_BYTES, import_nccl
@@ -408,11 +408,7 @@ class StreamGenerationService:
     def measured_latency(self) -> LatencyModel | None:
         """The mean ``PTL(BS)`` the instances measured at start (``profile_latency``; §5.1), at
         the batch sizes all of them measured; ``None`` if none did."""
-        curves = [dict(zip(*h.latency)) for h in self.pool.handles if h.latency is not None]
-        sizes = sorted(set.intersection(*(set(c) for c in curves))) if curves else []
-        if not sizes:
-            return None
-        return LatencyModel(sizes, [sum(c[b] for c in curves) / len(curves) for b in sizes])
+        return mean_curve([h.latency for h in self.pool.handles if h.latency is not None])
 
     def instances(self) -> list[InstanceInfo]:
         """Pid, liveness, weight version and state of every instance (for operators, tests)."""

@@ -25,7 +25,7 @@ from typing import Any
 from streamrl.components.skewness.latency import LatencyModel
 from streamrl.records import Request
 
-__all__ = ["LatencyProfile", "profile_generator", "profiled_latency"]
+__all__ = ["LatencyProfile", "mean_curve", "profile_generator", "profiled_latency"]
 
 
 @dataclass(frozen=True)
@@ -89,6 +89,16 @@ def profiled_latency(
         path.parent.mkdir(parents=True, exist_ok=True)
         model.to_json(path)
     return model, False
+
+
+def mean_curve(curves: Sequence[tuple[Sequence[int], Sequence[float]]]) -> LatencyModel | None:
+    """The mean of several instances' ``(batch sizes, PTL)`` curves at the batch sizes all of
+    them measured; ``None`` if there are none."""
+    points = [dict(zip(*curve)) for curve in curves]
+    sizes = sorted(set.intersection(*(set(p) for p in points))) if points else []
+    if not sizes:
+        return None
+    return LatencyModel(sizes, [sum(p[b] for p in points) / len(points) for b in sizes])
 
 
 def _key(profile: LatencyProfile, model_dir: str, engine: object, device: str) -> str:

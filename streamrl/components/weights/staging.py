@@ -40,7 +40,7 @@ class StagedWeights:
         pin: page-locked buffers; ``None``: when CUDA is available.
 
     Attributes:
-        bucket_bytes: the plan's largest bucket (``largest_bucket_bytes``: the actual one).
+        bucket_bytes: the plan's largest bucket (a larger tensor gets one of its own).
         buckets: the layout, the same on every member that builds it from the same specs.
         buffers: one flat host tensor per bucket; what travels.
         version: the version the buffers hold (``None`` until filled).
@@ -83,11 +83,6 @@ class StagedWeights:
     def nbytes(self) -> int:
         """Bytes of the buffers (one model copy in the wire dtype)."""
         return sum(b.nbytes for b in self.buckets)
-
-    @property
-    def largest_bucket_bytes(self) -> int:
-        """The largest bucket's bytes (what a receiver's device copy of one bucket costs)."""
-        return max((b.nbytes for b in self.buckets), default=0)
 
     def view(self, index: int) -> torch.Tensor:
         """Tensor ``index`` as a view into its bucket's buffer."""

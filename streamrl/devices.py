@@ -15,7 +15,7 @@ GPU indices are those torch numbers on this machine (``cuda:k``, after any
 from __future__ import annotations
 
 import os
-from collections.abc import MutableMapping, Sequence
+from collections.abc import Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -270,26 +270,41 @@ def pin_visible_gpu(device: str, environ: MutableMapping[str, str] | None = None
     """Make a local generator instance on ``cuda:k`` see that GPU only, before CUDA starts in
     its process: ``CUDA_VISIBLE_DEVICES`` becomes the k-th GPU this process sees (the parent's
     own ``CUDA_VISIBLE_DEVICES`` respected), so an engine that takes "the" GPU (vLLM) and NCCL's
-    current device are that one, never the trainer's ``cuda:0``. Returns the device as the
-    process then names it (``cuda:0``); any other device (``cpu``; ``cuda`` under Ray, which sets
-    the variable itself) is returned unchanged.
+    current device are that one, never the trainer's ``cuda:0``. ``cuda:k,l`` (a
+    tensor-parallel instance's set) makes it see those. Returns the device as the process then
+    names it (``cuda:0``); any other device (``cpu``; ``cuda`` under Ray, which sets the
+    variable itself) is returned unchanged.
 
     Examples:
         >>> env = {"CUDA_VISIBLE_DEVICES": "4,5,6"}
         >>> pin_visible_gpu("cuda:2", env), env["CUDA_VISIBLE_DEVICES"]
         ('cuda:0', '6')
+        >>> env = {}
+        >>> pin_visible_gpu("cuda:2,3", env), env["CUDA_VISIBLE_DEVICES"], visible_gpu_count(env)
+        ('cuda:0', '2,3', 2)
         >>> pin_visible_gpu("cpu", env)
         'cpu'
     """
     if not device.startswith("cuda:"):
         return device
     environ = os.environ if environ is None else environ
-    index = int(device.split(":", 1)[1])
+    indices = [int(i) for i in device.split(":", 1)[1].split(",")]
     visible = [d.strip() for d in environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
-    if visible and index >= len(visible):
+    outside = [i for i in indices if visible and i >= len(visible)]
+    if outside:
         raise ConfigError(
             f"generator device {device} is not among the {len(visible)} GPUs this process sees "
             f"(CUDA_VISIBLE_DEVICES={','.join(visible)})."
         )
-    environ["CUDA_VISIBLE_DEVICES"] = visible[index] if visible else str(index)
+    environ["CUDA_VISIBLE_DEVICES"] = ",".join(visible[i] if visible else str(i) for i in indices)
     return "cuda:0"
+
+
+def visible_gpu_count(environ: Mapping[str, str] | None = None) -> int:
+    """The GPUs ``CUDA_VISIBLE_DEVICES`` lets this process see (what ``pin_visible_gpu`` set),
+    without starting CUDA; ``torch.cuda.device_count()`` when the variable is unset."""
+    environ = os.environ if environ is None else environ
+    listed = environ.get("CUDA_VISIBLE_DEVICES")
+    if listed is None:
+        return cuda_device_count()
+    return len([d for d in listed.split(",") if d.strip()])

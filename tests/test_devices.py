@@ -11,10 +11,10 @@ import torch
 
 import streamrl.devices
 from streamrl.components.generation import ray_instance, service
-from streamrl.components.generation.engines import instance_device
+from streamrl.components.generation.engines import VLLMEngine, instance_device
 from streamrl.components.generation.ray_instance import RayOptions
 from streamrl.components.generation.service import StreamGenerationService
-from streamrl.devices import Placement, pin_visible_gpu, resolve_placement
+from streamrl.devices import Placement, pin_visible_gpu, resolve_placement, visible_gpu_count
 from streamrl.errors import ConfigError
 
 
@@ -197,6 +197,33 @@ def test_instance_device_takes_the_given_gpus_round_robin():
     assert instance_device(0, 1, "local", spare_first=True, gpu_ids=[4, 5]) == "cuda:4"
     assert instance_device(0, 0, "local", gpu_ids=[4]) == "cpu"
     assert instance_device(1, 1, "ray", gpu_ids=[4]) == "cuda"
+
+
+def test_a_tensor_parallel_instance_takes_a_set_of_gpus_and_sees_only_those(monkeypatch):
+    """rl.gpus: 2 -> sets of two GPUs, round-robin; the instance's process sees its set as
+    cuda:0,1 and vLLM runs a rank on each (faked inventories: no GPU needed)."""
+    assert [instance_device(i, 2, "local", gpu_ids=[2, 3, 4, 5, 6]) for i in range(3)] == [
+        "cuda:2,3",
+        "cuda:4,5",
+        "cuda:2,3",  # GPU 6 is left over: no set of two
+    ]
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 5)
+    assert instance_device(1, 2, "local", spare_first=True) == "cuda:3,4"
+    with pytest.raises(ConfigError, match=r"rl.gpus=4 GPUs per generator instance, but .* 3"):
+        instance_device(0, 4, "local", gpu_ids=[1, 2, 3])
+    env = {"CUDA_VISIBLE_DEVICES": "7,6,5,4"}
+    assert pin_visible_gpu("cuda:1,2", env) == "cuda:0"
+    assert env["CUDA_VISIBLE_DEVICES"] == "6,5" and visible_gpu_count(env) == 2
+    with pytest.raises(ConfigError, match="not among the 4 GPUs"):
+        pin_visible_gpu("cuda:3,4", {"CUDA_VISIBLE_DEVICES": "7,6,5,4"})
+
+
+def test_tensor_parallel_size_must_match_the_gpus_each_instance_gets():
+    engine = VLLMEngine(options={"tensor_parallel_size": 2})
+    with pytest.raises(
+        ConfigError, match=r"tensor_parallel_size=2, but each instance gets rl.gpus=1"
+    ):
+        engine.check(cluster="ray", gpus_per_instance=1)
 
 
 def test_the_service_hands_its_gpu_ids_to_each_instance(monkeypatch):

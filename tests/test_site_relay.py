@@ -140,3 +140,38 @@ def test_a_transfer_past_the_weight_timeout_fails_that_instance_not_the_trainer(
         assert head.state == "failed" and sgs.counts["instances_restarted"] == 1
         assert member.state == "active" and member.head is None  # fed by the trainer now
         assert set(sgs.fingerprints().values()) == {fingerprint(policy)}
+
+
+@pytest.mark.parametrize("mode", ["update", "push"])
+def test_a_head_killed_before_its_first_transfer_costs_no_weight_timeout(tmp_path, tokenizer, mode):
+    """The head dies before its group ever connected (nothing on the wire yet to fail fast):
+    the trainer's rendezvous sees the process gone and gives up at once instead of waiting
+    out ``weight_timeout_s``; the member, announced a version it would have had from the dead
+    head, sees that it was fed anew and moves on too. In async mode (``push``) the trainer
+    is not waiting when the death is noticed: the service learns it from the pipe."""
+    policy = build_tiny_model(tokenizer, "test", seed=0)
+    model_dir = save_policy(policy, tokenizer, tmp_path / "policy")
+    with StreamGenerationService(model_dir, 2, max_batch_size=4, weight_timeout_s=60.0) as sgs:
+        head, member = sgs.pool.handles
+        assert member.head == head.instance_id
+        os.kill(head.proc.pid, signal.SIGKILL)
+        head.proc.join(10)
+        _nudge(policy)
+        started = time.monotonic()
+        if mode == "update":
+            sgs.update(policy, version=1)
+        else:
+            sgs.push_weights(policy, version=1)
+            ids = tokenizer("copy ab=")["input_ids"]
+            reqs = [
+                Request(
+                    f"p{i}", ids, max_tokens=8, iteration=1, forced_length=4, min_weight_version=1
+                )
+                for i in range(4)
+            ]
+            assert sorted(s.key for s in sgs.generate(reqs)) == sorted(r.key for r in reqs)
+            sgs.wait_active()
+        assert time.monotonic() - started < 30  # the weight timeout is 60 s
+        assert head.state == "failed" and sgs.counts["instances_restarted"] == 1
+        assert member.state == "active" and member.head is None
+        assert set(sgs.fingerprints().values()) == {fingerprint(policy)}

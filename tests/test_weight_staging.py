@@ -200,3 +200,28 @@ def test_a_receiver_skips_versions_announced_for_a_feed_it_no_longer_has():
         time.sleep(0.01)
     assert got == [(5, staged)] and staged.version == 5
     assert connected == [2] and not receiver.busy  # one group, of the new feed
+
+
+def test_a_shared_staging_is_files_another_process_maps_and_leaves_no_name():
+    """``shared=True``: the buffers are files a second mapping sees (vLLM's tensor-parallel
+    workers map them); ``unlink`` removes the names, the mappings stay; ``holds`` tells the
+    staging's own views from a copy."""
+    from streamrl.components.weights.staging import map_file
+
+    staged = StagedWeights.like(
+        [("a", torch.ones(3, 4)), ("b", torch.ones(5))],
+        torch.bfloat16,
+        bucket_bytes=16,
+        shared=True,
+    )
+    assert [f.exists() for f in staged.files] == [True, True]
+    assert staged.layout() == [("a", 0, 0, (3, 4)), ("b", 1, 0, (5,))]
+    other = [map_file(f, b.numel, b.dtype) for f, b in zip(staged.files, staged.buckets)]
+    files = list(staged.files)
+    staged.unlink()
+    assert staged.files == [] and not any(f.exists() for f in files)
+    staged.fill([("a", torch.full((3, 4), 2.0)), ("b", torch.arange(5.0))], version=1)
+    assert other[0].sum().item() == 24.0 and other[1].tolist() == [0, 1, 2, 3, 4]
+    assert staged.holds(staged.named())
+    assert not staged.holds([("a", torch.ones(3, 4)), ("b", torch.ones(5))])
+    assert not staged.holds(list(staged.named())[:1])

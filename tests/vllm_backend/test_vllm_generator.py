@@ -7,6 +7,7 @@ skipped. One engine serves the module (start-up costs seconds); tests leave it a
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 
 import pytest
@@ -278,6 +279,47 @@ def test_invalid_input_raises_and_queues_nothing(gen, policy_dir, tmp_path):
         VLLMStreamGenerator(policy_dir, device="cuda")
     with pytest.raises(ConfigError, match="prefix"):
         VLLMStreamGenerator(policy_dir, enable_prefix_caching=True)
+    with pytest.raises(ConfigError, match="tensor_parallel_size=512 on the CPU needs a core"):
+        VLLMStreamGenerator(policy_dir, tensor_parallel_size=512, **ENGINE)
+
+
+def test_the_staging_is_shared_files_that_leave_no_name_behind(gen):
+    """The engine's workers map the staging once; its files are unlinked at once, so an
+    instance killed later leaves nothing in /dev/shm. Loading its own views copies nothing."""
+    staging = gen.weight_staging()
+    assert staging is gen.weight_staging() and staging.files == []
+    assert not list(Path("/dev/shm").glob(f"streamrl-weights-{os.getpid()}-*"))
+    other = _policy(seed=1)
+    with staging.lock:
+        staging.fill(other.named_parameters(), version=5)
+    before = [b.clone() for b in staging.buffers]
+    gen.load_weights(dict(staging.named()), version=5)  # the worker's path: its own views
+    assert all(torch.equal(a, b) for a, b in zip(before, staging.buffers))
+    after = _greedy(gen)
+    for req in _forced([8] * len(PROMPTS), tag="g"):
+        assert after[req.prompt_id].token_ids == _hf_greedy(other, req)[0]
+    gen.load_weights(_original_weights(), version=6)  # as it found it
+
+
+def test_two_tensor_parallel_ranks_load_each_version_like_one(policy_dir):
+    """tensor_parallel_size=2: each rank is a vLLM worker process of its own, mapping the
+    staging's files; every load reaches both (each takes its shard), and the engine then
+    computes what the HF reference computes with those weights."""
+    other = _policy(seed=1)
+    gen = VLLMStreamGenerator(
+        policy_dir, max_batch_size=4, greedy=True, tensor_parallel_size=2, **ENGINE
+    )
+    try:
+        before = _greedy(gen)
+        gen.load_weights({n: p.detach() for n, p in other.named_parameters()}, version=1)
+        after = _greedy(gen)
+    finally:
+        gen.close()
+    assert [s.token_ids for s in after.values()] != [s.token_ids for s in before.values()]
+    for req in _forced([8] * len(PROMPTS), tag="g"):
+        tokens, logprobs, _ = _hf_greedy(other, req)
+        assert after[req.prompt_id].token_ids == tokens
+        torch.testing.assert_close(after[req.prompt_id].logprobs, logprobs, atol=1e-4, rtol=0)
 
 
 def test_sampled_logprobs_are_under_the_temperature(policy_dir):

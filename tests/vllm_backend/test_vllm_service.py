@@ -105,3 +105,32 @@ def _logprobs(model, sample, tokenizer) -> torch.Tensor:
 
 def test_fit_switches_to_vllm_with_one_field(fit_small):
     fit_small(model_size="demo", engine="vllm")  # head size 32: vLLM's CPU attention
+
+
+def test_a_tensor_parallel_instance_gets_updates_and_takes_its_ranks_with_it(tmp_path):
+    """An instance whose engine spans two worker processes (tensor_parallel_size=2): weights
+    reach both ranks through the instance's shared staging; when the instance is killed, its
+    ranks go too (its process group) and the replacement serves on the current weights."""
+    psutil = pytest.importorskip("psutil")
+    tokenizer = build_tokenizer()
+    policy = build_tiny_model(tokenizer, "demo", seed=0)
+    model_dir = save_policy(policy, tokenizer, tmp_path / "policy")
+    engine = VLLMEngine(options={**ENGINE, "tensor_parallel_size": 2})
+    with StreamGenerationService(model_dir, 1, engine=engine, max_batch_size=4, greedy=True) as sgs:
+        before = {s.prompt_id: s for s in sgs.generate(_requests(0))}
+        with torch.no_grad():
+            for p in policy.parameters():
+                p.add_(torch.randn_like(p) * 0.2)
+        sgs.update(policy, version=1)
+        after = {s.prompt_id: s for s in sgs.generate(_requests(1))}
+        assert any(after[k].token_ids != before[k].token_ids for k in before)
+        instance = sgs.pool.handles[0]
+        ranks = psutil.Process(instance.proc.pid).children(recursive=True)
+        assert len(ranks) >= 2  # a worker process per rank (plus vLLM's helpers)
+        instance.proc.kill()
+        again = {s.prompt_id: s for s in sgs.generate(_requests(2))}
+        sgs.wait_active()
+        assert sgs.counts["instances_restarted"] == 1
+        assert [again[k].token_ids for k in after] == [after[k].token_ids for k in after]
+        _, alive = psutil.wait_procs(ranks, timeout=10)
+        assert not alive, f"ranks outlived their instance: {[p.pid for p in alive]}"

@@ -134,11 +134,9 @@ class VLLMEngine:
     options: dict[str, Any] = field(default_factory=dict)
 
     def check(self, *, cluster: str, gpus_per_instance: int) -> None:
-        """vLLM is installed, the GPUs asked for exist, no option asks for what the weight
-        updates would break (LoRA, prefix caching)."""
-        if importlib.util.find_spec("vllm") is None:
-            raise ConfigError(f"VLLMEngine needs the 'vllm' package, not installed: {VLLM_INSTALL}")
-        check_gpus(cluster, gpus_per_instance)
+        """No option asks for what the weight updates would break (LoRA, prefix caching) or
+        for other tensor-parallel ranks than GPUs per instance; vLLM is installed, the GPUs
+        asked for exist."""
         if self.options.get("enable_lora"):
             raise ConfigError(
                 "VLLMEngine gets no LoRA adapters (updates carry the whole policy); use "
@@ -147,11 +145,25 @@ class VLLMEngine:
         if self.options.get("enable_prefix_caching"):
             # A cached prompt's KV would outlive load_weights and mix weight versions.
             raise ConfigError("VLLMEngine: enable_prefix_caching is not supported.")
+        ranks = self.options.get("tensor_parallel_size")
+        if ranks is not None and gpus_per_instance > 0 and ranks != gpus_per_instance:
+            raise ConfigError(
+                f"rl.engine options tensor_parallel_size={ranks}, but each instance gets "
+                f"rl.gpus={gpus_per_instance} GPU(s): a tensor-parallel rank per GPU; set "
+                f"rl.gpus: {ranks} (or drop tensor_parallel_size: it follows rl.gpus)."
+            )
+        if importlib.util.find_spec("vllm") is None:
+            raise ConfigError(f"VLLMEngine needs the 'vllm' package, not installed: {VLLM_INSTALL}")
+        check_gpus(cluster, gpus_per_instance)
 
     def __call__(self, spec: EngineSpec, scheduler: AdmissionScheduler) -> VLLMStreamGenerator:
         from streamrl.components.generation.vllm_generator import VLLMStreamGenerator
+        from streamrl.devices import visible_gpu_count
 
         stops = dict(stop_token_ids=spec.stop_token_ids, stop_strings=spec.stop_strings)
+        options = dict(self.options)
+        if spec.device.startswith("cuda"):  # a rank per GPU the instance was given
+            options.setdefault("tensor_parallel_size", visible_gpu_count())
         return VLLMStreamGenerator(
             spec.model_dir,
             max_batch_size=spec.max_batch_size,
@@ -163,7 +175,7 @@ class VLLMEngine:
             weight_version=spec.weight_version,
             device=spec.device,
             **{name: value for name, value in stops.items() if value},  # only those given
-            **self.options,
+            **options,
         )
 
 
@@ -227,19 +239,36 @@ def instance_device(
     if gpu_ids is not None:
         if not gpu_ids:
             raise ConfigError("gpu_ids is empty: name the generators' GPUs, or None for all.")
-        return f"cuda:{gpu_ids[instance_id % len(gpu_ids)]}"
+        return _gpu_set(instance_id, gpus_per_instance, gpu_ids)
     import torch
 
     count = max(torch.cuda.device_count(), 1)
     if not spare_first:
-        return f"cuda:{instance_id % count}"
+        return _gpu_set(instance_id, gpus_per_instance, range(count))
     if count < 2:
         raise ConfigError(
             f"weight_transport 'nccl' needs the trainer and each generator on GPUs of their own "
             f"(NCCL refuses two members on one GPU); this machine has {count}. Use 'gloo' or "
             "'bucketed' here."
         )
-    return f"cuda:{1 + instance_id % (count - 1)}"
+    return _gpu_set(instance_id, gpus_per_instance, range(1, count))
+
+
+def _gpu_set(instance_id: int, size: int, gpu_ids: Sequence[int]) -> str:
+    """Instance ``instance_id``'s GPUs: ``gpu_ids`` cut into sets of ``size`` (a
+    tensor-parallel engine's), taken round-robin; ``"cuda:k"``, or ``"cuda:k,l"`` for a set.
+
+    Raises:
+        ConfigError: fewer GPUs than one set.
+    """
+    sets = len(gpu_ids) // size
+    if sets == 0:
+        raise ConfigError(
+            f"rl.gpus={size} GPUs per generator instance, but the generators have "
+            f"{len(gpu_ids)} ({list(gpu_ids)}); lower rl.gpus or free GPUs from the trainer."
+        )
+    first = (instance_id % sets) * size
+    return "cuda:" + ",".join(str(g) for g in gpu_ids[first : first + size])
 
 
 def check_factories(engine: object, scheduler: object) -> None:

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from streamrl.components.generation.instance import InstanceHandle
 from streamrl.components.weights.relay import RelayedGroup
 from streamrl.components.weights.sync import AsyncWeightSync
-from streamrl.components.weights.transport import LazyGroup, WeightGroup
+from streamrl.components.weights.transport import LazyGroup, WeightGroup, set_feed
 
 __all__ = ["WeightFeeds"]
 
@@ -69,6 +69,7 @@ class WeightFeeds:
     def leave(self, handle: InstanceHandle) -> None:
         """``handle`` stops or fails: nothing more goes to it, and whoever it fed is fed by its
         own feeder (or the trainer) from now on."""
+        set_feed(handle.store, None)  # a group it was meeting gives up now
         self.sync.remove_group(handle.instance_id)
         head = self._head(handle)
         if head is not None:
@@ -97,6 +98,7 @@ class WeightFeeds:
         order with the pushes, and have the last version pushed sent to it first."""
         handle.feed_generation += 1
         generation, port = handle.feed_generation, handle.store.port
+        set_feed(handle.store, generation)  # an older feed's group, still meeting, gives up
         if generation > 1:  # its receiving thread opens the new group after what it has queued
             handle.inbox.put(("refeed", generation))
 
@@ -117,6 +119,11 @@ class WeightFeeds:
         self.sync.add_group(handle.instance_id, RelayedGroup(), announce, start_relay)
 
     def _connect(self, handle: InstanceHandle, generation: int) -> Callable[[], WeightGroup]:
+        def gone() -> str | None:
+            if handle.state == "failed" or handle.proc.exitcode is not None:
+                return f"instance {handle.instance_id} is gone"
+            return None
+
         def connect() -> WeightGroup:
             return WeightGroup(
                 handle.store.port,
@@ -126,6 +133,7 @@ class WeightFeeds:
                 timeout_s=self.timeout_s,
                 transport=self.transport,
                 generation=generation,
+                abandon=gone,
             )
 
         return connect

@@ -7,22 +7,27 @@ cache; this class decides *what* enters the engine, in the order of our own
 ``AdmissionScheduler`` (FIFO, or longest-predicted-first for §5.3), keeping at most
 ``batch_limit`` requests inside it.
 
-Why a synchronous ``LLMEngine`` in this process, not ``AsyncLLM``: the generator worker owns the
-loop (``worker.py``); between two steps it drains its inbox, applies received weights
-and releases held requests. ``LLMEngine.step()`` is exactly one scheduler + model step, so a weight
-load lands between two steps with no pause, abort or restart, and running sequences keep their
-KV cache (as in ``HFStreamGenerator``). The engine core runs in-process
-(``VLLM_ENABLE_V1_MULTIPROCESSING=0``) because the worker is a daemonic process, which may not
-start children, and because in-process the new weights reach the model without being pickled.
+Why a synchronous ``LLMEngine`` with its core in this process, not ``AsyncLLM`` or a core
+process: the generator worker owns the loop (``worker.py``); between two steps it drains its
+inbox, applies received weights and releases held requests. ``LLMEngine.step()`` is then exactly
+one scheduler + model step, so a weight load lands between two steps with no pause, abort or
+restart, running sequences keep their KV cache (as in ``HFStreamGenerator``), and every token is
+tagged with the weights that drew it. A core in a process of its own runs steps ahead of the
+loop that reads them, which loses both (``VLLM_ENABLE_V1_MULTIPROCESSING=0``). The model itself
+may span processes: with ``tensor_parallel_size`` > 1 vLLM starts one worker process per rank,
+and the new weights reach them all through the instance's staging in shared files
+(``weight_staging``, mapped once by every worker, ``vllm_worker``): ``load_weights`` only tells
+them to load it, with one ``collective_rpc``; the same path serves one rank in this process.
 
 vLLM APIs used (0.32): ``EngineArgs`` / ``LLMEngine.from_engine_args``, ``add_request`` with a
 ``TokensPrompt`` (``skip_tokenizer_init``: token ids in, token ids out), ``SamplingParams``
 (``ignore_eos``, ``min_tokens = max_tokens`` for forced lengths, ``logprobs=0``, output kind
 ``DELTA``: each step's new tokens, tagged with the weight version that drew them),
+``worker_extension_cls`` (``vllm_worker.StagingLoader``, called through ``collective_rpc``),
 ``logprobs_mode="processed_logprobs"`` (log-probs after temperature and the
 min-tokens EOS mask, what ``HFStreamGenerator`` reports), ``scheduling_policy="priority"`` with
 the admission order as priority (if vLLM must preempt for KV space it evicts the latest admitted),
-and the worker's ``reload_weights`` through ``collective_rpc`` for in-place weight updates
+and the worker's ``reload_weights`` for in-place weight updates
 (``abort_request`` and a new ``add_request`` re-prefill a running sequence: ``recompute_running``).
 
 Examples:
@@ -36,9 +41,10 @@ Examples:
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -48,7 +54,10 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from streamrl.components.generation.admission import AdmissionQueue, budget
+from streamrl.components.generation.vllm_worker import EXTENSION
 from streamrl.components.skewness.schedulers import AdmissionScheduler
+from streamrl.components.weights.nccl import DEFAULT_BUCKET_BYTES
+from streamrl.components.weights.staging import StagedWeights
 from streamrl.errors import ConfigError
 from streamrl.records import Request, Sample
 
@@ -100,16 +109,19 @@ class VLLMStreamGenerator(AdmissionQueue):
         seed: vLLM's engine seed (vLLM also seeds this process's global RNGs with it).
         weight_version: version tag of the weights in ``model_dir``.
         device: ``"cpu"`` or ``"cuda"``; must match the installed vLLM build. A GPU is picked
-            with ``CUDA_VISIBLE_DEVICES`` for the process, not by an index here.
+            with ``CUDA_VISIBLE_DEVICES`` for the process, not by an index here (a
+            tensor-parallel engine takes the first ``tensor_parallel_size`` visible ones).
         stop_token_ids: more ids that end a sequence, besides the config's eos.
         stop_strings: vLLM's ``stop`` (finish reason ``"stop"``); they make vLLM load the
             model directory's tokenizer to detokenize.
         **engine_kwargs: more ``vllm.EngineArgs`` fields (e.g. ``max_model_len``,
-            ``enforce_eager``, ``kv_cache_memory_bytes``, ``dtype``); they override ours.
+            ``enforce_eager``, ``kv_cache_memory_bytes``, ``dtype``,
+            ``tensor_parallel_size``); they override ours.
 
     Raises:
-        ConfigError: vLLM is not installed, ``device`` does not match its build, multiprocessing
-            was forced on, or prefix caching was asked for.
+        ConfigError: vLLM is not installed, ``device`` does not match its build,
+            multiprocessing was forced on, tensor parallelism on the CPU has fewer cores than
+            ranks, or prefix caching was asked for.
         FileNotFoundError: ``model_dir`` has no ``config.json``.
     """
 
@@ -148,9 +160,12 @@ class VLLMStreamGenerator(AdmissionQueue):
         vllm = _import_vllm()
         if os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0") != "0":
             raise ConfigError(
-                "VLLMStreamGenerator runs vLLM's engine in-process (weights are loaded between "
-                "steps); unset VLLM_ENABLE_V1_MULTIPROCESSING or set it to 0."
+                "VLLMStreamGenerator runs vLLM's engine core in-process (weights are loaded "
+                "between steps); unset VLLM_ENABLE_V1_MULTIPROCESSING or set it to 0."
             )
+        from vllm import envs
+
+        envs.disable_envs_cache()  # an earlier engine here cached vLLM's environment
         from vllm.platforms import current_platform
 
         if torch.device(device).type != current_platform.device_type:
@@ -183,10 +198,13 @@ class VLLMStreamGenerator(AdmissionQueue):
             # its KV cache and compiles graphs at start; several instances on one machine need a
             # bounded cache and eager mode instead. Pass either argument to choose otherwise.
             args.update(kv_cache_memory_bytes=CPU_KV_CACHE_BYTES, enforce_eager=True)
-        args.update(engine_kwargs)
-        self._engine = vllm.LLMEngine.from_engine_args(vllm.EngineArgs(**args))
+        args.update(engine_kwargs, worker_extension_cls=EXTENSION)
+        ranks = int(args.get("tensor_parallel_size", 1))
+        with _cpu_rank_binding(ranks if device == "cpu" else 1):
+            self._engine = vllm.LLMEngine.from_engine_args(vllm.EngineArgs(**args))
         self.context_length = int(self._engine.model_config.max_model_len)
         self._templates = _parameters_on_meta(config, self._engine.model_config.dtype)
+        self._staging: StagedWeights | None = None
         self._running: dict[str, _Admitted] = {}  # vLLM request id -> admission record
         self._admitted = 0  # admissions so far: request ids and vLLM priorities
 
@@ -244,16 +262,33 @@ class VLLMStreamGenerator(AdmissionQueue):
         Raises:
             ValueError: a name is unknown or missing, or a shape differs from the template's.
         """
-        weights = self._checked(state_dict)
-        # vLLM's layerwise in-place reload: checkpoint-format tensors through the model's own
-        # load_weights, then each layer's post-load processing (fusing, CPU re-packing) again.
-        self._engine.collective_rpc(
-            "reload_weights", kwargs=dict(weights_iterator=iter(weights), is_checkpoint_format=True)
-        )
-        # A tied LM head gets no tensor of its own, so vLLM 0.32 leaves its CPU-packed copy of
-        # the old embedding in place (stale logits); re-process it from the new shared weight.
-        self._engine.apply_model(_reprocess_lm_heads)
+        staging = self.weight_staging()
+        if not staging.holds(state_dict.items()):  # not received into the staging: copy in
+            checked = dict(self._checked(state_dict))
+            with staging.lock:
+                staging.fill([(name, checked[name]) for name in self._templates], version)
+        self._engine.collective_rpc("streamrl_load")  # every worker, from its mapped staging
         self._weight_version = int(version)
+
+    def weight_staging(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> StagedWeights:
+        """The host staging the engine loads from: shared files that vLLM's workers mapped
+        (``vllm_worker``), laid out in buckets of ``bucket_bytes``. A generator instance
+        receives each version straight into it, so ``load_weights`` of its views copies
+        nothing; made on first use (again if the bucket size changes)."""
+        if self._staging is None or self._staging.bucket_bytes != bucket_bytes:
+            staging = StagedWeights.like(
+                self._templates.items(), bucket_bytes=bucket_bytes, shared=True
+            )
+            try:
+                buckets = [
+                    (str(path), str(b.dtype).removeprefix("torch."), b.numel)
+                    for path, b in zip(staging.files, staging.buckets)
+                ]
+                self._engine.collective_rpc("streamrl_attach", args=(buckets, staging.layout()))
+            finally:
+                staging.unlink()  # every worker mapped it (or failed): no file outlives us
+            self._staging = staging
+        return self._staging
 
     def weight_templates(self) -> dict[str, torch.Tensor]:
         """The trainer's parameters as ``meta`` tensors: names, shapes and dtypes, in
@@ -348,6 +383,34 @@ class VLLMStreamGenerator(AdmissionQueue):
         return weights
 
 
+@contextlib.contextmanager
+def _cpu_rank_binding(ranks: int) -> Iterator[None]:
+    """While the engine starts on the CPU build, give each tensor-parallel rank its share of
+    this process's cores (vLLM binds one rank per NUMA node by itself, and refuses more ranks
+    than nodes), unless ``VLLM_CPU_OMP_THREADS_BIND`` already says how.
+
+    Raises:
+        ConfigError: fewer cores than ranks.
+    """
+    if ranks <= 1 or os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto") != "auto":
+        yield
+        return
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < ranks:
+        raise ConfigError(
+            f"tensor_parallel_size={ranks} on the CPU needs a core per rank; this process may "
+            f"use {len(cores)}. Lower it, or set VLLM_CPU_OMP_THREADS_BIND."
+        )
+    share = len(cores) // ranks
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(
+        ",".join(str(c) for c in cores[r * share : (r + 1) * share]) for r in range(ranks)
+    )
+    try:
+        yield
+    finally:
+        os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
+
+
 def _import_vllm() -> Any:
     try:
         import vllm
@@ -369,12 +432,3 @@ def _parameters_on_meta(config: PretrainedConfig, dtype: torch.dtype) -> dict[st
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     return {name: p.detach() for name, p in model.named_parameters()}
-
-
-def _reprocess_lm_heads(model: torch.nn.Module) -> None:
-    """Re-run the LM heads' post-load processing (runs inside vLLM's worker)."""
-    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
-
-    for module in model.modules():
-        if isinstance(module, ParallelLMHead):
-            module.quant_method.process_weights_after_loading(module)

@@ -27,6 +27,7 @@ service decides whose fault), ``("error", instance_id, traceback_text)``.
 from __future__ import annotations
 
 import contextlib
+import multiprocessing
 import os
 import queue
 import signal
@@ -115,6 +116,9 @@ def worker_main(spec: WorkerSpec, inbox: Any, outbox: Any, leave: Any = None) ->
     with contextlib.suppress(ValueError):  # not the main thread (a Ray actor may be threaded)
         signal.signal(signal.SIGINT, signal.SIG_IGN)
     torch.set_num_threads(1)
+    # The pool starts instances as daemons (never outliving it); an instance may start processes
+    # of its own (vLLM's tensor-parallel workers, daemons too, which watch it and end with it).
+    multiprocessing.current_process().daemon = False
     # Before CUDA starts here: this instance sees its own GPU only (vLLM takes "the" GPU).
     spec = replace(spec, device=pin_visible_gpu(spec.device))
     parent = os.getppid()
@@ -141,9 +145,16 @@ class _Instance:
 
         self.spec, self.outbox, self.parent = spec, outbox, parent
         self.generator = spec.engine(spec.engine_spec(), spec.scheduler())
-        # The trainer's names and shapes, in the engine's dtype: what travels.
-        staged = StagedWeights.like(
-            self.generator.weight_templates().items(), bucket_bytes=spec.bucket_bytes
+        # The trainer's names and shapes, in the engine's dtype: what travels. An engine that
+        # loads from a staging of its own (vLLM's, shared with its worker processes) receives
+        # straight into that one.
+        own = getattr(self.generator, "weight_staging", None)
+        staged = (
+            own(spec.bucket_bytes)
+            if own is not None
+            else StagedWeights.like(
+                self.generator.weight_templates().items(), bucket_bytes=spec.bucket_bytes
+            )
         )
         wire = str(staged.specs[0].dtype).removeprefix("torch.") if staged.specs else "float32"
         curve = None

@@ -9,6 +9,8 @@ tensor by tensor right after its optimizer step (``stage_parameters``: a sharded
 gathered, cast, copied to host, freed, so the extra *device* memory is one tensor), then a
 background thread sends the buffers as they are. A generator instance receives into a staging
 of its own and loads the engine from it, so no full-model buffer is ever allocated on a device.
+When the engine runs in processes of its own (vLLM's engine core, tensor-parallel workers), that
+staging lives in files mapped by every process (``shared=True``): received once, read by all.
 
 Examples:
     >>> staged = StagedWeights.like([("w", torch.ones(2, 3)), ("b", torch.zeros(3))])
@@ -19,8 +21,12 @@ Examples:
 
 from __future__ import annotations
 
+import os
+import tempfile
 import threading
+import uuid
 from collections.abc import Iterable, Iterator, Sequence
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -28,7 +34,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from streamrl.components.weights.nccl import DEFAULT_BUCKET_BYTES, Bucket, TensorSpec, plan_buckets
 
-__all__ = ["StagedWeights", "stage_parameters"]
+__all__ = ["StagedWeights", "map_file", "stage_parameters"]
 
 
 class StagedWeights:
@@ -37,7 +43,10 @@ class StagedWeights:
     Args:
         specs: every tensor's name, shape and (wire) dtype, in the order they are sent.
         bucket_bytes: the largest bucket (a larger tensor gets one of its own).
-        pin: page-locked buffers; ``None``: when CUDA is available.
+        pin: page-locked buffers; ``None``: when CUDA is available (not with ``shared``).
+        shared: each buffer is a file mapped into memory (``/dev/shm`` when it has room),
+            which other processes map too (``files``, ``layout``); ``unlink`` removes the names
+            once they all did, so nothing is left behind whatever way the processes end.
 
     Attributes:
         bucket_bytes: the plan's largest bucket (a larger tensor gets one of its own).
@@ -45,6 +54,7 @@ class StagedWeights:
         buffers: one flat host tensor per bucket; what travels.
         version: the version the buffers hold (``None`` until filled).
         lock: held while the buffers are written or read as a whole version.
+        files: the buffers' files when ``shared`` (until ``unlink``), else ``[]``.
     """
 
     def __init__(
@@ -52,11 +62,21 @@ class StagedWeights:
         specs: Sequence[TensorSpec],
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         pin: bool | None = None,
+        shared: bool = False,
     ) -> None:
         self.specs, self.bucket_bytes = tuple(specs), bucket_bytes
         self.buckets: list[Bucket] = plan_buckets(self.specs, bucket_bytes)
-        pin = torch.cuda.is_available() if pin is None else pin
-        self.buffers = [torch.empty(b.numel, dtype=b.dtype, pin_memory=pin) for b in self.buckets]
+        self.files: list[Path] = []
+        if shared:
+            folder = _shared_folder(sum(b.nbytes for b in self.buckets))
+            stem = f"streamrl-weights-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+            self.files = [folder / f"{stem}-{i}" for i in range(len(self.buckets))]
+            self.buffers = [map_file(f, b.numel, b.dtype) for f, b in zip(self.files, self.buckets)]
+        else:
+            pin = torch.cuda.is_available() if pin is None else pin
+            self.buffers = [
+                torch.empty(b.numel, dtype=b.dtype, pin_memory=pin) for b in self.buckets
+            ]
         self.version: int | None = None
         self.lock = threading.Lock()
         self._where = {  # tensor index -> (bucket, its slot)
@@ -70,6 +90,7 @@ class StagedWeights:
         dtype: torch.dtype | None = None,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         pin: bool | None = None,
+        shared: bool = False,
     ) -> StagedWeights:
         """A staging for tensors shaped as ``named`` (meta or sharded ones too), in ``dtype``
         (their own by default)."""
@@ -77,7 +98,7 @@ class StagedWeights:
             TensorSpec(name, tuple(t.shape), dtype if dtype is not None else t.dtype)
             for name, t in named
         ]
-        return cls(specs, bucket_bytes, pin)
+        return cls(specs, bucket_bytes, pin, shared)
 
     @property
     def nbytes(self) -> int:
@@ -111,6 +132,29 @@ class StagedWeights:
         with torch.no_grad():
             self.view(index).copy_(tensor.detach())
 
+    def holds(self, named: Iterable[tuple[str, torch.Tensor]]) -> bool:
+        """Whether ``named`` are this staging's own views, in order (nothing to copy)."""
+        pairs = list(named)
+        return len(pairs) == len(self.specs) and all(
+            name == spec.name and tensor.data_ptr() == self.view(i).data_ptr()
+            for i, ((name, tensor), spec) in enumerate(zip(pairs, self.specs))
+        )
+
+    def layout(self) -> list[tuple[str, int, int, tuple[int, ...]]]:
+        """``(name, bucket, offset, shape)`` of every tensor, in send order: with ``files`` and
+        each bucket's dtype, what another process needs to map the same views."""
+        return [(spec.name, *self._place(i), spec.shape) for i, spec in enumerate(self.specs)]
+
+    def unlink(self) -> None:
+        """Remove the shared buffers' files; the mappings (here and elsewhere) stay valid."""
+        for path in self.files:
+            path.unlink(missing_ok=True)
+        self.files = []
+
+    def _place(self, index: int) -> tuple[int, int]:
+        bucket, slot = self._where[index]
+        return bucket, slot.offset
+
     def check(self, index: int, name: str, shape: tuple[int, ...]) -> None:
         """Raise ``ValueError`` unless tensor ``index`` is ``name`` of ``shape`` here."""
         spec = self.specs[index] if index < len(self.specs) else None
@@ -121,6 +165,23 @@ class StagedWeights:
                 f"{expected}: the trainer's policy and the generators' model must have the same "
                 "parameters in the same order."
             )
+
+
+def map_file(path: Path, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """A flat tensor of ``numel`` elements backed by the file at ``path`` (created if need be),
+    shared with every process that maps it."""
+    return torch.from_file(str(path), shared=True, size=numel, dtype=dtype)
+
+
+def _shared_folder(nbytes: int) -> Path:
+    """``/dev/shm`` (memory) when it has room for ``nbytes`` and a margin, else the temporary
+    folder (a container's ``/dev/shm`` is often 64 MB)."""
+    shm = Path("/dev/shm")
+    if shm.is_dir():
+        stat = os.statvfs(shm)
+        if stat.f_bavail * stat.f_frsize > nbytes * 1.1:
+            return shm
+    return Path(tempfile.gettempdir())
 
 
 def stage_parameters(

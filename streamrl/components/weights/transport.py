@@ -11,6 +11,7 @@ group Lightning creates for a data-parallel trainer.
 from __future__ import annotations
 
 import datetime
+import time
 from collections.abc import Callable, Iterable
 
 import torch
@@ -22,6 +23,33 @@ from streamrl.components.weights.nccl import NcclCommunicator
 DEFAULT_TIMEOUT_S = 120.0
 #: Ways weights travel (see ``WeightGroup``).
 TRANSPORTS = ("gloo", "bucketed", "nccl")
+#: The store key holding an instance's current feed generation, or ``"closed"`` once it left.
+FEED_KEY = "feed"
+#: How often a rendezvous looks for its peers (and for a reason to give up).
+RENDEZVOUS_POLL_S = 0.05
+
+#: The longest the backend's own rendezvous may take once every member said it is here.
+CONNECT_TIMEOUT_S = 30.0
+
+Abandon = Callable[[], str | None]
+
+
+def set_feed(store: dist.Store, generation: int | None) -> None:
+    """Record on an instance's store that its feed is now ``generation`` (``None``: it left):
+    a member still meeting an older generation's group gives up at once (``WeightGroup``)."""
+    store.set(FEED_KEY, "closed" if generation is None else str(generation))
+
+
+def superseded(store: dist.Store, generation: int) -> str | None:
+    """Why a group of feed ``generation`` on ``store`` will never meet, or ``None``."""
+    if not store.check([FEED_KEY]):
+        return None
+    current = store.get(FEED_KEY).decode()
+    if current == "closed":
+        return "the instance left the service"
+    if int(current) > generation:
+        return f"the instance was fed anew (feed {current})"
+    return None
 
 
 def make_store(world_size: int, timeout_s: float = DEFAULT_TIMEOUT_S) -> dist.TCPStore:
@@ -56,6 +84,9 @@ class WeightGroup:
             broadcast GPU to GPU through CuPy, on a CUDA stream of its own, so it never waits
             for, or holds up, the training stream).
         device: where a member's NCCL copy of a bucket lives (its GPU).
+        abandon: asked while the members gather, returns why to give up now (a peer process
+            gone) or ``None``. A member also gives up once the store says its feed moved on
+            (``set_feed``), so a dead peer costs a poll, not the whole timeout.
         generation: which feed of the store this is: a member fed anew connects again on the
             same store under a new generation.
     """
@@ -71,6 +102,7 @@ class WeightGroup:
         transport: str = "gloo",
         device: str = "cuda",
         generation: int = 1,
+        abandon: Abandon | None = None,
     ) -> None:
         timeout = datetime.timedelta(seconds=timeout_s)
         if store is None:
@@ -80,12 +112,21 @@ class WeightGroup:
         self.rank, self.world_size, self.transport = rank, world_size, transport
         self.device = torch.device(device)
         prefix = dist.PrefixStore(f"weights-{generation}", store)
+
+        def give_up() -> str | None:
+            return superseded(store, generation) or (abandon() if abandon is not None else None)
+
+        _gather(prefix, rank, world_size, generation, timeout_s, give_up)
         self._stream = None
+        self._op_timeout = timeout
         if transport == "nccl":
             self._nccl = NcclCommunicator.connect(prefix, rank, world_size)
             self._stream = torch.cuda.Stream(self.device)
         else:
-            self._group = dist.ProcessGroupGloo(prefix, rank, world_size, timeout)
+            # Every member is here, so the backend's own rendezvous is quick; its timeout only
+            # bounds a peer that died in between (the broadcasts get the full one).
+            connect = datetime.timedelta(seconds=min(timeout_s, CONNECT_TIMEOUT_S))
+            self._group = dist.ProcessGroupGloo(prefix, rank, world_size, connect)
 
     def broadcast(self, tensors: Iterable[torch.Tensor]) -> int:
         """Broadcast ``tensors`` in place from rank 0 (send there, receive elsewhere), one
@@ -106,6 +147,7 @@ class WeightGroup:
     def _broadcast_gloo(self, tensor: torch.Tensor) -> None:
         options = dist.BroadcastOptions()
         options.rootRank = 0
+        options.timeout = self._op_timeout
         # gloo needs contiguous CPU tensors; others take a host round trip here.
         buffer = tensor.detach()
         on_host = buffer.is_cuda or not buffer.is_contiguous()
@@ -123,6 +165,39 @@ class WeightGroup:
             if self.rank != 0 and on_device.data_ptr() != flat.data_ptr():
                 flat.copy_(on_device)
                 self._stream.synchronize()
+
+
+def _gather(
+    prefix: dist.Store,
+    rank: int,
+    world_size: int,
+    generation: int,
+    timeout_s: float,
+    give_up: Abandon,
+) -> None:
+    """Wait until every member of the group is here, giving up as soon as one never will.
+
+    The backends' own rendezvous waits out its whole timeout for a peer that died before
+    joining; this one polls, so the group is only built once all members are present.
+
+    Raises:
+        ConnectionAbortedError: ``give_up`` gave a reason (the feed moved on, a peer is gone).
+        TimeoutError: a member did not come within ``timeout_s``.
+    """
+    prefix.set(f"present-{rank}", "1")
+    others = [f"present-{r}" for r in range(world_size) if r != rank]
+    deadline = time.monotonic() + timeout_s
+    while not prefix.check(others):
+        reason = give_up()
+        if reason is not None:
+            raise ConnectionAbortedError(f"weight group (feed {generation}): {reason}")
+        if time.monotonic() > deadline:
+            missing = [k.removeprefix("present-") for k in others if not prefix.check([k])]
+            raise TimeoutError(
+                f"weight group (feed {generation}): rank(s) {', '.join(missing)} did not join "
+                f"within {timeout_s:g} s."
+            )
+        time.sleep(RENDEZVOUS_POLL_S)
 
 
 class LazyGroup:

@@ -1,0 +1,64 @@
+"""What runs inside vLLM's worker processes: new weights loaded from the instance's staging.
+
+StreamRL §6: a generator instance receives each weight version into a host staging
+(``StagedWeights``). With vLLM's engine core in a process of its own, and one worker process per
+tensor-parallel rank, the staging is a set of shared files (``StagedWeights(shared=True)``): each
+worker maps them once (``streamrl_attach``), and for every version loads the model from those
+views through vLLM's own layerwise reload (``streamrl_load``), each rank keeping its shard. No
+bytes of the weights cross vLLM's RPC: only the order to load.
+
+``StagingLoader`` is vLLM's ``worker_extension_cls``: its methods join the worker's and are called
+through ``collective_rpc`` on every rank (``VLLMStreamGenerator``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from streamrl.components.weights.staging import map_file
+
+#: The extension, as vLLM's ``worker_extension_cls`` names it.
+EXTENSION = f"{__name__}.StagingLoader"
+
+
+class StagingLoader:
+    """Mixed into vLLM's worker (``self`` is the worker: ``reload_weights``, ``get_model``)."""
+
+    def streamrl_attach(self, buckets: list, tensors: list) -> int:
+        """Map the staging's files: ``buckets`` is ``[(path, dtype name, numel)]``, ``tensors``
+        ``[(name, bucket, offset, shape)]`` in load order. Returns the bytes mapped."""
+        flat = [map_file(path, numel, getattr(torch, dtype)) for path, dtype, numel in buckets]
+        self._streamrl_views = [
+            (name, flat[b][offset : offset + _numel(shape)].view(tuple(shape)))
+            for name, b, offset, shape in tensors
+        ]
+        return sum(t.numel() * t.element_size() for t in flat)
+
+    def streamrl_load(self) -> None:
+        """Load the model from the mapped staging (the whole version is there)."""
+        views = getattr(self, "_streamrl_views", None)
+        if views is None:
+            raise RuntimeError("streamrl_load before streamrl_attach: no staging mapped.")
+        # vLLM's layerwise in-place reload: checkpoint-format tensors through the model's own
+        # load_weights (each rank takes its shard), then each layer's post-load processing.
+        self.reload_weights(weights_iterator=iter(views), is_checkpoint_format=True)
+        reprocess_lm_heads(self.get_model())
+
+
+def reprocess_lm_heads(model: torch.nn.Module) -> None:
+    """Re-run the LM heads' post-load processing: a tied head gets no tensor of its own, so
+    vLLM 0.32 would keep its CPU-packed copy of the old embedding (stale logits)."""
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
+
+    for module in model.modules():
+        if isinstance(module, ParallelLMHead):
+            module.quant_method.process_weights_after_loading(module)
+
+
+def _numel(shape: Any) -> int:
+    count = 1
+    for size in shape:
+        count *= int(size)
+    return count

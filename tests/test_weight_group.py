@@ -1,0 +1,89 @@
+"""The weight group's rendezvous (``WeightGroup``): members meet over the trainer's store, and
+one that will never come costs a poll, not the whole timeout (a peer process gone, a feed that
+moved on), while a silent one still fails at the timeout, naming the missing rank."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from streamrl.components.weights import transport
+from streamrl.components.weights.transport import WeightGroup, make_store, set_feed
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def test_two_members_meet_and_broadcast():
+    store = make_store(2, 10)
+    got = torch.zeros(5)
+    receiver = threading.Thread(
+        target=lambda: WeightGroup(store.port, 1, 2, timeout_s=10).broadcast([got])
+    )
+    receiver.start()
+    sent = WeightGroup(store.port, 0, 2, store=store, timeout_s=10).broadcast([torch.arange(5.0)])
+    receiver.join(10)
+    assert sent == 20 and torch.equal(got, torch.arange(5.0))
+
+
+def test_the_sender_gives_up_as_soon_as_abandon_gives_a_reason():
+    store = make_store(2, 30)
+    gone_at = time.monotonic() + 0.5
+
+    def abandon() -> str | None:
+        return "instance 7 is gone" if time.monotonic() > gone_at else None
+
+    started = time.monotonic()
+    with pytest.raises(ConnectionAbortedError, match="instance 7 is gone"):
+        WeightGroup(store.port, 0, 2, store=store, timeout_s=30, abandon=abandon)
+    assert time.monotonic() - started < 5  # not the 30 s timeout
+
+
+@pytest.mark.parametrize(("feed", "why"), [(2, "fed anew"), (None, "left the service")])
+def test_a_member_of_an_older_feed_gives_up_once_the_store_moves_on(feed, why):
+    store = make_store(2, 30)
+    set_feed(store, 1)
+    threading.Timer(0.5, set_feed, (store, feed)).start()
+    started = time.monotonic()
+    with pytest.raises(ConnectionAbortedError, match=why):
+        WeightGroup(store.port, 1, 2, timeout_s=30, generation=1)
+    assert time.monotonic() - started < 5
+
+
+def test_a_silent_member_times_out_naming_its_rank():
+    store = make_store(3, 10)
+    with pytest.raises(TimeoutError, match=r"rank\(s\) 1, 2 did not join within 0.5 s"):
+        WeightGroup(store.port, 0, 3, store=store, timeout_s=0.5)
+
+
+def test_a_peer_that_dies_after_saying_it_is_here_costs_the_connect_timeout(monkeypatch):
+    """It joined the rendezvous, then died before the backend's own: the sender fails at the
+    short connect timeout, not at the weight timeout (which bounds each broadcast)."""
+    monkeypatch.setattr(transport, "CONNECT_TIMEOUT_S", 1.0)
+    store = make_store(2, 60)
+    dist.PrefixStore("weights-1", store).set("present-1", "1")  # here, then gone
+    started = time.monotonic()
+    with pytest.raises(RuntimeError):
+        WeightGroup(store.port, 0, 2, store=store, timeout_s=60)
+    assert time.monotonic() - started < 20
+
+
+def test_a_broadcast_waits_the_weight_timeout_not_the_connect_one(monkeypatch):
+    """A member slow to take its bucket (busy decoding) is waited for up to ``timeout_s``."""
+    monkeypatch.setattr(transport, "CONNECT_TIMEOUT_S", 1.0)
+    store = make_store(2, 30)
+    got = torch.zeros(3)
+
+    def slow_member() -> None:
+        group = WeightGroup(store.port, 1, 2, timeout_s=30)
+        time.sleep(3)
+        group.broadcast([got])
+
+    member = threading.Thread(target=slow_member)
+    member.start()
+    WeightGroup(store.port, 0, 2, store=store, timeout_s=30).broadcast([torch.ones(3)])
+    member.join(30)
+    assert torch.equal(got, torch.ones(3))

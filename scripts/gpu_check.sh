@@ -9,6 +9,10 @@
 #      bucket, received into the instance's staging and loaded onto its GPU (gloo: NCCL refuses
 #      two members on one GPU), the engine-gap correction on;
 #   3. `streamrl bench memory` at the same shape, --seq 4096, old path beside the new;
+#   4. if this machine's Python has vLLM (it cannot be carried: its wheels pass the carry limit),
+#      scripts/gpu_vllm_check.py: one vLLM instance in bfloat16 on the GPU beside the trainer,
+#      three weight versions, each load checked against the trainer's log-probs; else recorded
+#      as skipped (rc 127);
 # then prints one JSON object (peak GPU memory, tokens/s, each step's rc and seconds) and writes
 # it to $OUT/gpu_check.json. Each step has its own timeout; a failed step is recorded, not fatal.
 # Budget: under 8 minutes in all.
@@ -60,6 +64,11 @@ YAML
 step fit 240 python3 -m streamrl.cli fit --config "$OUT/fit.yaml" --no-progress
 step bench-memory 120 python3 -m streamrl.cli bench memory --shape 0.5b --seq 4096 \
   --device cuda --timeout-s 50
+if python3 -c "import vllm" 2> /dev/null; then
+  step vllm 100 python3 scripts/gpu_vllm_check.py "$OUT/qwen0.5b" "$OUT/vllm"
+else
+  echo "vllm is not installed on this machine" > "$OUT/vllm.log"; echo "127 0" > "$OUT/vllm.status"
+fi
 
 python3 - "$OUT" <<'PY'
 import json, sys
@@ -96,6 +105,7 @@ result = {
                      "cases": [{k: c.get(k) for k in ("path", "seq", "peak_bytes", "tokens_per_s",
                                                       "logprob_extra_bytes", "oom")}
                                for c in (memory or {}).get("cases", [])]},
+    "vllm": {**status("vllm"), "result": last_json("vllm")},
 }
 (out / "gpu_check.json").write_text(json.dumps(result, indent=1))
 print(json.dumps(result))

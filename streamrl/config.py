@@ -134,7 +134,8 @@ class RLConfig:
         cluster: where generator instances run: ``"local"`` (processes of this machine) or
             ``"ray"`` (Ray actors on the cluster ``RAY_ADDRESS`` names, or a local one; the
             ``[ray]`` extra).
-        gpus: GPUs per generator instance; 0 generates on the CPU.
+        gpus: GPUs per generator instance; 0 generates on the CPU. More than one: the vLLM
+            engine runs that many tensor-parallel ranks (``tensor_parallel_size``).
         sites: the site (datacenter) of each generator instance, in order, e.g. ``[home, cloud,
             cloud]``; an instance at a site other than ``trainer_site`` receives the weights from
             its site's first instance, so one copy per version crosses to each site (§6). Empty:

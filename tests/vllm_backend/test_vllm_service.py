@@ -7,6 +7,11 @@ into the running engine.
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 pytest.importorskip("vllm", reason="needs vllm: make test-vllm")
@@ -134,3 +139,33 @@ def test_a_tensor_parallel_instance_gets_updates_and_takes_its_ranks_with_it(tmp
         assert [again[k].token_ids for k in after] == [after[k].token_ids for k in after]
         _, alive = psutil.wait_procs(ranks, timeout=10)
         assert not alive, f"ranks outlived their instance: {[p.pid for p in alive]}"
+
+
+def test_the_gpu_checks_vllm_step_runs_on_the_cpu_build(tmp_path):
+    """scripts/gpu_vllm_check.py, which a lent GPU runs at the 0.5B shape, here on vLLM's CPU
+    build with a small model: every version loads, and its samples match the weights sent."""
+    tokenizer = build_tokenizer()
+    model_dir = save_policy(build_tiny_model(tokenizer, "demo", seed=0), tokenizer, tmp_path / "m")
+    script = Path(__file__).parents[2] / "scripts" / "gpu_vllm_check.py"
+    run = subprocess.run(
+        [
+            sys.executable,
+            str(script),
+            str(model_dir),
+            str(tmp_path / "out"),
+            "--device",
+            "cpu",
+            "--versions",
+            "2",
+            "--tokens",
+            "16",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=400,
+        check=False,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    assert result["ok"] and result["wire_dtype"] == "torch.bfloat16"
+    assert [v["samples_at_version"] for v in result["versions"]] == [8, 8]

@@ -267,6 +267,7 @@ class _WeightReceiver:
     ) -> None:
         self.connect, self.staged, self._relay = connect, staged, relay
         self.generation = 1
+        self.broken: int | None = None  # the feed whose group failed (its versions fail fast)
         self.group: Any = None  # connected at the first transfer of each feed, as the sender
         self._todo: queue.Queue[tuple] = queue.Queue()
         self._done: queue.Queue[tuple] = queue.Queue()
@@ -325,14 +326,20 @@ class _WeightReceiver:
     def _receive(self, version: int, generation: int) -> tuple:
         if generation != self.generation:  # announced for a feed we no longer have
             return version, None
-        if self.group is None:
-            self.group = self.connect(self.generation)
-        with self.staged.lock:  # the engine never loads a half-received version
-            self.staged.version = None
-            for index, buffer in enumerate(self.staged.buffers):
-                self.group.broadcast([buffer])
-                self._relay.forward(version, index, buffer)
-            self.staged.version = version
+        if generation == self.broken:  # its sender gave it up too: no retry can meet it
+            raise ConnectionAbortedError(f"the weight group of feed {generation} failed before")
+        try:
+            if self.group is None:
+                self.group = self.connect(self.generation)
+            with self.staged.lock:  # the engine never loads a half-received version
+                self.staged.version = None
+                for index, buffer in enumerate(self.staged.buffers):
+                    self.group.broadcast([buffer])
+                    self._relay.forward(version, index, buffer)
+                self.staged.version = version
+        except Exception:
+            self.group, self.broken = None, generation
+            raise
         return version, self.staged
 
 

@@ -187,10 +187,12 @@ def _gather(
     prefix.set(f"present-{rank}", "1")
     others = [f"present-{r}" for r in range(world_size) if r != rank]
     deadline = time.monotonic() + timeout_s
-    while not prefix.check(others):
+    while True:  # asked at least once: a retry finds the keys of an attempt long given up
         reason = give_up()
         if reason is not None:
             raise ConnectionAbortedError(f"weight group (feed {generation}): {reason}")
+        if prefix.check(others):
+            return
         if time.monotonic() > deadline:
             missing = [k.removeprefix("present-") for k in others if not prefix.check([k])]
             raise TimeoutError(

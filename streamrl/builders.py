@@ -42,6 +42,7 @@ from streamrl.components.training.staleness import staleness_bound_of
 from streamrl.fsdp import ShardedStreamRLModule, fsdp_strategy
 from streamrl.module import Mode, StreamRLModule
 from streamrl.rollout import RolloutStream
+from streamrl.stopping import shielded
 
 LoggerName = Literal["csv", "tensorboard", "wandb"]
 
@@ -250,12 +251,21 @@ def checkpoints(output_dir: str | Path, *, every: int = 0) -> ModelCheckpoint:
     iterations (0: only the last). Under FSDP every rank builds it: saving is collective."""
     # A checkpoint holds the state after an iteration's optimizer step: what a resume needs.
     warnings.filterwarnings("ignore", "Using ModelCheckpoint with manual optimization")
-    return ModelCheckpoint(
+    return ShieldedCheckpoint(
         Path(output_dir) / "checkpoints",
         save_last=True,
         every_n_train_steps=every or None,
         save_top_k=1 if every else 0,
     )
+
+
+class ShieldedCheckpoint(ModelCheckpoint):
+    """Lightning's ``ModelCheckpoint`` whose saves a stop (SIGTERM, Ctrl-C) never cuts short:
+    the checkpoint the stop message points to is whole (``streamrl.stopping.shielded``)."""
+
+    def _save_checkpoint(self, trainer: L.Trainer, filepath: str) -> None:
+        with shielded():
+            super()._save_checkpoint(trainer, filepath)
 
 
 def make_logger(kind: LoggerName, output_dir: str | Path) -> Logger:

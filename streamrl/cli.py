@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import os
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -23,6 +22,7 @@ from typing import Any
 from streamrl.errors import ConfigError, EnvError, NonFiniteLossError, RewardError
 from streamrl.fit_args import FitArgs, build_fit_parser, parse_fit, print_fit_config
 from streamrl.quiet import quiet_libraries, quiet_lightning
+from streamrl.stopping import Stopped, resume_hint, stop_on_signals
 
 
 def _cmd_fit(fit: FitArgs) -> dict:
@@ -31,17 +31,16 @@ def _cmd_fit(fit: FitArgs) -> dict:
 
     quiet_lightning()
     check_values(fit.config)
-    if fit.resume and not os.path.exists(fit.resume):  # a file, or a folder of shards
-        raise ConfigError(f"--resume: no checkpoint at {fit.resume!r}.")
     return run_fit(fit.config, show_progress=not fit.no_progress, resume=fit.resume)
 
 
 def _cmd_demo(args: argparse.Namespace) -> dict:
     from streamrl.config import RunConfig
     from streamrl.jobs import run_fit
+    from streamrl.reruns import fresh_output_dir
 
     quiet_lightning()
-    config = RunConfig(output_dir=args.output_dir)
+    config = RunConfig(output_dir=str(fresh_output_dir(args.output_dir)))  # a new run each time
     print(f"streamrl demo: writing to {config.output_dir}", file=sys.stderr)
     return run_fit(config, show_progress=not args.no_progress)
 
@@ -419,7 +418,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     from streamrl.components.generation.service import GeneratorError
 
     try:
-        result = func()
+        with stop_on_signals():
+            result = func()
+    except Stopped as stop:  # SIGTERM or Ctrl-C: every child is stopped by now
+        resume = resume_hint(fit.config.output_dir, argv) if command == "fit" else ""
+        print(f"streamrl {command}: {stop}{resume}", file=sys.stderr)
+        return stop.exit_code
     except (ConfigError, FileNotFoundError) as err:  # bad input, found before any work
         print(f"streamrl {command}: error: {err}", file=sys.stderr)
         return 2

@@ -7,6 +7,7 @@ before any work starts (``streamrl.config_file.load_config`` and ``streamrl fit`
 from __future__ import annotations
 
 import importlib.util
+from pathlib import Path
 
 from streamrl.components.generation.timeouts import Timeouts
 from streamrl.components.weights.nccl import import_nccl
@@ -20,9 +21,27 @@ from streamrl.tasks.families import FAMILIES
 LOGGERS = {"csv": None, "tensorboard": "tensorboard", "wandb": "wandb"}
 
 
+def check_output_dir(output_dir: str | Path) -> None:
+    """``output_dir`` is a directory, or can be made one: no file stands at it or above it.
+
+    Raises:
+        ConfigError: a file is in the way.
+    """
+    path = Path(output_dir)
+    for place in (path, *path.parents):
+        if place.exists():
+            if not place.is_dir():
+                raise ConfigError(
+                    f"output_dir {str(path)!r}: {str(place)!r} is a file, not a directory; "
+                    "choose another output_dir (it is created if missing)."
+                )
+            return
+
+
 def check_values(config: RunConfig) -> None:
     """Check values that types alone cannot (ranges, names); raises ``ConfigError``."""
     data, sft = config.data, config.sft
+    check_output_dir(config.output_dir)
     check_data_source(data)
     if not (data.prompt_file or data.path or data.reasoning_gym):
         if not data.tasks:

@@ -68,7 +68,10 @@ def build_fit_parser() -> jsonargparse.ArgumentParser:
         "are not): streamrl fit --print_config > my.yaml",
     )
     parser.add_argument(
-        "--resume", help="checkpoint to continue from, e.g. <output_dir>/checkpoints/last.ckpt"
+        "--resume",
+        help="checkpoint to continue from, e.g. <output_dir>/checkpoints/last.ckpt, or 'auto': "
+        "the output_dir's last checkpoint if it has one (a run into an output_dir that holds an "
+        "earlier run's checkpoints is refused without --resume)",
     )
     parser.add_argument("--no-progress", action="store_true", help="draw no progress bars")
     parser.add_class_arguments(RunConfig, fail_untyped=True)

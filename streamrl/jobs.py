@@ -24,6 +24,7 @@ from streamrl.errors import ConfigError
 from streamrl.evaluation import EvalResult, evaluate
 from streamrl.models import load_policy, save_policy
 from streamrl.prepare import ensure_policy, prepare_run
+from streamrl.reruns import resolve_resume
 from streamrl.rewards.spec import load_rewards
 from streamrl.rl_job import ledger, rl_summary, train_rl, train_with_eval, write_summary
 from streamrl.run_parts import (
@@ -46,7 +47,9 @@ def run_fit(config: RunConfig, show_progress: bool = True, resume: str | None = 
     Args:
         config: the run's settings.
         show_progress: draw progress bars on stderr.
-        resume: a checkpoint (``<output_dir>/checkpoints/last.ckpt``) to continue from.
+        resume: a checkpoint (``<output_dir>/checkpoints/last.ckpt``) to continue from, or
+            ``"auto"``: the output directory's last checkpoint, if any. Without it, an output
+            directory that holds an earlier run's checkpoints is refused (``reruns``).
 
     Returns:
         ``reward_first`` / ``reward_last`` (mean reward of the first / last 3 iterations),
@@ -57,6 +60,7 @@ def run_fit(config: RunConfig, show_progress: bool = True, resume: str | None = 
         ``wall_s``, the starting policy's output lengths, and
         ``policy_dir``: the trained policy saved as a model directory (``<output_dir>/policy``).
     """
+    resume = resolve_resume(config.output_dir, resume)  # one output directory, one run
     if config.env.name is not None:  # multi-turn episodes: the same job, episode by episode
         from streamrl.envs.fit import run_episode_fit
 

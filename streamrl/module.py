@@ -42,6 +42,7 @@ from streamrl.peak_memory import peak_memory_bytes
 from streamrl.records import Sample
 from streamrl.rollout import RolloutStream
 from streamrl.run_state import load_run_state, save_run_state
+from streamrl.stopping import shielded
 from streamrl.timeline import TraceRecorder
 
 Mode = Literal["sync", "async", "colocated"]
@@ -182,8 +183,9 @@ class StreamRLModule(L.LightningModule):
         self.entropy_sum = torch.zeros((), device=self.device)
         self.entropy_tokens = torch.zeros((), device=self.device)
         train_s = self.train_on_stream(iteration)
-        train_s += self.optimizer_step(iteration)
-        self.weight_version += 1
+        with shielded():  # a stop (SIGTERM, Ctrl-C) waits: weights and version change together
+            train_s += self.optimizer_step(iteration)
+            self.weight_version += 1
         if self.rollouts is None:  # a trainer rank without the service (FSDP ranks > 0)
             self.stage_weights()  # joins the sending rank's gathers
             return

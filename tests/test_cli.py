@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -70,6 +71,19 @@ def test_fit_with_gpus_on_a_cpu_machine_fails_at_once(tmp_path, capsys):
     assert not (tmp_path / "instances.json").exists()  # no generator was started
 
 
+@pytest.mark.parametrize("command", ["fit", "demo"])
+def test_an_output_dir_that_is_a_file_fails_before_any_work(tmp_path, capsys, command):
+    taken = tmp_path / "taken"
+    taken.write_text("not a directory")
+    for output_dir in (taken, taken / "run"):
+        started = time.monotonic()
+        argv = [command, "--output-dir", str(output_dir), "--no-progress"]
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert f"{str(taken)!r} is a file, not a directory; choose another output_dir" in err
+        assert time.monotonic() - started < 30  # before the warm start and the generators
+
+
 @pytest.mark.timeout(300)
 def test_fit_small_run_prints_json_summary(tmp_path, capsys):
     config = tmp_path / "c.yaml"
@@ -101,9 +115,15 @@ def test_fit_small_run_prints_json_summary(tmp_path, capsys):
     last = tmp_path / "out" / "checkpoints" / "last.ckpt"
     assert last.is_file()
     config.write_text(config.read_text().replace("iterations: 2", "iterations: 3"))
-    assert main(["fit", "--config", str(config), "--no-progress", "--resume", str(last)]) == 0
+    # Into the same output_dir without --resume: refused (it would start over beside the old
+    # run's checkpoints, and last.ckpt would go on naming the old run's).
+    assert main(["fit", "--config", str(config), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert f"holds an earlier run (its checkpoint {last}): go on from it with --resume auto" in err
+    assert main(["fit", "--config", str(config), "--no-progress", "--resume", "auto"]) == 0
     resumed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert resumed["samples_trained"] == 3 * 4 * 2 and resumed["samples_lost"] == 0
+    assert sorted(p.name for p in last.parent.glob("last*.ckpt")) == ["last.ckpt"]
     assert main(["fit", "--config", str(config), "--resume", str(tmp_path / "nope.ckpt")]) == 2
 
 

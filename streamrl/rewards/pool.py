@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import multiprocessing as mp
 import queue
+import signal
 import time
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
@@ -227,6 +228,8 @@ class RewardPool:
 
 def _worker_main(wid: int, specs: list[RewardSpec], inbox: Any, outbox: Any, max_batch: int):
     """A reward worker: build the rewards, then score batches of whatever has queued up."""
+    # Ctrl-C reaches the whole process group: the trainer decides, and stops us (``close``).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         rewards = load_rewards(specs)
     except Exception as err:  # reported to the trainer, which stops the run with it

@@ -1,0 +1,117 @@
+"""A run stopped from outside: SIGTERM (a scheduler's preemption, ``timeout``, Kubernetes) or
+Ctrl-C, taken as one event.
+
+While a job runs under ``stop_on_signals``, the first SIGTERM or SIGINT raises ``Stopped`` in
+the main thread, wherever it waits, and every later one is ignored: a signal sent to the whole
+process group also reaches the generators and reward workers, and their deaths must not read as
+failures to repair (the service replaced such generators and ran on). ``Stopped`` is no
+``Exception``, so it passes every ``except Exception`` on its way out and Lightning's own
+interrupt handling re-raises it intact (Lightning turns SIGTERM into an exit code 0 and Ctrl-C
+into 1); the ``with`` blocks it crosses stop every child process, and the CLI exits with
+``128 + signal`` and the command that resumes the run from its last checkpoint.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import shlex
+import signal
+import threading
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+__all__ = ["Stopped", "resume_hint", "shielded", "stop_on_signals"]
+
+SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+class Stopped(BaseException):
+    """The run received ``signal`` (its name, e.g. ``"SIGTERM"``) and is stopping."""
+
+    def __init__(self, signum: int) -> None:
+        self.signal = signal.Signals(signum).name
+        self.exit_code = 128 + int(signum)
+        super().__init__(f"stopped by {self.signal}")
+
+
+class _Stopping:
+    """The main thread's stop state: whether a signal came, and how deep in ``shielded``."""
+
+    def __init__(self) -> None:
+        self.fired: int | None = None
+        self.pending = False
+        self.shields = 0
+
+
+_state: _Stopping | None = None
+
+
+@contextlib.contextmanager
+def stop_on_signals() -> Iterator[None]:
+    """Turn the first SIGTERM or SIGINT into ``Stopped`` in the main thread (at the end of a
+    ``shielded`` block if one is running), ignore the rest until the block ends, then restore
+    the previous handlers. Off the main thread (a notebook's worker thread, say) it does
+    nothing: only the main thread receives signals."""
+    global _state
+    if threading.current_thread() is not threading.main_thread() or _state is not None:
+        yield
+        return
+    previous = {s: signal.getsignal(s) for s in SIGNALS}
+    state = _state = _Stopping()
+
+    def stop(signum: int, frame: object) -> None:
+        del frame
+        if state.fired is not None:  # one event: the group's copies, or a second Ctrl-C,
+            return  # change nothing (Lightning puts this handler back when it tears down)
+        state.fired = signum
+        if state.shields:
+            state.pending = True  # raised when the shielded block ends
+            return
+        raise Stopped(signum)
+
+    for s in SIGNALS:
+        signal.signal(s, stop)
+    try:
+        yield
+    finally:
+        _state = None
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+@contextlib.contextmanager
+def shielded() -> Iterator[None]:
+    """A stop that arrives inside waits for the block's end: an optimizer step (weights and
+    their version), a checkpoint being written, are never left half done. Nothing without
+    ``stop_on_signals``."""
+    state = _state
+    if state is None or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    state.shields += 1
+    try:
+        yield
+    finally:
+        state.shields -= 1
+        if not state.shields and state.pending:
+            state.pending = False
+            raise Stopped(state.fired)
+
+
+def resume_hint(output_dir: str | Path, argv: Sequence[str]) -> str:
+    """What to run to go on after a stop: ``argv`` (a ``fit`` command line) resuming from the
+    run's last checkpoint, or why there is none."""
+    last = Path(output_dir) / "checkpoints" / "last.ckpt"
+    if not last.is_file():
+        return (
+            f"; no checkpoint to resume from in {last.parent} (rl.checkpoint_every: N writes one "
+            "every N iterations): run it again from the start."
+        )
+    args = list(argv)
+    for flag in ("--resume",):  # drop a resume given before: the new one replaces it
+        while flag in args:
+            at = args.index(flag)
+            del args[at : at + 2]
+        args = [a for a in args if not a.startswith(f"{flag}=")]
+    command = shlex.join(["streamrl", *args, "--resume", str(last)])
+    return f"; the last checkpoint is {last}; go on with:\n  {command}"

@@ -1,0 +1,134 @@
+"""A run stopped from outside (``streamrl.stopping``): SIGTERM or Ctrl-C to the run or to its
+whole process group is one event; the run never exits 0 for it, replaces none of the children
+the signal killed, leaves no process behind and says how to go on."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from streamrl.stopping import Stopped, resume_hint, shielded, stop_on_signals
+
+
+def test_the_first_signal_raises_stopped_and_the_rest_are_ignored():
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(Stopped) as stopped, stop_on_signals():
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)  # the handler raises here, at once
+    assert stopped.value.signal == "SIGTERM" and stopped.value.exit_code == 143
+    assert signal.getsignal(signal.SIGTERM) is before
+
+    with pytest.raises(Stopped) as stopped, stop_on_signals():
+        try:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(5)
+        finally:  # cleaning up: the group's copies of the signal change nothing
+            os.kill(os.getpid(), signal.SIGTERM)
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.2)
+    assert stopped.value.signal == "SIGINT" and stopped.value.exit_code == 130
+
+
+def test_a_stop_inside_a_shielded_block_waits_for_its_end():
+    done = []
+    with pytest.raises(Stopped), stop_on_signals():
+        with shielded():  # an optimizer step, a checkpoint being written
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.3)
+            done.append("the whole block")
+        done.append("past it")  # never: the stop is raised as the block ends
+    assert done == ["the whole block"]
+    with shielded():  # outside stop_on_signals: nothing to hold back
+        done.append("plain")
+
+
+def test_a_checkpoint_being_written_is_finished_before_the_stop(tmp_path, monkeypatch):
+    """The run's checkpoint callback saves under ``shielded``: a SIGTERM mid-save leaves a
+    whole file (it is the one the stop message tells users to resume from)."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from streamrl.builders import checkpoints
+
+    def slow_save(self, trainer, filepath):  # Lightning's save, with a signal in the middle
+        with open(filepath, "w") as f:
+            f.write("first half ")
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.3)
+            f.write("second half")
+
+    monkeypatch.setattr(ModelCheckpoint, "_save_checkpoint", slow_save)
+    target = tmp_path / "last.ckpt"
+    with pytest.raises(Stopped), stop_on_signals():
+        checkpoints(tmp_path)._save_checkpoint(None, str(target))
+    assert target.read_text() == "first half second half"
+
+
+def test_the_resume_hint_names_the_last_checkpoint_or_says_there_is_none(tmp_path):
+    argv = ["fit", "--config", "my run.yaml", "--resume", "old.ckpt", "--no-progress"]
+    assert "no checkpoint to resume from" in resume_hint(tmp_path, argv)
+    last = tmp_path / "checkpoints" / "last.ckpt"
+    last.parent.mkdir()
+    last.write_bytes(b"")
+    hint = resume_hint(tmp_path, argv)
+    assert hint.endswith(f"streamrl fit --config 'my run.yaml' --no-progress --resume {last}")
+
+
+def _run(tmp_path: Path, iterations: int) -> tuple[subprocess.Popen, Path]:
+    config = tmp_path / "c.yaml"
+    config.write_text(
+        f"output_dir: {tmp_path / 'out'}\n"
+        "data: {tasks: [copy], n_train: 16, n_heldout: 4, median_len: 3, max_len: 6}\n"
+        "sft: {model_size: test, steps: 2}\n"
+        f"rl: {{iterations: {iterations}, prompts_per_iteration: 2, group_size: 2, "
+        "generators: 2, reward_workers: 1, checkpoint_every: 1}\n"
+    )
+    command = [sys.executable, "-m", "streamrl.cli", "fit", "--no-progress", "--config"]
+    proc = subprocess.Popen(
+        [*command, str(config)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # its own process group, as under a scheduler
+    )
+    return proc, config
+
+
+def _group_gone(pgid: int, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.2)
+    return False
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_to_the_whole_group_stops_the_run_with_the_command_to_go_on(tmp_path, signum):
+    proc, config = _run(tmp_path, iterations=100000)
+    last = tmp_path / "out" / "checkpoints" / "last.ckpt"
+    deadline = time.monotonic() + 200
+    while not last.is_file() and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.2)
+    assert last.is_file(), "no checkpoint was written"
+    time.sleep(1)  # mid-iteration
+    os.killpg(proc.pid, signum)  # the run, its generators and its reward worker at once
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signum, err[-2000:]
+    name = signal.Signals(signum).name
+    assert f"streamrl fit: stopped by {name}" in err
+    assert f"streamrl fit --no-progress --config {config} --resume {last}" in err
+    assert "Traceback" not in err and "died" not in err
+    assert not [line for line in out.splitlines() if line.startswith("{")]  # no summary
+    assert _group_gone(proc.pid, 30), "a process of the run outlived it"
+    instances = json.loads((tmp_path / "out" / "instances.json").read_text())
+    assert len(instances) == 2, instances  # the generators it killed were not replaced

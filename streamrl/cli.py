@@ -28,10 +28,12 @@ from streamrl.stopping import Stopped, resume_hint, stop_on_signals
 def _cmd_fit(fit: FitArgs) -> dict:
     from streamrl.config_checks import check_values
     from streamrl.jobs import run_fit
+    from streamrl.reruns import resolve_resume
 
     quiet_lightning()
     check_values(fit.config)
-    return run_fit(fit.config, show_progress=not fit.no_progress, resume=fit.resume)
+    resume = resolve_resume(fit.config.output_dir, fit.resume)  # a wrong one: before any work
+    return run_fit(fit.config, show_progress=not fit.no_progress, resume=resume)
 
 
 def _cmd_demo(args: argparse.Namespace) -> dict:

@@ -11,7 +11,7 @@ import pytest
 
 from streamrl.errors import ConfigError
 from streamrl.tasks.local_data import check_enough_rows, load_prompt_dataset, split_heldout
-from streamrl.tasks.prompt_sets import COLUMNS
+from streamrl.tasks.prompt_sets import COLUMNS, load_prompt_file
 
 ROWS = [
     {"prompt": "2+2=", "answer": 4, "difficulty": 1, "source_url": "a"},
@@ -85,7 +85,7 @@ def test_dataset_dict_directory_picks_a_split_and_lists_splits_when_missing(tmp_
         load_prompt_dataset(tmp_path / "arith", split="tset")
 
 
-def test_column_mapping_renames_to_the_contract(tmp_path):
+def test_column_mapping_copies_to_the_contract_and_keeps_the_columns(tmp_path):
     rows = [
         {"question": r["prompt"], "solution": r["answer"], "uid": 100 + i, "src": "gsm"}
         for i, r in enumerate(ROWS)
@@ -97,9 +97,31 @@ def test_column_mapping_renames_to_the_contract(tmp_path):
         id_column="uid",
         task_column="src",
     )
-    assert ds.column_names == list(COLUMNS)  # mapped columns are renamed, not copied
+    # A reward reading row["solution"] (or any mapped column) finds it under its own name.
+    assert ds.column_names == [*COLUMNS, "question", "solution", "uid", "src"]
     assert ds["prompt_id"][:] == ["100", "101", "102", "103"]
     assert ds["task"][:] == ["gsm"] * 4 and ds["answer"][0] == "4"
+    assert ds["question"][:] == ds["prompt"][:] and ds["uid"][:] == [100, 101, 102, 103]
+    assert [str(s) for s in ds["solution"]] == ds["answer"][:]
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".csv"])
+def test_a_byte_that_is_not_utf8_is_named_with_its_line_and_offset(tmp_path, suffix):
+    path = tmp_path / f"latin{suffix}"
+    first = '{"prompt": "a", "answer": "1"}\n' if suffix == ".jsonl" else "prompt,answer\n"
+    second = '{"prompt": "caf\xe9", "answer": "2"}\n' if suffix == ".jsonl" else "caf\xe9,2\n"
+    path.write_bytes(first.encode() + second.encode("latin-1"))
+    offset = len(first.encode()) + second.index("\xe9")
+    with pytest.raises(ConfigError, match=rf"latin{suffix}:2: byte 0xe9 at offset {offset} is not"):
+        load_prompt_dataset(path)
+    if suffix == ".jsonl":
+        with pytest.raises(ConfigError, match=r":2: byte 0xe9 .* save the file as UTF-8"):
+            load_prompt_file(path)
+
+
+def test_a_prompt_file_keeps_every_extra_field(tmp_path):
+    path = write(tmp_path / "p.jsonl", [{"prompt": "a", "answer": "1", "solution": "x=1"}])
+    assert load_prompt_file(path)[0]["solution"] == "x=1"
 
 
 def test_no_answer_column_gives_empty_answers(tmp_path):

@@ -1,9 +1,10 @@
 """A user's local prompt dataset (JSONL, JSON, CSV, TSV, Parquet or a ``save_to_disk`` directory).
 
 Every row leaves with the columns ``prompt_id, task, prompt, answer, answer_len`` first, then every
-other column of the file as it was (a reward function receives the whole row). Nothing touches
-the network: files go through ``datasets``' packaged readers, directories through
-``datasets.load_from_disk``.
+other column of the file as it was, mapped ones included under their own names (a reward function
+receives the whole row: ``row["solution"]`` still works after ``answer_column="solution"``).
+Nothing touches the network: files go through ``datasets``' packaged readers, directories
+through ``datasets.load_from_disk``.
 
 Examples:
     >>> train = load_prompt_dataset("gsm8k.jsonl", prompt_column="question")  # doctest: +SKIP
@@ -14,6 +15,7 @@ Examples:
 
 from __future__ import annotations
 
+import codecs
 import hashlib
 import json
 from pathlib import Path
@@ -43,8 +45,9 @@ def load_prompt_dataset(
 ) -> datasets.Dataset:
     """Load a prompt dataset and give it the row contract.
 
-    Mapped columns are renamed to ``prompt`` / ``answer`` / ``prompt_id`` / ``task``; a
-    ``prompt_id`` or ``task`` column is used when no other is mapped. Without ids, a row's id is
+    Mapped columns are copied to ``prompt`` / ``answer`` / ``prompt_id`` / ``task`` and also
+    kept under their own names; a ``prompt_id`` or ``task`` column is used when no other is
+    mapped. Without ids, a row's id is
     ``f"{stem}-{sha1(prompt, answer)[:10]}"`` (``-2``, ``-3`` for repeats of an identical row), so
     ids survive reruns and reordering of the file. ``answer_len`` is always recomputed.
 
@@ -92,8 +95,10 @@ def load_prompt_dataset(
     tasks = [stem] * len(raw)
     if task_column:
         tasks = [_text(t, "task", i, where) for i, t in enumerate(raw[task_column])]
-    drop = {answer_column, id_column, task_column, "answer_len"} & set(raw.column_names)
-    out = raw.remove_columns(sorted(drop)).rename_columns({prompt_column: "prompt"})
+    # The contract's columns are (re)built from their sources; the sources stay as they were.
+    out = raw.remove_columns(sorted(set(COLUMNS) - {"prompt"} & set(raw.column_names)))
+    if prompt_column != "prompt":
+        out = out.add_column("prompt", prompts, feature=raw.features[prompt_column])
     out = out.add_column("prompt_id", ids or _content_ids(prompts, answers, id_prefix))
     out = out.add_column("answer", answers).add_column("task", tasks)
     out = out.add_column("answer_len", [len(a) for a in answers])
@@ -230,6 +235,8 @@ def _read(
         raise ConfigError(f"{str(path)!r} is a single file (split 'train'); drop split={split!r}.")
     if path.stat().st_size <= 4096 and not path.read_bytes().strip():  # datasets can't say why
         raise ConfigError(f"Prompt dataset {str(path)!r} is empty; add rows with a prompt.")
+    if reader != "parquet":
+        check_utf8(path)
     kwargs: dict[str, Any] = {}
     if reader == "csv":
         # Read the contract columns as text: "007" must stay "007", and "3" must not become 3.0.
@@ -243,6 +250,30 @@ def _read(
             f"Could not read {str(path)!r} as {reader}: {err.__cause__ or err}. Fix the file."
         ) from err
     return raw, path.stem, path.stem
+
+
+def check_utf8(path: Path, chunk_bytes: int = 1 << 20) -> None:
+    """Raise ``ConfigError`` naming the line and byte offset of the first byte of ``path`` that
+    is not UTF-8 (the readers would fail with a decoder's traceback, or guess)."""
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    offset, line = 0, 1
+    with path.open("rb") as f:
+        while chunk := f.read(chunk_bytes):
+            try:
+                decoder.decode(chunk)
+            except UnicodeDecodeError as err:
+                at = offset + err.start
+                line += chunk.count(b"\n", 0, err.start)
+                raise ConfigError(
+                    f"{path}:{line}: byte 0x{chunk[err.start]:02x} at offset {at} is not UTF-8; "
+                    "save the file as UTF-8 (e.g. iconv -f latin1 -t utf-8 in > out)."
+                ) from None
+            offset += len(chunk)
+            line += chunk.count(b"\n")
+    try:
+        decoder.decode(b"", final=True)
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path}:{line}: the file ends inside a UTF-8 character.") from None
 
 
 def _read_saved(path: Path, split: str | None) -> tuple[datasets.Dataset, str, str]:

@@ -135,15 +135,18 @@ def make_splits(
 
 def load_prompt_file(path: str | Path) -> datasets.Dataset:
     """Load prompts from a JSONL file with ``prompt`` and ``answer`` fields (``task`` and
-    ``prompt_id`` optional).
+    ``prompt_id`` optional; every other field is kept, after the contract's columns).
 
     Raises:
-        ConfigError: missing file, empty file, a row without ``prompt``/``answer``, or duplicate
-            prompt ids; the message names the line.
+        ConfigError: missing file, empty file, a byte that is not UTF-8, a row without
+            ``prompt``/``answer``, or duplicate prompt ids; the message names the line.
     """
+    from streamrl.tasks.local_data import check_utf8
+
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"Prompt file {str(path)!r} does not exist.")
+    check_utf8(path)
     rows = []
     seen: dict[str, int] = {}  # prompt id -> line
     for line_no, line in enumerate(path.read_text().splitlines(), start=1):
@@ -170,6 +173,7 @@ def load_prompt_file(path: str | Path) -> datasets.Dataset:
                 prompt=str(row["prompt"]),
                 answer=answer,
                 answer_len=len(answer),
+                **{k: v for k, v in row.items() if k not in COLUMNS},  # a reward may read them
             )
         )
     if not rows:

@@ -98,6 +98,8 @@ class WarmStartConfig:
             from, set apart from the rows RL trains on (a seeded split), as a real pipeline
             keeps its SFT data apart from its RL prompts; ``None``: SFT on every training row,
             RL on the same rows (which the policy then partly knows by heart).
+        cache: reuse a warm start made earlier from the same rows, code and settings
+            (``streamrl.cache_keys``); ``false`` (``streamrl fit --no-cache``) trains afresh.
     """
 
     model_size: str = "demo"
@@ -109,6 +111,7 @@ class WarmStartConfig:
     early_stop: float = 0.6
     early_stop_tasks: list[str] = field(default_factory=lambda: ["copy", "count", "sort"])
     demo_share: float | None = None
+    cache: bool = True
 
 
 @dataclass

@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from streamrl.config import RunConfig
 
 #: ``streamrl fit`` options of the run itself, beside the config's fields.
-_FIT_RUN_OPTIONS = ("config", "print_config", "resume", "no-progress", "help")
+_FIT_RUN_OPTIONS = ("config", "print_config", "resume", "no-progress", "no-cache", "help")
 #: The options ``streamrl fit`` had before it read dotted ones, kept as aliases.
 _FIT_ALIASES = {"--output-dir": "--output_dir", "--gpus": "--rl.gpus"}
 
@@ -74,6 +74,12 @@ def build_fit_parser() -> jsonargparse.ArgumentParser:
         "earlier run's checkpoints is refused without --resume)",
     )
     parser.add_argument("--no-progress", action="store_true", help="draw no progress bars")
+    parser.add_argument(
+        "--no-cache",
+        action="store_true",
+        help="train the tiny policy's warm start afresh, even if one made from the same rows, "
+        "code and settings is cached (the same as --sft.cache false)",
+    )
     parser.add_class_arguments(RunConfig, fail_untyped=True)
     return parser
 
@@ -98,6 +104,8 @@ def parse_fit(argv: Sequence[str]) -> FitArgs:
         raise ConfigError(" ".join(str(err).split())) from None
     files = [str(path) for path in values.pop("config") or [] if path is not None]
     run = {name: values.pop(name) for name in ("resume", "no_progress", "print_config")}
+    if values.pop("no_cache"):
+        values["sft"]["cache"] = False
     config = from_dict(RunConfig, values, where=" + ".join([*files, "command line"]))
     return FitArgs(config, **run)
 

@@ -17,8 +17,9 @@ from pathlib import Path
 import datasets
 from transformers import PreTrainedTokenizerBase
 
+from streamrl.cache_keys import announce_reuse, rows_digest
 from streamrl.chat import render_prompt
-from streamrl.config import DataConfig, RunConfig
+from streamrl.config import DataConfig, RunConfig, WarmStartConfig
 from streamrl.errors import ConfigError
 from streamrl.models import (
     build_bpe_tokenizer,
@@ -177,7 +178,9 @@ def ensure_policy(config: RunConfig, run: PreparedRun, show_progress: bool = Tru
         tail=config.data.tail,
         max_len=config.data.max_len,
     )
-    run.model_dir = warm_start(sft, config.resolved_cache_dir(), show_progress=show_progress)
+    run.model_dir = warm_start(
+        sft, config.resolved_cache_dir(), show_progress=show_progress, force=not config.sft.cache
+    )
     return run.model_dir
 
 
@@ -191,15 +194,20 @@ def warm_start_on_data(config: RunConfig, run: PreparedRun, *, show_progress: bo
     """
     sft, data = config.sft, config.data
     demos = run.demos if run.demos is not None else run.train
+    parts = {  # the tokenizer is learned from the training rows: they count too
+        "demonstrations": rows_digest(demos),
+        "training rows": rows_digest(run.train),
+    }
     recipe = {
         "recipe": DATA_RECIPE_VERSION,
-        "sft": asdict(sft),
+        "sft": settings(sft),
         "data": asdict(data),
         "seed": config.seed,
-        "rows": sorted(demos["prompt_id"]),
+        **parts,
     }
     target = recipe_dir(config, f"sft-data-{sft.model_size}", recipe)
-    if (target / "sft_meta.json").is_file():
+    if sft.cache and (target / "sft_meta.json").is_file():
+        announce_reuse(target, parts)
         return target
     tokenizer = run.tokenizer
     model = build_tiny_model(tokenizer, size=sft.model_size, max_positions=TINY_CONTEXT)
@@ -220,6 +228,12 @@ def warm_start_on_data(config: RunConfig, run: PreparedRun, *, show_progress: bo
     )
     meta = {"recipe": recipe, "losses": losses, "train_s": time.perf_counter() - started}
     return save_cached_policy(model, tokenizer, target, meta)
+
+
+def settings(sft: WarmStartConfig) -> dict:
+    """The warm start's settings as its cache key sees them (whether to use the cache is not
+    one)."""
+    return {k: v for k, v in asdict(sft).items() if k != "cache"}
 
 
 def recipe_dir(config: RunConfig, name: str, recipe: dict) -> Path:

@@ -5,6 +5,7 @@ own reward. And each bad input failing before work, naming what was wrong."""
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
 import textwrap
@@ -12,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from streamrl.cache_keys import rows_digest
 from streamrl.config import RunConfig
 from streamrl.config_file import from_dict
 from streamrl.errors import ConfigError
@@ -43,6 +45,25 @@ def write_dataset(path: Path, n: int) -> Path:
             }
             f.write(json.dumps(row) + "\n")
     return path
+
+
+@contextlib.contextmanager
+def patch_dataset(rows: list[dict]):
+    """The dataset file holds ``rows`` when it is read inside the block (``own_task`` writes
+    its own on every call)."""
+    import streamrl.prepare
+
+    load = streamrl.prepare.load_prompt_dataset
+
+    def edited(file, **kwargs):
+        Path(file).write_text("".join(json.dumps(r) + "\n" for r in rows))
+        return load(file, **kwargs)
+
+    streamrl.prepare.load_prompt_dataset = edited
+    try:
+        yield
+    finally:
+        streamrl.prepare.load_prompt_dataset = load
 
 
 def own_task(tmp_path: Path, **overrides) -> RunConfig:
@@ -153,13 +174,44 @@ def test_demo_share_keeps_the_warm_start_rows_apart_from_rl(tmp_path, reward_mod
         whole.train["prompt_id"]
     )
     assert run.heldout["prompt_id"] == whole.heldout["prompt_id"]
-    # The warm start learned from the demo rows (its cached recipe lists them), not RL's.
+    # The warm start learned from the demo rows (its cached recipe is keyed by them), not RL's.
     config = own_task(tmp_path, sft={"model_size": "test", "steps": 2, "demo_share": 0.25})
     config.cache_dir = str(tmp_path / "cache")
     meta = json.loads(
         (ensure_policy(config, run, show_progress=False) / "sft_meta.json").read_text()
     )
-    assert meta["recipe"]["rows"] == sorted(run.demos["prompt_id"])
+    assert meta["recipe"]["demonstrations"] == rows_digest(run.demos)
+    assert meta["recipe"]["demonstrations"] != rows_digest(run.train)
+
+
+def test_the_warm_start_cache_is_keyed_by_the_rows_contents(tmp_path, reward_module, capsys):
+    """Edited rows (same file, same ids) are a new warm start, never the old one reused; the
+    same rows reuse it, saying so; sft.cache false trains afresh."""
+    from streamrl.prepare import ensure_policy
+
+    path = write_dataset(tmp_path / "units.jsonl", 40)
+    rows = [{**json.loads(line), "uid": f"u{i}"} for i, line in enumerate(path.open())]
+    edited = [{**r, "solution": r["solution"] + " exactly"} for r in rows]  # the same ids
+
+    def warm(data_rows: list[dict], **sft) -> Path:
+        config = own_task(
+            tmp_path, data={"id_column": "uid"}, sft={"model_size": "test", "steps": 2, **sft}
+        )
+        config.cache_dir = str(tmp_path / "cache")
+        with patch_dataset(data_rows):
+            return ensure_policy(config, prepare_run(config), show_progress=False)
+
+    first = warm(rows)
+    assert "reusing" not in capsys.readouterr().err
+    assert warm(rows) == first
+    err = capsys.readouterr().err
+    assert f"warm start: reusing {first} (cached for demonstrations " in err
+    assert "--no-cache trains it afresh" in err
+    stamp = (first / "sft_meta.json").stat().st_mtime_ns
+    assert warm(edited) != first
+    assert warm(rows, cache=False) == first  # the same recipe, trained again
+    assert (first / "sft_meta.json").stat().st_mtime_ns > stamp
+    assert "reusing" not in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("share", [0.0, 1.0, 1.5])

@@ -17,6 +17,7 @@ from pathlib import Path
 import lightning as L
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from streamrl.cache_keys import announce_reuse, code_digest, rows_digest
 from streamrl.components.generation.service import StreamGenerationService
 from streamrl.config import RunConfig
 from streamrl.config_checks import check_values, placement_of
@@ -26,7 +27,7 @@ from streamrl.envs.runner import EpisodeRunner
 from streamrl.envs.task import EpisodeTask, episode_task
 from streamrl.errors import ConfigError
 from streamrl.models import build_tiny_model, load_policy, save_policy
-from streamrl.prepare import TINY_CONTEXT, recipe_dir
+from streamrl.prepare import TINY_CONTEXT, recipe_dir, settings
 from streamrl.rl_job import ledger, rl_summary, train_rl, train_with_eval, write_summary
 from streamrl.run_parts import check_parts
 from streamrl.sft import save_cached_policy
@@ -137,15 +138,21 @@ def episode_policy(config: RunConfig, task: EpisodeTask, show_progress: bool) ->
             "start; set env.demonstrations (fn(row) -> [turn, ...]) or pass model: <your dir>."
         )
     sft = config.sft
+    parts = {
+        "rows": rows_digest(task.train),
+        "environment code": code_digest(task.make_env),
+        "demonstrations code": code_digest(task.demonstrate),
+    }
     recipe = {
         "recipe": EPISODE_RECIPE_VERSION,
-        "sft": asdict(sft),
+        "sft": settings(sft),
         "env": asdict(config.env),
         "seed": config.seed,
-        "rows": sorted(r["prompt_id"] for r in task.train),
+        **parts,
     }
     target = recipe_dir(config, f"sft-episodes-{sft.model_size}", recipe)
-    if (target / "sft_meta.json").is_file():
+    if sft.cache and (target / "sft_meta.json").is_file():
+        announce_reuse(target, parts)
         return target
     # The vocabulary is learned from rendered demonstrations: what the policy reads and writes.
     tokenizer = episode_tokenizer(task.train, task.make_env, task.demonstrate)

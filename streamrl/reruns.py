@@ -68,8 +68,8 @@ def resolve_resume(output_dir: str | Path, resume: str | None) -> str | None:
     if found is not None:
         raise ConfigError(
             f"output_dir {str(output_dir)!r} holds an earlier run (its checkpoint {found}): go on "
-            f"from it with --resume auto, or start over in another output_dir (or remove this "
-            "one)."
+            f"from it with --resume auto (run_fit(..., resume='auto') in Python), or start over "
+            "in another output_dir (or remove this one)."
         )
     return None
 

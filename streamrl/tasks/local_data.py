@@ -15,7 +15,6 @@ Examples:
 
 from __future__ import annotations
 
-import codecs
 import hashlib
 import json
 from pathlib import Path
@@ -25,6 +24,7 @@ import datasets
 
 from streamrl.errors import ConfigError, unknown_name
 from streamrl.tasks.prompt_sets import COLUMNS
+from streamrl.tasks.text_files import check_utf8
 
 #: File suffix -> ``datasets`` packaged builder.
 READERS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".tsv": "csv", ".parquet": "parquet"}
@@ -250,30 +250,6 @@ def _read(
             f"Could not read {str(path)!r} as {reader}: {err.__cause__ or err}. Fix the file."
         ) from err
     return raw, path.stem, path.stem
-
-
-def check_utf8(path: Path, chunk_bytes: int = 1 << 20) -> None:
-    """Raise ``ConfigError`` naming the line and byte offset of the first byte of ``path`` that
-    is not UTF-8 (the readers would fail with a decoder's traceback, or guess)."""
-    decoder = codecs.getincrementaldecoder("utf-8")()
-    offset, line = 0, 1
-    with path.open("rb") as f:
-        while chunk := f.read(chunk_bytes):
-            try:
-                decoder.decode(chunk)
-            except UnicodeDecodeError as err:
-                at = offset + err.start
-                line += chunk.count(b"\n", 0, err.start)
-                raise ConfigError(
-                    f"{path}:{line}: byte 0x{chunk[err.start]:02x} at offset {at} is not UTF-8; "
-                    "save the file as UTF-8 (e.g. iconv -f latin1 -t utf-8 in > out)."
-                ) from None
-            offset += len(chunk)
-            line += chunk.count(b"\n")
-    try:
-        decoder.decode(b"", final=True)
-    except UnicodeDecodeError:
-        raise ConfigError(f"{path}:{line}: the file ends inside a UTF-8 character.") from None
 
 
 def _read_saved(path: Path, split: str | None) -> tuple[datasets.Dataset, str, str]:

@@ -18,6 +18,7 @@ import datasets
 
 from streamrl.errors import ConfigError, unknown_name
 from streamrl.tasks.families import FAMILIES
+from streamrl.tasks.text_files import check_utf8
 
 #: Columns of every prompt set.
 COLUMNS = ("prompt_id", "task", "prompt", "answer", "answer_len")
@@ -141,8 +142,6 @@ def load_prompt_file(path: str | Path) -> datasets.Dataset:
         ConfigError: missing file, empty file, a byte that is not UTF-8, a row without
             ``prompt``/``answer``, or duplicate prompt ids; the message names the line.
     """
-    from streamrl.tasks.local_data import check_utf8
-
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"Prompt file {str(path)!r} does not exist.")

@@ -21,16 +21,15 @@ Examples:
 
 from __future__ import annotations
 
-import warnings
 from pathlib import Path
 from typing import Any, Literal
 
 import lightning as L
-from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger, Logger, TensorBoardLogger, WandbLogger
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from streamrl.algorithms.base import Algorithm
+from streamrl.checkpointing import AtomicCheckpointIO, checkpoints
 from streamrl.components.capacity.elastic import ElasticController
 from streamrl.components.skewness.latency import LatencyModel
 from streamrl.components.skewness.profiler import Profiler
@@ -42,7 +41,6 @@ from streamrl.components.training.staleness import staleness_bound_of
 from streamrl.fsdp import ShardedStreamRLModule, fsdp_strategy
 from streamrl.module import Mode, StreamRLModule
 from streamrl.rollout import RolloutStream
-from streamrl.stopping import shielded
 
 LoggerName = Literal["csv", "tensorboard", "wandb"]
 
@@ -192,6 +190,7 @@ def build_trainer(
     output_dir: str | Path | None = None,
     logger: Logger | None = None,
     checkpoint_every: int | None = None,
+    stop_deadline_s: float | None = 60.0,
     show_progress: bool = True,
     sharded_checkpoints: bool = False,
     **trainer_options: Any,
@@ -212,6 +211,9 @@ def build_trainer(
         logger: a Lightning logger (``make_logger``); ``None`` logs nothing.
         checkpoint_every: iterations between checkpoints; 0 or ``None`` saves only
             ``last.ckpt`` at the end.
+        stop_deadline_s: the most seconds a stopped run (SIGTERM, Ctrl-C under
+            ``streamrl.stopping.stop_on_signals``) spends saving its finished iterations
+            (``None``: no limit; ``streamrl.checkpointing``).
         show_progress: draw Lightning's progress bar.
         sharded_checkpoints: a sharded module's checkpoints are folders of each rank's shards
             (no full copy on rank 0); ``False``: one file with the gathered state.
@@ -234,7 +236,12 @@ def build_trainer(
         settings.update(
             default_root_dir=str(output_dir),
             enable_checkpointing=True,
-            callbacks=[checkpoints(output_dir, every=checkpoint_every or 0)],
+            callbacks=[
+                checkpoints(
+                    output_dir, every=checkpoint_every or 0, stop_deadline_s=stop_deadline_s
+                )
+            ],
+            plugins=[AtomicCheckpointIO()],  # a save killed midway leaves the last one whole
         )
     if isinstance(module, ShardedStreamRLModule):
         ranks = (len(devices) if isinstance(devices, list) else devices) * num_nodes
@@ -244,28 +251,6 @@ def build_trainer(
     # Your callbacks join the checkpoint callback rather than replace it.
     callbacks = [*settings.pop("callbacks", []), *trainer_options.pop("callbacks", [])]
     return L.Trainer(**{**settings, **trainer_options}, callbacks=callbacks)
-
-
-def checkpoints(output_dir: str | Path, *, every: int = 0) -> ModelCheckpoint:
-    """``<output_dir>/checkpoints/last.ckpt`` after the last iteration, and one every ``every``
-    iterations (0: only the last). Under FSDP every rank builds it: saving is collective."""
-    # A checkpoint holds the state after an iteration's optimizer step: what a resume needs.
-    warnings.filterwarnings("ignore", "Using ModelCheckpoint with manual optimization")
-    return ShieldedCheckpoint(
-        Path(output_dir) / "checkpoints",
-        save_last=True,
-        every_n_train_steps=every or None,
-        save_top_k=1 if every else 0,
-    )
-
-
-class ShieldedCheckpoint(ModelCheckpoint):
-    """Lightning's ``ModelCheckpoint`` whose saves a stop (SIGTERM, Ctrl-C) never cuts short:
-    the checkpoint the stop message points to is whole (``streamrl.stopping.shielded``)."""
-
-    def _save_checkpoint(self, trainer: L.Trainer, filepath: str) -> None:
-        with shielded():
-            super()._save_checkpoint(trainer, filepath)
 
 
 def make_logger(kind: LoggerName, output_dir: str | Path) -> Logger:

@@ -227,7 +227,11 @@ class RLConfig:
         lora_alpha: LoRA scaling numerator (scale = alpha / r).
         lora_target_modules: module-name suffixes that get adapters.
         checkpoint_every: iterations between checkpoints (``<output_dir>/checkpoints/last.ckpt``,
-            resumable with ``streamrl fit --resume``); 0 saves only at the end.
+            resumable with ``streamrl fit --resume``); 0 saves only at the end. A run stopped
+            by SIGTERM or Ctrl-C saves its finished iterations there too.
+        stop_deadline_s: the most seconds a stopped run spends saving that checkpoint (keep
+            it under your scheduler's grace period, e.g. SLURM's ``KillWait``); past it the
+            save is abandoned and the previous checkpoint stays; ``null``: no limit.
     """
 
     algorithm: str | dict[str, Any] = "grpo"
@@ -277,6 +281,7 @@ class RLConfig:
     max_generators: int = 4
     max_restarts: int = 3
     checkpoint_every: int = 10
+    stop_deadline_s: float | None = 60.0
     lora_r: int = 0
     lora_alpha: float = 16.0
     lora_target_modules: list[str] = field(

@@ -218,6 +218,10 @@ def check_rl(rl: RLConfig) -> None:
         LoRASpec(rl.lora_r, rl.lora_alpha, 0.0, tuple(rl.lora_target_modules))  # ConfigError
     if rl.checkpoint_every < 0:
         raise ConfigError(f"rl.checkpoint_every must be >= 0, got {rl.checkpoint_every}.")
+    if rl.stop_deadline_s is not None and rl.stop_deadline_s <= 0:
+        raise ConfigError(
+            f"rl.stop_deadline_s must be > 0 (or null: no limit), got {rl.stop_deadline_s}."
+        )
     if rl.max_generators < rl.generators or rl.max_restarts < 0:
         raise ConfigError(
             f"rl: need max_generators >= generators and max_restarts >= 0, got "

@@ -216,7 +216,9 @@ class ShardedStreamRLModule(StreamRLModule):
             # the update equals one process back-propagating every sample divided by total.
             mine = self._exchange([(m, world / total) for m in micro_batches])
             train_s += self.backward_micro(mine[0], iteration, mine[1])
-            self.samples_trained += sum(len(m.samples) for m in micro_batches)
+            dealt = sum(len(m.samples) for m in micro_batches)
+            self.samples_trained += dealt
+            self.samples_in_step += dealt
         self._exchange([None] * world)  # the iteration's stream is over
         return train_s
 

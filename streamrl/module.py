@@ -161,6 +161,9 @@ class StreamRLModule(L.LightningModule):
         self.elastic, self.is_cap = elastic, is_cap
         self.off_policy: list[Correction] = []  # this iteration's corrections, for the log
         self.samples_trained = 0
+        #: Of those, the ones back-propagated in the iteration under way (its optimizer step
+        #: not done yet): a checkpoint written now counts them as not trained (``run_state``).
+        self.samples_in_step = 0
         #: This iteration's loss so far: the sum of its micro-batches' scaled losses (detached).
         self.iteration_loss = torch.zeros(())
         self.sync_transfer_s = 0.0  # seconds spent broadcasting weights, background included
@@ -182,10 +185,14 @@ class StreamRLModule(L.LightningModule):
         self.iteration_loss = torch.zeros((), device=self.device)
         self.entropy_sum = torch.zeros((), device=self.device)
         self.entropy_tokens = torch.zeros((), device=self.device)
+        self.samples_in_step = 0
         train_s = self.train_on_stream(iteration)
         with shielded():  # a stop (SIGTERM, Ctrl-C) waits: weights and version change together
             train_s += self.optimizer_step(iteration)
             self.weight_version += 1
+            self.samples_in_step = 0
+            if self.rollouts is not None:
+                self.rollouts.trained(iteration)
         if self.rollouts is None:  # a trainer rank without the service (FSDP ranks > 0)
             self.stage_weights()  # joins the sending rank's gathers
             return
@@ -209,6 +216,7 @@ class StreamRLModule(L.LightningModule):
                     torch.set_num_threads(free_cores())
                 train_s += self.backward_micro(micro, iteration, 1.0 / total)
                 self.samples_trained += len(micro.samples)
+                self.samples_in_step += len(micro.samples)
         finally:
             torch.set_num_threads(threads)
         return train_s

@@ -142,6 +142,7 @@ class RolloutStream:
         self.prompts_dispatched = 0
         self.samples_filtered = 0  # in groups an algorithm's keep_group dropped
         self._redispatch: dict[int, list[dict]] = {}  # in-flight iterations of a checkpoint
+        self._untrained: dict[int, dict[str, dict]] = {}  # delivered, optimizer step not done
         self.max_refills = 2 * prompts.batch_size if max_refills is None else max_refills
 
     @property
@@ -176,9 +177,11 @@ class RolloutStream:
 
     def state_dict(self) -> dict:
         """Where the stream is, for checkpoints: the next iteration number and the prompts of
-        iterations dispatched but not yet delivered (generated again on resume: samples that
-        were generated but not trained are regenerated, never trained twice nor lost)."""
-        in_flight = {it: list(batch.rows.values()) for it, batch in self._batches.items()}
+        iterations dispatched but not yet trained (``trained``): generated again on resume, so
+        samples that were generated but not trained are regenerated, never trained twice nor
+        lost."""
+        in_flight = {it: list(rows.values()) for it, rows in self._untrained.items()}
+        in_flight.update({it: list(batch.rows.values()) for it, batch in self._batches.items()})
         return {
             "next_iteration": self._next_iteration,
             "in_flight": in_flight,
@@ -261,8 +264,15 @@ class RolloutStream:
             batch.stats.wait_s += time.perf_counter() - waited
         batch.stats.generate_s = time.perf_counter() - batch.dispatched_s
         del self._batches[iteration]
+        # In flight for checkpoints until the step that trains it is done (``trained``); an
+        # older one left here was trained: iterations are trained in order.
+        self._untrained = {iteration: batch.rows}
         if (iteration + 1) % self.ranker_refresh_every == 0:
             self._refresh_due = True
+
+    def trained(self, iteration: int) -> None:
+        """The optimizer step on ``iteration``'s groups is done: checkpoints no longer redo it."""
+        self._untrained.pop(iteration, None)
 
     def iteration(self) -> Iterator[ScoredGroup]:
         """Dispatch one iteration and yield its groups as soon as each is complete."""

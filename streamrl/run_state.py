@@ -14,6 +14,7 @@ class RunStateOwner(Protocol):
 
     weight_version: int
     samples_trained: int
+    samples_in_step: int  # back-propagated in an iteration whose optimizer step is not done
     rollouts: Any  # a RolloutStream, or None on an FSDP rank > 0
     elastic: Any  # an ElasticController, or None
     algorithm: Any  # an Algorithm
@@ -21,13 +22,14 @@ class RunStateOwner(Protocol):
 
 def save_run_state(module: RunStateOwner, checkpoint: dict) -> None:
     """Add the run's state to ``checkpoint`` (under ``"streamrl"``); an FSDP rank > 0 adds
-    nothing: the stream is rank 0's."""
+    nothing: the stream is rank 0's. Written mid-iteration (a stopped run), it holds the last
+    finished iteration: the one under way is in flight, generated and trained again on resume."""
     rollouts = module.rollouts
     if rollouts is None:
         return
     checkpoint["streamrl"] = {
         "weight_version": module.weight_version,
-        "samples_trained": module.samples_trained,
+        "samples_trained": module.samples_trained - module.samples_in_step,
         "rollouts": rollouts.state_dict(),
         "elastic": module.elastic.state_dict() if module.elastic else None,
         "algorithm": module.algorithm.state_dict(),

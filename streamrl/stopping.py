@@ -17,10 +17,11 @@ import contextlib
 import shlex
 import signal
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-__all__ = ["Stopped", "resume_hint", "shielded", "stop_on_signals"]
+__all__ = ["DeadlinePassed", "Stopped", "resume_hint", "shielded", "stop_on_signals", "time_limit"]
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
@@ -96,6 +97,36 @@ def shielded() -> Iterator[None]:
         if not state.shields and state.pending:
             state.pending = False
             raise Stopped(state.fired)
+
+
+class DeadlinePassed(Exception):
+    """A ``time_limit`` block ran past its seconds."""
+
+
+@contextlib.contextmanager
+def time_limit(seconds: float | None) -> Iterator[None]:
+    """Raise ``DeadlinePassed`` in the block if it runs longer than ``seconds`` (a stopped
+    run's last checkpoint must not outlast the scheduler's grace period). In the main thread
+    only (it uses ``SIGALRM``); elsewhere, or with ``None``, the block runs without a limit."""
+    if threading.current_thread() is not threading.main_thread() or seconds is None:
+        yield
+        return
+
+    def passed(signum: int, frame: object) -> None:
+        del signum, frame
+        raise DeadlinePassed(f"past {seconds:g} s")
+
+    previous = signal.signal(signal.SIGALRM, passed)
+    started = time.monotonic()
+    earlier, _ = signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+        if earlier:  # a timer set before (pytest-timeout's, say) runs on where it was
+            left = earlier - (time.monotonic() - started)
+            signal.setitimer(signal.ITIMER_REAL, max(left, 0.001))
 
 
 def resume_hint(output_dir: str | Path, argv: Sequence[str]) -> str:

@@ -69,6 +69,7 @@ class RankSetup:
             (``streamrl.devices.resolve_placement``); FSDP2 when ``placement.sharded``.
         output_dir: where checkpoints go.
         checkpoint_every: iterations between checkpoints (0: only ``last.ckpt``).
+        stop_deadline_s: the most seconds a stopped run spends saving (``None``: no limit).
         sharded_checkpoints: checkpoints as folders of each rank's shards.
         lora: the policy's adapters (every rank wraps its policy alike), or ``None``.
         module_options: the rest of ``build_module``'s keyword arguments.
@@ -79,6 +80,7 @@ class RankSetup:
     placement: Placement = field(default_factory=lambda: Placement("cpu", 1, 1, (), (), "32-true"))
     output_dir: str | None = None
     checkpoint_every: int = 0
+    stop_deadline_s: float | None = 60.0
     sharded_checkpoints: bool = False
     lora: LoRASpec | None = None
     module_options: dict[str, Any] = field(default_factory=dict)
@@ -109,6 +111,7 @@ class RankSetup:
             placement=placement,
             output_dir=config.output_dir,
             checkpoint_every=rl.checkpoint_every,
+            stop_deadline_s=rl.stop_deadline_s,
             sharded_checkpoints=trainer.sharded_checkpoints,
             lora=lora_spec(rl),
             module_options=dict(
@@ -169,6 +172,7 @@ class RankSetup:
             output_dir=self.output_dir,
             logger=logger,
             checkpoint_every=self.checkpoint_every,
+            stop_deadline_s=self.stop_deadline_s,
             show_progress=show_progress,
             sharded_checkpoints=self.sharded_checkpoints,
             callbacks=list(callbacks),

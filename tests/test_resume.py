@@ -4,6 +4,8 @@ checkpoint trains the same (prompt, iteration) pairs as an uninterrupted run, ea
 from __future__ import annotations
 
 import contextlib
+import os
+import signal
 from collections import Counter
 
 import pytest
@@ -17,6 +19,7 @@ from streamrl.models import build_tiny_model, save_policy
 from streamrl.module import StreamRLModule
 from streamrl.prompts import PromptSource
 from streamrl.rollout import RolloutStream
+from streamrl.stopping import Stopped, stop_on_signals
 from streamrl.tasks import make_prompt_set, partial_credit
 
 pytestmark = pytest.mark.timeout(300)
@@ -30,17 +33,21 @@ class Crash(Exception):
 
 class Recorded(StreamRLModule):
     """Commits an iteration's (prompt, iteration) pairs when its optimizer step is done, and can
-    crash in the middle of iteration ``crash_at`` (after some of it has been trained)."""
+    crash in the middle of iteration ``crash_at`` (after some of it has been trained), or be
+    sent a SIGTERM there (``stop=True``)."""
 
-    def __init__(self, *args, crash_at: int | None = None, **kwargs) -> None:
+    def __init__(self, *args, crash_at: int | None = None, stop: bool = False, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.crash_at, self.committed, self._pending = crash_at, Counter(), set()
+        self.crash_at, self.stop, self.committed, self._pending = crash_at, stop, Counter(), set()
 
     def loss_inputs(self, batch):
         self._pending |= {(s.prompt_id, s.iteration) for s in batch.samples}
         if self.crash_at is not None and self.weight_version == self.crash_at:
             assert self.rollouts.service._outstanding, "the crash must leave samples in flight"
-            raise Crash(f"killed in iteration {self.weight_version}")
+            if not self.stop:
+                raise Crash(f"killed in iteration {self.weight_version}")
+            if self.samples_in_step:  # a preemption once some of the iteration is trained
+                os.kill(os.getpid(), signal.SIGTERM)
         return super().loss_inputs(batch)
 
     def on_train_batch_end(self, *args) -> None:
@@ -49,7 +56,15 @@ class Recorded(StreamRLModule):
 
 
 def fit(
-    run_dir, model_dir, tokenizer, policy, crash_at=None, ckpt_path=None, bound=1, partial="finish"
+    run_dir,
+    model_dir,
+    tokenizer,
+    policy,
+    crash_at=None,
+    ckpt_path=None,
+    bound=1,
+    partial="finish",
+    stop=False,
 ) -> Recorded:
     prompts = make_prompt_set(64, ["copy"], median_len=3, max_len=6, seed=0)
     algorithm = GRPO(group_size=GROUP)
@@ -72,17 +87,21 @@ def fit(
             lr=1e-3,
             mode="async",
             crash_at=crash_at,
+            stop=stop,
             staleness_bound=bound,
         )
-        checkpoints = ModelCheckpoint(run_dir / "ckpt", every_n_train_steps=1, save_last=True)
-        trainer = build_trainer(
-            module,
-            show_progress=False,
-            default_root_dir=run_dir,
-            enable_checkpointing=True,
-            callbacks=[checkpoints],
-        )
-        with contextlib.suppress(Crash):
+        if stop:  # the run's own checkpoints: only at the end, and at a stop
+            trainer = build_trainer(module, show_progress=False, output_dir=run_dir)
+        else:
+            checkpoints = ModelCheckpoint(run_dir / "ckpt", every_n_train_steps=1, save_last=True)
+            trainer = build_trainer(
+                module,
+                show_progress=False,
+                default_root_dir=run_dir,
+                enable_checkpointing=True,
+                callbacks=[checkpoints],
+            )
+        with contextlib.suppress(Crash, Stopped), stop_on_signals():
             trainer.fit(module, ckpt_path=ckpt_path)
     return module
 
@@ -128,6 +147,45 @@ def test_async_run_killed_mid_iteration_resumes_without_loss_or_repeat(
     assert set(trained.values()) == {1}  # ...each trained in exactly one committed step
     assert len(trained) == ITERATIONS * PROMPTS
     # The ledger carries over: every sample of every iteration trained once in all.
+    assert resumed.samples_trained == ITERATIONS * PROMPTS * GROUP
+
+
+def test_a_preempted_run_saves_its_finished_iterations_and_resumes_with_nothing_lost_or_repeated(
+    tmp_path, tokenizer
+):
+    """SIGTERM mid-iteration with no periodic checkpoint (``checkpoint_every: 0``): the stop
+    writes ``last.ckpt`` holding the finished iterations and, in flight, the one under way (its
+    samples partly trained, never stepped); the resumed run trains every (prompt, iteration)
+    pair of the uninterrupted run exactly once."""
+    model_dir = save_policy(
+        build_tiny_model(tokenizer, "test", seed=0), tokenizer, tmp_path / "policy"
+    )
+    uninterrupted = fit(tmp_path / "a", model_dir, tokenizer, build_tiny_model(tokenizer, "test"))
+    stopped = fit(
+        tmp_path / "b",
+        model_dir,
+        tokenizer,
+        build_tiny_model(tokenizer, "test"),
+        CRASH_AT,
+        stop=True,
+    )
+    assert stopped.weight_version == CRASH_AT and stopped.samples_in_step > 0  # mid-iteration
+    last = tmp_path / "b" / "checkpoints" / "last.ckpt"
+    checkpoint = torch.load(last, weights_only=False)
+    assert checkpoint["stopped_by"] == "SIGTERM" and checkpoint["global_step"] == CRASH_AT
+    assert CRASH_AT in checkpoint["streamrl"]["rollouts"]["in_flight"]  # redone on resume
+    assert checkpoint["streamrl"]["samples_trained"] == CRASH_AT * PROMPTS * GROUP
+    resumed = fit(
+        tmp_path / "b",
+        model_dir,
+        tokenizer,
+        build_tiny_model(tokenizer, "test", seed=1),
+        None,
+        last,
+    )
+    assert resumed.weight_version == ITERATIONS
+    trained = stopped.committed + resumed.committed
+    assert set(trained) == set(uninterrupted.committed) and set(trained.values()) == {1}
     assert resumed.samples_trained == ITERATIONS * PROMPTS * GROUP
 
 

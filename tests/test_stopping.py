@@ -54,7 +54,7 @@ def test_a_checkpoint_being_written_is_finished_before_the_stop(tmp_path, monkey
     whole file (it is the one the stop message tells users to resume from)."""
     from lightning.pytorch.callbacks import ModelCheckpoint
 
-    from streamrl.builders import checkpoints
+    from streamrl.checkpointing import checkpoints
 
     def slow_save(self, trainer, filepath):  # Lightning's save, with a signal in the middle
         with open(filepath, "w") as f:

@@ -25,7 +25,9 @@ from typing import Any
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from streamrl.chat import render_prompt
+from streamrl.envs.contract import check_reset, check_step, short_repr
 from streamrl.envs.episode import TurnFormat
+from streamrl.errors import ConfigError
 from streamrl.models import build_bpe_tokenizer
 from streamrl.protocols import Environment
 from streamrl.sft import Batch, token_budget_batches, train_steps
@@ -43,23 +45,26 @@ def demo_tokens(
     """``(input ids, labels)`` of one demonstrated episode (labels ``-100`` off the turns).
 
     Raises:
-        ValueError: the environment ended the episode before the last demonstrated turn.
+        EnvError: ``reset`` or ``step`` returned what the RL episodes would refuse
+            (``streamrl.envs.contract``).
+        ConfigError: the environment ended the episode before the last demonstrated turn.
     """
     fmt = TurnFormat(tokenizer)
     end = fmt.end_of_turn_id()
+    pid = row.get("prompt_id")
     try:
-        prompt = env.reset(row)
+        prompt = check_reset(env, env.reset(row), pid)
         ids = render_prompt(tokenizer, prompt, system_prompt=system_prompt)
         labels = [-100] * len(ids)
         for k, text in enumerate(turns):
             turn = [*tokenizer(text, add_special_tokens=False)["input_ids"], end]
             ids, labels = ids + turn, labels + turn
-            step = env.step(text)
+            step = check_step(env, env.step(text), pid)
             if step.done:
                 if k != len(turns) - 1:
-                    raise ValueError(
-                        f"Demonstration of {row.get('prompt_id')!r}: the episode ended after "
-                        f"turn {k + 1} of {len(turns)}."
+                    raise ConfigError(
+                        f"Demonstration of {pid!r}: the episode ended after turn {k + 1} of "
+                        f"{len(turns)}; demonstrate only the turns the environment takes."
                     )
                 break
             observed = fmt.observation_ids(turn, step.role, step.observation)
@@ -67,6 +72,33 @@ def demo_tokens(
     finally:
         env.close()
     return ids, labels
+
+
+def demonstrated(
+    demonstrate: Callable[[Mapping[str, Any]], Sequence[str]], row: Mapping[str, Any]
+) -> list[str]:
+    """``demonstrate(row)``, checked: a non-empty list (or tuple) of turn texts.
+
+    Raises:
+        ConfigError: it returned anything else (a string would play one turn per character).
+    """
+    turns = demonstrate(row)
+    problem = None
+    if not isinstance(turns, list | tuple):
+        problem = f"{type(turns).__name__} {short_repr(turns)}"
+    elif not turns:
+        problem = "no turns"
+    elif not all(isinstance(text, str) for text in turns):
+        kinds = sorted({type(text).__name__ for text in turns if not isinstance(text, str)})
+        problem = f"a list with {', '.join(kinds)} items {short_repr(turns)}"
+    if problem is not None:
+        name = getattr(demonstrate, "__qualname__", None) or repr(demonstrate)
+        raise ConfigError(
+            f"Demonstrations {getattr(demonstrate, '__module__', '')}:{name} returned {problem} "
+            f"for prompt {row.get('prompt_id')!r}; return the model's turns, a list of strings "
+            "(['turn 1', 'turn 2', ...])."
+        )
+    return list(turns)
 
 
 def sft_on_episodes(
@@ -97,16 +129,20 @@ def sft_on_episodes(
         show_progress: draw a progress bar.
 
     Raises:
-        ValueError: no rows, or an episode longer than ``tokens_per_batch``.
+        ConfigError: no rows, an episode longer than ``tokens_per_batch``, or a demonstration
+            that is not a list of turn texts (``demonstrated``).
+        EnvError: the environment's ``reset`` or ``step`` returned something malformed.
     """
     import random
 
-    demos = [demo_tokens(row, make_env(), demonstrate(row), tokenizer) for row in rows]
+    demos = [
+        demo_tokens(row, make_env(), demonstrated(demonstrate, row), tokenizer) for row in rows
+    ]
     if not demos:
-        raise ValueError("sft_on_episodes: no rows to train on.")
+        raise ConfigError("sft_on_episodes: no rows to train on.")
     lengths = [len(ids) for ids, _ in demos]
     if max(lengths) > tokens_per_batch:
-        raise ValueError(
+        raise ConfigError(
             f"sft_on_episodes: an episode has {max(lengths)} tokens, more than "
             f"tokens_per_batch={tokens_per_batch}; raise tokens_per_batch."
         )
@@ -141,7 +177,7 @@ def episode_tokenizer(
     episodes, rendered as the policy will read and write them (deterministic)."""
     bootstrap = build_bpe_tokenizer(["-"], vocab_size=300)  # bytes only: renders the episodes
     texts = [
-        bootstrap.decode(demo_tokens(row, make_env(), demonstrate(row), bootstrap)[0])
+        bootstrap.decode(demo_tokens(row, make_env(), demonstrated(demonstrate, row), bootstrap)[0])
         for row in rows[:sample]
     ]
     return build_bpe_tokenizer(texts, vocab_size=vocab_size)

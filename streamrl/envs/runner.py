@@ -20,12 +20,12 @@ Outcomes of what can go wrong in an episode: the environment's ``step`` past ``e
 the episode ends, truncated (``finish_reason="env_timeout"``); more than ``max_turns`` turns ->
 ``"max_turns"``; no room left in the context for the next observation and a token -> ``"context"``;
 a step that is not a ``Step``, a non-finite reward, or an environment that raises ->
-``EnvError`` naming the environment and the prompt.
+``EnvError`` naming the environment and the prompt; so is a first prompt that is blank or leaves
+no room in the context (``streamrl.envs.contract``).
 """
 
 from __future__ import annotations
 
-import math
 import queue
 import threading
 import time
@@ -37,6 +37,7 @@ from transformers import PreTrainedTokenizerBase
 
 from streamrl.chat import completion_text, render_prompt
 from streamrl.components.generation.service import GeneratorError, StreamGenerationService
+from streamrl.envs.contract import check_reset, check_step
 from streamrl.envs.episode import Episode, TurnFormat
 from streamrl.envs.tools import run_with_timeout
 from streamrl.errors import EnvError
@@ -120,18 +121,19 @@ class EpisodeRunner:
         gave."""
         env = self.make_env()
         prompt = self._call(env, "reset", lambda: env.reset(row), row)
-        if not isinstance(prompt, str | list):
-            raise EnvError(
-                f"{type(env).__name__}.reset returned {type(prompt).__name__} for prompt "
-                f"{row.get('prompt_id')!r}; return the first prompt, a string or chat messages."
-            )
+        try:
+            check_reset(env, prompt, row.get("prompt_id"))
+        except EnvError:
+            self._close(env)
+            raise
         ids = render_prompt(self.tokenizer, prompt, system_prompt=self._system(prompt))
         budget = min(self.max_tokens, self.context - len(ids))
         if budget < 1:
             self._close(env)
-            raise ValueError(
-                f"Prompt {row.get('prompt_id')!r}: the environment's first prompt has {len(ids)} "
-                f"tokens, no room left in the context of {self.context}; shorten it."
+            raise EnvError(
+                f"Prompt {row.get('prompt_id')!r}: {type(env).__name__}.reset's first prompt has "
+                f"{len(ids)} tokens, no room left in the context of {self.context}; shorten the "
+                "observation (or the system prompt), or use a model with a larger context."
             )
         first = Request(
             str(row["prompt_id"]),
@@ -262,20 +264,11 @@ class EpisodeRunner:
         if isinstance(result, BaseException):
             self._finish(episode, "error")
             raise EnvError(f"{name}.step raised {result!r} on prompt {pid!r}.") from result
-        problem = None
-        if not isinstance(result, Step):
-            problem = f"returned {type(result).__name__}"
-        elif not isinstance(result.reward, int | float) or not math.isfinite(result.reward):
-            problem = f"returned the reward {result.reward!r}"
-        elif not result.done and not isinstance(result.observation, str):
-            problem = f"returned done=False with the observation {result.observation!r}"
-        if problem is not None:
+        try:
+            return check_step(episode.env, result, pid)
+        except EnvError:
             self._finish(episode, "error")
-            raise EnvError(
-                f"{name}.step {problem} on prompt {pid!r}; return streamrl.Step(observation: "
-                "str, reward: float, done: bool) (an observation is needed unless done)."
-            )
-        return result
+            raise
 
     def _placement(self, episode: Episode) -> int | None:
         """The instance for the episode's next turn: the one holding its prefix, unless it has

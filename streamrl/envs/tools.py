@@ -2,15 +2,19 @@
 
 A tool is any function with type hints and a docstring that describes its arguments (Google style,
 an ``Args:`` section); its JSON schema is built from them (``tool_schema``, transformers'
-``get_json_schema``), so the tools a prompt lists are the functions that run. The model calls one
-per turn in the Hermes format that Qwen-style chat templates use::
+``get_json_schema``), so the tools a prompt lists are the functions that run. The model calls
+them in the Hermes format that Qwen-style chat templates use::
 
     <tool_call>{"name": "lookup", "arguments": {"key": "zorp"}}</tool_call>
 
-and sees the result as a ``tool`` message. A turn without a call is the answer: the episode ends
-and the task's reward scores it. What goes wrong in a call is told to the model, never raised:
-text that is not a call's JSON, an unknown tool, wrong arguments, a tool that raises, a tool that
-does not return within ``tool_timeout_s`` (each tool call runs on its own daemon thread).
+and sees the result as a ``tool`` message. Several calls in one turn all run, in order, and the
+one ``tool`` message holds each result in order, each as ``<tool_response>...</tool_response>``
+on a line of its own (one call's result comes bare). A turn without a call is the answer: the
+episode ends and the task's reward scores it. What goes wrong in a call is told to the model (as
+that call's result, ``Error: ...``) and counted (``ToolEnvironment.tool_errors``), never raised:
+text that is not a call's JSON, an unknown tool, arguments that do not fit the tool's schema
+(``streamrl.envs.tool_args``), a tool that raises, a tool that does not return within
+``tool_timeout_s`` (each tool call runs on its own daemon thread).
 
 Examples:
     >>> def add(a: int, b: int) -> int:
@@ -37,6 +41,7 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from streamrl.envs.tool_args import argument_problem
 from streamrl.errors import ConfigError
 from streamrl.records import Step
 from streamrl.rewards.spec import RewardSpec, load_rewards
@@ -95,10 +100,24 @@ def parse_call(text: str) -> tuple[str, dict] | None:
         ToolError: the call is there but is not ``{"name": str, "arguments": {...}}`` JSON.
     """
     match = _CALL.search(text)
-    if match is None:
-        return None
+    return None if match is None else _parse_one(match.group(1))
+
+
+def parse_calls(text: str) -> list[tuple[str, dict] | ToolError]:
+    """Every tool call in ``text``, in order: its ``(name, arguments)``, or the ``ToolError``
+    saying why it is malformed."""
+    calls: list[tuple[str, dict] | ToolError] = []
+    for match in _CALL.finditer(text):
+        try:
+            calls.append(_parse_one(match.group(1)))
+        except ToolError as err:
+            calls.append(err)
+    return calls
+
+
+def _parse_one(body: str) -> tuple[str, dict]:
     try:
-        call = json.loads(match.group(1))
+        call = json.loads(body)
     except json.JSONDecodeError as err:
         raise ToolError(f"the tool call is not valid JSON ({err.msg}).") from None
     if not isinstance(call, dict) or not isinstance(call.get("name"), str):
@@ -139,8 +158,9 @@ class ToolEnvironment:
 
     ``reset`` puts the tools' schemas in a system message before the row's prompt. Each turn
     with a tool call gets the tool's result (or what went wrong) as a ``tool`` message; the
-    first turn without one is the answer, scored by ``reward(answer, row)``. Subclass it and
-    override ``reset`` or ``answer`` for other tasks; its ``tools`` may also be bound methods.
+    first turn without one is the answer, scored by ``reward(answer, row)``. A turn with several
+    calls runs them all, in order (module docstring). Subclass it and override ``reset`` or
+    ``answer`` for other tasks; its ``tools`` may also be bound methods.
 
     Args:
         tools: the functions the model may call (``tool_schema`` of each).
@@ -149,6 +169,12 @@ class ToolEnvironment:
         tool_timeout_s: the longest a tool call may take; past it the model is told so.
         system_prompt: the system message: ``{tools}`` is replaced by a line per tool
             (``describe_tool``), ``{schemas}`` by their JSON schemas.
+
+    Attributes:
+        calls: the episode's well-formed tool calls so far.
+        tool_errors: the episode's calls that went wrong so far (malformed, unknown tool,
+            arguments that do not fit the schema, a tool that raised or hung); each step's
+            ``info`` also holds its turn's ``tools`` and ``tool_errors``.
     """
 
     def __init__(
@@ -163,14 +189,15 @@ class ToolEnvironment:
         if len(self.tools) != len(tools):
             raise ConfigError(f"Two tools have the same name: {[fn.__name__ for fn in tools]}.")
         self.schemas = [tool_schema(fn) for fn in tools]
+        self._schema = {fn.__name__: schema for fn, schema in zip(tools, self.schemas)}
         self.reward = load_rewards([RewardSpec(reward)])
         self.tool_timeout_s, self.system_prompt = tool_timeout_s, system_prompt
         self.row: Mapping = {}
-        self.calls = 0
+        self.calls = self.tool_errors = 0
 
     def reset(self, row: Mapping) -> list[dict]:
         """A system message listing the tools, then the row's prompt as the user's."""
-        self.row, self.calls = row, 0
+        self.row, self.calls, self.tool_errors = row, 0, 0
         listing = self.system_prompt.format(
             tools="\n".join(describe_tool(s) for s in self.schemas),
             schemas="\n".join(json.dumps(s["function"]) for s in self.schemas),
@@ -180,30 +207,46 @@ class ToolEnvironment:
         return [system, *prompt] if isinstance(prompt, list) else [system, user(prompt)]
 
     def step(self, action: str) -> Step:
-        """Run the turn's tool call, or score the answer if it has none."""
-        try:
-            call = parse_call(action)
-        except ToolError as err:
-            return Step(f"Error: {err}", role="tool")
-        if call is None:
+        """Run the turn's tool calls in order, or score the answer if it has none."""
+        calls = parse_calls(action)
+        if not calls:
             return Step(None, reward=self.answer(action), done=True)
-        self.calls += 1
-        return Step(self.call(*call), role="tool", info={"tool": call[0]})
+        errors, results, names = self.tool_errors, [], []
+        for call in calls:
+            if isinstance(call, ToolError):
+                self.tool_errors += 1
+                results.append(f"Error: {call}")
+                continue
+            self.calls += 1
+            names.append(call[0])
+            results.append(self.call(*call))
+        if len(results) > 1:
+            results = [f"<tool_response>{result}</tool_response>" for result in results]
+        info = {"tools": names, "tool_errors": self.tool_errors - errors}
+        return Step("\n".join(results), role="tool", info=info)
 
     def call(self, name: str, arguments: dict) -> str:
-        """One tool call's result as text, or the error the model should see."""
+        """One tool call's result as text, or the error the model should see (counted in
+        ``tool_errors``)."""
         fn = self.tools.get(name)
         if fn is None:
-            return f"Error: no tool named {name!r}; the tools are {sorted(self.tools)}."
+            return self._error(f"no tool named {name!r}; the tools are {sorted(self.tools)}.")
+        problem = argument_problem(self._schema[name], arguments)
+        if problem is not None:
+            return self._error(f"tool {name!r}: {problem}.")
         try:
             result = run_with_timeout(lambda: fn(**arguments), self.tool_timeout_s)
         except TimeoutError as err:
-            return f"Error: tool {name!r} {err}."
-        except TypeError as err:  # wrong or missing arguments (or the tool's own TypeError)
-            return f"Error: tool {name!r}: {err}."
+            return self._error(f"tool {name!r} {err}.")
+        except TypeError as err:  # the tool's own TypeError (its arguments fit its schema)
+            return self._error(f"tool {name!r}: {err}.")
         except Exception as err:
-            return f"Error: tool {name!r} raised {type(err).__name__}: {err}."
+            return self._error(f"tool {name!r} raised {type(err).__name__}: {err}.")
         return result if isinstance(result, str) else json.dumps(result)
+
+    def _error(self, message: str) -> str:
+        self.tool_errors += 1
+        return f"Error: {message}"
 
     def answer(self, text: str) -> float:
         """The reward of the final answer (``reward(text, row)``)."""

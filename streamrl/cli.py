@@ -19,7 +19,13 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from streamrl.errors import ConfigError, EnvError, NonFiniteLossError, RewardError
+from streamrl.errors import (
+    ConfigError,
+    EnvError,
+    NonFiniteLossError,
+    RewardError,
+    TrainerRankError,
+)
 from streamrl.fit_args import FitArgs, build_fit_parser, parse_fit, print_fit_config
 from streamrl.quiet import quiet_libraries, quiet_lightning
 from streamrl.stopping import Stopped, resume_hint, stop_on_signals
@@ -426,6 +432,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         resume = resume_hint(fit.config.output_dir, argv) if command == "fit" else ""
         print(f"streamrl {command}: {stop}{resume}", file=sys.stderr)
         return stop.exit_code
+    except (
+        TrainerRankError
+    ) as err:  # the run stopped with every child: it goes on from a checkpoint
+        resume = resume_hint(fit.config.output_dir, argv) if command == "fit" else ""
+        print(f"streamrl {command}: stopped: {err}{resume}", file=sys.stderr)
+        return 1
     except (ConfigError, FileNotFoundError) as err:  # bad input, found before any work
         print(f"streamrl {command}: error: {err}", file=sys.stderr)
         return 2

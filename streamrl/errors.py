@@ -36,3 +36,8 @@ class RewardError(ValueError):
 class EnvError(RuntimeError):
     """An environment broke its contract (a malformed step, a reset that raised); the message
     names the environment, the prompt and what it must return."""
+
+
+class TrainerRankError(RuntimeError):
+    """A trainer rank died (killed, out of memory, crashed): the whole run stopped, every child
+    process with it; it resumes from its last checkpoint."""

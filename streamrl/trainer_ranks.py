@@ -18,9 +18,13 @@ service and train on the shares rank 0 deals them, across nodes.
 from __future__ import annotations
 
 import contextlib
+import json
 import multiprocessing as mp
 import os
+import signal
 import socket
+import threading
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
@@ -44,6 +48,7 @@ from streamrl.components.capacity.elastic import ElasticController
 from streamrl.config import RunConfig
 from streamrl.config_checks import placement_of
 from streamrl.devices import Placement
+from streamrl.errors import TrainerRankError
 from streamrl.lora import LoRASpec, apply_lora
 from streamrl.module import StreamRLModule
 from streamrl.rollout import RolloutStream
@@ -212,7 +217,16 @@ def trainer_ranks(setup: RankSetup, model_dir: Path, resume: str | None = None) 
     try:
         for process in ranks:
             process.start()
-        yield
+        if setup.output_dir is not None:  # which process is which rank (for `kill`, a chaos run)
+            pids = {rank: p.pid for rank, p in enumerate(ranks, start=1)}
+            Path(setup.output_dir, "trainer_ranks.json").write_text(json.dumps(pids))
+        try:
+            yield
+        except Exception as err:  # a collective that lost a rank fails: say which rank, how
+            dead = _dead_ranks(ranks)
+            if dead:
+                raise TrainerRankError(f"{dead}; the run stopped") from err
+            raise
         for process in ranks:
             process.join(LEAVE_TIMEOUT_S)
     finally:
@@ -227,9 +241,27 @@ def trainer_ranks(setup: RankSetup, model_dir: Path, resume: str | None = None) 
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
-    failed = [p.name for p in ranks if p.exitcode not in (0, None)]
-    if failed:
-        raise RuntimeError(f"Trainer ranks {failed} exited with an error; see their log above.")
+    dead = _dead_ranks(ranks)
+    if dead:
+        raise TrainerRankError(f"{dead}; see its log above.")
+
+
+def _dead_ranks(ranks: Sequence[mp.process.BaseProcess]) -> str:
+    """Which of ``ranks`` (rank 1 first) ended with an error, and how; ``""`` if none."""
+    for process in ranks:
+        process.join(1.0)  # a rank dying now is seen, not guessed
+    dead = [
+        f"trainer rank {rank} died ({_how(p.exitcode)})"
+        for rank, p in enumerate(ranks, start=1)
+        if p.exitcode not in (0, None)
+    ]
+    return ", ".join(dead)
+
+
+def _how(exitcode: int) -> str:
+    if exitcode < 0:
+        return f"killed by {signal.Signals(-exitcode).name}"
+    return f"exit code {exitcode}"
 
 
 def _rank_main(
@@ -243,10 +275,23 @@ def _rank_main(
 
     quiet_libraries()  # rank 0's stderr is the run's log: the other ranks add nothing to it
     quiet_lightning()
+    _leave_with(os.getppid())
     module = setup.module(setup.trainable(load_policy(model_dir)[0]), None)
     setup.trainer(module).fit(module, ckpt_path=resume)
     # Leave at once: a normal exit tears down gloo's threads mid-receive and aborts.
     os._exit(0)
+
+
+def _leave_with(parent: int) -> None:
+    """Exit at once when ``parent`` (rank 0) is gone, however it ended: a rank must not wait
+    out its collective timeout as an orphan."""
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="streamrl-parent-watch", daemon=True).start()
 
 
 def launched_job() -> ClusterEnvironment | None:

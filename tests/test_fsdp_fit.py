@@ -14,9 +14,12 @@ from __future__ import annotations
 
 import csv
 import json
+import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -193,3 +196,48 @@ def test_sharded_checkpoints_resume_like_the_uninterrupted_run(tmp_path, runs):
     uninterrupted = dict(load_policy(runs[2]["policy_dir"])[0].named_parameters())
     differ = [n for n in after if not torch.equal(after[n], uninterrupted[n])]
     assert not differ, f"resumed from shards, the weights differ: {differ}"
+
+
+def test_a_killed_trainer_rank_stops_the_run_which_resumes_where_it_was(tmp_path, runs):
+    """SIGKILL to trainer rank 1 mid-run: rank 0 stops within a bounded time with one line that
+    names the rank and the command that goes on, no process of the run is left, and the run
+    resumed from its last checkpoint ends bit for bit where the uninterrupted run did."""
+    config = _config(tmp_path, "killed", ITERATIONS, ranks=2)
+    command = [sys.executable, "-m", "streamrl.cli", "fit", "--config", str(config)]
+    run = subprocess.Popen(
+        [*command, "--no-progress"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    out_dir = tmp_path / "killed"
+    try:
+        deadline = time.monotonic() + 300
+        while not (out_dir / "checkpoints" / "last.ckpt").is_file() and run.poll() is None:
+            assert time.monotonic() < deadline, "no checkpoint was written"
+            time.sleep(0.1)
+        rank_1 = json.loads((out_dir / "trainer_ranks.json").read_text())["1"]
+        os.kill(rank_1, signal.SIGKILL)
+        killed = time.monotonic()
+        _, err = run.communicate(timeout=120)
+    finally:
+        run.kill()
+    assert run.returncode == 1, err[-3000:]
+    assert time.monotonic() - killed < 60
+    assert "streamrl fit: stopped: trainer rank 1 died (killed by SIGKILL)" in err, err[-3000:]
+    assert "Traceback" not in err and "--resume" in err
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:  # every generator, reward worker and rank with it
+        try:
+            os.killpg(run.pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.2)
+    else:
+        pytest.fail("a process of the run outlived it")
+    resumed = _fit(tmp_path, 2, ITERATIONS, "--resume", "auto", name="killed")
+    assert resumed["samples_trained"] == ITERATIONS * SAMPLES and resumed["samples_lost"] == 0
+    after = dict(load_policy(resumed["policy_dir"])[0].named_parameters())
+    uninterrupted = dict(load_policy(runs[2]["policy_dir"])[0].named_parameters())
+    assert not [n for n in after if not torch.equal(after[n], uninterrupted[n])]

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from streamrl.stopping import Stopped, resume_hint, shielded, stop_on_signals
 
@@ -132,3 +133,6 @@ def test_a_signal_to_the_whole_group_stops_the_run_with_the_command_to_go_on(tmp
     assert _group_gone(proc.pid, 30), "a process of the run outlived it"
     instances = json.loads((tmp_path / "out" / "instances.json").read_text())
     assert len(instances) == 2, instances  # the generators it killed were not replaced
+    # The checkpoint it names was written at the stop: no finished iteration is lost.
+    assert torch.load(last, weights_only=True)["stopped_by"] == name
+    assert not list(last.parent.glob(".*partial"))

@@ -334,7 +334,13 @@ class EnvConfig:
         options: keyword arguments of your environment's constructor.
         max_turns: model turns per episode (the episode is cut, flagged ``max_turns``).
         timeout_s: the longest one environment ``reset`` or ``step`` may take (a step past it
-            ends its episode, flagged ``env_timeout``).
+            ends its episode, flagged ``env_timeout``; a ``reset`` past it stops the run).
+        on_fault: what training does with an episode the environment cut (``env_timeout``):
+            ``drop`` (default) leaves it out of the loss, its group scored over its other
+            episodes (refilled, like a filtered group, when fewer than the algorithm's minimum
+            are left), counted as ``samples_env_fault`` in the summary; ``train`` trains it
+            with the reward it had (usually 0). Cuts the policy causes (``max_turns``,
+            ``context``) are always trained.
         rebalance_requests: move an episode's next turn off its instance when it has this many
             more requests open than the least loaded one (``null``: never).
         demonstrations: ``package.module:fn``, ``fn(row) -> [turn text, ...]``: the good
@@ -347,6 +353,7 @@ class EnvConfig:
     options: dict[str, Any] = field(default_factory=dict)
     max_turns: int = 8
     timeout_s: float = 30.0
+    on_fault: str = "drop"
     rebalance_requests: int | None = None
     demonstrations: str | None = None
     n_train: int = 2000

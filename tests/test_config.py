@@ -214,3 +214,11 @@ def test_weight_settings_and_timeouts_are_checked_before_work(tmp_path):
             load_checked(write(tmp_path, f"rl: {rl}\n"))
     config = load_checked(write(tmp_path, "rl: {weight_timeout_s: 7, weight_fanout: 2}\n"))
     assert config.rl.weight_timeout_s == 7 and config.rl.weight_fanout == 2
+
+
+def test_env_on_fault_is_drop_or_train(tmp_path):
+    assert load_checked(write(tmp_path, "env: {name: calculator}\n")).env.on_fault == "drop"
+    config = load_checked(write(tmp_path, "env: {name: calculator, on_fault: train}\n"))
+    assert config.env.on_fault == "train"
+    with pytest.raises(ConfigError, match=r"env.on_fault: Unknown choice 'dorp' \(did you mean"):
+        load_checked(write(tmp_path, "env: {name: calculator, on_fault: dorp}\n"))

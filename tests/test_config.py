@@ -222,3 +222,15 @@ def test_env_on_fault_is_drop_or_train(tmp_path):
     assert config.env.on_fault == "train"
     with pytest.raises(ConfigError, match=r"env.on_fault: Unknown choice 'dorp' \(did you mean"):
         load_checked(write(tmp_path, "env: {name: calculator, on_fault: dorp}\n"))
+
+
+def test_an_episode_run_takes_no_reward_and_others_default_to_exact(tmp_path):
+    from streamrl.run_parts import reward_specs
+
+    assert load_checked(write(tmp_path, "env: {name: calculator}\n")).rl.reward is None
+    with pytest.raises(
+        ConfigError, match=r"rl.reward: 'math' would go unused: .* remove rl.reward"
+    ):
+        load_checked(write(tmp_path, "env: {name: calculator}\nrl: {reward: math}\n"))
+    config = load_checked(write(tmp_path, "rl: {group_size: 2}\n"))  # single completions
+    assert [spec.reward for spec in reward_specs(config.rl)] == ["exact"]

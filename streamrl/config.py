@@ -31,7 +31,9 @@ class DataConfig:
         path: your dataset, any local file or directory ``datasets`` reads (JSONL, JSON, CSV,
             Parquet, a ``save_to_disk`` directory), used instead of the built-in tasks. Every
             column of a row reaches the reward (``streamrl.tasks.local_data``).
-        prompt_column: the column holding the prompt (a string, or chat messages).
+        prompt_column: the column holding the prompt (a string, or chat messages); an episode
+            run's rows (``env.name``) may have none: its environment's ``reset`` gives the first
+            prompt (rows without ``id_column`` get ids from their whole content).
         answer_column: the column holding the reference answer; ``null`` if there is none.
         id_column: a column of unique prompt ids; ``null`` derives stable ids from the content.
         task_column: a column naming each row's data source (evaluation reports per source);
@@ -192,7 +194,9 @@ class RLConfig:
             your function ``fn(completion, row) -> float`` as ``package.module:function`` (``row``
             is the prompt's whole dataset row; batched and async forms work too); a list of
             ``{name: ..., weight: ...}`` sums several, each logged on its own
-            (``streamrl.rewards.spec``).
+            (``streamrl.rewards.spec``). ``null`` (the default): ``exact``; an episode run
+            (``env.name``) takes none, its environment's ``step`` rewards each episode, so a
+            reward set there is refused rather than silently unused.
         reward_workers: processes that compute rewards off the trainer's critical path; 0
             computes them in the trainer.
         reward_timeout_s: the most one reward call may take; past it the run stops with an
@@ -263,7 +267,7 @@ class RLConfig:
     partial_rollout: str = "finish"
     correction: str = "decoupled"
     correct_engine_gap: bool | None = None
-    reward: str | dict[str, Any] | list[Any] = "exact"
+    reward: str | dict[str, Any] | list[Any] | None = None
     reward_workers: int = 1
     reward_timeout_s: float = 60.0
     eval_every: int = 0
@@ -339,7 +343,13 @@ class EnvConfig:
         options: keyword arguments of your environment's constructor.
         max_turns: model turns per episode (the episode is cut, flagged ``max_turns``).
         timeout_s: the longest one environment ``reset`` or ``step`` may take (a step past it
-            ends its episode, flagged ``env_timeout``).
+            ends its episode, flagged ``env_timeout``; a ``reset`` past it stops the run).
+        on_fault: what training does with an episode the environment cut (``env_timeout``):
+            ``drop`` (default) leaves it out of the loss, its group scored over its other
+            episodes (refilled, like a filtered group, when fewer than the algorithm's minimum
+            are left), counted as ``samples_env_fault`` in the summary; ``train`` trains it
+            with the reward it had (usually 0). Cuts the policy causes (``max_turns``,
+            ``context``) are always trained.
         rebalance_requests: move an episode's next turn off its instance when it has this many
             more requests open than the least loaded one (``null``: never).
         demonstrations: ``package.module:fn``, ``fn(row) -> [turn text, ...]``: the good
@@ -352,6 +362,7 @@ class EnvConfig:
     options: dict[str, Any] = field(default_factory=dict)
     max_turns: int = 8
     timeout_s: float = 30.0
+    on_fault: str = "drop"
     rebalance_requests: int | None = None
     demonstrations: str | None = None
     n_train: int = 2000

@@ -74,6 +74,15 @@ def check_values(config: RunConfig) -> None:
         raise ConfigError(f"logger: {config.logger!r} needs {needed!r}: pip install {needed}")
     check_rl(config.rl)
     check_trainer(config)
+    if config.env.name and config.rl.reward is not None:
+        raise ConfigError(
+            f"rl.reward: {config.rl.reward!r} would go unused: in an episode run (env.name "
+            f"{config.env.name!r}) the environment's step rewards each episode; remove rl.reward."
+        )
+    if config.env.on_fault not in ("drop", "train"):
+        raise ConfigError(
+            f"env.on_fault: {unknown_name('choice', config.env.on_fault, ['drop', 'train'])}"
+        )
     if sft.steps < 0 or sft.lr <= 0 or not 0 <= sft.demo_noise <= 1 or not 0 <= sft.early_stop <= 1:
         raise ConfigError(
             "sft: need steps >= 0, lr > 0, 0 <= demo_noise <= 1 and 0 <= early_stop <= 1, got "

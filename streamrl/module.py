@@ -219,7 +219,20 @@ class StreamRLModule(L.LightningModule):
                 self.samples_in_step += len(micro.samples)
         finally:
             torch.set_num_threads(threads)
+        left_out = self.rollouts.stats.left_out  # episodes the environment cut (envs.runner)
+        if 0 < left_out < total:  # the loss is the mean over the samples the groups have
+            self.rescale_gradients(total / (total - left_out))
         return train_s
+
+    def rescale_gradients(self, factor: float) -> None:
+        """Multiply the accumulated gradients (and this iteration's loss) by ``factor``: the
+        micro-batches were scaled by ``1 / samples_per_iteration`` before the stream knew
+        that some samples would be left out of their groups."""
+        params = [*self.policy.parameters(), *self.algorithm.trainable_parameters()]
+        for param in params:
+            if param.grad is not None:
+                param.grad.mul_(factor)
+        self.iteration_loss *= factor
 
     def dispatch(self, iteration: int) -> int:
         """Send the prompts of the rollout iteration this step trains on; returns its number.

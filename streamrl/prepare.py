@@ -144,6 +144,7 @@ def dataset_splits(config: RunConfig) -> tuple[datasets.Dataset, datasets.Datase
         answer_column=data.answer_column,
         id_column=data.id_column,
         task_column=data.task_column,
+        require_prompt=not config.env.name,  # an episode's first prompt comes from reset
     )
     rows = load_prompt_dataset(data.path, split=data.split, **columns)
     if data.heldout_path or data.heldout_split:

@@ -251,10 +251,15 @@ def ledger(module: StreamRLModule) -> dict:
     service, rollouts = module.rollouts.service, module.rollouts
     requested = rollouts.prompts_dispatched * rollouts.algorithm.group_size
     filtered = module.pipeline.dropped_stale + rollouts.samples_filtered
+    env_fault = rollouts.samples_env_fault  # episodes the environment cut, left out of the loss
     episodes = {}  # a multi-turn run: samples are episodes, each of several requests (turns)
     if rollouts.episodes is not None:
         counts = rollouts.episodes.counts
-        episodes = {"turns": counts["turns"], "episode_counts": dict(counts)}
+        episodes = {
+            "turns": counts["turns"],
+            "episode_counts": dict(counts),
+            "samples_env_fault": env_fault,
+        }
     return {
         "prompts_dispatched": rollouts.prompts_dispatched,
         "samples_requested": requested,
@@ -268,7 +273,7 @@ def ledger(module: StreamRLModule) -> dict:
         "samples_filtered": filtered,
         "samples_requeued": service.counts["requests_requeued"],
         "samples_discarded_late": service.counts["samples_discarded"],
-        "samples_lost": requested - module.samples_trained - filtered,
+        "samples_lost": requested - module.samples_trained - filtered - env_fault,
         "instances_restarted": service.counts["instances_restarted"],
         "generators_final": sum(i.state != "failed" for i in service.instances()),
     }

@@ -41,6 +41,9 @@ class IterationStats:
     rewards: list[float] = field(default_factory=list)
     reward_parts: dict[str, list[float]] = field(default_factory=dict)  # per reward, unweighted
     lengths: list[int] = field(default_factory=list)
+    #: Samples missing from the groups trained: episodes the environment cut, left out of the
+    #: loss (``EpisodeRunner.left_out``); the trainer divides its loss by the samples it has.
+    left_out: int = 0
 
 
 @dataclass
@@ -52,6 +55,7 @@ class _Batch:
     min_weight_version: int = 0
     refills: int = 0
     partial: dict[str, list[Sample]] = field(default_factory=dict)
+    left_out: dict[str, int] = field(default_factory=dict)  # per prompt: episodes left out
     ready: list[ScoredGroup] = field(default_factory=list)
     awaiting: int = 0  # samples requested and not yet received
     unscored: dict[tuple, Sample] = field(default_factory=dict)  # received, reward pending
@@ -97,7 +101,11 @@ class RolloutStream:
             iteration (default: twice the prompts per iteration).
         episodes: run multi-turn episodes instead of single completions: each sample is an
             episode of the runner's environments on ``service`` (``streamrl.envs``), rewarded
-            by its environment (``reward`` is then not used).
+            by its environment (``reward`` is then not used). An episode the environment cut
+            is left out of the loss when ``episodes.left_out`` says so: its group is scored
+            over its other episodes, or, with fewer than the algorithm's ``min_group_size``
+            left, filtered and refilled like a group ``keep_group`` drops; such episodes are
+            counted in ``samples_env_fault``.
     """
 
     def __init__(
@@ -141,6 +149,7 @@ class RolloutStream:
         self._next_iteration = 0
         self.prompts_dispatched = 0
         self.samples_filtered = 0  # in groups an algorithm's keep_group dropped
+        self.samples_env_fault = 0  # episodes the environment cut, left out of the loss
         self._redispatch: dict[int, list[dict]] = {}  # in-flight iterations of a checkpoint
         self._untrained: dict[int, dict[str, dict]] = {}  # delivered, optimizer step not done
         self.max_refills = 2 * prompts.batch_size if max_refills is None else max_refills
@@ -187,6 +196,7 @@ class RolloutStream:
             "in_flight": in_flight,
             "prompts_dispatched": self.prompts_dispatched - sum(map(len, in_flight.values())),
             "samples_filtered": self.samples_filtered,
+            "samples_env_fault": self.samples_env_fault,
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -194,6 +204,7 @@ class RolloutStream:
         self._next_iteration = min(self._redispatch, default=state["next_iteration"])
         self.prompts_dispatched = state["prompts_dispatched"]
         self.samples_filtered = state["samples_filtered"]
+        self.samples_env_fault = state.get("samples_env_fault", 0)  # older checkpoints: none
 
     def _requests(
         self, pid: str, row: dict, iteration: int, min_weight_version: int
@@ -298,8 +309,9 @@ class RolloutStream:
     def _refill(self, batch: _Batch, prompt_id: str, iteration: int) -> None:
         """Replace a filtered group by the stream's next prompt, in the same iteration (at most
         ``max_refills`` times per iteration; past that the iteration trains one group fewer)."""
+        self.samples_filtered += len(batch.partial[prompt_id])  # the left out are counted
         del batch.rows[prompt_id], batch.partial[prompt_id]
-        self.samples_filtered += self.algorithm.group_size
+        batch.left_out.pop(prompt_id, None)
         if batch.refills >= self.max_refills:
             return
         batch.refills += 1
@@ -318,6 +330,11 @@ class RolloutStream:
         when the reward runs in a pool)."""
         batch = self._batches[sample.iteration]
         batch.awaiting -= 1
+        if self.episodes is not None and self.episodes.left_out(sample):  # env's fault
+            self.samples_env_fault += 1
+            batch.left_out[sample.prompt_id] = batch.left_out.get(sample.prompt_id, 0) + 1
+            self._complete(batch, sample.prompt_id, sample.iteration)
+            return
         batch.unscored[sample.key] = sample
         if self.episodes is not None:  # an episode comes scored by its environment
             self._scored([Scored(sample.key, float(sample.reward), {})])
@@ -346,14 +363,21 @@ class RolloutStream:
             self._join_group(batch, sample)
 
     def _join_group(self, batch: _Batch, sample: Sample) -> None:
-        group = batch.partial[sample.prompt_id]
-        group.append(sample)
-        if len(group) == self.algorithm.group_size:
-            rewards = [s.reward for s in group]
-            if not self.algorithm.keep_group(rewards):  # dynamic sampling (DAPO)
-                self._refill(batch, sample.prompt_id, sample.iteration)
-                return
-            advantages = self.algorithm.score_group(rewards)
-            batch.ready.append(
-                ScoredGroup(sample.prompt_id, group, rewards, advantages, sample.iteration)
-            )
+        batch.partial[sample.prompt_id].append(sample)
+        self._complete(batch, sample.prompt_id, sample.iteration)
+
+    def _complete(self, batch: _Batch, prompt_id: str, iteration: int) -> None:
+        """Score the prompt's group once each of its samples is in or left out: over the
+        samples it has (a left-out episode is no member, not a reward of 0); too few of them
+        to score, or a group ``keep_group`` drops, is refilled."""
+        group, missing = batch.partial[prompt_id], batch.left_out.get(prompt_id, 0)
+        if len(group) + missing < self.algorithm.group_size:
+            return
+        rewards = [s.reward for s in group]
+        # dynamic sampling (DAPO), or too few episodes left by the environment's faults
+        if len(group) < self.algorithm.min_group_size or not self.algorithm.keep_group(rewards):
+            self._refill(batch, prompt_id, iteration)
+            return
+        batch.stats.left_out += missing
+        advantages = self.algorithm.score_group(rewards)
+        batch.ready.append(ScoredGroup(prompt_id, group, rewards, advantages, iteration))

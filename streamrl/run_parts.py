@@ -152,8 +152,8 @@ def check_parts(rl: RLConfig, placement: Placement | None = None) -> None:
 
 def reward_specs(rl: RLConfig) -> list[RewardSpec]:
     """The run's rewards (``rl.reward``: a name, ``package.module:function``, or a weighted
-    list); ``ConfigError`` on a malformed entry."""
-    return RewardSpec.from_config(rl.reward)
+    list; ``None``: ``exact``); ``ConfigError`` on a malformed entry."""
+    return RewardSpec.from_config("exact" if rl.reward is None else rl.reward)
 
 
 def reward_pool(rl: RLConfig, specs: list[RewardSpec]) -> RewardPool:

@@ -214,3 +214,23 @@ def test_weight_settings_and_timeouts_are_checked_before_work(tmp_path):
             load_checked(write(tmp_path, f"rl: {rl}\n"))
     config = load_checked(write(tmp_path, "rl: {weight_timeout_s: 7, weight_fanout: 2}\n"))
     assert config.rl.weight_timeout_s == 7 and config.rl.weight_fanout == 2
+
+
+def test_env_on_fault_is_drop_or_train(tmp_path):
+    assert load_checked(write(tmp_path, "env: {name: calculator}\n")).env.on_fault == "drop"
+    config = load_checked(write(tmp_path, "env: {name: calculator, on_fault: train}\n"))
+    assert config.env.on_fault == "train"
+    with pytest.raises(ConfigError, match=r"env.on_fault: Unknown choice 'dorp' \(did you mean"):
+        load_checked(write(tmp_path, "env: {name: calculator, on_fault: dorp}\n"))
+
+
+def test_an_episode_run_takes_no_reward_and_others_default_to_exact(tmp_path):
+    from streamrl.run_parts import reward_specs
+
+    assert load_checked(write(tmp_path, "env: {name: calculator}\n")).rl.reward is None
+    with pytest.raises(
+        ConfigError, match=r"rl.reward: 'math' would go unused: .* remove rl.reward"
+    ):
+        load_checked(write(tmp_path, "env: {name: calculator}\nrl: {reward: math}\n"))
+    config = load_checked(write(tmp_path, "rl: {group_size: 2}\n"))  # single completions
+    assert [spec.reward for spec in reward_specs(config.rl)] == ["exact"]

@@ -4,9 +4,12 @@ end on episodes, with nothing lost; bad ``env`` settings fail before any work.""
 from __future__ import annotations
 
 import json
+import threading
+import time
 
 import pytest
 import yaml
+from extension_plugins import GuessEnv
 
 from streamrl.cli import main
 
@@ -68,6 +71,43 @@ def test_your_own_environment_from_your_data(tmp_path, capsys):
     assert log.read_text().count("closed") >= 16 + 2 * 6
 
 
+class HintEnv(GuessEnv):
+    """``GuessEnv`` on rows without a prompt column (``reset`` reads the row's ``hint``); the
+    rows marked ``hang`` hang in each step of the run's episodes (the runner's threads; the
+    warm start's demonstrations step on the main thread): the environment's fault."""
+
+    def reset(self, row):
+        self.word, self.hang = row["answer"], row["hang"]
+        return f"Guess the word. Hint: {row['hint']}"
+
+    def step(self, action: str):
+        if self.hang and threading.current_thread().name == "streamrl-env":
+            time.sleep(5)
+        return super().step(action)
+
+
+def test_rows_without_prompts_and_the_environments_faults_left_out(tmp_path, capsys):
+    """Rows with no prompt column train (``reset`` gives the first prompt); the episodes the
+    environment cut (``env_timeout``) are not trained but counted, and none is lost."""
+    rows = tmp_path / "hints.jsonl"
+    words = ["apple", "river", "stone", "cloud", "green", "light"] * 4
+    lines = [{"hint": w[:2], "answer": w, "hang": w in ("river", "stone")} for w in words]
+    rows.write_text("".join(json.dumps(row) + "\n" for row in lines))
+    env = {
+        "name": "test_episode_fit:HintEnv",
+        "demonstrations": "extension_plugins:guess_demonstration",
+        "max_turns": 3,
+        "timeout_s": 0.3,
+    }
+    code, summary = fit(tmp_path, capsys, env, data={"path": str(rows), "heldout_fraction": 0.25})
+    assert code == 0, summary
+    faults = summary["samples_env_fault"]
+    assert faults > 0 and faults == summary["episode_counts"]["episodes_env_timeout"]
+    assert summary["samples_lost"] == 0
+    trained, filtered = summary["samples_trained"], summary["samples_filtered"]
+    assert trained + filtered + faults == summary["samples_requested"] > 16
+
+
 @pytest.mark.parametrize(
     "env, sections, message",
     [
@@ -75,6 +115,7 @@ def test_your_own_environment_from_your_data(tmp_path, capsys):
         ({"name": "calculator", "options": {"speed": 2}}, {}, "takes no option"),
         ({"name": "extension_plugins:GuessEnv"}, {}, "set data.path"),
         ({"name": "calculator", "n_train": 2}, {}, "rows"),
+        ({"name": "calculator"}, {"rl": {**RL, "reward": "math"}}, "rl.reward: 'math' would go"),
     ],
 )
 def test_bad_env_settings_fail_before_work(tmp_path, capsys, env, sections, message):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from collections import Counter
 
 import pytest
 import torch
@@ -352,3 +353,135 @@ def test_turns_move_off_an_overloaded_instance(policy_dir):
     assert runner.counts["turns_moved"] > 0
     assert {e.instance_id for e in episodes} == {0, 1}  # some finished where they moved
     assert all(e.turns == 3 and e.finish_reason == "done" for e in episodes)
+
+
+class Listed:
+    """A prompt source that deals its rows in order (the stream's refills take the next)."""
+
+    def __init__(self, rows: list[dict], batch_size: int) -> None:
+        self.rows, self.batch_size = iter(rows), batch_size
+
+    def next_row(self) -> dict:
+        return next(self.rows)
+
+    def next_batch(self) -> list[dict]:
+        return [self.next_row() for _ in range(self.batch_size)]
+
+
+def hanging_echo(opened: Counter):
+    """One-turn Echo games (reward 1) whose first ``row["hang"]`` episodes of each row hang in
+    ``step``, past the runner's ``env_timeout_s``: the environment's fault."""
+
+    class Hangs(Echo):
+        def reset(self, row):
+            self.hang = opened[row["prompt_id"]] < row["hang"]
+            opened[row["prompt_id"]] += 1
+            return super().reset(row)
+
+        def step(self, action: str) -> Step:
+            if self.hang:
+                time.sleep(30)
+            return super().step(action)
+
+    return Hangs
+
+
+@pytest.mark.parametrize("on_fault", ["drop", "train"])
+def test_episodes_the_environment_cut_are_left_out_of_their_groups(policy_dir, on_fault):
+    """``drop``: an episode cut by ``env_timeout`` is no member of its group (scored over the
+    others, not as a reward of 0); a group left with fewer than GRPO's 2 episodes is refilled;
+    every episode is accounted for. ``train``: they are trained with reward 0."""
+    from streamrl.algorithms import GRPO
+    from streamrl.rollout import RolloutStream
+
+    _, tok = load_policy(policy_dir)
+    hangs = {"q0": 1, "q1": 0, "q2": 3, "q3": 2, "q4": 0, "q5": 0}
+    rows = [
+        {"prompt_id": p, "prompt": f"play {p}", "turns": 1, "hang": h} for p, h in hangs.items()
+    ]
+    opened: Counter = Counter()
+    with service(policy_dir) as sgs:
+        runner = EpisodeRunner(
+            sgs,
+            hanging_echo(opened),
+            tok,
+            max_tokens=4,
+            context=CONTEXT,
+            env_timeout_s=0.3,
+            on_fault=on_fault,
+        )
+        stream = RolloutStream(
+            sgs,
+            Listed(rows, 4),
+            tok,
+            GRPO(group_size=3),
+            reward=lambda c, r: 99.0,
+            max_tokens=4,
+            context=CONTEXT,
+            episodes=runner,
+        )
+        groups = {g.prompt_id: g for g in stream.iteration()}
+    timeouts = runner.counts["episodes_env_timeout"]
+    if on_fault == "train":
+        assert sorted(groups) == ["q0", "q1", "q2", "q3"] and timeouts == 6
+        assert sorted(groups["q0"].rewards) == [0.0, 1.0, 1.0]
+        assert sorted(groups["q3"].rewards) == [0.0, 0.0, 1.0] and groups["q2"].rewards == [0.0] * 3
+        assert min(groups["q0"].advantages) < 0 < max(groups["q0"].advantages)
+        assert stream.samples_env_fault == stream.stats.left_out == 0
+        return
+    # q2 (all 3 cut) and q3 (1 left) were refilled by q4 and q5; q0 trains its 2 episodes.
+    assert sorted(groups) == ["q0", "q1", "q4", "q5"] and stream.prompts_dispatched == 6
+    assert {p: len(g.samples) for p, g in groups.items()} == {"q0": 2, "q1": 3, "q4": 3, "q5": 3}
+    assert groups["q0"].rewards == [1.0, 1.0] and groups["q0"].advantages == [0.0, 0.0]
+    trained = [s for g in groups.values() for s in g.samples]
+    assert all(s.finish_reason == "done" for s in trained)
+    assert stream.samples_env_fault == timeouts == 6 and stream.samples_filtered == 1
+    assert stream.stats.left_out == 1  # missing from a trained group: the loss divides by 11
+    assert 3 * stream.prompts_dispatched == len(trained) + 1 + 6  # nothing unaccounted for
+
+
+class Delivered:
+    """The module's side of a ``RolloutStream``: fixed groups, ``left_out`` samples missing."""
+
+    def __init__(self, groups, per_iteration: int, left_out: int) -> None:
+        from streamrl.rollout import IterationStats
+        from streamrl.timeline import TraceRecorder
+
+        self.ready, self.samples_per_iteration = groups, per_iteration
+        self.stats, self.trace = IterationStats(left_out=left_out), TraceRecorder()
+
+    def dispatch(self, min_weight_version: int = 0) -> int:
+        return 0
+
+    def groups(self, iteration: int):
+        return iter(self.ready)
+
+
+def test_the_loss_is_the_mean_over_the_samples_the_groups_have(policy_dir):
+    """3 samples of a 4-sample iteration whose 4th episode was left out train exactly as a
+    3-sample iteration: the micro-batches' 1/4 is corrected to 1/3 before the step."""
+    from streamrl.algorithms import GRPO
+    from streamrl.module import StreamRLModule
+    from streamrl.records import Sample, ScoredGroup
+
+    policy, _ = load_policy(policy_dir)
+    samples = [Sample(f"q{i // 2}", i, [5, 6], [7 + i, 9], [-1.0, -1.5], 0, 0) for i in range(3)]
+    groups = [
+        ScoredGroup("q0", samples[:2], [1.0, 0.0], [1.0, -1.0]),
+        ScoredGroup("q1", samples[2:], [1.0], [0.5]),
+    ]
+    grads, losses = [], []
+    for per_iteration, left_out in [(4, 1), (3, 0)]:
+        policy.zero_grad(set_to_none=True)
+        module = StreamRLModule(
+            policy, GRPO(group_size=2), Delivered(groups, per_iteration, left_out), 1
+        )
+        module.manual_backward = lambda loss: loss.backward()  # no Trainer in this test
+        module.train_on_stream(0)
+        grads.append(
+            torch.cat([p.grad.flatten() for p in policy.parameters() if p.grad is not None])
+        )
+        losses.append(float(module.iteration_loss))
+    assert grads[0].abs().sum() > 0
+    torch.testing.assert_close(grads[0], grads[1])
+    assert losses[0] == pytest.approx(losses[1])

@@ -299,3 +299,24 @@ def test_bad_paths(tmp_path):
         load_prompt_dataset(tmp_path / "plain_dir")
     with pytest.raises(ConfigError, match="single file"):
         load_prompt_dataset(write(tmp_path / "q.jsonl", ROWS), split="test")
+
+
+def test_episode_rows_need_no_prompt_column(tmp_path):
+    """An episode run's rows (``require_prompt=False``): no prompt column, ids from each row's
+    whole content (stable, repeats numbered); a prompt column is still required elsewhere."""
+    path = tmp_path / "deals.jsonl"
+    rows = [
+        {"seed": 1, "answer": "hit"},
+        {"seed": 2, "answer": "hit"},
+        {"seed": 1, "answer": "hit"},
+    ]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    loaded = load_prompt_dataset(path, require_prompt=False)
+    assert "prompt" not in loaded.column_names and loaded["seed"] == [1, 2, 1]
+    ids = loaded["prompt_id"]
+    assert ids[0] != ids[1] and ids[2] == ids[0] + "-2" and ids[0].startswith("deals-")
+    assert load_prompt_dataset(path, require_prompt=False)["prompt_id"] == ids  # stable
+    with pytest.raises(ConfigError, match=r"column 'prompt'"):
+        load_prompt_dataset(path)
+    with pytest.raises(ConfigError, match=r"column 'question'"):  # a named column must exist
+        load_prompt_dataset(path, prompt_column="question", require_prompt=False)

@@ -112,6 +112,7 @@ def _runner_factory(
             rebalance_requests=env.rebalance_requests,
             system_prompt=config.data.system_prompt,
             stop_strings=config.data.stop_strings,
+            on_fault=env.on_fault,
         )
 
     return make

@@ -20,8 +20,14 @@ Outcomes of what can go wrong in an episode: the environment's ``step`` past ``e
 the episode ends, truncated (``finish_reason="env_timeout"``); more than ``max_turns`` turns ->
 ``"max_turns"``; no room left in the context for the next observation and a token -> ``"context"``;
 a step that is not a ``Step``, a non-finite reward, or an environment that raises ->
-``EnvError`` naming the environment and the prompt; so is a first prompt that is blank or leaves
-no room in the context (``streamrl.envs.contract``).
+``EnvError`` naming the environment and the prompt (the run stops); so is a first prompt that is
+blank or leaves no room in the context (``streamrl.envs.contract``).
+
+An episode the environment cut (``ENV_FAULTS``) is the environment's fault, not the policy's:
+with ``on_fault="drop"`` (the default) the trainer leaves it out of the loss (``left_out``;
+``RolloutStream`` scores its group over the other episodes and counts it), with ``"train"`` it is
+trained with the reward it had. The cuts the policy causes (``max_turns``, ``context``) are
+always trained.
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ import threading
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, Literal
 
 from transformers import PreTrainedTokenizerBase
 
@@ -46,6 +52,10 @@ from streamrl.records import Request, Sample, Step
 
 #: How long the runner waits on the instances at a time while environment steps are running.
 POLL_S = 0.02
+#: Finish reasons of episodes the environment cut (the policy did nothing wrong).
+ENV_FAULTS: frozenset[str] = frozenset({"env_timeout"})
+#: What the trainer does with such episodes (``EpisodeRunner``'s ``on_fault``).
+OnFault = Literal["drop", "train"]
 
 
 class EpisodeRunner:
@@ -69,6 +79,8 @@ class EpisodeRunner:
         system_prompt: put before the first prompt (when the environment gives no system
             message).
         stop_strings: a turn's text ends before these (the generators stop on them too).
+        on_fault: ``"drop"``: an episode the environment cut (``ENV_FAULTS``) is left out of
+            the loss (``left_out``); ``"train"``: it is trained with the reward it had.
 
     Attributes:
         counts: the ledger: episodes started and finished (and why), turns, environment steps,
@@ -89,13 +101,16 @@ class EpisodeRunner:
         affinity: bool = True,
         system_prompt: str | None = None,
         stop_strings: Sequence[str] = (),
+        on_fault: OnFault = "drop",
     ) -> None:
         if max_turns < 1:
             raise ValueError(f"max_turns must be >= 1, got {max_turns}.")
+        if on_fault not in ("drop", "train"):
+            raise ValueError(f"on_fault must be 'drop' or 'train', got {on_fault!r}.")
         self.service, self.make_env, self.tokenizer = service, make_env, tokenizer
         self.max_tokens, self.context, self.max_turns = max_tokens, context, max_turns
         self.env_timeout_s, self.rebalance_requests = env_timeout_s, rebalance_requests
-        self.affinity = affinity
+        self.affinity, self.on_fault = affinity, on_fault
         self.system_prompt, self.stop_strings = system_prompt, tuple(stop_strings)
         self.format = TurnFormat(tokenizer)
         self.counts: Counter[str] = Counter()
@@ -147,6 +162,11 @@ class EpisodeRunner:
         self._episodes[first.key] = Episode(first, row, env, ids)
         self.counts["episodes_started"] += 1
         return first
+
+    def left_out(self, sample: Sample) -> bool:
+        """Whether the trainer leaves the finished episode ``sample`` out of the loss: the
+        environment cut it (``ENV_FAULTS``) and ``on_fault`` is ``"drop"``."""
+        return self.on_fault == "drop" and sample.finish_reason in ENV_FAULTS
 
     def prompt_ids(self, key: tuple) -> list[int]:
         """The first prompt of an open episode."""

@@ -42,6 +42,7 @@ def load_prompt_dataset(
     id_column: str | None = None,
     task_column: str | None = None,
     split: str | None = None,
+    require_prompt: bool = True,
 ) -> datasets.Dataset:
     """Load a prompt dataset and give it the row contract.
 
@@ -61,9 +62,13 @@ def load_prompt_dataset(
             stem (directory name).
         split: which split of a ``DatasetDict`` directory (default "train"); a file or a plain
             ``Dataset`` directory has only "train".
+        require_prompt: ``False`` (an episode run: the environment's ``reset`` gives the first
+            prompt) loads rows without a ``prompt`` column as they are, their ids derived from
+            the whole row; a ``prompt_column`` other than ``"prompt"`` must still exist.
 
     Returns:
-        A ``datasets.Dataset`` with ``prompt_id, task, prompt, answer, answer_len`` then the rest.
+        A ``datasets.Dataset`` with ``prompt_id, task, prompt, answer, answer_len`` then the rest
+        (``prompt`` only when the rows have one, with ``require_prompt=False``).
 
     Raises:
         ConfigError: missing path, unsupported suffix, unknown split or column, conflicting
@@ -78,6 +83,8 @@ def load_prompt_dataset(
         raise ConfigError(f"Prompt dataset {where} has no rows; add rows with a {prompt_column!r}.")
     id_column = id_column or ("prompt_id" if "prompt_id" in raw.column_names else None)
     task_column = task_column or ("task" if "task" in raw.column_names else None)
+    if not require_prompt and prompt_column == "prompt" and "prompt" not in raw.column_names:
+        return _without_prompts(raw, stem, id_prefix, answer_column, id_column, task_column, where)
     mapping = {"prompt": prompt_column, "answer": answer_column, "prompt_id": id_column}
     _check_mapping(raw.column_names, {**mapping, "task": task_column}, where)
     answers = [""] * len(raw)
@@ -103,6 +110,35 @@ def load_prompt_dataset(
     out = out.add_column("answer", answers).add_column("task", tasks)
     out = out.add_column("answer_len", [len(a) for a in answers])
     return out.select_columns([*COLUMNS, *(c for c in out.column_names if c not in COLUMNS)])
+
+
+def _without_prompts(
+    raw: datasets.Dataset,
+    stem: str,
+    id_prefix: str,
+    answer_column: str | None,
+    id_column: str | None,
+    task_column: str | None,
+    where: str,
+) -> datasets.Dataset:
+    """The row contract without ``prompt`` (an episode run's rows, ``load_prompt_dataset``):
+    ids from the whole row's content when no column holds them."""
+    mapping = {"answer": answer_column, "prompt_id": id_column, "task": task_column}
+    _check_mapping(raw.column_names, mapping, where)
+    answers = [""] * len(raw)
+    if answer_column:
+        answers = [_text(a, "answer", i, where) for i, a in enumerate(raw[answer_column])]
+    ids = _column_ids(raw[id_column], where) if id_column else None
+    tasks = [stem] * len(raw)
+    if task_column:
+        tasks = [_text(t, "task", i, where) for i, t in enumerate(raw[task_column])]
+    out = raw.remove_columns(sorted(set(COLUMNS) & set(raw.column_names)))
+    rows = [json.dumps(row, sort_keys=True, ensure_ascii=False, default=str) for row in raw]
+    out = out.add_column("prompt_id", ids or _content_ids(rows, answers, id_prefix))
+    out = out.add_column("answer", answers).add_column("task", tasks)
+    out = out.add_column("answer_len", [len(a) for a in answers])
+    head = [c for c in COLUMNS if c != "prompt"]
+    return out.select_columns([*head, *(c for c in out.column_names if c not in head)])
 
 
 def _check_mapping(columns: list[str], mapping: dict[str, str | None], where: str) -> None:

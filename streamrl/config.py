@@ -228,6 +228,11 @@ class RLConfig:
         lora_target_modules: module-name suffixes that get adapters.
         checkpoint_every: iterations between checkpoints (``<output_dir>/checkpoints/last.ckpt``,
             resumable with ``streamrl fit --resume``); 0 saves only at the end.
+        save_rollouts: write what each iteration trained on, one row per trained sample (an
+            episode in a multi-turn run: token ids, loss mask, per-token weight versions and
+            behaviour log-probs, reward and its parts, advantage, finish reason, instance), to
+            ``<output_dir>/rollouts/iteration-000007.parquet`` (``streamrl.rollout_files``;
+            filtered groups are not trained, so not written; docs/getting-started.md).
     """
 
     algorithm: str | dict[str, Any] = "grpo"
@@ -277,6 +282,7 @@ class RLConfig:
     max_generators: int = 4
     max_restarts: int = 3
     checkpoint_every: int = 10
+    save_rollouts: bool = False
     lora_r: int = 0
     lora_alpha: float = 16.0
     lora_target_modules: list[str] = field(

@@ -217,6 +217,8 @@ class ShardedStreamRLModule(StreamRLModule):
             mine = self._exchange([(m, world / total) for m in micro_batches])
             train_s += self.backward_micro(mine[0], iteration, mine[1])
             self.samples_trained += sum(len(m.samples) for m in micro_batches)
+            if self.trained_batches is not None:
+                self.trained_batches.extend(micro_batches)
         self._exchange([None] * world)  # the iteration's stream is over
         return train_s
 

@@ -161,6 +161,9 @@ class StreamRLModule(L.LightningModule):
         self.elastic, self.is_cap = elastic, is_cap
         self.off_policy: list[Correction] = []  # this iteration's corrections, for the log
         self.samples_trained = 0
+        #: This iteration's micro-batches as trained (rank 0 with FSDP: every rank's), kept only
+        #: once a list is set here (``streamrl.rollout_files.RolloutRecorder`` does).
+        self.trained_batches: list[MicroBatch] | None = None
         #: This iteration's loss so far: the sum of its micro-batches' scaled losses (detached).
         self.iteration_loss = torch.zeros(())
         self.sync_transfer_s = 0.0  # seconds spent broadcasting weights, background included
@@ -209,6 +212,8 @@ class StreamRLModule(L.LightningModule):
                     torch.set_num_threads(free_cores())
                 train_s += self.backward_micro(micro, iteration, 1.0 / total)
                 self.samples_trained += len(micro.samples)
+                if self.trained_batches is not None:
+                    self.trained_batches.append(micro)
         finally:
             torch.set_num_threads(threads)
         return train_s

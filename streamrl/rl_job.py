@@ -33,6 +33,7 @@ from streamrl.module import StreamRLModule
 from streamrl.prompts import PromptSource
 from streamrl.rewards.pool import RewardPool
 from streamrl.rollout import RolloutStream
+from streamrl.rollout_files import ParquetRollouts, RolloutRecorder
 from streamrl.run_parts import RunParts, reward_pool
 from streamrl.sft import default_cache_dir
 from streamrl.timeline import draw_timeline
@@ -167,6 +168,9 @@ def train_rl(
             episodes=episodes(service) if episodes else None,
         )
         module = setup.module(policy, rollouts, elastic=parts.elastic)
+        if rl.save_rollouts:  # after the optimizer step, on a background thread
+            rollout_dir = Path(config.output_dir) / "rollouts"
+            callbacks = [*callbacks, RolloutRecorder(ParquetRollouts(rollout_dir))]
         trainer = setup.trainer(
             module,
             logger=make_logger(config.logger, config.output_dir),

@@ -1,0 +1,145 @@
+"""``rl.save_rollouts`` and ``RolloutRecorder``: every sample the loss trained on is on disk, one
+Parquet file per iteration, readable with ``datasets``, row for row what the loss saw."""
+
+from __future__ import annotations
+
+import json
+
+import datasets
+import pyarrow as pa
+import pytest
+import yaml
+
+from streamrl.cli import main
+from streamrl.module import StreamRLModule
+from streamrl.records import Sample
+from streamrl.rollout_files import ParquetRollouts, TrainedSample
+
+pytestmark = pytest.mark.timeout(600)
+
+
+def load_rows(directory) -> list[dict]:
+    files = sorted(str(p) for p in directory.glob("iteration-*.parquet"))
+    return list(datasets.load_dataset("parquet", data_files=files, split="train"))
+
+
+@pytest.fixture
+def loss_saw(monkeypatch) -> list[dict]:
+    """Every sample ``backward_micro`` took, as a row of the files would hold it."""
+    seen: list[dict] = []
+    original = StreamRLModule.backward_micro
+
+    def spy(self, micro, iteration, scale):
+        for sample, advantage in zip(micro.samples, micro.advantages):
+            seen.append(
+                dict(
+                    iteration=iteration,
+                    prompt_id=sample.prompt_id,
+                    sample_index=sample.sample_index,
+                    prompt_ids=list(sample.prompt_ids),
+                    token_ids=list(sample.token_ids),
+                    logprobs=list(sample.logprobs),
+                    weight_version=sample.weight_version,
+                    reward=sample.reward,
+                    advantage=advantage,
+                    instance_id=sample.instance_id,
+                )
+            )
+        return original(self, micro, iteration, scale)
+
+    monkeypatch.setattr(StreamRLModule, "backward_micro", spy)
+    return seen
+
+
+def by_key(rows: list[dict]) -> dict[tuple, dict]:
+    return {(r["iteration"], r["prompt_id"], r["sample_index"]): r for r in rows}
+
+
+def test_fit_writes_each_iteration_as_the_loss_saw_it(fit_small, tmp_path, loss_saw):
+    summary = fit_small(save_rollouts=True, reward=[{"name": "exact"}, {"name": "partial"}])
+    out = tmp_path / "out" / "rollouts"
+    names = sorted(p.name for p in out.iterdir())
+    assert names == ["iteration-000000.parquet", "iteration-000001.parquet"]
+    rows = load_rows(out)
+    assert len(rows) == summary["samples_trained"] == len(loss_saw) == 16
+    written = by_key(rows)
+    for seen in loss_saw:
+        row = written[(seen["iteration"], seen["prompt_id"], seen["sample_index"])]
+        assert {k: row[k] for k in seen} == seen
+        length = len(row["token_ids"])
+        assert row["loss_mask"] == [1] * length  # single completions: every token trained
+        assert (
+            row["token_versions"] == [row["weight_version"]] * length == [row["iteration"]] * length
+        )
+        assert set(row["reward_parts"]) == {"exact", "partial"}
+        assert row["finish_reason"] in ("eos", "length") and row["turns"] == 1
+
+
+def test_without_the_setting_nothing_is_written(fit_small, tmp_path):
+    fit_small()
+    assert not (tmp_path / "out" / "rollouts").exists()
+
+
+def test_episode_runs_write_episodes_with_their_loss_mask(tmp_path, capsys, loss_saw):
+    rows = tmp_path / "words.jsonl"
+    words = ["apple", "river", "stone", "cloud", "green", "light"] * 2
+    rows.write_text("".join(json.dumps({"prompt": w[:2], "answer": w}) + "\n" for w in words))
+    config = tmp_path / "run.yaml"
+    body = {
+        "output_dir": str(tmp_path / "out"),
+        "data": {"path": str(rows), "heldout_fraction": 0.25},
+        "env": {  # each wrong guess is answered "no", up to 3 turns
+            "name": "extension_plugins:GuessEnv",
+            "demonstrations": "extension_plugins:guess_demonstration",
+            "max_turns": 3,
+        },
+        "sft": {"model_size": "test", "steps": 10, "tokens_per_batch": 1024},
+        "rl": {
+            "iterations": 2,
+            "prompts_per_iteration": 2,
+            "group_size": 2,
+            "generators": 1,
+            "max_tokens": 24,
+            "max_batch_size": 8,
+            "save_rollouts": True,
+        },
+    }
+    config.write_text(yaml.safe_dump(body))
+    assert main(["fit", "--config", str(config), "--no-progress"]) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    rows = load_rows(tmp_path / "out" / "rollouts")
+    assert len(rows) == summary["samples_trained"] == len(loss_saw) == 8
+    written = by_key(rows)
+    for seen in loss_saw:
+        row = written[(seen["iteration"], seen["prompt_id"], seen["sample_index"])]
+        assert {k: row[k] for k in seen} == seen
+        assert len(row["loss_mask"]) == len(row["token_versions"]) == len(row["token_ids"])
+        assert row["reward_parts"] is None  # an episode's reward is its environment's
+    # An episode past its first turn holds the environment's replies, which are not trained.
+    multi = [r for r in rows if r["turns"] > 1]
+    assert multi and all(0 in r["loss_mask"] for r in multi)
+    assert sum(r["turns"] for r in rows) == summary["turns"]
+
+
+def sample(pid: str, tokens: list, mask: list[int] | None = None) -> Sample:
+    n = len(tokens)
+    return Sample(pid, 0, [1, 2], tokens, [-0.5] * n, 3, 1, reward=1.0, loss_mask=mask)
+
+
+def test_a_redone_iteration_replaces_its_file_and_a_failed_write_is_raised(tmp_path):
+    sink = ParquetRollouts(tmp_path)
+    sink(0, [TrainedSample(sample("a", [5, 6], mask=[1, 0]), 0.5)])
+    sink(1, [TrainedSample(sample("x", [5]), 0.0)])
+    sink(0, [TrainedSample(sample("b", [7]), -0.5)])  # iterations 0 and 1 again (a resume)
+    sink(1, [])  # this time nothing trained: no file
+    sink.flush()
+    assert not sink.path(1).exists()
+    rows = load_rows(tmp_path)
+    assert [(r["iteration"], r["prompt_id"], r["loss_mask"], r["advantage"]) for r in rows] == [
+        (0, "b", [1], -0.5)
+    ]
+    assert rows[0]["token_versions"] == [3] and rows[0]["reward_parts"] is None
+    sink(2, [TrainedSample(sample("c", ["not a token id"]), 0.0)])
+    with pytest.raises(pa.ArrowInvalid):
+        sink.close()
+    assert not sink.path(2).exists()

@@ -143,3 +143,50 @@ def test_a_redone_iteration_replaces_its_file_and_a_failed_write_is_raised(tmp_p
     with pytest.raises(pa.ArrowInvalid):
         sink.close()
     assert not sink.path(2).exists()
+
+
+def test_a_python_hook_gets_each_iteration_without_the_filtered_groups(
+    tmp_path, tokenizer, loss_saw
+):
+    from streamrl.algorithms import GRPO
+    from streamrl.builders import build_trainer
+    from streamrl.components.generation.service import StreamGenerationService
+    from streamrl.jobs import ledger
+    from streamrl.models import build_tiny_model, save_policy
+    from streamrl.prompts import PromptSource
+    from streamrl.rollout import RolloutStream
+    from streamrl.rollout_files import RolloutRecorder
+    from streamrl.tasks import make_prompt_set
+
+    policy = build_tiny_model(tokenizer, "test", seed=0)
+    save_policy(policy, tokenizer, tmp_path / "policy")
+    prompts = make_prompt_set(64, ["copy"], median_len=3, max_len=6, seed=0)
+
+    def parity(completion: str, answer: str) -> float:  # two samples agree half the time
+        return float(len(completion) % 2)
+
+    hooked: list[tuple[int, TrainedSample]] = []
+    recorder = RolloutRecorder(lambda it, trained: hooked.extend((it, t) for t in trained))
+    algorithm = GRPO(group_size=2, dynamic_sampling=True)
+    with StreamGenerationService(tmp_path / "policy", 1, max_batch_size=8) as sgs:
+        rollouts = RolloutStream(
+            sgs,
+            PromptSource(prompts, 4),
+            tokenizer,
+            algorithm,
+            reward=parity,
+            max_tokens=12,
+            context=256,
+        )
+        module = StreamRLModule(policy, algorithm, rollouts, iterations=3, lr=1e-3)
+        build_trainer(module, show_progress=False, callbacks=[recorder]).fit(module)
+    books = ledger(module)
+    assert books["samples_filtered"] > 0  # groups whose two rewards agreed were not trained
+    assert len(hooked) == books["samples_trained"] == len(loss_saw) == 3 * 4 * 2
+    got = [(it, t.sample.prompt_id, t.sample.sample_index, t.advantage) for it, t in hooked]
+    want = [(s["iteration"], s["prompt_id"], s["sample_index"], s["advantage"]) for s in loss_saw]
+    assert sorted(got) == sorted(want)
+    rewards: dict[tuple, list] = {}
+    for it, t in hooked:
+        rewards.setdefault((it, t.sample.prompt_id), []).append(t.sample.reward)
+    assert all(len(set(r)) == 2 for r in rewards.values())  # only the groups kept

@@ -19,6 +19,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pyarrow.parquet as pq
 import pytest
 import torch
 
@@ -193,3 +194,13 @@ def test_sharded_checkpoints_resume_like_the_uninterrupted_run(tmp_path, runs):
     uninterrupted = dict(load_policy(runs[2]["policy_dir"])[0].named_parameters())
     differ = [n for n in after if not torch.equal(after[n], uninterrupted[n])]
     assert not differ, f"resumed from shards, the weights differ: {differ}"
+
+
+def test_rank_zero_writes_every_ranks_share_of_the_rollouts(tmp_path):
+    summary = _fit(tmp_path, 2, 2, "--rl.save_rollouts", "true")
+    files = sorted(Path(summary["output_dir"], "rollouts").glob("iteration-*.parquet"))
+    rows = [row for f in files for row in pq.read_table(f).to_pylist()]
+    assert [f.name for f in files] == ["iteration-000000.parquet", "iteration-000001.parquet"]
+    # Micro-batches of 64 tokens: both ranks trained several; every one of them is written once.
+    keys = {(r["iteration"], r["prompt_id"], r["sample_index"]) for r in rows}
+    assert len(rows) == len(keys) == summary["samples_trained"] == 2 * SAMPLES

@@ -51,8 +51,11 @@ def loss_saw(monkeypatch) -> list[dict]:
     return seen
 
 
+KEY = ("iteration", "prompt_id", "sample_index")
+
+
 def by_key(rows: list[dict]) -> dict[tuple, dict]:
-    return {(r["iteration"], r["prompt_id"], r["sample_index"]): r for r in rows}
+    return {tuple(r[k] for k in KEY): r for r in rows}
 
 
 def test_fit_writes_each_iteration_as_the_loss_saw_it(fit_small, tmp_path, loss_saw):
@@ -73,6 +76,17 @@ def test_fit_writes_each_iteration_as_the_loss_saw_it(fit_small, tmp_path, loss_
         )
         assert set(row["reward_parts"]) == {"exact", "partial"}
         assert row["finish_reason"] in ("eos", "length") and row["turns"] == 1
+
+    # Resumed for one more iteration: its file joins the others, which stay as they were.
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    del loss_saw[:]
+    rewards = [{"name": "exact"}, {"name": "partial"}]
+    fit_small(save_rollouts=True, iterations=3, reward=rewards, args=("--resume", "auto"))
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.name in before} == before
+    rows = load_rows(out)
+    assert len(rows) == 24 and len(loss_saw) == 8
+    written = by_key(rows)
+    assert all({k: written[tuple(s[k] for k in KEY)][k] for k in s} == s for s in loss_saw)
 
 
 def test_without_the_setting_nothing_is_written(fit_small, tmp_path):

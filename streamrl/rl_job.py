@@ -99,7 +99,9 @@ def train_rl(
     let a Lightning ``Trainer`` run the RL iterations (from the checkpoint ``resume``, if given:
     weights, optimizer, stream position, in-flight prompts, component states). ``episodes``
     makes the episode runner of a multi-turn run on the started service (its environments
-    reward the samples). Returns the module and the trained policy (unsharded)."""
+    reward the samples); ``callbacks`` go to rank 0's trainer (a ``streamrl.rollout_files.
+    RolloutRecorder`` hands your function each iteration's trained samples; ``rl.save_rollouts``
+    adds one writing Parquet files). Returns the module and the trained policy (unsharded)."""
     rl = config.rl
     policy, tokenizer = policy_and_tokenizer
     parts = RunParts.from_config(config, policy, tokenizer)

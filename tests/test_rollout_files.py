@@ -204,3 +204,34 @@ def test_a_python_hook_gets_each_iteration_without_the_filtered_groups(
     for it, t in hooked:
         rewards.setdefault((it, t.sample.prompt_id), []).append(t.sample.reward)
     assert all(len(set(r)) == 2 for r in rewards.values())  # only the groups kept
+
+
+def test_a_failing_run_closes_its_sink_and_keeps_its_own_error(tmp_path, capsys):
+    from types import SimpleNamespace
+
+    from streamrl.components.training.pipeline import MicroBatch
+    from streamrl.rollout_files import RolloutRecorder
+
+    class Sink:
+        def __init__(self) -> None:
+            self.calls: list = []
+
+        def __call__(self, iteration, trained):
+            self.calls.append((iteration, [(t.sample.prompt_id, t.advantage) for t in trained]))
+
+        def close(self) -> None:
+            self.calls.append("closed")
+
+    sink = Sink()
+    recorder = RolloutRecorder(sink)
+    module = SimpleNamespace(rollouts=object(), trained_batches=None, weight_version=5)
+    recorder.on_train_start(None, module)
+    module.trained_batches.append(MicroBatch([sample("a", [5])], [0.25]))
+    recorder.on_train_batch_end(None, module, None, 0, 0)  # iteration 4 made version 5
+    recorder.on_exception(None, module, RuntimeError("the run failed"))
+    assert sink.calls == [(4, [("a", 0.25)]), "closed"]
+    # A write that fails while the run fails is reported, not raised over the run's own error.
+    files = ParquetRollouts(tmp_path)
+    files(9, [TrainedSample(sample("c", ["not a token id"]), 0.0)])
+    RolloutRecorder(files).on_exception(None, module, RuntimeError("the run failed"))
+    assert "rollout files not all written" in capsys.readouterr().err

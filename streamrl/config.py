@@ -236,6 +236,11 @@ class RLConfig:
         stop_deadline_s: the most seconds a stopped run spends saving that checkpoint (keep
             it under your scheduler's grace period, e.g. SLURM's ``KillWait``); past it the
             save is abandoned and the previous checkpoint stays; ``null``: no limit.
+        save_rollouts: write what each iteration trained on, one row per trained sample (an
+            episode in a multi-turn run: token ids, loss mask, per-token weight versions and
+            behaviour log-probs, reward and its parts, advantage, finish reason, instance), to
+            ``<output_dir>/rollouts/iteration-000007.parquet`` (``streamrl.rollout_files``;
+            filtered groups are not trained, so not written; docs/getting-started.md).
     """
 
     algorithm: str | dict[str, Any] = "grpo"
@@ -286,6 +291,7 @@ class RLConfig:
     max_restarts: int = 3
     checkpoint_every: int = 10
     stop_deadline_s: float | None = 60.0
+    save_rollouts: bool = False
     lora_r: int = 0
     lora_alpha: float = 16.0
     lora_target_modules: list[str] = field(

@@ -219,6 +219,8 @@ class ShardedStreamRLModule(StreamRLModule):
             dealt = sum(len(m.samples) for m in micro_batches)
             self.samples_trained += dealt
             self.samples_in_step += dealt
+            if self.trained_batches is not None:
+                self.trained_batches.extend(micro_batches)
         self._exchange([None] * world)  # the iteration's stream is over
         return train_s
 

@@ -164,6 +164,9 @@ class StreamRLModule(L.LightningModule):
         #: Of those, the ones back-propagated in the iteration under way (its optimizer step
         #: not done yet): a checkpoint written now counts them as not trained (``run_state``).
         self.samples_in_step = 0
+        #: This iteration's micro-batches as trained (rank 0 with FSDP: every rank's), kept only
+        #: once a list is set here (``streamrl.rollout_files.RolloutRecorder`` does).
+        self.trained_batches: list[MicroBatch] | None = None
         #: This iteration's loss so far: the sum of its micro-batches' scaled losses (detached).
         self.iteration_loss = torch.zeros(())
         self.sync_transfer_s = 0.0  # seconds spent broadcasting weights, background included
@@ -217,6 +220,8 @@ class StreamRLModule(L.LightningModule):
                 train_s += self.backward_micro(micro, iteration, 1.0 / total)
                 self.samples_trained += len(micro.samples)
                 self.samples_in_step += len(micro.samples)
+                if self.trained_batches is not None:
+                    self.trained_batches.append(micro)
         finally:
             torch.set_num_threads(threads)
         left_out = self.rollouts.stats.left_out  # episodes the environment cut (envs.runner)

@@ -65,6 +65,8 @@ class Sample:
         finish_reason: ``"eos"``, ``"length"`` (hit ``max_tokens``) or ``"forced"``; an
             episode's: ``"done"``, or why it was truncated (``streamrl.envs.Episode``).
         reward: filled in by the trainer once scored (an episode comes with its env's reward).
+        reward_parts: each of the run's rewards on its own, unweighted (``RewardSpec``'s labels),
+            filled in with ``reward``; ``None`` for an episode (its environment rewards it).
         iteration: the RL iteration of its request.
         loss_mask: per token of ``token_ids``, 1 if the policy generated it (trained on) and 0
             if an environment or tool did (an episode's observations); ``None``: all 1.
@@ -87,6 +89,7 @@ class Sample:
     finished_s: float = 0.0
     finish_reason: str = "eos"
     reward: float | None = None
+    reward_parts: dict[str, float] | None = None
     iteration: int = 0
     loss_mask: list[int] | None = None
     token_versions: list[int] | None = None

@@ -33,6 +33,7 @@ from streamrl.module import StreamRLModule
 from streamrl.prompts import PromptSource
 from streamrl.rewards.pool import RewardPool
 from streamrl.rollout import RolloutStream
+from streamrl.rollout_files import ParquetRollouts, RolloutRecorder
 from streamrl.run_parts import RunParts, reward_pool
 from streamrl.sft import default_cache_dir
 from streamrl.timeline import draw_timeline
@@ -98,7 +99,9 @@ def train_rl(
     let a Lightning ``Trainer`` run the RL iterations (from the checkpoint ``resume``, if given:
     weights, optimizer, stream position, in-flight prompts, component states). ``episodes``
     makes the episode runner of a multi-turn run on the started service (its environments
-    reward the samples). Returns the module and the trained policy (unsharded)."""
+    reward the samples); ``callbacks`` go to rank 0's trainer (a ``streamrl.rollout_files.
+    RolloutRecorder`` hands your function each iteration's trained samples; ``rl.save_rollouts``
+    adds one writing Parquet files). Returns the module and the trained policy (unsharded)."""
     rl = config.rl
     policy, tokenizer = policy_and_tokenizer
     parts = RunParts.from_config(config, policy, tokenizer)
@@ -167,6 +170,9 @@ def train_rl(
             episodes=episodes(service) if episodes else None,
         )
         module = setup.module(policy, rollouts, elastic=parts.elastic)
+        if rl.save_rollouts:  # after the optimizer step, on a background thread
+            rollout_dir = Path(config.output_dir) / "rollouts"
+            callbacks = [*callbacks, RolloutRecorder(ParquetRollouts(rollout_dir))]
         trainer = setup.trainer(
             module,
             logger=make_logger(config.logger, config.output_dir),

@@ -351,6 +351,7 @@ class RolloutStream:
             batch = self._batches[iteration]
             sample = batch.unscored.pop(result.key)
             sample.reward = self.algorithm.score_sample(sample, result.total)
+            sample.reward_parts = dict(result.parts) or None
             stats = batch.stats
             stats.samples, stats.tokens = stats.samples + 1, stats.tokens + sample.length
             stats.rewards.append(sample.reward)

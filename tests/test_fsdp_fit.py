@@ -22,6 +22,7 @@ import sys
 import time
 from pathlib import Path
 
+import pyarrow.parquet as pq
 import pytest
 import torch
 
@@ -241,3 +242,13 @@ def test_a_killed_trainer_rank_stops_the_run_which_resumes_where_it_was(tmp_path
     after = dict(load_policy(resumed["policy_dir"])[0].named_parameters())
     uninterrupted = dict(load_policy(runs[2]["policy_dir"])[0].named_parameters())
     assert not [n for n in after if not torch.equal(after[n], uninterrupted[n])]
+
+
+def test_rank_zero_writes_every_ranks_share_of_the_rollouts(tmp_path):
+    summary = _fit(tmp_path, 2, 2, "--rl.save_rollouts", "true")
+    files = sorted(Path(summary["output_dir"], "rollouts").glob("iteration-*.parquet"))
+    rows = [row for f in files for row in pq.read_table(f).to_pylist()]
+    assert [f.name for f in files] == ["iteration-000000.parquet", "iteration-000001.parquet"]
+    # Micro-batches of 64 tokens: both ranks trained several; every one of them is written once.
+    keys = {(r["iteration"], r["prompt_id"], r["sample_index"]) for r in rows}
+    assert len(rows) == len(keys) == summary["samples_trained"] == 2 * SAMPLES

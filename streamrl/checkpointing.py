@@ -21,6 +21,7 @@ run is stopped (SIGTERM, Ctrl-C), so a preemption loses no finished iteration.
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import time
 import warnings
@@ -32,7 +33,7 @@ import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from streamrl.stopping import DeadlinePassed, Stopped, shielded, time_limit
+from streamrl.stopping import DeadlinePassed, Stopped, hold_signal, shielded, time_limit
 
 __all__ = ["AtomicCheckpointIO", "RunCheckpoint", "checkpoints"]
 
@@ -101,6 +102,7 @@ class RunCheckpoint(ModelCheckpoint):
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._training = True  # the checkpoint (if any) is restored: the run's state is whole
+        hold_signal(signal.SIGUSR1)  # Lightning's SLURM requeue save waits for a whole step
 
     def on_save_checkpoint(
         self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]

@@ -32,16 +32,15 @@ AUTO = "auto"
 
 
 def earlier_run(output_dir: str | Path) -> Path | None:
-    """The checkpoint an earlier run left in ``output_dir`` (its ``last.ckpt``, else its newest
+    """The checkpoint an earlier run left in ``output_dir`` (the newer of its ``last.ckpt`` and
+    of the ``hpc_ckpt_N.ckpt`` Lightning saves on SLURM's requeue signal; else its newest
     one), or ``None``."""
     folder = Path(output_dir) / "checkpoints"
-    last = folder / "last.ckpt"
-    if last.exists():
-        return last
-    if not folder.is_dir():
-        return None
-    found = sorted(folder.glob("*.ckpt"), key=lambda p: p.stat().st_mtime)
-    return found[-1] if found else None
+    latest = [p for p in [folder / "last.ckpt", *Path(output_dir).glob("hpc_ckpt_*.ckpt")]]
+    latest = [p for p in latest if p.exists()]
+    if not latest and folder.is_dir():
+        latest = list(folder.glob("*.ckpt"))
+    return max(latest, key=lambda p: p.stat().st_mtime, default=None)
 
 
 def resolve_resume(output_dir: str | Path, resume: str | None) -> str | None:

@@ -18,10 +18,19 @@ import shlex
 import signal
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from types import FrameType
 
-__all__ = ["DeadlinePassed", "Stopped", "resume_hint", "shielded", "stop_on_signals", "time_limit"]
+__all__ = [
+    "DeadlinePassed",
+    "Stopped",
+    "hold_signal",
+    "resume_hint",
+    "shielded",
+    "stop_on_signals",
+    "time_limit",
+]
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
@@ -42,6 +51,7 @@ class _Stopping:
         self.fired: int | None = None
         self.pending = False
         self.shields = 0
+        self.deferred: list[Callable[[], None]] = []  # other signals' handlers (``hold_signal``)
 
 
 _state: _Stopping | None = None
@@ -94,9 +104,32 @@ def shielded() -> Iterator[None]:
         yield
     finally:
         state.shields -= 1
+        while not state.shields and state.deferred:
+            state.deferred.pop(0)()
         if not state.shields and state.pending:
             state.pending = False
             raise Stopped(state.fired)
+
+
+def hold_signal(signum: int) -> None:
+    """Make the handler now installed for ``signum`` wait for the end of a ``shielded`` block
+    too: Lightning's SLURM requeue handler (SIGUSR1) saves a checkpoint the moment it runs, and
+    must not save weights stepped under a version not yet counted. Nothing without
+    ``stop_on_signals`` or off the main thread; the handler's owner restores its own later."""
+    handler = signal.getsignal(signum)
+    if _state is None or not callable(handler):
+        return
+    if threading.current_thread() is not threading.main_thread():
+        return
+
+    def held(received: int, frame: FrameType | None) -> None:
+        state = _state
+        if state is not None and state.shields:
+            state.deferred.append(lambda: handler(received, None))
+            return
+        handler(received, frame)
+
+    signal.signal(signum, held)
 
 
 class DeadlinePassed(Exception):

@@ -136,3 +136,46 @@ def test_a_signal_to_the_whole_group_stops_the_run_with_the_command_to_go_on(tmp
     # The checkpoint it names was written at the stop: no finished iteration is lost.
     assert torch.load(last, weights_only=True)["stopped_by"] == name
     assert not list(last.parent.glob(".*partial"))
+
+
+def test_resume_auto_takes_the_newest_of_last_and_lightnings_slurm_checkpoints(tmp_path):
+    """Under SLURM, Lightning saves ``hpc_ckpt_N.ckpt`` on the requeue signal (SIGUSR1) and the
+    stop writes ``last.ckpt``: the requeued job's ``--resume auto`` goes on from the newer."""
+    from streamrl.errors import ConfigError
+    from streamrl.reruns import resolve_resume
+
+    assert resolve_resume(tmp_path, "auto") is None
+    last = tmp_path / "checkpoints" / "last.ckpt"
+    last.parent.mkdir()
+    last.write_bytes(b"")
+    hpc = tmp_path / "hpc_ckpt_1.ckpt"
+    hpc.write_bytes(b"")
+    os.utime(last, (1000, 1000))
+    assert resolve_resume(tmp_path, "auto") == str(hpc)
+    os.utime(hpc, (500, 500))
+    assert resolve_resume(tmp_path, "auto") == str(last)
+    last.unlink()
+    assert resolve_resume(tmp_path, "auto") == str(hpc)
+    with pytest.raises(ConfigError, match="holds an earlier run"):  # no silent fresh start
+        resolve_resume(tmp_path, None)
+
+
+def test_lightnings_requeue_save_waits_for_a_shielded_step():
+    """SIGUSR1 (SLURM's requeue signal: Lightning saves a checkpoint in its handler) inside an
+    optimizer step runs once the step is whole, not in its middle."""
+    from streamrl.stopping import hold_signal
+
+    seen: list[str] = []
+    previous = signal.signal(signal.SIGUSR1, lambda s, f: seen.append("saved"))
+    try:
+        with stop_on_signals():
+            hold_signal(signal.SIGUSR1)
+            with shielded():
+                os.kill(os.getpid(), signal.SIGUSR1)
+                time.sleep(0.2)
+                seen.append("step done")
+            os.kill(os.getpid(), signal.SIGUSR1)  # outside a step: at once
+            time.sleep(0.2)
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+    assert seen == ["step done", "saved", "saved"]

@@ -42,7 +42,7 @@ from streamrl.peak_memory import peak_memory_bytes
 from streamrl.records import Sample
 from streamrl.rollout import RolloutStream
 from streamrl.run_state import load_run_state, save_run_state
-from streamrl.stopping import shielded
+from streamrl.stopping import reclaim_signals, shielded
 from streamrl.timeline import TraceRecorder
 
 Mode = Literal["sync", "async", "colocated"]
@@ -342,6 +342,7 @@ class StreamRLModule(L.LightningModule):
         load_run_state(self, checkpoint)
 
     def on_train_start(self) -> None:
+        reclaim_signals()  # a stop is this run's to handle, not Lightning's (``stopping``)
         if self.correct_engine_gap is None:  # both in float32: the same numbers, nothing to fix
             wire, compute = self.wire_dtype(), getattr(self, "precision", "32-true")
             self.correct_engine_gap = wire not in (None, torch.float32) or compute != "32-true"

@@ -26,6 +26,8 @@ __all__ = [
     "DeadlinePassed",
     "Stopped",
     "hold_signal",
+    "ignore_signals",
+    "reclaim_signals",
     "resume_hint",
     "shielded",
     "stop_on_signals",
@@ -52,6 +54,11 @@ class _Stopping:
         self.pending = False
         self.shields = 0
         self.deferred: list[Callable[[], None]] = []  # other signals' handlers (``hold_signal``)
+        self.handler: Callable[[int, FrameType | None], None] | None = None
+
+
+#: A trainer rank > 0 that rank 0 stops (``ignore_signals``): it takes no signal itself.
+_ignoring = False
 
 
 _state: _Stopping | None = None
@@ -80,6 +87,7 @@ def stop_on_signals() -> Iterator[None]:
             return
         raise Stopped(signum)
 
+    state.handler = stop
     for s in SIGNALS:
         signal.signal(s, stop)
     try:
@@ -109,6 +117,31 @@ def shielded() -> Iterator[None]:
         if not state.shields and state.pending:
             state.pending = False
             raise Stopped(state.fired)
+
+
+def ignore_signals() -> None:
+    """A trainer rank that rank 0 stops (it kills the ranks it spawned when it leaves): SIGTERM
+    and SIGINT, sent to the whole group, are rank 0's to act on, not this rank's."""
+    global _ignoring
+    _ignoring = True
+    for s in SIGNALS:
+        signal.signal(s, signal.SIG_IGN)
+
+
+def reclaim_signals() -> None:
+    """Put this process's own SIGTERM and SIGINT handling back in place once Lightning has
+    set its own for ``fit``: Lightning's SIGTERM handler runs a collective (a broadcast from rank
+    0) inside the handler, which waits forever for ranks that are busy in another collective
+    (rank 0's stop deadlocked a run of two trainer ranks). Lightning restores the handlers it
+    replaced when ``fit`` ends. Nothing off the main thread or outside ``stop_on_signals`` /
+    ``ignore_signals``."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    handler = signal.SIG_IGN if _ignoring else (_state.handler if _state is not None else None)
+    if handler is None:
+        return
+    for s in SIGNALS:
+        signal.signal(s, handler)
 
 
 def hold_signal(signum: int) -> None:

@@ -66,7 +66,7 @@ PROMPTS, GROUP = 4, 4  # per iteration
 RUN_TIMEOUT_S = 600.0  # the most one start of a run may take
 REPLACE_TIMEOUT_S = 120.0  # the most a failed generator's replacement may take to be active
 FIRST_AT = 2  # the first fault strikes after this many iterations
-ITERATIONS_PER_FAULT = 20
+ITERATIONS_PER_FAULT = 25
 GAP = 3  # the next fault strikes this many iterations after the last one settled
 
 
@@ -317,7 +317,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--episodes", action="store_true", help="an episode run (calculator)")
     parser.add_argument("--ranks", type=int, choices=[1, 2], default=1, help="trainer ranks")
     parser.add_argument("--faults", default=",".join(FAULTS), help="comma-separated, in order")
-    parser.add_argument("--iterations", type=int, help="default: 20 per fault, plus 10")
+    parser.add_argument("--iterations", type=int, help="default: 25 per fault, plus 10")
     parser.add_argument("--workdir", type=Path, help="default: a new temporary directory")
     args = parser.parse_args(argv)
     args.faults = [f for f in args.faults.split(",") if f]

@@ -149,7 +149,9 @@ def train_rl(
         partial_rollout=rl.partial_rollout,
     )
     rewards_in = (
-        RewardPool(parts.rewards, workers=0) if episodes else reward_pool(rl, parts.rewards)
+        RewardPool(parts.rewards, workers=0)
+        if episodes
+        else reward_pool(rl, parts.rewards, Path(config.output_dir) / "reward_workers.json")
     )
     with service, rewards_in as rewards:
         if parts.latency is not None:  # the instances' own PTL(BS), before any dispatch

@@ -21,6 +21,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -156,9 +157,14 @@ def reward_specs(rl: RLConfig) -> list[RewardSpec]:
     return RewardSpec.from_config("exact" if rl.reward is None else rl.reward)
 
 
-def reward_pool(rl: RLConfig, specs: list[RewardSpec]) -> RewardPool:
-    """The pool that scores samples with ``specs`` (``rl.reward_workers`` processes)."""
-    return RewardPool(specs, workers=rl.reward_workers, timeout_s=rl.reward_timeout_s)
+def reward_pool(
+    rl: RLConfig, specs: list[RewardSpec], status_path: str | Path | None = None
+) -> RewardPool:
+    """The pool that scores samples with ``specs`` (``rl.reward_workers`` processes; their pids
+    go to ``status_path``, if given)."""
+    return RewardPool(
+        specs, workers=rl.reward_workers, timeout_s=rl.reward_timeout_s, status_path=status_path
+    )
 
 
 def build_run_algorithm(rl: RLConfig, hidden_size: int) -> Algorithm:

@@ -22,12 +22,14 @@ Examples:
 from __future__ import annotations
 
 import contextlib
+import json
 import multiprocessing as mp
 import queue
 import signal
 import time
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from streamrl.errors import RewardError
@@ -60,6 +62,8 @@ class RewardPool:
         timeout_s: the most one scoring call (one batch) may take before its worker is killed.
         max_batch: the most completions a worker scores in one call.
         start_timeout_s: the most a worker may take to import and build the rewards.
+        status_path: a JSON file written once the workers are up, worker id -> pid (for
+            operators and ``scripts/chaos.py``), or ``None``.
 
     Raises:
         ConfigError: a reward that does not resolve (checked in this process first).
@@ -74,6 +78,7 @@ class RewardPool:
         timeout_s: float = 60.0,
         max_batch: int = 64,
         start_timeout_s: float = 180.0,
+        status_path: str | Path | None = None,
     ) -> None:
         if workers < 0 or timeout_s <= 0 or max_batch < 1:
             raise ValueError(
@@ -82,6 +87,7 @@ class RewardPool:
             )
         self.specs, self.workers, self.timeout_s = list(specs), workers, timeout_s
         self.max_batch, self.start_timeout_s = max_batch, start_timeout_s
+        self.status_path = Path(status_path) if status_path is not None else None
         self._inline = load_rewards(self.specs)  # checks every spec before a process starts
         self.labels = self._inline.labels
         self._done: list[Scored] = []
@@ -113,6 +119,10 @@ class RewardPool:
                 process.start()
                 self._pool.append(_Worker(process, inbox, {}))
             self._wait_ready()
+            if self.status_path is not None:
+                pids = {str(wid): w.process.pid for wid, w in enumerate(self._pool)}
+                self.status_path.parent.mkdir(parents=True, exist_ok=True)
+                self.status_path.write_text(json.dumps(pids))
         except BaseException:
             self.close()
             raise

@@ -15,22 +15,45 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.timeout(600)
-def test_a_killed_generator_and_a_sigterm_lose_and_repeat_no_pair(tmp_path):
-    command = [sys.executable, str(ROOT / "scripts" / "chaos.py"), "--mode", "sync"]
-    faults = ["--faults", "kill-generator,sigterm-group", "--workdir", str(tmp_path)]
+def _chaos(tmp_path: Path, *args: str) -> dict:
+    command = [sys.executable, str(ROOT / "scripts" / "chaos.py"), *args]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    done = subprocess.run([*command, *faults], capture_output=True, text=True, timeout=540, env=env)
+    done = subprocess.run(
+        [*command, "--workdir", str(tmp_path)], capture_output=True, text=True, timeout=540, env=env
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     lines = done.stdout.strip().splitlines()
     assert len(lines) == 1, done.stdout  # one JSON line; progress went to stderr
-    result = json.loads(lines[0])
-    generator, sigterm = result["faults"]
-    assert generator["what"].startswith("kill -9 generator") and generator["outcome"] == "replaced"
-    assert sigterm["outcome"] == "stopped rc=143: streamrl fit: stopped by SIGTERM"
-    assert result["resumes"] == 1
+    return json.loads(lines[0])
+
+
+def _nothing_lost_or_repeated(result: dict) -> None:
     assert result["ledger"]["samples_lost"] == 0
     assert result["ledger"]["samples_trained"] == result["samples_expected"]
     assert result["pairs_trained"] == result["samples_expected"]
     assert result["pairs_equal_uninterrupted"] and result["same_iteration_each"]
     assert result["pairs_trained_twice"] == result["pairs_missing"] == 0
+
+
+@pytest.mark.timeout(600)
+def test_a_killed_generator_and_a_sigterm_lose_and_repeat_no_pair(tmp_path):
+    result = _chaos(tmp_path, "--mode", "sync", "--faults", "kill-generator,sigterm-group")
+    generator, sigterm = result["faults"]
+    assert generator["what"].startswith("kill -9 generator") and generator["outcome"] == "replaced"
+    assert sigterm["outcome"] == "stopped rc=143: streamrl fit: stopped by SIGTERM"
+    assert result["resumes"] == 1
+    _nothing_lost_or_repeated(result)
+
+
+@pytest.mark.timeout(600)
+def test_two_trainer_ranks_survive_a_killed_rank_then_a_sigterm(tmp_path):
+    """Two FSDP ranks: rank 1 killed (the run stops, resumes), then SIGTERM to the resumed
+    run's group: it stops at once (it hung in Lightning's own SIGTERM handler, a broadcast that
+    waited for a rank busy elsewhere) and resumes; every pair trained once."""
+    faults = "kill-trainer-rank,sigterm-group"
+    result = _chaos(tmp_path, "--ranks", "2", "--faults", faults, "--iterations", "30")
+    rank, sigterm = result["faults"]
+    assert rank["outcome"].startswith("stopped rc=1: streamrl fit: stopped: trainer rank 1 died")
+    assert sigterm["outcome"] == "stopped rc=143: streamrl fit: stopped by SIGTERM"
+    assert result["resumes"] == 2
+    _nothing_lost_or_repeated(result)

@@ -199,10 +199,12 @@ def test_sharded_checkpoints_resume_like_the_uninterrupted_run(tmp_path, runs):
     assert not differ, f"resumed from shards, the weights differ: {differ}"
 
 
-def test_a_killed_trainer_rank_stops_the_run_which_resumes_where_it_was(tmp_path, runs):
-    """SIGKILL to trainer rank 1 mid-run: rank 0 stops within a bounded time with one line that
-    names the rank and the command that goes on, no process of the run is left, and the run
-    resumed from its last checkpoint ends bit for bit where the uninterrupted run did."""
+@pytest.mark.parametrize("fault", ["kill -9 rank 1", "SIGTERM to the group"])
+def test_a_killed_trainer_rank_stops_the_run_which_resumes_where_it_was(tmp_path, runs, fault):
+    """SIGKILL to trainer rank 1 mid-run, or SIGTERM to the whole run (a scheduler's stop):
+    rank 0 stops within a bounded time with one line that names the cause and the command that
+    goes on, no process of the run is left, and the run resumed from its last checkpoint ends
+    bit for bit where the uninterrupted run did."""
     config = _config(tmp_path, "killed", ITERATIONS, ranks=2)
     command = [sys.executable, "-m", "streamrl.cli", "fit", "--config", str(config)]
     run = subprocess.Popen(
@@ -218,15 +220,23 @@ def test_a_killed_trainer_rank_stops_the_run_which_resumes_where_it_was(tmp_path
         while not (out_dir / "checkpoints" / "last.ckpt").is_file() and run.poll() is None:
             assert time.monotonic() < deadline, "no checkpoint was written"
             time.sleep(0.1)
-        rank_1 = json.loads((out_dir / "trainer_ranks.json").read_text())["1"]
-        os.kill(rank_1, signal.SIGKILL)
+        if fault == "kill -9 rank 1":
+            rank_1 = json.loads((out_dir / "trainer_ranks.json").read_text())["1"]
+            os.kill(rank_1, signal.SIGKILL)
+        else:
+            os.killpg(run.pid, signal.SIGTERM)
         killed = time.monotonic()
         _, err = run.communicate(timeout=120)
     finally:
-        run.kill()
-    assert run.returncode == 1, err[-3000:]
+        if run.poll() is None:
+            os.killpg(run.pid, signal.SIGKILL)
+    stop_line = {
+        "kill -9 rank 1": "streamrl fit: stopped: trainer rank 1 died (killed by SIGKILL)",
+        "SIGTERM to the group": "streamrl fit: stopped by SIGTERM",
+    }[fault]
+    assert run.returncode == (1 if fault == "kill -9 rank 1" else 143), err[-3000:]
     assert time.monotonic() - killed < 60
-    assert "streamrl fit: stopped: trainer rank 1 died (killed by SIGKILL)" in err, err[-3000:]
+    assert stop_line in err, err[-3000:]
     assert "Traceback" not in err and "--resume" in err
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:  # every generator, reward worker and rank with it

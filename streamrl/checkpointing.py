@@ -13,9 +13,10 @@ run is stopped (SIGTERM, Ctrl-C), so a preemption loses no finished iteration.
   in-flight state and are generated again on resume, its partial gradients are dropped), so
   the resumed run trains every sample once. The save has ``deadline_s`` seconds (a scheduler
   kills a stopped job after a grace period): past it the save is abandoned and the previous
-  checkpoint stays. With several trainer ranks the stop checkpoint is not written (saving is a
-  collective the other ranks, stopped too, cannot join): the run resumes from its last
-  periodic checkpoint.
+  checkpoint stays. With several trainer ranks, rank 0 alone acts on the signal
+  (``streamrl.stopping.ignore_signals`` on the others), and only where every other rank waits
+  for its next share of samples; it tells them (``ShardedStreamRLModule.stop_ranks``) and all
+  save the checkpoint together (a collective).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch.callbacks import ModelCheckpoint
 
+from streamrl.fsdp import ShardedStreamRLModule
 from streamrl.stopping import DeadlinePassed, Stopped, hold_signal, shielded, time_limit
 
 __all__ = ["AtomicCheckpointIO", "RunCheckpoint", "checkpoints"]
@@ -119,12 +121,16 @@ class RunCheckpoint(ModelCheckpoint):
     ) -> None:
         if not isinstance(exception, Stopped) or not self._training:
             return
-        if trainer.world_size > 1:
-            _say("several trainer ranks: no checkpoint at the stop; the last periodic one stays")
-            return
+        say = _say if trainer.is_global_zero else lambda message: None
+        if trainer.world_size > 1:  # saving is a collective: rank 0 stops the others first
+            if not (isinstance(pl_module, ShardedStreamRLModule) and pl_module.share_stream):
+                say("no checkpoint at the stop (ranks with streams of their own)")
+                return
+            if trainer.is_global_zero:
+                pl_module.stop_ranks(exception)
         self._stopped_by = exception.signal
         step, started = trainer.global_step, time.perf_counter()
-        _say(
+        say(
             f"{exception.signal}: saving the {step} finished iterations to {self.dirpath}/"
             f"last.ckpt (at most {self.stop_deadline_s:g} s, rl.stop_deadline_s)"
         )
@@ -132,12 +138,21 @@ class RunCheckpoint(ModelCheckpoint):
             with time_limit(self.stop_deadline_s):
                 self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
         except DeadlinePassed:
-            _say(
+            say(
                 f"the save passed rl.stop_deadline_s ({self.stop_deadline_s:g} s) and was "
                 "abandoned: the previous checkpoint stays as it was"
             )
             return
-        _say(f"checkpoint saved in {time.perf_counter() - started:.1f} s")
+        say(f"checkpoint saved in {time.perf_counter() - started:.1f} s")
+
+    # Their saves, and the decisions before them, are collectives under FSDP: a stop waits.
+    def on_train_batch_end(self, *args: Any, **kwargs: Any) -> None:
+        with shielded():
+            super().on_train_batch_end(*args, **kwargs)
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        with shielded():
+            super().on_train_end(trainer, pl_module)
 
 
 def _say(message: str) -> None:

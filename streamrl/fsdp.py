@@ -37,6 +37,7 @@ from streamrl.components.training.reference import FrozenCopy
 from streamrl.components.training.sharding import Precision, full_state, shard_model
 from streamrl.lora import adapter_names
 from streamrl.module import StreamRLModule
+from streamrl.stopping import Stopped, shielded, stoppable
 
 __all__ = ["ShardedStreamRLModule", "fsdp_strategy", "full_state", "shard_policy"]
 
@@ -181,11 +182,23 @@ class ShardedStreamRLModule(StreamRLModule):
             self._shares = dist.new_group(backend="gloo", timeout=timeout)
 
     def on_train_end(self) -> None:
-        self.final_weights = full_state(self.policy)  # a collective: every rank is here
-        super().on_train_end()
-        peaks: list = [None] * dist.get_world_size()
-        dist.all_gather_object(peaks, self.peak_memory_bytes[0], group=self._shares)
-        self.peak_memory_bytes = peaks
+        with shielded():
+            self.final_weights = full_state(self.policy)  # a collective: every rank is here
+            super().on_train_end()
+            peaks: list = [None] * dist.get_world_size()
+            dist.all_gather_object(peaks, self.peak_memory_bytes[0], group=self._shares)
+            self.peak_memory_bytes = peaks
+
+    def stop_ranks(self, stop: Stopped) -> None:
+        """Rank 0, stopped: every other rank leaves its wait for a share with ``stop``.
+
+        Rank 0 alone takes signals (``streamrl.stopping.ignore_signals`` on the others) and
+        trains shielded (``train_rl``) but while it waits for samples (``stoppable`` in
+        ``_train_on_shares``), when every other rank waits for its next share: none is in a
+        collective (Lightning's loop runs one before each step), so all can then save the
+        checkpoint together."""
+        if self.share_stream and self._shares is not None and self.rollouts is not None:
+            self._exchange([stop.signum] * self.trainer.world_size)
 
     def train_on_stream(self, iteration: int) -> float:
         if self.share_stream:
@@ -206,12 +219,19 @@ class ShardedStreamRLModule(StreamRLModule):
         if self.rollouts is None:  # a rank > 0: train on what rank 0 sends, until it says done
             train_s = 0.0
             while (share := self._exchange(None)) is not None:
+                if isinstance(share, int):  # rank 0 was stopped (``stop_ranks``)
+                    raise Stopped(share)
                 train_s += self.backward_micro(share[0], iteration, share[1])
             return train_s
         train_s, total = 0.0, self.rollouts.samples_per_iteration
         world = self.trainer.world_size
         groups = self.rollouts.groups(self.dispatch(iteration))
-        for micro_batches in self.pipeline.rounds(groups, self.weight_version, world):
+        rounds = self.pipeline.rounds(groups, self.weight_version, world)
+        while True:
+            with stoppable():  # waiting for samples: the other ranks wait for their share
+                micro_batches = next(rounds, None)
+            if micro_batches is None:
+                break
             # Each rank's loss is scaled by world/total: FSDP averages the ranks' gradients, so
             # the update equals one process back-propagating every sample divided by total.
             mine = self._exchange([(m, world / total) for m in micro_batches])
@@ -224,8 +244,10 @@ class ShardedStreamRLModule(StreamRLModule):
         self._exchange([None] * world)  # the iteration's stream is over
         return train_s
 
-    def _exchange(self, shares: list | None) -> tuple[MicroBatch, float] | None:
-        """Rank 0 sends ``shares[r]`` to each rank ``r``; every rank returns its own."""
+    def _exchange(self, shares: list | None) -> tuple[MicroBatch, float] | int | None:
+        """Rank 0 sends ``shares[r]`` to each rank ``r``; every rank returns its own: a
+        micro-batch and its loss scale, ``None`` (the iteration is over) or a signal number
+        (rank 0 was stopped)."""
         mine: list = [None]
         dist.scatter_object_list(mine, shares, src=0, group=self._shares)
         return mine[0]

@@ -32,6 +32,7 @@ from streamrl.run_parts import (
     check_parts,
     reward_specs,
 )
+from streamrl.stopping import ignore_signals
 from streamrl.trainer_ranks import (
     RankSetup,
     join_launched_job,
@@ -178,6 +179,7 @@ def _follow_rank_zero(config: RunConfig, job: ClusterEnvironment, resume: str | 
     """A launched trainer rank > 0: the same module and trainer as rank 0, without the
     generation service; it trains on the micro-batch shares rank 0 deals it."""
     wait_for_rank_zero()  # rank 0 has prepared the policy (warm start, if any)
+    ignore_signals()  # a signal to every rank is rank 0's to act on: it stops this one
     L.seed_everything(config.seed, verbose=False)
     model_dir = ensure_policy(config, prepare_run(config), show_progress=False)
     policy = load_policy(model_dir)[0]

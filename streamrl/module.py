@@ -343,15 +343,16 @@ class StreamRLModule(L.LightningModule):
 
     def on_train_start(self) -> None:
         reclaim_signals()  # a stop is this run's to handle, not Lightning's (``stopping``)
-        if self.correct_engine_gap is None:  # both in float32: the same numbers, nothing to fix
-            wire, compute = self.wire_dtype(), getattr(self, "precision", "32-true")
-            self.correct_engine_gap = wire not in (None, torch.float32) or compute != "32-true"
-        # A resumed run starts new generator processes from the model directory: give them the
-        # checkpoint's weights before any prompt is dispatched.
-        if self.weight_version > 0:
-            staged = self.stage_weights()  # a collective when sharded: every rank calls it
-            if self.rollouts is not None:
-                self.rollouts.service.update(staged, self.weight_version)
+        with shielded():  # collectives when sharded: a stop waits until every rank is done
+            if self.correct_engine_gap is None:  # both in float32: the same numbers
+                wire, compute = self.wire_dtype(), getattr(self, "precision", "32-true")
+                self.correct_engine_gap = wire not in (None, torch.float32) or compute != "32-true"
+            # A resumed run starts new generator processes from the model directory: give them
+            # the checkpoint's weights before any prompt is dispatched.
+            if self.weight_version > 0:
+                staged = self.stage_weights()  # a collective when sharded: every rank calls it
+                if self.rollouts is not None:
+                    self.rollouts.service.update(staged, self.weight_version)
 
     def on_train_end(self) -> None:
         self.peak_memory_bytes = [peak_memory_bytes(self.device)]

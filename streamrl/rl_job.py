@@ -7,6 +7,7 @@ trainer, and what a run reports of them (its RL figures, its ledger, its ``summa
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 import time
@@ -36,6 +37,7 @@ from streamrl.rollout import RolloutStream
 from streamrl.rollout_files import ParquetRollouts, RolloutRecorder
 from streamrl.run_parts import RunParts, reward_pool
 from streamrl.sft import default_cache_dir
+from streamrl.stopping import shielded
 from streamrl.timeline import draw_timeline
 from streamrl.trainer_ranks import RankSetup, pin_threads, trainer_ranks
 
@@ -181,11 +183,14 @@ def train_rl(
             show_progress=show_progress,
             callbacks=callbacks,
         )
+        # Several ranks: a stop lands only where they can all follow (fsdp.stop_ranks).
+        ranks_follow = shielded() if setup.ranks > 1 else contextlib.nullcontext()
         if job is not None:  # rank 0 of a launcher's ranks: the others run _follow_rank_zero
-            trainer.fit(module, ckpt_path=resume)
+            with ranks_follow:
+                trainer.fit(module, ckpt_path=resume)
             dist.destroy_process_group()
         elif setup.ranks > 1:  # rank 0 of trainer.devices FSDP2 ranks; the others start here
-            with trainer_ranks(setup, model_dir, resume):
+            with trainer_ranks(setup, model_dir, resume), ranks_follow:
                 trainer.fit(module, ckpt_path=resume)
         else:
             try:

@@ -31,6 +31,7 @@ __all__ = [
     "resume_hint",
     "shielded",
     "stop_on_signals",
+    "stoppable",
     "time_limit",
 ]
 
@@ -41,6 +42,7 @@ class Stopped(BaseException):
     """The run received ``signal`` (its name, e.g. ``"SIGTERM"``) and is stopping."""
 
     def __init__(self, signum: int) -> None:
+        self.signum = int(signum)
         self.signal = signal.Signals(signum).name
         self.exit_code = 128 + int(signum)
         super().__init__(f"stopped by {self.signal}")
@@ -117,6 +119,25 @@ def shielded() -> Iterator[None]:
         if not state.shields and state.pending:
             state.pending = False
             raise Stopped(state.fired)
+
+
+@contextlib.contextmanager
+def stoppable() -> Iterator[None]:
+    """Inside a ``shielded`` block, a place where a stop may land after all (a wait for
+    samples, with the other trainer ranks idle): raised here at once, or on entry if one came
+    while shielded. Nothing without ``stop_on_signals``."""
+    state = _state
+    if state is None or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    shields, state.shields = state.shields, 0
+    try:
+        if state.pending:
+            state.pending = False
+            raise Stopped(state.fired)
+        yield
+    finally:
+        state.shields = shields
 
 
 def ignore_signals() -> None:

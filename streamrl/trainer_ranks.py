@@ -53,7 +53,7 @@ from streamrl.lora import LoRASpec, apply_lora
 from streamrl.module import StreamRLModule
 from streamrl.rollout import RolloutStream
 from streamrl.run_parts import lora_spec
-from streamrl.stopping import ignore_signals
+from streamrl.stopping import Stopped, ignore_signals
 
 #: How long ranks may take to leave after rank 0 finished (they are killed afterwards).
 LEAVE_TIMEOUT_S = 30.0
@@ -279,7 +279,8 @@ def _rank_main(
     _leave_with(os.getppid())
     ignore_signals()  # a signal to the group is rank 0's to act on: it stops this rank
     module = setup.module(setup.trainable(load_policy(model_dir)[0]), None)
-    setup.trainer(module).fit(module, ckpt_path=resume)
+    with contextlib.suppress(Stopped):  # rank 0 was stopped: this rank saved with it
+        setup.trainer(module).fit(module, ckpt_path=resume)
     # Leave at once: a normal exit tears down gloo's threads mid-receive and aborts.
     os._exit(0)
 

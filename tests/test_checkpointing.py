@@ -102,7 +102,7 @@ def test_the_run_trainer_writes_its_checkpoints_atomically(tmp_path, tokenizer):
 class _Trainer:
     """What ``RunCheckpoint.on_exception`` reads of a Lightning trainer."""
 
-    world_size, global_step = 1, 7
+    world_size, global_step, is_global_zero = 1, 7, True
 
 
 def test_a_stopped_runs_save_gives_up_at_its_deadline(tmp_path, monkeypatch, capsys):

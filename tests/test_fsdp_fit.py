@@ -238,6 +238,9 @@ def test_a_killed_trainer_rank_stops_the_run_which_resumes_where_it_was(tmp_path
     assert time.monotonic() - killed < 60
     assert stop_line in err, err[-3000:]
     assert "Traceback" not in err and "--resume" in err
+    checkpoint = torch.load(out_dir / "checkpoints" / "last.ckpt", weights_only=True)
+    if fault == "SIGTERM to the group":  # both ranks saved the finished iterations together
+        assert checkpoint["stopped_by"] == "SIGTERM", err[-3000:]
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:  # every generator, reward worker and rank with it
         try:

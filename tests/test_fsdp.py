@@ -96,6 +96,9 @@ class FixedRollouts:
         self._version, self._iteration = min_weight_version, self._iteration + 1
         return self._iteration - 1
 
+    def trained(self, iteration: int) -> None:
+        """The step on ``iteration`` is done (a ``RolloutStream`` forgets its prompts then)."""
+
     def groups(self, iteration: int) -> Iterator[ScoredGroup]:
         self.algorithm.losses.append([])
         samples = [s for g in self._groups for s in g.samples]

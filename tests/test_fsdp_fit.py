@@ -61,27 +61,34 @@ def _config(root: Path, name: str, iterations: int, ranks: int) -> Path:
     return config
 
 
-def _fit_torchrun(root: Path, iterations: int) -> dict:
-    """The run under ``torchrun --nnodes 2 --nproc_per_node 1``: two "nodes" on this machine,
-    each a launcher of its own, rendezvous on a free port; node 0's rank hosts the service."""
-    config = _config(root, "torchrun", iterations, ranks=1)
+def _torchrun_nodes(root: Path, name: str, iterations: int, *extra: str) -> list:
+    """``torchrun --nnodes 2 --nproc_per_node 1``: two "nodes" on this machine, each a
+    launcher of its own in its own session, rendezvous on a free port; node 0's rank hosts the
+    service."""
+    config = _config(root, name, iterations, ranks=1)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    nodes = [
+    return [
         subprocess.Popen(
             [
                 *(sys.executable, "-m", "torch.distributed.run", "--nnodes", "2"),
                 *("--nproc_per_node", "1", "--node_rank", str(node)),
                 *("--master_addr", "127.0.0.1", "--master_port", str(port)),
-                *("-m", "streamrl.cli", "fit", "--config", str(config), "--no-progress"),
+                *("-m", "streamrl.cli", "fit", "--config", str(config), "--no-progress", *extra),
             ],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
+            start_new_session=True,
         )
         for node in (0, 1)
     ]
+
+
+def _fit_torchrun(root: Path, iterations: int, name: str = "torchrun", *extra: str) -> dict:
+    """The run under ``torchrun`` (``_torchrun_nodes``), to its end."""
+    nodes = _torchrun_nodes(root, name, iterations, *extra)
     try:
         outputs = [node.communicate(timeout=300) for node in nodes]
     finally:
@@ -90,7 +97,7 @@ def _fit_torchrun(root: Path, iterations: int) -> dict:
     for node, (_, err) in zip(nodes, outputs):
         assert node.returncode == 0, err[-3000:]
     other = json.loads(outputs[1][0].strip().splitlines()[-1])
-    assert other == {"trainer_rank": 1, "output_dir": str(root / "torchrun")}
+    assert other == {"trainer_rank": 1, "output_dir": str(root / name)}
     return json.loads(outputs[0][0].strip().splitlines()[-1])
 
 
@@ -265,3 +272,33 @@ def test_rank_zero_writes_every_ranks_share_of_the_rollouts(tmp_path):
     # Micro-batches of 64 tokens: both ranks trained several; every one of them is written once.
     keys = {(r["iteration"], r["prompt_id"], r["sample_index"]) for r in rows}
     assert len(rows) == len(keys) == summary["samples_trained"] == 2 * SAMPLES
+
+
+def test_a_torchrun_job_stopped_by_sigterm_saves_on_both_ranks_and_resumes(tmp_path, runs):
+    """SIGTERM to both torchrun launchers' process groups (a scheduler stopping the job): rank
+    0 acts on it, rank 1 (which ignores it) saves the checkpoint with it, both leave; the job
+    rerun with ``--resume auto`` ends bit for bit where the uninterrupted torchrun job did."""
+    nodes = _torchrun_nodes(tmp_path, "torchrun", ITERATIONS)
+    last = tmp_path / "torchrun" / "checkpoints" / "last.ckpt"
+    try:
+        deadline = time.monotonic() + 300
+        while not last.is_file() and all(n.poll() is None for n in nodes):
+            assert time.monotonic() < deadline, "no checkpoint was written"
+            time.sleep(0.1)
+        for node in nodes:
+            os.killpg(node.pid, signal.SIGTERM)
+        stopped = time.monotonic()
+        errors = [node.communicate(timeout=120)[1] for node in nodes]
+    finally:
+        for node in nodes:
+            if node.poll() is None:
+                os.killpg(node.pid, signal.SIGKILL)
+    assert time.monotonic() - stopped < 90
+    assert all(node.returncode != 0 for node in nodes)  # never a success
+    assert "stopped by SIGTERM" in errors[0], errors[0][-3000:]
+    assert torch.load(last, weights_only=True)["stopped_by"] == "SIGTERM", errors[0][-3000:]
+    resumed = _fit_torchrun(tmp_path, ITERATIONS, "torchrun", "--resume", "auto")
+    assert resumed["samples_trained"] == ITERATIONS * SAMPLES and resumed["samples_lost"] == 0
+    after = dict(load_policy(resumed["policy_dir"])[0].named_parameters())
+    uninterrupted = dict(load_policy(runs["torchrun"]["policy_dir"])[0].named_parameters())
+    assert not [n for n in after if not torch.equal(after[n], uninterrupted[n])]

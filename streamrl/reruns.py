@@ -36,8 +36,8 @@ def earlier_run(output_dir: str | Path) -> Path | None:
     of the ``hpc_ckpt_N.ckpt`` Lightning saves on SLURM's requeue signal; else its newest
     one), or ``None``."""
     folder = Path(output_dir) / "checkpoints"
-    latest = [p for p in [folder / "last.ckpt", *Path(output_dir).glob("hpc_ckpt_*.ckpt")]]
-    latest = [p for p in latest if p.exists()]
+    candidates = [folder / "last.ckpt", *Path(output_dir).glob("hpc_ckpt_*.ckpt")]
+    latest = [p for p in candidates if p.exists()]
     if not latest and folder.is_dir():
         latest = list(folder.glob("*.ckpt"))
     return max(latest, key=lambda p: p.stat().st_mtime, default=None)

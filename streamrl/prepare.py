@@ -27,7 +27,7 @@ from streamrl.models import (
     build_tokenizer,
     load_tokenizer,
 )
-from streamrl.sft import SFTConfig, save_cached_policy, warm_start
+from streamrl.sft import SFTConfig, progress_path, save_cached_policy, warm_start
 from streamrl.sft_rows import corrupt, sft_on_rows
 from streamrl.tasks.local_data import check_enough_rows, load_prompt_dataset, split_heldout
 from streamrl.tasks.prompt_sets import load_prompt_file, make_splits
@@ -226,6 +226,7 @@ def warm_start_on_data(config: RunConfig, run: PreparedRun, *, show_progress: bo
             tok, prompt, system_prompt=data.system_prompt, chat=data.chat_template
         ),
         show_progress=show_progress,
+        progress_file=progress_path(target),
     )
     meta = {"recipe": recipe, "losses": losses, "train_s": time.perf_counter() - started}
     return save_cached_policy(model, tokenizer, target, meta)

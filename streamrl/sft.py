@@ -18,6 +18,7 @@ import math
 import os
 import random
 import shutil
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -146,11 +147,12 @@ def sft_train(
     demos: datasets.Dataset,
     config: SFTConfig,
     show_progress: bool = True,
+    progress_file: Path | None = None,
 ) -> list[float]:
     """Train ``model`` in place on ``demos`` (``prompt``/``answer`` columns); returns the losses.
 
     Each step takes a batch of demonstrations of similar length and makes each imperfect the
-    way ``imperfect`` describes.
+    way ``imperfect`` describes. ``progress_file``: see ``train_steps``.
     """
     rng = random.Random(config.seed)
     torch.manual_seed(config.seed)
@@ -172,6 +174,7 @@ def sft_train(
         lr=config.lr,
         rng=rng,
         show_progress=show_progress,
+        progress_file=progress_file,
     )
 
 
@@ -187,16 +190,28 @@ def train_steps(
     lr: float,
     rng: random.Random,
     show_progress: bool = False,
+    progress_file: Path | None = None,
+    save_every: int = 100,
 ) -> list[float]:
-    """The SFT loop both warm starts share: ``steps`` AdamW steps over ``batches`` (lists of
+    """The SFT loop every warm start shares: ``steps`` AdamW steps over ``batches`` (lists of
     example indices, reshuffled with ``rng`` each epoch), each encoded by ``make_batch``; linear
     warm-up over the first 5% of steps then cosine decay, gradient norm clipped at 1. Returns
-    the loss of every step and leaves ``model`` in eval mode."""
+    the loss of every step and leaves ``model`` in eval mode.
+
+    With ``progress_file``, the loop's whole state (weights, optimizer, schedule, random
+    states, batch order, losses) is saved there every ``save_every`` steps, and a loop started
+    with that file present resumes from it: an interrupted warm start (Ctrl-C, a killed
+    process) goes on where it was, and ends with the weights an uninterrupted one gives. The
+    caller deletes the file once the result is saved (``save_cached_policy`` does)."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(steps))
     losses: list[float] = []
+    loop = _Loop(model, optimizer, scheduler, rng, batches, losses)
+    first = loop.resume(progress_file) if progress_file is not None else 0
     model.train()
-    bar = progress_bar(range(steps), "sft", enabled=show_progress)
+    bar = progress_bar(
+        range(first, steps), "warm start (SFT)", enabled=show_progress, initial=first, total=steps
+    )
     for step in bar:
         if step % len(batches) == 0:
             rng.shuffle(batches)
@@ -209,8 +224,67 @@ def train_steps(
         scheduler.step()
         losses.append(loss.item())
         bar.set_postfix(loss=f"{losses[-1]:.3f}", refresh=False)
+        if progress_file is not None and (step + 1) % save_every == 0 and step + 1 < steps:
+            loop.save(progress_file, step + 1)
     model.eval()
     return losses
+
+
+class _Loop:
+    """What ``train_steps`` needs to go on exactly where it stopped."""
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        optimizer: torch.optim.Optimizer,
+        scheduler: torch.optim.lr_scheduler.LRScheduler,
+        rng: random.Random,
+        batches: list[list[int]],
+        losses: list[float],
+    ) -> None:
+        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        self.rng, self.batches, self.losses = rng, batches, losses
+
+    def save(self, path: Path, step: int) -> None:
+        """Write the state after ``step`` steps: a partial file renamed over the last one."""
+        state = {
+            "step": step,
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "rng": self.rng.getstate(),
+            "torch_rng": torch.get_rng_state(),
+            "batches": self.batches,
+            "losses": self.losses,
+        }
+        partial = path.with_name(path.name + ".partial")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(state, partial)
+        partial.replace(path)
+
+    def resume(self, path: Path) -> int:
+        """Load ``path`` if it is there; returns the number of steps already done (0 if none)."""
+        if not path.is_file():
+            return 0
+        state = torch.load(path, weights_only=False)  # our own file, written by ``save``
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.rng.setstate(state["rng"])
+        torch.set_rng_state(state["torch_rng"])
+        self.batches[:] = state["batches"]
+        self.losses[:] = state["losses"]
+        print(
+            f"warm start: resuming at step {state['step']} (saved in {path})",
+            file=sys.stderr,
+            flush=True,
+        )
+        return state["step"]
+
+
+def progress_path(target: Path) -> Path:
+    """Where the warm start cached as ``target`` keeps its progress while it trains."""
+    return target.with_name(target.name + ".progress.pt")
 
 
 def warmup_cosine(steps: int) -> Callable[[int], float]:
@@ -266,7 +340,7 @@ def warm_start(
         id_prefix="demo-",
     )
     started = time.perf_counter()
-    losses = sft_train(model, tokenizer, demos, config, show_progress)
+    losses = sft_train(model, tokenizer, demos, config, show_progress, progress_path(target))
     train_s = time.perf_counter() - started
     meta = {"config": asdict(config), "losses": losses, "train_s": train_s}
     return save_cached_policy(model, tokenizer, target, meta)
@@ -278,11 +352,13 @@ def save_cached_policy(
     """Save a warm-started policy with ``sft_meta.json`` as the cache entry ``target``.
 
     Written beside it and renamed last, so that an interrupted run never leaves a half-written
-    cache entry (``sft_meta.json`` marks a complete one)."""
+    cache entry (``sft_meta.json`` marks a complete one). The training's progress file
+    (``progress_path``) goes once the entry is complete."""
     partial = target.with_name(target.name + ".partial")
     save_policy(model, tokenizer, partial)
     (partial / "sft_meta.json").write_text(json.dumps(meta))
     if target.exists():
         shutil.rmtree(target)
     partial.rename(target)
+    progress_path(target).unlink(missing_ok=True)
     return target

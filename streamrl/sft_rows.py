@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -65,6 +66,7 @@ def sft_on_rows(
     seed: int,
     render: Render | None = None,
     show_progress: bool = False,
+    progress_file: Path | None = None,
 ) -> list[float]:
     """Fine-tune ``model`` in place on the rows' ``prompt -> answer <eos>`` demonstrations.
 
@@ -82,6 +84,8 @@ def sft_on_rows(
         seed: shuffles the batches.
         render: ``render(tokenizer, prompt) -> ids``; default ``plain_render``.
         show_progress: draw a progress bar.
+        progress_file: save the training's progress there as it goes, and resume from it
+            if it is there (``streamrl.sft.train_steps``).
 
     Returns:
         The loss of every step (mean over the step's answer tokens).
@@ -116,6 +120,7 @@ def sft_on_rows(
         lr=lr,
         rng=random.Random(seed),
         show_progress=show_progress,
+        progress_file=progress_file,
     )
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import random
 
 import torch
@@ -73,3 +74,38 @@ def test_warm_start_is_cached_and_loadable(tmp_path):
     model, tok = load_policy(first)
     result = evaluate(model, tok, make_prompt_set(8, seed=9), max_new_tokens=8)
     assert result.n == 8 and 0.0 <= result.accuracy <= 1.0
+
+
+def test_interrupted_warm_start_resumes_where_it_stopped(tmp_path, monkeypatch):
+    """Ctrl-C at step 250 of 300: the rerun starts at the last save (step 200), and ends with
+    the weights and losses of a warm start that was never interrupted."""
+    import streamrl.sft as sft
+
+    config = SFTConfig(model_size="test", steps=300, n_demos=256)
+    whole = warm_start(config, tmp_path / "whole", show_progress=False)
+
+    encode, calls = sft.encode_demos, []
+
+    def interrupted(*args):
+        calls.append(1)
+        if len(calls) == 251:
+            raise KeyboardInterrupt
+        return encode(*args)
+
+    monkeypatch.setattr(sft, "encode_demos", interrupted)
+    target = tmp_path / "resumed" / whole.name
+    try:
+        warm_start(config, tmp_path / "resumed", show_progress=False)
+    except KeyboardInterrupt:
+        pass
+    assert not target.exists()
+    assert torch.load(sft.progress_path(target), weights_only=False)["step"] == 200
+    monkeypatch.setattr(sft, "encode_demos", encode)
+    resumed = warm_start(config, tmp_path / "resumed", show_progress=False)
+    assert resumed == target and not sft.progress_path(target).exists()
+    a, _ = load_policy(whole)
+    b, _ = load_policy(resumed)
+    for (name, x), (_, y) in zip(a.state_dict().items(), b.state_dict().items()):
+        assert torch.equal(x, y), name
+    meta = [json.loads((d / "sft_meta.json").read_text()) for d in (whole, resumed)]
+    assert meta[0]["losses"] == meta[1]["losses"] and len(meta[1]["losses"]) == 300

@@ -20,6 +20,7 @@ Examples:
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -113,6 +114,7 @@ def sft_on_episodes(
     tokens_per_batch: int,
     seed: int,
     show_progress: bool = False,
+    progress_file: Path | None = None,
 ) -> list[float]:
     """Fine-tune ``model`` in place on one demonstrated episode per row; returns the losses.
 
@@ -127,6 +129,8 @@ def sft_on_episodes(
         tokens_per_batch: padded tokens per step (episodes of similar length batch together).
         seed: shuffles the batches.
         show_progress: draw a progress bar.
+        progress_file: save the training's progress there as it goes, and resume from it
+            if it is there (``streamrl.sft.train_steps``).
 
     Raises:
         ConfigError: no rows, an episode longer than ``tokens_per_batch``, or a demonstration
@@ -162,6 +166,7 @@ def sft_on_episodes(
         lr=lr,
         rng=random.Random(seed),
         show_progress=show_progress,
+        progress_file=progress_file,
     )
 
 

@@ -30,7 +30,7 @@ from streamrl.models import build_tiny_model, load_policy, save_policy
 from streamrl.prepare import TINY_CONTEXT, recipe_dir, settings
 from streamrl.rl_job import ledger, rl_summary, train_rl, train_with_eval, write_summary
 from streamrl.run_parts import check_parts
-from streamrl.sft import save_cached_policy
+from streamrl.sft import progress_path, save_cached_policy
 from streamrl.tasks.local_data import check_enough_rows
 
 #: Bump when the warm start on episodes changes, so stale caches are not reused.
@@ -170,6 +170,7 @@ def episode_policy(config: RunConfig, task: EpisodeTask, show_progress: bool) ->
         tokens_per_batch=sft.tokens_per_batch,
         seed=config.seed,
         show_progress=show_progress,
+        progress_file=progress_path(target),
     )
     meta = {"recipe": recipe, "losses": losses, "train_s": time.perf_counter() - started}
     return save_cached_policy(model, tokenizer, target, meta)

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import lightning as L
+from lightning.pytorch.callbacks import ProgressBar
 from lightning.pytorch.loggers import CSVLogger, Logger, TensorBoardLogger, WandbLogger
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
@@ -40,6 +41,7 @@ from streamrl.components.training.sharding import Precision, enable_activation_c
 from streamrl.components.training.staleness import staleness_bound_of
 from streamrl.fsdp import ShardedStreamRLModule, fsdp_strategy
 from streamrl.module import Mode, StreamRLModule
+from streamrl.progress import IterationBar
 from streamrl.rollout import RolloutStream
 
 LoggerName = Literal["csv", "tensorboard", "wandb"]
@@ -214,7 +216,8 @@ def build_trainer(
         stop_deadline_s: the most seconds a stopped run (SIGTERM, Ctrl-C under
             ``streamrl.stopping.stop_on_signals``) spends saving its finished iterations
             (``None``: no limit; ``streamrl.checkpointing``).
-        show_progress: draw Lightning's progress bar.
+        show_progress: draw a progress bar of the iterations on stderr (``IterationBar``,
+            unless ``callbacks`` bring a ``ProgressBar`` of their own).
         sharded_checkpoints: a sharded module's checkpoints are folders of each rank's shards
             (no full copy on rank 0); ``False``: one file with the gathered state.
         trainer_options: any other ``lightning.Trainer`` argument (``callbacks=[...]``, added
@@ -250,6 +253,8 @@ def build_trainer(
         settings.update(strategy=strategy)
     # Your callbacks join the checkpoint callback rather than replace it.
     callbacks = [*settings.pop("callbacks", []), *trainer_options.pop("callbacks", [])]
+    if show_progress and not any(isinstance(c, ProgressBar) for c in callbacks):
+        callbacks.append(IterationBar())  # on stderr, counting iterations; yours wins
     return L.Trainer(**{**settings, **trainer_options}, callbacks=callbacks)
 
 

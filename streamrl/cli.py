@@ -43,14 +43,10 @@ def _cmd_fit(fit: FitArgs) -> dict:
 
 
 def _cmd_demo(args: argparse.Namespace) -> dict:
-    from streamrl.config import RunConfig
-    from streamrl.jobs import run_fit
-    from streamrl.reruns import fresh_output_dir
+    from streamrl.demo import run_demo
 
     quiet_lightning()
-    config = RunConfig(output_dir=str(fresh_output_dir(args.output_dir)))  # a new run each time
-    print(f"streamrl demo: writing to {config.output_dir}", file=sys.stderr)
-    return run_fit(config, show_progress=not args.no_progress)
+    return run_demo(args.size, args.output_dir, show_progress=not args.no_progress)
 
 
 def _cmd_bench_generate(args: argparse.Namespace) -> dict:
@@ -141,7 +137,17 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     demo = sub.add_parser("demo", help="run the main job on the embedded default (CPU, tiny model)")
-    demo.add_argument("--output-dir", default="runs/demo", help="where logs and metrics go")
+    demo.add_argument(
+        "--size",
+        choices=["full", "small"],
+        default="full",
+        help="full: the demo of docs/demo.md (about 4 min); small: a 2-minute version",
+    )
+    demo.add_argument(
+        "--output-dir",
+        default="runs/demo",
+        help="where logs and metrics go (a new directory beside it if it holds a run)",
+    )
     demo.add_argument("--no-progress", action="store_true", help="draw no progress bars")
     demo.set_defaults(func=_cmd_demo)
 

@@ -32,6 +32,7 @@ from streamrl.run_parts import (
     check_parts,
     reward_specs,
 )
+from streamrl.run_stages import RunStages
 from streamrl.stopping import ignore_signals
 from streamrl.trainer_ranks import (
     RankSetup,
@@ -42,7 +43,12 @@ from streamrl.trainer_ranks import (
 )
 
 
-def run_fit(config: RunConfig, show_progress: bool = True, resume: str | None = None) -> dict:
+def run_fit(
+    config: RunConfig,
+    show_progress: bool = True,
+    resume: str | None = None,
+    stages: RunStages | None = None,
+) -> dict:
     """Run the main job and return its summary (also written to ``<output_dir>/summary.json``).
 
     Args:
@@ -51,6 +57,8 @@ def run_fit(config: RunConfig, show_progress: bool = True, resume: str | None = 
         resume: a checkpoint (``<output_dir>/checkpoints/last.ckpt``) to continue from, or
             ``"auto"``: the output directory's last checkpoint, if any. Without it, an output
             directory that holds an earlier run's checkpoints is refused (``reruns``).
+        stages: the stage headings printed on stderr (``streamrl demo`` gives their expected
+            lengths); by default ``RunStages()``.
 
     Returns:
         ``reward_first`` / ``reward_last`` (mean reward of the first / last 3 iterations),
@@ -65,7 +73,7 @@ def run_fit(config: RunConfig, show_progress: bool = True, resume: str | None = 
     if config.env.name is not None:  # multi-turn episodes: the same job, episode by episode
         from streamrl.envs.fit import run_episode_fit
 
-        return run_episode_fit(config, show_progress, resume)
+        return run_episode_fit(config, show_progress, resume, stages)
     started = time.perf_counter()
     check_values(config)
     # Every extension point resolves and fits where the trainer runs, before any work.
@@ -78,11 +86,14 @@ def run_fit(config: RunConfig, show_progress: bool = True, resume: str | None = 
             return _follow_rank_zero(config, job, resume)
     L.seed_everything(config.seed, verbose=False)
     run = prepare_run(config)  # every input check happens here, before any training
+    stages = stages or RunStages()
+    stages.policy(config)
     model_dir = ensure_policy(config, run, show_progress=show_progress)
     if job is not None:
         wait_for_rank_zero()  # the other ranks load the policy now
     policy, tokenizer = load_policy(model_dir)
     evaluator = heldout_evaluator(config, tokenizer, run.heldout)
+    stages.evaluation("before", len(run.heldout))
     before = evaluator(policy)
     summary: dict = {
         "heldout_acc_before": before.accuracy,
@@ -93,6 +104,7 @@ def run_fit(config: RunConfig, show_progress: bool = True, resume: str | None = 
     }
     rl = config.rl
     if rl.iterations > 0:
+        stages.rl(config)
         module, policy, after, summary["train_wall_s"] = train_with_eval(
             config,
             evaluator,
@@ -108,6 +120,7 @@ def run_fit(config: RunConfig, show_progress: bool = True, resume: str | None = 
                 job,
                 callbacks=callbacks,
             ),
+            lambda: stages.evaluation("after", len(run.heldout)),
         )
         summary.update(_eval_summary(after, "after"))
         if module.history:  # a resumed run may have had no iteration left
@@ -118,7 +131,9 @@ def run_fit(config: RunConfig, show_progress: bool = True, resume: str | None = 
         trained = save_policy(_plain(policy), tokenizer, Path(config.output_dir) / "policy")
         summary["policy_dir"] = str(trained)
     summary["accuracy_by_task_before"] = before.accuracy_by_task
-    return write_summary(summary, config, model_dir, started)
+    write_summary(summary, config, model_dir, started)
+    stages.files(config.output_dir)
+    return summary
 
 
 def heldout_evaluator(

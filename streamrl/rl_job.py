@@ -47,9 +47,11 @@ def train_with_eval(
     evaluator: Callable[[PreTrainedModel], Any],
     before: Any,
     train: Callable[[list[L.Callback]], tuple[StreamRLModule, PreTrainedModel]],
+    announce_eval: Callable[[], None] = lambda: None,
 ) -> tuple[StreamRLModule, PreTrainedModel, Any, float]:
     """``train(callbacks)`` with ``rl.eval_every``'s ``PeriodicEval`` (its history starting at
-    ``before``, ``eval.png`` drawn at the end), then the held-out evaluation after training.
+    ``before``, ``eval.png`` drawn at the end), then ``announce_eval()`` and the held-out
+    evaluation after training.
 
     Returns:
         ``(module, policy, after, train_wall_s)``; ``train_wall_s`` is a user's stopwatch on
@@ -63,6 +65,7 @@ def train_with_eval(
     started = time.perf_counter()
     module, policy = train([periodic] if periodic else [])
     train_wall_s = time.perf_counter() - started
+    announce_eval()
     after = evaluator(policy)
     if periodic is not None:
         periodic.record(module.weight_version, after)

@@ -30,6 +30,7 @@ from streamrl.models import build_tiny_model, load_policy, save_policy
 from streamrl.prepare import TINY_CONTEXT, recipe_dir, settings
 from streamrl.rl_job import ledger, rl_summary, train_rl, train_with_eval, write_summary
 from streamrl.run_parts import check_parts
+from streamrl.run_stages import RunStages
 from streamrl.sft import progress_path, save_cached_policy
 from streamrl.tasks.local_data import check_enough_rows
 
@@ -38,9 +39,13 @@ EPISODE_RECIPE_VERSION = 1
 
 
 def run_episode_fit(
-    config: RunConfig, show_progress: bool = True, resume: str | None = None
+    config: RunConfig,
+    show_progress: bool = True,
+    resume: str | None = None,
+    stages: RunStages | None = None,
 ) -> dict:
-    """Train on ``config.env``'s episodes; returns the summary (also ``summary.json``)."""
+    """Train on ``config.env``'s episodes; returns the summary (also ``summary.json``);
+    ``stages``: the headings on stderr (``streamrl.jobs.run_fit``)."""
     started = time.perf_counter()
     check_values(config)
     check_parts(config.rl, placement_of(config))
@@ -50,6 +55,8 @@ def run_episode_fit(
     L.seed_everything(config.seed, verbose=False)
     task = episode_task(config)
     check_enough_rows(task.train, rl.prompts_per_iteration, f"env {env.name!r}")
+    stages = stages or RunStages()
+    stages.policy(config)
     model_dir = episode_policy(config, task, show_progress)
     policy, tokenizer = load_policy(model_dir)
     context = int(policy.config.max_position_embeddings)
@@ -66,9 +73,11 @@ def run_episode_fit(
             env_timeout_s=env.timeout_s,
         )
 
+    stages.evaluation("before", len(task.heldout), "episodes")
     before = evaluator(policy)
     summary: dict = {**_eval_summary(before, "before"), "env": env.name}
     if rl.iterations > 0:
+        stages.rl(config)
         module, policy, after, summary["train_wall_s"] = train_with_eval(
             config,
             evaluator,
@@ -84,6 +93,7 @@ def run_episode_fit(
                 callbacks=callbacks,
                 episodes=_runner_factory(config, task, tokenizer, context),
             ),
+            lambda: stages.evaluation("after", len(task.heldout), "episodes"),
         )
         summary.update(_eval_summary(after, "after"))
         if module.history:
@@ -92,7 +102,9 @@ def run_episode_fit(
         summary["prefill_saved"] = module.rollouts.episodes.prefill_saved
         trained = save_policy(policy, tokenizer, Path(config.output_dir) / "policy")
         summary["policy_dir"] = str(trained)
-    return write_summary(summary, config, model_dir, started)
+    write_summary(summary, config, model_dir, started)
+    stages.files(config.output_dir)
+    return summary
 
 
 def _runner_factory(

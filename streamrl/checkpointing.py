@@ -36,6 +36,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from streamrl.fsdp import ShardedStreamRLModule
 from streamrl.stopping import DeadlinePassed, Stopped, hold_signal, shielded, time_limit
+from streamrl.timeline import trainer_span
 
 __all__ = ["AtomicCheckpointIO", "RunCheckpoint", "checkpoints"]
 
@@ -113,7 +114,10 @@ class RunCheckpoint(ModelCheckpoint):
             checkpoint["stopped_by"] = self._stopped_by
 
     def _save_checkpoint(self, trainer: L.Trainer, filepath: str) -> None:
-        with shielded():
+        # On the run's timeline, tagged with the iteration just finished (the one saved).
+        done = int(getattr(trainer.lightning_module, "weight_version", trainer.global_step))
+        span = trainer_span(trainer.lightning_module, "checkpoint", done - 1, path=filepath)
+        with shielded(), span:
             super()._save_checkpoint(trainer, filepath)
 
     def on_exception(

@@ -26,6 +26,7 @@ from transformers import PreTrainedModel
 
 from streamrl.errors import ConfigError
 from streamrl.evaluation import EvalResult
+from streamrl.timeline import trainer_span
 
 
 class PeriodicEval(L.Callback):
@@ -99,7 +100,10 @@ class PeriodicEval(L.Callback):
         """Evaluate ``pl_module.policy`` now, log it to the trainer's loggers and record it."""
         iteration = _iteration(trainer, pl_module)
         started = time.perf_counter()
-        result = self.evaluator(pl_module.policy)
+        # A span on the run's timeline (the trainer is busy here, not idle): tagged with the
+        # iteration just finished, so the chart draws it inside that iteration.
+        with trainer_span(pl_module, "eval", iteration - 1, after_iterations=iteration):
+            result = self.evaluator(pl_module.policy)
         metrics = self.record(iteration, result, wall_s=time.perf_counter() - started)
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=iteration)

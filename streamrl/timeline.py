@@ -3,8 +3,8 @@
 A timeline shows pipeline bubbles (idle gaps) at a glance where logs only list durations. The
 pieces: ``Span`` (one timed stage on one lane), ``TraceRecorder`` (collects spans in bounded
 memory and writes a JSON trace), ``load_trace`` / ``busy_fraction`` (read a trace back and
-measure it), ``draw_timeline`` (a Gantt chart PNG) and ``add_timeline_command`` (the
-``streamrl timeline TRACE`` sub-command).
+measure it), ``draw_timeline`` (a Gantt chart PNG, drawn by ``streamrl.timeline_chart``) and
+``add_timeline_command`` (the ``streamrl timeline TRACE`` sub-command).
 """
 
 from __future__ import annotations
@@ -23,17 +23,29 @@ from pathlib import Path
 from streamrl.errors import ConfigError, unknown_name
 from streamrl.records import Sample
 
-STAGES = ("generate", "train", "step", "sync", "sync-bg", "wait", "colocated-switch")
-"""The stage names a span may carry (one colour each on the chart)."""
+STAGES = (
+    "generate",
+    "train",
+    "step",
+    "sync",
+    "sync-bg",
+    "wait",
+    "colocated-switch",
+    "checkpoint",
+    "eval",
+)
+"""The stage names a span may carry (one colour each on the chart). ``"checkpoint"`` and
+``"eval"`` are the trainer saving a checkpoint and evaluating on held-out rows: the periodic
+gaps between iterations."""
 
 # A "wait" span marks the trainer blocked on samples: it is the bubble itself, not work.
 IDLE_STAGES = frozenset({"wait"})
 
-TRACE_VERSION = 1
-# Same order as STAGES; "wait" in grey, as it is idle time.
-_COLOURS = dict(
-    zip(STAGES, ("#1f77b4", "#ff7f0e", "#d62728", "#9467bd", "#c5b0d5", "#c7c7c7", "#8c564b"))
-)
+TRACE_VERSION = 2
+"""The version ``TraceRecorder.to_json`` writes. 2 added the ``"checkpoint"`` and ``"eval"``
+stages (a version-1 reader would reject them); the file layout is the same."""
+READABLE_TRACE_VERSIONS = (1, 2)
+"""The versions ``load_trace`` reads: a version-1 trace is a version-2 one without those stages."""
 _SPAN_KEYS = ("lane", "name", "start_s", "end_s")
 
 
@@ -180,8 +192,11 @@ def load_trace(path: str | Path) -> list[Span]:
             f"{path} is not a timeline trace: missing key(s) {', '.join(missing)}. "
             "Traces are written by TraceRecorder.to_json."
         )
-    if trace["version"] != TRACE_VERSION:
-        raise ConfigError(f"{path}: unsupported trace version {trace['version']!r}.")
+    if trace["version"] not in READABLE_TRACE_VERSIONS:
+        raise ConfigError(
+            f"{path}: unsupported trace version {trace['version']!r} (this streamrl reads "
+            f"{', '.join(map(str, READABLE_TRACE_VERSIONS))}); upgrade streamrl to read it."
+        )
     if not isinstance(trace["spans"], list):
         raise ConfigError(f"{path}: 'spans' must be a list.")
     return [_span_from_dict(item, i, path) for i, item in enumerate(trace["spans"])]
@@ -253,87 +268,32 @@ def lane_order(lane: str) -> tuple:
     return (2, 0, "") if lane == "trainer" else (1, 0, lane)
 
 
-def _iteration_starts(spans: Sequence[Span]) -> dict[int, float]:
-    """The earliest start of each iteration's trainer spans (of any spans, without a trainer)."""
-    tagged = [s for s in spans if s.iteration >= 0]
-    on_trainer = [s for s in tagged if s.lane == "trainer"]
-    starts: dict[int, float] = {}
-    for s in on_trainer or tagged:
-        starts[s.iteration] = min(starts.get(s.iteration, s.start_s), s.start_s)
-    return starts
+def trainer_span(
+    module: object, name: str, iteration: int = -1, **meta
+) -> contextlib.AbstractContextManager:
+    """Time a block as a ``name`` span on the ``"trainer"`` lane of ``module.trace`` (a
+    ``StreamRLModule``'s recorder); a no-op where ``module`` has no ``TraceRecorder``.
 
-
-def draw_timeline(spans: Sequence[Span], path: str | Path, title: str = "") -> Path:
-    """Draw ``spans`` as a Gantt chart PNG: one row per lane, one colour per stage.
-
-    Overlapping spans on a generator lane are semi-transparent, so a batch of concurrent
-    samples shows darker; dashed lines mark where each iteration's training starts.
-
-    Returns:
-        ``path``.
+    Callbacks use it for the trainer's work outside ``training_step`` (``"checkpoint"``,
+    ``"eval"``), so the timeline labels those gaps instead of leaving them blank.
     """
-    if not spans:
-        raise ValueError("No spans to draw: the trace is empty.")
-    # The Agg canvas directly, not pyplot: no global backend switch (which would break an
-    # interactive session that imports this module) and no figure left open afterwards.
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-    from matplotlib.patches import Patch
-
-    lanes = sorted({s.lane for s in spans}, key=lane_order)
-    t0 = min(s.start_s for s in spans)
-    t_end = max(s.end_s for s in spans)
-    fig = Figure(figsize=(12, max(2.8, 0.55 * len(lanes) + 1.9)), dpi=120, layout="constrained")
-    FigureCanvasAgg(fig)
-    ax = fig.add_subplot()
-    _draw_bars(ax, spans, lanes, t0)
-    for iteration, start in sorted(_iteration_starts(spans).items()):
-        ax.axvline(start - t0, color="0.3", linestyle="--", linewidth=0.8, zorder=3)
-        ax.annotate(
-            f"it {iteration}",
-            (start - t0, 1.0),
-            xycoords=("data", "axes fraction"),
-            xytext=(2, 2),
-            textcoords="offset points",
-            fontsize=8,
-            color="0.3",
-        )
-    labels = [f"{lane} (busy {busy_fraction(spans, lane):.0%})" for lane in lanes]
-    ax.set_yticks(range(len(lanes)), labels)
-    ax.set_ylim(len(lanes) - 0.5, -0.5)  # first lane on top
-    ax.set_xlim(0, max(t_end - t0, 1e-9))
-    ax.set_xlabel("seconds since the first span")
-    ax.grid(axis="x", color="0.9", zorder=0)
-    ax.set_axisbelow(True)
-    if title:
-        ax.set_title(title, pad=14)
-    names = [name for name in STAGES if any(s.name == name for s in spans)]
-    handles = [Patch(color=_COLOURS[name], label=name) for name in names]
-    # Outside the axes, below them, so it never covers bars.
-    fig.legend(handles=handles, loc="outside lower center", ncol=len(handles), frameon=False)
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, bbox_inches="tight")
-    return path
+    trace = getattr(module, "trace", None)
+    if not isinstance(trace, TraceRecorder):
+        return contextlib.nullcontext({})
+    return trace.span("trainer", name, iteration, **meta)
 
 
-def _draw_bars(ax, spans: Sequence[Span], lanes: list[str], t0: float) -> None:
-    rows = {lane: i for i, lane in enumerate(lanes)}
-    bars: dict[tuple[str, str], list[tuple[float, float]]] = {}
-    for s in spans:
-        bars.setdefault((s.lane, s.name), []).append((s.start_s - t0, s.end_s - s.start_s))
-    for (lane, name), ranges in bars.items():
-        concurrent = lane.startswith("generator-")
-        ax.broken_barh(
-            ranges,
-            (rows[lane] - 0.35, 0.7),
-            facecolor=_COLOURS[name],
-            alpha=0.35 if concurrent else 0.95,
-            zorder=2,
-            # A thin white edge separates back-to-back trainer stages (micro-batches).
-            edgecolor="none" if concurrent else "white",
-            linewidth=0.4,
-        )
+def draw_timeline(
+    spans: Sequence[Span], path: str | Path, title: str = "", *, full_iterations: int = 60
+) -> Path:
+    """Draw ``spans`` as a Gantt chart PNG; returns ``path``.
+
+    See ``streamrl.timeline_chart.draw_timeline`` (imported here when called: matplotlib loads
+    only when a chart is drawn).
+    """
+    from streamrl.timeline_chart import draw_timeline as draw
+
+    return draw(spans, path, title, full_iterations=full_iterations)
 
 
 def add_timeline_command(subparsers: argparse._SubParsersAction) -> None:

@@ -10,6 +10,8 @@ import pytest
 
 from streamrl.records import Sample
 from streamrl.timeline import (
+    STAGES,
+    TRACE_VERSION,
     Span,
     TraceRecorder,
     add_timeline_command,
@@ -17,7 +19,9 @@ from streamrl.timeline import (
     draw_timeline,
     load_trace,
     mean_running,
+    trainer_span,
 )
+from streamrl.timeline_chart import ITERATION_LABEL, LEGEND_LABELS, timeline_figure
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -37,10 +41,16 @@ def _sample(instance_id: int, started: float, finished: float, index: int = 0) -
     )
 
 
-def _pipeline(iterations: int = 3) -> list[Span]:
-    """Two generators and a trainer: generate, wait, train, step, sync per iteration."""
+def _pipeline(iterations: int = 3, gaps_every: int = 0) -> list[Span]:
+    """Two generators and a trainer: generate, wait, train, step, sync per iteration (5 s),
+    and every ``gaps_every`` iterations a 3 s checkpoint and a 4 s evaluation after it."""
     spans, t = [], 100.0
     for it in range(iterations):
+        if gaps_every and it % gaps_every == gaps_every - 1:
+            spans += [
+                Span("trainer", "checkpoint", t + 5.0, t + 8.0, it),
+                Span("trainer", "eval", t + 8.0, t + 12.0, it),
+            ]
         spans += [
             Span("generator-0", "generate", t, t + 2.0, it),
             Span("generator-0", "generate", t + 0.5, t + 3.0, it),
@@ -50,7 +60,7 @@ def _pipeline(iterations: int = 3) -> list[Span]:
             Span("trainer", "step", t + 4.0, t + 4.5, it),
             Span("trainer", "sync", t + 4.5, t + 5.0, it),
         ]
-        t += 5.0
+        t += 12.0 if gaps_every and it % gaps_every == gaps_every - 1 else 5.0
     return spans
 
 
@@ -133,7 +143,7 @@ def test_json_round_trip(tmp_path):
     recorder.add(Span("generator-0", "generate", 90.0, 91.0, meta={"prompt_id": "x", "length": 5}))
     path = recorder.to_json(tmp_path / "sub" / "trace.json")
     raw = json.loads(path.read_text())
-    assert raw["version"] == 1 and raw["dropped"] == 2
+    assert raw["version"] == TRACE_VERSION and raw["dropped"] == 2
     assert raw["t0"] == min(s.start_s for s in recorder.spans)
     assert load_trace(path) == recorder.spans
 
@@ -149,7 +159,7 @@ def test_json_round_trip(tmp_path):
             '{"version": 1, "spans": [{"lane": "trainer", "name": "train"}]}',
             "#0 is missing start_s",
         ),
-        ('{"version": 2, "spans": []}', "unsupported trace version"),
+        ('{"version": 3, "spans": []}', "unsupported trace version 3.*reads 1, 2"),
     ],
 )
 def test_load_trace_rejects_non_traces(tmp_path, content, message):
@@ -196,3 +206,111 @@ def test_timeline_command_end_to_end(tmp_path):
     out = tmp_path / "charts" / "custom.png"
     args = parser.parse_args(["timeline", str(trace), "-o", str(out), "--title", "run 1"])
     assert args.func(args)["png"] == str(out) and out.read_bytes()[:8] == PNG_MAGIC
+
+
+def test_version_1_traces_still_load(tmp_path):
+    span = {"lane": "trainer", "name": "train", "start_s": 1.0, "end_s": 2.0, "iteration": 0}
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps({"version": 1, "t0": 1.0, "dropped": 0, "spans": [span]}))
+    assert load_trace(path) == [Span("trainer", "train", 1.0, 2.0, 0)]
+
+
+def _drawn(figure):
+    figure.canvas.draw()
+    return figure.canvas.get_renderer()
+
+
+def _labels(figure) -> list:
+    return [t for t in figure.findobj() if getattr(t, "get_gid", lambda: None)() == ITERATION_LABEL]
+
+
+@pytest.mark.parametrize("iterations", [10, 60, 200])
+def test_iteration_labels_never_overlap(iterations):
+    figure = timeline_figure(_pipeline(iterations, gaps_every=10))
+    renderer = _drawn(figure)
+    labels = _labels(figure)
+    boxes = [t.get_window_extent(renderer) for t in labels]
+    for i, a in enumerate(boxes):
+        for b in boxes[i + 1 :]:
+            assert not a.overlaps(b), "two iteration labels overlap"
+    numbers = [int(t.get_text().removeprefix("it ")) for t in labels]
+    if iterations == 60:  # thinned to a round step, still several of them
+        assert len(numbers) >= 5 and numbers[1] > 1 and all(n % numbers[1] == 0 for n in numbers)
+    else:  # room for every one (200: the last 10, drawn in full): none left out
+        assert numbers == list(range(iterations - 10, iterations))
+
+
+def _legend_labels(figure) -> list[str]:
+    return [t.get_text() for legend in figure.legends for t in legend.get_texts()]
+
+
+def test_legend_names_every_stage_shade_and_mark():
+    spans = [
+        *_pipeline(4, gaps_every=2),
+        Span("weights", "sync-bg", 101.0, 102.0, 0),
+        Span("trainer", "colocated-switch", 140.0, 141.0, 4),
+    ]
+    labels = _legend_labels(timeline_figure(spans))
+    assert labels[: len(STAGES)] == [LEGEND_LABELS[name] for name in STAGES]  # all, in order
+    assert "an iteration starts (it N)" in labels
+    # Only what is drawn: no checkpoint, eval or background transfer in a plain trace.
+    plain = _legend_labels(timeline_figure(_pipeline(3)))
+    assert LEGEND_LABELS["checkpoint"] not in plain and LEGEND_LABELS["sync-bg"] not in plain
+    assert LEGEND_LABELS["wait"] in plain
+
+
+def test_long_run_draws_a_summary_and_the_last_iterations_in_full():
+    assert len(timeline_figure(_pipeline(60, gaps_every=10)).axes) == 1  # 60: the full chart
+    figure = timeline_figure(_pipeline(200, gaps_every=10))
+    overview, busy, detail = figure.axes
+    # Each iteration's stacked bar is its wall time: 5 s, 12 s after a checkpoint and eval.
+    heights: dict[int, float] = {}
+    for bar in overview.patches:
+        it = round(bar.get_x() + bar.get_width() / 2)
+        heights[it] = heights.get(it, 0.0) + bar.get_height()
+    assert len(heights) == 200
+    assert heights[0] == pytest.approx(5.0) and heights[9] == pytest.approx(12.0)
+    assert heights[198] == pytest.approx(5.0) and heights[199] == pytest.approx(12.0)
+    # Generator 0 decodes 3 s of each 5 s iteration, 3 s of the 12 s ones.
+    line = next(line for line in busy.lines if line.get_label() == "generator-0")
+    assert line.get_ydata()[0] == pytest.approx(60.0) and line.get_ydata()[9] == pytest.approx(25.0)
+    assert [t.get_text() for t in _labels(figure)] == [f"it {i}" for i in range(190, 200)]
+    # It starts at iteration 190: 190 iterations of 5 s and 19 gaps of 7 s after the first.
+    assert detail.get_xlim()[0] == pytest.approx(190 * 5.0 + 19 * 7.0)
+    assert "no span (Lightning, logging)" in _legend_labels(figure)
+
+
+def test_trainer_span_records_on_the_module_trace():
+    class Module:
+        trace = TraceRecorder()
+
+    with trainer_span(Module(), "checkpoint", 4, path="last.ckpt"):
+        pass
+    (span,) = Module.trace.spans
+    assert (span.lane, span.name, span.iteration, span.meta) == (
+        "trainer",
+        "checkpoint",
+        4,
+        {"path": "last.ckpt"},
+    )
+    with trainer_span(object(), "eval"):  # no recorder: nothing to record, nothing raised
+        pass
+
+
+def test_checkpoint_saves_and_evaluations_are_spans(monkeypatch, tmp_path):
+    from types import SimpleNamespace
+
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from streamrl.checkpointing import checkpoints
+    from streamrl.eval_callback import PeriodicEval
+    from streamrl.evaluation import EvalResult
+
+    module = SimpleNamespace(trace=TraceRecorder(), weight_version=10, policy=None)
+    trainer = SimpleNamespace(lightning_module=module, global_step=10, loggers=[])
+    monkeypatch.setattr(ModelCheckpoint, "_save_checkpoint", lambda self, trainer, path: None)
+    checkpoints(tmp_path, every=10)._save_checkpoint(trainer, str(tmp_path / "last.ckpt"))
+    result = EvalResult(1.0, 1.0, 3.0, 3.0, 3, 1.0, 4)
+    PeriodicEval(lambda policy: result, every=10).run(trainer, module)
+    names = [(s.name, s.iteration) for s in module.trace.spans]
+    assert names == [("checkpoint", 9), ("eval", 9)]  # inside iteration 9, the one just done

@@ -5,6 +5,7 @@ SHELL := /bin/bash
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-dev
+DEMO_STAMP := $(VENV)/.installed-demo
 # The CPU torch build is pinned here (not in pyproject.toml) so GPU users keep their own build.
 PIP_INSTALL := $(PY) -m pip install -q --disable-pip-version-check -c constraints-cpu.txt
 # Quiet the harmless "Location ... is ignored" notices of this machine's pip configuration.
@@ -13,13 +14,23 @@ PIP_FILTER := { grep -v "is ignored: it is neither" || true; }
 .PHONY: demo test test-vllm lint install docs clean
 
 $(STAMP): pyproject.toml constraints-cpu.txt
+	@echo "[install] streamrl with everything the tests use into $(VENV) (about 5 min, once)" >&2
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP_INSTALL) -e '.[dev]' 2>&1 | $(PIP_FILTER)
-	touch $(STAMP)
+	touch $(STAMP) $(DEMO_STAMP)
 
 install: $(STAMP)
 
-demo: $(STAMP)
+# The demo needs only the package and the HF engine: not the test, docs, Ray or task-suite extras.
+$(DEMO_STAMP): pyproject.toml constraints-cpu.txt
+	@echo "[install] streamrl, torch (CPU build), Lightning, transformers into $(VENV)" \
+		"(about 2 min, once)" >&2
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PIP_INSTALL) -e '.[demo]' 2>&1 | $(PIP_FILTER)
+	touch $(DEMO_STAMP)
+
+# DEMO_ARGS="--size small": the 2-minute version.
+demo: $(DEMO_STAMP)
 	$(VENV)/bin/streamrl demo $(DEMO_ARGS)
 
 lint: $(STAMP)

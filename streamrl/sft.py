@@ -327,6 +327,7 @@ def warm_start(
     cache_dir = default_cache_dir() if cache_dir is None else cache_dir
     target = Path(cache_dir) / f"sft-{config.model_size}-{config.cache_key()}"
     if (target / "sft_meta.json").is_file() and not force:
+        print(f"warm start: reusing {target} (cached for this recipe)", file=sys.stderr)
         return target
     tokenizer = build_tokenizer()
     model = build_tiny_model(tokenizer, size=config.model_size, seed=config.seed)  # type: ignore[arg-type]

@@ -94,8 +94,17 @@ def test_fit_small_run_prints_json_summary(tmp_path, capsys):
         "rl: {iterations: 2, prompts_per_iteration: 4, group_size: 2, generators: 1,"
         " max_tokens: 12}\n"
     )
-    assert main(["fit", "--config", str(config), "--no-progress"]) == 0
-    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    # As a user pipes it (`streamrl fit ... | tail -1`), progress on: the headings of the
+    # stages and every bar go to stderr, and stdout is the one JSON line.
+    command = [sys.executable, "-m", "streamrl.cli", "fit", "--config", str(config)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=280, check=True)
+    [line] = result.stdout.splitlines()
+    summary = json.loads(line)
+    headings = [h for h in result.stderr.splitlines() if h.startswith("[")]
+    assert [h[:5] for h in headings] == ["[1/5]", "[2/5]", "[3/5]", "[4/5]", "[5/5]"]
+    assert "Warm start: 20 SFT steps" in headings[0] and "RL (grpo, sync)" in headings[2]
+    assert "rl iterations: 100%" in result.stderr and "warm start (SFT): 100%" in result.stderr
+    assert "  summary.json " in result.stderr and "  policy " in result.stderr
     for key in (
         "reward_first",
         "reward_last",
@@ -373,3 +382,18 @@ def test_same_seed_same_weights(tmp_path, capsys):
         states.append(ckpt["state_dict"])
     assert states[0].keys() == states[1].keys()
     assert all(torch.equal(states[0][k], states[1][k]) for k in states[0])
+
+
+def test_demo_sizes_are_valid_runs_and_small_is_smaller(tmp_path):
+    from streamrl.config_checks import check_values
+    from streamrl.demo import DEMO_SIZES
+    from streamrl.run_stages import RunStages
+
+    full, small = (DEMO_SIZES[s].config(str(tmp_path / s)) for s in ("full", "small"))
+    for config in (full, small):
+        check_values(config)
+    assert full.sft.steps > small.sft.steps and full.rl.iterations > small.rl.iterations
+    assert small.rl.generators == full.rl.generators  # the same job, shrunk
+    for size in DEMO_SIZES.values():  # every stage that takes a while says how long
+        assert set(size.expected) == set(RunStages.NAMES) - {"files"}
+    assert build_parser().parse_args(["demo", "--size", "small"]).size == "small"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import random
 
+import pytest
 import torch
 
 from streamrl.evaluation import evaluate
@@ -94,10 +95,8 @@ def test_interrupted_warm_start_resumes_where_it_stopped(tmp_path, monkeypatch):
 
     monkeypatch.setattr(sft, "encode_demos", interrupted)
     target = tmp_path / "resumed" / whole.name
-    try:
+    with pytest.raises(KeyboardInterrupt):
         warm_start(config, tmp_path / "resumed", show_progress=False)
-    except KeyboardInterrupt:
-        pass
     assert not target.exists()
     assert torch.load(sft.progress_path(target), weights_only=False)["step"] == 200
     monkeypatch.setattr(sft, "encode_demos", encode)

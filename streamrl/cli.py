@@ -17,6 +17,7 @@ import functools
 import json
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from streamrl.errors import (
@@ -26,8 +27,15 @@ from streamrl.errors import (
     RewardError,
     TrainerRankError,
 )
-from streamrl.fit_args import FitArgs, build_fit_parser, parse_fit, print_fit_config
+from streamrl.fit_args import (
+    FitArgs,
+    build_fit_parser,
+    fit_version,
+    parse_fit,
+    print_fit_config,
+)
 from streamrl.quiet import quiet_libraries, quiet_lightning
+from streamrl.references import add_search_dirs
 from streamrl.stopping import Stopped, resume_hint, stop_on_signals
 
 
@@ -134,6 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="streamrl",
         description="Disaggregated, streaming RL post-training of LLMs (StreamRL).",
     )
+    parser.add_argument("--version", action="version", version=f"streamrl {fit_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     demo = sub.add_parser("demo", help="run the main job on the embedded default (CPU, tiny model)")
@@ -421,13 +430,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         except ConfigError as err:
             print(f"streamrl fit: error: {err}", file=sys.stderr)
             return 2
-        if fit.print_config:
-            print_fit_config(fit.config)
+        if fit.print_config is not None:
+            print_fit_config(fit.config, fit.print_config)
             return 0
         func = functools.partial(_cmd_fit, fit)
+        # Your own `module:Name` imports from here and beside each config file, as `python -m`.
+        add_search_dirs([Path.cwd(), *(Path(f).parent for f in fit.config_files)])
     else:
         args = build_parser().parse_args(argv)
         command, func = args.command, functools.partial(args.func, args)
+        add_search_dirs([Path.cwd()])
     quiet_libraries()
     from streamrl.components.generation.service import GeneratorError
 

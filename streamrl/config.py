@@ -129,7 +129,7 @@ class RLConfig:
             in), ``"async"`` (StreamRL's one-step asynchronous mode: the next step's samples are
             generated while this step trains; a sample is at most one weight version stale) or
             ``"colocated"`` (the baseline: all samples first, then training on every core).
-        iterations: optimizer steps (one per iteration); 0 only warm-starts and evaluates.
+        iterations: optimizer steps (one per iteration), at least 1.
         prompts_per_iteration: prompts dealt per iteration.
         group_size: samples per prompt.
         generators: generator instances (one process or Ray actor each).

@@ -237,11 +237,15 @@ def check_rl(rl: RLConfig) -> None:
             f"max_generators={rl.max_generators}, generators={rl.generators}, "
             f"max_restarts={rl.max_restarts}."
         )
-    if rl.iterations < 0 or rl.group_size < 1:
+    if rl.iterations < 1:
         raise ConfigError(
-            f"rl: need iterations >= 0 and group_size >= 1, got iterations={rl.iterations}, "
-            f"group_size={rl.group_size}."
+            f"rl.iterations must be >= 1 (one optimizer step each), got {rl.iterations}; set "
+            "rl.iterations: 1 or more (the summary's heldout_*_before is the starting policy's "
+            "evaluation; to only warm-start and evaluate, call streamrl.prepare.ensure_policy "
+            "and streamrl.jobs.heldout_evaluator)."
         )
+    if rl.group_size < 1:
+        raise ConfigError(f"rl.group_size must be >= 1, got {rl.group_size}.")
     if rl.is_cap < 1:
         raise ConfigError(f"rl.is_cap must be >= 1 (a truncation of ratios), got {rl.is_cap}.")
     check_asynchrony(rl)

@@ -17,7 +17,7 @@ from typing import Any
 
 import yaml
 
-from streamrl.config import RLConfig, RunConfig
+from streamrl.config import RLConfig, RunConfig, TrainerConfig
 from streamrl.config_checks import check_values
 from streamrl.errors import ConfigError, unknown_name
 
@@ -28,6 +28,36 @@ MOVED_KEYS: dict[type, dict[str, str]] = {
         "token_budget": "rl.max_tokens_per_micro_batch (now a ceiling no micro-batch exceeds)",
     }
 }
+
+#: The Lightning Trainer's arguments that ``trainer`` does not take, and what to set instead
+#: (``--trainer.max_steps`` and ``--trainer.default_root_dir`` are command-line aliases).
+LIGHTNING_TRAINER_ARGS: dict[str, str] = {
+    "max_steps": "set rl.iterations (one RL iteration is one optimizer step)",
+    "default_root_dir": "set output_dir",
+    "max_epochs": "set rl.iterations (an RL run has no epochs; one iteration is one step)",
+    "min_steps": "set rl.iterations (the run trains exactly that many)",
+    "limit_train_batches": "set rl.iterations (one iteration is one optimizer step)",
+    "fast_dev_run": "set rl.iterations: 1",
+    "log_every_n_steps": "leave it out: every iteration is logged",
+    "logger": "set logger (top level: csv, tensorboard or wandb)",
+    "val_check_interval": "set rl.eval_every (iterations between held-out evaluations)",
+    "check_val_every_n_epoch": "set rl.eval_every (iterations between held-out evaluations)",
+    "enable_checkpointing": "set rl.checkpoint_every (0: a checkpoint only at the end)",
+    "enable_progress_bar": "pass --no-progress to draw no progress bars",
+    "accumulate_grad_batches": "set rl.max_tokens_per_micro_batch (all micro-batches of an "
+    "iteration accumulate into its one optimizer step)",
+    "strategy": "set trainer.devices (several devices shard the policy with FSDP2)",
+    "gradient_clip_val": "leave it out: gradients are clipped at norm 1.0",
+    "deterministic": "set seed",
+}
+
+
+def lightning_trainer_arg(name: str, key: str) -> str:
+    """The message for ``name``, a Lightning Trainer argument ``key`` that ``trainer`` lacks."""
+    return (
+        f"{name} is a Lightning Trainer argument that streamrl fit does not take; "
+        f"{LIGHTNING_TRAINER_ARGS[key]}."
+    )
 
 
 def load_config(path: str | Path) -> RunConfig:
@@ -63,6 +93,8 @@ def from_dict(cls: type, data: dict[str, Any], where: str) -> Any:
     for key, value in data.items():
         if key in moved:
             raise ConfigError(f"{where}: {key} has moved: set {moved[key]} instead.")
+        if cls is TrainerConfig and key in LIGHTNING_TRAINER_ARGS:
+            raise ConfigError(lightning_trainer_arg(f"{where}: {key}", key))
         if key not in hints:
             raise ConfigError(f"{where}: {unknown_name('key', str(key), names)}")
         kwargs[key] = _convert(hints[key], value, f"{where}: {key}")

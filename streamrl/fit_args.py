@@ -1,15 +1,19 @@
 """The ``streamrl fit`` command line: ``jsonargparse`` over ``streamrl.config.RunConfig``.
 
 As ``LightningCLI`` does: any number of ``--config`` YAML files and a dotted option per field
-(``--rl.lr 3e-5``), the later winning, ``--print_config`` to write the resolved config out; the
-merged values then pass the same checks as ``streamrl.config_file.load_config``, and a mistake is
-reported in our words (the key, a "did you mean", the fix).
+(``--rl.lr 3e-5``), the later winning, ``--print_config`` (``=comments``, ``=skip_null``) to write
+the resolved config out, ``--version``; the merged values then pass the same checks as
+``streamrl.config_file.load_config``, and a mistake is reported in our words (the key, a "did you
+mean", the fix). Of the Lightning Trainer's arguments, ``--trainer.max_steps`` and
+``--trainer.default_root_dir`` are aliases of ``--rl.iterations`` and ``--output_dir``; the others
+that ours lack are refused naming the setting to use (``config_file.LIGHTNING_TRAINER_ARGS``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import sys
+import textwrap
 import typing
 from collections.abc import Sequence
 from pathlib import Path
@@ -23,9 +27,25 @@ if TYPE_CHECKING:
     from streamrl.config import RunConfig
 
 #: ``streamrl fit`` options of the run itself, beside the config's fields.
-_FIT_RUN_OPTIONS = ("config", "print_config", "resume", "no-progress", "no-cache", "help")
-#: The options ``streamrl fit`` had before it read dotted ones, kept as aliases.
-_FIT_ALIASES = {"--output-dir": "--output_dir", "--gpus": "--rl.gpus"}
+_FIT_RUN_OPTIONS = (
+    "config",
+    "print_config",
+    "resume",
+    "no-progress",
+    "no-cache",
+    "help",
+    "version",
+)
+#: The options ``streamrl fit`` had before it read dotted ones, and the Lightning Trainer's
+#: arguments that name one of ours (one RL iteration is one optimizer step), kept as aliases.
+_FIT_ALIASES = {
+    "--output-dir": "--output_dir",
+    "--gpus": "--rl.gpus",
+    "--trainer.max_steps": "--rl.iterations",
+    "--trainer.default_root_dir": "--output_dir",
+}
+#: What ``--print_config=FLAGS`` takes, comma-separated, as ``LightningCLI``'s.
+PRINT_FLAGS = ("comments", "skip_null")
 
 
 @dataclasses.dataclass
@@ -35,7 +55,10 @@ class FitArgs:
     config: RunConfig
     resume: str | None = None
     no_progress: bool = False
-    print_config: bool = False
+    #: ``None``: train; else ``--print_config``'s flags (``[]``, ``["comments"]``...).
+    print_config: list[str] | None = None
+    #: The ``--config`` files, in order (``package.module:Name`` also imports beside them).
+    config_files: list[str] = dataclasses.field(default_factory=list)
 
 
 def build_fit_parser() -> jsonargparse.ArgumentParser:
@@ -63,10 +86,14 @@ def build_fit_parser() -> jsonargparse.ArgumentParser:
     )
     parser.add_argument(
         "--print_config",
-        action="store_true",
+        nargs="?",
+        const="",
+        metavar="FLAGS",
         help="print the resolved config as YAML and exit (keys and types are checked, values "
-        "are not): streamrl fit --print_config > my.yaml",
+        "are not): streamrl fit --print_config > my.yaml; --print_config=comments adds each "
+        "setting's description, --print_config=skip_null leaves out the unset (null) ones",
     )
+    parser.add_argument("--version", action="version", version=f"streamrl {fit_version()}")
     parser.add_argument(
         "--resume",
         help="checkpoint to continue from, e.g. <output_dir>/checkpoints/last.ckpt, or 'auto': "
@@ -106,8 +133,30 @@ def parse_fit(argv: Sequence[str]) -> FitArgs:
     run = {name: values.pop(name) for name in ("resume", "no_progress", "print_config")}
     if values.pop("no_cache"):
         values["sft"]["cache"] = False
+    run["print_config"] = _print_flags(run["print_config"])
     config = from_dict(RunConfig, values, where=" + ".join([*files, "command line"]))
-    return FitArgs(config, **run)
+    return FitArgs(config, **run, config_files=files)
+
+
+def fit_version() -> str:
+    import streamrl
+
+    return streamrl.__version__
+
+
+def _print_flags(value: str | None) -> list[str] | None:
+    """``--print_config``'s value: ``None`` (not given), or its known flags; ``ConfigError``."""
+    if value is None:
+        return None
+    flags = [flag.strip() for flag in value.split(",") if flag.strip()]
+    unknown = [flag for flag in flags if flag not in PRINT_FLAGS]
+    if unknown:
+        raise ConfigError(
+            f"--print_config={value}: {unknown_name('flag', unknown[0], PRINT_FLAGS)} Give "
+            "--print_config alone, or with comments and/or skip_null, e.g. "
+            "--print_config=comments,skip_null."
+        )
+    return flags
 
 
 def _fit_alias(token: str) -> str:
@@ -139,8 +188,8 @@ def _explain_fit_error(argv: Sequence[str]) -> None:
 
 def _check_option(name: str) -> None:
     """``--name`` (e.g. ``rl.lr``) must name a field (or a run option); ``ConfigError``."""
-    from streamrl.config import RunConfig
-    from streamrl.config_file import MOVED_KEYS
+    from streamrl.config import RunConfig, TrainerConfig
+    from streamrl.config_file import LIGHTNING_TRAINER_ARGS, MOVED_KEYS, lightning_trainer_arg
 
     cls: Any = RunConfig
     parts = name.removesuffix("+").split(".")  # --data.tasks+ copy appends to a list
@@ -148,6 +197,8 @@ def _check_option(name: str) -> None:
         hints = typing.get_type_hints(cls)
         if part in MOVED_KEYS.get(cls, {}):
             raise ConfigError(f"--{name} has moved: set {MOVED_KEYS[cls][part]} instead.")
+        if cls is TrainerConfig and part in LIGHTNING_TRAINER_ARGS:
+            raise ConfigError(lightning_trainer_arg(f"--{name}", part))
         known = [*hints, *(_FIT_RUN_OPTIONS if depth == 0 else ())]
         if part not in known or (
             depth < len(parts) - 1 and not dataclasses.is_dataclass(hints.get(part))
@@ -189,17 +240,61 @@ def _check_config_value(option: str, value: str, cls: type) -> None:
 
 def _check_keys(cls: type, data: dict, where: str) -> None:
     """Every key of ``data`` names a field of dataclass ``cls``, as in ``from_dict``."""
+    from streamrl.config import TrainerConfig
+    from streamrl.config_file import LIGHTNING_TRAINER_ARGS, lightning_trainer_arg
+
     hints = typing.get_type_hints(cls)
     for key, value in data.items():
+        if cls is TrainerConfig and key in LIGHTNING_TRAINER_ARGS:
+            raise ConfigError(lightning_trainer_arg(f"{where}: {key}", key))
         if key not in hints:
             raise ConfigError(f"{where}: {unknown_name('key', str(key), list(hints))}")
         if dataclasses.is_dataclass(hints[key]) and isinstance(value, dict):
             _check_keys(hints[key], value, f"{where}: {key}")
 
 
-def print_fit_config(config: RunConfig) -> None:
-    """``--print_config``: the whole config as YAML, which ``load_config`` reads back."""
+def print_fit_config(config: RunConfig, flags: Sequence[str] = ()) -> None:
+    """``--print_config``: the whole config as YAML, which ``load_config`` reads back.
+
+    Args:
+        config: the resolved config.
+        flags: ``"comments"``: each setting's description (from its docstring) above it;
+            ``"skip_null"``: leave out the settings that are ``null``.
+    """
+    sys.stdout.write("".join(_yaml_lines(config, 0, "comments" in flags, "skip_null" in flags)))
+
+
+def _yaml_lines(section: Any, indent: int, comments: bool, skip_null: bool) -> list[str]:
+    """``section`` (a config dataclass) as YAML lines, one setting at a time."""
     import yaml
 
-    text = yaml.safe_dump(dataclasses.asdict(config), sort_keys=False, default_flow_style=None)
-    sys.stdout.write(text)
+    pad, lines = " " * indent, []
+    described = _descriptions(type(section)) if comments else {}
+    for field in dataclasses.fields(section):
+        value = getattr(section, field.name)
+        if value is None and skip_null:
+            continue
+        for line in textwrap.wrap(described.get(field.name, ""), 98 - indent):
+            lines.append(f"{pad}# {line}\n")
+        if dataclasses.is_dataclass(value):
+            lines.append(f"{pad}{field.name}:\n")
+            lines.extend(_yaml_lines(value, indent + 2, comments, skip_null))
+            continue
+        # As one dump of the whole config: a scalar in block style, innermost lists in flow.
+        flow = None if isinstance(value, (list, dict)) else False
+        text = yaml.safe_dump({field.name: value}, sort_keys=False, default_flow_style=flow)
+        lines.extend(pad + line + "\n" for line in text.splitlines())
+    return lines
+
+
+def _descriptions(cls: type) -> dict[str, str]:
+    """Each field's description from the ``Attributes:`` of ``cls``'s docstring, on one line
+    (``n_train / n_heldout:`` describes both)."""
+    import docstring_parser
+
+    out = {}
+    for param in docstring_parser.parse(cls.__doc__ or "").params:
+        text = " ".join((param.description or "").replace("``", "").split())
+        for name in param.arg_name.split("/"):
+            out[name.strip()] = text
+    return out

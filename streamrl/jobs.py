@@ -102,34 +102,32 @@ def run_fit(
         "length_p90": before.length_p90,
         "length_max": before.length_max,
     }
-    rl = config.rl
-    if rl.iterations > 0:
-        stages.rl(config)
-        module, policy, after, summary["train_wall_s"] = train_with_eval(
+    stages.rl(config)
+    module, policy, after, summary["train_wall_s"] = train_with_eval(
+        config,
+        evaluator,
+        before,
+        lambda callbacks: train_rl(
             config,
-            evaluator,
-            before,
-            lambda callbacks: train_rl(
-                config,
-                run.train,
-                run.context,
-                model_dir,
-                (policy, tokenizer),
-                show_progress,
-                resume,
-                job,
-                callbacks=callbacks,
-            ),
-            lambda: stages.evaluation("after", len(run.heldout)),
-        )
-        summary.update(_eval_summary(after, "after"))
-        if module.history:  # a resumed run may have had no iteration left
-            summary.update(rl_summary(module, len(module.history)))
-        summary.update(ledger(module), heldout_acc_after=after.accuracy)
-        summary["accuracy_by_task_after"] = after.accuracy_by_task
-        # The trained policy as a model directory: `--config` with `model: <this dir>` goes on.
-        trained = save_policy(_plain(policy), tokenizer, Path(config.output_dir) / "policy")
-        summary["policy_dir"] = str(trained)
+            run.train,
+            run.context,
+            model_dir,
+            (policy, tokenizer),
+            show_progress,
+            resume,
+            job,
+            callbacks=callbacks,
+        ),
+        lambda: stages.evaluation("after", len(run.heldout)),
+    )
+    summary.update(_eval_summary(after, "after"))
+    if module.history:  # a resumed run may have had no iteration left
+        summary.update(rl_summary(module, len(module.history)))
+    summary.update(ledger(module), heldout_acc_after=after.accuracy)
+    summary["accuracy_by_task_after"] = after.accuracy_by_task
+    # The trained policy as a model directory: `--config` with `model: <this dir>` goes on.
+    trained = save_policy(_plain(policy), tokenizer, Path(config.output_dir) / "policy")
+    summary["policy_dir"] = str(trained)
     summary["accuracy_by_task_before"] = before.accuracy_by_task
     write_summary(summary, config, model_dir, started)
     stages.files(config.output_dir)
@@ -186,8 +184,6 @@ def check_launched(config: RunConfig, world: int) -> None:
             f"trainer.num_nodes is {asked}; leave them unset or ask for {world} (under torchrun "
             "or SLURM the launcher's processes are the ranks)."
         )
-    if config.rl.iterations < 1:
-        raise ConfigError("rl.iterations must be >= 1 under a launcher of several ranks.")
 
 
 def _follow_rank_zero(config: RunConfig, job: ClusterEnvironment, resume: str | None) -> dict:

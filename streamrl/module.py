@@ -40,6 +40,7 @@ from streamrl.logprobs import completion_logprobs
 from streamrl.lora import synced_weights
 from streamrl.peak_memory import peak_memory_bytes
 from streamrl.records import Sample
+from streamrl.reward_signal import RewardSpreadCheck
 from streamrl.rollout import RolloutStream
 from streamrl.run_state import load_run_state, save_run_state
 from streamrl.stopping import reclaim_signals, shielded
@@ -158,6 +159,7 @@ class StreamRLModule(L.LightningModule):
             trace = rollouts.trace if rollouts is not None else TraceRecorder()
         self.trace = trace
         self.history: list[dict] = []
+        self.reward_spread = RewardSpreadCheck()  # warns when the first iterations cannot learn
         self.elastic, self.is_cap = elastic, is_cap
         self.off_policy: list[Correction] = []  # this iteration's corrections, for the log
         self.samples_trained = 0
@@ -431,6 +433,7 @@ class StreamRLModule(L.LightningModule):
         }
         self.off_policy, self.token_lags = [], {}  # logged: the next iteration starts afresh
         self.history.append({"iteration": iteration, **metrics})
+        self.reward_spread.observe(stats.rewards)
         self.log_dict(metrics, on_step=True, prog_bar=False)
         progress = {
             "reward": metrics["rollout/reward"],

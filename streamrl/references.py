@@ -4,7 +4,9 @@ Every extension point of a run (``rl.algorithm``, ``rl.reward``, ``rl.dispatcher
 ``rl.scheduler``, ``rl.length_predictor``, ``rl.engine``) takes either the short name of a
 built-in or a reference to your own class or function, e.g. ``rl.reward: my_task.rewards:score``.
 The reference is imported and its signature checked when the config is loaded, before any work
-starts, and a failure says what was wrong and how to fix it.
+starts, and a failure says what was wrong and how to fix it. Besides the installed packages, the
+console script searches the current directory and each ``--config`` file's directory, in that
+order (``add_search_dirs``), as ``python -m`` would find a module in the current directory.
 
 Examples:
     >>> resolve("exact", kind="reward", builtins={"exact": len}, where="rl.reward") is len
@@ -17,10 +19,55 @@ from __future__ import annotations
 
 import importlib
 import inspect
-from collections.abc import Callable, Mapping
+import os
+import sys
+from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
 from typing import Any
 
 from streamrl.errors import ConfigError, unknown_name
+
+#: The directories ``add_search_dirs`` added in this process, for messages.
+_SEARCH_DIRS: list[str] = []
+
+
+def add_search_dirs(dirs: Iterable[str | Path]) -> None:
+    """Let ``package.module:Name`` import from ``dirs`` too, in this process and its children.
+
+    A console script does not put the current directory on ``sys.path`` (``python -m`` does),
+    so ``reward: my_rewards:fn`` beside you would not import. The directories go after the
+    installed packages (a file named like one, e.g. ``datasets.py``, does not shadow it) and
+    into ``PYTHONPATH``: spawned processes (generator instances, reward workers, trainer ranks)
+    start with this process's ``sys.path``, and those started otherwise (Ray workers) read
+    ``PYTHONPATH``.
+
+    Args:
+        dirs: directories, in the order they are searched.
+    """
+    for directory in dirs:
+        path = str(Path(directory).resolve())
+        if path in _SEARCH_DIRS:
+            continue
+        _SEARCH_DIRS.append(path)
+        if path not in sys.path:
+            sys.path.append(path)
+        entries = [e for e in os.environ.get("PYTHONPATH", "").split(os.pathsep) if e]
+        if path not in entries:
+            os.environ["PYTHONPATH"] = os.pathsep.join([*entries, path])
+
+
+def searched_dirs() -> list[str]:
+    """Where a module of a reference was looked for, beside the installed packages: the
+    directories ``add_search_dirs`` added, or else ``sys.path``'s own (not the interpreter's
+    or its packages')."""
+    if _SEARCH_DIRS:
+        return list(_SEARCH_DIRS)
+    prefixes = {sys.prefix, sys.base_prefix, sys.exec_prefix}
+    return [
+        entry or os.getcwd()
+        for entry in sys.path
+        if not any(entry.startswith(prefix) for prefix in prefixes) and "-packages" not in entry
+    ]
 
 
 def resolve(ref: str, *, kind: str, builtins: Mapping[str, Any], where: str) -> Any:
@@ -46,18 +93,33 @@ def resolve(ref: str, *, kind: str, builtins: Mapping[str, Any], where: str) -> 
     module_name, _, attribute = ref.partition(":")
     try:
         module = importlib.import_module(module_name)
-    except Exception as err:  # an ImportError, or an error raised by the module's own code
+    except ModuleNotFoundError as err:
+        if err.name is None or not f"{module_name}.".startswith(f"{err.name}."):
+            raise _import_failed(where, module_name, ref, err) from err  # the module's import
+        top = module_name.partition(".")[0]
         raise ConfigError(
-            f"{where}: cannot import module {module_name!r} of {ref!r}: {err!r}. Install its "
-            "package or add its directory to PYTHONPATH."
+            f"{where}: cannot import module {module_name!r} of {ref!r}: {err!r}. Searched the "
+            f"installed packages, then {', '.join(searched_dirs()) or 'no directory'}; put "
+            f"{top}.py (or the package {top}/) in one of these directories, install its package "
+            "or add its directory to PYTHONPATH."
         ) from err
+    except Exception as err:  # an error raised by the module's own code
+        raise _import_failed(where, module_name, ref, err) from err
     found: Any = module
     for part in attribute.split("."):
         if not hasattr(found, part):
             public = [n for n in dir(found) if not n.startswith("_")]
-            raise ConfigError(f"{where}: {ref!r}: {unknown_name('name', part, public)}")
+            place = f" ({module.__file__})" if getattr(module, "__file__", None) else ""
+            raise ConfigError(f"{where}: {ref!r}{place}: {unknown_name('name', part, public)}")
         found = getattr(found, part)
     return found
+
+
+def _import_failed(where: str, module_name: str, ref: str, err: Exception) -> ConfigError:
+    return ConfigError(
+        f"{where}: cannot import module {module_name!r} of {ref!r}: {err!r}. Fix the error in "
+        "the module (or one it imports), or install the package it needs."
+    )
 
 
 def check_callable(obj: Any, *, positional: int, where: str, what: str) -> None:

@@ -4,13 +4,19 @@ and our own key, type and value checks. No training: ``run_fit`` is replaced by 
 from __future__ import annotations
 
 import dataclasses
+import os
+import sys
 from pathlib import Path
 
 import pytest
 
+import streamrl
+import streamrl.references
 from streamrl.cli import build_parser, main
 from streamrl.config import RunConfig
 from streamrl.config_file import load_config
+from streamrl.errors import ConfigError
+from streamrl.run_parts import check_parts
 
 DEMO = Path(__file__).resolve().parents[1] / "configs" / "demo.yaml"
 
@@ -27,6 +33,10 @@ def fit(monkeypatch):
         return {}
 
     monkeypatch.setattr(streamrl.jobs, "run_fit", record)
+    # Where `module:Name` imports from (the console script adds to it): this test's own.
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.setattr(streamrl.references, "_SEARCH_DIRS", [], raising=False)
+    monkeypatch.setenv("PYTHONPATH", os.environ.get("PYTHONPATH", ""))
 
     def run(*args: str) -> tuple[int, list[dict]]:
         return main(["fit", *args]), calls
@@ -255,3 +265,120 @@ def test_fit_help_shows_the_dotted_options(capsys):
     with pytest.raises(SystemExit) as exit_info:
         build_parser().parse_args(["fit", "--help"])  # the argparse entry shows the same help
     assert exit_info.value.code == 0 and "--rl.lr" in capsys.readouterr().out
+
+
+def test_print_config_comments_describes_each_setting_and_loads_back(fit, tmp_path, capsys):
+    code, calls = fit("--print_config=comments")
+    assert code == 0 and not calls
+    text = capsys.readouterr().out
+    lines = text.splitlines()
+    # Each setting's description from its docstring, as a comment right above it.
+    assert lines[lines.index("seed: 0") - 1] == "# seeds data, initialisation and sampling."
+    assert "  # PPO clip range." in lines and max(len(line) for line in lines) <= 100
+    path = tmp_path / "commented.yaml"
+    path.write_text(text)
+    assert load_config(path) == RunConfig()
+    code, _ = fit("--rl.lr", "3e-5", "--print_config=comments,skip_null")
+    text = capsys.readouterr().out
+    assert code == 0 and "cache_dir" not in text and "  lr: 3.0e-05" in text.splitlines()
+    assert not [line for line in text.splitlines() if line.endswith(": null")]
+    code, calls = fit("--print_config=coments")
+    err = capsys.readouterr().err
+    assert code == 2 and not calls and len(err.strip().splitlines()) == 1
+    assert "Unknown flag 'coments' (did you mean 'comments'?)" in err
+    assert "--print_config=comments,skip_null" in err
+
+
+@pytest.mark.parametrize("argv", [["--version"], ["fit", "--version"]])
+def test_version_prints_the_package_version(argv, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out.strip() == f"streamrl {streamrl.__version__}"
+
+
+def test_lightning_trainer_arguments_map_to_the_runs_settings(fit, tmp_path):
+    config = fitted(
+        fit,
+        "--trainer.max_steps",
+        "7",
+        f"--trainer.default_root_dir={tmp_path / 'run'}",
+        "--trainer.accelerator",
+        "cpu",
+        "--trainer.devices",
+        "1",
+        "--trainer.precision",
+        "32-true",
+        "--trainer.num_nodes",
+        "1",
+    )
+    assert config.rl.iterations == 7 and config.output_dir == str(tmp_path / "run")
+    assert (config.trainer.accelerator, config.trainer.devices) == ("cpu", 1)
+    assert (config.trainer.precision, config.trainer.num_nodes) == ("32-true", 1)
+
+
+@pytest.mark.parametrize(
+    ("args", "content", "message"),
+    [
+        (
+            ["--trainer.max_epochs", "3"],
+            None,
+            "--trainer.max_epochs is a Lightning Trainer argument that streamrl fit does not "
+            "take; set rl.iterations",
+        ),
+        (["--trainer.log_every_n_steps=5"], None, "every iteration is logged"),
+        (["--trainer", "{strategy: ddp}"], None, "strategy is a Lightning Trainer argument"),
+        ([], "trainer:\n  max_steps: 4\n", "trainer: max_steps is a Lightning Trainer argument"),
+        ([], "trainer: {gradient_clip_val: 0.5}\n", "gradients are clipped at norm 1.0"),
+    ],
+)
+def test_other_lightning_trainer_arguments_name_the_setting_to_use(
+    fit, tmp_path, capsys, args, content, message
+):
+    if content is not None:
+        path = tmp_path / "c.yaml"
+        path.write_text(content)
+        args = ["--config", str(path), *args]
+    code, calls = fit(*args)
+    err = capsys.readouterr().err
+    assert code == 2 and not calls and message in err
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_zero_iterations_are_refused_naming_the_fix(fit, capsys):
+    code, calls = fit("--rl.iterations", "0")
+    err = capsys.readouterr().err
+    assert code == 2 and not calls and len(err.strip().splitlines()) == 1
+    assert "rl.iterations must be >= 1" in err and "set rl.iterations: 1 or more" in err
+
+
+REWARD = "def score(completion, row):\n    return float(len(completion) % 2)\n"
+
+
+def test_own_module_beside_the_config_file_resolves(fit, tmp_path, monkeypatch):
+    conf, elsewhere = tmp_path / "conf", tmp_path / "elsewhere"
+    conf.mkdir()
+    elsewhere.mkdir()
+    (conf / "beside_config_rewards.py").write_text(REWARD)
+    (conf / "c.yaml").write_text("rl: {reward: beside_config_rewards:score}\n")
+    monkeypatch.chdir(elsewhere)  # neither the current directory nor on sys.path
+    config = fitted(fit, "--config", "../conf/c.yaml")
+    monkeypatch.delitem(sys.modules, "beside_config_rewards", raising=False)
+    check_parts(config.rl)  # resolves it, as the run does before any work
+    assert sys.modules["beside_config_rewards"].__file__ == str(conf / "beside_config_rewards.py")
+    assert os.environ["PYTHONPATH"].split(os.pathsep)[-2:] == [str(elsewhere), str(conf)]
+
+
+def test_a_module_found_nowhere_names_the_directories_searched(fit, tmp_path, monkeypatch):
+    conf, elsewhere = tmp_path / "conf", tmp_path / "elsewhere"
+    conf.mkdir()
+    elsewhere.mkdir()
+    (conf / "c.yaml").write_text("rl: {reward: nowhere_rewards:score}\n")
+    monkeypatch.chdir(elsewhere)
+    config = fitted(fit, "--config", str(conf / "c.yaml"))
+    with pytest.raises(ConfigError) as error:
+        check_parts(config.rl)
+    message = str(error.value)
+    assert message.startswith("rl.reward: cannot import module 'nowhere_rewards'")
+    assert f"Searched the installed packages, then {elsewhere}, {conf};" in message
+    assert "put nowhere_rewards.py (or the package nowhere_rewards/) in one of" in message

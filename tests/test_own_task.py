@@ -267,3 +267,60 @@ def test_reasoning_gym_config_runs_at_a_small_size(tmp_path):
     assert set(summary["heldout_by_task_after"]) == {"spell_backward", "chain_sum"}
     assert 0.0 <= summary["heldout_reward_after"] <= 1.0
     assert (tmp_path / "run" / "eval.png").stat().st_size > 0
+
+
+SEARCHED_REWARD = """
+import os
+
+def {name}(completion, row):
+    with open(os.environ["OWN_TASK_REWARD_LOG"], "a") as log:
+        log.write(f"{{__name__}} {{os.getpid()}}\\n")
+    return float(completion == row["answer"])
+"""
+
+#: What pip writes as the ``streamrl`` console script.
+LAUNCHER = """import sys
+from streamrl.cli import main
+if __name__ == "__main__":
+    sys.exit(main())
+"""
+
+
+@pytest.mark.timeout(400)
+def test_own_modules_in_the_current_and_the_config_directory_in_a_real_fit(tmp_path):
+    """The console script (a launcher script elsewhere, as the installed one) finds a reward
+    module in the current directory and one beside the config file, in its reward worker too."""
+    import os
+    import subprocess
+    import sys
+
+    import streamrl
+
+    work, conf, bin_dir = tmp_path / "work", tmp_path / "conf", tmp_path / "bin"
+    for directory in (work, conf, bin_dir):
+        directory.mkdir()
+    (work / "cwd_rewards.py").write_text(SEARCHED_REWARD.format(name="cwd_score"))
+    (conf / "beside_rewards.py").write_text(SEARCHED_REWARD.format(name="beside_score"))
+    (bin_dir / "streamrl").write_text(LAUNCHER)
+    (conf / "c.yaml").write_text(
+        f"output_dir: {tmp_path / 'out'}\n"
+        "data: {tasks: [copy], n_train: 16, n_heldout: 4, median_len: 3, max_len: 4}\n"
+        "sft: {model_size: test, steps: 2}\n"
+        "rl: {iterations: 1, prompts_per_iteration: 2, group_size: 2, generators: 1,"
+        " max_tokens: 6, reward_workers: 1,"
+        " reward: [{name: cwd_rewards:cwd_score}, {name: beside_rewards:beside_score}]}\n"
+    )
+    log = tmp_path / "reward_log.txt"
+    repo = str(Path(streamrl.__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": repo, "OWN_TASK_REWARD_LOG": str(log)}
+    command = [sys.executable, str(bin_dir / "streamrl"), "fit", "--config", "../conf/c.yaml"]
+    run = subprocess.Popen(
+        [*command, "--no-progress"], cwd=work, env=env, stdout=subprocess.PIPE, text=True
+    )
+    out, _ = run.communicate(timeout=360)
+    assert run.returncode == 0
+    assert json.loads(out.splitlines()[-1])["iterations"] == 1
+    calls = [line.split() for line in log.read_text().splitlines()]
+    # Both modules scored samples in the reward worker (another process than the run's).
+    workers = {name for name, pid in calls if int(pid) != run.pid}
+    assert workers == {"cwd_rewards", "beside_rewards"}

@@ -76,32 +76,31 @@ def run_episode_fit(
     stages.evaluation("before", len(task.heldout), "episodes")
     before = evaluator(policy)
     summary: dict = {**_eval_summary(before, "before"), "env": env.name}
-    if rl.iterations > 0:
-        stages.rl(config)
-        module, policy, after, summary["train_wall_s"] = train_with_eval(
+    stages.rl(config)
+    module, policy, after, summary["train_wall_s"] = train_with_eval(
+        config,
+        evaluator,
+        before,
+        lambda callbacks: train_rl(
             config,
-            evaluator,
-            before,
-            lambda callbacks: train_rl(
-                config,
-                task.train,
-                context,
-                model_dir,
-                (policy, tokenizer),
-                show_progress,
-                resume,
-                callbacks=callbacks,
-                episodes=_runner_factory(config, task, tokenizer, context),
-            ),
-            lambda: stages.evaluation("after", len(task.heldout), "episodes"),
-        )
-        summary.update(_eval_summary(after, "after"))
-        if module.history:
-            summary.update(rl_summary(module, len(module.history)))
-        summary.update(ledger(module))
-        summary["prefill_saved"] = module.rollouts.episodes.prefill_saved
-        trained = save_policy(policy, tokenizer, Path(config.output_dir) / "policy")
-        summary["policy_dir"] = str(trained)
+            task.train,
+            context,
+            model_dir,
+            (policy, tokenizer),
+            show_progress,
+            resume,
+            callbacks=callbacks,
+            episodes=_runner_factory(config, task, tokenizer, context),
+        ),
+        lambda: stages.evaluation("after", len(task.heldout), "episodes"),
+    )
+    summary.update(_eval_summary(after, "after"))
+    if module.history:
+        summary.update(rl_summary(module, len(module.history)))
+    summary.update(ledger(module))
+    summary["prefill_saved"] = module.rollouts.episodes.prefill_saved
+    trained = save_policy(policy, tokenizer, Path(config.output_dir) / "policy")
+    summary["policy_dir"] = str(trained)
     write_summary(summary, config, model_dir, started)
     stages.files(config.output_dir)
     return summary

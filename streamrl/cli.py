@@ -28,6 +28,7 @@ from streamrl.errors import (
     TrainerRankError,
 )
 from streamrl.fit_args import (
+    VERBOSE_HELP,
     FitArgs,
     build_fit_parser,
     fit_version,
@@ -44,7 +45,7 @@ def _cmd_fit(fit: FitArgs) -> dict:
     from streamrl.jobs import run_fit
     from streamrl.reruns import resolve_resume
 
-    quiet_lightning()
+    quiet_lightning(verbose=fit.verbose)
     check_values(fit.config)
     resume = resolve_resume(fit.config.output_dir, fit.resume)  # a wrong one: before any work
     return run_fit(fit.config, show_progress=not fit.no_progress, resume=resume)
@@ -53,7 +54,7 @@ def _cmd_fit(fit: FitArgs) -> dict:
 def _cmd_demo(args: argparse.Namespace) -> dict:
     from streamrl.demo import run_demo
 
-    quiet_lightning()
+    quiet_lightning(verbose=args.verbose)
     return run_demo(args.size, args.output_dir, show_progress=not args.no_progress)
 
 
@@ -158,6 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="where logs and metrics go (a new directory beside it if it holds a run)",
     )
     demo.add_argument("--no-progress", action="store_true", help="draw no progress bars")
+    demo.add_argument("--verbose", action="store_true", help=VERBOSE_HELP)
     demo.set_defaults(func=_cmd_demo)
 
     # jsonargparse parses fit's arguments (see main); this entry lists it and shows its help.

@@ -32,6 +32,7 @@ _FIT_RUN_OPTIONS = (
     "print_config",
     "resume",
     "no-progress",
+    "verbose",
     "no-cache",
     "help",
     "version",
@@ -44,6 +45,7 @@ _FIT_ALIASES = {
     "--trainer.max_steps": "--rl.iterations",
     "--trainer.default_root_dir": "--output_dir",
 }
+VERBOSE_HELP = "also show Lightning's information lines (accelerators found, tips) on stderr"
 #: What ``--print_config=FLAGS`` takes, comma-separated, as ``LightningCLI``'s.
 PRINT_FLAGS = ("comments", "skip_null")
 
@@ -55,6 +57,8 @@ class FitArgs:
     config: RunConfig
     resume: str | None = None
     no_progress: bool = False
+    #: Lightning's own information lines (accelerators found, tips) on stderr too.
+    verbose: bool = False
     #: ``None``: train; else ``--print_config``'s flags (``[]``, ``["comments"]``...).
     print_config: list[str] | None = None
     #: The ``--config`` files, in order (``package.module:Name`` also imports beside them).
@@ -101,6 +105,7 @@ def build_fit_parser() -> jsonargparse.ArgumentParser:
         "earlier run's checkpoints is refused without --resume)",
     )
     parser.add_argument("--no-progress", action="store_true", help="draw no progress bars")
+    parser.add_argument("--verbose", action="store_true", help=VERBOSE_HELP)
     parser.add_argument(
         "--no-cache",
         action="store_true",
@@ -130,7 +135,7 @@ def parse_fit(argv: Sequence[str]) -> FitArgs:
         _explain_fit_error(argv)  # our message for an unknown key or an unreadable file
         raise ConfigError(" ".join(str(err).split())) from None
     files = [str(path) for path in values.pop("config") or [] if path is not None]
-    run = {name: values.pop(name) for name in ("resume", "no_progress", "print_config")}
+    run = {name: values.pop(name) for name in ("resume", "no_progress", "verbose", "print_config")}
     if values.pop("no_cache"):
         values["sft"]["cache"] = False
     run["print_config"] = _print_flags(run["print_config"])

@@ -26,13 +26,15 @@ def quiet_libraries() -> None:
     warnings.filterwarnings("ignore", message=".*treespec.*", category=Warning)
 
 
-def quiet_lightning() -> None:
-    """Lightning at WARNING level (also called by spawned trainer ranks)."""
+def quiet_lightning(verbose: bool = False) -> None:
+    """Lightning at WARNING level (also called by spawned trainer ranks); ``verbose`` leaves
+    its information lines on (``--verbose``)."""
     # Lightning's start-up banners ("GPU available", install tips) say nothing about this run.
     # Its import sets its loggers to INFO, so this runs after the import.
     import lightning.pytorch  # noqa: F401
 
+    level = logging.INFO if verbose else logging.WARNING
     for name in ("lightning.pytorch", "lightning.fabric"):
-        logging.getLogger(name).setLevel(logging.WARNING)
+        logging.getLogger(name).setLevel(level)
     # A KL reference policy is frozen in eval mode on purpose.
     warnings.filterwarnings("ignore", message=r"Found \d+ module\(s\) in eval mode")

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from streamrl.cli import build_parser, main
+from streamrl.fit_args import parse_fit
 from streamrl.sim.result import PIPELINE_COLUMNS
 
 
@@ -105,6 +106,7 @@ def test_fit_small_run_prints_json_summary(tmp_path, capsys):
     assert "Warm start: 20 SFT steps" in headings[0] and "RL (grpo, sync)" in headings[2]
     assert "rl iterations: 100%" in result.stderr and "warm start (SFT): 100%" in result.stderr
     assert "  summary.json " in result.stderr and "  policy " in result.stderr
+    assert "GPU available" not in result.stderr  # Lightning's banners: only with --verbose
     for key in (
         "reward_first",
         "reward_last",
@@ -397,3 +399,18 @@ def test_demo_sizes_are_valid_runs_and_small_is_smaller(tmp_path):
     for size in DEMO_SIZES.values():  # every stage that takes a while says how long
         assert set(size.expected) == set(RunStages.NAMES) - {"files"}
     assert build_parser().parse_args(["demo", "--size", "small"]).size == "small"
+
+
+def test_verbose_keeps_lightnings_information_lines():
+    import logging
+
+    from streamrl.quiet import quiet_lightning
+
+    logger = logging.getLogger("lightning.pytorch")
+    quiet_lightning()
+    assert not logger.isEnabledFor(logging.INFO)
+    quiet_lightning(verbose=True)
+    assert logger.isEnabledFor(logging.INFO)
+    quiet_lightning()
+    assert parse_fit(["--verbose"]).verbose and not parse_fit([]).verbose
+    assert build_parser().parse_args(["demo", "--verbose"]).verbose

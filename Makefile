@@ -11,7 +11,7 @@ PIP_INSTALL := $(PY) -m pip install -q --disable-pip-version-check -c constraint
 # Quiet the harmless "Location ... is ignored" notices of this machine's pip configuration.
 PIP_FILTER := { grep -v "is ignored: it is neither" || true; }
 
-.PHONY: demo test test-vllm lint install docs clean
+.PHONY: demo test test-vllm lint install docs notebooks clean
 
 $(STAMP): pyproject.toml constraints-cpu.txt
 	@echo "[install] streamrl with everything the tests use into $(VENV) (about 5 min, once)" >&2
@@ -69,6 +69,11 @@ test-vllm: $(VLLM_STAMP)
 # NO_MKDOCS_2_WARNING quiets Material's notice about its own future, which is not about our docs.
 docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict -d site
+
+# notebooks/0X_*.ipynb from their jupytext sources notebooks/0X_*.py, without outputs, the same
+# bytes every time (tests/test_examples.py fails when one is out of date): edit the .py, then this.
+notebooks: $(STAMP)
+	$(PY) scripts/sync_notebooks.py
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .ruff_cache site

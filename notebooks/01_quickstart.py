@@ -16,7 +16,6 @@
 # (default `notebooks/out/`).
 
 # %%
-
 import matplotlib.pyplot as plt
 import torch
 

@@ -19,7 +19,6 @@
 # (default `notebooks/out/`).
 
 # %%
-
 import matplotlib.pyplot as plt
 import numpy as np
 

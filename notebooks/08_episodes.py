@@ -21,17 +21,16 @@
 
 # %%
 import json
-from pathlib import Path
 
 import matplotlib.pyplot as plt
 
 from streamrl import load_config, load_policy, run_fit
 from streamrl.envs.demos import demo_tokens
-from streamrl.notebook import notebook_settings
+from streamrl.notebook import notebook_settings, repo_file
 from streamrl.tasks.tool_tasks import CalculatorEnv, calculator_demonstration, calculator_rows
 
 SMALL, OUT = notebook_settings()  # STREAMRL_NOTEBOOK_BUDGET=small|full, STREAMRL_NOTEBOOK_OUT
-CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+CONFIGS = repo_file("configs")  # from the repository root or notebooks/
 
 # %% [markdown]
 # ## Warm start, then RL, on both tasks

@@ -8,6 +8,7 @@ trainer, and what a run reports of them (its RL figures, its ledger, its ``summa
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import sys
 import time
@@ -180,24 +181,25 @@ def train_rl(
         if rl.save_rollouts:  # after the optimizer step, on a background thread
             rollout_dir = Path(config.output_dir) / "rollouts"
             callbacks = [*callbacks, RolloutRecorder(ParquetRollouts(rollout_dir))]
-        trainer = setup.trainer(
-            module,
-            logger=make_logger(config.logger, config.output_dir),
-            show_progress=show_progress,
-            callbacks=callbacks,
+        logger = make_logger(config.logger, config.output_dir)
+        make_trainer = functools.partial(
+            setup.trainer, module, logger=logger, show_progress=show_progress, callbacks=callbacks
         )
         # Several ranks: a stop lands only where they can all follow (fsdp.stop_ranks).
         ranks_follow = shielded() if setup.ranks > 1 else contextlib.nullcontext()
         if job is not None:  # rank 0 of a launcher's ranks: the others run _follow_rank_zero
             with ranks_follow:
-                trainer.fit(module, ckpt_path=resume)
+                make_trainer().fit(module, ckpt_path=resume)
             dist.destroy_process_group()
         elif setup.ranks > 1:  # rank 0 of trainer.devices FSDP2 ranks; the others start here
+            # The Trainer is made once this process is rank 0 (LOCAL_RANK set), as on the other
+            # ranks: Lightning then launches no processes of its own, and does not refuse the
+            # strategy in a Jupyter kernel (where it refuses any that would launch them).
             with trainer_ranks(setup, model_dir, resume), ranks_follow:
-                trainer.fit(module, ckpt_path=resume)
+                make_trainer().fit(module, ckpt_path=resume)
         else:
             try:
-                trainer.fit(module, ckpt_path=resume)
+                make_trainer().fit(module, ckpt_path=resume)
             finally:  # episodes still open (an iteration dispatched ahead) close their envs
                 if rollouts.episodes is not None:
                     rollouts.episodes.close()

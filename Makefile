@@ -24,7 +24,7 @@ install: $(STAMP)
 # The demo needs only the package and the HF engine: not the test, docs, Ray or task-suite extras.
 $(DEMO_STAMP): pyproject.toml constraints-cpu.txt
 	@echo "[install] streamrl, torch (CPU build), Lightning, transformers into $(VENV)" \
-		"(about 2 min, once)" >&2
+		"(about 1.5 min, once)" >&2
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP_INSTALL) -e '.[demo]' 2>&1 | $(PIP_FILTER)
 	touch $(DEMO_STAMP)

@@ -47,10 +47,10 @@ class DemoSize:
 DEMO_SIZES = {
     "full": DemoSize(
         expected={
-            "policy": "about 2 min on 2 CPU cores the first time, then cached",
-            "evaluation before": "about 10 s",
+            "policy": "about 2.5 min on 2 CPU cores the first time, then cached",
+            "evaluation before": "a few seconds",
             "rl": "about 1.5 min",
-            "evaluation after": "about 10 s",
+            "evaluation after": "a few seconds",
         }
     ),
     "small": DemoSize(
@@ -59,9 +59,9 @@ DEMO_SIZES = {
         rl={"iterations": 30, "prompts_per_iteration": 16},
         expected={
             "policy": "about 1.5 min on 2 CPU cores the first time, then cached",
-            "evaluation before": "about 5 s",
+            "evaluation before": "a few seconds",
             "rl": "about 30 s",
-            "evaluation after": "about 5 s",
+            "evaluation after": "a few seconds",
         },
     ),
 }

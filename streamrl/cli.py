@@ -151,7 +151,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--size",
         choices=["full", "small"],
         default="full",
-        help="full: the demo of docs/demo.md (about 4 min); small: a 2-minute version",
+        help="full: the demo of docs/demo.md (about 4 min after the install); small: the same "
+        "job shrunk to about 2 min",
     )
     demo.add_argument(
         "--output-dir",

@@ -37,6 +37,7 @@ from streamrl.fit_args import (
 )
 from streamrl.quiet import quiet_libraries, quiet_lightning
 from streamrl.references import add_search_dirs
+from streamrl.reward_signal import show_plainly
 from streamrl.stopping import Stopped, resume_hint, stop_on_signals
 
 
@@ -444,6 +445,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         command, func = args.command, functools.partial(args.func, args)
         add_search_dirs([Path.cwd()])
     quiet_libraries()
+    show_plainly()  # a run that cannot learn says so in one line of its own
     from streamrl.components.generation.service import GeneratorError
 
     try:

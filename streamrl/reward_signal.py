@@ -18,8 +18,10 @@ Examples:
 
 from __future__ import annotations
 
+import sys
 import warnings
 from collections.abc import Sequence
+from typing import Any
 
 #: Iterations looked at before a run with equal rewards is warned about.
 CHECKED_ITERATIONS = 3
@@ -27,6 +29,20 @@ CHECKED_ITERATIONS = 3
 
 class NoLearningSignalWarning(UserWarning):
     """Every reward of each of a run's first iterations was equal: the policy learns nothing."""
+
+
+def show_plainly() -> None:
+    """Print ``NoLearningSignalWarning`` as a line of its own on stderr (``streamrl: warning:
+    ...``), without Python's file, line and source: the console script's form."""
+    default = warnings.showwarning
+
+    def show(message: Any, category: type[Warning], *args: Any, **kwargs: Any) -> None:
+        if issubclass(category, NoLearningSignalWarning):
+            print(f"\n{message}\n", file=sys.stderr, flush=True)  # off a progress bar's line
+        else:
+            default(message, category, *args, **kwargs)
+
+    warnings.showwarning = show
 
 
 class RewardSpreadCheck:
@@ -57,8 +73,8 @@ class RewardSpreadCheck:
     def message(self) -> str:
         values = ", ".join(f"{v:g}" for v in self.flat)
         return (
-            f"streamrl: within each of the first {len(self.flat)} iterations every reward was "
-            f"equal (to {values}): every advantage is 0, so the policy learns nothing. Likely "
+            f"streamrl: warning: within each of the first {len(self.flat)} iterations every "
+            f"reward was equal (to {values}): every advantage is 0, so the policy learns nothing. Likely "
             "causes: the reward never matches the completions' format (look at a few: "
             "rl.save_rollouts: true writes them); rl.max_tokens too small, so answers are cut "
             "off; the reward function returns a constant; or the starting policy too weak to "

@@ -10,7 +10,12 @@ import pytest
 from streamrl.algorithms import GRPO
 from streamrl.models import build_tiny_model
 from streamrl.module import StreamRLModule
-from streamrl.reward_signal import CHECKED_ITERATIONS, NoLearningSignalWarning, RewardSpreadCheck
+from streamrl.reward_signal import (
+    CHECKED_ITERATIONS,
+    NoLearningSignalWarning,
+    RewardSpreadCheck,
+    show_plainly,
+)
 from streamrl.rollout import IterationStats
 from streamrl.timeline import TraceRecorder
 
@@ -64,3 +69,15 @@ def test_the_module_checks_each_iterations_rewards(tokenizer, rewards, warns):
             module.log_iteration(iteration, wall_s=1.0, train_s=0.5, sync_s=0.1)
     said = [w for w in caught if w.category is NoLearningSignalWarning]
     assert len(said) == int(warns)
+
+
+def test_the_console_script_shows_the_warning_as_a_line_of_its_own(capsys, monkeypatch):
+    monkeypatch.setattr(warnings, "showwarning", warnings.showwarning)  # restored afterwards
+    show_plainly()
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        check = RewardSpreadCheck(iterations=1)
+        check.observe([1.0, 1.0])
+    err = capsys.readouterr().err
+    assert err.startswith("\nstreamrl: warning: within each of the first 1 iterations")
+    assert "reward_signal.py" not in err and "NoLearningSignalWarning" not in err

@@ -253,11 +253,13 @@ def test_bench_pipeline_runs_every_mode_and_reports_speedups(tmp_path, capsys):
         assert 0 <= row["trainer_idle_frac"] <= 1 and 0 <= row["generator_idle_frac"] <= 1
         assert 0 <= row["exposed_sync_s"] <= row["iteration_s"]
         assert row["gen_s"] > 0 and row["train_s"] > 0
-    # Staleness of the trained tokens: none in sync; exactly one version in one-step async,
-    # where each sample finishes under the weights it started with; at most k otherwise.
+    # Staleness of the trained tokens: none in sync; in one-step async one version, or none
+    # for a sample its generator started only after the next weights had arrived (a loaded
+    # machine: seen once in the whole suite, 0.5 over the 2 measured iterations); at most k
+    # otherwise.
     assert modes["sync"]["token_lag_mean"] == modes["colocated"]["token_lag_mean"] == 0
     assert modes["sync"]["slot_use"] > 0  # sync generates inside its measured iterations
-    assert modes["async"]["token_lag_mean"] == 1
+    assert 0 < modes["async"]["token_lag_mean"] <= 1
     assert 1 <= modes["async-k2"]["token_lag_mean"] <= 2
     assert 0 < modes["partial-keep"]["token_lag_mean"] <= 1
     # The speedups are the ratios of the reported rates.

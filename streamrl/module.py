@@ -76,7 +76,8 @@ class StreamRLModule(L.LightningModule):
         lr: AdamW learning rate.
         max_grad_norm: gradient clipping.
         reference: the frozen reference policy of a KL penalty (``streamrl.components.
-            training.reference``; a plain model is held as a ``FrozenCopy``), or ``None``.
+            training.reference``; a plain model is held as a ``FrozenCopy``), or ``None``
+            when the algorithm needs none (``needs_reference``; else ``ValueError``).
         temperature: the generators' sampling temperature; the trainer scores tokens under the
             same tempered distribution, so behaviour and current log-probs are comparable.
         mode: ``"sync"`` (step k trains on samples of weights k, streamed as they finish),
@@ -137,6 +138,14 @@ class StreamRLModule(L.LightningModule):
         self.policy, self.algorithm, self.rollouts = policy, algorithm, rollouts
         if isinstance(reference, torch.nn.Module):
             reference = FrozenCopy(reference)
+        if reference is None and algorithm.needs_reference:
+            raise ValueError(
+                f"{type(algorithm).__name__} needs a frozen reference policy (its KL penalty: "
+                "needs_reference), and none was given: build the module with "
+                "streamrl.build_module(policy, algorithm, rollouts, iterations), which makes it, "
+                "or pass reference=streamrl.components.training.reference.reference_policy("
+                "policy, True). Without it the KL term would be silently left out."
+            )
         # Not a submodule: Lightning neither moves it (it may be sharded, or offloaded) nor
         # checkpoints it (it is the starting policy, rebuilt on resume).
         self.reference: ReferencePolicy | None = reference

@@ -26,7 +26,7 @@ from typing import Any
 
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from streamrl.algorithms import ALGORITHMS, Algorithm, RunFacts
+from streamrl.algorithms import ALGORITHMS, Algorithm, RunFacts, build_algorithm
 from streamrl.components.capacity.elastic import ElasticController
 from streamrl.components.generation.engines import ENGINES, check_cluster
 from streamrl.components.skewness.dispatch import RandomDispatcher, RoundRobinDispatcher
@@ -168,13 +168,9 @@ def reward_pool(
 
 
 def build_run_algorithm(rl: RLConfig, hidden_size: int) -> Algorithm:
-    """The run's algorithm, as every trainer rank builds it (``Algorithm.from_run``)."""
+    """The run's algorithm, as every trainer rank builds it: ``rl.algorithm`` (a name, a
+    ``module:Name`` reference, with options) resolved, then ``build_algorithm``."""
     cls, options = _pick(rl.algorithm, "algorithm", ALGORITHMS)
-    if not (isinstance(cls, type) and issubclass(cls, Algorithm)):
-        raise ConfigError(
-            f"rl.algorithm: {cls!r} is not a subclass of streamrl.algorithms.Algorithm; "
-            "subclass it and override the hooks you change (docs/algorithms.md)."
-        )
     facts = RunFacts(
         group_size=rl.group_size,
         clip_eps=rl.clip_eps,
@@ -184,7 +180,7 @@ def build_run_algorithm(rl: RLConfig, hidden_size: int) -> Algorithm:
         prompts_per_iteration=rl.prompts_per_iteration,
     )
     try:
-        return cls.from_run(facts, **options)
+        return build_algorithm(cls, facts, **options)
     except (TypeError, ValueError) as err:
         raise ConfigError(f"rl.algorithm: {err}") from err
 

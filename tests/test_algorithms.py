@@ -479,3 +479,21 @@ def test_rloo_ppo_and_the_doc_algorithm_train_in_the_real_loop(tmp_path, tokeniz
             for old, new in zip(head, algorithm.trainable_parameters()):
                 assert not torch.equal(old, new)  # PPO's value head trained too
     assert len(runs[1].trainable_parameters()) == 2
+
+
+def test_a_module_built_directly_never_drops_the_kl_term_asked_for(tokenizer):
+    """``StreamRLModule(policy, GRPO(kl_coef=0.1), ...)`` without a reference would train with no
+    KL penalty: refused, naming the builder that makes the reference; ``build_module`` keeps
+    it and the loss then carries the KL term."""
+    from streamrl.builders import build_module
+    from streamrl.models import build_tiny_model
+    from streamrl.module import StreamRLModule
+
+    policy = build_tiny_model(tokenizer, "test", seed=0)
+    with pytest.raises(ValueError, match=r"GRPO needs a frozen reference policy.*build_module"):
+        StreamRLModule(policy, GRPO(group_size=2, kl_coef=0.1), None, iterations=1)
+    assert StreamRLModule(policy, GRPO(group_size=2), None, iterations=1).reference is None
+    built = build_module(
+        policy, GRPO(group_size=2, kl_coef=0.1), None, iterations=1, temperature=1.0
+    )
+    assert built.reference is not None

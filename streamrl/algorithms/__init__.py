@@ -57,8 +57,8 @@ def build_algorithm(algorithm: str | type[Algorithm], run: RunFacts, **options: 
         cls = algorithm
     else:
         raise TypeError(
-            f"build_algorithm takes a name of ALGORITHMS or an Algorithm subclass, got "
-            f"{algorithm!r}."
+            f"{algorithm!r} is not a subclass of streamrl.algorithms.Algorithm nor a name of "
+            "ALGORITHMS; subclass it and override the hooks you change (docs/algorithms.md)."
         )
     return cls.from_run(run, **options)
 

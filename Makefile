@@ -34,8 +34,8 @@ demo: $(DEMO_STAMP)
 	$(VENV)/bin/streamrl demo $(DEMO_ARGS)
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check streamrl tests examples notebooks benchmarks
-	$(VENV)/bin/ruff format --check streamrl tests examples notebooks benchmarks
+	$(VENV)/bin/ruff check streamrl tests examples notebooks benchmarks scripts
+	$(VENV)/bin/ruff format --check streamrl tests examples notebooks benchmarks scripts
 
 test: lint
 	$(PY) -m pytest $(PYTEST_ARGS)

@@ -404,7 +404,7 @@ def build_parser() -> argparse.ArgumentParser:
     prof.set_defaults(func=_cmd_profile)
 
     from streamrl.sim.cli import add_plan_command, add_sim_command, add_simulate_command
-    from streamrl.timeline import add_timeline_command
+    from streamrl.timeline_chart import add_timeline_command
 
     add_timeline_command(sub)
     add_simulate_command(sub)

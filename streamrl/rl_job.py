@@ -39,7 +39,7 @@ from streamrl.rollout_files import ParquetRollouts, RolloutRecorder
 from streamrl.run_parts import RunParts, reward_pool
 from streamrl.sft import default_cache_dir
 from streamrl.stopping import shielded
-from streamrl.timeline import draw_timeline
+from streamrl.timeline_chart import draw_timeline
 from streamrl.trainer_ranks import RankSetup, pin_threads, trainer_ranks
 
 

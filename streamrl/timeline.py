@@ -3,13 +3,12 @@
 A timeline shows pipeline bubbles (idle gaps) at a glance where logs only list durations. The
 pieces: ``Span`` (one timed stage on one lane), ``TraceRecorder`` (collects spans in bounded
 memory and writes a JSON trace), ``load_trace`` / ``busy_fraction`` (read a trace back and
-measure it), ``draw_timeline`` (a Gantt chart PNG, drawn by ``streamrl.timeline_chart``) and
-``add_timeline_command`` (the ``streamrl timeline TRACE`` sub-command).
+measure it). ``streamrl.timeline_chart`` draws them (``draw_timeline``, a Gantt chart PNG;
+``add_timeline_command``, the ``streamrl timeline TRACE`` sub-command).
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import re
@@ -281,43 +280,3 @@ def trainer_span(
     if not isinstance(trace, TraceRecorder):
         return contextlib.nullcontext({})
     return trace.span("trainer", name, iteration, **meta)
-
-
-def draw_timeline(
-    spans: Sequence[Span], path: str | Path, title: str = "", *, full_iterations: int = 60
-) -> Path:
-    """Draw ``spans`` as a Gantt chart PNG; returns ``path``.
-
-    See ``streamrl.timeline_chart.draw_timeline`` (imported here when called: matplotlib loads
-    only when a chart is drawn).
-    """
-    from streamrl.timeline_chart import draw_timeline as draw
-
-    return draw(spans, path, title, full_iterations=full_iterations)
-
-
-def add_timeline_command(subparsers: argparse._SubParsersAction) -> None:
-    """Register ``timeline TRACE [-o PNG] [--title T]`` on an argparse subparsers object."""
-    parser = subparsers.add_parser(
-        "timeline", help="draw a pipeline timeline (Gantt chart PNG) from a trace JSON"
-    )
-    parser.add_argument("trace", metavar="TRACE", help="trace JSON written by TraceRecorder")
-    parser.add_argument("-o", "--output", help="PNG path (default: TRACE with a .png suffix)")
-    parser.add_argument("--title", default=None, help="chart title (default: the trace's name)")
-    parser.set_defaults(func=run_timeline_command)
-
-
-def run_timeline_command(args: argparse.Namespace) -> dict:
-    """Load ``args.trace``, draw it; returns the PNG path, span count and busy fractions."""
-    spans = load_trace(args.trace)
-    if not spans:
-        raise ConfigError(f"{args.trace} holds no spans: nothing to draw.")
-    output = args.output or Path(args.trace).with_suffix(".png")
-    title = Path(args.trace).name if args.title is None else args.title
-    path = draw_timeline(spans, output, title)
-    lanes = sorted({s.lane for s in spans}, key=lane_order)
-    return {
-        "png": str(path),
-        "spans": len(spans),
-        "lanes": {lane: round(busy_fraction(spans, lane), 4) for lane in lanes},
-    }

@@ -14,14 +14,18 @@ from streamrl.timeline import (
     TRACE_VERSION,
     Span,
     TraceRecorder,
-    add_timeline_command,
     busy_fraction,
-    draw_timeline,
     load_trace,
     mean_running,
     trainer_span,
 )
-from streamrl.timeline_chart import ITERATION_LABEL, LEGEND_LABELS, timeline_figure
+from streamrl.timeline_chart import (
+    ITERATION_LABEL,
+    LEGEND_LABELS,
+    add_timeline_command,
+    draw_timeline,
+    timeline_figure,
+)
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

@@ -43,7 +43,8 @@ from streamrl.rewards.spec import RewardSpec
 from streamrl.rollout import RolloutStream
 from streamrl.sim.result import PIPELINE_COLUMNS
 from streamrl.tasks import make_prompt_set
-from streamrl.timeline import busy_fraction, draw_timeline, mean_running
+from streamrl.timeline import busy_fraction, mean_running
+from streamrl.timeline_chart import draw_timeline
 
 DEFAULT_LENGTHS = Path(__file__).resolve().parents[1] / "data" / "lengths_longtail.json"
 

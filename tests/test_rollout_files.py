@@ -191,6 +191,9 @@ def test_a_python_hook_gets_each_iteration_without_the_filtered_groups(
             reward=parity,
             max_tokens=12,
             context=256,
+            # Room for every refill: with the default cap (8 a iteration) a run falls short of
+            # four kept groups in about one iteration of fourteen, and trains one group fewer.
+            max_refills=64,
         )
         module = StreamRLModule(policy, algorithm, rollouts, iterations=3, lr=1e-3)
         build_trainer(module, show_progress=False, callbacks=[recorder]).fit(module)

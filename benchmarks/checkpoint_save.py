@@ -5,7 +5,7 @@ one real step, about 5.9 GB of tensors), each case in a fresh process:
 
 - ``lightning``: ``TorchCheckpointIO`` (Lightning 2.x's default): ``torch.save`` into an
   in-memory buffer, then the buffer's bytes written through fsspec;
-- ``atomic``: ``streamrl.checkpointing.AtomicCheckpointIO``: ``torch.save`` streamed to a
+- ``atomic``: ``streamrl.training.checkpointing.AtomicCheckpointIO``: ``torch.save`` streamed to a
   partial file, fsync, rename.
 
 Reported per case: the process's resident memory before the save, its peak (``VmHWM``) after,
@@ -59,9 +59,9 @@ def _case(case: str, size: str, out: Path) -> dict:
     import torch
     from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
-    from streamrl.checkpointing import AtomicCheckpointIO
-    from streamrl.models import build_tiny_model, build_tokenizer
-    from streamrl.peak_memory import peak_memory_bytes
+    from streamrl.policy.models import build_tiny_model, build_tokenizer
+    from streamrl.runtime.peak_memory import peak_memory_bytes
+    from streamrl.training.checkpointing import AtomicCheckpointIO
 
     model = build_tiny_model(build_tokenizer(), size)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)

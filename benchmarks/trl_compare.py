@@ -62,10 +62,10 @@ def run_trl(continuous_batching: bool, args, out: Path, cpu_settings: bool = Tru
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from streamrl.config import RunConfig
-    from streamrl.evaluation import evaluate
-    from streamrl.models import load_policy
-    from streamrl.prepare import ensure_policy, prepare_run
+    from streamrl.eval.heldout import evaluate
+    from streamrl.policy.models import load_policy
+    from streamrl.run.config import RunConfig
+    from streamrl.run.prepare import ensure_policy, prepare_run
     from streamrl.tasks import exact_match
 
     torch.set_num_threads(2)  # one process: both cores for generation and training
@@ -137,8 +137,8 @@ def run_trl(continuous_batching: bool, args, out: Path, cpu_settings: bool = Tru
 def run_streamrl(mode: str, args, out: Path) -> dict:
     """``streamrl fit`` defaults in ``mode`` (``async-keep``: async with partial rollout)."""
     job_started = time.perf_counter()
-    from streamrl.config import RunConfig
-    from streamrl.jobs import run_fit
+    from streamrl.run.config import RunConfig
+    from streamrl.run.jobs import run_fit
 
     config = RunConfig(output_dir=str(out))
     config.rl.iterations, config.rl.mode = args.steps, mode.removesuffix("-keep")
@@ -221,10 +221,10 @@ def main() -> int:
 
 def _prepare_policy() -> float:
     """Warm-start the demo policy once (cached), so no run pays for it; held-out accuracy."""
-    from streamrl.config import RunConfig
-    from streamrl.evaluation import evaluate
-    from streamrl.models import load_policy
-    from streamrl.prepare import ensure_policy, prepare_run
+    from streamrl.eval.heldout import evaluate
+    from streamrl.policy.models import load_policy
+    from streamrl.run.config import RunConfig
+    from streamrl.run.prepare import ensure_policy, prepare_run
 
     config = RunConfig()
     run = prepare_run(config)

@@ -70,7 +70,7 @@ def main() -> None:
 def _bf16_policy(size: str, folder: Path) -> Path:
     import torch
 
-    from streamrl.models import load_policy, save_policy, write_random_policy
+    from streamrl.policy.models import load_policy, save_policy, write_random_policy
 
     fp32 = write_random_policy(folder / "fp32", size, context=256)
     policy, tokenizer = load_policy(fp32, dtype=torch.bfloat16)

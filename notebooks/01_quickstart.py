@@ -32,7 +32,7 @@ from streamrl import (
     partial_credit,
     warm_start,
 )
-from streamrl.notebook import notebook_settings
+from streamrl.run.notebook import notebook_settings
 
 SMALL, OUT = notebook_settings()  # STREAMRL_NOTEBOOK_BUDGET=small|full, STREAMRL_NOTEBOOK_OUT
 torch.set_num_threads(1)  # one core for the trainer; the generator processes take the others

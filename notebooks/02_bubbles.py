@@ -31,8 +31,8 @@ import matplotlib.pyplot as plt
 
 from streamrl.bench import model_dir_for
 from streamrl.bench.pipeline import DEFAULT_LENGTHS, load_lengths, run_mode
-from streamrl.notebook import notebook_settings
-from streamrl.timeline_chart import draw_timeline
+from streamrl.run.notebook import notebook_settings
+from streamrl.training.timeline_chart import draw_timeline
 
 SMALL, OUT = notebook_settings()  # STREAMRL_NOTEBOOK_BUDGET=small|full, STREAMRL_NOTEBOOK_OUT
 MODES = ("colocated", "sync", "async")

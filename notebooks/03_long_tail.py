@@ -32,8 +32,8 @@ import torch
 
 from streamrl.bench.dispatch import bench_dispatch
 from streamrl.components.skewness.ranker import LengthRanker
-from streamrl.metrics import kendall_tau, recall_at_k
-from streamrl.notebook import notebook_settings
+from streamrl.components.skewness.ranking_metrics import kendall_tau, recall_at_k
+from streamrl.run.notebook import notebook_settings
 from streamrl.tasks import make_prompt_set
 
 SMALL, OUT = notebook_settings()  # STREAMRL_NOTEBOOK_BUDGET=small|full, STREAMRL_NOTEBOOK_OUT

@@ -40,7 +40,7 @@ from streamrl import (
     warm_start,
 )
 from streamrl.algorithms import Algorithm, LossInputs, TokenLoss
-from streamrl.notebook import notebook_settings
+from streamrl.run.notebook import notebook_settings
 
 SMALL, OUT = notebook_settings()  # STREAMRL_NOTEBOOK_BUDGET=small|full, STREAMRL_NOTEBOOK_OUT
 torch.set_num_threads(1)

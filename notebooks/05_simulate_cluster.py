@@ -23,11 +23,11 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 from streamrl.components.capacity.allocator import ResourceAllocator
-from streamrl.notebook import notebook_settings
+from streamrl.run.notebook import notebook_settings
 from streamrl.sim.engine import simulate
 from streamrl.sim.hardware import H800, QWEN25, decode_latency, kv_batch_limit, trainer_cost
 from streamrl.sim.presets import PAPER_BATCH, PAPER_PROMPT_TOKENS, paper_config, paper_lengths
-from streamrl.timeline_chart import draw_timeline
+from streamrl.training.timeline_chart import draw_timeline
 
 SMALL, OUT = notebook_settings()  # STREAMRL_NOTEBOOK_BUDGET=small|full, STREAMRL_NOTEBOOK_OUT
 ITERATIONS = 2 if SMALL else 4  # measured simulated iterations (after one warm-up)

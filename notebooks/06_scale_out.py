@@ -26,11 +26,11 @@ import torch
 from streamrl.components.generation.ray_instance import RayOptions
 from streamrl.components.generation.service import StreamGenerationService
 from streamrl.components.generation.worker import fingerprint
-from streamrl.config import RunConfig
-from streamrl.jobs import run_fit
-from streamrl.models import build_tiny_model, build_tokenizer, load_policy, save_policy
-from streamrl.notebook import notebook_settings
+from streamrl.policy.models import build_tiny_model, build_tokenizer, load_policy, save_policy
 from streamrl.records import Request
+from streamrl.run.config import RunConfig
+from streamrl.run.jobs import run_fit
+from streamrl.run.notebook import notebook_settings
 
 SMALL, OUT = notebook_settings()  # STREAMRL_NOTEBOOK_BUDGET=small|full, STREAMRL_NOTEBOOK_OUT
 UPDATES = 2 if SMALL else 5  # weight versions pushed to the Ray-hosted service

@@ -27,7 +27,7 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 
 from streamrl import load_config, reasoning_gym_dataset, run_fit
-from streamrl.notebook import notebook_settings, repo_file
+from streamrl.run.notebook import notebook_settings, repo_file
 
 SMALL, OUT = notebook_settings()  # STREAMRL_NOTEBOOK_BUDGET=small|full, STREAMRL_NOTEBOOK_OUT
 CONFIG = repo_file("configs/reasoning_gym.yaml")  # from the repository root or notebooks/

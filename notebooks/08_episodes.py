@@ -26,8 +26,8 @@ import matplotlib.pyplot as plt
 
 from streamrl import load_config, load_policy, run_fit
 from streamrl.envs.demos import demo_tokens
-from streamrl.notebook import notebook_settings, repo_file
-from streamrl.tasks.tool_tasks import CalculatorEnv, calculator_demonstration, calculator_rows
+from streamrl.envs.tool_tasks import CalculatorEnv, calculator_demonstration, calculator_rows
+from streamrl.run.notebook import notebook_settings, repo_file
 
 SMALL, OUT = notebook_settings()  # STREAMRL_NOTEBOOK_BUDGET=small|full, STREAMRL_NOTEBOOK_OUT
 CONFIGS = repo_file("configs")  # from the repository root or notebooks/

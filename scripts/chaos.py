@@ -119,7 +119,7 @@ class Run:
         """Start it (again): ``--resume auto`` goes on from the last checkpoint, if any."""
         n, self.starts, self.started = self.starts, self.starts + 1, time.time()
         env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-        command = [sys.executable, "-m", "streamrl.cli", "fit", "--config", str(self.config)]
+        command = [sys.executable, "-m", "streamrl.cli.main", "fit", "--config", str(self.config)]
         self.stdout_path = self.logs / f"start{n}.out"
         self.stderr_path = self.logs / f"start{n}.err"
         self.proc = subprocess.Popen(

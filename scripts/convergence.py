@@ -51,7 +51,7 @@ def run(name: str, rl: dict, seed: int, out: Path) -> dict:
     cmd = [
         sys.executable,
         "-m",
-        "streamrl.cli",
+        "streamrl.cli.main",
         "fit",
         "--config",
         str(run_dir / "config.yaml"),

@@ -48,7 +48,7 @@ step() {  # step NAME TIMEOUT COMMAND...: run it, record rc and seconds in $OUT/
 
 step gpu-tests 90 python3 -m pytest tests -m gpu -q -p no:cacheprovider -o addopts="" \
   --junitxml "$OUT/gpu-tests.xml"
-step model 60 python3 -m streamrl.cli model --size 0.5b --out "$OUT/qwen0.5b" --context 4608
+step model 60 python3 -m streamrl.cli.main model --size 0.5b --out "$OUT/qwen0.5b" --context 4608
 
 cat > "$OUT/fit.yaml" <<YAML
 model: $OUT/qwen0.5b
@@ -61,8 +61,8 @@ rl: {iterations: 2, prompts_per_iteration: 2, group_size: 2, generators: 1, gpus
      length_predictor: null, checkpoint_every: 0}
 trainer: {accelerator: cuda, devices: 1, precision: bf16-mixed, activation_checkpointing: true}
 YAML
-step fit 240 python3 -m streamrl.cli fit --config "$OUT/fit.yaml" --no-progress
-step bench-memory 120 python3 -m streamrl.cli bench memory --shape 0.5b --seq 4096 \
+step fit 240 python3 -m streamrl.cli.main fit --config "$OUT/fit.yaml" --no-progress
+step bench-memory 120 python3 -m streamrl.cli.main bench memory --shape 0.5b --seq 4096 \
   --device cuda --timeout-s 50
 if python3 -c "import vllm" 2> /dev/null; then
   step vllm 100 python3 scripts/gpu_vllm_check.py "$OUT/qwen0.5b" "$OUT/vllm"

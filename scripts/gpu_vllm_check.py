@@ -25,7 +25,7 @@ import torch
 
 from streamrl.components.generation.engines import VLLMEngine
 from streamrl.components.generation.service import StreamGenerationService
-from streamrl.models import load_policy, save_policy
+from streamrl.policy.models import load_policy, save_policy
 from streamrl.records import Request
 
 

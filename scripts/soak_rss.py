@@ -55,7 +55,7 @@ def main() -> int:
     cmd = [
         sys.executable,
         "-m",
-        "streamrl.cli",
+        "streamrl.cli.main",
         "fit",
         "--config",
         str(out / "soak.yaml"),

@@ -13,7 +13,7 @@ where it is called, so a reader can follow one sample from prompt to gradient:
 7. an ``Environment`` answers each turn of a multi-turn episode (``streamrl.envs``).
 
 In YAML each of them is a short name for a built-in or ``package.module:Name`` for your own
-(``streamrl.references``), checked before any work starts.
+(``streamrl.runtime.references``), checked before any work starts.
 """
 
 from __future__ import annotations
@@ -167,7 +167,7 @@ class EngineSpec:
         greedy: decode greedily instead of sampling.
         seed: the instance's sampling seed.
         stop_token_ids: more ids that end a sequence, besides the model's eos (end-of-turn
-            tokens: ``streamrl.chat.stop_token_ids``).
+            tokens: ``streamrl.policy.chat.stop_token_ids``).
         stop_strings: a sequence also ends once its text contains one of these (the stop
             string's tokens are kept in the sample).
     """

@@ -143,3 +143,16 @@ class Step:
     done: bool = False
     role: str = "user"
     info: dict = field(default_factory=dict)
+
+
+#: What a pipeline run reports, real (``streamrl bench pipeline``) or simulated, by name.
+PIPELINE_COLUMNS: tuple[str, ...] = (
+    "samples_per_s",
+    "iteration_s",
+    "gen_s",
+    "train_s",
+    "trainer_idle_frac",
+    "generator_idle_frac",
+    "exposed_sync_s",
+    "token_lag_mean",
+)

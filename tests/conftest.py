@@ -43,14 +43,14 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session")
 def tokenizer():
-    from streamrl.models import build_tokenizer
+    from streamrl.policy.models import build_tokenizer
 
     return build_tokenizer()
 
 
 @pytest.fixture
 def tiny_model(tokenizer):
-    from streamrl.models import build_tiny_model
+    from streamrl.policy.models import build_tiny_model
 
     return build_tiny_model(tokenizer, size="test", seed=0)
 
@@ -67,7 +67,7 @@ def fit_small(tmp_path, capsys):
 
     import yaml
 
-    from streamrl.cli import main
+    from streamrl.cli.main import main
 
     def run(
         model_size: str = "test",

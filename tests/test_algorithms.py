@@ -422,13 +422,13 @@ def test_docs_write_your_own_snippet_runs(capsys):
 
 @pytest.mark.timeout(240)
 def test_rloo_ppo_and_the_doc_algorithm_train_in_the_real_loop(tmp_path, tokenizer):
-    from streamrl.builders import build_trainer
     from streamrl.components.generation.service import StreamGenerationService
-    from streamrl.models import build_tiny_model, save_policy
-    from streamrl.module import StreamRLModule
-    from streamrl.prompts import PromptSource
-    from streamrl.rollout import RolloutStream
+    from streamrl.policy.models import build_tiny_model, save_policy
     from streamrl.tasks import make_prompt_set
+    from streamrl.training.builders import build_trainer
+    from streamrl.training.module import StreamRLModule
+    from streamrl.training.prompts import PromptSource
+    from streamrl.training.rollout import RolloutStream
 
     namespace: dict = {}
     exec(compile(_doc_snippet(), "docs/algorithms.md", "exec"), namespace)
@@ -485,9 +485,9 @@ def test_a_module_built_directly_never_drops_the_kl_term_asked_for(tokenizer):
     """``StreamRLModule(policy, GRPO(kl_coef=0.1), ...)`` without a reference would train with no
     KL penalty: refused, naming the builder that makes the reference; ``build_module`` keeps
     it and the loss then carries the KL term."""
-    from streamrl.builders import build_module
-    from streamrl.models import build_tiny_model
-    from streamrl.module import StreamRLModule
+    from streamrl.policy.models import build_tiny_model
+    from streamrl.training.builders import build_module
+    from streamrl.training.module import StreamRLModule
 
     policy = build_tiny_model(tokenizer, "test", seed=0)
     with pytest.raises(ValueError, match=r"GRPO needs a frozen reference policy.*build_module"):

@@ -9,8 +9,8 @@ import sys
 import pytest
 
 from streamrl.components.skewness.backbone_ranker import BackboneLengthRanker
+from streamrl.components.skewness.ranking_metrics import kendall_tau, recall_at_k
 from streamrl.errors import ConfigError
-from streamrl.metrics import kendall_tau, recall_at_k
 from streamrl.protocols import LengthPredictor
 from streamrl.records import Sample
 from streamrl.tasks import make_prompt_set
@@ -20,7 +20,7 @@ COPY_PROMPTS = [f"copy {'a' * n}=" for n in range(1, 30)]
 
 @pytest.fixture(scope="module")
 def backbone_dir(tmp_path_factory):
-    from streamrl.models import build_tiny_model, build_tokenizer, save_policy
+    from streamrl.policy.models import build_tiny_model, build_tokenizer, save_policy
 
     tokenizer = build_tokenizer()
     path = tmp_path_factory.mktemp("backbone") / "test-model"
@@ -112,7 +112,7 @@ def test_bad_inputs_fail_at_construction(backbone_dir, tmp_path, tokenizer):
         BackboneLengthRanker(backbone_dir, target_modules=["c_attn"])
     with pytest.raises(ConfigError, match="no model directory"):
         BackboneLengthRanker(tmp_path / "missing")
-    from streamrl.models import build_tiny_model
+    from streamrl.policy.models import build_tiny_model
 
     with pytest.raises(ConfigError, match="tokenizer"):
         BackboneLengthRanker(build_tiny_model(tokenizer, "test"))

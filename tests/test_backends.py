@@ -21,8 +21,8 @@ from streamrl.components.generation.hf_generator import HFStreamGenerator, finge
 from streamrl.components.generation.lora_generator import LoRAStreamGenerator
 from streamrl.components.skewness.schedulers import FIFOScheduler, LPTScheduler
 from streamrl.errors import ConfigError
-from streamrl.lora import LoRASpec, adapter_weights, apply_lora
-from streamrl.models import save_policy
+from streamrl.policy.lora import LoRASpec, adapter_weights, apply_lora
+from streamrl.policy.models import save_policy
 from streamrl.protocols import EngineSpec, GenerationEngine, StreamGenerator
 from streamrl.records import Request
 

@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from streamrl.cli import main
+from streamrl.cli.main import main
 
 # hidden 64, 2 layers, 4 heads, 2 KV heads: a ~0.4M-parameter model whose head dominates.
 TINY = ["--hidden", "64", "--layers", "2", "--heads", "4", "--kv-heads", "2"]

@@ -1,4 +1,4 @@
-"""Warm-start cache keys (``streamrl.cache_keys``): contents and code, not names."""
+"""Warm-start cache keys (``streamrl.runtime.cache_keys``): contents and code, not names."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import functools
 import importlib
 import sys
 
-from streamrl.cache_keys import code_digest, rows_digest
+from streamrl.runtime.cache_keys import code_digest, rows_digest
 
 
 def test_an_edited_demonstrations_module_is_a_new_key(tmp_path, monkeypatch):

@@ -9,11 +9,11 @@ import pytest
 import torch
 from varied_models import varied_model
 
-from streamrl.chat import completion_text, render_prompt, stop_token_ids
 from streamrl.components.generation.engines import HFEngine
 from streamrl.components.generation.hf_generator import HFStreamGenerator
 from streamrl.errors import ConfigError
-from streamrl.models import (
+from streamrl.policy.chat import completion_text, render_prompt, stop_token_ids
+from streamrl.policy.models import (
     DEFAULT_CHAT_TEMPLATE,
     build_bpe_tokenizer,
     build_tiny_model,

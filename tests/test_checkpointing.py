@@ -1,5 +1,5 @@
-"""Checkpoints written whole or not at all (``streamrl.checkpointing``): a process killed with
-SIGKILL in the middle of a save leaves the previous checkpoint loadable, and a stopped run's
+"""Checkpoints written whole or not at all (``streamrl.training.checkpointing``): a process killed
+with SIGKILL in the middle of a save leaves the previous checkpoint loadable, and a stopped run's
 save gives up at its deadline rather than outlive the scheduler's grace period."""
 
 from __future__ import annotations
@@ -14,15 +14,15 @@ import time
 import pytest
 import torch
 
-from streamrl.checkpointing import AtomicCheckpointIO, RunCheckpoint, checkpoints
-from streamrl.stopping import Stopped
+from streamrl.runtime.stopping import Stopped
+from streamrl.training.checkpointing import AtomicCheckpointIO, RunCheckpoint, checkpoints
 
 # The child writes a small checkpoint, then a large one over it, slowly (the file object's
 # writes are throttled so that the kill lands mid-write), and reports each stage.
 _CHILD = textwrap.dedent(
     """
     import sys, time, torch
-    from streamrl.checkpointing import AtomicCheckpointIO
+    from streamrl.training.checkpointing import AtomicCheckpointIO
 
     path = sys.argv[1]
     AtomicCheckpointIO().save_checkpoint({"step": 1, "w": torch.arange(10.0)}, path)
@@ -88,9 +88,9 @@ def _writing(folder, first_size: int) -> bool:
 
 def test_the_run_trainer_writes_its_checkpoints_atomically(tmp_path, tokenizer):
     from streamrl.algorithms import GRPO
-    from streamrl.builders import build_trainer
-    from streamrl.models import build_tiny_model
-    from streamrl.module import StreamRLModule
+    from streamrl.policy.models import build_tiny_model
+    from streamrl.training.builders import build_trainer
+    from streamrl.training.module import StreamRLModule
 
     module = StreamRLModule(build_tiny_model(tokenizer, "test"), GRPO(group_size=2), None, 1)
     trainer = build_trainer(module, output_dir=tmp_path, show_progress=False)

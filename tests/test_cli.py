@@ -10,14 +10,17 @@ import time
 import pytest
 import torch
 
-from streamrl.cli import build_parser, main
-from streamrl.fit_args import parse_fit
-from streamrl.sim.result import PIPELINE_COLUMNS
+from streamrl.cli.main import build_parser, main
+from streamrl.records import PIPELINE_COLUMNS
+from streamrl.run.fit_args import parse_fit
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "streamrl.cli", *args], capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "streamrl.cli.main", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
 
 
@@ -97,7 +100,7 @@ def test_fit_small_run_prints_json_summary(tmp_path, capsys):
     )
     # As a user pipes it (`streamrl fit ... | tail -1`), progress on: the headings of the
     # stages and every bar go to stderr, and stdout is the one JSON line.
-    command = [sys.executable, "-m", "streamrl.cli", "fit", "--config", str(config)]
+    command = [sys.executable, "-m", "streamrl.cli.main", "fit", "--config", str(config)]
     result = subprocess.run(command, capture_output=True, text=True, timeout=280, check=True)
     [line] = result.stdout.splitlines()
     summary = json.loads(line)
@@ -167,7 +170,7 @@ def test_ctrl_c_stops_every_generator_process(tmp_path):
         "sft: {model_size: test, steps: 2}\n"
         "rl: {iterations: 100000, prompts_per_iteration: 2, group_size: 2, generators: 2}\n"
     )
-    command = [sys.executable, "-m", "streamrl.cli", "fit", "--no-progress", "--config"]
+    command = [sys.executable, "-m", "streamrl.cli.main", "fit", "--no-progress", "--config"]
     command.append(str(config))
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 200
@@ -299,7 +302,7 @@ def test_bench_rejects_a_bad_lengths_file_before_any_work(
 
 
 def _short_context_model(tmp_path, tokenizer):
-    from streamrl.models import build_tiny_model, save_policy
+    from streamrl.policy.models import build_tiny_model, save_policy
 
     model = build_tiny_model(tokenizer, "test", max_positions=64)
     return str(save_policy(model, tokenizer, tmp_path / "short"))
@@ -329,7 +332,7 @@ def test_bench_refuses_a_model_too_short_for_the_lengths_before_any_work(
 
 def test_built_in_bench_model_gets_the_context_its_inputs_need(tmp_path):
     from streamrl.bench.inputs import model_dir_for
-    from streamrl.models import load_policy
+    from streamrl.policy.models import load_policy
 
     policy, _ = load_policy(model_dir_for("tiny", tmp_path, context=700))
     assert policy.config.max_position_embeddings == 700
@@ -357,8 +360,8 @@ def test_readme_python_snippet_runs(tmp_path):
     assert result.returncode == 0, result.stderr[-2000:]
     rewards = result.stdout.split("reward per iteration:")[1]
     assert rewards.count(",") == 4  # five iterations
-    from streamrl.models import load_policy
-    from streamrl.sft import SFTConfig, warm_start
+    from streamrl.policy.models import load_policy
+    from streamrl.policy.sft import SFTConfig, warm_start
 
     start = load_policy(warm_start(SFTConfig(model_size="test", steps=200)))[0].state_dict()
     after = load_policy(trained)[0].state_dict()
@@ -389,9 +392,9 @@ def test_same_seed_same_weights(tmp_path, capsys):
 
 
 def test_demo_sizes_are_valid_runs_and_small_is_smaller(tmp_path):
-    from streamrl.config_checks import check_values
-    from streamrl.demo import DEMO_SIZES
-    from streamrl.run_stages import RunStages
+    from streamrl.run.config_checks import check_values
+    from streamrl.run.demo import DEMO_SIZES
+    from streamrl.run.stages import RunStages
 
     full, small = (DEMO_SIZES[s].config(str(tmp_path / s)) for s in ("full", "small"))
     for config in (full, small):
@@ -406,7 +409,7 @@ def test_demo_sizes_are_valid_runs_and_small_is_smaller(tmp_path):
 def test_verbose_keeps_lightnings_information_lines():
     import logging
 
-    from streamrl.quiet import quiet_lightning
+    from streamrl.runtime.quiet import quiet_lightning
 
     logger = logging.getLogger("lightning.pytorch")
     quiet_lightning()

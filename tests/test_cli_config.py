@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 
 import streamrl
-import streamrl.references
-from streamrl.cli import build_parser, main
-from streamrl.config import RunConfig
-from streamrl.config_file import load_config
+import streamrl.runtime.references
+from streamrl.cli.main import build_parser, main
 from streamrl.errors import ConfigError
-from streamrl.run_parts import check_parts
+from streamrl.run.config import RunConfig
+from streamrl.run.config_file import load_config
+from streamrl.run.parts import check_parts
 
 DEMO = Path(__file__).resolve().parents[1] / "configs" / "demo.yaml"
 
@@ -24,7 +24,7 @@ DEMO = Path(__file__).resolve().parents[1] / "configs" / "demo.yaml"
 @pytest.fixture
 def fit(monkeypatch):
     """Run ``streamrl fit ARGS`` in this process; returns (exit code, the recorded calls)."""
-    import streamrl.jobs
+    import streamrl.run.jobs
 
     calls: list[dict] = []
 
@@ -32,10 +32,10 @@ def fit(monkeypatch):
         calls.append(dict(config=config, show_progress=show_progress, resume=resume))
         return {}
 
-    monkeypatch.setattr(streamrl.jobs, "run_fit", record)
+    monkeypatch.setattr(streamrl.run.jobs, "run_fit", record)
     # Where `module:Name` imports from (the console script adds to it): this test's own.
     monkeypatch.setattr(sys, "path", list(sys.path))
-    monkeypatch.setattr(streamrl.references, "_SEARCH_DIRS", [], raising=False)
+    monkeypatch.setattr(streamrl.runtime.references, "_SEARCH_DIRS", [], raising=False)
     monkeypatch.setenv("PYTHONPATH", os.environ.get("PYTHONPATH", ""))
 
     def run(*args: str) -> tuple[int, list[dict]]:

@@ -8,12 +8,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from streamrl.config import RunConfig
-from streamrl.config_checks import placement_of
-from streamrl.config_file import load_config
 from streamrl.errors import ConfigError
-from streamrl.prepare import prepare_run
-from streamrl.run_parts import check_parts
+from streamrl.run.config import RunConfig
+from streamrl.run.config_checks import placement_of
+from streamrl.run.config_file import load_config
+from streamrl.run.parts import check_parts
+from streamrl.run.prepare import prepare_run
 from streamrl.tasks.prompt_sets import load_prompt_file
 
 REPO = Path(__file__).resolve().parents[1]
@@ -225,7 +225,7 @@ def test_env_on_fault_is_drop_or_train(tmp_path):
 
 
 def test_an_episode_run_takes_no_reward_and_others_default_to_exact(tmp_path):
-    from streamrl.run_parts import reward_specs
+    from streamrl.run.parts import reward_specs
 
     assert load_checked(write(tmp_path, "env: {name: calculator}\n")).rl.reward is None
     with pytest.raises(

@@ -1,5 +1,5 @@
-"""Where the trainer runs and which GPUs the generators take (``streamrl.devices``), with the
-CUDA inventory faked: no GPU and no process is needed."""
+"""Where the trainer runs and which GPUs the generators take (``streamrl.runtime.devices``), with
+the CUDA inventory faked: no GPU and no process is needed."""
 
 from __future__ import annotations
 
@@ -9,13 +9,18 @@ import types
 import pytest
 import torch
 
-import streamrl.devices
+import streamrl.runtime.devices
 from streamrl.components.generation import ray_instance, service
 from streamrl.components.generation.engines import VLLMEngine, instance_device
 from streamrl.components.generation.ray_instance import RayOptions
 from streamrl.components.generation.service import StreamGenerationService
-from streamrl.devices import Placement, pin_visible_gpu, resolve_placement, visible_gpu_count
 from streamrl.errors import ConfigError
+from streamrl.runtime.devices import (
+    Placement,
+    pin_visible_gpu,
+    resolve_placement,
+    visible_gpu_count,
+)
 
 
 @pytest.fixture
@@ -23,7 +28,7 @@ def gpus(monkeypatch):
     """Fake this machine's GPU count: ``gpus(8)``."""
 
     def fake(count: int) -> None:
-        monkeypatch.setattr(streamrl.devices, "cuda_device_count", lambda: count)
+        monkeypatch.setattr(streamrl.runtime.devices, "cuda_device_count", lambda: count)
 
     return fake
 

@@ -90,7 +90,7 @@ def _commands(parser: argparse.ArgumentParser, prefix: str = "streamrl") -> set[
 
 @pytest.mark.parametrize("page", ["README.md", "docs/getting-started.md"])
 def test_command_tables_list_every_command(page: str) -> None:
-    from streamrl.cli import build_parser
+    from streamrl.cli.main import build_parser
 
     text = (ROOT / page).read_text(encoding="utf-8")
     section = text.split("\n## Command line\n", 1)[1].split("\n## ", 1)[0]

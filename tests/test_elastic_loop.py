@@ -7,15 +7,15 @@ from collections import Counter
 import pytest
 
 from streamrl.algorithms import GRPO
-from streamrl.builders import build_trainer
 from streamrl.components.capacity.elastic import ElasticController
 from streamrl.components.generation.service import StreamGenerationService
 from streamrl.components.skewness.latency import LatencyModel
-from streamrl.models import build_tiny_model, save_policy
-from streamrl.module import StreamRLModule
-from streamrl.prompts import PromptSource
-from streamrl.rollout import RolloutStream
+from streamrl.policy.models import build_tiny_model, save_policy
 from streamrl.tasks import make_prompt_set, partial_credit
+from streamrl.training.builders import build_trainer
+from streamrl.training.module import StreamRLModule
+from streamrl.training.prompts import PromptSource
+from streamrl.training.rollout import RolloutStream
 
 pytestmark = pytest.mark.timeout(300)
 

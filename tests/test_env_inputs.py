@@ -9,11 +9,11 @@ import json
 import pytest
 import yaml
 
-from streamrl.cli import main
+from streamrl.cli.main import main
 from streamrl.envs.demos import demo_tokens, sft_on_episodes
 from streamrl.envs.runner import EpisodeRunner
 from streamrl.errors import ConfigError, EnvError
-from streamrl.models import build_bpe_tokenizer, build_tiny_model, save_policy
+from streamrl.policy.models import build_bpe_tokenizer, build_tiny_model, save_policy
 from streamrl.records import Step
 
 ROW = {"prompt_id": "q", "prompt": "go"}

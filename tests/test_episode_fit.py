@@ -11,7 +11,7 @@ import pytest
 import yaml
 from extension_plugins import GuessEnv
 
-from streamrl.cli import main
+from streamrl.cli.main import main
 
 RL = {
     "iterations": 2,

@@ -12,17 +12,17 @@ from collections import Counter
 import pytest
 import torch
 
-from streamrl.chat import stop_token_ids
 from streamrl.components import StreamGenerationService
 from streamrl.components.training.layout import layout_batch
 from streamrl.envs.demos import sft_on_episodes
 from streamrl.envs.episode import TurnFormat
 from streamrl.envs.runner import EpisodeRunner
+from streamrl.envs.tool_tasks import CalculatorEnv, calculator_demonstration, calculator_rows
 from streamrl.errors import EnvError
-from streamrl.logprobs import completion_logprobs
-from streamrl.models import build_bpe_tokenizer, build_tiny_model, load_policy, save_policy
+from streamrl.policy.chat import stop_token_ids
+from streamrl.policy.logprobs import completion_logprobs
+from streamrl.policy.models import build_bpe_tokenizer, build_tiny_model, load_policy, save_policy
 from streamrl.records import Step
-from streamrl.tasks.tool_tasks import CalculatorEnv, calculator_demonstration, calculator_rows
 
 torch.set_num_threads(1)
 CONTEXT = 256
@@ -266,8 +266,8 @@ def test_the_ranker_learns_episode_cost_and_groups_are_episodes(policy_dir):
     """Through the trainer's stream: GRPO groups hold one row's episodes, scored by their
     environment, and the length predictor learns each episode's whole token count."""
     from streamrl.algorithms import GRPO
-    from streamrl.prompts import PromptSource
-    from streamrl.rollout import RolloutStream
+    from streamrl.training.prompts import PromptSource
+    from streamrl.training.rollout import RolloutStream
 
     _, tok = load_policy(policy_dir)
     rows = [{"prompt_id": f"q{i}", "prompt": f"play {i}", "turns": 1 + i % 3} for i in range(4)]
@@ -392,7 +392,7 @@ def test_episodes_the_environment_cut_are_left_out_of_their_groups(policy_dir, o
     others, not as a reward of 0); a group left with fewer than GRPO's 2 episodes is refilled;
     every episode is accounted for. ``train``: they are trained with reward 0."""
     from streamrl.algorithms import GRPO
-    from streamrl.rollout import RolloutStream
+    from streamrl.training.rollout import RolloutStream
 
     _, tok = load_policy(policy_dir)
     hangs = {"q0": 1, "q1": 0, "q2": 3, "q3": 2, "q4": 0, "q5": 0}
@@ -444,8 +444,8 @@ class Delivered:
     """The module's side of a ``RolloutStream``: fixed groups, ``left_out`` samples missing."""
 
     def __init__(self, groups, per_iteration: int, left_out: int) -> None:
-        from streamrl.rollout import IterationStats
-        from streamrl.timeline import TraceRecorder
+        from streamrl.training.rollout import IterationStats
+        from streamrl.training.timeline import TraceRecorder
 
         self.ready, self.samples_per_iteration = groups, per_iteration
         self.stats, self.trace = IterationStats(left_out=left_out), TraceRecorder()
@@ -461,8 +461,8 @@ def test_the_loss_is_the_mean_over_the_samples_the_groups_have(policy_dir):
     """3 samples of a 4-sample iteration whose 4th episode was left out train exactly as a
     3-sample iteration: the micro-batches' 1/4 is corrected to 1/3 before the step."""
     from streamrl.algorithms import GRPO
-    from streamrl.module import StreamRLModule
     from streamrl.records import Sample, ScoredGroup
+    from streamrl.training.module import StreamRLModule
 
     policy, _ = load_policy(policy_dir)
     samples = [Sample(f"q{i // 2}", i, [5, 6], [7 + i, 9], [-1.0, -1.5], 0, 0) for i in range(3)]

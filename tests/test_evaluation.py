@@ -1,4 +1,5 @@
-"""Held-out evaluation with the run's reward (``streamrl.evaluation``) and its periodic callback."""
+"""Held-out evaluation with the run's reward (``streamrl.eval.heldout``) and its periodic
+callback."""
 
 from __future__ import annotations
 
@@ -10,9 +11,9 @@ import pytest
 import torch
 
 from streamrl.errors import ConfigError, RewardError
-from streamrl.eval_callback import PeriodicEval
-from streamrl.evaluation import evaluate, pass_at_k
-from streamrl.models import build_tiny_model, build_tokenizer
+from streamrl.eval.heldout import evaluate, pass_at_k
+from streamrl.eval.periodic import PeriodicEval
+from streamrl.policy.models import build_tiny_model, build_tokenizer
 
 MAX_NEW = 6
 

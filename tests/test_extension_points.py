@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from streamrl.config import RunConfig
-from streamrl.config_file import from_dict
 from streamrl.errors import ConfigError
-from streamrl.run_parts import check_parts
+from streamrl.run.config import RunConfig
+from streamrl.run.config_file import from_dict
+from streamrl.run.parts import check_parts
 
 TESTS = Path(__file__).resolve().parent
 PLUGINS = {
@@ -56,7 +56,7 @@ def small_run(tmp_path: Path, **rl: object) -> RunConfig:
 
 @pytest.mark.timeout(300)
 def test_custom_parts_from_yaml_run_in_a_real_fit(tmp_path):
-    from streamrl.jobs import run_fit
+    from streamrl.run.jobs import run_fit
 
     markers = tmp_path / "markers"
     markers.mkdir()
@@ -83,9 +83,9 @@ def test_custom_parts_from_python_through_the_builders(tmp_path, tokenizer):
     import extension_plugins as plugins
 
     from streamrl import PromptSource, RolloutStream, StreamGenerationService
-    from streamrl.builders import build_module, build_trainer
-    from streamrl.models import build_tiny_model, save_policy
+    from streamrl.policy.models import build_tiny_model, save_policy
     from streamrl.tasks import make_prompt_set
+    from streamrl.training.builders import build_module, build_trainer
 
     policy = build_tiny_model(tokenizer, "test", seed=0)
     model_dir = save_policy(policy, tokenizer, tmp_path / "policy")

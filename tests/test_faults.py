@@ -13,15 +13,15 @@ import pytest
 import torch
 
 from streamrl.algorithms import GRPO, RewardError
-from streamrl.builders import build_trainer
 from streamrl.components.generation.service import StreamGenerationService
 from streamrl.errors import NonFiniteLossError
-from streamrl.jobs import ledger
-from streamrl.models import build_tiny_model, save_policy
-from streamrl.module import StreamRLModule
-from streamrl.prompts import PromptSource
-from streamrl.rollout import RolloutStream
+from streamrl.policy.models import build_tiny_model, save_policy
+from streamrl.run.jobs import ledger
 from streamrl.tasks import make_prompt_set, partial_credit
+from streamrl.training.builders import build_trainer
+from streamrl.training.module import StreamRLModule
+from streamrl.training.prompts import PromptSource
+from streamrl.training.rollout import RolloutStream
 
 pytestmark = [pytest.mark.faults, pytest.mark.timeout(300)]
 

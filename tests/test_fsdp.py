@@ -27,12 +27,12 @@ from streamrl.algorithms.base import LossInputs
 from streamrl.bench.full_logprobs import full_vocab_logprobs
 from streamrl.components.weights.staging import StagedWeights, stage_parameters
 from streamrl.components.weights.sync import AsyncWeightSync
-from streamrl.fsdp import ShardedStreamRLModule, fsdp_strategy, full_state, shard_policy
-from streamrl.models import build_tiny_model, build_tokenizer
-from streamrl.module import StreamRLModule
+from streamrl.policy.models import build_tiny_model, build_tokenizer
 from streamrl.records import Sample, ScoredGroup
-from streamrl.rollout import IterationStats
-from streamrl.timeline import TraceRecorder
+from streamrl.training.fsdp import ShardedStreamRLModule, fsdp_strategy, full_state, shard_policy
+from streamrl.training.module import StreamRLModule
+from streamrl.training.rollout import IterationStats
+from streamrl.training.timeline import TraceRecorder
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -26,7 +26,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from streamrl.models import load_policy
+from streamrl.policy.models import load_policy
 
 pytestmark = pytest.mark.timeout(700)  # the module fixture runs three fits
 
@@ -36,7 +36,7 @@ SAMPLES = PROMPTS * GROUP  # per iteration
 
 def _fit(root: Path, ranks: int, iterations: int, *extra: str, name: str = "") -> dict:
     config = _config(root, name or f"ranks{ranks}", iterations, ranks)
-    command = [sys.executable, "-m", "streamrl.cli", "fit", "--config", str(config)]
+    command = [sys.executable, "-m", "streamrl.cli.main", "fit", "--config", str(config)]
     result = subprocess.run(
         [*command, "--no-progress", *extra], capture_output=True, text=True, timeout=300
     )
@@ -75,7 +75,15 @@ def _torchrun_nodes(root: Path, name: str, iterations: int, *extra: str) -> list
                 *(sys.executable, "-m", "torch.distributed.run", "--nnodes", "2"),
                 *("--nproc_per_node", "1", "--node_rank", str(node)),
                 *("--master_addr", "127.0.0.1", "--master_port", str(port)),
-                *("-m", "streamrl.cli", "fit", "--config", str(config), "--no-progress", *extra),
+                *(
+                    "-m",
+                    "streamrl.cli.main",
+                    "fit",
+                    "--config",
+                    str(config),
+                    "--no-progress",
+                    *extra,
+                ),
             ],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -213,7 +221,7 @@ def test_a_killed_trainer_rank_stops_the_run_which_resumes_where_it_was(tmp_path
     goes on, no process of the run is left, and the run resumed from its last checkpoint ends
     bit for bit where the uninterrupted run did."""
     config = _config(tmp_path, "killed", ITERATIONS, ranks=2)
-    command = [sys.executable, "-m", "streamrl.cli", "fit", "--config", str(config)]
+    command = [sys.executable, "-m", "streamrl.cli.main", "fit", "--config", str(config)]
     run = subprocess.Popen(
         [*command, "--no-progress"],
         stdout=subprocess.PIPE,

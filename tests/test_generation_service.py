@@ -18,7 +18,7 @@ from streamrl.components.generation.hf_generator import fingerprint
 from streamrl.components.generation.service import GeneratorError, StreamGenerationService
 from streamrl.components.skewness.schedulers import FIFOScheduler, LPTScheduler
 from streamrl.errors import ConfigError
-from streamrl.models import build_tiny_model, save_policy
+from streamrl.policy.models import build_tiny_model, save_policy
 from streamrl.protocols import AdmissionScheduler, EngineSpec, StreamGenerator
 from streamrl.records import Request, Sample
 

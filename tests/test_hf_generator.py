@@ -7,7 +7,7 @@ import torch
 from varied_models import varied_model
 
 from streamrl.components import FIFOScheduler, HFStreamGenerator
-from streamrl.models import build_tiny_model, build_tokenizer
+from streamrl.policy.models import build_tiny_model, build_tokenizer
 from streamrl.records import Request, Sample
 
 torch.set_num_threads(1)

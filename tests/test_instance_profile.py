@@ -10,7 +10,7 @@ import pytest
 from streamrl.components.generation.hf_generator import HFStreamGenerator
 from streamrl.components.generation.service import StreamGenerationService
 from streamrl.components.skewness.instance_profile import LatencyProfile, profiled_latency
-from streamrl.models import build_tiny_model, save_policy
+from streamrl.policy.models import build_tiny_model, save_policy
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -11,8 +11,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from streamrl.bench.full_logprobs import full_vocab_logprobs
 from streamrl.components.training.layout import layout_batch
-from streamrl.logprobs import completion_logprobs, head_logprobs
-from streamrl.models import build_tiny_model
+from streamrl.policy.logprobs import completion_logprobs, head_logprobs
+from streamrl.policy.models import build_tiny_model
 from streamrl.records import Sample
 
 

@@ -13,7 +13,7 @@ from streamrl.components.generation.engines import HFEngine
 from streamrl.components.generation.hf_generator import HFStreamGenerator, fingerprint
 from streamrl.components.generation.service import StreamGenerationService
 from streamrl.errors import ConfigError
-from streamrl.lora import (
+from streamrl.policy.lora import (
     LoRASpec,
     MergedLoRA,
     adapter_weights,
@@ -21,7 +21,7 @@ from streamrl.lora import (
     sync_bytes,
     synced_weights,
 )
-from streamrl.models import build_tiny_model, save_policy
+from streamrl.policy.models import build_tiny_model, save_policy
 from streamrl.records import Request
 
 pytestmark = pytest.mark.timeout(120)
@@ -130,7 +130,7 @@ def test_generators_receive_only_adapters_and_decode_with_them(tmp_path, tokeniz
 def test_fit_with_lora_trains_adapters_only(tmp_path, fit_small):
     """Through ``streamrl fit``: every base tensor of the trained policy is bit for bit the
     starting policy's, and every adapter tensor (A and B, in every targeted layer) moved."""
-    from streamrl.models import load_policy
+    from streamrl.policy.models import load_policy
 
     # Rewards of the 20-step warm start are mostly 0: "partial" and 3 steps x 4 prompts x 4
     # samples give every adapter a gradient (B starts at 0, so A moves from the 2nd step on).

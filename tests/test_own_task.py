@@ -13,12 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from streamrl.cache_keys import rows_digest
-from streamrl.config import RunConfig
-from streamrl.config_file import from_dict
 from streamrl.errors import ConfigError
-from streamrl.prepare import prepare_run
-from streamrl.run_parts import check_parts
+from streamrl.run.config import RunConfig
+from streamrl.run.config_file import from_dict
+from streamrl.run.parts import check_parts
+from streamrl.run.prepare import prepare_run
+from streamrl.runtime.cache_keys import rows_digest
 
 REWARD_MODULE = '''
 import json, os
@@ -51,19 +51,19 @@ def write_dataset(path: Path, n: int) -> Path:
 def patch_dataset(rows: list[dict]):
     """The dataset file holds ``rows`` when it is read inside the block (``own_task`` writes
     its own on every call)."""
-    import streamrl.prepare
+    import streamrl.run.prepare
 
-    load = streamrl.prepare.load_prompt_dataset
+    load = streamrl.run.prepare.load_prompt_dataset
 
     def edited(file, **kwargs):
         Path(file).write_text("".join(json.dumps(r) + "\n" for r in rows))
         return load(file, **kwargs)
 
-    streamrl.prepare.load_prompt_dataset = edited
+    streamrl.run.prepare.load_prompt_dataset = edited
     try:
         yield
     finally:
-        streamrl.prepare.load_prompt_dataset = load
+        streamrl.run.prepare.load_prompt_dataset = load
 
 
 def own_task(tmp_path: Path, **overrides) -> RunConfig:
@@ -116,7 +116,7 @@ def reward_module(tmp_path, monkeypatch):
 
 @pytest.mark.timeout(400)
 def test_own_dataset_reward_and_chat_format_in_a_real_fit(tmp_path, reward_module):
-    from streamrl.jobs import run_fit
+    from streamrl.run.jobs import run_fit
 
     config = own_task(tmp_path)
     summary = run_fit(config, show_progress=False)
@@ -149,7 +149,7 @@ def test_the_tokenizer_is_a_chat_bpe_and_prompts_are_templated(tmp_path, reward_
     tokenizer = run.tokenizer
     assert tokenizer.chat_template and len(tokenizer) > 300
     assert any(len(tokenizer.convert_ids_to_tokens(i)) > 2 for i in range(260, len(tokenizer)))
-    from streamrl.chat import render_prompt
+    from streamrl.policy.chat import render_prompt
 
     ids = render_prompt(tokenizer, run.train[0]["prompt"], system_prompt="Be brief.")
     text = tokenizer.decode(ids)
@@ -160,7 +160,7 @@ def test_the_tokenizer_is_a_chat_bpe_and_prompts_are_templated(tmp_path, reward_
 
 
 def test_demo_share_keeps_the_warm_start_rows_apart_from_rl(tmp_path, reward_module):
-    from streamrl.prepare import ensure_policy
+    from streamrl.run.prepare import ensure_policy
 
     whole = prepare_run(own_task(tmp_path))
     run = prepare_run(
@@ -187,7 +187,7 @@ def test_demo_share_keeps_the_warm_start_rows_apart_from_rl(tmp_path, reward_mod
 def test_the_warm_start_cache_is_keyed_by_the_rows_contents(tmp_path, reward_module, capsys):
     """Edited rows (same file, same ids) are a new warm start, never the old one reused; the
     same rows reuse it, saying so; sft.cache false trains afresh."""
-    from streamrl.prepare import ensure_policy
+    from streamrl.run.prepare import ensure_policy
 
     path = write_dataset(tmp_path / "units.jsonl", 40)
     rows = [{**json.loads(line), "uid": f"u{i}"} for i, line in enumerate(path.open())]
@@ -216,7 +216,7 @@ def test_the_warm_start_cache_is_keyed_by_the_rows_contents(tmp_path, reward_mod
 
 @pytest.mark.parametrize("share", [0.0, 1.0, 1.5])
 def test_a_demo_share_outside_0_1_fails_before_work(tmp_path, reward_module, share):
-    from streamrl.config_checks import check_values
+    from streamrl.run.config_checks import check_values
 
     with pytest.raises(ConfigError, match=r"sft\.demo_share"):
         check_values(own_task(tmp_path, sft={"demo_share": share}))
@@ -254,8 +254,8 @@ def test_reasoning_gym_config_runs_at_a_small_size(tmp_path):
     """configs/reasoning_gym.yaml, every stage, on a few rows: the suite's prompts, its verifier as
     the reward (in a reward worker), a character tokenizer learned from the data, the warm start
     on the suite's answers, evaluation per task."""
-    from streamrl.config_file import load_config
-    from streamrl.jobs import run_fit
+    from streamrl.run.config_file import load_config
+    from streamrl.run.jobs import run_fit
 
     config = load_config(Path(__file__).resolve().parents[1] / "configs" / "reasoning_gym.yaml")
     config.output_dir = str(tmp_path / "run")
@@ -280,7 +280,7 @@ def {name}(completion, row):
 
 #: What pip writes as the ``streamrl`` console script.
 LAUNCHER = """import sys
-from streamrl.cli import main
+from streamrl.cli.main import main
 if __name__ == "__main__":
     sys.exit(main())
 """

@@ -15,10 +15,10 @@ from streamrl.components.generation.service import StreamGenerationService
 from streamrl.components.training.pipeline import MicroBatch
 from streamrl.components.weights.staging import StagedWeights
 from streamrl.errors import ConfigError
-from streamrl.lora import synced_weights
-from streamrl.models import build_tiny_model, build_tokenizer, save_policy
-from streamrl.module import StreamRLModule
+from streamrl.policy.lora import synced_weights
+from streamrl.policy.models import build_tiny_model, build_tokenizer, save_policy
 from streamrl.records import Request, Sample
+from streamrl.training.module import StreamRLModule
 
 torch.set_num_threads(1)
 
@@ -298,8 +298,8 @@ def test_a_bound_the_mode_cannot_keep_is_refused(tok, mode, bound, message):
     ],
 )
 def test_config_checks_name_the_key_and_the_fix(rl, message):
-    from streamrl.config import RLConfig
-    from streamrl.config_checks import check_rl
+    from streamrl.run.config import RLConfig
+    from streamrl.run.config_checks import check_rl
 
     with pytest.raises(ConfigError, match=message):
         check_rl(RLConfig(**rl))

@@ -11,16 +11,16 @@ from hypothesis import strategies as st
 
 from streamrl.algorithms import GRPO
 from streamrl.bench.full_logprobs import full_vocab_logprobs
-from streamrl.builders import build_trainer
 from streamrl.components.generation.service import StreamGenerationService
 from streamrl.components.generation.worker import fingerprint
 from streamrl.components.training.pipeline import DynamicBatchPipeline, MicroBatch
-from streamrl.models import build_tiny_model, save_policy
-from streamrl.module import StreamRLModule
-from streamrl.prompts import PromptSource
+from streamrl.policy.models import build_tiny_model, save_policy
 from streamrl.records import Sample, ScoredGroup
-from streamrl.rollout import RolloutStream
 from streamrl.tasks import make_prompt_set, partial_credit
+from streamrl.training.builders import build_trainer
+from streamrl.training.module import StreamRLModule
+from streamrl.training.prompts import PromptSource
+from streamrl.training.rollout import RolloutStream
 
 
 def make_groups(n_groups: int, group_size: int, seed: int, version: int = 0) -> list[ScoredGroup]:
@@ -50,7 +50,7 @@ def make_groups(n_groups: int, group_size: int, seed: int, version: int = 0) -> 
 class _NoRollouts:
     """Only what StreamRLModule.__init__ reads."""
 
-    from streamrl.timeline import TraceRecorder
+    from streamrl.training.timeline import TraceRecorder
 
     trace = TraceRecorder()
 

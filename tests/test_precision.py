@@ -23,9 +23,9 @@ from streamrl.components.training.sharding import (
     local_bytes,
     shard_model,
 )
-from streamrl.logprobs import causal_lm, completion_logprobs
-from streamrl.lora import LoRASpec, apply_lora
-from streamrl.models import build_tiny_model, build_tokenizer
+from streamrl.policy.logprobs import causal_lm, completion_logprobs
+from streamrl.policy.lora import LoRASpec, apply_lora
+from streamrl.policy.models import build_tiny_model, build_tokenizer
 from streamrl.records import Sample
 
 pytestmark = pytest.mark.timeout(180)

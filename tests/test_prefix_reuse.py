@@ -8,7 +8,7 @@ import torch
 from varied_models import varied_model
 
 from streamrl.components import HFStreamGenerator
-from streamrl.models import build_tokenizer
+from streamrl.policy.models import build_tokenizer
 from streamrl.records import Request
 
 torch.set_num_threads(1)

@@ -8,7 +8,7 @@ import datasets
 import pytest
 import torch
 
-from streamrl.prompts import PromptSource
+from streamrl.training.prompts import PromptSource
 
 N = 7  # prime: batches of 3 straddle every epoch boundary
 

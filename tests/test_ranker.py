@@ -10,15 +10,15 @@ from collections import deque
 import pytest
 
 from streamrl.algorithms import GRPO
-from streamrl.cli import main
+from streamrl.cli.main import main
 from streamrl.components.skewness.ranker import LengthRanker, prompt_features
-from streamrl.metrics import recall_at_k
-from streamrl.models import build_tokenizer
-from streamrl.prompts import PromptSource
+from streamrl.components.skewness.ranking_metrics import recall_at_k
+from streamrl.policy.models import build_tokenizer
 from streamrl.protocols import LengthPredictor
 from streamrl.records import Sample
-from streamrl.rollout import RolloutStream
 from streamrl.tasks import make_prompt_set
+from streamrl.training.prompts import PromptSource
+from streamrl.training.rollout import RolloutStream
 
 
 def test_ranker_learns_length_order_on_held_out_prompts():
@@ -217,7 +217,7 @@ def test_chat_length_data_is_documented_synthetic_rows():
 
 
 def test_bench_ranker_from_policy_samples_the_policy(tmp_path, capsys, tokenizer):
-    from streamrl.models import build_tiny_model, save_policy
+    from streamrl.policy.models import build_tiny_model, save_policy
 
     save_policy(build_tiny_model(tokenizer, "test", seed=0), tokenizer, tmp_path / "m")
     argv = [
@@ -375,9 +375,9 @@ def test_any_length_predictor_plugs_into_the_rollout_stream():
 def test_the_run_s_ranker_reads_prompts_in_the_policy_s_tokens():
     """``rl.length_predictor: ranker`` gets the policy's tokenizer from the run: its features
     include the policy's token n-grams (a predictor that takes no tokenizer is built without)."""
-    from streamrl.config import RunConfig
-    from streamrl.models import build_bpe_tokenizer, build_tiny_model
-    from streamrl.run_parts import RunParts
+    from streamrl.policy.models import build_bpe_tokenizer, build_tiny_model
+    from streamrl.run.config import RunConfig
+    from streamrl.run.parts import RunParts
 
     prompts = ["copy abc=", "rev abcdefgh=", "count 1 9=", "Spell backward: word"] * 4
     tokenizer = build_bpe_tokenizer(prompts * 8, vocab_size=300)

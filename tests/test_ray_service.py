@@ -15,7 +15,7 @@ import torch
 from streamrl.components.generation.hf_generator import fingerprint
 from streamrl.components.generation.ray_instance import RayOptions
 from streamrl.components.generation.service import StreamGenerationService
-from streamrl.models import build_tiny_model, save_policy
+from streamrl.policy.models import build_tiny_model, save_policy
 from streamrl.records import Request
 
 ray = pytest.importorskip("ray")

@@ -11,8 +11,8 @@ import torch
 pytest.importorskip("reasoning_gym")
 
 from streamrl.errors import ConfigError
-from streamrl.models import build_tiny_model, build_tokenizer
-from streamrl.sft_rows import corrupt, encode_rows, sft_on_rows
+from streamrl.policy.models import build_tiny_model, build_tokenizer
+from streamrl.policy.sft_rows import corrupt, encode_rows, sft_on_rows
 from streamrl.tasks.reasoning_gym import reasoning_gym_dataset, reasoning_gym_reward
 
 SPELL = {"spell_backward": {"min_word_len": 3, "max_word_len": 5}}

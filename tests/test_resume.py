@@ -13,14 +13,14 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from streamrl.algorithms import GRPO
-from streamrl.builders import build_trainer
 from streamrl.components.generation.service import StreamGenerationService
-from streamrl.models import build_tiny_model, save_policy
-from streamrl.module import StreamRLModule
-from streamrl.prompts import PromptSource
-from streamrl.rollout import RolloutStream
-from streamrl.stopping import Stopped, stop_on_signals
+from streamrl.policy.models import build_tiny_model, save_policy
+from streamrl.runtime.stopping import Stopped, stop_on_signals
 from streamrl.tasks import make_prompt_set, partial_credit
+from streamrl.training.builders import build_trainer
+from streamrl.training.module import StreamRLModule
+from streamrl.training.prompts import PromptSource
+from streamrl.training.rollout import RolloutStream
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -200,7 +200,7 @@ def test_sync_run_stopped_and_resumed_ends_with_the_uninterrupted_weights(
     uninterrupted one does: same prompts, same samples (each generator reseeds its sampling for
     every weight version), same weights and AdamW states."""
     from streamrl.components.generation.worker import fingerprint
-    from streamrl.models import load_policy
+    from streamrl.policy.models import load_policy
 
     rl = dict(reward="partial", group_size=4, checkpoint_every=1)
     full = fit_small(out="full", iterations=4, **rl)

@@ -8,16 +8,16 @@ from types import SimpleNamespace
 import pytest
 
 from streamrl.algorithms import GRPO
-from streamrl.models import build_tiny_model
-from streamrl.module import StreamRLModule
-from streamrl.reward_signal import (
+from streamrl.policy.models import build_tiny_model
+from streamrl.training.module import StreamRLModule
+from streamrl.training.reward_signal import (
     CHECKED_ITERATIONS,
     NoLearningSignalWarning,
     RewardSpreadCheck,
     show_plainly,
 )
-from streamrl.rollout import IterationStats
-from streamrl.timeline import TraceRecorder
+from streamrl.training.rollout import IterationStats
+from streamrl.training.timeline import TraceRecorder
 
 
 def observed(check: RewardSpreadCheck, iterations: list[list[float]]) -> list[str]:

@@ -10,15 +10,15 @@ import torch
 
 from streamrl.algorithms import GRPO, RewardError
 from streamrl.algorithms.base import LossInputs
-from streamrl.builders import build_trainer
 from streamrl.components.generation.service import StreamGenerationService
 from streamrl.components.generation.worker import fingerprint
 from streamrl.components.skewness.schedulers import LPTScheduler
-from streamrl.models import build_tiny_model, save_policy
-from streamrl.module import StreamRLModule
-from streamrl.prompts import PromptSource
-from streamrl.rollout import RolloutStream
+from streamrl.policy.models import build_tiny_model, save_policy
 from streamrl.tasks import make_prompt_set, partial_credit
+from streamrl.training.builders import build_trainer
+from streamrl.training.module import StreamRLModule
+from streamrl.training.prompts import PromptSource
+from streamrl.training.rollout import RolloutStream
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -205,7 +205,7 @@ def test_ranker_dispatch_and_lpt_wired_into_the_loop(tmp_path, tokenizer):
 
 
 def test_dynamic_sampling_refills_filtered_groups_and_the_ledger_balances(tmp_path, tokenizer):
-    from streamrl.jobs import ledger
+    from streamrl.run.jobs import ledger
 
     policy = build_tiny_model(tokenizer, "test", seed=0)
     save_policy(policy, tokenizer, tmp_path / "policy")

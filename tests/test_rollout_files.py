@@ -10,10 +10,10 @@ import pyarrow as pa
 import pytest
 import yaml
 
-from streamrl.cli import main
-from streamrl.module import StreamRLModule
+from streamrl.cli.main import main
 from streamrl.records import Sample
-from streamrl.rollout_files import ParquetRollouts, TrainedSample
+from streamrl.training.module import StreamRLModule
+from streamrl.training.rollout_files import ParquetRollouts, TrainedSample
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -163,14 +163,14 @@ def test_a_python_hook_gets_each_iteration_without_the_filtered_groups(
     tmp_path, tokenizer, loss_saw
 ):
     from streamrl.algorithms import GRPO
-    from streamrl.builders import build_trainer
     from streamrl.components.generation.service import StreamGenerationService
-    from streamrl.jobs import ledger
-    from streamrl.models import build_tiny_model, save_policy
-    from streamrl.prompts import PromptSource
-    from streamrl.rollout import RolloutStream
-    from streamrl.rollout_files import RolloutRecorder
+    from streamrl.policy.models import build_tiny_model, save_policy
+    from streamrl.run.jobs import ledger
     from streamrl.tasks import make_prompt_set
+    from streamrl.training.builders import build_trainer
+    from streamrl.training.prompts import PromptSource
+    from streamrl.training.rollout import RolloutStream
+    from streamrl.training.rollout_files import RolloutRecorder
 
     policy = build_tiny_model(tokenizer, "test", seed=0)
     save_policy(policy, tokenizer, tmp_path / "policy")
@@ -213,7 +213,7 @@ def test_a_failing_run_closes_its_sink_and_keeps_its_own_error(tmp_path, capsys)
     from types import SimpleNamespace
 
     from streamrl.components.training.pipeline import MicroBatch
-    from streamrl.rollout_files import RolloutRecorder
+    from streamrl.training.rollout_files import RolloutRecorder
 
     class Sink:
         def __init__(self) -> None:

@@ -8,9 +8,9 @@ import random
 import pytest
 import torch
 
-from streamrl.evaluation import evaluate
-from streamrl.models import build_tiny_model, count_parameters, load_policy
-from streamrl.sft import (
+from streamrl.eval.heldout import evaluate
+from streamrl.policy.models import build_tiny_model, count_parameters, load_policy
+from streamrl.policy.sft import (
     SFTConfig,
     corrupt_answer,
     encode_demos,
@@ -80,7 +80,7 @@ def test_warm_start_is_cached_and_loadable(tmp_path):
 def test_interrupted_warm_start_resumes_where_it_stopped(tmp_path, monkeypatch):
     """Ctrl-C at step 250 of 300: the rerun starts at the last save (step 200), and ends with
     the weights and losses of a warm start that was never interrupted."""
-    import streamrl.sft as sft
+    import streamrl.policy.sft as sft
 
     config = SFTConfig(model_size="test", steps=300, n_demos=256)
     whole = warm_start(config, tmp_path / "whole", show_progress=False)

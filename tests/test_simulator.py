@@ -27,7 +27,7 @@ from streamrl.sim.validate import (
     sim_mode_fields,
     validate,
 )
-from streamrl.timeline import load_trace
+from streamrl.training.timeline import load_trace
 
 # PTL 1.0 s per step alone, 1.5 s with two running.
 TWO_POINT = LatencyModel([1, 2], [1.0, 1.5])

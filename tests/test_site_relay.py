@@ -15,7 +15,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from streamrl.components.generation.hf_generator import fingerprint
 from streamrl.components.generation.service import StreamGenerationService
-from streamrl.models import build_tiny_model, save_policy
+from streamrl.policy.models import build_tiny_model, save_policy
 from streamrl.records import Request
 
 pytestmark = pytest.mark.timeout(240)

@@ -9,7 +9,7 @@ from streamrl.components.skewness.dispatch import RandomDispatcher
 from streamrl.components.skewness.latency import PAPER_7B_H800_MS, LatencyModel, simulate_instance
 from streamrl.components.skewness.schedulers import LPTScheduler
 from streamrl.components.skewness.skew_dispatch import SkewAwareDispatcher
-from streamrl.models import build_tiny_model
+from streamrl.policy.models import build_tiny_model
 from streamrl.records import Request
 
 TABLE_MS = {1: 1.0, 2: 1.0, 4: 1.1, 8: 1.2, 16: 1.5, 32: 2.0}
@@ -129,7 +129,7 @@ def test_generator_admits_in_lpt_order(tokenizer):
 def _bench_json(capsys, argv: list[str]) -> dict:
     import json
 
-    from streamrl.cli import main
+    from streamrl.cli.main import main
 
     assert main(["bench", "dispatch", *argv]) == 0
     return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
@@ -233,7 +233,7 @@ def test_ranker_predictions_read_the_prompts_only():
     assert predict("ranker", shuffled, earlier, ranker_noise=0.25, seed=0).lengths == first.lengths
     assert first.info["trained_on"] == 200 and not set(batch.prompts) & set(earlier.prompts)
     # The text carries signal: the ranker orders the batch far better than chance.
-    from streamrl.metrics import kendall_tau
+    from streamrl.components.skewness.ranking_metrics import kendall_tau
 
     assert kendall_tau(first.lengths, batch.lengths) > 0.3
 
@@ -263,7 +263,7 @@ def test_bench_dispatch_real_runs_lengths_past_the_tiny_context(tmp_path, capsys
 
 
 def test_recall_and_kendall_hand_computed():
-    from streamrl.metrics import kendall_tau, recall_at_k
+    from streamrl.components.skewness.ranking_metrics import kendall_tau, recall_at_k
 
     assert recall_at_k([5, 4, 3, 2, 1], [9, 1, 8, 2, 0], 0.4) == 0.5
     assert recall_at_k([1, 2, 3, 4, 5], [1, 2, 3, 4, 5], 0.2) == 1.0
@@ -274,7 +274,7 @@ def test_recall_and_kendall_hand_computed():
 def test_profile_command_measures_ptl(tmp_path, capsys):
     import json
 
-    from streamrl.cli import main
+    from streamrl.cli.main import main
 
     out = tmp_path / "profile.json"
     argv = ["profile", "--batch-sizes", "1,4", "--tokens", "4", "--repeats", "1", "-o", str(out)]

@@ -1,5 +1,5 @@
-"""A run stopped from outside (``streamrl.stopping``): SIGTERM or Ctrl-C to the run or to its
-whole process group is one event; the run never exits 0 for it, replaces none of the children
+"""A run stopped from outside (``streamrl.runtime.stopping``): SIGTERM or Ctrl-C to the run or to
+its whole process group is one event; the run never exits 0 for it, replaces none of the children
 the signal killed, leaves no process behind and says how to go on."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from streamrl.stopping import Stopped, resume_hint, shielded, stop_on_signals
+from streamrl.runtime.stopping import Stopped, resume_hint, shielded, stop_on_signals
 
 
 def test_the_first_signal_raises_stopped_and_the_rest_are_ignored():
@@ -56,7 +56,7 @@ def test_a_checkpoint_being_written_is_finished_before_the_stop(tmp_path, monkey
     whole file (it is the one the stop message tells users to resume from)."""
     from lightning.pytorch.callbacks import ModelCheckpoint
 
-    from streamrl.checkpointing import checkpoints
+    from streamrl.training.checkpointing import checkpoints
 
     def slow_save(self, trainer, filepath):  # Lightning's save, with a signal in the middle
         with open(filepath, "w") as f:
@@ -92,7 +92,7 @@ def _run(tmp_path: Path, iterations: int) -> tuple[subprocess.Popen, Path]:
         f"rl: {{iterations: {iterations}, prompts_per_iteration: 2, group_size: 2, "
         "generators: 2, reward_workers: 1, checkpoint_every: 1}\n"
     )
-    command = [sys.executable, "-m", "streamrl.cli", "fit", "--no-progress", "--config"]
+    command = [sys.executable, "-m", "streamrl.cli.main", "fit", "--no-progress", "--config"]
     proc = subprocess.Popen(
         [*command, str(config)],
         stdout=subprocess.PIPE,
@@ -144,7 +144,7 @@ def test_resume_auto_takes_the_newest_of_last_and_lightnings_slurm_checkpoints(t
     """Under SLURM, Lightning saves ``hpc_ckpt_N.ckpt`` on the requeue signal (SIGUSR1) and the
     stop writes ``last.ckpt``: the requeued job's ``--resume auto`` goes on from the newer."""
     from streamrl.errors import ConfigError
-    from streamrl.reruns import resolve_resume
+    from streamrl.run.reruns import resolve_resume
 
     assert resolve_resume(tmp_path, "auto") is None
     last = tmp_path / "checkpoints" / "last.ckpt"
@@ -165,7 +165,7 @@ def test_resume_auto_takes_the_newest_of_last_and_lightnings_slurm_checkpoints(t
 def test_lightnings_requeue_save_waits_for_a_shielded_step():
     """SIGUSR1 (SLURM's requeue signal: Lightning saves a checkpoint in its handler) inside an
     optimizer step runs once the step is whole, not in its middle."""
-    from streamrl.stopping import hold_signal
+    from streamrl.runtime.stopping import hold_signal
 
     seen: list[str] = []
     previous = signal.signal(signal.SIGUSR1, lambda s, f: seen.append("saved"))

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from streamrl.records import Sample
-from streamrl.timeline import (
+from streamrl.training.timeline import (
     STAGES,
     TRACE_VERSION,
     Span,
@@ -19,7 +19,7 @@ from streamrl.timeline import (
     mean_running,
     trainer_span,
 )
-from streamrl.timeline_chart import (
+from streamrl.training.timeline_chart import (
     ITERATION_LABEL,
     LEGEND_LABELS,
     add_timeline_command,
@@ -306,9 +306,9 @@ def test_checkpoint_saves_and_evaluations_are_spans(monkeypatch, tmp_path):
 
     from lightning.pytorch.callbacks import ModelCheckpoint
 
-    from streamrl.checkpointing import checkpoints
-    from streamrl.eval_callback import PeriodicEval
-    from streamrl.evaluation import EvalResult
+    from streamrl.eval.heldout import EvalResult
+    from streamrl.eval.periodic import PeriodicEval
+    from streamrl.training.checkpointing import checkpoints
 
     module = SimpleNamespace(trace=TraceRecorder(), weight_version=10, policy=None)
     trainer = SimpleNamespace(lightning_module=module, global_step=10, loggers=[])

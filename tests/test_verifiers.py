@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from streamrl.errors import ConfigError
-from streamrl.models import build_tokenizer, load_tokenizer
+from streamrl.policy.models import build_tokenizer, load_tokenizer
 from streamrl.rewards.reward_model import RewardModel
 from streamrl.rewards.spec import RewardSpec, build_reward
 from streamrl.rewards.verifiers import boxed_or_last_number, math_answer

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from streamrl.models import build_tiny_model
+from streamrl.policy.models import build_tiny_model
 
 
 def varied_model(tok: PreTrainedTokenizerBase, seed: int = 0) -> PreTrainedModel:

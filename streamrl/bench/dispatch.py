@@ -36,11 +36,11 @@ from streamrl.components.generation.service import StreamGenerationService
 from streamrl.components.skewness.dispatch import Dispatcher, RandomDispatcher
 from streamrl.components.skewness.latency import PAPER_7B_H800_MS, LatencyModel, simulate_instance
 from streamrl.components.skewness.profiler import Profiler
+from streamrl.components.skewness.ranking_metrics import kendall_tau, recall_at_k
 from streamrl.components.skewness.schedulers import LPTScheduler
 from streamrl.components.skewness.skew_dispatch import SkewAwareDispatcher
 from streamrl.errors import ConfigError
-from streamrl.metrics import kendall_tau, recall_at_k
-from streamrl.models import load_policy
+from streamrl.policy.models import load_policy
 from streamrl.records import Request
 
 POLICIES = ("random", "skew", "oracle")

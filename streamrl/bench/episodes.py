@@ -26,18 +26,18 @@ from pathlib import Path
 
 import torch
 
-from streamrl.builders import measure_latency
-from streamrl.chat import stop_token_ids
 from streamrl.components.generation.service import StreamGenerationService
 from streamrl.components.skewness.dispatch import RoundRobinDispatcher
 from streamrl.components.skewness.ranker import LengthRanker
+from streamrl.components.skewness.ranking_metrics import recall_at_k
 from streamrl.components.skewness.schedulers import FIFOScheduler, LPTScheduler
 from streamrl.components.skewness.skew_dispatch import SkewAwareDispatcher
 from streamrl.envs.demos import episode_tokenizer
 from streamrl.envs.runner import EpisodeRunner
-from streamrl.metrics import recall_at_k
-from streamrl.models import build_tiny_model, load_policy, save_policy
+from streamrl.policy.chat import stop_token_ids
+from streamrl.policy.models import build_tiny_model, load_policy, save_policy
 from streamrl.records import Step
+from streamrl.training.builders import measure_latency
 
 POLICIES = ("round_robin", "round_robin_affinity", "episode_aware")
 MAX_ROUNDS = 8  # 8 turns of 16 tokens and their observations fit the tiny policy's context

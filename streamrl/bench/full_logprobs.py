@@ -1,5 +1,6 @@
-"""The trainer's log-probs as they were before ``streamrl.logprobs``: logits at every position over
-the whole vocabulary (several ``[batch, seq, vocab]`` tensors, held for the backward pass).
+"""The trainer's log-probs as they were before ``streamrl.policy.logprobs``: logits at every
+position over the whole vocabulary (several ``[batch, seq, vocab]`` tensors, held for the backward
+pass).
 
 Kept for two readers only: ``streamrl bench memory`` measures it as the old path beside the
 chunked one, and the tests compare the chunked log-probs and gradients against it.

@@ -13,7 +13,7 @@ import torch
 from streamrl.bench.inputs import DEFAULT_CONTEXT, check_context, tokenizer_for
 from streamrl.components.generation.hf_generator import HFStreamGenerator
 from streamrl.errors import ConfigError
-from streamrl.models import build_tiny_model, build_tokenizer, load_policy
+from streamrl.policy.models import build_tiny_model, build_tokenizer, load_policy
 from streamrl.records import Request
 from streamrl.tasks import make_prompt_set
 

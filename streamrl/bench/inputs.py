@@ -86,7 +86,7 @@ def load_predictions(path: str | Path, count: int) -> list[float]:
 
 def tokenizer_for(model: str):
     """The tokenizer of a built-in model name or of a model directory."""
-    from streamrl.models import build_tokenizer, load_tokenizer
+    from streamrl.policy.models import build_tokenizer, load_tokenizer
 
     if model in BUILT_IN:
         return build_tokenizer()
@@ -111,7 +111,7 @@ def model_dir_for(model: str, scratch: Path, seed: int = 0, context: int = 0) ->
     if model not in BUILT_IN:
         check_context(model, context)
         return Path(model)
-    from streamrl.models import build_tiny_model, build_tokenizer, save_policy
+    from streamrl.policy.models import build_tiny_model, build_tokenizer, save_policy
 
     tokenizer = build_tokenizer()
     positions = max(DEFAULT_CONTEXT[model], context)  # rotary: the weights do not change

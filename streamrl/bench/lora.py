@@ -13,8 +13,8 @@ import time
 import torch
 
 from streamrl.components.generation.hf_generator import HFStreamGenerator
-from streamrl.lora import LoRASpec, MergedLoRA, adapter_weights, apply_lora, sync_bytes
-from streamrl.models import build_tiny_model, build_tokenizer
+from streamrl.policy.lora import LoRASpec, MergedLoRA, adapter_weights, apply_lora, sync_bytes
+from streamrl.policy.models import build_tiny_model, build_tokenizer
 from streamrl.records import Request
 
 

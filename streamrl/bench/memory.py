@@ -6,14 +6,14 @@ log-prob path beside its new one, each case in a fresh process (docs/memory.md).
   (``streamrl.bench.full_logprobs``).
 - ``new``, the trainer as it is: a one-rank FSDP2 mesh in bf16-mixed precision, activation
   checkpointing, one packed row, the LM head only at completion positions, chunk by chunk
-  (``streamrl.logprobs``).
+  (``streamrl.policy.logprobs``).
 
 A case builds a model with random weights (a shape, or a model directory's config), creates
 AdamW's state, runs one step of GRPO's loss (forward, backward, optimizer step), then the
 log-prob + loss part alone: from the final hidden states (a leaf) to their gradients. Memory is
-``streamrl.peak_memory``'s: peak resident set size on the CPU, peak allocated tensors on CUDA.
-A case runs under a memory limit (``RLIMIT_AS`` on the CPU, a memory fraction on CUDA); one that
-runs out is reported as ``oom`` with what it needed, and the other cases still run.
+``streamrl.runtime.peak_memory``'s: peak resident set size on the CPU, peak allocated tensors on
+CUDA. A case runs under a memory limit (``RLIMIT_AS`` on the CPU, a memory fraction on CUDA); one
+that runs out is reported as ``oom`` with what it needed, and the other cases still run.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from streamrl.errors import ConfigError
-from streamrl.models import SHAPES as MODEL_SHAPES
+from streamrl.policy.models import SHAPES as MODEL_SHAPES
 
 TrainPath = Literal["old", "new"]
 PATHS: tuple[str, ...] = ("old", "new")

@@ -30,9 +30,9 @@ from streamrl.bench.full_logprobs import full_vocab_logprobs
 from streamrl.bench.memory import GIB, TEMPERATURE, MemoryCase
 from streamrl.components.training.layout import TrainBatch, layout_batch
 from streamrl.components.training.sharding import enable_activation_checkpointing, shard_model
-from streamrl.logprobs import causal_lm, completion_logprobs, head_logprobs, output_head
-from streamrl.peak_memory import peak_memory_bytes, reset_peak_memory, resident_bytes
+from streamrl.policy.logprobs import causal_lm, completion_logprobs, head_logprobs, output_head
 from streamrl.records import Sample
+from streamrl.runtime.peak_memory import peak_memory_bytes, reset_peak_memory, resident_bytes
 
 _OOM_MARKERS = ("can't allocate memory", "out of memory", "bad_alloc")
 
@@ -257,7 +257,7 @@ def _main() -> None:
     )
     parser.add_argument("--case", required=True, help="a MemoryCase as JSON (what run_case passes)")
     case = MemoryCase(**json.loads(parser.parse_args().case))
-    from streamrl.quiet import quiet_libraries
+    from streamrl.runtime.quiet import quiet_libraries
 
     quiet_libraries()
     print(json.dumps(measure_case(case)), flush=True)

@@ -32,19 +32,19 @@ import torch
 
 from streamrl.algorithms import GRPO
 from streamrl.bench.inputs import load_lengths, model_dir_for, tokenizer_for
-from streamrl.builders import build_module, build_trainer
 from streamrl.components.generation.service import StreamGenerationService
 from streamrl.errors import ConfigError
-from streamrl.models import load_policy
-from streamrl.prompts import PromptSource
-from streamrl.reward_signal import NoLearningSignalWarning
+from streamrl.policy.models import load_policy
+from streamrl.records import PIPELINE_COLUMNS
 from streamrl.rewards.pool import RewardPool
 from streamrl.rewards.spec import RewardSpec
-from streamrl.rollout import RolloutStream
-from streamrl.sim.result import PIPELINE_COLUMNS
 from streamrl.tasks import make_prompt_set
-from streamrl.timeline import busy_fraction, mean_running
-from streamrl.timeline_chart import draw_timeline
+from streamrl.training.builders import build_module, build_trainer
+from streamrl.training.prompts import PromptSource
+from streamrl.training.reward_signal import NoLearningSignalWarning
+from streamrl.training.rollout import RolloutStream
+from streamrl.training.timeline import busy_fraction, mean_running
+from streamrl.training.timeline_chart import draw_timeline
 
 DEFAULT_LENGTHS = Path(__file__).resolve().parents[1] / "data" / "lengths_longtail.json"
 

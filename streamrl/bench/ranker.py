@@ -11,8 +11,8 @@ import torch
 
 from streamrl.bench.inputs import check_context
 from streamrl.components.skewness.ranker import LengthRanker, word_tokenizer
+from streamrl.components.skewness.ranking_metrics import kendall_tau, recall_at_k
 from streamrl.errors import ConfigError
-from streamrl.metrics import kendall_tau, recall_at_k
 
 POLICY_MAX_TOKENS = 64  # --from-policy: the longest answer sampled
 
@@ -159,7 +159,7 @@ def _load_tokenizer(path: str | Path):
         from transformers import PreTrainedTokenizerFast
 
         return PreTrainedTokenizerFast(tokenizer_file=str(path))
-    from streamrl.models import load_tokenizer
+    from streamrl.policy.models import load_tokenizer
 
     return load_tokenizer(path)
 
@@ -203,7 +203,7 @@ def policy_lengths(
     """Sample the policy ``samples`` times on ``n_prompts`` task prompts; one row per prompt with
     every sampled length (the ranker is trained and scored on the policy's own lengths)."""
     from streamrl.components.generation.service import StreamGenerationService
-    from streamrl.models import load_tokenizer
+    from streamrl.policy.models import load_tokenizer
     from streamrl.records import Request
     from streamrl.tasks import make_prompt_set
 

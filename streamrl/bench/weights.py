@@ -84,7 +84,7 @@ def bench_weights(cases: list[WeightsCase], timeout_s: float = 3600.0) -> dict[s
 
 def random_model_dir(size: str) -> str:
     """A random-weights model directory of a built-in shape, in a temporary directory."""
-    from streamrl.models import write_random_policy
+    from streamrl.policy.models import write_random_policy
 
     out = Path(tempfile.mkdtemp(prefix=f"streamrl-weights-{size}-")) / "model"
     print(f"weights: writing a random {size} model to {out} ...", file=sys.stderr, flush=True)

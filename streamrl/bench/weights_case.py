@@ -219,7 +219,7 @@ def _old_instance_main(port: int, case: WeightsCase, link: Any) -> None:
     """An old-path instance: fresh full-model buffers per version, then a copy into the model."""
     from streamrl.components.generation.hf_weights import copy_into, fingerprint
     from streamrl.components.weights.transport import WeightGroup
-    from streamrl.models import load_policy
+    from streamrl.policy.models import load_policy
 
     torch.set_num_threads(1)
     model, _ = load_policy(case.model_dir)
@@ -253,7 +253,7 @@ def _rank_main(rank: int, port: int, case: WeightsCase) -> None:
 
 def _trainer_model(rank: int, port: int, case: WeightsCase) -> torch.nn.Module:
     """The policy in float32 on this trainer rank: whole with one rank, else FSDP2-sharded."""
-    from streamrl.models import load_policy
+    from streamrl.policy.models import load_policy
 
     model, _ = load_policy(case.model_dir)
     if case.trainer_ranks == 1:
@@ -304,7 +304,7 @@ def _main() -> None:
     )
     parser.add_argument("--case", required=True, help="a WeightsCase as JSON")
     case = WeightsCase(**json.loads(parser.parse_args().case))
-    from streamrl.quiet import quiet_libraries
+    from streamrl.runtime.quiet import quiet_libraries
 
     quiet_libraries()
     print(json.dumps({"case": asdict(case), **measure_case(case)}), flush=True)

@@ -7,7 +7,7 @@ observation appended with ``TurnFormat``. The loss covers the turns' tokens only
 start and RL see the same sequences and train on the same positions.
 
 Examples:
-    >>> from streamrl.models import build_bpe_tokenizer, build_tiny_model
+    >>> from streamrl.policy.models import build_bpe_tokenizer, build_tiny_model
     >>> from streamrl.tasks import tool_tasks as calc
     >>> rows = calc.calculator_rows(4)
     >>> tok = build_bpe_tokenizer([str(calc.CalculatorEnv().reset(r)) for r in rows], 300)
@@ -25,14 +25,14 @@ from typing import Any
 
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from streamrl.chat import render_prompt
 from streamrl.envs.contract import check_reset, check_step, short_repr
 from streamrl.envs.episode import TurnFormat
 from streamrl.errors import ConfigError
-from streamrl.models import build_bpe_tokenizer
+from streamrl.policy.chat import render_prompt
+from streamrl.policy.models import build_bpe_tokenizer
+from streamrl.policy.sft import Batch, token_budget_batches, train_steps
+from streamrl.policy.sft_rows import encode_rows
 from streamrl.protocols import Environment
-from streamrl.sft import Batch, token_budget_batches, train_steps
-from streamrl.sft_rows import encode_rows
 
 
 def demo_tokens(
@@ -130,7 +130,7 @@ def sft_on_episodes(
         seed: shuffles the batches.
         show_progress: draw a progress bar.
         progress_file: save the training's progress there as it goes, and resume from it
-            if it is there (``streamrl.sft.train_steps``).
+            if it is there (``streamrl.policy.sft.train_steps``).
 
     Raises:
         ConfigError: no rows, an episode longer than ``tokens_per_batch``, or a demonstration

@@ -18,7 +18,7 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
-from streamrl.chat import stop_token_ids
+from streamrl.policy.chat import stop_token_ids
 from streamrl.protocols import Environment
 from streamrl.records import Request, Sample
 

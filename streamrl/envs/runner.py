@@ -41,12 +41,12 @@ from typing import Any, Literal
 
 from transformers import PreTrainedTokenizerBase
 
-from streamrl.chat import completion_text, render_prompt
 from streamrl.components.generation.service import GeneratorError, StreamGenerationService
 from streamrl.envs.contract import check_reset, check_step
 from streamrl.envs.episode import Episode, TurnFormat
 from streamrl.envs.tools import run_with_timeout
 from streamrl.errors import EnvError
+from streamrl.policy.chat import completion_text, render_prompt
 from streamrl.protocols import Dispatcher, Environment
 from streamrl.records import Request, Sample, Step
 

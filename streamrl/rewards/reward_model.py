@@ -147,7 +147,7 @@ class RewardModel:
         import torch
         from transformers import AutoModelForSequenceClassification
 
-        from streamrl.models import load_tokenizer
+        from streamrl.policy.models import load_tokenizer
 
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         # Not AutoTokenizer directly: it would rebuild a generic tokenizer.json as the model

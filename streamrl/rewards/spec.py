@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from streamrl.errors import ConfigError, RewardError
-from streamrl.references import check_callable, construct, resolve
+from streamrl.runtime.references import check_callable, construct, resolve
 
 #: Built-in rewards by the short name a config uses (imported only when used).
 BUILTIN_REWARDS: dict[str, str] = {

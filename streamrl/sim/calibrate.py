@@ -43,7 +43,7 @@ PROMPT_TOKENS = 12
 
 
 def _tiny_policy(seed: int = 0):
-    from streamrl.models import build_tiny_model, build_tokenizer
+    from streamrl.policy.models import build_tiny_model, build_tokenizer
 
     tokenizer = build_tokenizer()
     return build_tiny_model(tokenizer, "demo", seed=seed), tokenizer
@@ -55,7 +55,7 @@ def _micro_batch_s(policy, rows: int, width: int, repeats: int) -> float:
     from streamrl.algorithms.base import LossInputs
     from streamrl.algorithms.grpo import GRPO
     from streamrl.components.training.layout import layout_batch
-    from streamrl.logprobs import completion_logprobs
+    from streamrl.policy.logprobs import completion_logprobs
     from streamrl.records import Sample
 
     loss_fn = GRPO(group_size=4)

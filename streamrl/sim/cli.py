@@ -1,7 +1,7 @@
 """``streamrl simulate``, ``streamrl plan`` and ``streamrl sim validate`` on the command line.
 
-Both print a table on stderr and return a JSON-ready dict (``streamrl.cli.main`` prints it as the
-last stdout line).
+Both print a table on stderr and return a JSON-ready dict (``streamrl.cli.main.main`` prints it as
+the last stdout line).
 """
 
 from __future__ import annotations
@@ -290,7 +290,7 @@ def add_sim_command(subparsers: argparse._SubParsersAction) -> None:
 
 def run_validate_command(args: argparse.Namespace) -> dict:
     """Run ``streamrl.sim.validate.validate``; print its table; return its result."""
-    from streamrl.quiet import quiet_lightning
+    from streamrl.runtime.quiet import quiet_lightning
     from streamrl.sim.validate import validate
 
     names = [n.strip() for n in args.configs.split(",") if n.strip()]

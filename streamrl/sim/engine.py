@@ -34,7 +34,7 @@ from streamrl.records import Request
 from streamrl.sim.config import SimConfig, bucket_of
 from streamrl.sim.instance import SimInstance
 from streamrl.sim.result import SimResult, lag_stats, summarize
-from streamrl.timeline import Span, TraceRecorder
+from streamrl.training.timeline import Span, TraceRecorder
 
 __all__ = ["SimResult", "simulate"]
 

@@ -6,21 +6,10 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass, field
 
+from streamrl.records import PIPELINE_COLUMNS
 from streamrl.sim.config import SimConfig
 from streamrl.sim.instance import SimInstance
-from streamrl.timeline import TraceRecorder, busy_fraction
-
-#: What a pipeline run reports, real (``streamrl bench pipeline``) or simulated, by name.
-PIPELINE_COLUMNS: tuple[str, ...] = (
-    "samples_per_s",
-    "iteration_s",
-    "gen_s",
-    "train_s",
-    "trainer_idle_frac",
-    "generator_idle_frac",
-    "exposed_sync_s",
-    "token_lag_mean",
-)
+from streamrl.training.timeline import TraceRecorder, busy_fraction
 
 
 @dataclass

@@ -20,7 +20,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 from streamrl.components.generation.vllm_generator import VLLMStreamGenerator
 from streamrl.components.skewness.schedulers import LPTScheduler
 from streamrl.errors import ConfigError
-from streamrl.models import build_tokenizer, save_policy
+from streamrl.policy.models import build_tokenizer, save_policy
 from streamrl.records import Request, Sample
 
 pytestmark = [

@@ -20,7 +20,7 @@ import torch
 
 from streamrl.components.generation.engines import VLLMEngine
 from streamrl.components.generation.service import StreamGenerationService
-from streamrl.models import build_tiny_model, build_tokenizer, save_policy
+from streamrl.policy.models import build_tiny_model, build_tokenizer, save_policy
 from streamrl.records import Request
 
 pytestmark = [

@@ -35,7 +35,7 @@ from streamrl.protocols import AdmissionScheduler, EngineSpec, GenerationEngine
 if TYPE_CHECKING:
     from streamrl.components.generation.hf_generator import HFStreamGenerator
     from streamrl.components.generation.vllm_generator import VLLMStreamGenerator
-    from streamrl.lora import LoRASpec
+    from streamrl.policy.lora import LoRASpec
 
 #: Install command of the ``[vllm]`` extra.
 VLLM_INSTALL = (
@@ -53,11 +53,11 @@ class HFEngine:
     """``HFStreamGenerator`` in every instance: continuous batching on ``transformers``.
 
     Inside the instance it loads the policy from the model directory
-    (``streamrl.models.load_policy``) onto the instance's device. Sequences stop on the model's
-    eos and the spec's ``stop_token_ids``, and on its ``stop_strings``. With ``lora`` it wraps the
-    model with the trainer's adapters and returns a ``LoRAStreamGenerator``: updates carry only
-    the adapter tensors (push ``streamrl.lora.adapter_weights(policy)``), merged into the base
-    weights while decoding.
+    (``streamrl.policy.models.load_policy``) onto the instance's device. Sequences stop on the
+    model's eos and the spec's ``stop_token_ids``, and on its ``stop_strings``. With ``lora`` it
+    wraps the model with the trainer's adapters and returns a ``LoRAStreamGenerator``: updates
+    carry only the adapter tensors (push ``streamrl.policy.lora.adapter_weights(policy)``), merged
+    into the base weights while decoding.
 
     Attributes:
         lora: the adapters' shape, the same ``LoRASpec`` as the trainer's; ``None``: none.
@@ -94,7 +94,7 @@ class HFEngine:
 
         from streamrl.components.generation.hf_generator import HFStreamGenerator
         from streamrl.components.generation.lora_generator import LoRAStreamGenerator
-        from streamrl.models import load_policy
+        from streamrl.policy.models import load_policy
 
         model, tokenizer = load_policy(spec.model_dir, dtype=getattr(torch, self.dtype))
         model = model.to(spec.device)
@@ -115,7 +115,7 @@ class HFEngine:
         )
         if self.lora is None:
             return HFStreamGenerator(model, **settings)
-        from streamrl.lora import apply_lora
+        from streamrl.policy.lora import apply_lora
 
         return LoRAStreamGenerator(apply_lora(model, self.lora), **settings)
 
@@ -158,7 +158,7 @@ class VLLMEngine:
 
     def __call__(self, spec: EngineSpec, scheduler: AdmissionScheduler) -> VLLMStreamGenerator:
         from streamrl.components.generation.vllm_generator import VLLMStreamGenerator
-        from streamrl.devices import visible_gpu_count
+        from streamrl.runtime.devices import visible_gpu_count
 
         stops = dict(stop_token_ids=spec.stop_token_ids, stop_strings=spec.stop_strings)
         options = dict(self.options)
@@ -222,11 +222,11 @@ def instance_device(
 ) -> str:
     """The torch device an instance's model runs on.
 
-    Local instances take ``gpu_ids`` round-robin (``streamrl.devices.Placement.generator_gpus``:
-    the trainer's GPUs already left out). Without ``gpu_ids`` they take every GPU of the machine,
-    leaving ``cuda:0`` to the trainer when ``spare_first`` (NCCL refuses two members of a group
-    on one GPU). A Ray actor sees only the GPUs Ray gave it (``CUDA_VISIBLE_DEVICES``), so
-    ``"cuda"`` is its own.
+    Local instances take ``gpu_ids`` round-robin
+    (``streamrl.runtime.devices.Placement.generator_gpus``: the trainer's GPUs already left out).
+    Without ``gpu_ids`` they take every GPU of the machine, leaving ``cuda:0`` to the trainer when
+    ``spare_first`` (NCCL refuses two members of a group on one GPU). A Ray actor sees only the
+    GPUs Ray gave it (``CUDA_VISIBLE_DEVICES``), so ``"cuda"`` is its own.
 
     Raises:
         ConfigError: ``gpu_ids`` is empty, or ``spare_first`` without ``gpu_ids`` on a machine

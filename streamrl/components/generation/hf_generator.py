@@ -12,7 +12,7 @@ row its own positions. Finished rows are dropped by moving the last rows into th
 running rows always form the prefix ``[0, n)`` of the buffer and no step re-pads or re-allocates.
 
 Examples:
-    >>> from streamrl.models import build_tokenizer, build_tiny_model
+    >>> from streamrl.policy.models import build_tokenizer, build_tiny_model
     >>> from streamrl.records import Request
     >>> model = build_tiny_model(build_tokenizer(), size="test")
     >>> gen = HFStreamGenerator(model, max_batch_size=2, greedy=True)
@@ -84,7 +84,7 @@ class HFStreamGenerator(AdmissionQueue):
         eos_token_id: stop token(s); defaults to ``model.config.eos_token_id``.
         stop_strings: a sequence also stops (finish reason ``"stop"``) once the text of its last
             few tokens contains one of these; the tokens are kept whole, so the sample may end
-            with text past the stop string (``streamrl.chat.completion_text`` cuts it).
+            with text past the stop string (``streamrl.policy.chat.completion_text`` cuts it).
         tokenizer: decodes those tokens; needed with ``stop_strings`` only.
         pad_token_id: filler id for padded prefill positions; defaults to the config's or 0.
         seed: seed of the sampling ``torch.Generator``; it is reseeded from ``(seed, version)``

@@ -9,13 +9,13 @@ import torch
 from transformers import PreTrainedModel
 
 from streamrl.components.generation.hf_generator import HFStreamGenerator, WeightMap
-from streamrl.lora import MergedLoRA, adapter_weights
+from streamrl.policy.lora import MergedLoRA, adapter_weights
 
 
 class LoRAStreamGenerator(HFStreamGenerator):
-    """``HFStreamGenerator`` on a model wrapped by ``streamrl.lora.apply_lora``: updates carry
-    only the adapter tensors, and the adapters stay merged into the base weights while decoding
-    (``MergedLoRA``: base-model speed between two loads).
+    """``HFStreamGenerator`` on a model wrapped by ``streamrl.policy.lora.apply_lora``: updates
+    carry only the adapter tensors, and the adapters stay merged into the base weights while
+    decoding (``MergedLoRA``: base-model speed between two loads).
 
     Args:
         model: the LoRA-wrapped model (the trainer's ``LoRASpec``); merged on construction.

@@ -92,9 +92,9 @@ class StreamGenerationService:
             (Ray actors, the ``[ray]`` extra; see ``ray_instance``).
         gpus_per_instance: GPUs each instance runs on (0: the CPU).
         gpu_ids: the GPUs local instances take, round-robin (``Placement.generator_gpus`` of
-            ``streamrl.devices.resolve_placement``, which leaves out the trainer's); ``None``:
-            every GPU of this machine. With ``cluster="ray"`` a local Ray cluster started here
-            is given only these GPUs (``RayOptions.gpu_ids``).
+            ``streamrl.runtime.devices.resolve_placement``, which leaves out the trainer's);
+            ``None``: every GPU of this machine. With ``cluster="ray"`` a local Ray cluster started
+            here is given only these GPUs (``RayOptions.gpu_ids``).
         ray: Ray cluster options (address, local cluster size, temp dir) for ``cluster="ray"``.
         weight_transport: ``"gloo"``, ``"bucketed"`` or ``"nccl"`` (GPU to GPU through CuPy):
             how each instance's weight group moves tensors (``WeightGroup``).
@@ -110,7 +110,7 @@ class StreamGenerationService:
             ``weight_relay``). ``None``: every instance beside the trainer.
         trainer_site: the trainer's site.
         stop_token_ids: token ids a sample also stops on besides the model's EOS (a chat
-            template's end of turn: ``streamrl.chat.stop_token_ids``).
+            template's end of turn: ``streamrl.policy.chat.stop_token_ids``).
         stop_strings: a sample stops once its decoded text contains one of these.
         partial_rollout: what an instance does with running sequences when new weights
             arrive: ``"finish"`` (finish them under the old weights first: each sample from one

@@ -152,7 +152,7 @@ class VLLMStreamGenerator(AdmissionQueue):
         if not (Path(model_dir) / "config.json").is_file():
             raise FileNotFoundError(
                 f"No model directory at {str(model_dir)!r} (no config.json there). Pass a "
-                "directory written by save_pretrained / streamrl.models.save_policy."
+                "directory written by save_pretrained / streamrl.policy.models.save_policy."
             )
         if engine_kwargs.get("enable_prefix_caching"):
             # A cached prompt's KV would outlive load_weights and mix weight versions.

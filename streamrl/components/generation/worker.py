@@ -48,9 +48,9 @@ from streamrl.components.skewness.schedulers import FIFOScheduler
 from streamrl.components.weights.nccl import DEFAULT_BUCKET_BYTES
 from streamrl.components.weights.relay import WeightRelay, relay_messages
 from streamrl.components.weights.staging import StagedWeights
-from streamrl.devices import pin_visible_gpu
 from streamrl.protocols import AdmissionScheduler, EngineSpec, GenerationEngine
 from streamrl.records import Request
+from streamrl.runtime.devices import pin_visible_gpu
 
 __all__ = ["WorkerSpec", "fingerprint", "worker_main"]
 

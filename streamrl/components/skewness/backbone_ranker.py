@@ -13,7 +13,7 @@ and is *not* part of ``state_dict()``. To restore a ranker, build it again on th
 (directory or model) and call ``load_state_dict``.
 
 Example (a local model directory works the same: ``BackboneLengthRanker("path/to/model")``):
-    >>> from streamrl.models import build_tiny_model, build_tokenizer
+    >>> from streamrl.policy.models import build_tiny_model, build_tokenizer
     >>> tokenizer = build_tokenizer()
     >>> ranker = BackboneLengthRanker(build_tiny_model(tokenizer), tokenizer, epochs=1)
     >>> ranker.fit(["count 1 3=", "count 1 90=", "copy ab="], [5, 260, 2])
@@ -343,7 +343,7 @@ def _load_backbone(
     else:
         from transformers import AutoModel
 
-        from streamrl.models import load_tokenizer
+        from streamrl.policy.models import load_tokenizer
 
         path = Path(backbone)
         if not (path / "config.json").is_file():

@@ -114,7 +114,8 @@ class SkewAwareDispatcher:
         if self.latency is None:
             raise ValueError(
                 "SkewAwareDispatcher: sizing pools over several instances needs the latency "
-                "model PTL(BS) (streamrl.builders.measure_latency); it was built without one."
+                "model PTL(BS) (streamrl.training.builders.measure_latency); it was built "
+                "without one."
             )
         per_instance = -(-samples // instances)
         return self.latency.instance_latency(per_instance, length, batch)

@@ -22,7 +22,7 @@ from typing import Literal
 
 import torch
 
-from streamrl.logprobs import TokenBatch
+from streamrl.policy.logprobs import TokenBatch
 from streamrl.records import Sample
 
 Layout = Literal["packed", "padded"]

@@ -22,7 +22,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 
 from streamrl.components.training.sharding import Precision, compute_dtype, shard_model
-from streamrl.logprobs import TokenBatch, completion_logprobs
+from streamrl.policy.logprobs import TokenBatch, completion_logprobs
 
 
 @runtime_checkable

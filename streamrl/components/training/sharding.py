@@ -20,8 +20,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from streamrl.devices import PRECISIONS, Precision
-from streamrl.logprobs import causal_lm, enable_sharded_forward
+from streamrl.policy.logprobs import causal_lm, enable_sharded_forward
+from streamrl.runtime.devices import PRECISIONS, Precision
 
 
 def mixed_precision(precision: Precision) -> MixedPrecisionPolicy | None:
@@ -79,7 +79,7 @@ def shard_model(
 
     Returns:
         ``model`` itself: its parameters are now ``DTensor`` shards, names unchanged, and
-        ``streamrl.logprobs.completion_logprobs`` runs as one of its forwards.
+        ``streamrl.policy.logprobs.completion_logprobs`` runs as one of its forwards.
     """
     options: dict = {"mesh": device_mesh, "mp_policy": mixed_precision(precision)}
     if options["mp_policy"] is None:

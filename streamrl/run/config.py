@@ -1,0 +1,413 @@
+"""Run configuration: flat dataclasses that mirror the YAML (at most two levels deep).
+
+The Python constructors are the primary API; YAML files only fill them in
+(``streamrl.run.config_file.load_config``), and ``streamrl.run.config_checks.check_values`` checks
+what types alone cannot, before any work starts.
+
+Examples:
+    >>> cfg = RunConfig(seed=3)
+    >>> cfg.data.tasks
+    ['copy', 'rev', 'count', 'sort']
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from streamrl.policy.sft import default_cache_dir
+from streamrl.tasks.families import FAMILIES
+
+
+@dataclass
+class DataConfig:
+    """Where prompts come from: the built-in tasks, your own dataset, or reasoning-gym.
+
+    Attributes:
+        tasks: built-in task families to draw prompts from (see ``streamrl.tasks.FAMILIES``).
+        prompt_file: a JSONL file of ``{"prompt", "answer"}`` rows used instead of generated
+            prompts (its rows are split into training and held-out sets).
+        path: your dataset, any local file or directory ``datasets`` reads (JSONL, JSON, CSV,
+            Parquet, a ``save_to_disk`` directory), used instead of the built-in tasks. Every
+            column of a row reaches the reward (``streamrl.tasks.local_data``).
+        prompt_column: the column holding the prompt (a string, or chat messages); an episode
+            run's rows (``env.name``) may have none: its environment's ``reset`` gives the first
+            prompt (rows without ``id_column`` get ids from their whole content).
+        answer_column: the column holding the reference answer; ``null`` if there is none.
+        id_column: a column of unique prompt ids; ``null`` derives stable ids from the content.
+        task_column: a column naming each row's data source (evaluation reports per source);
+            ``null``: the file's name.
+        split: the split of a ``DatasetDict`` directory to train on (default ``train``).
+        heldout_path: a second file (same columns) to evaluate on.
+        heldout_split: another split of ``path`` to evaluate on (e.g. ``test``).
+        heldout_fraction: a share of ``path``'s rows held out for evaluation (seeded); the
+            default when neither ``heldout_path`` nor ``heldout_split`` is given.
+        reasoning_gym: reasoning-gym tasks to draw prompts from, scored by their own
+            ``score_answer`` (reward ``reasoning_gym``): a list of names or ``{name: {config}}``
+            (``streamrl.tasks.reasoning_gym``); ``n_train`` / ``n_heldout`` rows each.
+        system_prompt: a system message put before every prompt (chat-templated tokenizers).
+        chat_template: apply the tokenizer's chat template to string prompts: ``null`` does
+            when the tokenizer has one; chat-message prompts always use it.
+        stop_strings: generation stops after any of these, and the reward sees the text before.
+        n_train: prompts in the training set.
+        n_heldout: prompts in the held-out evaluation set (no prompt shared with training).
+        median_len: median answer length in characters.
+        tail: weight of the long tail (log-normal sigma of answer lengths).
+        max_len: longest answer in characters.
+    """
+
+    tasks: list[str] = field(default_factory=lambda: list(FAMILIES))
+    prompt_file: str | None = None
+    path: str | None = None
+    prompt_column: str = "prompt"
+    answer_column: str | None = "answer"
+    id_column: str | None = None
+    task_column: str | None = None
+    split: str | None = None
+    heldout_path: str | None = None
+    heldout_split: str | None = None
+    heldout_fraction: float | None = None
+    reasoning_gym: list[str] | dict[str, Any] | None = None
+    system_prompt: str | None = None
+    chat_template: bool | None = None
+    stop_strings: list[str] = field(default_factory=list)
+    n_train: int = 2048
+    n_heldout: int = 256
+    median_len: int = 6
+    tail: float = 0.8
+    max_len: int = 48
+
+
+@dataclass
+class WarmStartConfig:
+    """The SFT warm start of a built-in tiny policy (see ``streamrl.policy.sft.SFTConfig``).
+
+    Attributes:
+        model_size: ``"test"`` (~150K parameters) or ``"demo"`` (~1M parameters).
+        steps: optimizer steps; 0 skips the warm start (the policy stays random).
+        lr: peak learning rate.
+        demo_noise: share of demonstrations with one typo.
+        early_stop: share of demonstrations (of ``early_stop_tasks``) that stop one item early:
+            a systematic flaw of the demonstrator that RL, rewarded by the verifier, can fix.
+        early_stop_tasks: the tasks whose demonstrator has that flaw.
+        tokens_per_batch: padded tokens per SFT step.
+        tokenizer: the tiny policy's tokenizer on your own data (``data.path`` or
+            ``data.reasoning_gym``): ``"bpe"`` (byte-level BPE with a ChatML template, trained
+            on the training rows) or ``"char"`` (one id per character of the data, no template:
+            what character-level tasks such as spelling backwards learn best).
+        demo_share: on your own data, the share of the training rows the warm start learns
+            from, set apart from the rows RL trains on (a seeded split), as a real pipeline
+            keeps its SFT data apart from its RL prompts; ``None``: SFT on every training row,
+            RL on the same rows (which the policy then partly knows by heart).
+        cache: reuse a warm start made earlier from the same rows, code and settings
+            (``streamrl.runtime.cache_keys``); ``false`` (``streamrl fit --no-cache``) trains
+            afresh.
+    """
+
+    model_size: str = "demo"
+    steps: int = 1800
+    lr: float = 1e-3
+    tokens_per_batch: int = 1024
+    tokenizer: str = "bpe"
+    demo_noise: float = 0.3
+    early_stop: float = 0.6
+    early_stop_tasks: list[str] = field(default_factory=lambda: ["copy", "count", "sort"])
+    demo_share: float | None = None
+    cache: bool = True
+
+
+@dataclass
+class RLConfig:
+    """The disaggregated RL loop.
+
+    Attributes:
+        algorithm: ``"grpo"``, ``"rloo"``, ``"reinforce++"``, ``"reinforce++-baseline"``, ``"ppo"``,
+            ``"dapo"`` (docs/algorithms.md) or your ``Algorithm`` subclass as
+            ``package.module:Name``; a mapping ``{name: ..., option: value}`` passes options to
+            it (``streamrl.run.parts``).
+        mode: ``"sync"`` (each step trains on samples of the current weights, as they stream
+            in), ``"async"`` (StreamRL's one-step asynchronous mode: the next step's samples are
+            generated while this step trains; a sample is at most one weight version stale) or
+            ``"colocated"`` (the baseline: all samples first, then training on every core).
+        iterations: optimizer steps (one per iteration), at least 1.
+        prompts_per_iteration: prompts dealt per iteration.
+        group_size: samples per prompt.
+        generators: generator instances (one process or Ray actor each).
+        engine: the generation engine: ``"hf"`` (continuous batching on ``transformers``),
+            ``"vllm"`` (vLLM's engine; the ``[vllm]`` extra; ``{name: vllm, options: {...}}``
+            passes engine arguments) or your ``GenerationEngine`` as ``package.module:Name``.
+        cluster: where generator instances run: ``"local"`` (processes of this machine) or
+            ``"ray"`` (Ray actors on the cluster ``RAY_ADDRESS`` names, or a local one; the
+            ``[ray]`` extra).
+        gpus: GPUs per generator instance; 0 generates on the CPU. More than one: the vLLM
+            engine runs that many tensor-parallel ranks (``tensor_parallel_size``).
+        sites: the site (datacenter) of each generator instance, in order, e.g. ``[home, cloud,
+            cloud]``; an instance at a site other than ``trainer_site`` receives the weights from
+            its site's first instance, so one copy per version crosses to each site (§6). Empty:
+            every generator beside the trainer.
+        trainer_site: the trainer's site.
+        generator_devices: the GPU indices local generator instances take, round-robin
+            (with ``gpus`` > 0); ``null``: every GPU the trainer does not hold
+            (``trainer.devices``). A GPU either trains or generates: an overlap is refused.
+        share_trainer_gpus: let generators run on the trainer's GPUs too (a one-GPU machine or
+            a check; both then share the GPU's memory); ``generator_devices`` may then overlap
+            ``trainer.devices``, and by default the generators take every GPU.
+        weight_transport: how weights reach each generator: ``"gloo"`` (a broadcast per
+            tensor), ``"bucketed"`` (tensors packed into large buffers) or ``"nccl"`` (buckets
+            GPU to GPU through CuPy's NCCL; needs CuPy and GPUs).
+        weight_bucket_mb: the largest bucket a weight version travels in (MiB); the extra
+            device memory of a sync is about one bucket (docs/weight_transfer.md).
+        weight_fanout: generator instances each instance passes the weights on to (1: a
+            chain); the trainer sends one copy per version to each site.
+        start_timeout_s: how long a generator instance may take to start and load the model;
+            ``null``: 180 s plus 60 s per GB of the policy's weights (``timeouts.py``).
+        sample_timeout_s: the longest wait for the next sample; ``null``: 300 s plus 0.1 s
+            per token of ``max_tokens`` per GB of weights.
+        heartbeat_timeout_s: an instance silent this long is taken as hung (killed,
+            replaced); ``null``: 60 s plus 10 s per GB of weights.
+        weight_timeout_s: the longest one weight transfer may take: past it the instance
+            is replaced and its requests requeued; ``null``: 120 s plus 30 s per GB.
+        max_batch_size: batch slots per generator instance.
+        lr: policy learning rate (AdamW).
+        clip_eps: PPO clip range.
+        kl_coef: KL penalty to the starting policy; 0 disables it.
+        is_cap: truncation of the importance ratio that corrects samples from older weights in
+            async mode (decoupled PPO with truncated IS, docs/algorithms.md).
+        staleness_bound: async mode: iterations generated ahead of the one training, k >= 1;
+            no trained token is more than k weight versions old (``null``: 1, the paper's
+            one-step mode; sync and colocated are 0).
+        partial_rollout: what generators do with running sequences when new weights arrive:
+            ``"finish"`` (finish them under the old weights: each sample from one version),
+            ``"keep"`` (continue under the new weights, keeping the old key/value cache) or
+            ``"recompute"`` (continue, the cache computed again); async mode only
+            (docs/partial_rollout.md).
+        correction: how tokens of older weights are corrected: ``"decoupled"`` (proximal policy
+            plus truncated IS), ``"behaviour"`` (PPO's clip against the behaviour policy) or
+            ``"mask"`` (tokens with a ratio outside ``[1/is_cap, is_cap]`` left out).
+        correct_engine_gap: correct every token, fresh ones too, by ``correction``: the
+            generators' log-probs come from other numerics (bfloat16, vLLM's kernels) than the
+            trainer's, so PPO's ratio is taken against the trainer's own log-probs and each
+            token weighted by the truncated ratio trainer/generator; ``null``: on unless the
+            generators and the trainer both compute in float32 (docs/weight_transfer.md).
+        reward: the task reward: a built-in (``"exact"``, ``"partial"``, ``"math"`` (math-verify),
+            ``"reward_model"`` (``{name: reward_model, path: DIR}``), ``"reasoning_gym"``), or
+            your function ``fn(completion, row) -> float`` as ``package.module:function`` (``row``
+            is the prompt's whole dataset row; batched and async forms work too); a list of
+            ``{name: ..., weight: ...}`` sums several, each logged on its own
+            (``streamrl.rewards.spec``). ``null`` (the default): ``exact``; an episode run
+            (``env.name``) takes none, its environment's ``step`` rewards each episode, so a
+            reward set there is refused rather than silently unused.
+        reward_workers: processes that compute rewards off the trainer's critical path; 0
+            computes them in the trainer.
+        reward_timeout_s: the most one reward call may take; past it the run stops with an
+            error naming the prompt.
+        eval_every: evaluate on the held-out set every this many iterations with the run's
+            reward (logged as ``eval/*`` and plotted to ``eval.png``); 0: only before and after.
+        eval_k: samples per held-out prompt for pass@k (1: greedy pass@1 only).
+        temperature: sampling temperature of the generators.
+        max_tokens: generation budget per sample (capped by the context).
+        max_tokens_per_micro_batch: the most tokens (prompt + completion) one forward/backward
+            pass of the trainer takes: a ceiling no micro-batch exceeds; a longer sample forms
+            its own micro-batch. Padded tokens count when micro-batches are padded.
+        pack_sequences: ``true``: a micro-batch's samples end to end in one row, without
+            padding (``streamrl.components.training.layout``); ``false``: padded rows;
+            ``null`` (default): packed under flash-attention, padded under SDPA or eager
+            attention (the CPU's), where a packed row's dense mask costs the square of its tokens.
+        min_samples: samples gathered before an iteration's first backward pass.
+        dispatcher: which instance gets which prompt: ``"skew"`` (Algorithm 2 on predicted
+            lengths, §5.3), ``"round_robin"``, ``"random"`` or your ``Dispatcher``.
+        scheduler: admission order inside an instance: ``"lpt"`` (longest predicted first,
+            §5.3), ``"fifo"`` or your ``AdmissionScheduler`` class.
+        length_predictor: predicts output lengths for dispatch and LPT, trained online on the
+            policy's samples (§5.2): ``"ranker"`` (``LengthRanker``), your ``LengthPredictor``,
+            or ``null`` (no predictions: skew dispatch balances prompt counts, LPT is FIFO).
+        ranker_refresh_every: iterations between online refreshes of the ranker.
+        elastic: add generator instances while training runs when generation lags training
+            by more than one more instance would save (§4.2), up to ``max_generators``.
+        max_generators: the most generator instances elastic scaling may reach.
+        max_restarts: failed generator instances replaced before the run stops.
+        lora_r: LoRA rank of the policy's adapters; 0 trains the full model. With LoRA only the
+            adapters train and only they are sent to the generators (docs/lora.md).
+        lora_alpha: LoRA scaling numerator (scale = alpha / r).
+        lora_target_modules: module-name suffixes that get adapters.
+        checkpoint_every: iterations between checkpoints (``<output_dir>/checkpoints/last.ckpt``,
+            resumable with ``streamrl fit --resume``); 0 saves only at the end. A run stopped
+            by SIGTERM or Ctrl-C saves its finished iterations there too.
+        stop_deadline_s: the most seconds a stopped run spends saving that checkpoint (keep
+            it under your scheduler's grace period, e.g. SLURM's ``KillWait``); past it the
+            save is abandoned and the previous checkpoint stays; ``null``: no limit.
+        save_rollouts: write what each iteration trained on, one row per trained sample (an
+            episode in a multi-turn run: token ids, loss mask, per-token weight versions and
+            behaviour log-probs, reward and its parts, advantage, finish reason, instance), to
+            ``<output_dir>/rollouts/iteration-000007.parquet`` (``streamrl.training.rollout_files``;
+            filtered groups are not trained, so not written; docs/getting-started.md).
+    """
+
+    algorithm: str | dict[str, Any] = "grpo"
+    mode: str = "sync"
+    iterations: int = 60
+    prompts_per_iteration: int = 32
+    group_size: int = 8
+    generators: int = 2
+    engine: str | dict[str, Any] = "hf"
+    cluster: str = "local"
+    gpus: int = 0
+    weight_transport: str = "gloo"
+    weight_bucket_mb: int = 256
+    weight_fanout: int = 1
+    start_timeout_s: float | None = None
+    sample_timeout_s: float | None = None
+    heartbeat_timeout_s: float | None = None
+    weight_timeout_s: float | None = None
+    sites: list[str] = field(default_factory=list)
+    trainer_site: str = "local"
+    generator_devices: list[int] | None = None
+    share_trainer_gpus: bool = False
+    max_batch_size: int = 64
+    lr: float = 1e-4
+    clip_eps: float = 0.2
+    kl_coef: float = 0.0
+    is_cap: float = 2.0
+    staleness_bound: int | None = None
+    partial_rollout: str = "finish"
+    correction: str = "decoupled"
+    correct_engine_gap: bool | None = None
+    reward: str | dict[str, Any] | list[Any] | None = None
+    reward_workers: int = 1
+    reward_timeout_s: float = 60.0
+    eval_every: int = 0
+    eval_k: int = 1
+    temperature: float = 0.7
+    max_tokens: int = 64
+    max_tokens_per_micro_batch: int = 1024
+    pack_sequences: bool | None = None
+    min_samples: int = 1
+    dispatcher: str | dict[str, Any] = "skew"
+    scheduler: str | dict[str, Any] = "lpt"
+    length_predictor: str | dict[str, Any] | None = "ranker"
+    ranker_refresh_every: int = 10
+    elastic: bool = False
+    max_generators: int = 4
+    max_restarts: int = 3
+    checkpoint_every: int = 10
+    stop_deadline_s: float | None = 60.0
+    save_rollouts: bool = False
+    lora_r: int = 0
+    lora_alpha: float = 16.0
+    lora_target_modules: list[str] = field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"]
+    )
+
+
+@dataclass
+class TrainerConfig:
+    """Where and how the trainer runs: its devices, precision and memory savers (docs/fsdp.md,
+    docs/memory.md).
+
+    Attributes:
+        accelerator: ``"auto"`` (CUDA when a GPU is visible, else the CPU), ``"cpu"`` or
+            ``"cuda"``.
+        devices: on the CPU, trainer processes; on CUDA, a number of GPUs (``0..n-1``) or a
+            list of GPU indices (``[0, 1, 2, 3]``); the generators take the GPUs the trainer
+            does not (``rl.generator_devices``). Several ranks shard the policy with FSDP2:
+            rank 0 runs the generation service and deals each micro-batch to the ranks.
+            ``null``: one.
+        num_nodes: machines the trainer ranks run on (under ``torchrun`` or SLURM).
+        precision: ``"bf16-mixed"`` (bf16 compute over fp32 FSDP2 shards, fp32 gradient
+            reduction and optimizer; the default on CUDA) or ``"32-true"`` (the default on the
+            CPU); ``null``: by accelerator.
+        activation_checkpointing: keep only each decoder layer's input in the forward pass and
+            recompute the layer in the backward pass (less memory, about a third more compute).
+        reference_offload: keep the KL reference policy's shards in host memory, copied to the
+            device layer by layer (``rl.kl_coef > 0`` only; a LoRA run needs no reference copy).
+        logprob_chunk_tokens: completion tokens per chunk of the LM head when the trainer
+            computes log-probs (``streamrl.policy.logprobs``); ``null``: 64M logits per chunk.
+        sharded_checkpoints: several ranks write a checkpoint as a folder of their own shards
+            (``torch.distributed.checkpoint``), so no rank gathers the full weights and
+            optimizer state (``false``: one file written by rank 0, whose host memory then
+            holds them whole: 16 bytes per parameter with AdamW).
+    """
+
+    accelerator: str = "auto"
+    devices: int | list[int] | None = None
+    num_nodes: int = 1
+    precision: str | None = None
+    activation_checkpointing: bool = False
+    reference_offload: bool = False
+    logprob_chunk_tokens: int | None = None
+    sharded_checkpoints: bool = False
+
+
+@dataclass
+class EnvConfig:
+    """Multi-turn episodes (``streamrl.envs``): each sample is an episode of an environment.
+
+    Attributes:
+        name: ``null`` for single completions (the default); a built-in environment
+            (``calculator``: a multiplication tool; ``blackjack``: gymnasium's game as text), or
+            ``package.module:Name`` for yours (a class or factory of ``Environment`` s).
+        options: keyword arguments of your environment's constructor.
+        max_turns: model turns per episode (the episode is cut, flagged ``max_turns``).
+        timeout_s: the longest one environment ``reset`` or ``step`` may take (a step past it
+            ends its episode, flagged ``env_timeout``; a ``reset`` past it stops the run).
+        on_fault: what training does with an episode the environment cut (``env_timeout``):
+            ``drop`` (default) leaves it out of the loss, its group scored over its other
+            episodes (refilled, like a filtered group, when fewer than the algorithm's minimum
+            are left), counted as ``samples_env_fault`` in the summary; ``train`` trains it
+            with the reward it had (usually 0). Cuts the policy causes (``max_turns``,
+            ``context``) are always trained.
+        rebalance_requests: move an episode's next turn off its instance when it has this many
+            more requests open than the least loaded one (``null``: never).
+        demonstrations: ``package.module:fn``, ``fn(row) -> [turn text, ...]``: the good
+            episodes the tiny policy warm-starts on (the built-in environments bring theirs).
+        n_train / n_heldout: the rows a built-in environment makes (yours come from
+            ``data.path``).
+    """
+
+    name: str | None = None
+    options: dict[str, Any] = field(default_factory=dict)
+    max_turns: int = 8
+    timeout_s: float = 30.0
+    on_fault: str = "drop"
+    rebalance_requests: int | None = None
+    demonstrations: str | None = None
+    n_train: int = 2000
+    n_heldout: int = 200
+
+
+@dataclass
+class RunConfig:
+    """Everything ``streamrl fit`` needs.
+
+    Attributes:
+        model: ``"tiny"`` builds (and warm-starts) the built-in tiny policy; anything else is a
+            local Hugging Face model directory.
+        seed: seeds data, initialisation and sampling.
+        output_dir: where logs, metrics and checkpoints go.
+        logger: ``"csv"`` (default), ``"tensorboard"`` or ``"wandb"`` (the last two need their
+            package installed; offline W&B runs are written under ``output_dir``).
+        cache_dir: where warm-started policies are cached; ``None`` means ``$STREAMRL_CACHE`` or
+            ``~/.cache/streamrl``.
+        data: the prompt sets.
+        sft: the warm start (used when ``model`` is ``"tiny"``).
+        rl: the RL loop.
+        trainer: where and how the trainer runs (devices, precision, memory).
+        env: multi-turn episodes instead of single completions (``env.name``).
+    """
+
+    model: str = "tiny"
+    seed: int = 0
+    output_dir: str = "runs/demo"
+    logger: str = "csv"
+    cache_dir: str | None = None
+    data: DataConfig = field(default_factory=DataConfig)
+    sft: WarmStartConfig = field(default_factory=WarmStartConfig)
+    rl: RLConfig = field(default_factory=RLConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
+
+    def resolved_cache_dir(self) -> Path:
+        if self.cache_dir:
+            return Path(self.cache_dir)
+        return default_cache_dir()

@@ -1,0 +1,278 @@
+"""Checks of a ``RunConfig`` that types alone cannot make: ranges, names, one data source, the
+trainer ranks an algorithm allows. Each raises a ``ConfigError`` that names the key and the fix,
+before any work starts (``streamrl.run.config_file.load_config`` and ``streamrl fit`` call
+``check_values``).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+from streamrl.components.generation.timeouts import Timeouts
+from streamrl.components.weights.nccl import import_nccl
+from streamrl.components.weights.transport import TRANSPORTS
+from streamrl.errors import ConfigError, unknown_name
+from streamrl.run.config import DataConfig, RLConfig, RunConfig
+from streamrl.runtime.devices import Placement, resolve_placement
+from streamrl.tasks.families import FAMILIES
+
+#: Lightning loggers a run can write to, and the package each needs.
+LOGGERS = {"csv": None, "tensorboard": "tensorboard", "wandb": "wandb"}
+
+
+def check_output_dir(output_dir: str | Path) -> None:
+    """``output_dir`` is a directory, or can be made one: no file stands at it or above it.
+
+    Raises:
+        ConfigError: a file is in the way.
+    """
+    path = Path(output_dir)
+    for place in (path, *path.parents):
+        if place.exists():
+            if not place.is_dir():
+                raise ConfigError(
+                    f"output_dir {str(path)!r}: {str(place)!r} is a file, not a directory; "
+                    "choose another output_dir (it is created if missing)."
+                )
+            return
+
+
+def check_values(config: RunConfig) -> None:
+    """Check values that types alone cannot (ranges, names); raises ``ConfigError``."""
+    data, sft = config.data, config.sft
+    check_output_dir(config.output_dir)
+    check_data_source(data)
+    if not (data.prompt_file or data.path or data.reasoning_gym):
+        if not data.tasks:
+            raise ConfigError(f"data.tasks is empty; choose from {sorted(FAMILIES)}.")
+        for task in data.tasks:
+            if task not in FAMILIES:
+                raise ConfigError(f"data.tasks: {unknown_name('task', task, FAMILIES)}")
+    if data.n_train < 1 or data.n_heldout < 1:
+        raise ConfigError(
+            f"data.n_train and data.n_heldout must be >= 1 (an empty prompt set has nothing to "
+            f"train or evaluate on), got {data.n_train} and {data.n_heldout}."
+        )
+    if not 1 <= data.median_len <= data.max_len or data.tail < 0:
+        raise ConfigError(
+            "data: need 1 <= median_len <= max_len and tail >= 0, got "
+            f"median_len={data.median_len}, max_len={data.max_len}, tail={data.tail}."
+        )
+    if sft.tokenizer not in ("bpe", "char"):
+        raise ConfigError(
+            f"sft.tokenizer: {unknown_name('tokenizer', sft.tokenizer, ['bpe', 'char'])}"
+        )
+    if sft.model_size not in ("test", "demo"):
+        raise ConfigError(
+            f"sft.model_size: {unknown_name('size', sft.model_size, ['test', 'demo'])}"
+        )
+    if config.logger not in LOGGERS:
+        raise ConfigError(f"logger: {unknown_name('logger', config.logger, LOGGERS)}")
+    needed = LOGGERS[config.logger]
+    if needed is not None and importlib.util.find_spec(needed) is None:
+        raise ConfigError(f"logger: {config.logger!r} needs {needed!r}: pip install {needed}")
+    check_rl(config.rl)
+    check_trainer(config)
+    if config.env.name and config.rl.reward is not None:
+        raise ConfigError(
+            f"rl.reward: {config.rl.reward!r} would go unused: in an episode run (env.name "
+            f"{config.env.name!r}) the environment's step rewards each episode; remove rl.reward."
+        )
+    if config.env.on_fault not in ("drop", "train"):
+        raise ConfigError(
+            f"env.on_fault: {unknown_name('choice', config.env.on_fault, ['drop', 'train'])}"
+        )
+    if sft.steps < 0 or sft.lr <= 0 or not 0 <= sft.demo_noise <= 1 or not 0 <= sft.early_stop <= 1:
+        raise ConfigError(
+            "sft: need steps >= 0, lr > 0, 0 <= demo_noise <= 1 and 0 <= early_stop <= 1, got "
+            f"steps={sft.steps}, lr={sft.lr}, demo_noise={sft.demo_noise}, "
+            f"early_stop={sft.early_stop}."
+        )
+    if sft.demo_share is not None and not 0 < sft.demo_share < 1:
+        raise ConfigError(
+            f"sft.demo_share: need a share strictly between 0 and 1 (or null), got "
+            f"{sft.demo_share}."
+        )
+    for task in sft.early_stop_tasks:
+        if task not in FAMILIES:
+            raise ConfigError(f"sft.early_stop_tasks: {unknown_name('task', task, FAMILIES)}")
+
+
+def check_data_source(data: DataConfig) -> None:
+    """One source of prompts, and held-out options only where they apply; ``ConfigError``."""
+    sources = [k for k in ("prompt_file", "path", "reasoning_gym") if getattr(data, k)]
+    if len(sources) > 1:
+        raise ConfigError(
+            f"data: {' and '.join(sources)} are both set; choose one source of prompts."
+        )
+    heldout = [k for k in ("heldout_path", "heldout_split", "heldout_fraction") if getattr(data, k)]
+    if heldout and not data.path:
+        raise ConfigError(f"data.{heldout[0]} applies to data.path only; set data.path too.")
+    if len(heldout) > 1:
+        raise ConfigError(f"data: {' and '.join(heldout)} are both set; choose one held-out set.")
+    if data.heldout_fraction is not None and not 0 < data.heldout_fraction < 1:
+        raise ConfigError(
+            f"data.heldout_fraction must be between 0 and 1, got {data.heldout_fraction}."
+        )
+
+
+def placement_of(config: RunConfig) -> Placement:
+    """Where ``config``'s trainer runs and which GPUs its generators take
+    (``streamrl.runtime.devices.resolve_placement``); ``ConfigError`` for an impossible or
+    overlapping choice, before any work."""
+    trainer, rl = config.trainer, config.rl
+    return resolve_placement(
+        trainer.accelerator,
+        trainer.devices,
+        trainer.num_nodes,
+        trainer.precision,
+        generator_gpus_per_instance=rl.gpus,
+        generator_devices=rl.generator_devices,
+        cluster=rl.cluster,
+        share_trainer_gpus=rl.share_trainer_gpus,
+    )
+
+
+def check_trainer(config: RunConfig) -> None:
+    """The trainer section: its devices against this machine's GPUs and the generators', and
+    what several trainer ranks do not support yet; ``ConfigError``."""
+    trainer, rl = config.trainer, config.rl
+    placement = placement_of(config)
+    if trainer.logprob_chunk_tokens is not None and trainer.logprob_chunk_tokens < 1:
+        raise ConfigError(
+            f"trainer.logprob_chunk_tokens must be >= 1 (or null), got "
+            f"{trainer.logprob_chunk_tokens}."
+        )
+    if trainer.sharded_checkpoints and not placement.sharded:
+        raise ConfigError(
+            "trainer.sharded_checkpoints writes each FSDP2 rank's shards, but this trainer is "
+            "not sharded (one process, trainer.precision: 32-true); drop the option."
+        )
+    if trainer.reference_offload and not placement.sharded:
+        raise ConfigError(
+            "trainer.reference_offload keeps the reference's FSDP2 shards in host memory, but "
+            "this trainer is not sharded (one process, trainer.precision: 32-true); use "
+            "trainer.precision: bf16-mixed or more trainer.devices, or drop the option."
+        )
+    if placement.ranks == 1:
+        return
+    if rl.eval_every > 0:  # a sharded policy runs forward on all ranks together
+        raise ConfigError(
+            f"rl.eval_every={rl.eval_every} evaluates on one trainer rank, but "
+            f"{placement.ranks} trainer ranks shard the policy; set rl.eval_every: 0 (the "
+            "held-out evaluation after training still runs) or train on one rank."
+        )
+
+
+def check_rl(rl: RLConfig) -> None:
+    """Check the RL section; raises ``ConfigError``."""
+    if rl.mode not in ("sync", "async", "colocated"):
+        raise ConfigError(
+            f"rl.mode: {unknown_name('mode', rl.mode, ['sync', 'async', 'colocated'])}"
+        )
+    positive = dict(
+        prompts_per_iteration=rl.prompts_per_iteration,
+        generators=rl.generators,
+        max_batch_size=rl.max_batch_size,
+        max_tokens=rl.max_tokens,
+        max_tokens_per_micro_batch=rl.max_tokens_per_micro_batch,
+        min_samples=rl.min_samples,
+        ranker_refresh_every=rl.ranker_refresh_every,
+    )
+    for name, value in positive.items():
+        if value < 1:
+            raise ConfigError(f"rl.{name} must be >= 1, got {value}.")
+    if rl.gpus < 0:
+        raise ConfigError(f"rl.gpus must be >= 0 (0 generates on the CPU), got {rl.gpus}.")
+    if rl.reward_workers < 0 or rl.reward_timeout_s <= 0 or rl.eval_every < 0 or rl.eval_k < 1:
+        raise ConfigError(
+            "rl: need reward_workers >= 0 (0 = in the trainer), reward_timeout_s > 0, "
+            f"eval_every >= 0 and eval_k >= 1, got reward_workers={rl.reward_workers}, "
+            f"reward_timeout_s={rl.reward_timeout_s}, eval_every={rl.eval_every}, "
+            f"eval_k={rl.eval_k}."
+        )
+    if rl.lora_r < 0:
+        raise ConfigError(f"rl.lora_r must be >= 0 (0 = full fine-tuning), got {rl.lora_r}.")
+    if rl.sites and len(rl.sites) != rl.generators:
+        raise ConfigError(
+            f"rl.sites names {len(rl.sites)} sites for rl.generators={rl.generators} instances; "
+            "give one site per generator, or none."
+        )
+    if rl.weight_transport not in TRANSPORTS:
+        raise ConfigError(
+            f"rl.weight_transport: {unknown_name('transport', rl.weight_transport, TRANSPORTS)}"
+        )
+    if rl.weight_bucket_mb < 1 or rl.weight_fanout < 1:
+        raise ConfigError(
+            f"rl: need weight_bucket_mb >= 1 and weight_fanout >= 1, got weight_bucket_mb="
+            f"{rl.weight_bucket_mb}, weight_fanout={rl.weight_fanout}."
+        )
+    Timeouts.for_model(  # a timeout that is not positive: ConfigError, before any work
+        0.0,
+        rl.max_tokens,
+        rl.start_timeout_s,
+        rl.sample_timeout_s,
+        rl.heartbeat_timeout_s,
+        rl.weight_timeout_s,
+    )
+    if rl.weight_transport == "nccl":
+        try:
+            import_nccl()
+        except ConfigError as err:
+            raise ConfigError(f"rl.weight_transport: {err}") from err
+    if rl.lora_r > 0:
+        from streamrl.policy.lora import LoRASpec
+
+        LoRASpec(rl.lora_r, rl.lora_alpha, 0.0, tuple(rl.lora_target_modules))  # ConfigError
+    if rl.checkpoint_every < 0:
+        raise ConfigError(f"rl.checkpoint_every must be >= 0, got {rl.checkpoint_every}.")
+    if rl.stop_deadline_s is not None and rl.stop_deadline_s <= 0:
+        raise ConfigError(
+            f"rl.stop_deadline_s must be > 0 (or null: no limit), got {rl.stop_deadline_s}."
+        )
+    if rl.max_generators < rl.generators or rl.max_restarts < 0:
+        raise ConfigError(
+            f"rl: need max_generators >= generators and max_restarts >= 0, got "
+            f"max_generators={rl.max_generators}, generators={rl.generators}, "
+            f"max_restarts={rl.max_restarts}."
+        )
+    if rl.iterations < 1:
+        raise ConfigError(
+            f"rl.iterations must be >= 1 (one optimizer step each), got {rl.iterations}; set "
+            "rl.iterations: 1 or more (the summary's heldout_*_before is the starting policy's "
+            "evaluation; to only warm-start and evaluate, call streamrl.run.prepare.ensure_policy "
+            "and streamrl.run.jobs.heldout_evaluator)."
+        )
+    if rl.group_size < 1:
+        raise ConfigError(f"rl.group_size must be >= 1, got {rl.group_size}.")
+    if rl.is_cap < 1:
+        raise ConfigError(f"rl.is_cap must be >= 1 (a truncation of ratios), got {rl.is_cap}.")
+    check_asynchrony(rl)
+    if rl.lr <= 0 or rl.temperature <= 0 or rl.clip_eps <= 0 or rl.kl_coef < 0:
+        raise ConfigError(
+            "rl: need lr > 0, temperature > 0, clip_eps > 0 and kl_coef >= 0, got "
+            f"lr={rl.lr}, temperature={rl.temperature}, clip_eps={rl.clip_eps}, "
+            f"kl_coef={rl.kl_coef}."
+        )
+
+
+def check_asynchrony(rl: RLConfig) -> None:
+    """``rl.staleness_bound``, ``rl.partial_rollout`` and ``rl.correction``: known values that
+    the mode can keep."""
+    from streamrl.components.generation.partial import check_partial_rollout
+    from streamrl.components.training.off_policy import check_correction
+    from streamrl.components.training.staleness import staleness_bound_of
+
+    try:
+        staleness_bound_of(rl.mode, rl.staleness_bound)
+        check_partial_rollout(rl.partial_rollout)
+        check_correction(rl.correction)
+    except (ValueError, ConfigError) as err:
+        raise ConfigError(f"rl.{err}") from err
+    if rl.partial_rollout != "finish" and rl.mode != "async":
+        raise ConfigError(
+            f"rl.partial_rollout: {rl.partial_rollout} needs rl.mode: async (in {rl.mode} mode "
+            "no sequence is running when new weights arrive); set rl.mode: async or "
+            "rl.partial_rollout: finish."
+        )

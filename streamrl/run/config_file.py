@@ -1,0 +1,134 @@
+"""YAML files and mappings into a checked ``RunConfig``: unknown keys and wrong types are errors
+with a "did you mean" where one fits; values then pass ``streamrl.run.config_checks.check_values``.
+
+Examples:
+    >>> cfg = from_dict(RunConfig, {"seed": 3, "rl": {"lr": 3e-5}}, where="example")
+    >>> cfg.rl.lr
+    3e-05
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from streamrl.errors import ConfigError, unknown_name
+from streamrl.run.config import RLConfig, RunConfig, TrainerConfig
+from streamrl.run.config_checks import check_values
+
+#: Keys that moved, by section, and where to: a config that still sets one is told so.
+MOVED_KEYS: dict[type, dict[str, str]] = {
+    RLConfig: {
+        "trainer_ranks": "trainer.devices (trainer processes on the CPU, GPUs on CUDA)",
+        "token_budget": "rl.max_tokens_per_micro_batch (now a ceiling no micro-batch exceeds)",
+    }
+}
+
+#: The Lightning Trainer's arguments that ``trainer`` does not take, and what to set instead
+#: (``--trainer.max_steps`` and ``--trainer.default_root_dir`` are command-line aliases).
+LIGHTNING_TRAINER_ARGS: dict[str, str] = {
+    "max_steps": "set rl.iterations (one RL iteration is one optimizer step)",
+    "default_root_dir": "set output_dir",
+    "max_epochs": "set rl.iterations (an RL run has no epochs; one iteration is one step)",
+    "min_steps": "set rl.iterations (the run trains exactly that many)",
+    "limit_train_batches": "set rl.iterations (one iteration is one optimizer step)",
+    "fast_dev_run": "set rl.iterations: 1",
+    "log_every_n_steps": "leave it out: every iteration is logged",
+    "logger": "set logger (top level: csv, tensorboard or wandb)",
+    "val_check_interval": "set rl.eval_every (iterations between held-out evaluations)",
+    "check_val_every_n_epoch": "set rl.eval_every (iterations between held-out evaluations)",
+    "enable_checkpointing": "set rl.checkpoint_every (0: a checkpoint only at the end)",
+    "enable_progress_bar": "pass --no-progress to draw no progress bars",
+    "accumulate_grad_batches": "set rl.max_tokens_per_micro_batch (all micro-batches of an "
+    "iteration accumulate into its one optimizer step)",
+    "strategy": "set trainer.devices (several devices shard the policy with FSDP2)",
+    "gradient_clip_val": "leave it out: gradients are clipped at norm 1.0",
+    "deterministic": "set seed",
+}
+
+
+def lightning_trainer_arg(name: str, key: str) -> str:
+    """The message for ``name``, a Lightning Trainer argument ``key`` that ``trainer`` lacks."""
+    return (
+        f"{name} is a Lightning Trainer argument that streamrl fit does not take; "
+        f"{LIGHTNING_TRAINER_ARGS[key]}."
+    )
+
+
+def load_config(path: str | Path) -> RunConfig:
+    """Read a YAML file into a validated ``RunConfig``.
+
+    Raises:
+        ConfigError: missing or unreadable file, an unknown key, a wrong type or a bad value;
+            the message names the key and the fix.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(
+            f"Config file {str(path)!r} does not exist. Pass --config with a YAML file, e.g. "
+            "configs/demo.yaml."
+        )
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise ConfigError(f"Config file {str(path)!r} is not valid YAML: {err}") from err
+    if not isinstance(data, dict):
+        raise ConfigError(f"Config file {str(path)!r} must hold a mapping of keys to values.")
+    config = from_dict(RunConfig, data, where=str(path))
+    check_values(config)
+    return config
+
+
+def from_dict(cls: type, data: dict[str, Any], where: str) -> Any:
+    """Build dataclass ``cls`` from ``data``, checking keys and value types."""
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    moved = MOVED_KEYS.get(cls, {})
+    for key, value in data.items():
+        if key in moved:
+            raise ConfigError(f"{where}: {key} has moved: set {moved[key]} instead.")
+        if cls is TrainerConfig and key in LIGHTNING_TRAINER_ARGS:
+            raise ConfigError(lightning_trainer_arg(f"{where}: {key}", key))
+        if key not in hints:
+            raise ConfigError(f"{where}: {unknown_name('key', str(key), names)}")
+        kwargs[key] = _convert(hints[key], value, f"{where}: {key}")
+    return cls(**kwargs)
+
+
+def _convert(hint: Any, value: Any, where: str) -> Any:
+    if dataclasses.is_dataclass(hint):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where} must be a mapping of keys to values, got {value!r}.")
+        return from_dict(hint, value, where)
+    args = typing.get_args(hint)
+    if type(None) in args:  # X | None
+        if value is None:
+            return None
+        args = tuple(a for a in args if a is not type(None))
+        hint = args[0] if len(args) == 1 else typing.Union[args]  # noqa: UP007
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):  # str | dict: a name or options
+        for option in typing.get_args(hint):
+            if isinstance(value, typing.get_origin(option) or option):
+                return value
+        names = " or ".join((typing.get_origin(a) or a).__name__ for a in typing.get_args(hint))
+        raise ConfigError(f"{where} must be a {names}, got {value!r}.")
+    origin = typing.get_origin(hint)
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"{where} must be a list, got {value!r}.")
+        return [_convert(typing.get_args(hint)[0], v, where) for v in value]
+    if origin is dict:  # options passed through to a constructor, checked by it
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where} must be a mapping of keys to values, got {value!r}.")
+        return dict(value)
+    if hint is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if not isinstance(value, hint) or (hint is int and isinstance(value, bool)):
+        raise ConfigError(f"{where} must be of type {hint.__name__}, got {value!r}.")
+    return value

@@ -1,0 +1,305 @@
+"""The ``streamrl fit`` command line: ``jsonargparse`` over ``streamrl.run.config.RunConfig``.
+
+As ``LightningCLI`` does: any number of ``--config`` YAML files and a dotted option per field
+(``--rl.lr 3e-5``), the later winning, ``--print_config`` (``=comments``, ``=skip_null``) to write
+the resolved config out, ``--version``; the merged values then pass the same checks as
+``streamrl.run.config_file.load_config``, and a mistake is reported in our words (the key, a "did
+you mean", the fix). Of the Lightning Trainer's arguments, ``--trainer.max_steps`` and
+``--trainer.default_root_dir`` are aliases of ``--rl.iterations`` and ``--output_dir``; the others
+that ours lack are refused naming the setting to use (``config_file.LIGHTNING_TRAINER_ARGS``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import textwrap
+import typing
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from streamrl.errors import ConfigError, unknown_name
+
+if TYPE_CHECKING:
+    import jsonargparse
+
+    from streamrl.run.config import RunConfig
+
+#: ``streamrl fit`` options of the run itself, beside the config's fields.
+_FIT_RUN_OPTIONS = (
+    "config",
+    "print_config",
+    "resume",
+    "no-progress",
+    "verbose",
+    "no-cache",
+    "help",
+    "version",
+)
+#: The options ``streamrl fit`` had before it read dotted ones, and the Lightning Trainer's
+#: arguments that name one of ours (one RL iteration is one optimizer step), kept as aliases.
+_FIT_ALIASES = {
+    "--output-dir": "--output_dir",
+    "--gpus": "--rl.gpus",
+    "--trainer.max_steps": "--rl.iterations",
+    "--trainer.default_root_dir": "--output_dir",
+}
+VERBOSE_HELP = "also show Lightning's information lines (accelerators found, tips) on stderr"
+#: What ``--print_config=FLAGS`` takes, comma-separated, as ``LightningCLI``'s.
+PRINT_FLAGS = ("comments", "skip_null")
+
+
+@dataclasses.dataclass
+class FitArgs:
+    """``streamrl fit``'s command line, parsed and checked for keys and types."""
+
+    config: RunConfig
+    resume: str | None = None
+    no_progress: bool = False
+    #: Lightning's own information lines (accelerators found, tips) on stderr too.
+    verbose: bool = False
+    #: ``None``: train; else ``--print_config``'s flags (``[]``, ``["comments"]``...).
+    print_config: list[str] | None = None
+    #: The ``--config`` files, in order (``package.module:Name`` also imports beside them).
+    config_files: list[str] = dataclasses.field(default_factory=list)
+
+
+def build_fit_parser() -> jsonargparse.ArgumentParser:
+    """The ``jsonargparse`` parser of ``streamrl fit``: ``--config`` files, one dotted option per
+    ``RunConfig`` field, ``--print_config`` and the run's own options."""
+    from jsonargparse import ActionConfigFile, ArgumentParser
+
+    from streamrl.run.config import RunConfig
+
+    parser = ArgumentParser(
+        prog="streamrl fit",
+        description="Train from the defaults (the demo's run), YAML files and dotted options, "
+        "e.g. streamrl fit --config configs/demo.yaml --rl.lr 3e-5 --data.tasks '[copy, rev]'. "
+        "Options and files apply in order, the later winning. --output-dir and --gpus are "
+        "aliases of --output_dir and --rl.gpus.",
+        exit_on_error=False,
+        print_config=None,  # ours below prints only the config, which load_config reads back
+        allow_abbrev=False,
+        default_env=False,
+    )
+    parser.add_argument(
+        "--config",
+        action=ActionConfigFile,
+        help="YAML file of settings (any subset of --print_config's); may be given several times",
+    )
+    parser.add_argument(
+        "--print_config",
+        nargs="?",
+        const="",
+        metavar="FLAGS",
+        help="print the resolved config as YAML and exit (keys and types are checked, values "
+        "are not): streamrl fit --print_config > my.yaml; --print_config=comments adds each "
+        "setting's description, --print_config=skip_null leaves out the unset (null) ones",
+    )
+    parser.add_argument("--version", action="version", version=f"streamrl {fit_version()}")
+    parser.add_argument(
+        "--resume",
+        help="checkpoint to continue from, e.g. <output_dir>/checkpoints/last.ckpt, or 'auto': "
+        "the output_dir's last checkpoint if it has one (a run into an output_dir that holds an "
+        "earlier run's checkpoints is refused without --resume)",
+    )
+    parser.add_argument("--no-progress", action="store_true", help="draw no progress bars")
+    parser.add_argument("--verbose", action="store_true", help=VERBOSE_HELP)
+    parser.add_argument(
+        "--no-cache",
+        action="store_true",
+        help="train the tiny policy's warm start afresh, even if one made from the same rows, "
+        "code and settings is cached (the same as --sft.cache false)",
+    )
+    parser.add_class_arguments(RunConfig, fail_untyped=True)
+    return parser
+
+
+def parse_fit(argv: Sequence[str]) -> FitArgs:
+    """Parse ``streamrl fit``'s arguments (without the command) into a ``RunConfig`` built by
+    ``streamrl.run.config_file.from_dict``; its values are checked later, by ``check_values``.
+
+    Raises:
+        ConfigError: an unreadable file, an unknown key (with a "did you mean") or a wrong type.
+    """
+    from jsonargparse import ArgumentError
+
+    from streamrl.run.config import RunConfig
+    from streamrl.run.config_file import from_dict
+
+    argv = [_fit_alias(token) for token in argv]
+    try:
+        values = build_fit_parser().parse_args(argv).as_dict()
+    except ArgumentError as err:
+        _explain_fit_error(argv)  # our message for an unknown key or an unreadable file
+        raise ConfigError(" ".join(str(err).split())) from None
+    files = [str(path) for path in values.pop("config") or [] if path is not None]
+    run = {name: values.pop(name) for name in ("resume", "no_progress", "verbose", "print_config")}
+    if values.pop("no_cache"):
+        values["sft"]["cache"] = False
+    run["print_config"] = _print_flags(run["print_config"])
+    config = from_dict(RunConfig, values, where=" + ".join([*files, "command line"]))
+    return FitArgs(config, **run, config_files=files)
+
+
+def fit_version() -> str:
+    import streamrl
+
+    return streamrl.__version__
+
+
+def _print_flags(value: str | None) -> list[str] | None:
+    """``--print_config``'s value: ``None`` (not given), or its known flags; ``ConfigError``."""
+    if value is None:
+        return None
+    flags = [flag.strip() for flag in value.split(",") if flag.strip()]
+    unknown = [flag for flag in flags if flag not in PRINT_FLAGS]
+    if unknown:
+        raise ConfigError(
+            f"--print_config={value}: {unknown_name('flag', unknown[0], PRINT_FLAGS)} Give "
+            "--print_config alone, or with comments and/or skip_null, e.g. "
+            "--print_config=comments,skip_null."
+        )
+    return flags
+
+
+def _fit_alias(token: str) -> str:
+    name, eq, value = token.partition("=")
+    return _FIT_ALIASES.get(name, name) + eq + value
+
+
+def _explain_fit_error(argv: Sequence[str]) -> None:
+    """Raise our ``ConfigError`` for the unknown key (in a file, a YAML string or an option) or
+    the unreadable file behind a failed parse; return if none is found."""
+    from streamrl.run.config import RunConfig
+
+    groups = typing.get_type_hints(RunConfig)
+    for i, token in enumerate(argv):
+        if token == "--":
+            break
+        if not token.startswith("--"):
+            continue
+        name, eq, value = token[2:].partition("=")
+        if not eq:
+            value = argv[i + 1] if i + 1 < len(argv) else ""
+        if name == "config":
+            _check_config_value("--config", value, RunConfig)
+        elif dataclasses.is_dataclass(groups.get(name)):  # --rl FILE_OR_YAML
+            _check_config_value(f"--{name}", value, groups[name])
+        else:
+            _check_option(name)
+
+
+def _check_option(name: str) -> None:
+    """``--name`` (e.g. ``rl.lr``) must name a field (or a run option); ``ConfigError``."""
+    from streamrl.run.config import RunConfig, TrainerConfig
+    from streamrl.run.config_file import LIGHTNING_TRAINER_ARGS, MOVED_KEYS, lightning_trainer_arg
+
+    cls: Any = RunConfig
+    parts = name.removesuffix("+").split(".")  # --data.tasks+ copy appends to a list
+    for depth, part in enumerate(parts):
+        hints = typing.get_type_hints(cls)
+        if part in MOVED_KEYS.get(cls, {}):
+            raise ConfigError(f"--{name} has moved: set {MOVED_KEYS[cls][part]} instead.")
+        if cls is TrainerConfig and part in LIGHTNING_TRAINER_ARGS:
+            raise ConfigError(lightning_trainer_arg(f"--{name}", part))
+        known = [*hints, *(_FIT_RUN_OPTIONS if depth == 0 else ())]
+        if part not in known or (
+            depth < len(parts) - 1 and not dataclasses.is_dataclass(hints.get(part))
+        ):
+            prefix = "--" + "".join(f"{p}." for p in parts[:depth])
+            message = unknown_name("option", f"--{name}", [prefix + k for k in known])
+            raise ConfigError(f"command line: {message}")
+        cls = hints.get(part)
+
+
+def _check_config_value(option: str, value: str, cls: type) -> None:
+    """A ``--config`` (or ``--rl``) value: a YAML file or string of known keys; ``ConfigError``."""
+    import yaml
+
+    try:
+        is_file = Path(value).is_file()
+    except OSError:  # e.g. a YAML string too long for a file name
+        is_file = False
+    try:
+        data = yaml.safe_load(Path(value).read_text() if is_file else value)
+    except yaml.YAMLError as err:
+        if is_file:
+            raise ConfigError(f"Config file {value!r} is not valid YAML: {err}") from err
+        return
+    if isinstance(data, dict):
+        _check_keys(cls, data, value if is_file else option)
+    elif is_file and data is None:  # jsonargparse reads no empty file
+        raise ConfigError(
+            f"Config file {value!r} is empty: give it some keys or leave out {option}."
+        )
+    elif is_file:
+        raise ConfigError(f"Config file {value!r} must hold a mapping of keys to values.")
+    elif option == "--config":
+        raise ConfigError(
+            f"Config file {value!r} does not exist. Pass --config with a YAML file, e.g. "
+            "configs/demo.yaml."
+        )
+
+
+def _check_keys(cls: type, data: dict, where: str) -> None:
+    """Every key of ``data`` names a field of dataclass ``cls``, as in ``from_dict``."""
+    from streamrl.run.config import TrainerConfig
+    from streamrl.run.config_file import LIGHTNING_TRAINER_ARGS, lightning_trainer_arg
+
+    hints = typing.get_type_hints(cls)
+    for key, value in data.items():
+        if cls is TrainerConfig and key in LIGHTNING_TRAINER_ARGS:
+            raise ConfigError(lightning_trainer_arg(f"{where}: {key}", key))
+        if key not in hints:
+            raise ConfigError(f"{where}: {unknown_name('key', str(key), list(hints))}")
+        if dataclasses.is_dataclass(hints[key]) and isinstance(value, dict):
+            _check_keys(hints[key], value, f"{where}: {key}")
+
+
+def print_fit_config(config: RunConfig, flags: Sequence[str] = ()) -> None:
+    """``--print_config``: the whole config as YAML, which ``load_config`` reads back.
+
+    Args:
+        config: the resolved config.
+        flags: ``"comments"``: each setting's description (from its docstring) above it;
+            ``"skip_null"``: leave out the settings that are ``null``.
+    """
+    sys.stdout.write("".join(_yaml_lines(config, 0, "comments" in flags, "skip_null" in flags)))
+
+
+def _yaml_lines(section: Any, indent: int, comments: bool, skip_null: bool) -> list[str]:
+    """``section`` (a config dataclass) as YAML lines, one setting at a time."""
+    import yaml
+
+    pad, lines = " " * indent, []
+    described = _descriptions(type(section)) if comments else {}
+    for field in dataclasses.fields(section):
+        value = getattr(section, field.name)
+        if value is None and skip_null:
+            continue
+        for line in textwrap.wrap(described.get(field.name, ""), 98 - indent):
+            lines.append(f"{pad}# {line}\n")
+        if dataclasses.is_dataclass(value):
+            lines.append(f"{pad}{field.name}:\n")
+            lines.extend(_yaml_lines(value, indent + 2, comments, skip_null))
+            continue
+        # As one dump of the whole config: a scalar in block style, innermost lists in flow.
+        flow = None if isinstance(value, (list, dict)) else False
+        text = yaml.safe_dump({field.name: value}, sort_keys=False, default_flow_style=flow)
+        lines.extend(pad + line + "\n" for line in text.splitlines())
+    return lines
+
+
+def _descriptions(cls: type) -> dict[str, str]:
+    """Each field's description from the ``Attributes:`` of ``cls``'s docstring, on one line
+    (``n_train / n_heldout:`` describes both)."""
+    import docstring_parser
+
+    out = {}
+    for param in docstring_parser.parse(cls.__doc__ or "").params:
+        text = " ".join((param.description or "").replace("``", "").split())
+        for name in param.arg_name.split("/"):
+            out[name.strip()] = text
+    return out

@@ -1,0 +1,265 @@
+"""From a config to component objects: the YAML edge of every extension point.
+
+``rl.algorithm``, ``rl.reward``, ``rl.dispatcher``, ``rl.scheduler``, ``rl.length_predictor``
+and ``rl.engine`` each hold a built-in's short name or ``package.module:Name`` for your own
+(``streamrl.runtime.references``); a mapping adds keyword arguments::
+
+    rl:
+      algorithm: my_lab.algos:MyGRPO            # an Algorithm subclass
+      reward: my_lab.rewards:score             # fn(completion, row) -> float
+      dispatcher: {name: skew, alpha: 0.3}     # a built-in with an option
+      engine: {name: vllm, options: {max_model_len: 512}}
+
+A component declares what it needs from the run by naming it in its constructor (a dispatcher
+that takes ``latency`` gets the measured ``PTL(BS)``; an algorithm overrides ``from_run``), so
+nothing here branches on a name. ``check_parts`` resolves and checks them all when the run
+starts, before the warm start; ``RunParts.from_config`` builds them once the policy is loaded.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from streamrl.algorithms import ALGORITHMS, Algorithm, RunFacts, build_algorithm
+from streamrl.components.capacity.elastic import ElasticController
+from streamrl.components.generation.engines import ENGINES, check_cluster
+from streamrl.components.skewness.dispatch import RandomDispatcher, RoundRobinDispatcher
+from streamrl.components.skewness.latency import LatencyModel
+from streamrl.components.skewness.ranker import LengthRanker
+from streamrl.components.skewness.schedulers import FIFOScheduler, LPTScheduler
+from streamrl.components.skewness.skew_dispatch import SkewAwareDispatcher
+from streamrl.errors import ConfigError
+from streamrl.policy.lora import LoRASpec
+from streamrl.protocols import AdmissionScheduler, Dispatcher, GenerationEngine, LengthPredictor
+from streamrl.rewards.pool import RewardPool
+from streamrl.rewards.spec import RewardSpec, load_rewards
+from streamrl.run.config import RLConfig, RunConfig
+from streamrl.runtime.devices import Placement
+from streamrl.runtime.references import construct, resolve, wants
+
+#: Built-ins by the short name a config uses.
+DISPATCHERS = {
+    "skew": SkewAwareDispatcher,
+    "round_robin": RoundRobinDispatcher,
+    "random": RandomDispatcher,
+}
+SCHEDULERS = {"lpt": LPTScheduler, "fifo": FIFOScheduler}
+LENGTH_PREDICTORS = {"ranker": LengthRanker}
+
+
+@dataclass
+class RunParts:
+    """The component objects of a run, built from its config.
+
+    Attributes:
+        algorithm: advantages and loss.
+        rewards: the task reward(s) and their weights (run by a ``RewardPool``).
+        engine: builds each generator instance's engine.
+        dispatcher: splits requests over instances.
+        scheduler: makes each instance's admission queue.
+        length_predictor: output-length predictions for dispatch and LPT, or ``None``.
+        elastic: adds generator instances while training runs, or ``None``.
+        lora: the policy's adapters, or ``None`` (full fine-tuning).
+        latency: the ``PTL(BS)`` the dispatcher and the elastic controller share, if either
+            uses one: measured by the generator instances themselves when they start
+            (``StreamGenerationService(profile_latency=...)``), then filled in here in place
+            (``LatencyModel.update_from``) before anything is dispatched; ``None``: unused.
+    """
+
+    algorithm: Algorithm
+    rewards: list[RewardSpec]
+    engine: GenerationEngine
+    dispatcher: Dispatcher
+    scheduler: Callable[[], AdmissionScheduler]
+    length_predictor: LengthPredictor | None
+    elastic: ElasticController | None
+    lora: LoRASpec | None
+    latency: LatencyModel | None = None
+
+    @classmethod
+    def from_config(
+        cls, config: RunConfig, policy: PreTrainedModel, tokenizer: PreTrainedTokenizerBase
+    ) -> RunParts:
+        """Build every part ``config`` names, giving each what it declares it needs."""
+        rl = config.rl
+        latency = None
+        dispatcher_factory, dispatcher_options = _pick(rl.dispatcher, "dispatcher", DISPATCHERS)
+        # Used only to size pools over several instances, or to scale them; measured by the
+        # instances on their own engine when they start (the run fills it in before dispatch).
+        if (wants(dispatcher_factory, "latency") and rl.generators > 1) or rl.elastic:
+            latency = LatencyModel([1], [float("nan")])
+        provided = dict(latency=latency, max_batch_size=rl.max_batch_size, seed=config.seed)
+        elastic = None
+        if rl.elastic:
+            elastic = ElasticController(latency, rl.max_batch_size, max_instances=rl.max_generators)
+        lora = lora_spec(rl)
+        return cls(
+            algorithm=build_run_algorithm(rl, policy.config.hidden_size),
+            rewards=reward_specs(rl),
+            engine=_engine(rl, lora),
+            dispatcher=_checked(
+                construct(
+                    dispatcher_factory,
+                    provided=provided,
+                    options=dispatcher_options,
+                    where="rl.dispatcher",
+                ),
+                Dispatcher,
+                "rl.dispatcher",
+            ),
+            scheduler=_scheduler(rl),
+            length_predictor=_length_predictor(rl, config.seed, tokenizer),
+            elastic=elastic,
+            lora=lora,
+            latency=latency,
+        )
+
+
+def check_parts(rl: RLConfig, placement: Placement | None = None) -> None:
+    """Resolve and check every extension point of ``rl`` without loading a model (and, given
+    the trainer's ``placement``, that the algorithm can train there).
+
+    Raises:
+        ConfigError: a name that is neither a built-in nor importable, a wrong signature, a
+            component without its protocol's methods, or an algorithm refusing the settings.
+    """
+    load_rewards(reward_specs(rl))  # every reward imports and has a signature we can call
+    algorithm = build_run_algorithm(rl, hidden_size=1)  # the algorithm checks its own needs
+    if placement is not None and placement.sharded and not algorithm.shardable:
+        raise ConfigError(
+            f"{type(algorithm).__name__} cannot train sharded yet (its own parameters are not "
+            f"sharded by FSDP), but trainer.devices={placement.ranks_per_node} and "
+            f"trainer.precision={placement.precision} train with FSDP2; use one trainer "
+            "process with trainer.precision: 32-true."
+        )
+    factory, options = _pick(rl.dispatcher, "dispatcher", DISPATCHERS)
+    facts = dict(latency=None, max_batch_size=rl.max_batch_size, seed=0)
+    construct(factory, provided=facts, options=options, where="rl.dispatcher", call=False)
+    _scheduler(rl)
+    _length_predictor(rl, seed=0)
+    engine = _engine(rl, lora_spec(rl))
+    try:  # a missing extra or absent GPUs fail here, not inside a generator process
+        check_cluster(rl.cluster)
+        engine.check(cluster=rl.cluster, gpus_per_instance=rl.gpus)
+    except ConfigError as err:
+        raise ConfigError(f"rl.engine: {err}") from err
+
+
+def reward_specs(rl: RLConfig) -> list[RewardSpec]:
+    """The run's rewards (``rl.reward``: a name, ``package.module:function``, or a weighted
+    list; ``None``: ``exact``); ``ConfigError`` on a malformed entry."""
+    return RewardSpec.from_config("exact" if rl.reward is None else rl.reward)
+
+
+def reward_pool(
+    rl: RLConfig, specs: list[RewardSpec], status_path: str | Path | None = None
+) -> RewardPool:
+    """The pool that scores samples with ``specs`` (``rl.reward_workers`` processes; their pids
+    go to ``status_path``, if given)."""
+    return RewardPool(
+        specs, workers=rl.reward_workers, timeout_s=rl.reward_timeout_s, status_path=status_path
+    )
+
+
+def build_run_algorithm(rl: RLConfig, hidden_size: int) -> Algorithm:
+    """The run's algorithm, as every trainer rank builds it: ``rl.algorithm`` (a name, a
+    ``module:Name`` reference, with options) resolved, then ``build_algorithm``."""
+    cls, options = _pick(rl.algorithm, "algorithm", ALGORITHMS)
+    facts = RunFacts(
+        group_size=rl.group_size,
+        clip_eps=rl.clip_eps,
+        kl_coef=rl.kl_coef,
+        max_tokens=rl.max_tokens,
+        hidden_size=hidden_size,
+        prompts_per_iteration=rl.prompts_per_iteration,
+    )
+    try:
+        return build_algorithm(cls, facts, **options)
+    except (TypeError, ValueError) as err:
+        raise ConfigError(f"rl.algorithm: {err}") from err
+
+
+def lora_spec(rl: RLConfig) -> LoRASpec | None:
+    """The policy's adapters (``rl.lora_r > 0``), or ``None``."""
+    if rl.lora_r <= 0:
+        return None
+    return LoRASpec(rl.lora_r, rl.lora_alpha, 0.0, tuple(rl.lora_target_modules))
+
+
+def _engine(rl: RLConfig, lora: LoRASpec | None) -> GenerationEngine:
+    factory, options = _pick(rl.engine, "engine", ENGINES)
+    engine = construct(factory, provided=dict(lora=lora), options=options, where="rl.engine")
+    if lora is not None and not wants(factory, "lora"):
+        raise ConfigError(
+            f"rl.engine: {rl.engine!r} takes no LoRA adapters (rl.lora_r > 0); use the 'hf' "
+            "engine or rl.lora_r: 0."
+        )
+    return _checked(engine, GenerationEngine, "rl.engine")
+
+
+def _scheduler(rl: RLConfig) -> Callable[[], AdmissionScheduler]:
+    factory, options = _pick(rl.scheduler, "scheduler", SCHEDULERS)
+    queue = construct(factory, provided={}, options=options, where="rl.scheduler")
+    _checked(queue, AdmissionScheduler, "rl.scheduler")
+    return functools.partial(factory, **options)  # one queue per instance, made there
+
+
+def _length_predictor(
+    rl: RLConfig, seed: int, tokenizer: PreTrainedTokenizerBase | None = None
+) -> LengthPredictor | None:
+    """The run's length predictor; one that takes a ``tokenizer`` (``LengthRanker``) gets the
+    policy's, so it reads your prompts in the policy's own tokens (§5.2 on real prompts).
+
+    A character-level tokenizer (the built-in toy tasks') is not given: its token n-grams would
+    repeat the ranker's character n-grams at twice the training cost.
+    """
+    if rl.length_predictor is None:
+        return None
+    factory, options = _pick(rl.length_predictor, "length predictor", LENGTH_PREDICTORS)
+    if tokenizer is not None and _one_character_tokens(tokenizer):
+        tokenizer = None
+    provided = dict(seed=seed, tokenizer=tokenizer)
+    predictor = construct(factory, provided=provided, options=options, where="rl.length_predictor")
+    return _checked(predictor, LengthPredictor, "rl.length_predictor")
+
+
+def _one_character_tokens(tokenizer: PreTrainedTokenizerBase) -> bool:
+    """Whether every token but the special ones is a single character."""
+    special = set(tokenizer.all_special_tokens)
+    return all(len(t) == 1 for t in tokenizer.get_vocab() if t not in special)
+
+
+def _pick(
+    value: str | Mapping[str, Any], kind: str, builtins: Mapping[str, Any]
+) -> tuple[Any, dict[str, Any]]:
+    """``(factory, options)`` from ``"name"`` or ``{name: ..., option: value, ...}``."""
+    where = f"rl.{kind.replace(' ', '_')}"
+    if isinstance(value, Mapping):
+        if "name" not in value:
+            raise ConfigError(
+                f"{where}: a mapping needs a 'name' (a built-in or package.module:Name) next "
+                f"to its options, got {dict(value)!r}."
+            )
+        options = {k: v for k, v in value.items() if k != "name"}
+        return resolve(value["name"], kind=kind, builtins=builtins, where=where), options
+    return resolve(value, kind=kind, builtins=builtins, where=where), {}
+
+
+def _checked(obj: Any, protocol: type, where: str) -> Any:
+    """``obj`` if it has every method of ``protocol``, else a ``ConfigError`` listing them."""
+    if not isinstance(obj, protocol):
+        needed = sorted(
+            n for n in dir(protocol) if not n.startswith("_") or n in ("__call__", "__len__")
+        )
+        missing = [n for n in needed if not hasattr(obj, n)]
+        raise ConfigError(
+            f"{where}: {type(obj).__qualname__} is not a {protocol.__name__}: it lacks "
+            f"{missing or needed} (see streamrl.protocols.{protocol.__name__})."
+        )
+    return obj

@@ -1,0 +1,66 @@
+"""The headings a run prints as it goes: policy, evaluation, RL, evaluation, files written.
+
+``streamrl fit`` and ``streamrl demo`` take minutes before their one JSON line; each stage says
+what it does and, where known, how long it takes, on stderr (``streamrl.runtime.progress.Stages``).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+
+from streamrl.run.config import RunConfig
+from streamrl.runtime.progress import Stages
+
+#: What each file of ``<output_dir>`` holds, in the order the list shows them.
+OUTPUTS = {
+    "summary.json": "the run's figures (also the JSON line on stdout)",
+    "policy": "the trained policy, a Hugging Face model directory",
+    "logs": "metrics per iteration (metrics.csv, or your logger's files)",
+    "timeline.png": "what each generator and the trainer did, and when (trace.json: the data)",
+    "eval.png": "held-out figures during training",
+    "checkpoints": "Lightning checkpoints: --resume auto goes on from the last",
+    "rollouts": "the trained samples, one Parquet file per iteration",
+}
+
+
+class RunStages(Stages):
+    """The five stages of a run, ``[1/5]`` to ``[5/5]``; ``expected``: ``Stages``'."""
+
+    NAMES = ("policy", "evaluation before", "rl", "evaluation after", "files")
+
+    def __init__(self, expected: Mapping[str, str] | None = None) -> None:
+        super().__init__(self.NAMES, expected)
+
+    def policy(self, config: RunConfig) -> None:
+        if config.model != "tiny":
+            self.start("policy", f"Policy: {config.model}")
+            return
+        sft = config.sft
+        self.start(
+            "policy",
+            f"Warm start: {sft.steps} SFT steps of the tiny '{sft.model_size}' policy on "
+            "imperfect demonstrations (cached after the first run; an interrupted one resumes)",
+        )
+
+    def evaluation(self, when: str, count: int, unit: str = "prompts") -> None:
+        """``when``: ``"before"`` or ``"after"`` RL; ``count`` held-out ``unit``."""
+        self.start(f"evaluation {when}", f"Held-out evaluation {when} RL: {count} {unit}")
+
+    def rl(self, config: RunConfig) -> None:
+        rl = config.rl
+        algorithm = rl.algorithm if isinstance(rl.algorithm, str) else "your algorithm"
+        self.start(
+            "rl",
+            f"RL ({algorithm}, {rl.mode}): {rl.iterations} iterations of "
+            f"{rl.prompts_per_iteration} prompts x {rl.group_size} samples, {rl.generators} "
+            "generator processes streaming samples to the trainer",
+        )
+
+    def files(self, output_dir: str | Path) -> None:
+        out = Path(output_dir)
+        self.start("files", f"Files written to {out}")
+        for name, what in OUTPUTS.items():
+            if (out / name).exists():
+                print(f"  {name:<14} {what}", file=sys.stderr)

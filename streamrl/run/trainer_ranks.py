@@ -1,0 +1,330 @@
+"""The trainer ranks of a run: how each builds its module and trainer, and where the ranks come
+from: spawned here for a sharded ``streamrl fit`` (``rl.trainer_ranks > 1``), or started by an
+external launcher (``torchrun`` on several nodes, SLURM's ``srun``; ``launched_job``).
+
+The process running ``fit`` is trainer rank 0: it owns the generation service and the sample
+stream, and deals each micro-batch to the ranks (``ShardedStreamRLModule(share_stream=True)``).
+Ranks 1..N-1 are spawned here; each receives the same ``RankSetup`` (the algorithm object
+included), loads the same policy, and builds its module and trainer with the public builders,
+as rank 0 does. Every rank sees the variables of an externally launched job (``MASTER_ADDR``,
+``RANK``, ...), so Lightning never re-runs the command line, which works from a notebook too. The
+ranks are stopped, killed if need be, when ``fit`` ends or fails.
+
+Under an external launcher every process runs ``streamrl fit`` itself: the launcher's rank 0 is
+rank 0 above (it hosts the generation service), the others build the same module without the
+service and train on the shares rank 0 deals them, across nodes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import multiprocessing as mp
+import os
+import signal
+import socket
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field, replace
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins.environments import (
+    ClusterEnvironment,
+    SLURMEnvironment,
+    TorchElasticEnvironment,
+)
+from lightning.pytorch.loggers import Logger
+from transformers import PreTrainedModel
+
+from streamrl.algorithms.base import Algorithm
+from streamrl.components.capacity.elastic import ElasticController
+from streamrl.errors import TrainerRankError
+from streamrl.policy.lora import LoRASpec, apply_lora
+from streamrl.run.config import RunConfig
+from streamrl.run.config_checks import placement_of
+from streamrl.run.parts import lora_spec
+from streamrl.runtime.devices import Placement
+from streamrl.runtime.stopping import Stopped, ignore_signals
+from streamrl.training.builders import build_module, build_trainer
+from streamrl.training.module import StreamRLModule
+from streamrl.training.rollout import RolloutStream
+
+#: How long ranks may take to leave after rank 0 finished (they are killed afterwards).
+LEAVE_TIMEOUT_S = 30.0
+#: How long launched ranks wait for rank 0 to prepare the policy (a warm start takes minutes).
+PREPARE_TIMEOUT_S = 1800.0
+#: How long a collective of launched ranks waits for the others before it fails.
+COLLECTIVE_TIMEOUT_S = 300.0
+
+
+@dataclass
+class RankSetup:
+    """What every trainer rank builds its module and trainer from (picklable: the extra ranks
+    receive it whole, so they train exactly what rank 0 trains).
+
+    Attributes:
+        algorithm: the run's algorithm object.
+        iterations: optimizer steps.
+        placement: the trainer's accelerator, ranks, GPUs and precision
+            (``streamrl.runtime.devices.resolve_placement``); FSDP2 when ``placement.sharded``.
+        output_dir: where checkpoints go.
+        checkpoint_every: iterations between checkpoints (0: only ``last.ckpt``).
+        stop_deadline_s: the most seconds a stopped run spends saving (``None``: no limit).
+        sharded_checkpoints: checkpoints as folders of each rank's shards.
+        lora: the policy's adapters (every rank wraps its policy alike), or ``None``.
+        module_options: the rest of ``build_module``'s keyword arguments.
+    """
+
+    algorithm: Algorithm
+    iterations: int
+    placement: Placement = field(default_factory=lambda: Placement("cpu", 1, 1, (), (), "32-true"))
+    output_dir: str | None = None
+    checkpoint_every: int = 0
+    stop_deadline_s: float | None = 60.0
+    sharded_checkpoints: bool = False
+    lora: LoRASpec | None = None
+    module_options: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def ranks(self) -> int:
+        """Trainer ranks in all."""
+        return self.placement.ranks
+
+    @classmethod
+    def from_config(
+        cls, config: RunConfig, algorithm: Algorithm, job: ClusterEnvironment | None = None
+    ) -> RankSetup:
+        """The setup of ``config``'s run; under an external launcher (``job``) its world is
+        the launcher's (``LOCAL_WORLD_SIZE`` ranks on each of its nodes)."""
+        rl, trainer = config.rl, config.trainer
+        placement = placement_of(config)
+        if job is not None:
+            per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+            nodes = job.world_size() // per_node
+            gpus = tuple(range(per_node)) if placement.accelerator == "cuda" else ()
+            placement = replace(
+                placement, ranks_per_node=per_node, num_nodes=nodes, trainer_gpus=gpus
+            )
+        return cls(
+            algorithm,
+            rl.iterations,
+            placement=placement,
+            output_dir=config.output_dir,
+            checkpoint_every=rl.checkpoint_every,
+            stop_deadline_s=rl.stop_deadline_s,
+            sharded_checkpoints=trainer.sharded_checkpoints,
+            lora=lora_spec(rl),
+            module_options=dict(
+                mode=rl.mode,
+                lr=rl.lr,
+                temperature=rl.temperature,
+                max_tokens_per_micro_batch=rl.max_tokens_per_micro_batch,
+                layout={True: "packed", False: "padded", None: None}[rl.pack_sequences],
+                min_samples=rl.min_samples,
+                is_cap=rl.is_cap,
+                staleness_bound=rl.staleness_bound,
+                correction=rl.correction,
+                correct_engine_gap=rl.correct_engine_gap,
+                precision=placement.precision,
+                activation_checkpointing=trainer.activation_checkpointing,
+                reference_offload=trainer.reference_offload,
+                logprob_chunk_tokens=trainer.logprob_chunk_tokens,
+            ),
+        )
+
+    def trainable(self, policy: PreTrainedModel) -> PreTrainedModel:
+        """``policy`` as this run trains it: wrapped with the run's LoRA adapters, if any (drawn
+        from one seed, so every rank's adapters start the same and FSDP shards one model)."""
+        return policy if self.lora is None else apply_lora(policy, self.lora)
+
+    def module(
+        self,
+        policy: PreTrainedModel,
+        rollouts: RolloutStream | None,
+        *,
+        elastic: ElasticController | None = None,
+    ) -> StreamRLModule:
+        """This rank's module (``rollouts`` only on rank 0)."""
+        return build_module(
+            policy,
+            self.algorithm,
+            rollouts,
+            iterations=self.iterations,
+            elastic=elastic,
+            sharded=self.placement.sharded,
+            **self.module_options,
+        )
+
+    def trainer(
+        self,
+        module: StreamRLModule,
+        *,
+        logger: Logger | None = None,
+        show_progress: bool = False,
+        callbacks: Sequence[L.Callback] = (),
+    ) -> L.Trainer:
+        """This rank's Lightning trainer (logging, progress and ``callbacks`` on rank 0 only)."""
+        return build_trainer(
+            module,
+            accelerator=self.placement.accelerator,
+            devices=self.placement.lightning_devices(),
+            num_nodes=self.placement.num_nodes,
+            output_dir=self.output_dir,
+            logger=logger,
+            checkpoint_every=self.checkpoint_every,
+            stop_deadline_s=self.stop_deadline_s,
+            show_progress=show_progress,
+            sharded_checkpoints=self.sharded_checkpoints,
+            callbacks=list(callbacks),
+        )
+
+
+def pin_threads(placement: Placement) -> None:
+    """One torch thread per trainer process on the CPU, where the generators need the other
+    cores; on CUDA the host threads are left alone."""
+    if placement.accelerator == "cpu":
+        torch.set_num_threads(1)
+
+
+@contextlib.contextmanager
+def trainer_ranks(setup: RankSetup, model_dir: Path, resume: str | None = None) -> Iterator[None]:
+    """Start ranks ``1..setup.ranks-1`` and make this process rank 0 for the block.
+
+    Args:
+        setup: how each rank builds its module and trainer.
+        model_dir: the policy every rank starts from.
+        resume: the checkpoint every rank resumes from, if any.
+    """
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    job = dict(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(setup.ranks), NODE_RANK="0"
+    )
+    ctx = mp.get_context("spawn")
+    ranks = []
+    for rank in range(1, setup.ranks):
+        args = (setup, str(model_dir), rank, job, resume)
+        name = f"streamrl-trainer-rank-{rank}"
+        ranks.append(ctx.Process(target=_rank_main, args=args, daemon=True, name=name))
+    saved = {k: os.environ.get(k) for k in (*job, "RANK", "LOCAL_RANK")}
+    os.environ.update(job, RANK="0", LOCAL_RANK="0")
+    try:
+        for process in ranks:
+            process.start()
+        if setup.output_dir is not None:  # which process is which rank (for `kill`, a chaos run)
+            pids = {rank: p.pid for rank, p in enumerate(ranks, start=1)}
+            Path(setup.output_dir, "trainer_ranks.json").write_text(json.dumps(pids))
+        try:
+            yield
+        except Exception as err:  # a collective that lost a rank fails: say which rank, how
+            dead = _dead_ranks(ranks)
+            if dead:
+                raise TrainerRankError(f"{dead}; the run stopped") from err
+            raise
+        for process in ranks:
+            process.join(LEAVE_TIMEOUT_S)
+    finally:
+        for process in ranks:
+            if process.is_alive():
+                process.kill()
+                process.join(5.0)
+        if dist.is_initialized():  # so a later run in this process (a notebook) starts afresh
+            dist.destroy_process_group()
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+    dead = _dead_ranks(ranks)
+    if dead:
+        raise TrainerRankError(f"{dead}; see its log above.")
+
+
+def _dead_ranks(ranks: Sequence[mp.process.BaseProcess]) -> str:
+    """Which of ``ranks`` (rank 1 first) ended with an error, and how; ``""`` if none."""
+    for process in ranks:
+        process.join(1.0)  # a rank dying now is seen, not guessed
+    dead = [
+        f"trainer rank {rank} died ({_how(p.exitcode)})"
+        for rank, p in enumerate(ranks, start=1)
+        if p.exitcode not in (0, None)
+    ]
+    return ", ".join(dead)
+
+
+def _how(exitcode: int) -> str:
+    if exitcode < 0:
+        return f"killed by {signal.Signals(-exitcode).name}"
+    return f"exit code {exitcode}"
+
+
+def _rank_main(
+    setup: RankSetup, model_dir: str, rank: int, job: dict[str, str], resume: str | None
+) -> None:
+    """Trainer rank ``rank`` > 0: the sharded module without rollouts, fed by rank 0."""
+    os.environ.update(job, RANK=str(rank), LOCAL_RANK=str(rank))
+    pin_threads(setup.placement)
+    from streamrl.policy.models import load_policy
+    from streamrl.runtime.quiet import quiet_libraries, quiet_lightning
+
+    quiet_libraries()  # rank 0's stderr is the run's log: the other ranks add nothing to it
+    quiet_lightning()
+    _leave_with(os.getppid())
+    ignore_signals()  # a signal to the group is rank 0's to act on: it stops this rank
+    module = setup.module(setup.trainable(load_policy(model_dir)[0]), None)
+    with contextlib.suppress(Stopped):  # rank 0 was stopped: this rank saved with it
+        setup.trainer(module).fit(module, ckpt_path=resume)
+    # Leave at once: a normal exit tears down gloo's threads mid-receive and aborts.
+    os._exit(0)
+
+
+def _leave_with(parent: int) -> None:
+    """Exit at once when ``parent`` (rank 0) is gone, however it ended: a rank must not wait
+    out its collective timeout as an orphan."""
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="streamrl-parent-watch", daemon=True).start()
+
+
+def launched_job() -> ClusterEnvironment | None:
+    """The environment of an external launcher (``torchrun``, SLURM) that started this process
+    as one of several trainer ranks; ``None`` when this process is the whole trainer (it may
+    then spawn ranks itself, ``trainer_ranks``)."""
+    for environment in (TorchElasticEnvironment, SLURMEnvironment):
+        if environment.detect():
+            job = environment()
+            if job.world_size() > 1:
+                return job
+    return None
+
+
+def join_launched_job(job: ClusterEnvironment) -> None:
+    """Join the launcher's process group (gloo), so rank 0 can prepare the policy while the
+    others wait (``wait_for_rank_zero``); Lightning then trains in this group."""
+    if dist.is_initialized():
+        return
+    os.environ.setdefault("MASTER_ADDR", job.main_address)
+    os.environ.setdefault("MASTER_PORT", str(job.main_port))
+    dist.init_process_group(
+        "gloo",
+        rank=job.global_rank(),
+        world_size=job.world_size(),
+        timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S),
+    )
+
+
+def wait_for_rank_zero() -> None:
+    """Every launched rank meets here: rank 0 once its policy is ready, the others before
+    they load it (they find rank 0's warm start in the cache, or a ``model`` directory)."""
+    dist.monitored_barrier(timeout=timedelta(seconds=PREPARE_TIMEOUT_S), wait_all_ranks=True)

@@ -1,0 +1,384 @@
+"""From prompts to scored groups: the trainer's side of the sample stream (StreamRL §3, §4.1).
+
+``PromptSource`` (``streamrl.training.prompts``) deals prompts for each iteration (shuffled each
+epoch, resumable). ``RolloutStream`` sends an iteration's requests to the stream generation service
+and, as samples stream back, scores each on arrival and yields a prompt's group the moment its last
+sample lands, so the trainer can start on it while the rest is still being generated.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from transformers import PreTrainedTokenizerBase
+
+from streamrl.algorithms.base import Algorithm
+from streamrl.components.generation.service import StreamGenerationService
+from streamrl.envs.runner import EpisodeRunner
+from streamrl.policy.chat import completion_text, render_prompt
+from streamrl.protocols import LengthPredictor
+from streamrl.records import Request, Sample, ScoredGroup
+from streamrl.rewards.pool import RewardPool, Scored
+from streamrl.rewards.spec import RewardSpec
+from streamrl.training.prompts import PromptSource
+from streamrl.training.timeline import TraceRecorder
+
+#: How long the trainer waits on the reward pool at a time when only rewards are outstanding.
+REWARD_POLL_S = 0.05
+
+
+@dataclass
+class IterationStats:
+    """Timings and counts of one iteration's rollout (for logs and the closing summary)."""
+
+    samples: int = 0
+    tokens: int = 0
+    generate_s: float = 0.0
+    wait_s: float = 0.0  # time the trainer spent blocked waiting for the next sample
+    rewards: list[float] = field(default_factory=list)
+    reward_parts: dict[str, list[float]] = field(default_factory=dict)  # per reward, unweighted
+    lengths: list[int] = field(default_factory=list)
+    #: Samples missing from the groups trained: episodes the environment cut, left out of the
+    #: loss (``EpisodeRunner.left_out``); the trainer divides its loss by the samples it has.
+    left_out: int = 0
+
+
+@dataclass
+class _Batch:
+    """One dispatched iteration: its prompts, groups being filled and groups ready to train."""
+
+    rows: dict[str, dict]
+    dispatched_s: float
+    min_weight_version: int = 0
+    refills: int = 0
+    partial: dict[str, list[Sample]] = field(default_factory=dict)
+    left_out: dict[str, int] = field(default_factory=dict)  # per prompt: episodes left out
+    ready: list[ScoredGroup] = field(default_factory=list)
+    awaiting: int = 0  # samples requested and not yet received
+    unscored: dict[tuple, Sample] = field(default_factory=dict)  # received, reward pending
+    delivered: int = 0
+    stats: IterationStats = field(default_factory=IterationStats)
+
+
+class RolloutStream:
+    """Streams scored groups from the service; several iterations may be in flight.
+
+    ``dispatch`` sends the next iteration's prompts and returns its number at once; ``groups``
+    yields that iteration's groups as they complete. Samples of a later iteration that arrive
+    meanwhile are scored on arrival and kept for it (one-step asynchronous mode, §4.1).
+    ``iteration()`` is ``groups(dispatch())``, the synchronous case.
+
+    Args:
+        service: a started ``StreamGenerationService``.
+        prompts: deals the prompts of each iteration.
+        tokenizer: encodes prompts and decodes completions for the reward.
+        algorithm: scores groups (its ``group_size`` samples per prompt); its ``score_sample``
+            may shape each sample's reward.
+        reward: the run's reward: a ``RewardPool`` (rewards in worker processes, off the
+            trainer's critical path) or a plain function ``fn(completion, row) -> float``
+            (scored inline; any form ``streamrl.rewards.spec`` accepts).
+        max_tokens: generation budget per sample.
+        context: the policy's context length; a sample's budget never runs past it.
+        trace: where sample spans and the trainer's waits are recorded for the timeline.
+        forced_lengths: if given, each prompt takes the next length from it and its samples
+            ignore EOS and generate exactly that many tokens (the paper's throughput protocol,
+            §7); used by benchmarks.
+        ranker: a ``LengthPredictor`` of each prompt's output length for the dispatcher and
+            LPT admission (§5.2-5.3); its ``learn`` gets the policy's own finished samples every
+            ``ranker_refresh_every`` iterations (the dispatcher observes their lengths then,
+            with or without a ranker), right after the next dispatch so that it runs while the
+            instances generate (until it is ``ready``, no scores are sent).
+        system_prompt: a system message put before each prompt (chat-templated tokenizers).
+        chat_template: whether string prompts go through the tokenizer's chat template
+            (``None``: when it has one; chat-message prompts always do; ``streamrl.policy.chat``).
+        stop_strings: the completion the reward sees ends before the first of these (the
+            generators stop there too when given the same strings).
+        max_refills: groups an algorithm filters out (``keep_group``, e.g. DAPO's dynamic
+            sampling) are replaced by new prompts from the stream, at most this many per
+            iteration (default: twice the prompts per iteration).
+        episodes: run multi-turn episodes instead of single completions: each sample is an
+            episode of the runner's environments on ``service`` (``streamrl.envs``), rewarded
+            by its environment (``reward`` is then not used). An episode the environment cut
+            is left out of the loss when ``episodes.left_out`` says so: its group is scored
+            over its other episodes, or, with fewer than the algorithm's ``min_group_size``
+            left, filtered and refilled like a group ``keep_group`` drops; such episodes are
+            counted in ``samples_env_fault``.
+    """
+
+    def __init__(
+        self,
+        service: StreamGenerationService,
+        prompts: PromptSource,
+        tokenizer: PreTrainedTokenizerBase,
+        algorithm: Algorithm,
+        *,
+        reward: RewardPool | Callable[..., Any],
+        max_tokens: int,
+        context: int,
+        trace: TraceRecorder | None = None,
+        forced_lengths: Iterator[int] | None = None,
+        ranker: LengthPredictor | None = None,
+        ranker_refresh_every: int = 10,
+        system_prompt: str | None = None,
+        chat_template: bool | None = None,
+        stop_strings: Sequence[str] = (),
+        max_refills: int | None = None,
+        episodes: EpisodeRunner | None = None,
+    ) -> None:
+        self.service, self.prompts, self.tokenizer = service, prompts, tokenizer
+        self.episodes = episodes
+        #: Where requests go and samples come from: the service, or the episode runner on it.
+        self.sampler: StreamGenerationService | EpisodeRunner = episodes or service
+        if not isinstance(reward, RewardPool):
+            reward = RewardPool([RewardSpec(reward)], workers=0)
+        self.reward = reward
+        self.system_prompt, self.chat_template = system_prompt, chat_template
+        self.stop_strings = tuple(stop_strings)
+        self._prompt_ids: dict[str, list[int]] = {}  # prompt id -> rendered token ids
+        self.trace = trace if trace is not None else TraceRecorder()
+        self.forced_lengths = forced_lengths
+        self.ranker, self.ranker_refresh_every = ranker, ranker_refresh_every
+        self._finished_lengths: list[tuple[str, int]] = []  # (prompt text, length) since refresh
+        self._refresh_due = False
+        self.algorithm, self.max_tokens, self.context = algorithm, max_tokens, context
+        self.stats = IterationStats()
+        self._batches: dict[int, _Batch] = {}
+        self._next_iteration = 0
+        self.prompts_dispatched = 0
+        self.samples_filtered = 0  # in groups an algorithm's keep_group dropped
+        self.samples_env_fault = 0  # episodes the environment cut, left out of the loss
+        self._redispatch: dict[int, list[dict]] = {}  # in-flight iterations of a checkpoint
+        self._untrained: dict[int, dict[str, dict]] = {}  # delivered, optimizer step not done
+        self.max_refills = 2 * prompts.batch_size if max_refills is None else max_refills
+
+    @property
+    def samples_per_iteration(self) -> int:
+        return self.prompts.batch_size * self.algorithm.group_size
+
+    def dispatch(self, min_weight_version: int = 0) -> int:
+        """Send the next iteration's requests; instances admit them once they hold at least
+        ``min_weight_version``. Returns the iteration number."""
+        iteration, self._next_iteration = self._next_iteration, self._next_iteration + 1
+        if iteration in self._redispatch:  # resumed: the same prompts as before the stop
+            rows = {row["prompt_id"]: row for row in self._redispatch.pop(iteration)}
+        else:
+            rows = {row["prompt_id"]: row for row in self.prompts.next_batch()}
+        requests = [
+            r
+            for pid, row in rows.items()
+            for r in self._requests(pid, row, iteration, min_weight_version)
+        ]
+        self._batches[iteration] = _Batch(
+            rows,
+            time.perf_counter(),
+            min_weight_version,
+            partial={pid: [] for pid in rows},
+            awaiting=len(requests),
+        )
+        self.prompts_dispatched += len(rows)
+        self.sampler.submit(requests, self._predicted_lengths(requests, rows))
+        if self._refresh_due:  # while the instances generate, not on the trainer's critical path
+            self._refresh_ranker()
+        return iteration
+
+    def state_dict(self) -> dict:
+        """Where the stream is, for checkpoints: the next iteration number and the prompts of
+        iterations dispatched but not yet trained (``trained``): generated again on resume, so
+        samples that were generated but not trained are regenerated, never trained twice nor
+        lost."""
+        in_flight = {it: list(rows.values()) for it, rows in self._untrained.items()}
+        in_flight.update({it: list(batch.rows.values()) for it, batch in self._batches.items()})
+        return {
+            "next_iteration": self._next_iteration,
+            "in_flight": in_flight,
+            "prompts_dispatched": self.prompts_dispatched - sum(map(len, in_flight.values())),
+            "samples_filtered": self.samples_filtered,
+            "samples_env_fault": self.samples_env_fault,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self._redispatch = {int(it): rows for it, rows in state["in_flight"].items()}
+        self._next_iteration = min(self._redispatch, default=state["next_iteration"])
+        self.prompts_dispatched = state["prompts_dispatched"]
+        self.samples_filtered = state["samples_filtered"]
+        self.samples_env_fault = state.get("samples_env_fault", 0)  # older checkpoints: none
+
+    def _requests(
+        self, pid: str, row: dict, iteration: int, min_weight_version: int
+    ) -> list[Request]:
+        """One request per sample of the prompt's group."""
+        if self.episodes is not None:  # each starts an episode: its env gives the prompt
+            group = range(self.algorithm.group_size)
+            firsts = [self.episodes.start(row, i, iteration, min_weight_version) for i in group]
+            self._prompt_ids[pid] = firsts[0].prompt_ids
+            return firsts
+        ids = self.prompt_ids(pid, row)
+        budget = min(self.max_tokens, self.context - len(ids))
+        if budget < 1:
+            raise ValueError(
+                f"Prompt {pid!r} has {len(ids)} tokens: no room left in the "
+                f"context of {self.context}; shorten it."
+            )
+        forced = None  # one length per prompt: a group's samples finish together
+        if self.forced_lengths is not None:
+            forced = budget = min(next(self.forced_lengths), self.context - len(ids))
+        return [
+            Request(
+                pid,
+                ids,
+                budget,
+                index,
+                forced_length=forced,
+                iteration=iteration,
+                min_weight_version=min_weight_version,
+            )
+            for index in range(self.algorithm.group_size)
+        ]
+
+    def prompt_ids(self, prompt_id: str, row: dict) -> list[int]:
+        """The prompt's token ids: chat messages (or a string, with a chat-templated tokenizer)
+        rendered by the template with the generation prompt; cached per prompt."""
+        if prompt_id not in self._prompt_ids:
+            self._prompt_ids[prompt_id] = render_prompt(
+                self.tokenizer,
+                row["prompt"],
+                system_prompt=self.system_prompt,
+                chat=self.chat_template,
+            )
+        return self._prompt_ids[prompt_id]
+
+    def _prompt_text(self, row: dict) -> str:
+        """What the length predictor reads: the prompt string, or the rendered conversation."""
+        if isinstance(row.get("prompt"), str):
+            return row["prompt"]
+        return self.tokenizer.decode(self.prompt_ids(row["prompt_id"], row))
+
+    def groups(self, iteration: int) -> Iterator[ScoredGroup]:
+        """Yield the groups of ``iteration`` as they complete (scored on arrival)."""
+        batch = self._batches[iteration]
+        self.stats = batch.stats
+        while batch.delivered < len(batch.rows):
+            if batch.ready:
+                batch.delivered += 1
+                yield batch.ready.pop(0)
+                continue
+            waited = time.perf_counter()
+            with self.trace.span("trainer", "wait", iteration):
+                if batch.unscored or not batch.awaiting:  # rewards in flight: take what is done
+                    scored = self.reward.collect(0.0 if batch.awaiting else REWARD_POLL_S)
+                    self._scored(scored)
+                if batch.awaiting and not batch.ready:
+                    self._receive(self.sampler.next_sample())
+            batch.stats.wait_s += time.perf_counter() - waited
+        batch.stats.generate_s = time.perf_counter() - batch.dispatched_s
+        del self._batches[iteration]
+        # In flight for checkpoints until the step that trains it is done (``trained``); an
+        # older one left here was trained: iterations are trained in order.
+        self._untrained = {iteration: batch.rows}
+        if (iteration + 1) % self.ranker_refresh_every == 0:
+            self._refresh_due = True
+
+    def trained(self, iteration: int) -> None:
+        """The optimizer step on ``iteration``'s groups is done: checkpoints no longer redo it."""
+        self._untrained.pop(iteration, None)
+
+    def iteration(self) -> Iterator[ScoredGroup]:
+        """Dispatch one iteration and yield its groups as soon as each is complete."""
+        return self.groups(self.dispatch())
+
+    def _predicted_lengths(self, requests: list[Request], rows: dict) -> list[float] | None:
+        if self.ranker is None or not self.ranker.ready:
+            return None
+        texts = [self._prompt_text(r) for r in rows.values()]
+        by_prompt = dict(zip(rows, self.ranker.predict(texts)))
+        return [by_prompt[r.prompt_id] for r in requests]
+
+    def _refresh_ranker(self) -> None:
+        """Online refresh (§5.2): the policy's lengths drift, so the dispatcher's length
+        distribution ``D`` and the ranker follow them."""
+        self._refresh_due = False
+        lengths = [n for _, n in self._finished_lengths]
+        self.service.dispatcher.observe(lengths)
+        if self.ranker is not None:
+            self.ranker.learn([p for p, _ in self._finished_lengths], lengths)
+        self._finished_lengths = []
+
+    def _refill(self, batch: _Batch, prompt_id: str, iteration: int) -> None:
+        """Replace a filtered group by the stream's next prompt, in the same iteration (at most
+        ``max_refills`` times per iteration; past that the iteration trains one group fewer)."""
+        self.samples_filtered += len(batch.partial[prompt_id])  # the left out are counted
+        del batch.rows[prompt_id], batch.partial[prompt_id]
+        batch.left_out.pop(prompt_id, None)
+        if batch.refills >= self.max_refills:
+            return
+        batch.refills += 1
+        row = self.prompts.next_row()
+        while row["prompt_id"] in batch.rows:  # a small set can wrap into this iteration
+            row = self.prompts.next_row()
+        pid = row["prompt_id"]
+        batch.rows[pid], batch.partial[pid] = row, []
+        requests = self._requests(pid, row, iteration, batch.min_weight_version)
+        batch.awaiting += len(requests)
+        self.prompts_dispatched += 1
+        self.sampler.submit(requests, self._predicted_lengths(requests, {pid: row}))
+
+    def _receive(self, sample: Sample) -> None:
+        """A sample arrived: send its completion to the reward (scored off the critical path
+        when the reward runs in a pool)."""
+        batch = self._batches[sample.iteration]
+        batch.awaiting -= 1
+        if self.episodes is not None and self.episodes.left_out(sample):  # env's fault
+            self.samples_env_fault += 1
+            batch.left_out[sample.prompt_id] = batch.left_out.get(sample.prompt_id, 0) + 1
+            self._complete(batch, sample.prompt_id, sample.iteration)
+            return
+        batch.unscored[sample.key] = sample
+        if self.episodes is not None:  # an episode comes scored by its environment
+            self._scored([Scored(sample.key, float(sample.reward), {})])
+            return
+        row = batch.rows[sample.prompt_id]
+        text = completion_text(self.tokenizer, sample.token_ids, stop_strings=self.stop_strings)
+        self.reward.submit(sample.key, text, row)
+        self._scored(self.reward.collect())
+
+    def _scored(self, results: list[Scored]) -> None:
+        """Rewards came back: the samples join their groups; a full group is scored."""
+        for result in results:
+            iteration = result.key[2]
+            batch = self._batches[iteration]
+            sample = batch.unscored.pop(result.key)
+            sample.reward = self.algorithm.score_sample(sample, result.total)
+            sample.reward_parts = dict(result.parts) or None
+            stats = batch.stats
+            stats.samples, stats.tokens = stats.samples + 1, stats.tokens + sample.length
+            stats.rewards.append(sample.reward)
+            for label, value in result.parts.items():
+                stats.reward_parts.setdefault(label, []).append(value)
+            stats.lengths.append(sample.length)
+            row = batch.rows[sample.prompt_id]
+            self._finished_lengths.append((self._prompt_text(row), sample.length))
+            self.trace.add_samples([sample], sample.iteration)
+            self._join_group(batch, sample)
+
+    def _join_group(self, batch: _Batch, sample: Sample) -> None:
+        batch.partial[sample.prompt_id].append(sample)
+        self._complete(batch, sample.prompt_id, sample.iteration)
+
+    def _complete(self, batch: _Batch, prompt_id: str, iteration: int) -> None:
+        """Score the prompt's group once each of its samples is in or left out: over the
+        samples it has (a left-out episode is no member, not a reward of 0); too few of them
+        to score, or a group ``keep_group`` drops, is refilled."""
+        group, missing = batch.partial[prompt_id], batch.left_out.get(prompt_id, 0)
+        if len(group) + missing < self.algorithm.group_size:
+            return
+        rewards = [s.reward for s in group]
+        # dynamic sampling (DAPO), or too few episodes left by the environment's faults
+        if len(group) < self.algorithm.min_group_size or not self.algorithm.keep_group(rewards):
+            self._refill(batch, prompt_id, iteration)
+            return
+        batch.stats.left_out += missing
+        advantages = self.algorithm.score_group(rewards)
+        batch.ready.append(ScoredGroup(prompt_id, group, rewards, advantages, iteration))

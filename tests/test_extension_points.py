@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 from streamrl.errors import ConfigError
 from streamrl.run.config import RunConfig
@@ -32,36 +33,51 @@ def plugins_importable(monkeypatch):
     monkeypatch.setenv("PYTHONPATH", str(TESTS))
 
 
-def small_run(tmp_path: Path, **rl: object) -> RunConfig:
-    return from_dict(
-        RunConfig,
-        {
-            "output_dir": str(tmp_path / "run"),
-            "data": {"tasks": ["copy"], "n_train": 32, "n_heldout": 8, "median_len": 3},
-            "sft": {"model_size": "test", "steps": 20},
-            "rl": {
-                "iterations": 2,
-                "prompts_per_iteration": 4,
-                "group_size": 2,
-                "generators": 2,
-                "max_tokens": 12,
-                "checkpoint_every": 1,
-                "ranker_refresh_every": 1,
-                **rl,
-            },
+def small_run_values(tmp_path: Path, **rl: object) -> dict:
+    return {
+        "output_dir": str(tmp_path / "run"),
+        "data": {"tasks": ["copy"], "n_train": 32, "n_heldout": 8, "median_len": 3},
+        "sft": {"model_size": "test", "steps": 20},
+        "rl": {
+            "iterations": 2,
+            "prompts_per_iteration": 4,
+            "group_size": 2,
+            "generators": 2,
+            "max_tokens": 12,
+            "checkpoint_every": 1,
+            "ranker_refresh_every": 1,
+            **rl,
         },
-        where="test",
-    )
+    }
+
+
+def small_run(tmp_path: Path, **rl: object) -> RunConfig:
+    return from_dict(RunConfig, small_run_values(tmp_path, **rl), where="test")
 
 
 @pytest.mark.timeout(300)
-def test_custom_parts_from_yaml_run_in_a_real_fit(tmp_path):
+def test_custom_parts_from_yaml_run_in_a_real_fit_and_in_the_simulator(tmp_path, capsys):
+    from streamrl.cli.main import main
+    from streamrl.run.config_file import load_config
     from streamrl.run.jobs import run_fit
+    from streamrl.training.timeline import load_trace
 
     markers = tmp_path / "markers"
     markers.mkdir()
     engine = {"name": "extension_plugins:MarkingEngine", "marker_dir": str(markers)}
-    config = small_run(tmp_path, engine=engine, **PLUGINS)
+    yaml_file = tmp_path / "run.yaml"
+    yaml_file.write_text(yaml.safe_dump(small_run_values(tmp_path, engine=engine, **PLUGINS)))
+
+    # The simulator builds the same dispatcher from the same file: every sample on the last
+    # of the colocated preset's two instances.
+    trace = tmp_path / "sim.json"
+    argv = ["simulate", "--preset", "cpu", "--mode", "colocated", "--config", str(yaml_file)]
+    assert main([*argv, "--trace", str(trace)]) == 0
+    lanes = {s.lane for s in load_trace(trace) if s.name == "generate"}
+    assert lanes == {"generator-1"}
+    capsys.readouterr()
+
+    config = load_config(yaml_file)
     summary = run_fit(config, show_progress=False)
 
     assert summary["samples_lost"] == 0

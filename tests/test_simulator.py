@@ -12,6 +12,7 @@ from streamrl.components.capacity.allocator import TrainerCostModel
 from streamrl.components.capacity.elastic import ElasticController
 from streamrl.components.skewness.batching import decode_schedule
 from streamrl.components.skewness.latency import LatencyModel
+from streamrl.components.skewness.schedulers import FIFOScheduler
 from streamrl.records import Request
 from streamrl.sim.config import GeneratorPool, SimConfig, TrainerPool, Workload
 from streamrl.sim.engine import simulate
@@ -214,7 +215,7 @@ def test_instance_weight_load_policies_hand_computed():
             0,
             CONST,
             8,
-            False,
+            FIFOScheduler(),
             1.0,
             0.5,
             partial_rollout=policy,
@@ -239,7 +240,7 @@ def test_instance_weight_load_policies_hand_computed():
 
 
 def test_instance_holds_requests_until_it_has_their_weights():
-    inst = SimInstance(0, CONST, 8, False, partial_rollout="finish")
+    inst = SimInstance(0, CONST, 8, FIFOScheduler(), partial_rollout="finish")
     inst.release([Request("a", [0], 4, forced_length=4, min_weight_version=1)], 0.0)
     assert not inst.running and len(inst.held) == 1  # needs version 1, holds version 0
     inst.offer(1, 2.0)  # idle: loads at once, then admits it

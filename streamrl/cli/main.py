@@ -455,9 +455,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         resume = resume_hint(fit.config.output_dir, argv) if command == "fit" else ""
         print(f"streamrl {command}: {stop}{resume}", file=sys.stderr)
         return stop.exit_code
-    except (
-        TrainerRankError
-    ) as err:  # the run stopped with every child: it goes on from a checkpoint
+    except TrainerRankError as err:  # stopped with every child: it goes on from a checkpoint
         resume = resume_hint(fit.config.output_dir, argv) if command == "fit" else ""
         print(f"streamrl {command}: stopped: {err}{resume}", file=sys.stderr)
         return 1

@@ -18,7 +18,6 @@ starts, before the warm start; ``RunParts.from_config`` builds them once the pol
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,11 +28,13 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from streamrl.algorithms import ALGORITHMS, Algorithm, RunFacts, build_algorithm
 from streamrl.components.capacity.elastic import ElasticController
 from streamrl.components.generation.engines import ENGINES, check_cluster
-from streamrl.components.skewness.dispatch import RandomDispatcher, RoundRobinDispatcher
+from streamrl.components.skewness.by_name import (
+    DISPATCHERS,
+    build_dispatcher,
+    scheduler_factory,
+)
 from streamrl.components.skewness.latency import LatencyModel
 from streamrl.components.skewness.ranker import LengthRanker
-from streamrl.components.skewness.schedulers import FIFOScheduler, LPTScheduler
-from streamrl.components.skewness.skew_dispatch import SkewAwareDispatcher
 from streamrl.errors import ConfigError
 from streamrl.policy.lora import LoRASpec
 from streamrl.protocols import AdmissionScheduler, Dispatcher, GenerationEngine, LengthPredictor
@@ -41,15 +42,9 @@ from streamrl.rewards.pool import RewardPool
 from streamrl.rewards.spec import RewardSpec, load_rewards
 from streamrl.run.config import RLConfig, RunConfig
 from streamrl.runtime.devices import Placement
-from streamrl.runtime.references import construct, resolve, wants
+from streamrl.runtime.references import checked, construct, pick, wants
 
-#: Built-ins by the short name a config uses.
-DISPATCHERS = {
-    "skew": SkewAwareDispatcher,
-    "round_robin": RoundRobinDispatcher,
-    "random": RandomDispatcher,
-}
-SCHEDULERS = {"lpt": LPTScheduler, "fifo": FIFOScheduler}
+#: Built-ins by the short name a config uses (dispatchers and schedulers: ``by_name``).
 LENGTH_PREDICTORS = {"ranker": LengthRanker}
 
 
@@ -89,12 +84,11 @@ class RunParts:
         """Build every part ``config`` names, giving each what it declares it needs."""
         rl = config.rl
         latency = None
-        dispatcher_factory, dispatcher_options = _pick(rl.dispatcher, "dispatcher", DISPATCHERS)
+        dispatcher_factory, _ = _pick(rl.dispatcher, "dispatcher", DISPATCHERS)
         # Used only to size pools over several instances, or to scale them; measured by the
         # instances on their own engine when they start (the run fills it in before dispatch).
         if (wants(dispatcher_factory, "latency") and rl.generators > 1) or rl.elastic:
             latency = LatencyModel([1], [float("nan")])
-        provided = dict(latency=latency, max_batch_size=rl.max_batch_size, seed=config.seed)
         elastic = None
         if rl.elastic:
             elastic = ElasticController(latency, rl.max_batch_size, max_instances=rl.max_generators)
@@ -103,17 +97,10 @@ class RunParts:
             algorithm=build_run_algorithm(rl, policy.config.hidden_size),
             rewards=reward_specs(rl),
             engine=_engine(rl, lora),
-            dispatcher=_checked(
-                construct(
-                    dispatcher_factory,
-                    provided=provided,
-                    options=dispatcher_options,
-                    where="rl.dispatcher",
-                ),
-                Dispatcher,
-                "rl.dispatcher",
+            dispatcher=build_dispatcher(
+                rl.dispatcher, latency=latency, max_batch_size=rl.max_batch_size, seed=config.seed
             ),
-            scheduler=_scheduler(rl),
+            scheduler=scheduler_factory(rl.scheduler),
             length_predictor=_length_predictor(rl, config.seed, tokenizer),
             elastic=elastic,
             lora=lora,
@@ -138,10 +125,10 @@ def check_parts(rl: RLConfig, placement: Placement | None = None) -> None:
             f"trainer.precision={placement.precision} train with FSDP2; use one trainer "
             "process with trainer.precision: 32-true."
         )
-    factory, options = _pick(rl.dispatcher, "dispatcher", DISPATCHERS)
-    facts = dict(latency=None, max_batch_size=rl.max_batch_size, seed=0)
-    construct(factory, provided=facts, options=options, where="rl.dispatcher", call=False)
-    _scheduler(rl)
+    build_dispatcher(
+        rl.dispatcher, latency=None, max_batch_size=rl.max_batch_size, seed=0, call=False
+    )
+    scheduler_factory(rl.scheduler)
     _length_predictor(rl, seed=0)
     engine = _engine(rl, lora_spec(rl))
     try:  # a missing extra or absent GPUs fail here, not inside a generator process
@@ -200,14 +187,7 @@ def _engine(rl: RLConfig, lora: LoRASpec | None) -> GenerationEngine:
             f"rl.engine: {rl.engine!r} takes no LoRA adapters (rl.lora_r > 0); use the 'hf' "
             "engine or rl.lora_r: 0."
         )
-    return _checked(engine, GenerationEngine, "rl.engine")
-
-
-def _scheduler(rl: RLConfig) -> Callable[[], AdmissionScheduler]:
-    factory, options = _pick(rl.scheduler, "scheduler", SCHEDULERS)
-    queue = construct(factory, provided={}, options=options, where="rl.scheduler")
-    _checked(queue, AdmissionScheduler, "rl.scheduler")
-    return functools.partial(factory, **options)  # one queue per instance, made there
+    return checked(engine, GenerationEngine, "rl.engine")
 
 
 def _length_predictor(
@@ -226,7 +206,7 @@ def _length_predictor(
         tokenizer = None
     provided = dict(seed=seed, tokenizer=tokenizer)
     predictor = construct(factory, provided=provided, options=options, where="rl.length_predictor")
-    return _checked(predictor, LengthPredictor, "rl.length_predictor")
+    return checked(predictor, LengthPredictor, "rl.length_predictor")
 
 
 def _one_character_tokens(tokenizer: PreTrainedTokenizerBase) -> bool:
@@ -239,27 +219,4 @@ def _pick(
     value: str | Mapping[str, Any], kind: str, builtins: Mapping[str, Any]
 ) -> tuple[Any, dict[str, Any]]:
     """``(factory, options)`` from ``"name"`` or ``{name: ..., option: value, ...}``."""
-    where = f"rl.{kind.replace(' ', '_')}"
-    if isinstance(value, Mapping):
-        if "name" not in value:
-            raise ConfigError(
-                f"{where}: a mapping needs a 'name' (a built-in or package.module:Name) next "
-                f"to its options, got {dict(value)!r}."
-            )
-        options = {k: v for k, v in value.items() if k != "name"}
-        return resolve(value["name"], kind=kind, builtins=builtins, where=where), options
-    return resolve(value, kind=kind, builtins=builtins, where=where), {}
-
-
-def _checked(obj: Any, protocol: type, where: str) -> Any:
-    """``obj`` if it has every method of ``protocol``, else a ``ConfigError`` listing them."""
-    if not isinstance(obj, protocol):
-        needed = sorted(
-            n for n in dir(protocol) if not n.startswith("_") or n in ("__call__", "__len__")
-        )
-        missing = [n for n in needed if not hasattr(obj, n)]
-        raise ConfigError(
-            f"{where}: {type(obj).__qualname__} is not a {protocol.__name__}: it lacks "
-            f"{missing or needed} (see streamrl.protocols.{protocol.__name__})."
-        )
-    return obj
+    return pick(value, kind=kind, builtins=builtins, where=f"rl.{kind.replace(' ', '_')}")

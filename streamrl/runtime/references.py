@@ -198,6 +198,46 @@ def construct(
     return factory(**kwargs) if call else None
 
 
+def pick(
+    value: str | Mapping[str, Any], *, kind: str, builtins: Mapping[str, Any], where: str
+) -> tuple[Any, dict[str, Any]]:
+    """``(factory, options)`` from a config value: ``"name"``, ``"package.module:Name"`` or
+    ``{name: ..., option: value, ...}``.
+
+    Raises:
+        ConfigError: a mapping without ``name``, or a name ``resolve`` refuses.
+    """
+    if isinstance(value, Mapping):
+        if "name" not in value:
+            raise ConfigError(
+                f"{where}: a mapping needs a 'name' (a built-in or package.module:Name) next "
+                f"to its options, got {dict(value)!r}."
+            )
+        options = {k: v for k, v in value.items() if k != "name"}
+        return resolve(value["name"], kind=kind, builtins=builtins, where=where), options
+    if not isinstance(value, str):
+        raise ConfigError(
+            f"{where}: expected a built-in's name, 'package.module:Name' or a mapping with a "
+            f"'name', got {value!r}."
+        )
+    return resolve(value, kind=kind, builtins=builtins, where=where), {}
+
+
+def checked(obj: Any, protocol: type, where: str) -> Any:
+    """``obj`` if it has every method of ``protocol`` (a runtime-checkable Protocol), else a
+    ``ConfigError`` naming the methods it lacks."""
+    if not isinstance(obj, protocol):
+        needed = sorted(
+            n for n in dir(protocol) if not n.startswith("_") or n in ("__call__", "__len__")
+        )
+        missing = [n for n in needed if not hasattr(obj, n)]
+        raise ConfigError(
+            f"{where}: {type(obj).__qualname__} is not a {protocol.__name__}: it lacks "
+            f"{missing or needed} (see streamrl.protocols.{protocol.__name__})."
+        )
+    return obj
+
+
 def wants(factory: Callable[..., Any], name: str) -> bool:
     """Whether ``factory`` takes a parameter called ``name`` (what it declares it needs)."""
     try:

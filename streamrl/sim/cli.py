@@ -9,11 +9,15 @@ from __future__ import annotations
 import argparse
 import sys
 from dataclasses import replace
+from pathlib import Path
+
+import yaml
 
 from streamrl.components.capacity.allocator import ResourceAllocator
 from streamrl.components.capacity.elastic import ElasticController
 from streamrl.components.generation.partial import PARTIAL_ROLLOUT
 from streamrl.errors import ConfigError
+from streamrl.runtime.references import add_search_dirs
 from streamrl.sim.ablation import LABELS, ablation_summary, run_ablation
 from streamrl.sim.config import SimConfig
 from streamrl.sim.engine import SimResult, simulate
@@ -63,6 +67,20 @@ def add_simulate_command(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--cross-dc", action="store_true", help="weights cross the 80 Gbps link")
     p.add_argument("--no-skew", action="store_true", help="random dispatch + FIFO admission")
     p.add_argument(
+        "--dispatcher",
+        help="as a run's rl.dispatcher: skew, round_robin, random or package.module:Name "
+        "(default: the preset's)",
+    )
+    p.add_argument(
+        "--scheduler",
+        help="as a run's rl.scheduler: lpt, fifo or package.module:Name (default: the preset's)",
+    )
+    p.add_argument(
+        "--config",
+        help="a `streamrl fit` YAML: its rl.dispatcher and rl.scheduler, as that run would "
+        "build them (its module:Name found beside it too); --dispatcher/--scheduler win",
+    )
+    p.add_argument(
         "--elastic",
         action="store_true",
         help="ElasticController adds a node of generator instances when needed",
@@ -85,6 +103,12 @@ def run_simulate_command(args: argparse.Namespace) -> dict:
     variant = args.staleness_bound is not None or args.partial_rollout != "finish"
     if variant and args.mode == "ablation":
         raise ConfigError("--staleness-bound / --partial-rollout need one mode: --mode async.")
+    args.dispatch_choice = _dispatch_choice(args)
+    if args.dispatch_choice and args.mode == "ablation":
+        raise ConfigError(
+            "--dispatcher / --scheduler / --config choose one run's dispatch, but the ablation "
+            "compares fixed ones: add --mode colocated, sync or async."
+        )
     if args.preset == "cpu":
         return _simulate_cpu(args)
     _parse(args.preset)  # fail early on a bad name
@@ -119,15 +143,39 @@ def run_simulate_command(args: argparse.Namespace) -> dict:
 
 
 def _variant(config: SimConfig, args: argparse.Namespace) -> SimConfig:
-    """``config`` with the staleness bound and partial-rollout policy of the command line."""
+    """``config`` with the staleness bound, partial-rollout policy, dispatcher and admission
+    scheduler of the command line."""
     try:
         return replace(
             config,
-            staleness_bound=getattr(args, "staleness_bound", None),
-            partial_rollout=getattr(args, "partial_rollout", "finish"),
+            staleness_bound=args.staleness_bound,
+            partial_rollout=args.partial_rollout,
+            **args.dispatch_choice,
         )
     except ValueError as err:
         raise ConfigError(f"simulate: {err}") from err
+
+
+def _dispatch_choice(args: argparse.Namespace) -> dict:
+    """``SimConfig`` fields from ``--config`` (its ``rl.dispatcher``, ``rl.scheduler``), then
+    ``--dispatcher`` / ``--scheduler``: the same values a run builds its parts from."""
+    choice: dict = {}
+    if args.config:
+        path = Path(args.config)
+        if not path.is_file():
+            raise ConfigError(f"--config {args.config}: no such file.")
+        rl = (yaml.safe_load(path.read_text()) or {}).get("rl") or {}
+        choice = {
+            field: rl[key]
+            for field, key in (("dispatch", "dispatcher"), ("admission", "scheduler"))
+            if key in rl
+        }
+        add_search_dirs([path.parent])  # its module:Name, as `streamrl fit --config` finds it
+    if args.dispatcher:
+        choice["dispatch"] = args.dispatcher
+    if args.scheduler:
+        choice["admission"] = args.scheduler
+    return choice
 
 
 def _simulate_cpu(args: argparse.Namespace) -> dict:

@@ -13,13 +13,13 @@ from typing import Literal
 from streamrl.components.capacity.allocator import TrainerCostModel
 from streamrl.components.capacity.elastic import ElasticController
 from streamrl.components.generation.partial import PARTIAL_ROLLOUT
+from streamrl.components.skewness.by_name import ComponentName, build_dispatcher, scheduler_factory
 from streamrl.components.skewness.latency import LatencyModel
 from streamrl.components.training.staleness import staleness_bound_of
 from streamrl.components.weights.broadcast_tree import plan_broadcast, plan_time_s
+from streamrl.protocols import AdmissionScheduler, Dispatcher
 
 SimMode = Literal["colocated", "sync", "async"]
-DispatchPolicy = Literal["random", "round-robin", "skew"]
-Admission = Literal["fifo", "lpt"]
 MODES: tuple[str, ...] = ("colocated", "sync", "async")
 
 
@@ -117,7 +117,13 @@ class SimConfig:
         partial_rollout: what an instance does with running samples when new weights arrive:
             ``"finish"`` (finish them first), ``"keep"`` (go on under the new weights) or
             ``"recompute"`` (re-prefill them, then go on); not ``"finish"`` only in async mode.
-        dispatch / admission: Algorithm 2 or a baseline; LPT or FIFO inside an instance.
+        dispatch: which instance gets each request, as a run's ``rl.dispatcher`` says it
+            (``"skew"``: Algorithm 2; ``"round_robin"``, ``"random"``; ``package.module:Name``
+            or ``{name: ..., option: value}`` for your own class, given what its constructor
+            names among ``latency``, ``max_batch_size`` and ``seed``), or a ``Dispatcher``
+            object (used as it is, its state carried from one simulation to the next).
+        admission: each instance's admission queue, as a run's ``rl.scheduler`` says it
+            (``"lpt"``, ``"fifo"``, your own), or a callable that makes one.
         iterations / warmup: measured iterations after unmeasured ones.
         weight_bytes / link_gbps / sync_latency_s: the weight transfer, ``bytes / bandwidth``
             plus a fixed latency (loading, resharding).
@@ -140,8 +146,8 @@ class SimConfig:
     mode: SimMode = "sync"
     staleness_bound: int | None = None
     partial_rollout: str = "finish"
-    dispatch: DispatchPolicy = "round-robin"
-    admission: Admission = "fifo"
+    dispatch: ComponentName | Dispatcher = "round_robin"
+    admission: ComponentName | Callable[[], AdmissionScheduler] = "fifo"
     iterations: int = 6
     warmup: int = 1
     weight_bytes: float = 0.0
@@ -172,18 +178,32 @@ class SimConfig:
                 f"partial_rollout={self.partial_rollout!r} needs mode async (in {self.mode} "
                 "mode no weights arrive while samples run)."
             )
-        if self.dispatch not in ("random", "round-robin", "skew"):
-            raise ValueError(
-                f"dispatch must be random, round-robin or skew, got {self.dispatch!r}."
-            )
-        if self.admission not in ("fifo", "lpt"):
-            raise ValueError(f"admission must be 'fifo' or 'lpt', got {self.admission!r}.")
+        if not isinstance(self.dispatch, Dispatcher):  # a name: it resolves and would bind
+            inputs = self._dispatcher_inputs()
+            build_dispatcher(self.dispatch, **inputs, where="dispatch", call=False)
+        self.make_queue()  # one queue made and checked
         if self.iterations < 1 or self.warmup < 0:
             raise ValueError("Need iterations >= 1 and warmup >= 0.")
         if self.link_gbps <= 0 or self.local_gbps <= 0:
             raise ValueError(f"Bandwidths must be > 0, got {self.link_gbps=}, {self.local_gbps=}.")
         if self.sites is not None:  # a bad site map fails here, not mid-run
             plan_broadcast(self.sites, self.trainer_site, self.trainer_ranks)
+
+    def _dispatcher_inputs(self) -> dict:
+        gen = self.generators
+        return dict(latency=gen.latency, max_batch_size=gen.max_batch_size, seed=self.seed)
+
+    def make_dispatcher(self) -> Dispatcher:
+        """The dispatcher of one simulation: ``dispatch`` built afresh, or the object given."""
+        if isinstance(self.dispatch, Dispatcher):
+            return self.dispatch
+        return build_dispatcher(self.dispatch, **self._dispatcher_inputs(), where="dispatch")
+
+    def make_queue(self) -> AdmissionScheduler:
+        """A new admission queue for one instance."""
+        if callable(self.admission):
+            return self.admission()
+        return scheduler_factory(self.admission, where="admission")()
 
     @property
     def staleness(self) -> int:

@@ -13,6 +13,7 @@ from typing import Literal
 
 from streamrl.components.skewness.dispatch import RandomDispatcher
 from streamrl.components.skewness.latency import LatencyModel
+from streamrl.components.skewness.schedulers import FIFOScheduler, LPTScheduler
 from streamrl.components.skewness.skew_dispatch import SkewAwareDispatcher
 from streamrl.records import Request
 from streamrl.sim.instance import SimInstance
@@ -58,7 +59,8 @@ def generation_makespan_s(
         parts = dispatcher.plan(requests, scores, instances)
     makespan = 0.0
     for index, part in enumerate(parts):
-        inst = SimInstance(index, latency, max_batch_size, policy != "random", slowdown, prefill_s)
+        queue = FIFOScheduler() if policy == "random" else LPTScheduler()
+        inst = SimInstance(index, latency, max_batch_size, queue, slowdown, prefill_s)
         inst.release(part, 0.0)
         done = inst.advance(float("inf"))
         makespan = max([makespan] + [at for _, at in done])

@@ -28,8 +28,6 @@ import heapq
 
 import numpy as np
 
-from streamrl.components.skewness.dispatch import RandomDispatcher, RoundRobinDispatcher
-from streamrl.components.skewness.skew_dispatch import SkewAwareDispatcher
 from streamrl.records import Request
 from streamrl.sim.config import SimConfig, bucket_of
 from streamrl.sim.instance import SimInstance
@@ -66,7 +64,8 @@ class _Run:
         self.instances = [self._instance(i) for i in range(gen.instances)]
         self.active = gen.instances
         self.rng = np.random.default_rng(config.seed)
-        self.dispatcher = self._dispatcher()
+        self.dispatcher = config.make_dispatcher()
+        self.lengths_seen = False  # the dispatcher has observed lengths (predicted at first)
         self.events: list[tuple[float, int, str, object]] = []
         self.seq = 0
         self.latest = 0  # the newest weight version that has reached the generators
@@ -88,7 +87,7 @@ class _Run:
             index,
             gen.latency,
             gen.max_batch_size,
-            self.c.admission == "lpt",
+            self.c.make_queue(),
             self.slowdown,
             gen.prefill_s,
             partial_rollout=self.c.partial_rollout,
@@ -96,14 +95,6 @@ class _Run:
             prompt_tokens=self.c.workload.prompt_tokens,
             version=version,
         )
-
-    def _dispatcher(self):
-        if self.c.dispatch == "random":
-            return RandomDispatcher(self.c.seed)
-        if self.c.dispatch == "round-robin":
-            return RoundRobinDispatcher()
-        gen = self.c.generators
-        return SkewAwareDispatcher(gen.latency, gen.max_batch_size)
 
     # -- events ------------------------------------------------------------------------------
     def push(self, at: float, kind: str, data: object = None) -> None:
@@ -155,8 +146,9 @@ class _Run:
             for s in range(w.group_size)
         ]
         scores = [r.predicted_length for r in requests]
-        if isinstance(self.dispatcher, SkewAwareDispatcher) and not self.dispatcher.recent:
-            self.dispatcher.observe(int(p) for p in predicted)  # D from predictions at first
+        if not self.lengths_seen:  # Algorithm 2's D from the predictions at first
+            self.dispatcher.observe([int(p) for p in predicted])
+            self.lengths_seen = True
         parts = self.dispatcher.plan(requests, scores, self.active)
         while len(self.instances) < self.active:  # elastic scale-out: a fresh instance
             new = self._instance(len(self.instances), self.latest)
@@ -302,8 +294,7 @@ class _Run:
             d = self.c.elastic.observe(it["gen_s"], it["train_s"], info["instances"], per_sample)
             it.update(action=d.action, delta_s=d.delta_s, delta_prime_s=d.delta_prime_s)
             self.active = d.instances
-        if isinstance(self.dispatcher, SkewAwareDispatcher):
-            self.dispatcher.observe(info["lengths"])  # the recent length distribution D
+        self.dispatcher.observe(info["lengths"])  # the recent length distribution D
         self.t.step += 1
         if self.t.step >= self.steps:
             self.t.state = "done"

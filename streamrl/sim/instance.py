@@ -23,7 +23,7 @@ import math
 from dataclasses import dataclass, field
 
 from streamrl.components.skewness.latency import LatencyModel
-from streamrl.components.skewness.schedulers import FIFOScheduler, LPTScheduler
+from streamrl.protocols import AdmissionScheduler
 from streamrl.records import Request
 
 _EPS = 1e-9
@@ -81,7 +81,8 @@ class SimInstance:
         instance_id: its lane number (``generator-<id>`` in the trace).
         latency: ``PTL(BS)``.
         max_batch_size: batch slots.
-        lpt: admit the longest predicted first (else FIFO).
+        queue: its admission queue (``LPTScheduler``: the longest predicted first; any
+            ``AdmissionScheduler``).
         slowdown: multiplies every step's ``PTL`` (and the per-token part of a re-prefill).
         prefill_s: seconds the instance spends on a prefill pass each time it admits samples
             (running samples wait meanwhile; a real instance prefills new rows in one forward),
@@ -97,7 +98,7 @@ class SimInstance:
         instance_id: int,
         latency: LatencyModel,
         max_batch_size: int,
-        lpt: bool,
+        queue: AdmissionScheduler,
         slowdown: float = 1.0,
         prefill_s: float = 0.0,
         *,
@@ -111,7 +112,7 @@ class SimInstance:
         self.policy, self.prefill_s_per_token = partial_rollout, prefill_s_per_token
         self.prompt_tokens, self.version = prompt_tokens, version
         self.paused_until = 0.0  # prefilling: no decode step before this
-        self.queue: FIFOScheduler | LPTScheduler = LPTScheduler() if lpt else FIFOScheduler()
+        self.queue = queue
         self.running: list[Running] = []
         self.held: list[Request] = []  # released, but needing weights not loaded yet
         self.pending: list[int] = []  # received versions not loaded yet

@@ -195,7 +195,7 @@ def cpu_config(
         trainer,
         workload,
         mode=mode,
-        dispatch="round-robin",
+        dispatch="round_robin",
         admission="fifo",
         iterations=iterations,
         warmup=warmup,

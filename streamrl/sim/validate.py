@@ -159,7 +159,7 @@ def sim_config(config: BenchConfig, cal: Calibration, iterations: int, warmup: i
         trainer,
         workload,
         **sim_mode_fields(config.mode),
-        dispatch="round-robin",
+        dispatch="round_robin",
         admission="fifo",
         iterations=iterations,
         warmup=warmup,

@@ -10,9 +10,11 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from streamrl.algorithms import GRPO
 from streamrl.components.generation.engines import HFEngine
+from streamrl.components.run_context import RunContext
 from streamrl.protocols import AdmissionScheduler, EngineSpec, StreamGenerator
 from streamrl.records import Request
 
@@ -48,6 +50,11 @@ class LastInstanceDispatcher:
         self.cap = min(cap, max_batch_size)
         self.plans = 0
         self.observed = 0
+
+    @classmethod
+    def from_run(cls, run: RunContext, **options: Any) -> LastInstanceDispatcher:
+        """What it takes from the run: the batch size (``options`` hold ``cap``)."""
+        return cls(max_batch_size=run.max_batch_size, **options)
 
     def plan(
         self, requests: Sequence[Request], scores: Sequence[float] | None, instances: int

@@ -10,14 +10,16 @@ and ``rl.engine`` each hold a built-in's short name or ``package.module:Name`` f
       dispatcher: {name: skew, alpha: 0.3}     # a built-in with an option
       engine: {name: vllm, options: {max_model_len: 512}}
 
-A component declares what it needs from the run by naming it in its constructor (a dispatcher
-that takes ``latency`` gets the measured ``PTL(BS)``; an algorithm overrides ``from_run``), so
-nothing here branches on a name. ``check_parts`` resolves and checks them all when the run
+A component takes what it needs from the run in its ``from_run`` classmethod (a
+``RunContext``: the skewness-aware dispatcher asks for the measured ``PTL(BS)``, the HF engine
+for the run's LoRA adapters; an algorithm gets ``RunFacts``), so nothing here branches on a
+name or reads a parameter's name. ``check_parts`` resolves and checks them all when the run
 starts, before the warm start; ``RunParts.from_config`` builds them once the policy is loaded.
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,8 +30,8 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from streamrl.algorithms import ALGORITHMS, Algorithm, RunFacts, build_algorithm
 from streamrl.components.capacity.elastic import ElasticController
 from streamrl.components.generation.engines import ENGINES, check_cluster
+from streamrl.components.run_context import RunContext, build_from_run
 from streamrl.components.skewness.by_name import (
-    DISPATCHERS,
     build_dispatcher,
     scheduler_factory,
 )
@@ -42,7 +44,7 @@ from streamrl.rewards.pool import RewardPool
 from streamrl.rewards.spec import RewardSpec, load_rewards
 from streamrl.run.config import RLConfig, RunConfig
 from streamrl.runtime.devices import Placement
-from streamrl.runtime.references import checked, construct, pick, wants
+from streamrl.runtime.references import checked, pick
 
 #: Built-ins by the short name a config uses (dispatchers and schedulers: ``by_name``).
 LENGTH_PREDICTORS = {"ranker": LengthRanker}
@@ -83,29 +85,44 @@ class RunParts:
     ) -> RunParts:
         """Build every part ``config`` names, giving each what it declares it needs."""
         rl = config.rl
-        latency = None
-        dispatcher_factory, _ = _pick(rl.dispatcher, "dispatcher", DISPATCHERS)
-        # Used only to size pools over several instances, or to scale them; measured by the
-        # instances on their own engine when they start (the run fills it in before dispatch).
-        if (wants(dispatcher_factory, "latency") and rl.generators > 1) or rl.elastic:
-            latency = LatencyModel([1], [float("nan")])
+        run = run_context(rl, config.seed, tokenizer)
         elastic = None
         if rl.elastic:
-            elastic = ElasticController(latency, rl.max_batch_size, max_instances=rl.max_generators)
-        lora = lora_spec(rl)
+            size, most = rl.max_batch_size, rl.max_generators
+            elastic = ElasticController(run.latency(), size, max_instances=most)
         return cls(
             algorithm=build_run_algorithm(rl, policy.config.hidden_size),
             rewards=reward_specs(rl),
-            engine=_engine(rl, lora),
-            dispatcher=build_dispatcher(
-                rl.dispatcher, latency=latency, max_batch_size=rl.max_batch_size, seed=config.seed
-            ),
+            engine=_engine(rl, run),
+            dispatcher=build_dispatcher(rl.dispatcher, run),
             scheduler=scheduler_factory(rl.scheduler),
-            length_predictor=_length_predictor(rl, config.seed, tokenizer),
+            length_predictor=_length_predictor(rl, run),
             elastic=elastic,
-            lora=lora,
-            latency=latency,
+            lora=run.lora,
+            # Asked for by a part that sizes pools or scales them; measured by the instances
+            # on their own engine when they start (the run fills it in before dispatch).
+            latency=run.latency_model,
         )
+
+
+def run_context(
+    rl: RLConfig, seed: int, tokenizer: PreTrainedTokenizerBase | None = None
+) -> RunContext:
+    """What this run gives the parts it builds (``from_run``).
+
+    A character-level tokenizer (the built-in toy tasks') is not given: a ranker's token
+    n-grams would repeat its character n-grams at twice the training cost.
+    """
+    if tokenizer is not None and _one_character_tokens(tokenizer):
+        tokenizer = None
+    return RunContext(
+        max_batch_size=rl.max_batch_size,
+        seed=seed,
+        instances=rl.generators,
+        elastic=rl.elastic,
+        tokenizer=tokenizer,
+        lora=lora_spec(rl),
+    )
 
 
 def check_parts(rl: RLConfig, placement: Placement | None = None) -> None:
@@ -125,12 +142,11 @@ def check_parts(rl: RLConfig, placement: Placement | None = None) -> None:
             f"trainer.precision={placement.precision} train with FSDP2; use one trainer "
             "process with trainer.precision: 32-true."
         )
-    build_dispatcher(
-        rl.dispatcher, latency=None, max_batch_size=rl.max_batch_size, seed=0, call=False
-    )
+    run = run_context(rl, seed=0)
+    build_dispatcher(rl.dispatcher, run)
     scheduler_factory(rl.scheduler)
-    _length_predictor(rl, seed=0)
-    engine = _engine(rl, lora_spec(rl))
+    _length_predictor(rl, run)
+    engine = _engine(rl, run)
     try:  # a missing extra or absent GPUs fail here, not inside a generator process
         check_cluster(rl.cluster)
         engine.check(cluster=rl.cluster, gpus_per_instance=rl.gpus)
@@ -179,33 +195,25 @@ def lora_spec(rl: RLConfig) -> LoRASpec | None:
     return LoRASpec(rl.lora_r, rl.lora_alpha, 0.0, tuple(rl.lora_target_modules))
 
 
-def _engine(rl: RLConfig, lora: LoRASpec | None) -> GenerationEngine:
+def _engine(rl: RLConfig, run: RunContext) -> GenerationEngine:
     factory, options = _pick(rl.engine, "engine", ENGINES)
-    engine = construct(factory, provided=dict(lora=lora), options=options, where="rl.engine")
-    if lora is not None and not wants(factory, "lora"):
+    if run.lora is not None and inspect.getattr_static(factory, "from_run", None) is None:
         raise ConfigError(
-            f"rl.engine: {rl.engine!r} takes no LoRA adapters (rl.lora_r > 0); use the 'hf' "
+            f"rl.engine: {rl.engine!r} takes no LoRA adapters (rl.lora_r > 0): an engine that "
+            "can carries them from its from_run(run, **options) (run.lora); use the 'hf' "
             "engine or rl.lora_r: 0."
         )
+    engine = build_from_run(factory, run, options, where="rl.engine")
     return checked(engine, GenerationEngine, "rl.engine")
 
 
-def _length_predictor(
-    rl: RLConfig, seed: int, tokenizer: PreTrainedTokenizerBase | None = None
-) -> LengthPredictor | None:
-    """The run's length predictor; one that takes a ``tokenizer`` (``LengthRanker``) gets the
-    policy's, so it reads your prompts in the policy's own tokens (§5.2 on real prompts).
-
-    A character-level tokenizer (the built-in toy tasks') is not given: its token n-grams would
-    repeat the ranker's character n-grams at twice the training cost.
-    """
+def _length_predictor(rl: RLConfig, run: RunContext) -> LengthPredictor | None:
+    """The run's length predictor; the ranker reads your prompts in the policy's own tokens
+    (§5.2 on real prompts) when the run gives its tokenizer (``run_context``)."""
     if rl.length_predictor is None:
         return None
     factory, options = _pick(rl.length_predictor, "length predictor", LENGTH_PREDICTORS)
-    if tokenizer is not None and _one_character_tokens(tokenizer):
-        tokenizer = None
-    provided = dict(seed=seed, tokenizer=tokenizer)
-    predictor = construct(factory, provided=provided, options=options, where="rl.length_predictor")
+    predictor = build_from_run(factory, run, options, where="rl.length_predictor")
     return checked(predictor, LengthPredictor, "rl.length_predictor")
 
 

@@ -152,15 +152,13 @@ def construct(
     where: str,
     call: bool = True,
 ) -> Any:
-    """Call ``factory`` with ``options`` plus those of ``provided`` its signature asks for.
-
-    A component declares what it needs from the run by naming it in its constructor: a
-    dispatcher that takes ``latency`` gets the measured latency model, one that does not is
-    built without it.
+    """Call ``factory`` with ``options`` (and those of ``provided`` its signature takes),
+    checking first that they bind, so a mistake is named with the factory's signature.
 
     Args:
         factory: a class or function.
-        provided: what the run can give, by parameter name.
+        provided: arguments given for the parameters of these names only (a caller that
+            fills some itself passes them here to have them counted as given).
         options: the user's own keyword arguments (the config's ``*_options``).
         where: the config key, for messages.
         call: ``False`` only checks that the call would bind (returns ``None``).
@@ -236,14 +234,6 @@ def checked(obj: Any, protocol: type, where: str) -> Any:
             f"{missing or needed} (see streamrl.protocols.{protocol.__name__})."
         )
     return obj
-
-
-def wants(factory: Callable[..., Any], name: str) -> bool:
-    """Whether ``factory`` takes a parameter called ``name`` (what it declares it needs)."""
-    try:
-        return name in inspect.signature(factory).parameters
-    except (TypeError, ValueError):
-        return False
 
 
 def _name(obj: Any) -> str:

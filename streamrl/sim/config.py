@@ -13,6 +13,7 @@ from typing import Literal
 from streamrl.components.capacity.allocator import TrainerCostModel
 from streamrl.components.capacity.elastic import ElasticController
 from streamrl.components.generation.partial import PARTIAL_ROLLOUT
+from streamrl.components.run_context import RunContext
 from streamrl.components.skewness.by_name import ComponentName, build_dispatcher, scheduler_factory
 from streamrl.components.skewness.latency import LatencyModel
 from streamrl.components.training.staleness import staleness_bound_of
@@ -119,9 +120,10 @@ class SimConfig:
             ``"recompute"`` (re-prefill them, then go on); not ``"finish"`` only in async mode.
         dispatch: which instance gets each request, as a run's ``rl.dispatcher`` says it
             (``"skew"``: Algorithm 2; ``"round_robin"``, ``"random"``; ``package.module:Name``
-            or ``{name: ..., option: value}`` for your own class, given what its constructor
-            names among ``latency``, ``max_batch_size`` and ``seed``), or a ``Dispatcher``
-            object (used as it is, its state carried from one simulation to the next).
+            or ``{name: ..., option: value}`` for your own class, built by its ``from_run``
+            with this simulation's ``RunContext``, the preset's ``PTL(BS)`` in it), or a
+            ``Dispatcher`` object (used as it is, its state carried from one simulation to the
+            next).
         admission: each instance's admission queue, as a run's ``rl.scheduler`` says it
             (``"lpt"``, ``"fifo"``, your own), or a callable that makes one.
         iterations / warmup: measured iterations after unmeasured ones.
@@ -178,9 +180,7 @@ class SimConfig:
                 f"partial_rollout={self.partial_rollout!r} needs mode async (in {self.mode} "
                 "mode no weights arrive while samples run)."
             )
-        if not isinstance(self.dispatch, Dispatcher):  # a name: it resolves and would bind
-            inputs = self._dispatcher_inputs()
-            build_dispatcher(self.dispatch, **inputs, where="dispatch", call=False)
+        self.make_dispatcher()  # a name resolves and builds
         self.make_queue()  # one queue made and checked
         if self.iterations < 1 or self.warmup < 0:
             raise ValueError("Need iterations >= 1 and warmup >= 0.")
@@ -189,15 +189,20 @@ class SimConfig:
         if self.sites is not None:  # a bad site map fails here, not mid-run
             plan_broadcast(self.sites, self.trainer_site, self.trainer_ranks)
 
-    def _dispatcher_inputs(self) -> dict:
-        gen = self.generators
-        return dict(latency=gen.latency, max_batch_size=gen.max_batch_size, seed=self.seed)
-
     def make_dispatcher(self) -> Dispatcher:
-        """The dispatcher of one simulation: ``dispatch`` built afresh, or the object given."""
+        """The dispatcher of one simulation: ``dispatch`` built afresh for this run (as a real
+        run builds it, with the preset's ``PTL(BS)``), or the object given."""
         if isinstance(self.dispatch, Dispatcher):
             return self.dispatch
-        return build_dispatcher(self.dispatch, **self._dispatcher_inputs(), where="dispatch")
+        gen = self.generators
+        run = RunContext(
+            max_batch_size=gen.max_batch_size,
+            seed=self.seed,
+            instances=gen.instances,
+            elastic=self.elastic is not None,
+            latency_model=gen.latency,
+        )
+        return build_dispatcher(self.dispatch, run, where="dispatch")
 
     def make_queue(self) -> AdmissionScheduler:
         """A new admission queue for one instance."""

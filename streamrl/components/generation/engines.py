@@ -35,6 +35,7 @@ from streamrl.protocols import AdmissionScheduler, EngineSpec, GenerationEngine
 if TYPE_CHECKING:
     from streamrl.components.generation.hf_generator import HFStreamGenerator
     from streamrl.components.generation.vllm_generator import VLLMStreamGenerator
+    from streamrl.components.run_context import RunContext
     from streamrl.policy.lora import LoRASpec
 
 #: Install command of the ``[vllm]`` extra.
@@ -88,6 +89,11 @@ class HFEngine:
             raise ConfigError(
                 f"HFEngine(lora=...) needs the 'peft' package, not installed: {PEFT_INSTALL}"
             )
+
+    @classmethod
+    def from_run(cls, run: RunContext, **options: Any) -> HFEngine:
+        """Built for a run: it carries the run's LoRA adapters, if any."""
+        return cls(**{"lora": run.lora, **options})
 
     def __call__(self, spec: EngineSpec, scheduler: AdmissionScheduler) -> HFStreamGenerator:
         import torch

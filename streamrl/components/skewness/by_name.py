@@ -6,11 +6,12 @@ built-in's short name, ``package.module:Name`` for your own class, or a mapping
 ``{name: ..., option: value}`` that adds constructor options. So a dispatcher of yours runs in
 the simulator with no edit.
 
-A dispatcher is given what it names among its constructor's parameters: ``latency`` (the
-``PTL(BS)`` model, Eq. 1), ``max_batch_size`` and ``seed``.
+Each is built by ``build_from_run`` (``streamrl.components.run_context``): ``from_run(run,
+**options)`` where the class defines it (``SkewAwareDispatcher`` takes the run's batch size and
+``PTL(BS)`` there, ``RandomDispatcher`` its seed), else ``Cls(**options)``.
 
 Examples:
-    >>> type(build_dispatcher("round_robin", latency=None, max_batch_size=8, seed=0)).__name__
+    >>> type(build_dispatcher("round_robin", RunContext(max_batch_size=8))).__name__
     'RoundRobinDispatcher'
     >>> type(scheduler_factory({"name": "lpt"})()).__name__
     'LPTScheduler'
@@ -22,8 +23,8 @@ from collections.abc import Callable, Mapping
 from functools import partial
 from typing import Any
 
+from streamrl.components.run_context import RunContext, build_from_run
 from streamrl.components.skewness.dispatch import RandomDispatcher, RoundRobinDispatcher
-from streamrl.components.skewness.latency import LatencyModel
 from streamrl.components.skewness.schedulers import FIFOScheduler, LPTScheduler
 from streamrl.components.skewness.skew_dispatch import SkewAwareDispatcher
 from streamrl.protocols import AdmissionScheduler, Dispatcher
@@ -42,25 +43,16 @@ ComponentName = str | Mapping[str, Any]
 
 
 def build_dispatcher(
-    value: ComponentName,
-    *,
-    latency: LatencyModel | None,
-    max_batch_size: int,
-    seed: int,
-    where: str = "rl.dispatcher",
-    call: bool = True,
-) -> Dispatcher | None:
-    """The dispatcher ``value`` names, given what its constructor asks for; ``call=False`` only
-    checks that it resolves and that its constructor would bind (returns ``None``).
+    value: ComponentName, run: RunContext, where: str = "rl.dispatcher"
+) -> Dispatcher:
+    """The dispatcher ``value`` names, built for ``run``.
 
     Raises:
         ConfigError: an unknown name, an option it does not take, or an object that is not a
             ``Dispatcher``.
     """
     factory, options = pick(value, kind="dispatcher", builtins=DISPATCHERS, where=where)
-    provided = dict(latency=latency, max_batch_size=max_batch_size, seed=seed)
-    dispatcher = construct(factory, provided=provided, options=options, where=where, call=call)
-    return checked(dispatcher, Dispatcher, where) if call else None
+    return checked(build_from_run(factory, run, options, where=where), Dispatcher, where)
 
 
 def scheduler_factory(

@@ -11,9 +11,13 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any
 
 from streamrl.protocols import Dispatcher
 from streamrl.records import Request
+
+if TYPE_CHECKING:
+    from streamrl.components.run_context import RunContext
 
 __all__ = ["Dispatcher", "RandomDispatcher", "RoundRobinDispatcher", "split_by_prompt"]
 
@@ -73,6 +77,11 @@ class RandomDispatcher:
 
     def __init__(self, seed: int = 0) -> None:
         self._rng = random.Random(seed)
+
+    @classmethod
+    def from_run(cls, run: RunContext, **options: Any) -> RandomDispatcher:
+        """Built for a run: drawn from the run's seed unless ``seed`` is given."""
+        return cls(**{"seed": run.seed, **options})
 
     def plan(
         self, requests: Sequence[Request], scores: Sequence[float] | None, instances: int

@@ -28,11 +28,15 @@ import time
 import zlib
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from streamrl.records import Sample
+
+if TYPE_CHECKING:
+    from streamrl.components.run_context import RunContext
 
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 _WORD = re.compile(r"\w+|[^\w\s]")
@@ -116,6 +120,12 @@ class LengthRanker:
             numeric features only.
         token_buckets: hashed token unigram + bigram buckets (with a ``tokenizer``).
     """
+
+    @classmethod
+    def from_run(cls, run: RunContext, **options: Any) -> LengthRanker:
+        """Built for a run: the run's seed, and its policy's tokenizer when it has one to give
+        (§5.2 on the prompts as the policy reads them); ``options`` win."""
+        return cls(**{"seed": run.seed, "tokenizer": run.tokenizer, **options})
 
     def __init__(
         self,

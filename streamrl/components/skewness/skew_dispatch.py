@@ -23,12 +23,15 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable, Sequence
-from typing import Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
 from streamrl.components.skewness.latency import LatencyModel, simulate_instance
 from streamrl.records import Request
+
+if TYPE_CHECKING:
+    from streamrl.components.run_context import RunContext
 
 Objective = Literal["max", "sum"]
 
@@ -119,6 +122,14 @@ class SkewAwareDispatcher:
             )
         per_instance = -(-samples // instances)
         return self.latency.instance_latency(per_instance, length, batch)
+
+    @classmethod
+    def from_run(cls, run: RunContext, **options: Any) -> SkewAwareDispatcher:
+        """Built for a run: its batch size, and the instances' ``PTL(BS)`` to size the two pools
+        when requests may be split over several instances (asked of the run only then, which
+        is what makes it measure it)."""
+        latency = run.latency() if run.several_instances else None
+        return cls(latency, run.max_batch_size, **options)
 
     def batch_limits(self, instances: int) -> list[int]:
         """Each instance's batch size under the last plan: the tail pool's come first."""

@@ -152,6 +152,17 @@ class StreamGenerator(Protocol):
         ...
 
 
+@runtime_checkable
+class RecomputingGenerator(Protocol):
+    """What a ``StreamGenerator`` adds to go on with its running sequences under new weights
+    after computing their cache again (``rl.partial_rollout: recompute``)."""
+
+    def recompute_running(self) -> int:
+        """Prefill every running sequence again, prompt and tokens so far, under the weights
+        loaded now; returns the tokens prefilled."""
+        ...
+
+
 @dataclass(frozen=True)
 class EngineSpec:
     """What a ``GenerationEngine`` gets to build one instance, inside that instance's process.

@@ -26,6 +26,7 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from streamrl.errors import ConfigError
+from streamrl.protocols import RecomputingGenerator, StreamGenerator
 
 PartialRollout = Literal["finish", "keep", "recompute"]
 PARTIAL_ROLLOUT: tuple[str, ...] = ("finish", "keep", "recompute")
@@ -56,12 +57,13 @@ class WeightLoader:
     waits for it.
     """
 
-    def __init__(self, generator: Any, policy: str = "finish") -> None:
+    def __init__(self, generator: StreamGenerator, policy: str = "finish") -> None:
         self.generator, self.policy = generator, check_partial_rollout(policy)
-        if policy == "recompute" and not hasattr(generator, "recompute_running"):
+        if policy == "recompute" and not isinstance(generator, RecomputingGenerator):
             raise ConfigError(
-                f"partial_rollout: recompute needs a generator with recompute_running(); "
-                f"{type(generator).__name__} has none. Use keep or finish."
+                f"partial_rollout: recompute needs a RecomputingGenerator "
+                f"(streamrl.protocols: recompute_running()); {type(generator).__name__} is not "
+                "one. Use keep or finish."
             )
         self._pending: list[int] = []
         self._staged: Any = None

@@ -32,6 +32,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from streamrl.components.generation.admission import AdmissionQueue, budget
+from streamrl.components.generation.finished import finished_sample
 from streamrl.components.generation.hf_weights import WeightMap, copy_into, fingerprint
 from streamrl.components.generation.kv_cache import SlotCache
 from streamrl.components.generation.prefix_stash import PrefixStash
@@ -364,22 +365,11 @@ class HFStreamGenerator(AdmissionQueue):
         del rows[keep:]
 
     def _to_sample(self, row: _Running, reason: str, now: float) -> Sample:
-        req = row.request
-        return Sample(
-            prompt_id=req.prompt_id,
-            sample_index=req.sample_index,
-            iteration=req.iteration,
-            prompt_ids=list(req.prompt_ids),
-            token_ids=row.token_ids,
-            logprobs=row.logprobs,
-            weight_version=row.weight_version,
-            token_versions=row.versions,
+        return finished_sample(
+            row,
             instance_id=self.instance_id,
-            submitted_s=row.submitted_s,
-            started_s=row.started_s,
             finished_s=now,
             finish_reason=reason,
-            prefill_tokens=len(req.prompt_ids) - row.offset + row.recomputed,
             cached_tokens=row.offset,
         )
 

@@ -54,6 +54,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from streamrl.components.generation.admission import AdmissionQueue, budget
+from streamrl.components.generation.finished import finished_sample
 from streamrl.components.generation.vllm_worker import EXTENSION
 from streamrl.components.skewness.schedulers import AdmissionScheduler
 from streamrl.components.weights.nccl import DEFAULT_BUCKET_BYTES
@@ -342,24 +343,11 @@ class VLLMStreamGenerator(AdmissionQueue):
                 f"vLLM finished request {req.prompt_id!r} with {completion.finish_reason!r}; "
                 "only EOS and length stops are expected (check the engine log)."
             )
-        return Sample(
-            prompt_id=req.prompt_id,
-            sample_index=req.sample_index,
-            iteration=req.iteration,
-            prompt_ids=list(req.prompt_ids),
-            token_ids=row.token_ids,
-            logprobs=row.logprobs,
-            weight_version=row.weight_version,
-            token_versions=row.versions,
-            prefill_tokens=len(req.prompt_ids) + row.recomputed,
-            instance_id=self.instance_id,
-            submitted_s=row.submitted_s,
-            started_s=row.started_s,
-            finished_s=now,
-            # vLLM's stop_reason is the stop string when one ended the sequence.
-            finish_reason="stop"
-            if isinstance(completion.stop_reason, str)
-            else reasons[completion.finish_reason],
+        # vLLM's stop_reason is the stop string when one ended the sequence.
+        stop = isinstance(completion.stop_reason, str)
+        reason = "stop" if stop else reasons[completion.finish_reason]
+        return finished_sample(
+            row, instance_id=self.instance_id, finished_s=now, finish_reason=reason
         )
 
     def _checked(self, state_dict: Mapping[str, Any]) -> list[tuple[str, torch.Tensor]]:

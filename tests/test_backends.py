@@ -85,7 +85,7 @@ def test_hf_engine_builds_the_generator_from_the_spec(policy_dir, tiny_model):
     gen = HFEngine()(spec_for(policy_dir), queue)
     assert isinstance(gen, HFStreamGenerator) and isinstance(gen, StreamGenerator)
     assert (gen.instance_id, gen.weight_version, gen.max_batch_size) == (3, 2, 4)
-    assert gen.temperature == pytest.approx(0.7) and gen._scheduler is queue
+    assert gen.temperature == pytest.approx(0.7) and gen.admission.scheduler is queue
     templates = gen.weight_templates()  # what an update fills: the trainer's parameters
     assert list(templates) == [n for n, _ in tiny_model.named_parameters()]
     assert gen.fingerprint() == fingerprint(tiny_model)

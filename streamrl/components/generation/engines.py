@@ -111,13 +111,7 @@ class HFEngine:
             eos_token_id=eos_ids,
             stop_strings=spec.stop_strings,
             tokenizer=tokenizer if spec.stop_strings else None,
-            max_batch_size=spec.max_batch_size,
-            scheduler=scheduler,
-            instance_id=spec.instance_id,
-            temperature=spec.temperature,
-            greedy=spec.greedy,
-            seed=spec.seed,
-            weight_version=spec.weight_version,
+            **generator_settings(spec, scheduler),
         )
         if self.lora is None:
             return HFStreamGenerator(model, **settings)
@@ -172,17 +166,25 @@ class VLLMEngine:
             options.setdefault("tensor_parallel_size", visible_gpu_count())
         return VLLMStreamGenerator(
             spec.model_dir,
-            max_batch_size=spec.max_batch_size,
-            scheduler=scheduler,
-            instance_id=spec.instance_id,
-            temperature=spec.temperature,
-            greedy=spec.greedy,
-            seed=spec.seed,
-            weight_version=spec.weight_version,
+            **generator_settings(spec, scheduler),
             device=spec.device,
             **{name: value for name, value in stops.items() if value},  # only those given
             **options,
         )
+
+
+def generator_settings(spec: EngineSpec, scheduler: AdmissionScheduler) -> dict[str, Any]:
+    """The keyword arguments that every built-in generator takes from ``spec`` (batch slots,
+    sampling, ids and version), with ``scheduler`` as its admission order."""
+    return dict(
+        max_batch_size=spec.max_batch_size,
+        scheduler=scheduler,
+        instance_id=spec.instance_id,
+        temperature=spec.temperature,
+        greedy=spec.greedy,
+        seed=spec.seed,
+        weight_version=spec.weight_version,
+    )
 
 
 #: Built-in engines by the name a config gives (``rl.engine``); each is a class whose

@@ -24,7 +24,7 @@ Examples:
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -32,9 +32,11 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from streamrl.components.generation.admission import AdmissionQueue, budget
+from streamrl.components.generation.finished import finished_sample
 from streamrl.components.generation.hf_weights import WeightMap, copy_into, fingerprint
 from streamrl.components.generation.kv_cache import SlotCache
 from streamrl.components.generation.prefix_stash import PrefixStash
+from streamrl.components.generation.sampling import sampling_temperature
 from streamrl.protocols import AdmissionScheduler
 from streamrl.records import Request, Sample
 
@@ -56,13 +58,15 @@ class _Running:
     recomputed: int = 0  # cache columns computed again under newer weights (partial rollout)
 
 
-class HFStreamGenerator(AdmissionQueue):
+class HFStreamGenerator:
     """Generate samples with continuous batching and emit each one as soon as it finishes.
 
     StreamRL §3 (stream generation) / §5 (continuous batching in an SGS instance). At most
     ``max_batch_size`` sequences run at once; each ``step()`` admits waiting requests into free
     slots (in the scheduler's order), prefills them, decodes one token for every running sequence
     in one batched forward, and returns the sequences that finished, freeing their slots at once.
+    Which requests wait, in what order, and how many may run is its ``admission``, an
+    ``AdmissionQueue``.
 
     A sample's ``weight_version`` is the version loaded when it was admitted. A ``load_weights``
     between steps also applies to sequences already running (partial rollout): their remaining
@@ -114,14 +118,15 @@ class HFStreamGenerator(AdmissionQueue):
         weight_version: int = 0,
         prefix_entries: int | None = None,
     ) -> None:
-        super().__init__(
-            max_batch_size=max_batch_size,
-            scheduler=scheduler,
-            instance_id=instance_id,
-            temperature=temperature,
-            greedy=greedy,
-            weight_version=weight_version,
+        #: The requests waiting for a batch slot, and how many may run at once.
+        self.admission = AdmissionQueue(
+            max_batch_size=max_batch_size, scheduler=scheduler, resumable=self._resumable
         )
+        self.temperature = sampling_temperature(temperature, greedy)
+        self.greedy = greedy
+        self.max_batch_size = max_batch_size
+        self.instance_id = instance_id
+        self._weight_version = weight_version
         config = model.config
         self.model = model.eval()
         self.context_length = int(config.max_position_embeddings)
@@ -146,9 +151,48 @@ class HFStreamGenerator(AdmissionQueue):
 
     # ----------------------------------------------------------------- public API
     @property
+    def weight_version(self) -> int:
+        """Version of the weights held now."""
+        return self._weight_version
+
+    @property
     def num_running(self) -> int:
         """Sequences occupying a batch slot."""
         return len(self._rows)
+
+    @property
+    def num_waiting(self) -> int:
+        """Submitted requests not yet admitted."""
+        return self.admission.num_waiting
+
+    @property
+    def idle(self) -> bool:
+        """True when nothing is running or waiting."""
+        return not self.num_running and not self.num_waiting
+
+    @property
+    def batch_limit(self) -> int:
+        """How many sequences may run at once now (at most ``max_batch_size``)."""
+        return self.admission.batch_limit
+
+    def set_batch_limit(self, limit: int) -> None:
+        """Run at most ``limit`` sequences at once from now on (§5.3); running ones keep their
+        slots."""
+        self.admission.set_batch_limit(limit)
+
+    def submit(self, requests: Iterable[Request]) -> None:
+        """Queue requests for admission; all are validated before any is queued.
+
+        Raises:
+            ValueError: a prompt is empty, ``max_tokens`` (or ``forced_length``) is below 1, or
+                the prompt plus its token budget exceeds the model's context length.
+        """
+        self.admission.submit(requests, self.context_length)
+
+    def stream(self) -> Iterator[Sample]:
+        """Step until idle, yielding samples in completion order."""
+        while not self.idle:
+            yield from self.step()
 
     def step(self) -> list[Sample]:
         """Admit, prefill, decode one token per running sequence; return the finished samples."""
@@ -203,10 +247,8 @@ class HFStreamGenerator(AdmissionQueue):
         now = time.time()
         needed = 0
         fresh, resumed = [], []
-        while len(self._rows) + len(fresh) + len(resumed) < self._batch_limit and self.num_waiting:
-            req = self._next_request()
+        for req, submitted in self.admission.admit(len(self._rows), now):
             prompt = req.prompt_ids
-            submitted = self._submitted_s.pop(id(req), now)
             # The last prompt token is fed by the shared decode forward, which yields token one.
             row = _Running(req, submitted, now, self._weight_version, len(prompt) - 1, prompt[-1])
             kept = self.prefixes.take(req.key, prompt, self._weight_version)
@@ -227,6 +269,7 @@ class HFStreamGenerator(AdmissionQueue):
             self._rows.append(row)
 
     def _resumable(self, req: Request) -> bool:
+        """Whether ``req`` continues an episode whose prefix this generator kept."""
         return req.key in self.prefixes
 
     def _prefill(self, start: int) -> None:
@@ -364,22 +407,11 @@ class HFStreamGenerator(AdmissionQueue):
         del rows[keep:]
 
     def _to_sample(self, row: _Running, reason: str, now: float) -> Sample:
-        req = row.request
-        return Sample(
-            prompt_id=req.prompt_id,
-            sample_index=req.sample_index,
-            iteration=req.iteration,
-            prompt_ids=list(req.prompt_ids),
-            token_ids=row.token_ids,
-            logprobs=row.logprobs,
-            weight_version=row.weight_version,
-            token_versions=row.versions,
+        return finished_sample(
+            row,
             instance_id=self.instance_id,
-            submitted_s=row.submitted_s,
-            started_s=row.started_s,
             finished_s=now,
             finish_reason=reason,
-            prefill_tokens=len(req.prompt_ids) - row.offset + row.recomputed,
             cached_tokens=row.offset,
         )
 

@@ -68,15 +68,7 @@ class InstanceHandle:
         ``engine``, ``scheduler``, the sampling settings, ``device``...).
         """
         store = make_store(2, timeout_s)
-        spec = WorkerSpec(
-            instance_id,
-            store_port=store.port,
-            world_size=2,
-            rank=1,
-            timeout_s=timeout_s,
-            heartbeat_s=HEARTBEAT_S,
-            **spec_fields,
-        )
+        spec = instance_spec(instance_id, store.port, timeout_s, spec_fields)
         inbox = ctx.Queue()
         link, outbox = ctx.Pipe(duplex=False)
         proc = ctx.Process(
@@ -131,3 +123,33 @@ class InstanceHandle:
         if proc.is_alive():
             proc.kill()
             proc.join(1.0)
+
+
+def instance_spec(
+    instance_id: int,
+    store_port: int,
+    timeout_s: float,
+    spec_fields: dict[str, Any],
+    **launcher_fields: Any,
+) -> WorkerSpec:
+    """The ``WorkerSpec`` of an instance that joins its weight group (the trainer, rank 0, and
+    it, rank 1) through the rendezvous store at ``store_port``.
+
+    Args:
+        instance_id: the instance's id in the service.
+        store_port: the port of the group's store (``make_store``).
+        timeout_s: the service's start timeout.
+        spec_fields: what to run (``model_dir``, ``engine``, ``scheduler``, the sampling
+            settings, ``device``...).
+        **launcher_fields: fields its launcher sets (a Ray actor's ``store_host``).
+    """
+    return WorkerSpec(
+        instance_id,
+        store_port=store_port,
+        world_size=2,
+        rank=1,
+        timeout_s=timeout_s,
+        heartbeat_s=HEARTBEAT_S,
+        **launcher_fields,
+        **spec_fields,
+    )

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Client, Connection, Listener
 from typing import Any
 
-from streamrl.components.generation.instance import HEARTBEAT_S, InstanceHandle
+from streamrl.components.generation.instance import InstanceHandle, instance_spec
 from streamrl.components.generation.worker import WorkerSpec
 from streamrl.components.weights.transport import make_store
 from streamrl.errors import ConfigError
@@ -264,15 +264,12 @@ class RayInstanceHandle(InstanceHandle):
         )
         actor = actor_class.remote()
         store = make_store(2, timeout_s)
-        spec = WorkerSpec(
+        spec = instance_spec(
             instance_id,
-            store_port=store.port,
-            world_size=2,
-            rank=1,
-            timeout_s=timeout_s,
-            heartbeat_s=HEARTBEAT_S,
+            store.port,
+            timeout_s,
+            spec_fields,
             store_host=ray.util.get_node_ip_address(),
-            **spec_fields,
         )
         authkey = secrets.token_bytes(32)
         address = actor.open_channel.remote(authkey)

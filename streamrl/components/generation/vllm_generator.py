@@ -44,7 +44,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -54,6 +54,8 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from streamrl.components.generation.admission import AdmissionQueue, budget
+from streamrl.components.generation.finished import finished_sample
+from streamrl.components.generation.sampling import sampling_temperature
 from streamrl.components.generation.vllm_worker import EXTENSION
 from streamrl.components.skewness.schedulers import AdmissionScheduler
 from streamrl.components.weights.nccl import DEFAULT_BUCKET_BYTES
@@ -88,7 +90,7 @@ class _Admitted:
 CPU_KV_CACHE_BYTES = 512 << 20
 
 
-class VLLMStreamGenerator(AdmissionQueue):
+class VLLMStreamGenerator:
     """Generate samples with vLLM and emit each one as soon as it finishes.
 
     StreamRL §3 / §5; same public API and ``Sample`` fields as ``HFStreamGenerator``. A sample's
@@ -96,7 +98,9 @@ class VLLMStreamGenerator(AdmissionQueue):
     steps also applies to the remaining tokens of running sequences (partial rollout, keeping
     their KV cache), and ``token_versions`` says which weights drew each token (the engine
     streams each step's new tokens). ``recompute_running()`` prefills them again under the new
-    weights instead: each is aborted and re-added with its tokens so far as prompt.
+    weights instead: each is aborted and re-added with its tokens so far as prompt. Which
+    requests wait, in what order, and how many may be inside the engine is its ``admission``, an
+    ``AdmissionQueue``.
 
     Args:
         model_dir: a Hugging Face model directory (``save_policy`` writes one). vLLM needs no
@@ -141,14 +145,13 @@ class VLLMStreamGenerator(AdmissionQueue):
         stop_strings: Sequence[str] = (),
         **engine_kwargs: Any,
     ) -> None:
-        super().__init__(
-            max_batch_size=max_batch_size,
-            scheduler=scheduler,
-            instance_id=instance_id,
-            temperature=temperature,
-            greedy=greedy,
-            weight_version=weight_version,
-        )
+        #: The requests waiting to enter the engine, and how many may be inside it at once.
+        self.admission = AdmissionQueue(max_batch_size=max_batch_size, scheduler=scheduler)
+        self.temperature = sampling_temperature(temperature, greedy)
+        self.greedy = greedy
+        self.max_batch_size = max_batch_size
+        self.instance_id = instance_id
+        self._weight_version = weight_version
         if not (Path(model_dir) / "config.json").is_file():
             raise FileNotFoundError(
                 f"No model directory at {str(model_dir)!r} (no config.json there). Pass a "
@@ -210,9 +213,48 @@ class VLLMStreamGenerator(AdmissionQueue):
 
     # ----------------------------------------------------------------- public API
     @property
+    def weight_version(self) -> int:
+        """Version of the weights held now."""
+        return self._weight_version
+
+    @property
     def num_running(self) -> int:
         """Requests inside the engine."""
         return len(self._running)
+
+    @property
+    def num_waiting(self) -> int:
+        """Submitted requests not yet in the engine."""
+        return self.admission.num_waiting
+
+    @property
+    def idle(self) -> bool:
+        """True when nothing is running or waiting."""
+        return not self.num_running and not self.num_waiting
+
+    @property
+    def batch_limit(self) -> int:
+        """How many requests may be inside the engine now (at most ``max_batch_size``)."""
+        return self.admission.batch_limit
+
+    def set_batch_limit(self, limit: int) -> None:
+        """Keep at most ``limit`` requests inside the engine from now on (§5.3); those inside
+        stay."""
+        self.admission.set_batch_limit(limit)
+
+    def submit(self, requests: Iterable[Request]) -> None:
+        """Queue requests for admission; all are validated before any is queued.
+
+        Raises:
+            ValueError: a prompt is empty, ``max_tokens`` (or ``forced_length``) is below 1, or
+                the prompt plus its token budget exceeds the engine's ``max_model_len``.
+        """
+        self.admission.submit(requests, self.context_length)
+
+    def stream(self) -> Iterator[Sample]:
+        """Step until idle, yielding samples in completion order."""
+        while not self.idle:
+            yield from self.step()
 
     def step(self) -> list[Sample]:
         """Admit into free slots, run one engine step, return the samples finished in it."""
@@ -302,9 +344,7 @@ class VLLMStreamGenerator(AdmissionQueue):
     # ----------------------------------------------------------------- internals
     def _admit(self) -> None:
         now = time.time()
-        while len(self._running) < self._batch_limit and self.num_waiting:
-            req = self._next_request()
-            submitted = self._submitted_s.pop(id(req), now)
+        for req, submitted in self.admission.admit(len(self._running), now):
             row = _Admitted(req, submitted, now, self._weight_version, priority=self._admitted)
             self._add(row, list(req.prompt_ids), budget(req))
 
@@ -342,24 +382,11 @@ class VLLMStreamGenerator(AdmissionQueue):
                 f"vLLM finished request {req.prompt_id!r} with {completion.finish_reason!r}; "
                 "only EOS and length stops are expected (check the engine log)."
             )
-        return Sample(
-            prompt_id=req.prompt_id,
-            sample_index=req.sample_index,
-            iteration=req.iteration,
-            prompt_ids=list(req.prompt_ids),
-            token_ids=row.token_ids,
-            logprobs=row.logprobs,
-            weight_version=row.weight_version,
-            token_versions=row.versions,
-            prefill_tokens=len(req.prompt_ids) + row.recomputed,
-            instance_id=self.instance_id,
-            submitted_s=row.submitted_s,
-            started_s=row.started_s,
-            finished_s=now,
-            # vLLM's stop_reason is the stop string when one ended the sequence.
-            finish_reason="stop"
-            if isinstance(completion.stop_reason, str)
-            else reasons[completion.finish_reason],
+        # vLLM's stop_reason is the stop string when one ended the sequence.
+        stop = isinstance(completion.stop_reason, str)
+        reason = "stop" if stop else reasons[completion.finish_reason]
+        return finished_sample(
+            row, instance_id=self.instance_id, finished_s=now, finish_reason=reason
         )
 
     def _checked(self, state_dict: Mapping[str, Any]) -> list[tuple[str, torch.Tensor]]:

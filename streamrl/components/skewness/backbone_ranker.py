@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Literal
 
 import torch
 
-from streamrl.components.skewness.ranker import _fit_afresh, _learn
+from streamrl.components.skewness.online_learning import OnlineLearning, fit_afresh
 from streamrl.errors import ConfigError
 from streamrl.records import Sample
 
@@ -79,7 +79,7 @@ def _require_peft():
     return peft
 
 
-class BackboneLengthRanker:
+class BackboneLengthRanker(OnlineLearning):
     """Predicts output lengths with a LoRA-tuned causal LM; a ``LengthPredictor`` like
     ``LengthRanker`` (``learn`` online; ``fit``, ``update`` and ``refresh`` as well).
 
@@ -170,26 +170,9 @@ class BackboneLengthRanker:
         self._fitted = False
 
     @property
-    def ready(self) -> bool:
-        """Whether it has been fitted (``predict`` works)."""
-        return self._fitted
-
-    @property
     def net(self) -> torch.nn.Module | None:
         """The trained model, ``None`` until fitted (as ``LengthRanker.net``)."""
         return self.model if self._fitted else None
-
-    def learn(self, prompts: Sequence[str], lengths: Sequence[int]) -> None:
-        """Learn from the policy's finished samples (``LengthPredictor``).
-
-        While not ``ready``, fits from scratch for ``learn_epochs`` on these pairs and any kept
-        from earlier calls (fewer than two pairs in all are kept for the next call); once
-        ``ready``, adds them to the recent buffer and refreshes for ``refresh_epochs``.
-
-        Raises:
-            ValueError: ``prompts`` and ``lengths`` differ in length.
-        """
-        _learn(self, prompts, lengths)
 
     def trainable_parameters(self) -> dict[str, torch.nn.Parameter]:
         """The parameters that train: LoRA adapters and the length head."""
@@ -286,7 +269,7 @@ class BackboneLengthRanker:
     def refresh(self, epochs: int = 1) -> None:
         """Fine-tune on the recent buffer (or fit from scratch if never fitted)."""
         if not self._fitted:
-            _fit_afresh(self, list(self.recent), None)
+            fit_afresh(self, list(self.recent), None)
             return
         prompts, lengths = zip(*self.recent)
         started = time.perf_counter()

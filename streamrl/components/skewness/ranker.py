@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from streamrl.components.skewness.online_learning import OnlineLearning, fit_afresh
 from streamrl.records import Sample
 
 if TYPE_CHECKING:
@@ -98,7 +99,7 @@ def word_tokenizer(prompt: str) -> dict[str, list[int]]:
     return {"input_ids": word_ids(prompt)}
 
 
-class LengthRanker:
+class LengthRanker(OnlineLearning):
     """Predicts an output-length score per prompt (higher means longer); a ``LengthPredictor``.
 
     ``learn`` is the online entry point (``RolloutStream`` calls it); ``fit``, ``update`` and
@@ -150,23 +151,6 @@ class LengthRanker:
         self.net: torch.nn.Module | None = None
         self._mean = self._std = None
         self.train_s = 0.0
-
-    @property
-    def ready(self) -> bool:
-        """Whether it has been fitted (``predict`` works)."""
-        return self.net is not None
-
-    def learn(self, prompts: Sequence[str], lengths: Sequence[int]) -> None:
-        """Learn from the policy's finished samples (``LengthPredictor``).
-
-        While not ``ready``, fits from scratch for ``learn_epochs`` on these pairs and any kept
-        from earlier calls (fewer than two pairs in all are kept for the next call); once
-        ``ready``, adds them to the recent buffer and refreshes for ``refresh_epochs``.
-
-        Raises:
-            ValueError: ``prompts`` and ``lengths`` differ in length.
-        """
-        _learn(self, prompts, lengths)
 
     def _prompt_features(self, prompt: str) -> np.ndarray:
         chars = prompt_features(prompt)
@@ -258,7 +242,7 @@ class LengthRanker:
     def refresh(self, epochs: int = 30) -> None:
         """Fine-tune on the recent buffer (or fit from scratch if never fitted)."""
         if not self.ready:
-            _fit_afresh(self, list(self.recent), None)
+            fit_afresh(self, list(self.recent), None)
             return
         prompts, lengths = zip(*self.recent)
         started = time.perf_counter()
@@ -294,36 +278,3 @@ class LengthRanker:
         if state["net"] is not None:
             self.net = self._make_net(len(self._mean))
             self.net.load_state_dict(state["net"])
-
-
-def _learn(ranker, prompts: Sequence[str], lengths: Sequence[int]) -> None:
-    """``learn`` of both rankers (they share ``recent``, ``ready``, ``fit`` and ``refresh``)."""
-    if len(prompts) != len(lengths):
-        raise ValueError(
-            f"{type(ranker).__name__}.learn: {len(prompts)} prompts but {len(lengths)} lengths."
-        )
-    pairs = list(zip(prompts, (int(n) for n in lengths)))
-    if ranker.ready:
-        ranker.recent.extend(pairs)
-        ranker.refresh(epochs=ranker.refresh_epochs)
-    elif len(ranker.recent) + len(pairs) < 2:
-        ranker.recent.extend(pairs)  # too few to fit: kept for the next call
-    else:
-        _fit_afresh(ranker, [*ranker.recent, *pairs], ranker.learn_epochs)
-
-
-def _fit_afresh(ranker, pairs: list[tuple[str, int]], epochs: int | None) -> None:
-    """Fit from scratch on ``pairs``, which replace the recent buffer (``fit`` adds them)."""
-    if len(pairs) < 2:
-        raise ValueError(
-            f"{type(ranker).__name__}: {len(pairs)} finished samples to fit on; need >= 2. "
-            "Call learn() or fit() with more."
-        )
-    kept = list(ranker.recent)
-    ranker.recent.clear()
-    try:
-        ranker.fit([p for p, _ in pairs], [n for _, n in pairs], epochs=epochs)
-    except BaseException:
-        ranker.recent.clear()
-        ranker.recent.extend(kept)
-        raise

@@ -1,0 +1,100 @@
+"""How a length ranker learns online from the policy's finished samples (StreamRL §5.2).
+
+The policy's output lengths drift during RL, so its ranker keeps learning: ``RolloutStream``
+hands ``learn`` the finished samples; while the ranker is not ``ready`` it fits from scratch
+(once it has two pairs or more), afterwards it adds them to its bounded recent buffer and
+refreshes on that. Both rankers (``LengthRanker``, ``BackboneLengthRanker``) follow this
+schedule; they differ only in what ``fit`` and ``refresh`` train.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+from typing import Protocol
+
+import torch
+
+
+class Refittable(Protocol):
+    """What ``OnlineLearning`` uses of the ranker that takes it on."""
+
+    #: Finished ``(prompt, output length)`` pairs, the most recent ones (bounded).
+    recent: deque[tuple[str, int]]
+    #: Epochs of the fit from scratch that ``learn`` runs while not ``ready``.
+    learn_epochs: int
+    #: Epochs of the refresh over ``recent`` that each ``learn`` runs once ``ready``.
+    refresh_epochs: int
+
+    @property
+    def net(self) -> torch.nn.Module | None:
+        """The trained model; ``None`` until fitted."""
+        ...
+
+    @property
+    def ready(self) -> bool: ...
+
+    def fit(
+        self, prompts: Sequence[str], lengths: Sequence[int], epochs: int | None = None
+    ) -> None:
+        """Train from scratch on the pairs and add them to ``recent``."""
+        ...
+
+    def refresh(self, epochs: int) -> None:
+        """Fine-tune on ``recent``."""
+        ...
+
+
+class OnlineLearning:
+    """``ready`` and ``learn``, the ``LengthPredictor`` verbs, of a ranker that provides what
+    ``Refittable`` lists (its ``net``, ``recent`` buffer, epochs, ``fit`` and ``refresh``)."""
+
+    @property
+    def ready(self: Refittable) -> bool:
+        """Whether it has been fitted (``predict`` works)."""
+        return self.net is not None
+
+    def learn(self: Refittable, prompts: Sequence[str], lengths: Sequence[int]) -> None:
+        """Learn from the policy's finished samples (``LengthPredictor``).
+
+        While not ``ready``, fits from scratch for ``learn_epochs`` on these pairs and any kept
+        from earlier calls (fewer than two pairs in all are kept for the next call); once
+        ``ready``, adds them to the recent buffer and refreshes for ``refresh_epochs``.
+
+        Raises:
+            ValueError: ``prompts`` and ``lengths`` differ in length.
+        """
+        if len(prompts) != len(lengths):
+            raise ValueError(
+                f"{type(self).__name__}.learn: {len(prompts)} prompts but {len(lengths)} lengths."
+            )
+        pairs = list(zip(prompts, (int(n) for n in lengths)))
+        if self.ready:
+            self.recent.extend(pairs)
+            self.refresh(epochs=self.refresh_epochs)
+        elif len(self.recent) + len(pairs) < 2:
+            self.recent.extend(pairs)  # too few to fit: kept for the next call
+        else:
+            fit_afresh(self, [*self.recent, *pairs], self.learn_epochs)
+
+
+def fit_afresh(ranker: Refittable, pairs: list[tuple[str, int]], epochs: int | None) -> None:
+    """Fit ``ranker`` from scratch on ``pairs``, which replace its recent buffer (``fit`` adds
+    them); on failure the buffer is as it was.
+
+    Raises:
+        ValueError: fewer than two pairs.
+    """
+    if len(pairs) < 2:
+        raise ValueError(
+            f"{type(ranker).__name__}: {len(pairs)} finished samples to fit on; need >= 2. "
+            "Call learn() or fit() with more."
+        )
+    kept = list(ranker.recent)
+    ranker.recent.clear()
+    try:
+        ranker.fit([p for p, _ in pairs], [n for _, n in pairs], epochs=epochs)
+    except BaseException:
+        ranker.recent.clear()
+        ranker.recent.extend(kept)
+        raise

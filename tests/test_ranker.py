@@ -374,7 +374,8 @@ def test_any_length_predictor_plugs_into_the_rollout_stream():
 
 def test_the_run_s_ranker_reads_prompts_in_the_policy_s_tokens():
     """``rl.length_predictor: ranker`` gets the policy's tokenizer from the run: its features
-    include the policy's token n-grams (a predictor that takes no tokenizer is built without)."""
+    include the policy's token n-grams (a predictor that takes no tokenizer is built without:
+    its ``from_run`` picks only the seed)."""
     from streamrl.policy.models import build_bpe_tokenizer, build_tiny_model
     from streamrl.run.config import RunConfig
     from streamrl.run.parts import RunParts
@@ -398,12 +399,16 @@ def test_the_run_s_ranker_reads_prompts_in_the_policy_s_tokens():
 
 
 class _NoTokenizerPredictor:
-    """A length predictor whose constructor takes a seed but no tokenizer."""
+    """A length predictor that takes the run's seed (in ``from_run``) but no tokenizer."""
 
     ready = False
 
     def __init__(self, seed: int) -> None:
         self.seed = seed
+
+    @classmethod
+    def from_run(cls, run, **options):
+        return cls(run.seed, **options)
 
     def predict(self, prompts):
         return [0.0] * len(prompts)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 import torch
@@ -163,6 +163,44 @@ class RecomputingGenerator(Protocol):
         ...
 
 
+@runtime_checkable
+class Cluster(Protocol):
+    """Where generator instances run (``streamrl.components.generation.clusters``: local
+    processes or Ray actors). The service checks it before any process starts, asks it each
+    instance's device, and has it start each instance."""
+
+    def check(self, gpus_per_instance: int) -> None:
+        """Raise ``ConfigError`` with the fix unless instances with ``gpus_per_instance`` GPUs
+        can start (the package installed, the GPUs there)."""
+        ...
+
+    def device(
+        self,
+        instance_id: int,
+        gpus_per_instance: int,
+        *,
+        spare_first: bool = False,
+        gpu_ids: Sequence[int] | None = None,
+    ) -> str:
+        """The torch device instance ``instance_id`` runs on (``"cpu"``, ``"cuda:1"``,
+        ``"cuda:2,3"``...), from the generators' ``gpu_ids``; ``spare_first`` leaves
+        ``cuda:0`` to the trainer."""
+        ...
+
+    def spawn(
+        self,
+        instance_id: int,
+        spec_fields: Mapping[str, Any],
+        *,
+        gpus_per_instance: int,
+        gpu_ids: Sequence[int] | None,
+        start_timeout_s: float,
+    ) -> Any:
+        """Start the instance (its ``WorkerSpec`` fields) and return the handle the service's
+        pool drives (``InstanceHandle``: its inbox, its sample pipe, its liveness)."""
+        ...
+
+
 @dataclass(frozen=True)
 class EngineSpec:
     """What a ``GenerationEngine`` gets to build one instance, inside that instance's process.
@@ -203,9 +241,10 @@ class GenerationEngine(Protocol):
     settings, importable by the child.
     """
 
-    def check(self, *, cluster: str, gpus_per_instance: int) -> None:
-        """Raise ``ConfigError`` if it cannot run there (a package missing, no GPU); called
-        before any process starts."""
+    def check(self, *, cluster: Cluster, gpus_per_instance: int) -> None:
+        """Raise ``ConfigError`` if it cannot run there (a package missing, an option the
+        weight updates would break); called before any process starts, after
+        ``cluster.check`` (the GPUs are there)."""
         ...
 
     def __call__(self, spec: EngineSpec, scheduler: AdmissionScheduler) -> StreamGenerator:

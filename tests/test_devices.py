@@ -10,8 +10,9 @@ import pytest
 import torch
 
 import streamrl.runtime.devices
-from streamrl.components.generation import ray_instance, service
-from streamrl.components.generation.engines import VLLMEngine, instance_device
+from streamrl.components.generation import clusters, ray_instance
+from streamrl.components.generation.clusters import LocalCluster, RayCluster
+from streamrl.components.generation.engines import VLLMEngine
 from streamrl.components.generation.ray_instance import RayOptions
 from streamrl.components.generation.service import StreamGenerationService
 from streamrl.errors import ConfigError
@@ -158,10 +159,10 @@ def test_overlap_is_refused_on_ray_too(gpus):
     gpus(8)
     with pytest.raises(ConfigError, match=r"share GPU\(s\) \[0\]"):
         resolve_placement(
-            "cuda", generator_gpus_per_instance=1, generator_devices=[0], cluster="ray"
+            "cuda", generator_gpus_per_instance=1, generator_devices=[0], local_generators=False
         )
     ray_placement = resolve_placement(
-        "cuda", generator_gpus_per_instance=1, generator_devices=[5], cluster="ray"
+        "cuda", generator_gpus_per_instance=1, generator_devices=[5], local_generators=False
     )
     assert ray_placement.generator_gpus == (5,)  # all a local Ray cluster may hand out
 
@@ -193,29 +194,29 @@ def test_placement_generator_device_on_the_cpu():
 
 
 def test_instance_device_takes_the_given_gpus_round_robin():
-    assert [instance_device(i, 1, "local", gpu_ids=[4, 5]) for i in range(3)] == [
+    assert [LocalCluster().device(i, 1, gpu_ids=[4, 5]) for i in range(3)] == [
         "cuda:4",
         "cuda:5",
         "cuda:4",
     ]
     # The trainer's GPUs are already left out of gpu_ids: no spare cuda:0 for NCCL.
-    assert instance_device(0, 1, "local", spare_first=True, gpu_ids=[4, 5]) == "cuda:4"
-    assert instance_device(0, 0, "local", gpu_ids=[4]) == "cpu"
-    assert instance_device(1, 1, "ray", gpu_ids=[4]) == "cuda"
+    assert LocalCluster().device(0, 1, spare_first=True, gpu_ids=[4, 5]) == "cuda:4"
+    assert LocalCluster().device(0, 0, gpu_ids=[4]) == "cpu"
+    assert RayCluster().device(1, 1, gpu_ids=[4]) == "cuda"
 
 
 def test_a_tensor_parallel_instance_takes_a_set_of_gpus_and_sees_only_those(monkeypatch):
     """rl.gpus: 2 -> sets of two GPUs, round-robin; the instance's process sees its set as
     cuda:0,1 and vLLM runs a rank on each (faked inventories: no GPU needed)."""
-    assert [instance_device(i, 2, "local", gpu_ids=[2, 3, 4, 5, 6]) for i in range(3)] == [
+    assert [LocalCluster().device(i, 2, gpu_ids=[2, 3, 4, 5, 6]) for i in range(3)] == [
         "cuda:2,3",
         "cuda:4,5",
         "cuda:2,3",  # GPU 6 is left over: no set of two
     ]
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 5)
-    assert instance_device(1, 2, "local", spare_first=True) == "cuda:3,4"
+    assert LocalCluster().device(1, 2, spare_first=True) == "cuda:3,4"
     with pytest.raises(ConfigError, match=r"rl.gpus=4 GPUs per generator instance, but .* 3"):
-        instance_device(0, 4, "local", gpu_ids=[1, 2, 3])
+        LocalCluster().device(0, 4, gpu_ids=[1, 2, 3])
     env = {"CUDA_VISIBLE_DEVICES": "7,6,5,4"}
     assert pin_visible_gpu("cuda:1,2", env) == "cuda:0"
     assert env["CUDA_VISIBLE_DEVICES"] == "6,5" and visible_gpu_count(env) == 2
@@ -228,7 +229,7 @@ def test_tensor_parallel_size_must_match_the_gpus_each_instance_gets():
     with pytest.raises(
         ConfigError, match=r"tensor_parallel_size=2, but each instance gets rl.gpus=1"
     ):
-        engine.check(cluster="ray", gpus_per_instance=1)
+        engine.check(cluster=RayCluster(), gpus_per_instance=1)
 
 
 def test_the_service_hands_its_gpu_ids_to_each_instance(monkeypatch):
@@ -238,12 +239,24 @@ def test_the_service_hands_its_gpu_ids_to_each_instance(monkeypatch):
     def spawn(ctx, instance_id, what, timeout_s):
         launched[instance_id] = what["device"]
 
-    monkeypatch.setattr(service, "InstanceHandle", types.SimpleNamespace(spawn=spawn))
+    monkeypatch.setattr(clusters, "InstanceHandle", types.SimpleNamespace(spawn=spawn))
     sgs = StreamGenerationService("unused", num_instances=3, gpus_per_instance=1, gpu_ids=[6, 7])
     for i in range(3):
         sgs._launch(i, "local")
     assert launched == {0: "cuda:6", 1: "cuda:7", 2: "cuda:6"}
-    assert sgs._ray.gpu_ids == (6, 7)  # and a local Ray cluster gets only these
+
+    # A local Ray cluster started here gets only these; each actor sees its own as "cuda".
+    def spawn_actor(options, instance_id, what, timeout_s):
+        launched[instance_id] = (options.gpu_ids, options.gpus_per_instance, what["device"])
+
+    monkeypatch.setattr(
+        clusters, "RayInstanceHandle", types.SimpleNamespace(spawn_actor=spawn_actor)
+    )
+    ray_sgs = StreamGenerationService(
+        "unused", 2, gpus_per_instance=1, gpu_ids=[6, 7], cluster="ray"
+    )
+    ray_sgs._launch(1, "local")
+    assert launched[1] == ((6, 7), 1, "cuda")
 
 
 def test_a_local_ray_cluster_sees_only_the_generators_gpus(monkeypatch):

@@ -19,7 +19,7 @@ from streamrl.components.generation.service import GeneratorError, StreamGenerat
 from streamrl.components.skewness.schedulers import FIFOScheduler, LPTScheduler
 from streamrl.errors import ConfigError
 from streamrl.policy.models import build_tiny_model, save_policy
-from streamrl.protocols import AdmissionScheduler, EngineSpec, StreamGenerator
+from streamrl.protocols import AdmissionScheduler, Cluster, EngineSpec, StreamGenerator
 from streamrl.records import Request, Sample
 
 pytestmark = pytest.mark.timeout(180)
@@ -241,7 +241,7 @@ class CountingEngine:
 
     log: str
 
-    def check(self, *, cluster: str, gpus_per_instance: int) -> None:
+    def check(self, *, cluster: Cluster, gpus_per_instance: int) -> None:
         _log(self.log, f"check {cluster} {gpus_per_instance} pid={os.getpid()}")
 
     def __call__(self, spec: EngineSpec, scheduler: AdmissionScheduler) -> StreamGenerator:
@@ -312,7 +312,7 @@ def test_a_users_engine_and_scheduler_factory_run_in_every_instance(model_dir, t
 
 @dataclass(frozen=True)
 class NoGPUHere:
-    def check(self, *, cluster: str, gpus_per_instance: int) -> None:
+    def check(self, *, cluster: Cluster, gpus_per_instance: int) -> None:
         raise ConfigError("NoGPUHere: this engine needs a GPU.")
 
     def __call__(self, spec: EngineSpec, scheduler: AdmissionScheduler) -> StreamGenerator:

@@ -137,9 +137,10 @@ class RLConfig:
         engine: the generation engine: ``"hf"`` (continuous batching on ``transformers``),
             ``"vllm"`` (vLLM's engine; the ``[vllm]`` extra; ``{name: vllm, options: {...}}``
             passes engine arguments) or your ``GenerationEngine`` as ``package.module:Name``.
-        cluster: where generator instances run: ``"local"`` (processes of this machine) or
+        cluster: where generator instances run: ``"local"`` (processes of this machine),
             ``"ray"`` (Ray actors on the cluster ``RAY_ADDRESS`` names, or a local one; the
-            ``[ray]`` extra).
+            ``[ray]`` extra; ``{name: ray, address: ..., num_cpus: ...}`` passes
+            ``RayOptions``), or your ``Cluster`` as ``package.module:Name``.
         gpus: GPUs per generator instance; 0 generates on the CPU. More than one: the vLLM
             engine runs that many tensor-parallel ranks (``tensor_parallel_size``).
         sites: the site (datacenter) of each generator instance, in order, e.g. ``[home, cloud,
@@ -251,7 +252,7 @@ class RLConfig:
     group_size: int = 8
     generators: int = 2
     engine: str | dict[str, Any] = "hf"
-    cluster: str = "local"
+    cluster: str | dict[str, Any] = "local"
     gpus: int = 0
     weight_transport: str = "gloo"
     weight_bucket_mb: int = 256

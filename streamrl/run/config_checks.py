@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
+from streamrl.components.generation.clusters import LocalCluster, make_cluster
 from streamrl.components.generation.timeouts import Timeouts
 from streamrl.components.weights.nccl import import_nccl
 from streamrl.components.weights.transport import TRANSPORTS
@@ -129,7 +130,7 @@ def placement_of(config: RunConfig) -> Placement:
         trainer.precision,
         generator_gpus_per_instance=rl.gpus,
         generator_devices=rl.generator_devices,
-        cluster=rl.cluster,
+        local_generators=isinstance(make_cluster(rl.cluster), LocalCluster),
         share_trainer_gpus=rl.share_trainer_gpus,
     )
 

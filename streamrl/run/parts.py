@@ -29,7 +29,8 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from streamrl.algorithms import ALGORITHMS, Algorithm, RunFacts, build_algorithm
 from streamrl.components.capacity.elastic import ElasticController
-from streamrl.components.generation.engines import ENGINES, check_cluster
+from streamrl.components.generation.clusters import make_cluster
+from streamrl.components.generation.engines import ENGINES
 from streamrl.components.run_context import RunContext, build_from_run
 from streamrl.components.skewness.by_name import (
     build_dispatcher,
@@ -147,9 +148,13 @@ def check_parts(rl: RLConfig, placement: Placement | None = None) -> None:
     scheduler_factory(rl.scheduler)
     _length_predictor(rl, run)
     engine = _engine(rl, run)
+    cluster = make_cluster(rl.cluster)
     try:  # a missing extra or absent GPUs fail here, not inside a generator process
-        check_cluster(rl.cluster)
-        engine.check(cluster=rl.cluster, gpus_per_instance=rl.gpus)
+        cluster.check(rl.gpus)
+    except ConfigError as err:
+        raise ConfigError(f"rl.cluster: {err}") from err
+    try:
+        engine.check(cluster=cluster, gpus_per_instance=rl.gpus)
     except ConfigError as err:
         raise ConfigError(f"rl.engine: {err}") from err
 

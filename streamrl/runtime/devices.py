@@ -107,7 +107,7 @@ def resolve_placement(
     *,
     generator_gpus_per_instance: int = 0,
     generator_devices: list[int] | None = None,
-    cluster: str = "local",
+    local_generators: bool = True,
     share_trainer_gpus: bool = False,
 ) -> Placement:
     """Resolve the trainer's and the generators' devices against this machine's GPUs.
@@ -123,8 +123,9 @@ def resolve_placement(
         generator_gpus_per_instance: ``rl.gpus``: GPUs per generator instance (0: the CPU).
         generator_devices: ``rl.generator_devices``: the GPU indices local generator instances
             take; ``None``: every GPU the trainer does not hold.
-        cluster: where generator instances run, ``"local"`` or ``"ray"`` (Ray assigns each
-            actor its GPUs out of ``generator_gpus`` when it starts a local cluster here).
+        local_generators: whether generator instances run on this machine's GPUs (a local
+            cluster); ``False`` on Ray, which assigns each actor its GPUs out of
+            ``generator_gpus`` when it starts a local cluster here.
         share_trainer_gpus: ``rl.share_trainer_gpus``: let the generators use the trainer's
             GPUs too (a one-GPU machine, a check): no overlap is refused, and by default the
             generators take every GPU.
@@ -151,7 +152,7 @@ def resolve_placement(
         count,
         generator_gpus_per_instance,
         generator_devices,
-        cluster,
+        local_generators,
     )
     return Placement(kind, ranks_per_node, num_nodes, trainer_gpus, generator_gpus, precision)
 
@@ -224,12 +225,10 @@ def _generator_gpus(
     count: int,
     gpus_per_instance: int,
     generator_devices: Sequence[int] | None,
-    cluster: str,
+    local_generators: bool,
 ) -> tuple[int, ...]:
     """The GPUs local generator instances take (on Ray: the GPUs of this machine a local Ray
     cluster may hand out); ``()`` on the CPU."""
-    if cluster not in ("local", "ray"):
-        raise ConfigError(f"rl.cluster: {unknown_name('cluster', cluster, ['local', 'ray'])}")
     if gpus_per_instance < 0:
         raise ConfigError(
             f"rl.gpus must be >= 0 (0 generates on the CPU), got {gpus_per_instance}."
@@ -241,7 +240,7 @@ def _generator_gpus(
                 "run on the CPU and would ignore it; set rl.gpus: 1 or drop rl.generator_devices."
             )
         return ()
-    if cluster == "local" and count == 0:
+    if local_generators and count == 0:
         raise ConfigError(
             f"rl.gpus={gpus_per_instance} but this machine has no CUDA GPU "
             "(torch.cuda.is_available() is False); drop --gpus / set rl.gpus: 0 to generate on "
@@ -258,7 +257,7 @@ def _generator_gpus(
             )
         return gpus
     gpus = tuple(g for g in range(count) if g not in trainer_gpus)
-    if not gpus and cluster == "local":
+    if not gpus and local_generators:
         raise ConfigError(
             f"the trainer holds all {count} GPUs of this machine ({list(trainer_gpus)}); leave "
             "some to the generators (trainer.devices) or generate on the CPU (rl.gpus: 0)."

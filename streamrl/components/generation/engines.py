@@ -13,8 +13,7 @@ Yours plugs in the same way: any picklable object with these two methods (import
 child process: defined in a module, not in ``__main__`` of a notebook cell). ``ENGINES`` names the
 built-in ones for YAML (``rl.engine``).
 
-Where instances run stays a name (``check_cluster``): ``"local"``, one process per instance on
-this machine, or ``"ray"``, one Ray actor per instance on a Ray cluster (the ``[ray]`` extra).
+Where instances run is a ``Cluster`` object (``streamrl.components.generation.clusters``).
 
 A choice whose package is missing, or GPUs asked of a machine without any, fails in ``check``
 with the install command or the reason, never with an ImportError deep inside a generator
@@ -25,12 +24,11 @@ from __future__ import annotations
 
 import importlib.util
 import pickle
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from streamrl.errors import ConfigError, unknown_name
-from streamrl.protocols import AdmissionScheduler, EngineSpec, GenerationEngine
+from streamrl.errors import ConfigError
+from streamrl.protocols import AdmissionScheduler, Cluster, EngineSpec, GenerationEngine
 
 if TYPE_CHECKING:
     from streamrl.components.generation.hf_generator import HFStreamGenerator
@@ -46,7 +44,6 @@ VLLM_INSTALL = (
 #: Install command of the ``[peft]`` extra (LoRA adapters).
 PEFT_INSTALL = "pip install 'streamrl[peft]'"
 #: Where instances run, and the install command of each one's extra (None: always installed).
-CLUSTERS = {"local": None, "ray": "pip install 'streamrl[ray]'"}
 
 
 @dataclass(frozen=True)
@@ -70,9 +67,9 @@ class HFEngine:
     lora: LoRASpec | None = None
     dtype: str = "float32"
 
-    def check(self, *, cluster: str, gpus_per_instance: int) -> None:
-        """The GPUs asked for exist; peft is installed if there are adapters."""
-        check_gpus(cluster, gpus_per_instance)
+    def check(self, *, cluster: Cluster, gpus_per_instance: int) -> None:
+        """transformers is recent enough, the dtype known, peft installed if there are
+        adapters."""
         import transformers
 
         if _version(transformers.__version__) < (5, 20):
@@ -133,10 +130,9 @@ class VLLMEngine:
 
     options: dict[str, Any] = field(default_factory=dict)
 
-    def check(self, *, cluster: str, gpus_per_instance: int) -> None:
+    def check(self, *, cluster: Cluster, gpus_per_instance: int) -> None:
         """No option asks for what the weight updates would break (LoRA, prefix caching) or
-        for other tensor-parallel ranks than GPUs per instance; vLLM is installed, the GPUs
-        asked for exist."""
+        for other tensor-parallel ranks than GPUs per instance; vLLM is installed."""
         if self.options.get("enable_lora"):
             raise ConfigError(
                 "VLLMEngine gets no LoRA adapters (updates carry the whole policy); use "
@@ -154,7 +150,6 @@ class VLLMEngine:
             )
         if importlib.util.find_spec("vllm") is None:
             raise ConfigError(f"VLLMEngine needs the 'vllm' package, not installed: {VLLM_INSTALL}")
-        check_gpus(cluster, gpus_per_instance)
 
     def __call__(self, spec: EngineSpec, scheduler: AdmissionScheduler) -> VLLMStreamGenerator:
         from streamrl.components.generation.vllm_generator import VLLMStreamGenerator
@@ -190,93 +185,6 @@ def generator_settings(spec: EngineSpec, scheduler: AdmissionScheduler) -> dict[
 #: Built-in engines by the name a config gives (``rl.engine``); each is a class whose
 #: keyword arguments are its settings.
 ENGINES: dict[str, type] = {"hf": HFEngine, "vllm": VLLMEngine}
-
-
-def check_cluster(cluster: str) -> None:
-    """Raise ``ConfigError`` unless ``cluster`` is known and its package installed."""
-    if cluster not in CLUSTERS:
-        raise ConfigError(f"cluster: {unknown_name('cluster', cluster, CLUSTERS)}")
-    install = CLUSTERS[cluster]
-    if install is not None and importlib.util.find_spec(cluster) is None:
-        raise ConfigError(
-            f"cluster {cluster!r} needs the {cluster!r} package, not installed: {install}"
-        )
-
-
-def check_gpus(cluster: str, gpus_per_instance: int) -> None:
-    """Raise ``ConfigError`` unless the GPUs asked for exist (on this machine; a Ray cluster's
-    are checked when it is joined). For engines' ``check``."""
-    if gpus_per_instance < 0:
-        raise ConfigError(
-            f"gpus must be >= 0 (0 runs generation on the CPU), got {gpus_per_instance}."
-        )
-    if gpus_per_instance > 0 and cluster == "local":
-        import torch
-
-        if not torch.cuda.is_available():
-            raise ConfigError(
-                f"gpus={gpus_per_instance} but this machine has no CUDA GPU "
-                f"(torch {torch.__version__}, torch.cuda.is_available() is False); drop --gpus / "
-                "set rl.gpus: 0 to generate on the CPU, or use a CUDA torch on a GPU machine."
-            )
-
-
-def instance_device(
-    instance_id: int,
-    gpus_per_instance: int,
-    cluster: str,
-    spare_first: bool = False,
-    gpu_ids: Sequence[int] | None = None,
-) -> str:
-    """The torch device an instance's model runs on.
-
-    Local instances take ``gpu_ids`` round-robin
-    (``streamrl.runtime.devices.Placement.generator_gpus``: the trainer's GPUs already left out).
-    Without ``gpu_ids`` they take every GPU of the machine, leaving ``cuda:0`` to the trainer when
-    ``spare_first`` (NCCL refuses two members of a group on one GPU). A Ray actor sees only the
-    GPUs Ray gave it (``CUDA_VISIBLE_DEVICES``), so ``"cuda"`` is its own.
-
-    Raises:
-        ConfigError: ``gpu_ids`` is empty, or ``spare_first`` without ``gpu_ids`` on a machine
-            with fewer than 2 GPUs.
-    """
-    if gpus_per_instance <= 0:
-        return "cpu"
-    if cluster == "ray":
-        return "cuda"
-    if gpu_ids is not None:
-        if not gpu_ids:
-            raise ConfigError("gpu_ids is empty: name the generators' GPUs, or None for all.")
-        return _gpu_set(instance_id, gpus_per_instance, gpu_ids)
-    import torch
-
-    count = max(torch.cuda.device_count(), 1)
-    if not spare_first:
-        return _gpu_set(instance_id, gpus_per_instance, range(count))
-    if count < 2:
-        raise ConfigError(
-            f"weight_transport 'nccl' needs the trainer and each generator on GPUs of their own "
-            f"(NCCL refuses two members on one GPU); this machine has {count}. Use 'gloo' or "
-            "'bucketed' here."
-        )
-    return _gpu_set(instance_id, gpus_per_instance, range(1, count))
-
-
-def _gpu_set(instance_id: int, size: int, gpu_ids: Sequence[int]) -> str:
-    """Instance ``instance_id``'s GPUs: ``gpu_ids`` cut into sets of ``size`` (a
-    tensor-parallel engine's), taken round-robin; ``"cuda:k"``, or ``"cuda:k,l"`` for a set.
-
-    Raises:
-        ConfigError: fewer GPUs than one set.
-    """
-    sets = len(gpu_ids) // size
-    if sets == 0:
-        raise ConfigError(
-            f"rl.gpus={size} GPUs per generator instance, but the generators have "
-            f"{len(gpu_ids)} ({list(gpu_ids)}); lower rl.gpus or free GPUs from the trainer."
-        )
-    first = (instance_id % sets) * size
-    return "cuda:" + ",".join(str(g) for g in gpu_ids[first : first + size])
 
 
 def check_factories(engine: object, scheduler: object) -> None:

@@ -26,23 +26,17 @@ Examples:
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import replace
 from pathlib import Path
 
-from streamrl.components.generation.engines import (
-    HFEngine,
-    check_cluster,
-    check_factories,
-    instance_device,
-)
+from streamrl.components.generation.clusters import make_cluster
+from streamrl.components.generation.engines import HFEngine, check_factories
 from streamrl.components.generation.instance import InstanceHandle, InstanceInfo
 from streamrl.components.generation.partial import PartialRollout, check_partial_rollout
 from streamrl.components.generation.pool import GeneratorError, InstancePool
-from streamrl.components.generation.ray_instance import RayInstanceHandle, RayOptions
+from streamrl.components.generation.ray_instance import RayOptions
 from streamrl.components.skewness.dispatch import RoundRobinDispatcher
 from streamrl.components.skewness.instance_profile import LatencyProfile, mean_curve
 from streamrl.components.skewness.latency import LatencyModel
@@ -51,7 +45,7 @@ from streamrl.components.weights.nccl import DEFAULT_BUCKET_BYTES, import_nccl
 from streamrl.components.weights.sync import AsyncWeightSync, Weights
 from streamrl.components.weights.transport import TRANSPORTS
 from streamrl.errors import ConfigError, unknown_name
-from streamrl.protocols import AdmissionScheduler, Dispatcher, GenerationEngine
+from streamrl.protocols import AdmissionScheduler, Cluster, Dispatcher, GenerationEngine
 from streamrl.records import Request, Sample
 
 __all__ = ["GeneratorError", "StreamGenerationService"]
@@ -88,14 +82,16 @@ class StreamGenerationService:
             reading, is taken as hung: killed and replaced.
         status_path: a JSON file rewritten on every change of the pool (instance id -> pid,
             state, weight version), for operators.
-        cluster: where instances run: ``"local"`` (processes of this machine) or ``"ray"``
-            (Ray actors, the ``[ray]`` extra; see ``ray_instance``).
+        cluster: where instances run: a ``Cluster`` (``LocalCluster()``: processes of this
+            machine; ``RayCluster(RayOptions(...))``: Ray actors, the ``[ray]`` extra; yours),
+            or ``"local"`` / ``"ray"`` (``clusters.make_cluster``).
         gpus_per_instance: GPUs each instance runs on (0: the CPU).
         gpu_ids: the GPUs local instances take, round-robin (``Placement.generator_gpus`` of
             ``streamrl.runtime.devices.resolve_placement``, which leaves out the trainer's);
             ``None``: every GPU of this machine. With ``cluster="ray"`` a local Ray cluster started
             here is given only these GPUs (``RayOptions.gpu_ids``).
-        ray: Ray cluster options (address, local cluster size, temp dir) for ``cluster="ray"``.
+        ray: Ray cluster options (address, local cluster size, temp dir) for ``cluster="ray"``
+            (the same as ``cluster=RayCluster(ray)``).
         weight_transport: ``"gloo"``, ``"bucketed"`` or ``"nccl"`` (GPU to GPU through CuPy):
             how each instance's weight group moves tensors (``WeightGroup``).
         weight_bucket_bytes: the largest bucket a weight version travels in.
@@ -142,7 +138,7 @@ class StreamGenerationService:
         max_restarts: int = 3,
         heartbeat_timeout_s: float = 60.0,
         status_path: str | Path | None = None,
-        cluster: str = "local",
+        cluster: str | Cluster = "local",
         gpus_per_instance: int = 0,
         gpu_ids: Sequence[int] | None = None,
         ray: RayOptions | None = None,
@@ -163,7 +159,8 @@ class StreamGenerationService:
             raise ValueError(f"sites: one site per instance ({num_instances}), got {list(sites)}.")
         engine = engine if engine is not None else HFEngine()
         check_factories(engine, scheduler)
-        check_cluster(cluster)
+        cluster = make_cluster(cluster, ray, where="cluster")
+        cluster.check(gpus_per_instance)
         if weight_transport not in TRANSPORTS:
             raise ConfigError(
                 f"weight_transport: {unknown_name('transport', weight_transport, TRANSPORTS)}"
@@ -193,10 +190,6 @@ class StreamGenerationService:
         self.weight_transport, self.profile_latency = weight_transport, profile_latency
         self.trainer_site = trainer_site
         self._sites = list(sites) if sites is not None else [trainer_site] * num_instances
-        self._ray = replace(ray or RayOptions(), gpus_per_instance=gpus_per_instance)
-        if self.gpu_ids is not None:  # else keep the RayOptions' own (None: all GPUs)
-            self._ray = replace(self._ray, gpu_ids=self.gpu_ids)
-        self._ctx = mp.get_context("spawn")
         self.start_timeout_s, self.sample_timeout_s = start_timeout_s, sample_timeout_s
         dispatcher = dispatcher if dispatcher is not None else RoundRobinDispatcher()
         limits = dispatcher.batch_limits(num_instances) or []
@@ -441,10 +434,9 @@ class StreamGenerationService:
             temperature=self.temperature,
             greedy=self.greedy,
             seed=self.seed + instance_id,
-            device=instance_device(
+            device=self.cluster.device(
                 instance_id,
                 self.gpus_per_instance,
-                self.cluster,
                 spare_first=self.weight_transport == "nccl",
                 gpu_ids=self.gpu_ids,
             ),
@@ -456,6 +448,10 @@ class StreamGenerationService:
             stop_strings=self.stop_strings,
             partial_rollout=self.partial_rollout,
         )
-        if self.cluster == "ray":
-            return RayInstanceHandle.spawn_actor(self._ray, instance_id, what, self.start_timeout_s)
-        return InstanceHandle.spawn(self._ctx, instance_id, what, self.start_timeout_s)
+        return self.cluster.spawn(
+            instance_id,
+            what,
+            gpus_per_instance=self.gpus_per_instance,
+            gpu_ids=self.gpu_ids,
+            start_timeout_s=self.start_timeout_s,
+        )

@@ -201,6 +201,38 @@ class Cluster(Protocol):
         ...
 
 
+class WeightLink(Protocol):
+    """One member's end of a connected weight group (``WeightTransport.connect``)."""
+
+    def broadcast(self, tensor: torch.Tensor) -> None:
+        """Broadcast ``tensor`` in place from rank 0 (send there, receive elsewhere)."""
+        ...
+
+
+@runtime_checkable
+class WeightTransport(Protocol):
+    """How a bucket of weights crosses from the trainer to an instance (or from an instance to
+    the next): ``GlooTransport``, ``NcclTransport`` (``streamrl.components.weights.transport``)
+    or yours. It is pickled to every instance: keep it small, importable by the child.
+
+    Attributes:
+        needs_own_gpu: the trainer and each instance must hold GPUs of their own (NCCL).
+    """
+
+    needs_own_gpu: bool
+
+    def check(self) -> None:
+        """Raise ``ConfigError`` with the fix unless it can run here (a package, a GPU)."""
+        ...
+
+    def connect(
+        self, store: Any, rank: int, world_size: int, *, timeout_s: float, device: str
+    ) -> WeightLink:
+        """Connect this member once every member is at the rendezvous ``store`` (a
+        ``torch.distributed.Store``); ``device`` is where its GPU copies live."""
+        ...
+
+
 @dataclass(frozen=True)
 class EngineSpec:
     """What a ``GenerationEngine`` gets to build one instance, inside that instance's process.

@@ -6,13 +6,21 @@ from __future__ import annotations
 
 import threading
 import time
+from dataclasses import dataclass
 
 import pytest
 import torch
 import torch.distributed as dist
 
 from streamrl.components.weights import transport
-from streamrl.components.weights.transport import WeightGroup, make_store, set_feed
+from streamrl.components.weights.transport import (
+    GlooTransport,
+    WeightGroup,
+    make_store,
+    make_transport,
+    set_feed,
+)
+from streamrl.errors import ConfigError
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -27,6 +35,42 @@ def test_two_members_meet_and_broadcast():
     sent = WeightGroup(store.port, 0, 2, store=store, timeout_s=10).broadcast([torch.arange(5.0)])
     receiver.join(10)
     assert sent == 20 and torch.equal(got, torch.arange(5.0))
+
+
+@dataclass(frozen=True)
+class DoublingTransport(GlooTransport):
+    """A user's transport: gloo, with every received bucket doubled (proof it carried them)."""
+
+    def connect(self, store, rank, world_size, *, timeout_s, device):
+        link = super().connect(store, rank, world_size, timeout_s=timeout_s, device=device)
+
+        class Doubling:
+            def broadcast(self, tensor):
+                link.broadcast(tensor)
+                if rank != 0:
+                    tensor.mul_(2)
+
+        return Doubling()
+
+
+def test_a_users_transport_object_or_name_carries_the_buckets():
+    store = make_store(2, 10)
+    got = torch.zeros(3)
+    by_name = f"{__name__}:DoublingTransport"  # as rl.weight_transport names it
+    receiver = threading.Thread(
+        target=lambda: WeightGroup(store.port, 1, 2, timeout_s=10, transport=by_name).broadcast(
+            [got]
+        )
+    )
+    receiver.start()
+    group = WeightGroup(store.port, 0, 2, store=store, timeout_s=10, transport=DoublingTransport())
+    group.broadcast([torch.arange(3.0)])
+    receiver.join(10)
+    assert torch.equal(got, 2 * torch.arange(3.0))
+    with pytest.raises(ConfigError, match=r"weight_transport: .*not a WeightTransport"):
+        make_transport(object())  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=r"Unknown transport 'ncl'.*did you mean 'nccl'"):
+        make_transport("ncl")
 
 
 def test_the_sender_gives_up_as_soon_as_abandon_gives_a_reason():

@@ -11,8 +11,7 @@ from pathlib import Path
 
 from streamrl.components.generation.clusters import LocalCluster, make_cluster
 from streamrl.components.generation.timeouts import Timeouts
-from streamrl.components.weights.nccl import import_nccl
-from streamrl.components.weights.transport import TRANSPORTS
+from streamrl.components.weights.transport import TRANSPORTS, make_transport
 from streamrl.errors import ConfigError, unknown_name
 from streamrl.run.config import DataConfig, RLConfig, RunConfig
 from streamrl.runtime.devices import Placement, resolve_placement
@@ -217,11 +216,11 @@ def check_rl(rl: RLConfig) -> None:
         rl.heartbeat_timeout_s,
         rl.weight_timeout_s,
     )
-    if rl.weight_transport == "nccl":
-        try:
-            import_nccl()
-        except ConfigError as err:
-            raise ConfigError(f"rl.weight_transport: {err}") from err
+    transport = make_transport(rl.weight_transport, where="rl.weight_transport")
+    try:
+        transport.check()
+    except ConfigError as err:
+        raise ConfigError(f"rl.weight_transport: {err}") from err
     if rl.lora_r > 0:
         from streamrl.policy.lora import LoRASpec
 

@@ -21,6 +21,7 @@ from streamrl.components.generation.instance import InstanceHandle
 from streamrl.components.weights.relay import RelayedGroup
 from streamrl.components.weights.sync import AsyncWeightSync
 from streamrl.components.weights.transport import LazyGroup, WeightGroup, set_feed
+from streamrl.protocols import WeightTransport
 
 __all__ = ["WeightFeeds"]
 
@@ -41,7 +42,7 @@ class WeightFeeds:
         self,
         sync: AsyncWeightSync,
         handles: list[InstanceHandle],
-        transport: str,
+        transport: WeightTransport | str,
         timeout_s: float,
         fanout: int = 1,
     ) -> None:

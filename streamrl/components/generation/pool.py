@@ -27,7 +27,7 @@ from streamrl.components.generation.feeding import WeightFeeds
 from streamrl.components.generation.instance import InstanceHandle, InstanceInfo
 from streamrl.components.weights.nccl import DEFAULT_BUCKET_BYTES
 from streamrl.components.weights.sync import AsyncWeightSync, Weights
-from streamrl.protocols import Dispatcher
+from streamrl.protocols import Dispatcher, WeightTransport
 from streamrl.records import Request, Sample
 
 
@@ -79,7 +79,7 @@ class InstancePool:
         *,
         dispatcher: Dispatcher,
         trainer_site: str = "local",
-        weight_transport: str = "gloo",
+        weight_transport: WeightTransport | str = "gloo",
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         fanout: int = 1,
         weight_timeout_s: float = 300.0,

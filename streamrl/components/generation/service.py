@@ -41,11 +41,17 @@ from streamrl.components.skewness.dispatch import RoundRobinDispatcher
 from streamrl.components.skewness.instance_profile import LatencyProfile, mean_curve
 from streamrl.components.skewness.latency import LatencyModel
 from streamrl.components.skewness.schedulers import FIFOScheduler
-from streamrl.components.weights.nccl import DEFAULT_BUCKET_BYTES, import_nccl
+from streamrl.components.weights.nccl import DEFAULT_BUCKET_BYTES
 from streamrl.components.weights.sync import AsyncWeightSync, Weights
-from streamrl.components.weights.transport import TRANSPORTS
-from streamrl.errors import ConfigError, unknown_name
-from streamrl.protocols import AdmissionScheduler, Cluster, Dispatcher, GenerationEngine
+from streamrl.components.weights.transport import make_transport
+from streamrl.errors import ConfigError
+from streamrl.protocols import (
+    AdmissionScheduler,
+    Cluster,
+    Dispatcher,
+    GenerationEngine,
+    WeightTransport,
+)
 from streamrl.records import Request, Sample
 
 __all__ = ["GeneratorError", "StreamGenerationService"]
@@ -92,8 +98,9 @@ class StreamGenerationService:
             here is given only these GPUs (``RayOptions.gpu_ids``).
         ray: Ray cluster options (address, local cluster size, temp dir) for ``cluster="ray"``
             (the same as ``cluster=RayCluster(ray)``).
-        weight_transport: ``"gloo"``, ``"bucketed"`` or ``"nccl"`` (GPU to GPU through CuPy):
-            how each instance's weight group moves tensors (``WeightGroup``).
+        weight_transport: how each instance's weight group moves tensors (``WeightGroup``):
+            a ``WeightTransport`` (``GlooTransport()``, ``NcclTransport()``: GPU to GPU
+            through CuPy; yours) or its name (``"gloo"``, ``"bucketed"``, ``"nccl"``).
         weight_bucket_bytes: the largest bucket a weight version travels in.
         weight_fanout: instances each instance passes the weights on to (1: a chain).
         weight_timeout_s: the longest one weight transfer may take: past it the instance is
@@ -142,7 +149,7 @@ class StreamGenerationService:
         gpus_per_instance: int = 0,
         gpu_ids: Sequence[int] | None = None,
         ray: RayOptions | None = None,
-        weight_transport: str = "gloo",
+        weight_transport: str | WeightTransport = "gloo",
         weight_bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         weight_fanout: int = 1,
         weight_timeout_s: float = 300.0,
@@ -161,10 +168,7 @@ class StreamGenerationService:
         check_factories(engine, scheduler)
         cluster = make_cluster(cluster, ray, where="cluster")
         cluster.check(gpus_per_instance)
-        if weight_transport not in TRANSPORTS:
-            raise ConfigError(
-                f"weight_transport: {unknown_name('transport', weight_transport, TRANSPORTS)}"
-            )
+        weight_transport = make_transport(weight_transport)
         engine.check(cluster=cluster, gpus_per_instance=gpus_per_instance)
         if gpu_ids is not None and not gpu_ids and gpus_per_instance > 0:
             raise ConfigError(
@@ -176,8 +180,7 @@ class StreamGenerationService:
                 f"temperature must be > 0, got {temperature}; pass greedy=True to take the "
                 "most likely token instead of sampling."
             )
-        if weight_transport == "nccl":
-            import_nccl()  # CuPy and a GPU, or a ConfigError saying how to get them
+        weight_transport.check()  # NCCL: CuPy and a GPU, or a ConfigError saying how to get them
         self.engine, self.scheduler = engine, scheduler
         self.model_dir = str(model_dir)
         self.num_instances = num_instances
@@ -437,7 +440,7 @@ class StreamGenerationService:
             device=self.cluster.device(
                 instance_id,
                 self.gpus_per_instance,
-                spare_first=self.weight_transport == "nccl",
+                spare_first=self.weight_transport.needs_own_gpu,
                 gpu_ids=self.gpu_ids,
             ),
             transport=self.weight_transport,

@@ -48,7 +48,7 @@ from streamrl.components.skewness.schedulers import FIFOScheduler
 from streamrl.components.weights.nccl import DEFAULT_BUCKET_BYTES
 from streamrl.components.weights.relay import WeightRelay, relay_messages
 from streamrl.components.weights.staging import StagedWeights
-from streamrl.protocols import AdmissionScheduler, EngineSpec, GenerationEngine
+from streamrl.protocols import AdmissionScheduler, EngineSpec, GenerationEngine, WeightTransport
 from streamrl.records import Request
 from streamrl.runtime.devices import pin_visible_gpu
 
@@ -83,7 +83,7 @@ class WorkerSpec:
     heartbeat_s: float = 1.0
     store_host: str = "127.0.0.1"  # where the trainer hosts the weight group's store
     device: str = "cpu"  # where the model runs: "cpu", or "cuda" with a GPU of its own
-    transport: str = "gloo"  # how weights arrive: "gloo", "bucketed" or "nccl" (WeightGroup)
+    transport: WeightTransport | str = "gloo"  # how weights arrive (WeightGroup)
     bucket_bytes: int = DEFAULT_BUCKET_BYTES  # the staging's largest bucket (the trainer's)
     profile: LatencyProfile | None = None  # measure PTL(BS) here before saying ready
     stop_token_ids: tuple[int, ...] = ()  # end-of-turn ids a sample also stops on

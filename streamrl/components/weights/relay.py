@@ -25,6 +25,7 @@ import torch
 
 from streamrl.components.weights.staging import StagedWeights
 from streamrl.components.weights.transport import LazyGroup, WeightGroup
+from streamrl.protocols import WeightTransport
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +41,11 @@ class WeightRelay:
     """
 
     def __init__(
-        self, staged: StagedWeights, host: str, timeout_s: float, transport: str = "gloo"
+        self,
+        staged: StagedWeights,
+        host: str,
+        timeout_s: float,
+        transport: WeightTransport | str = "gloo",
     ) -> None:
         self.staged, self.host, self.timeout_s, self.transport = staged, host, timeout_s, transport
         self.members: dict[int, LazyGroup] = {}

@@ -6,6 +6,11 @@ received) and the other ranks receive; every bucket is broadcast from rank 0 (gl
 memory on CPU, NCCL on GPUs). The group is
 a standalone ``ProcessGroupGloo`` rather than the default group, so it never collides with the
 group Lightning creates for a data-parallel trainer.
+
+How a bucket crosses a link is a ``WeightTransport`` object (``streamrl.protocols``):
+``GlooTransport`` (host memory, any device) or ``NcclTransport`` (GPU to GPU through CuPy); a
+config names one in ``rl.weight_transport`` (``gloo``, ``bucketed``, ``nccl``, or
+``package.module:Name``). Transports travel to every instance: keep them small and picklable.
 """
 
 from __future__ import annotations
@@ -13,16 +18,18 @@ from __future__ import annotations
 import datetime
 import time
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
 
-from streamrl.components.weights.nccl import NcclCommunicator
+from streamrl.components.weights.nccl import NcclCommunicator, import_nccl
+from streamrl.protocols import WeightLink, WeightTransport
+from streamrl.runtime.references import checked, resolve
 
 #: How long a rendezvous or a broadcast may wait for its peers before failing.
 DEFAULT_TIMEOUT_S = 120.0
-#: Ways weights travel (see ``WeightGroup``).
-TRANSPORTS = ("gloo", "bucketed", "nccl")
 #: The store key holding an instance's current feed generation, or ``"closed"`` once it left.
 FEED_KEY = "feed"
 #: How often a rendezvous looks for its peers (and for a reason to give up).
@@ -64,6 +71,111 @@ def make_store(world_size: int, timeout_s: float = DEFAULT_TIMEOUT_S) -> dist.TC
     )
 
 
+@dataclass(frozen=True)
+class GlooTransport:
+    """Every bucket over gloo, through host memory: CPU tensors as they are, others by a host
+    round trip. Runs everywhere."""
+
+    needs_own_gpu: ClassVar[bool] = False
+
+    def __str__(self) -> str:
+        return "gloo"
+
+    def check(self) -> None:
+        """Nothing to check: gloo ships with torch."""
+
+    def connect(
+        self, store: dist.Store, rank: int, world_size: int, *, timeout_s: float, device: str
+    ) -> WeightLink:
+        # Every member is here, so the backend's own rendezvous is quick; its timeout only
+        # bounds a peer that died in between (the broadcasts get the full one).
+        connect = datetime.timedelta(seconds=min(timeout_s, CONNECT_TIMEOUT_S))
+        group = dist.ProcessGroupGloo(store, rank, world_size, connect)
+        return _GlooLink(group, rank, datetime.timedelta(seconds=timeout_s))
+
+
+@dataclass(frozen=True)
+class NcclTransport:
+    """Each bucket copied to the member's GPU and broadcast GPU to GPU through CuPy's NCCL, on
+    a CUDA stream of its own, so it never waits for, or holds up, the training stream. The
+    trainer and each instance need GPUs of their own (NCCL refuses two members on one)."""
+
+    needs_own_gpu: ClassVar[bool] = True
+
+    def __str__(self) -> str:
+        return "nccl"
+
+    def check(self) -> None:
+        """CuPy and a GPU are there, or a ``ConfigError`` saying how to get them."""
+        import_nccl()
+
+    def connect(
+        self, store: dist.Store, rank: int, world_size: int, *, timeout_s: float, device: str
+    ) -> WeightLink:
+        on = torch.device(device)
+        return _NcclLink(
+            NcclCommunicator.connect(store, rank, world_size), torch.cuda.Stream(on), on, rank
+        )
+
+
+#: Built-in transports by the name a config gives (``rl.weight_transport``); ``bucketed`` is
+#: gloo's older name (every version travels in buckets either way).
+TRANSPORTS: dict[str, type] = {
+    "gloo": GlooTransport,
+    "bucketed": GlooTransport,
+    "nccl": NcclTransport,
+}
+
+
+def make_transport(
+    value: str | WeightTransport, where: str = "weight_transport"
+) -> WeightTransport:
+    """The transport ``value`` names (a built-in or ``package.module:Name``, built with no
+    argument), or ``value`` itself.
+
+    Raises:
+        ConfigError: an unknown name, or an object without the ``WeightTransport`` methods.
+    """
+    if isinstance(value, str):
+        factory = resolve(value, kind="transport", builtins=TRANSPORTS, where=where)
+        value = factory()
+    return checked(value, WeightTransport, where)
+
+
+class _GlooLink:
+    def __init__(self, group: Any, rank: int, timeout: datetime.timedelta) -> None:
+        self.group, self.rank, self.timeout = group, rank, timeout
+
+    def broadcast(self, tensor: torch.Tensor) -> None:
+        options = dist.BroadcastOptions()
+        options.rootRank = 0
+        options.timeout = self.timeout
+        # gloo needs contiguous CPU tensors; others take a host round trip here.
+        buffer = tensor.detach()
+        on_host = buffer.is_cuda or not buffer.is_contiguous()
+        if on_host:
+            buffer = buffer.cpu().contiguous()
+        self.group.broadcast([buffer], options).wait()
+        if on_host and self.rank != 0:
+            tensor.copy_(buffer)
+
+
+class _NcclLink:
+    def __init__(
+        self, nccl: NcclCommunicator, stream: Any, device: torch.device, rank: int
+    ) -> None:
+        self.nccl, self.stream, self.device, self.rank = nccl, stream, device, rank
+
+    def broadcast(self, tensor: torch.Tensor) -> None:
+        with torch.no_grad(), torch.cuda.stream(self.stream):
+            flat = tensor.detach().reshape(-1)
+            on_device = flat.to(self.device, non_blocking=True).contiguous()
+            self.nccl.broadcast(on_device, root=0)  # on this stream; waits for it
+            if self.rank != 0 and on_device.data_ptr() != flat.data_ptr():
+                flat.copy_(on_device)
+                self.stream.synchronize()
+
+
 class WeightGroup:
     """One member of a weight broadcast group: rank 0 sends, the others receive.
 
@@ -79,10 +191,8 @@ class WeightGroup:
         timeout_s: rendezvous and per-broadcast timeout; a silent peer raises instead of hanging.
         host: the store's address as members reach it (loopback by default; a Ray actor on
             another node needs the trainer node's IP).
-        transport: ``"gloo"`` or ``"bucketed"`` (the same: every version travels in buckets
-            over gloo, through host memory) or ``"nccl"`` (each bucket copied to the GPU and
-            broadcast GPU to GPU through CuPy, on a CUDA stream of its own, so it never waits
-            for, or holds up, the training stream).
+        transport: how a bucket crosses (``GlooTransport``, ``NcclTransport``, yours), or
+            its name (``"gloo"``, ``"bucketed"``, ``"nccl"``).
         device: where a member's NCCL copy of a bucket lives (its GPU).
         abandon: asked while the members gather, returns why to give up now (a peer process
             gone) or ``None``. A member also gives up once the store says its feed moved on
@@ -99,7 +209,7 @@ class WeightGroup:
         store: dist.Store | None = None,
         timeout_s: float = DEFAULT_TIMEOUT_S,
         host: str = "127.0.0.1",
-        transport: str = "gloo",
+        transport: str | WeightTransport = "gloo",
         device: str = "cuda",
         generation: int = 1,
         abandon: Abandon | None = None,
@@ -107,26 +217,17 @@ class WeightGroup:
         timeout = datetime.timedelta(seconds=timeout_s)
         if store is None:
             store = dist.TCPStore(host, port, world_size, False, timeout=timeout)
-        if transport not in TRANSPORTS:
-            raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}.")
-        self.rank, self.world_size, self.transport = rank, world_size, transport
-        self.device = torch.device(device)
+        self.rank, self.world_size = rank, world_size
+        self.transport = make_transport(transport)
         prefix = dist.PrefixStore(f"weights-{generation}", store)
 
         def give_up() -> str | None:
             return superseded(store, generation) or (abandon() if abandon is not None else None)
 
         _gather(prefix, rank, world_size, generation, timeout_s, give_up)
-        self._stream = None
-        self._op_timeout = timeout
-        if transport == "nccl":
-            self._nccl = NcclCommunicator.connect(prefix, rank, world_size)
-            self._stream = torch.cuda.Stream(self.device)
-        else:
-            # Every member is here, so the backend's own rendezvous is quick; its timeout only
-            # bounds a peer that died in between (the broadcasts get the full one).
-            connect = datetime.timedelta(seconds=min(timeout_s, CONNECT_TIMEOUT_S))
-            self._group = dist.ProcessGroupGloo(prefix, rank, world_size, connect)
+        self._link = self.transport.connect(
+            prefix, rank, world_size, timeout_s=timeout_s, device=device
+        )
 
     def broadcast(self, tensors: Iterable[torch.Tensor]) -> int:
         """Broadcast ``tensors`` in place from rank 0 (send there, receive elsewhere), one
@@ -137,34 +238,9 @@ class WeightGroup:
         """
         moved = 0
         for tensor in tensors:
-            if self._stream is not None:
-                self._broadcast_nccl(tensor)
-            else:
-                self._broadcast_gloo(tensor)
+            self._link.broadcast(tensor)
             moved += tensor.numel() * tensor.element_size()
         return moved
-
-    def _broadcast_gloo(self, tensor: torch.Tensor) -> None:
-        options = dist.BroadcastOptions()
-        options.rootRank = 0
-        options.timeout = self._op_timeout
-        # gloo needs contiguous CPU tensors; others take a host round trip here.
-        buffer = tensor.detach()
-        on_host = buffer.is_cuda or not buffer.is_contiguous()
-        if on_host:
-            buffer = buffer.cpu().contiguous()
-        self._group.broadcast([buffer], options).wait()
-        if on_host and self.rank != 0:
-            tensor.copy_(buffer)
-
-    def _broadcast_nccl(self, tensor: torch.Tensor) -> None:
-        with torch.no_grad(), torch.cuda.stream(self._stream):
-            flat = tensor.detach().reshape(-1)
-            on_device = flat.to(self.device, non_blocking=True).contiguous()
-            self._nccl.broadcast(on_device, root=0)  # on this stream; waits for it
-            if self.rank != 0 and on_device.data_ptr() != flat.data_ptr():
-                flat.copy_(on_device)
-                self._stream.synchronize()
 
 
 def _gather(

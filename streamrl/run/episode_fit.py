@@ -149,7 +149,7 @@ def episode_policy(config: RunConfig, task: EpisodeTask, show_progress: bool) ->
         "demonstrations code": code_digest(demonstrate),
     }
 
-    def train(progress_file: Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, list]:
+    def train(options: dict) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, list]:
         # The vocabulary is learned from rendered demonstrations: what the policy reads, writes.
         tokenizer = episode_tokenizer(task.train, task.make_env, demonstrate)
         model = build_tiny_model(tokenizer, size=sft.model_size, max_positions=TINY_CONTEXT)
@@ -159,14 +159,9 @@ def episode_policy(config: RunConfig, task: EpisodeTask, show_progress: bool) ->
             demonstrate=demonstrate,
             tokenizer=tokenizer,
             model=model,
-            steps=sft.steps,
-            lr=sft.lr,
-            tokens_per_batch=sft.tokens_per_batch,
-            seed=config.seed,
-            show_progress=show_progress,
-            progress_file=progress_file,
+            **options,
         )
         return model, tokenizer, losses
 
     recipe = {"recipe": EPISODE_RECIPE_VERSION, "env": asdict(config.env)}
-    return cached_warm_start(config, "sft-episodes", recipe, parts, train)
+    return cached_warm_start(config, "sft-episodes", recipe, parts, train, show_progress)

@@ -201,27 +201,22 @@ def warm_start_on_data(config: RunConfig, run: PreparedRun, *, show_progress: bo
         "training rows": rows_digest(run.train),
     }
 
-    def train(progress_file: Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, list]:
+    def train(options: dict) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, list]:
         tokenizer = run.tokenizer
         model = build_tiny_model(tokenizer, size=sft.model_size, max_positions=TINY_CONTEXT)
         losses = sft_on_rows(
             corrupt(demos, sft.demo_noise, seed=config.seed),
             tokenizer=tokenizer,
             model=model,
-            steps=sft.steps,
-            lr=sft.lr,
-            tokens_per_batch=sft.tokens_per_batch,
-            seed=config.seed,
             render=lambda tok, prompt: render_prompt(
                 tok, prompt, system_prompt=data.system_prompt, chat=data.chat_template
             ),
-            show_progress=show_progress,
-            progress_file=progress_file,
+            **options,
         )
         return model, tokenizer, losses
 
     recipe = {"recipe": DATA_RECIPE_VERSION, "data": asdict(data)}
-    return cached_warm_start(config, "sft-data", recipe, parts, train)
+    return cached_warm_start(config, "sft-data", recipe, parts, train, show_progress)
 
 
 def cached_warm_start(
@@ -229,12 +224,15 @@ def cached_warm_start(
     name: str,
     recipe: dict,
     parts: dict[str, str],
-    train: Callable[[Path], tuple[PreTrainedModel, PreTrainedTokenizerBase, list]],
+    train: Callable[[dict], tuple[PreTrainedModel, PreTrainedTokenizerBase, list]],
+    show_progress: bool = True,
 ) -> Path:
-    """The tiny policy warm-started by ``train(progress_file) -> (model, tokenizer, losses)``,
-    cached under ``<cache>/<name>-<size>-<hash>``: the hash of ``recipe``, the ``sft``
-    settings, the seed and ``parts`` (digests of the rows and code it learns from, named when
-    the cache is reused). Every warm start of the tiny policy (your rows, episodes) goes here.
+    """The tiny policy warm-started by ``train(options) -> (model, tokenizer, losses)``, cached
+    under ``<cache>/<name>-<size>-<hash>``: the hash of ``recipe``, the ``sft`` settings, the
+    seed and ``parts`` (digests of the rows and code it learns from, named when the cache is
+    reused). Every warm start of the tiny policy (your rows, episodes) goes here; ``options``
+    are the SFT loop's keyword arguments every warm start shares (steps, lr, token budget,
+    seed, progress bar and file).
     """
     sft = config.sft
     recipe = {**recipe, "sft": settings(sft), "seed": config.seed, **parts}
@@ -243,7 +241,16 @@ def cached_warm_start(
         announce_reuse(target, parts)
         return target
     started = time.perf_counter()
-    model, tokenizer, losses = train(progress_path(target))
+    model, tokenizer, losses = train(
+        dict(
+            steps=sft.steps,
+            lr=sft.lr,
+            tokens_per_batch=sft.tokens_per_batch,
+            seed=config.seed,
+            show_progress=show_progress,
+            progress_file=progress_path(target),
+        )
+    )
     meta = {"recipe": recipe, "losses": losses, "train_s": time.perf_counter() - started}
     return save_cached_policy(model, tokenizer, target, meta)
 

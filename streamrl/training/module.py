@@ -72,7 +72,8 @@ class StreamRLModule(L.LightningModule):
         algorithm: scoring and loss hooks (e.g. ``GRPO``).
         rollouts: the iteration-by-iteration stream of scored groups (``None`` only on the
             FSDP trainer ranks that receive their share from rank 0, see
-        ``streamrl.training.fsdp``). iterations: optimizer steps to run.
+            ``streamrl.training.fsdp``).
+        iterations: optimizer steps to run.
         lr: AdamW learning rate.
         max_grad_norm: gradient clipping.
         reference: the frozen reference policy of a KL penalty (``streamrl.components.

@@ -32,11 +32,10 @@ if __name__ == "__main__":  # the generator instances are spawned processes
             service,
             sr.PromptSource(train, batch_size=16),
             tokenizer,
-            algorithm,
-            reward=sr.exact_match,  # unused: each episode's reward is its environment's
+            algorithm,  # no reward: each episode's reward is its environment's
             max_tokens=turns["max_tokens"],
             context=turns["context"],
-            episodes=runner,
+            sampler=runner,
         )
         module = sr.build_module(
             policy, algorithm, rollouts, iterations=args.iterations, mode="async"

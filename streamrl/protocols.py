@@ -10,7 +10,10 @@ where it is called, so a reader can follow one sample from prompt to gradient:
 4. an ``AdmissionScheduler`` picks the request for a freed batch slot inside an instance (LPT);
 5. a ``GenerationEngine`` builds each instance's ``StreamGenerator`` in its own process (§3);
 6. the ``Algorithm`` turns rewards into advantages and micro-batches into a loss;
-7. an ``Environment`` answers each turn of a multi-turn episode (``streamrl.envs``).
+7. an ``Environment`` answers each turn of a multi-turn episode (``streamrl.envs``);
+8. a ``Sampler`` turns a prompt's row into its group's requests and streams the finished
+   samples back to ``RolloutStream``: the generation service (one completion per sample) or the
+   ``EpisodeRunner`` (one multi-turn episode per sample).
 
 In YAML each of them is a short name for a built-in or ``package.module:Name`` for your own
 (``streamrl.runtime.references``), checked before any work starts.
@@ -18,7 +21,7 @@ In YAML each of them is a short name for a built-in or ``package.module:Name`` f
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -305,4 +308,86 @@ class Environment(Protocol):
 
     def close(self) -> None:
         """Free what the episode held (called once, also after a failure)."""
+        ...
+
+
+@dataclass(frozen=True)
+class GroupStart:
+    """One prompt's group, as ``RolloutStream`` asks a ``Sampler`` to start it.
+
+    Attributes:
+        row: the prompt's dataset row (its ``prompt_id``, and whatever else the task reads).
+        size: samples in the group (the algorithm's ``group_size``).
+        iteration: the iteration the group trains in.
+        min_weight_version: instances admit its requests once they hold this version or newer.
+        max_tokens: the generation budget of one sample (the room left in ``context`` caps it).
+        context: the policy's context length.
+        prompt_ids: renders the row's prompt as the stream does (its tokenizer, chat template
+            and system prompt); a sampler whose prompts come from elsewhere (an environment's
+            ``reset``) never calls it.
+        forced_length: if given, the group's samples ignore EOS and generate exactly this many
+            tokens (the room left in the context allowing; benchmarks, §7).
+    """
+
+    row: Mapping[str, Any]
+    size: int
+    iteration: int
+    min_weight_version: int
+    max_tokens: int
+    context: int
+    prompt_ids: Callable[[], list[int]]
+    forced_length: int | None = None
+
+
+@runtime_checkable
+class Sampler(Protocol):
+    """Where ``RolloutStream``'s samples come from: the ``StreamGenerationService`` (a sample is
+    one completion of the row's prompt) or the ``EpisodeRunner`` (a sample is one multi-turn
+    episode of the row's environment, on the service).
+
+    The stream calls ``start_group`` for each prompt of an iteration, sends what it returns with
+    ``submit``, and takes the finished samples, in completion order, from ``next_sample``. A
+    sample whose key it did not request is an error. What a sampler must say of its samples:
+
+    - ``scores_samples``: whether they come scored (``Sample.reward`` set, an episode by its
+      environment); the stream then sends none to its reward, and needs none;
+    - ``left_out(sample)``: whether a finished sample stays out of the loss (an episode the
+      environment cut): its group is scored over the others, and it is counted as the
+      environment's fault, not lost.
+    """
+
+    @property
+    def dispatcher(self) -> Dispatcher:
+        """The dispatcher placing the requests (the ranker's refresh feeds it lengths)."""
+        ...
+
+    @property
+    def scores_samples(self) -> bool:
+        """Whether finished samples carry their reward (no reward function needed)."""
+        ...
+
+    def start_group(self, group: GroupStart) -> list[Request]:
+        """The requests of one prompt's group, one per sample (keys ``(prompt_id, index,
+        iteration)``, index ``0..size-1``); nothing is sent yet.
+
+        Raises:
+            ValueError: the prompt leaves no room in the context (or ``EnvError``: the
+                environment failed to start an episode).
+        """
+        ...
+
+    def submit(self, requests: Sequence[Request], scores: Sequence[float] | None = None) -> None:
+        """Send requests ``start_group`` made (``scores``: predicted lengths, for dispatch)."""
+        ...
+
+    def next_sample(self) -> Sample:
+        """The next finished sample, in completion order (blocks; raises past its timeout)."""
+        ...
+
+    def left_out(self, sample: Sample) -> bool:
+        """Whether ``sample`` stays out of the loss (the environment's fault)."""
+        ...
+
+    def close(self) -> None:
+        """Stop: drop what is still open (a run that stops mid-iteration). Safe to call twice."""
         ...

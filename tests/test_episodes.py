@@ -22,6 +22,7 @@ from streamrl.errors import EnvError
 from streamrl.policy.chat import stop_token_ids
 from streamrl.policy.logprobs import completion_logprobs
 from streamrl.policy.models import build_bpe_tokenizer, build_tiny_model, load_policy, save_policy
+from streamrl.protocols import Sampler
 from streamrl.records import Step
 
 torch.set_num_threads(1)
@@ -278,14 +279,14 @@ def test_the_ranker_learns_episode_cost_and_groups_are_episodes(policy_dir):
             sgs,
             PromptSource(rows, 4),
             tok,
-            GRPO(group_size=2),
-            reward=lambda completion, row: 99.0,  # never used: the environment rewards
+            GRPO(group_size=2),  # no reward: the environment rewards each episode
             max_tokens=8,
             context=CONTEXT,
             ranker=recorder,
             ranker_refresh_every=1,
-            episodes=runner,
+            sampler=runner,
         )
+        assert isinstance(sgs, Sampler) and isinstance(runner, Sampler)
         groups = list(stream.iteration())
         stream.dispatch()  # the refresh runs with the next dispatch
         list(stream.groups(1))
@@ -297,6 +298,19 @@ def test_the_ranker_learns_episode_cost_and_groups_are_episodes(policy_dir):
     lengths = sorted(s.length for g in groups for s in g.samples)
     assert sorted(n for _, n in recorder.taught[: len(lengths)]) == lengths
     assert max(lengths) > 2 * 8  # a 3-turn episode's cost: its turns and observations
+
+
+def test_a_sampler_that_does_not_score_needs_a_reward(policy_dir):
+    """The service's completions come unscored: a stream on it without a reward is refused at
+    construction, saying what to pass."""
+    from streamrl.algorithms.grpo import GRPO
+    from streamrl.training.prompts import PromptSource
+    from streamrl.training.rollout import RolloutStream
+
+    sgs = StreamGenerationService(policy_dir, 1)  # not started: nothing runs
+    rows = [{"prompt_id": "q0", "prompt": "hi"}]
+    with pytest.raises(ValueError, match="does not score its samples; pass reward="):
+        RolloutStream(sgs, PromptSource(rows, 1), None, GRPO(group_size=2), max_tokens=4, context=8)
 
 
 def test_a_runner_waits_no_longer_than_the_services_timeout(policy_dir):
@@ -415,10 +429,10 @@ def test_episodes_the_environment_cut_are_left_out_of_their_groups(policy_dir, o
             Listed(rows, 4),
             tok,
             GRPO(group_size=3),
-            reward=lambda c, r: 99.0,
+            reward=lambda c, r: 99.0,  # never used: the environment rewards
             max_tokens=4,
             context=CONTEXT,
-            episodes=runner,
+            episodes=runner,  # the older name of sampler=
         )
         groups = {g.prompt_id: g for g in stream.iteration()}
     timeouts = runner.counts["episodes_env_timeout"]

@@ -310,3 +310,37 @@ def test_a_torchrun_job_stopped_by_sigterm_saves_on_both_ranks_and_resumes(tmp_p
     after = dict(load_policy(resumed["policy_dir"])[0].named_parameters())
     uninterrupted = dict(load_policy(runs["torchrun"]["policy_dir"])[0].named_parameters())
     assert not [n for n in after if not torch.equal(after[n], uninterrupted[n])]
+
+
+def test_an_episode_run_trains_on_two_ranks(tmp_path):
+    """Multi-turn episodes (the calculator tool) on two FSDP2 ranks: the same job body as a
+    single-turn run; rank 0's ``EpisodeRunner`` streams the episodes, each micro-batch (loss
+    masks over the environment's tokens included) is dealt to both ranks, and every episode is
+    trained once, none lost."""
+    config = tmp_path / "episodes.yaml"
+    config.write_text(
+        f"output_dir: {tmp_path / 'out'}\n"
+        "env: {name: calculator, max_turns: 2, n_train: 16, n_heldout: 4}\n"
+        "sft: {model_size: test, steps: 10, tokens_per_batch: 1024}\n"
+        "rl: {iterations: 2, prompts_per_iteration: 2, group_size: 2, generators: 1,"
+        " max_tokens: 16, max_batch_size: 8, max_tokens_per_micro_batch: 64, save_rollouts: true}\n"
+        "trainer: {devices: 2}\n"
+    )
+    command = [sys.executable, "-m", "streamrl.cli.main", "fit", "--config", str(config)]
+    result = subprocess.run(
+        [*command, "--no-progress"], capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads(result.stdout.strip().splitlines()[-1])
+    assert (
+        summary["trainer"]["ranks"] == 2
+        and len(summary["trainer"]["peak_memory_bytes_per_rank"]) == 2
+    )
+    assert summary["samples_trained"] == summary["samples_generated"] == 2 * 2 * 2
+    assert summary["samples_lost"] == 0 and summary["episode_counts"]["episodes_finished"] == 8
+    # Rank 0 writes every rank's share of the trained episodes, each once.
+    files = sorted(Path(summary["output_dir"], "rollouts").glob("iteration-*.parquet"))
+    rows = [row for f in files for row in pq.read_table(f).to_pylist()]
+    keys = {(r["iteration"], r["prompt_id"], r["sample_index"]) for r in rows}
+    assert len(rows) == len(keys) == 8
+    assert all(torch.isfinite(torch.tensor(_per_iteration(summary, "train/loss"))))

@@ -47,7 +47,7 @@ from streamrl.envs.episode import Episode, TurnFormat
 from streamrl.envs.tools import run_with_timeout
 from streamrl.errors import EnvError
 from streamrl.policy.chat import completion_text, render_prompt
-from streamrl.protocols import Dispatcher, Environment
+from streamrl.protocols import Dispatcher, Environment, GroupStart
 from streamrl.records import Request, Sample, Step
 
 #: How long the runner waits on the instances at a time while environment steps are running.
@@ -61,8 +61,9 @@ OnFault = Literal["drop", "train"]
 class EpisodeRunner:
     """Runs episodes of ``make_env`` environments on ``service`` (module docstring).
 
-    It has the service's ``submit`` / ``next_sample`` / ``dispatcher``, so a ``RolloutStream``
-    takes it in the service's place (``RolloutStream(..., episodes=runner)``).
+    It is a ``Sampler`` (``streamrl.protocols``), as the service is, so a ``RolloutStream`` takes
+    it in the service's place (``RolloutStream(..., sampler=runner)``): each sample is an
+    episode, rewarded by its environment.
 
     Args:
         service: a started ``StreamGenerationService``.
@@ -119,10 +120,21 @@ class EpisodeRunner:
         self._stepped: queue.Queue = queue.Queue()  # (key, Step | BaseException) from threads
         self._finished: deque[Sample] = deque()
 
-    # -- what RolloutStream calls ----------------------------------------------------------
+    # -- what RolloutStream calls (streamrl.protocols.Sampler) -----------------------------
+    #: An episode comes scored by its environment (the stream's reward is not used).
+    scores_samples = True
+
     @property
     def dispatcher(self) -> Dispatcher:
         return self.service.dispatcher
+
+    def start_group(self, group: GroupStart) -> list[Request]:
+        """Start ``group.size`` episodes of the row (``start``): their first turns' requests,
+        each prompted by its environment's ``reset`` (the stream's rendering is not used)."""
+        return [
+            self.start(group.row, index, group.iteration, group.min_weight_version)
+            for index in range(group.size)
+        ]
 
     def start(
         self,

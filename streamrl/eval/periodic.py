@@ -2,11 +2,11 @@
 
 ``PeriodicEval`` is a Lightning ``Callback``: every ``every`` RL iterations it calls its
 evaluator (``policy -> EvalResult``: ``streamrl.eval.heldout.evaluate`` on the held-out rows with
-the run's reward, e.g. ``streamrl.run.jobs.heldout_evaluator``) on the module's ``policy`` (in eval
-mode, then back in train mode), logs ``eval/reward``, ``eval/pass@1``, ``eval/pass@k`` and the
-per-data-source ``eval/reward/<task>`` to the trainer's loggers at step = iteration, keeps every
-result in ``history``, and at the end of training draws ``eval.png`` (reward and pass@1 against
-the iteration, one line per data source).
+the run's reward, e.g. ``streamrl.run.prompt_job.heldout_evaluator``) on the module's ``policy``
+(in eval mode, then back in train mode), logs ``eval/reward``, ``eval/pass@1``, ``eval/pass@k``
+and the per-data-source ``eval/reward/<task>`` to the trainer's loggers at step = iteration,
+keeps every result in ``history``, and at the end of training draws ``eval.png`` (reward and
+pass@1 against the iteration, one line per data source).
 
 Examples:
     >>> # evaluator = functools.partial(evaluate, tokenizer=tok, dataset=heldout, score=score)

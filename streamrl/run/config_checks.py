@@ -242,7 +242,7 @@ def check_rl(rl: RLConfig) -> None:
             f"rl.iterations must be >= 1 (one optimizer step each), got {rl.iterations}; set "
             "rl.iterations: 1 or more (the summary's heldout_*_before is the starting policy's "
             "evaluation; to only warm-start and evaluate, call streamrl.run.prepare.ensure_policy "
-            "and streamrl.run.jobs.heldout_evaluator)."
+            "and streamrl.run.prompt_job.heldout_evaluator)."
         )
     if rl.group_size < 1:
         raise ConfigError(f"rl.group_size must be >= 1, got {rl.group_size}.")

@@ -11,11 +11,12 @@ import json
 import random
 import string
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import datasets
-from transformers import PreTrainedTokenizerBase
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from streamrl.errors import ConfigError
 from streamrl.policy.chat import render_prompt
@@ -199,34 +200,56 @@ def warm_start_on_data(config: RunConfig, run: PreparedRun, *, show_progress: bo
         "demonstrations": rows_digest(demos),
         "training rows": rows_digest(run.train),
     }
-    recipe = {
-        "recipe": DATA_RECIPE_VERSION,
-        "sft": settings(sft),
-        "data": asdict(data),
-        "seed": config.seed,
-        **parts,
-    }
-    target = recipe_dir(config, f"sft-data-{sft.model_size}", recipe)
+
+    def train(options: dict) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, list]:
+        tokenizer = run.tokenizer
+        model = build_tiny_model(tokenizer, size=sft.model_size, max_positions=TINY_CONTEXT)
+        losses = sft_on_rows(
+            corrupt(demos, sft.demo_noise, seed=config.seed),
+            tokenizer=tokenizer,
+            model=model,
+            render=lambda tok, prompt: render_prompt(
+                tok, prompt, system_prompt=data.system_prompt, chat=data.chat_template
+            ),
+            **options,
+        )
+        return model, tokenizer, losses
+
+    recipe = {"recipe": DATA_RECIPE_VERSION, "data": asdict(data)}
+    return cached_warm_start(config, "sft-data", recipe, parts, train, show_progress)
+
+
+def cached_warm_start(
+    config: RunConfig,
+    name: str,
+    recipe: dict,
+    parts: dict[str, str],
+    train: Callable[[dict], tuple[PreTrainedModel, PreTrainedTokenizerBase, list]],
+    show_progress: bool = True,
+) -> Path:
+    """The tiny policy warm-started by ``train(options) -> (model, tokenizer, losses)``, cached
+    under ``<cache>/<name>-<size>-<hash>``: the hash of ``recipe``, the ``sft`` settings, the
+    seed and ``parts`` (digests of the rows and code it learns from, named when the cache is
+    reused). Every warm start of the tiny policy (your rows, episodes) goes here; ``options``
+    are the SFT loop's keyword arguments every warm start shares (steps, lr, token budget,
+    seed, progress bar and file).
+    """
+    sft = config.sft
+    recipe = {**recipe, "sft": settings(sft), "seed": config.seed, **parts}
+    target = recipe_dir(config, f"{name}-{sft.model_size}", recipe)
     if sft.cache and (target / "sft_meta.json").is_file():
         announce_reuse(target, parts)
         return target
-    tokenizer = run.tokenizer
-    model = build_tiny_model(tokenizer, size=sft.model_size, max_positions=TINY_CONTEXT)
-    demos = corrupt(demos, sft.demo_noise, seed=config.seed)
     started = time.perf_counter()
-    losses = sft_on_rows(
-        demos,
-        tokenizer=tokenizer,
-        model=model,
-        steps=sft.steps,
-        lr=sft.lr,
-        tokens_per_batch=sft.tokens_per_batch,
-        seed=config.seed,
-        render=lambda tok, prompt: render_prompt(
-            tok, prompt, system_prompt=data.system_prompt, chat=data.chat_template
-        ),
-        show_progress=show_progress,
-        progress_file=progress_path(target),
+    model, tokenizer, losses = train(
+        dict(
+            steps=sft.steps,
+            lr=sft.lr,
+            tokens_per_batch=sft.tokens_per_batch,
+            seed=config.seed,
+            show_progress=show_progress,
+            progress_file=progress_path(target),
+        )
     )
     meta = {"recipe": recipe, "losses": losses, "train_s": time.perf_counter() - started}
     return save_cached_policy(model, tokenizer, target, meta)

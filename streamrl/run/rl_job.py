@@ -1,8 +1,8 @@
 """The RL part of a run: the generation service, the sample (or episode) stream and Lightning's
 trainer, and what a run reports of them (its RL figures, its ledger, its ``summary.json``).
 
-``streamrl.run.jobs.run_fit`` and ``streamrl.run.episode_fit.run_episode_fit`` both train through
-``train_rl``: config -> component objects -> the public builders.
+``streamrl.run.jobs.run_fit`` trains single-turn and episode runs alike through ``train_rl``:
+config -> component objects -> the public builders; only the sampler differs.
 """
 
 from __future__ import annotations
@@ -25,12 +25,11 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from streamrl.components.generation.service import StreamGenerationService
 from streamrl.components.generation.timeouts import Timeouts
 from streamrl.components.skewness.instance_profile import LatencyProfile
-from streamrl.envs.runner import EpisodeRunner
 from streamrl.eval.periodic import PeriodicEval, plot_eval
 from streamrl.policy.chat import stop_token_ids
 from streamrl.policy.models import load_policy
 from streamrl.policy.sft import default_cache_dir
-from streamrl.rewards.pool import RewardPool
+from streamrl.protocols import Sampler
 from streamrl.run.config import RunConfig
 from streamrl.run.parts import RunParts, reward_pool
 from streamrl.run.trainer_ranks import RankSetup, pin_threads, trainer_ranks
@@ -99,15 +98,17 @@ def train_rl(
     resume: str | None = None,
     job: ClusterEnvironment | None = None,
     callbacks: Sequence[L.Callback] = (),
-    episodes: Callable[[StreamGenerationService], EpisodeRunner] | None = None,
+    sampler: Callable[[StreamGenerationService], Sampler] | None = None,
 ) -> tuple[StreamRLModule, PreTrainedModel]:
     """Config -> component objects -> the public builders: start the generation service and
     let a Lightning ``Trainer`` run the RL iterations (from the checkpoint ``resume``, if given:
-    weights, optimizer, stream position, in-flight prompts, component states). ``episodes``
-    makes the episode runner of a multi-turn run on the started service (its environments
-    reward the samples); ``callbacks`` go to rank 0's trainer (a ``streamrl.training.rollout_files.
-    RolloutRecorder`` hands your function each iteration's trained samples; ``rl.save_rollouts``
-    adds one writing Parquet files). Returns the module and the trained policy (unsharded)."""
+    weights, optimizer, stream position, in-flight prompts, component states).
+
+    ``sampler`` makes the stream's sampler on the started service (a multi-turn run's
+    ``EpisodeRunner``, whose environments reward the samples; ``None``: the service samples);
+    ``callbacks`` go to rank 0's trainer (a ``streamrl.training.rollout_files.RolloutRecorder``
+    hands your function each iteration's trained samples; ``rl.save_rollouts`` adds one writing
+    Parquet files). Returns the module and the trained policy (unsharded)."""
     rl = config.rl
     policy, tokenizer = policy_and_tokenizer
     parts = RunParts.from_config(config, policy, tokenizer)
@@ -154,12 +155,14 @@ def train_rl(
         stop_strings=config.data.stop_strings,
         partial_rollout=rl.partial_rollout,
     )
-    rewards_in = (
-        RewardPool(parts.rewards, workers=0)
-        if episodes
-        else reward_pool(rl, parts.rewards, Path(config.output_dir) / "reward_workers.json")
-    )
-    with service, rewards_in as rewards:
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(service)
+        samples: Sampler = sampler(service) if sampler is not None else service
+        stack.callback(samples.close)  # open episodes (an iteration dispatched ahead) close
+        rewards = None  # a sampler that scores its samples (episodes) needs no reward
+        if not samples.scores_samples:
+            status = Path(config.output_dir) / "reward_workers.json"
+            rewards = stack.enter_context(reward_pool(rl, parts.rewards, status))
         if parts.latency is not None:  # the instances' own PTL(BS), before any dispatch
             parts.latency.update_from(service.measured_latency())
         rollouts = RolloutStream(
@@ -175,7 +178,7 @@ def train_rl(
             context=context,
             ranker=parts.length_predictor,
             ranker_refresh_every=rl.ranker_refresh_every,
-            episodes=episodes(service) if episodes else None,
+            sampler=samples,
         )
         module = setup.module(policy, rollouts, elastic=parts.elastic)
         if rl.save_rollouts:  # after the optimizer step, on a background thread
@@ -200,9 +203,7 @@ def train_rl(
         else:
             try:
                 make_trainer().fit(module, ckpt_path=resume)
-            finally:  # episodes still open (an iteration dispatched ahead) close their envs
-                if rollouts.episodes is not None:
-                    rollouts.episodes.close()
+            finally:
                 if setup.placement.sharded and dist.is_initialized():  # one FSDP2 rank
                     dist.destroy_process_group()  # a later run in this process starts afresh
         if setup.placement.sharded:
@@ -270,23 +271,12 @@ def ledger(module: StreamRLModule) -> dict:
     requested = rollouts.prompts_dispatched * rollouts.algorithm.group_size
     filtered = module.pipeline.dropped_stale + rollouts.samples_filtered
     env_fault = rollouts.samples_env_fault  # episodes the environment cut, left out of the loss
-    episodes = {}  # a multi-turn run: samples are episodes, each of several requests (turns)
-    if rollouts.episodes is not None:
-        counts = rollouts.episodes.counts
-        episodes = {
-            "turns": counts["turns"],
-            "episode_counts": dict(counts),
-            "samples_env_fault": env_fault,
-        }
     return {
         "prompts_dispatched": rollouts.prompts_dispatched,
         "samples_requested": requested,
-        "samples_generated": (
-            rollouts.episodes.counts["episodes_finished"]
-            if rollouts.episodes is not None
-            else service.counts["samples_returned"]
-        ),
-        **episodes,
+        # one request per sample; an episode run counts its episodes (EpisodeJob.run_summary)
+        "samples_generated": service.counts["samples_returned"],
+        "samples_env_fault": env_fault,
         "samples_trained": module.samples_trained,
         "samples_filtered": filtered,
         "samples_requeued": service.counts["requests_requeued"],

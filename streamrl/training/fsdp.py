@@ -218,10 +218,12 @@ class ShardedStreamRLModule(StreamRLModule):
         round (``DynamicBatchPipeline.rounds``: each under the token ceiling, balanced)."""
         if self.rollouts is None:  # a rank > 0: train on what rank 0 sends, until it says done
             train_s = 0.0
-            while (share := self._exchange(None)) is not None:
+            while not isinstance(share := self._exchange(None), float):
                 if isinstance(share, int):  # rank 0 was stopped (``stop_ranks``)
                     raise Stopped(share)
                 train_s += self.backward_micro(share[0], iteration, share[1])
+            if share != 1.0:  # samples were left out: every rank rescales its gradient shard
+                self.rescale_gradients(share)
             return train_s
         train_s, total = 0.0, self.rollouts.samples_per_iteration
         world = self.trainer.world_size
@@ -241,13 +243,17 @@ class ShardedStreamRLModule(StreamRLModule):
             self.samples_in_step += dealt
             if self.trained_batches is not None:
                 self.trained_batches.extend(micro_batches)
-        self._exchange([None] * world)  # the iteration's stream is over
+        # The iteration's stream is over: its loss's scale, once the samples left out are known.
+        factor = self.left_out_factor()
+        self._exchange([factor] * world)
+        if factor != 1.0:
+            self.rescale_gradients(factor)
         return train_s
 
-    def _exchange(self, shares: list | None) -> tuple[MicroBatch, float] | int | None:
+    def _exchange(self, shares: list | None) -> tuple[MicroBatch, float] | float | int:
         """Rank 0 sends ``shares[r]`` to each rank ``r``; every rank returns its own: a
-        micro-batch and its loss scale, ``None`` (the iteration is over) or a signal number
-        (rank 0 was stopped)."""
+        micro-batch and its loss scale, a float (the iteration is over: the factor its gradient
+        is rescaled by, ``left_out_factor``) or a signal number (rank 0 was stopped)."""
         mine: list = [None]
         dist.scatter_object_list(mine, shares, src=0, group=self._shares)
         return mine[0]

@@ -237,10 +237,16 @@ class StreamRLModule(L.LightningModule):
                     self.trained_batches.append(micro)
         finally:
             torch.set_num_threads(threads)
-        left_out = self.rollouts.stats.left_out  # episodes the environment cut (envs.runner)
-        if 0 < left_out < total:  # the loss is the mean over the samples the groups have
-            self.rescale_gradients(total / (total - left_out))
+        if (factor := self.left_out_factor()) != 1.0:
+            self.rescale_gradients(factor)
         return train_s
+
+    def left_out_factor(self) -> float:
+        """What the iteration's loss is scaled by once its stream is over, so that it is the
+        mean over the samples the groups have: ``total / (total - left out)`` when the sampler
+        left samples out (episodes the environment cut, ``Sampler.left_out``), else 1."""
+        total, left_out = self.rollouts.samples_per_iteration, self.rollouts.stats.left_out
+        return total / (total - left_out) if 0 < left_out < total else 1.0
 
     def rescale_gradients(self, factor: float) -> None:
         """Multiply the accumulated gradients (and this iteration's loss) by ``factor``: the

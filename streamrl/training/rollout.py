@@ -1,9 +1,11 @@
 """From prompts to scored groups: the trainer's side of the sample stream (StreamRL §3, §4.1).
 
 ``PromptSource`` (``streamrl.training.prompts``) deals prompts for each iteration (shuffled each
-epoch, resumable). ``RolloutStream`` sends an iteration's requests to the stream generation service
-and, as samples stream back, scores each on arrival and yields a prompt's group the moment its last
-sample lands, so the trainer can start on it while the rest is still being generated.
+epoch, resumable). ``RolloutStream`` has its sampler start each prompt's group (the stream
+generation service: completions; an ``EpisodeRunner``: multi-turn episodes, ``streamrl.protocols.
+Sampler``) and, as samples stream back, scores each on arrival and yields a prompt's group the
+moment its last sample lands, so the trainer can start on it while the rest is still being
+generated.
 """
 
 from __future__ import annotations
@@ -17,9 +19,8 @@ from transformers import PreTrainedTokenizerBase
 
 from streamrl.algorithms.base import Algorithm
 from streamrl.components.generation.service import StreamGenerationService
-from streamrl.envs.runner import EpisodeRunner
 from streamrl.policy.chat import completion_text, render_prompt
-from streamrl.protocols import LengthPredictor
+from streamrl.protocols import GroupStart, LengthPredictor, Sampler
 from streamrl.records import Request, Sample, ScoredGroup
 from streamrl.rewards.pool import RewardPool, Scored
 from streamrl.rewards.spec import RewardSpec
@@ -42,7 +43,7 @@ class IterationStats:
     reward_parts: dict[str, list[float]] = field(default_factory=dict)  # per reward, unweighted
     lengths: list[int] = field(default_factory=list)
     #: Samples missing from the groups trained: episodes the environment cut, left out of the
-    #: loss (``EpisodeRunner.left_out``); the trainer divides its loss by the samples it has.
+    #: loss (``Sampler.left_out``); the trainer divides its loss by the samples it has.
     left_out: int = 0
 
 
@@ -55,7 +56,7 @@ class _Batch:
     min_weight_version: int = 0
     refills: int = 0
     partial: dict[str, list[Sample]] = field(default_factory=dict)
-    left_out: dict[str, int] = field(default_factory=dict)  # per prompt: episodes left out
+    left_out: dict[str, int] = field(default_factory=dict)  # per prompt: samples left out
     ready: list[ScoredGroup] = field(default_factory=list)
     awaiting: int = 0  # samples requested and not yet received
     unscored: dict[tuple, Sample] = field(default_factory=dict)  # received, reward pending
@@ -72,14 +73,15 @@ class RolloutStream:
     ``iteration()`` is ``groups(dispatch())``, the synchronous case.
 
     Args:
-        service: a started ``StreamGenerationService``.
+        service: a started ``StreamGenerationService`` (its weights and dispatcher).
         prompts: deals the prompts of each iteration.
         tokenizer: encodes prompts and decodes completions for the reward.
         algorithm: scores groups (its ``group_size`` samples per prompt); its ``score_sample``
             may shape each sample's reward.
         reward: the run's reward: a ``RewardPool`` (rewards in worker processes, off the
             trainer's critical path) or a plain function ``fn(completion, row) -> float``
-            (scored inline; any form ``streamrl.rewards.spec`` accepts).
+            (scored inline; any form ``streamrl.rewards.spec`` accepts). Needed unless the
+            sampler scores its samples (``Sampler.scores_samples``), which then ignores it.
         max_tokens: generation budget per sample.
         context: the policy's context length; a sample's budget never runs past it.
         trace: where sample spans and the trainer's waits are recorded for the timeline.
@@ -99,13 +101,18 @@ class RolloutStream:
         max_refills: groups an algorithm filters out (``keep_group``, e.g. DAPO's dynamic
             sampling) are replaced by new prompts from the stream, at most this many per
             iteration (default: twice the prompts per iteration).
-        episodes: run multi-turn episodes instead of single completions: each sample is an
-            episode of the runner's environments on ``service`` (``streamrl.envs``), rewarded
-            by its environment (``reward`` is then not used). An episode the environment cut
-            is left out of the loss when ``episodes.left_out`` says so: its group is scored
-            over its other episodes, or, with fewer than the algorithm's ``min_group_size``
-            left, filtered and refilled like a group ``keep_group`` drops; such episodes are
-            counted in ``samples_env_fault``.
+        sampler: where the samples come from (``streamrl.protocols.Sampler``): ``service``
+            itself by default (one completion per sample), or an ``EpisodeRunner`` on it (one
+            multi-turn episode per sample, rewarded by its environment). A sample the sampler
+            leaves out (``left_out``: an episode the environment cut) is no member of its
+            group: the group is scored over the others, or, with fewer than the algorithm's
+            ``min_group_size`` left, filtered and refilled like a group ``keep_group`` drops;
+            such samples are counted in ``samples_env_fault``.
+        episodes: the older name of ``sampler`` (an ``EpisodeRunner``).
+
+    Raises:
+        ValueError: no ``reward`` for a sampler that does not score its samples, or both
+            ``sampler`` and ``episodes``.
     """
 
     def __init__(
@@ -115,7 +122,7 @@ class RolloutStream:
         tokenizer: PreTrainedTokenizerBase,
         algorithm: Algorithm,
         *,
-        reward: RewardPool | Callable[..., Any],
+        reward: RewardPool | Callable[..., Any] | None = None,
         max_tokens: int,
         context: int,
         trace: TraceRecorder | None = None,
@@ -126,15 +133,23 @@ class RolloutStream:
         chat_template: bool | None = None,
         stop_strings: Sequence[str] = (),
         max_refills: int | None = None,
-        episodes: EpisodeRunner | None = None,
+        sampler: Sampler | None = None,
+        episodes: Sampler | None = None,
     ) -> None:
+        if sampler is not None and episodes is not None:
+            raise ValueError("RolloutStream: pass sampler= only (episodes= is its older name).")
         self.service, self.prompts, self.tokenizer = service, prompts, tokenizer
-        self.episodes = episodes
-        #: Where requests go and samples come from: the service, or the episode runner on it.
-        self.sampler: StreamGenerationService | EpisodeRunner = episodes or service
-        if not isinstance(reward, RewardPool):
+        #: Where requests go and samples come from: the service, or a sampler on it.
+        self.sampler: Sampler = sampler or episodes or service
+        if reward is None and not self.sampler.scores_samples:
+            raise ValueError(
+                f"RolloutStream: {type(self.sampler).__name__} does not score its samples; pass "
+                "reward= (fn(completion, row) -> float, or a RewardPool)."
+            )
+        if reward is not None and not isinstance(reward, RewardPool):
             reward = RewardPool([RewardSpec(reward)], workers=0)
-        self.reward = reward
+        #: The reward of samples that come unscored; ``None`` when the sampler scores them.
+        self.reward = None if self.sampler.scores_samples else reward
         self.system_prompt, self.chat_template = system_prompt, chat_template
         self.stop_strings = tuple(stop_strings)
         self._prompt_ids: dict[str, list[int]] = {}  # prompt id -> rendered token ids
@@ -149,10 +164,15 @@ class RolloutStream:
         self._next_iteration = 0
         self.prompts_dispatched = 0
         self.samples_filtered = 0  # in groups an algorithm's keep_group dropped
-        self.samples_env_fault = 0  # episodes the environment cut, left out of the loss
+        self.samples_env_fault = 0  # samples the sampler left out of the loss (env cut)
         self._redispatch: dict[int, list[dict]] = {}  # in-flight iterations of a checkpoint
         self._untrained: dict[int, dict[str, dict]] = {}  # delivered, optimizer step not done
         self.max_refills = 2 * prompts.batch_size if max_refills is None else max_refills
+
+    @property
+    def episodes(self) -> Sampler | None:
+        """The sampler when it is not the service (the older name, for an ``EpisodeRunner``)."""
+        return None if self.sampler is self.service else self.sampler
 
     @property
     def samples_per_iteration(self) -> int:
@@ -209,34 +229,22 @@ class RolloutStream:
     def _requests(
         self, pid: str, row: dict, iteration: int, min_weight_version: int
     ) -> list[Request]:
-        """One request per sample of the prompt's group."""
-        if self.episodes is not None:  # each starts an episode: its env gives the prompt
-            group = range(self.algorithm.group_size)
-            firsts = [self.episodes.start(row, i, iteration, min_weight_version) for i in group]
-            self._prompt_ids[pid] = firsts[0].prompt_ids
-            return firsts
-        ids = self.prompt_ids(pid, row)
-        budget = min(self.max_tokens, self.context - len(ids))
-        if budget < 1:
-            raise ValueError(
-                f"Prompt {pid!r} has {len(ids)} tokens: no room left in the "
-                f"context of {self.context}; shorten it."
+        """One request per sample of the prompt's group, as the sampler starts it."""
+        requests = self.sampler.start_group(
+            GroupStart(
+                row,
+                self.algorithm.group_size,
+                iteration,
+                min_weight_version,
+                self.max_tokens,
+                self.context,
+                prompt_ids=lambda: self.prompt_ids(pid, row),
+                forced_length=None if self.forced_lengths is None else next(self.forced_lengths),
             )
-        forced = None  # one length per prompt: a group's samples finish together
-        if self.forced_lengths is not None:
-            forced = budget = min(next(self.forced_lengths), self.context - len(ids))
-        return [
-            Request(
-                pid,
-                ids,
-                budget,
-                index,
-                forced_length=forced,
-                iteration=iteration,
-                min_weight_version=min_weight_version,
-            )
-            for index in range(self.algorithm.group_size)
-        ]
+        )
+        # The prompt as sampled (an environment's first prompt), for the length predictor.
+        self._prompt_ids[pid] = requests[0].prompt_ids
+        return requests
 
     def prompt_ids(self, prompt_id: str, row: dict) -> list[int]:
         """The prompt's token ids: chat messages (or a string, with a chat-templated tokenizer)
@@ -267,7 +275,8 @@ class RolloutStream:
                 continue
             waited = time.perf_counter()
             with self.trace.span("trainer", "wait", iteration):
-                if batch.unscored or not batch.awaiting:  # rewards in flight: take what is done
+                # rewards in flight: take what is done
+                if self.reward is not None and (batch.unscored or not batch.awaiting):
                     scored = self.reward.collect(0.0 if batch.awaiting else REWARD_POLL_S)
                     self._scored(scored)
                 if batch.awaiting and not batch.ready:
@@ -330,13 +339,13 @@ class RolloutStream:
         when the reward runs in a pool)."""
         batch = self._batches[sample.iteration]
         batch.awaiting -= 1
-        if self.episodes is not None and self.episodes.left_out(sample):  # env's fault
+        if self.sampler.left_out(sample):  # the environment's fault, not the policy's
             self.samples_env_fault += 1
             batch.left_out[sample.prompt_id] = batch.left_out.get(sample.prompt_id, 0) + 1
             self._complete(batch, sample.prompt_id, sample.iteration)
             return
         batch.unscored[sample.key] = sample
-        if self.episodes is not None:  # an episode comes scored by its environment
+        if self.reward is None:  # it came scored (an episode, by its environment)
             self._scored([Scored(sample.key, float(sample.reward), {})])
             return
         row = batch.rows[sample.prompt_id]

@@ -50,6 +50,7 @@ from streamrl.protocols import (
     Cluster,
     Dispatcher,
     GenerationEngine,
+    GroupStart,
     WeightTransport,
 )
 from streamrl.records import Request, Sample
@@ -307,6 +308,43 @@ class StreamGenerationService:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    # -- as RolloutStream's sampler (streamrl.protocols.Sampler) ----------------------------
+    #: One completion per sample: the stream's reward scores it.
+    scores_samples = False
+
+    def start_group(self, group: GroupStart) -> list[Request]:
+        """The group's requests: ``group.size`` completions of the row's rendered prompt.
+
+        Raises:
+            ValueError: the prompt leaves no room in the context.
+        """
+        pid, ids = group.row["prompt_id"], group.prompt_ids()
+        budget = min(group.max_tokens, group.context - len(ids))
+        if budget < 1:
+            raise ValueError(
+                f"Prompt {pid!r} has {len(ids)} tokens: no room left in the "
+                f"context of {group.context}; shorten it."
+            )
+        forced = None  # one length per prompt: a group's samples finish together
+        if group.forced_length is not None:
+            forced = budget = min(group.forced_length, group.context - len(ids))
+        return [
+            Request(
+                pid,
+                ids,
+                budget,
+                index,
+                forced_length=forced,
+                iteration=group.iteration,
+                min_weight_version=group.min_weight_version,
+            )
+            for index in range(group.size)
+        ]
+
+    def left_out(self, sample: Sample) -> bool:
+        """A completion is never left out of the loss."""
+        return False
 
     # -- the two calls -----------------------------------------------------------------------
     def submit(self, requests: Sequence[Request], scores: Sequence[float] | None = None) -> None:

@@ -10,7 +10,6 @@ from typing import Literal
 
 from streamrl.cli.parsing import Command
 from streamrl.errors import ConfigError
-from streamrl.run.fit_args import VERBOSE_HELP
 from streamrl.runtime.quiet import quiet_lightning
 
 
@@ -23,16 +22,14 @@ class DemoOptions:
             job shrunk to about 2 min.
         output_dir: where logs and metrics go (a new directory beside it if it holds a run).
         no_progress: draw no progress bars.
-        verbose: {verbose}
+        verbose: also show Lightning's information lines (accelerators found, tips) on stderr,
+            as streamrl fit --verbose does.
     """
 
     size: Literal["full", "small"] = "full"
     output_dir: str = "runs/demo"
     no_progress: bool = False
     verbose: bool = False
-
-
-DemoOptions.__doc__ = (DemoOptions.__doc__ or "").replace("{verbose}", VERBOSE_HELP)
 
 
 def demo(options: DemoOptions) -> dict:

@@ -110,16 +110,15 @@ plt.show()
 # %%
 def dispatch(instances: int, prompts: int | None = None, **overrides) -> dict:
     """Simulated makespans of random / skew / oracle dispatch (``bench dispatch --simulate``)."""
-    settings = DispatchBench(
-        predictions="ranker,noisy",  # the headline skew row, then the noisy stand-in
-        simulate=True,
-        latency="paper-7b-h800",
-        prompts=prompts,
-        instances=instances,
-        repeats=1,
-        **overrides,
-    )
-    return bench_dispatch(settings)
+    settings = {
+        "predictions": "ranker,noisy",  # the headline skew row, then the noisy stand-in
+        "simulate": True,
+        "latency": "paper-7b-h800",
+        "prompts": prompts,
+        "instances": instances,
+        "repeats": 1,
+    }
+    return bench_dispatch(DispatchBench(**{**settings, **overrides}))
 
 
 settings = [(2, None), (8, None)] if SMALL else [(2, None), (8, None), (8, 4096), (32, 4096)]

@@ -24,13 +24,13 @@
 # %%
 import tempfile
 from pathlib import Path
-from types import SimpleNamespace
 
 import matplotlib.image as mpimg
 import matplotlib.pyplot as plt
 
 from streamrl.bench import model_dir_for
 from streamrl.bench.pipeline import DEFAULT_LENGTHS, load_lengths, run_mode
+from streamrl.bench.settings import PipelineBench
 from streamrl.run.notebook import notebook_settings
 from streamrl.training.timeline_chart import draw_timeline
 
@@ -40,12 +40,13 @@ MODES = ("colocated", "sync", "async")
 # %% [markdown]
 # ## The settings of each run
 #
-# `run_mode` takes the benchmark's command-line settings; these are its defaults, shortened.
+# `run_mode` takes `PipelineBench`, the settings `streamrl bench pipeline` reads from its command
+# line; these are its defaults, shortened.
 # Colocated gets two generator instances and a two-thread trainer (its best configuration on
 # two cores); sync and async get one generator instance and a one-thread trainer.
 
 # %%
-settings = SimpleNamespace(
+settings = PipelineBench(
     batch=8 if SMALL else 16,  # prompts per iteration
     group_size=4,  # samples per prompt
     warmup=0 if SMALL else 1,  # unmeasured iterations

@@ -24,13 +24,13 @@
 
 # %%
 import json
-from types import SimpleNamespace
 
 import matplotlib.pyplot as plt
 import numpy as np
 import torch
 
 from streamrl.bench.dispatch import bench_dispatch
+from streamrl.bench.settings import DispatchBench
 from streamrl.components.skewness.ranker import LengthRanker
 from streamrl.components.skewness.ranking_metrics import kendall_tau, recall_at_k
 from streamrl.run.notebook import notebook_settings
@@ -91,9 +91,9 @@ plt.show()
 # %% [markdown]
 # ## 2. Dispatch policies
 #
-# `bench_dispatch` is the function behind `streamrl bench dispatch`; its settings are the
-# command line's. With `simulate=True` it replays continuous batching with a latency model
-# instead of running generators:
+# `bench_dispatch` is the function behind `streamrl bench dispatch`; its settings,
+# `DispatchBench`, are the command line's. With `simulate=True` it replays continuous batching
+# with a latency model instead of running generators:
 #
 # - `random`: each prompt to a random instance, FIFO admission (the baseline; mean of 20 draws);
 # - `skew`: Algorithm 2 + LPT on the lengths **our `LengthRanker` predicts** from each prompt's
@@ -110,27 +110,15 @@ plt.show()
 # %%
 def dispatch(instances: int, prompts: int | None = None, **overrides) -> dict:
     """Simulated makespans of random / skew / oracle dispatch (``bench dispatch --simulate``)."""
-    args = SimpleNamespace(
-        policies="random,skew,oracle",
-        predictions="ranker,noisy",  # the headline skew row, then the noisy stand-in
-        lengths=None,
-        predicted=None,
-        ranker_noise=0.25,
-        history=None,
-        sample_sigma=0.25,
-        simulate=True,
-        latency="paper-7b-h800",
-        objective="max",
-        prompts=prompts,
-        instances=instances,
-        max_batch_size=32,
-        tail_batch_size=None,
-        repeats=1,
-        model="tiny",
-        seed=0,
-    )
-    vars(args).update(overrides)
-    return bench_dispatch(args)
+    settings = {
+        "predictions": "ranker,noisy",  # the headline skew row, then the noisy stand-in
+        "simulate": True,
+        "latency": "paper-7b-h800",
+        "prompts": prompts,
+        "instances": instances,
+        "repeats": 1,
+    }
+    return bench_dispatch(DispatchBench(**{**settings, **overrides}))
 
 
 settings = [(2, None), (8, None)] if SMALL else [(2, None), (8, None), (8, 4096), (32, 4096)]

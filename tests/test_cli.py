@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from streamrl.cli.main import build_parser, main
+from streamrl.cli.main import build_parser, main, parse_command
 from streamrl.records import PIPELINE_COLUMNS
 from streamrl.run.fit_args import parse_fit
 
@@ -403,7 +403,7 @@ def test_demo_sizes_are_valid_runs_and_small_is_smaller(tmp_path):
     assert small.rl.generators == full.rl.generators  # the same job, shrunk
     for size in DEMO_SIZES.values():  # every stage that takes a while says how long
         assert set(size.expected) == set(RunStages.NAMES) - {"files"}
-    assert build_parser().parse_args(["demo", "--size", "small"]).size == "small"
+    assert parse_command(["demo", "--size", "small"])[1].args[0].size == "small"
 
 
 def test_verbose_keeps_lightnings_information_lines():
@@ -418,4 +418,4 @@ def test_verbose_keeps_lightnings_information_lines():
     assert logger.isEnabledFor(logging.INFO)
     quiet_lightning()
     assert parse_fit(["--verbose"]).verbose and not parse_fit([]).verbose
-    assert build_parser().parse_args(["demo", "--verbose"]).verbose
+    assert parse_command(["demo", "--verbose"])[1].args[0].verbose

@@ -71,7 +71,7 @@ def test_custom_parts_from_yaml_run_in_a_real_fit_and_in_the_simulator(tmp_path,
     # The simulator builds the same dispatcher from the same file: every sample on the last
     # of the colocated preset's two instances.
     trace = tmp_path / "sim.json"
-    argv = ["simulate", "--preset", "cpu", "--mode", "colocated", "--config", str(yaml_file)]
+    argv = ["simulate", "--preset", "cpu", "--mode", "colocated", "--run_config", str(yaml_file)]
     assert main([*argv, "--trace", str(trace)]) == 0
     lanes = {s.lane for s in load_trace(trace) if s.name == "generate"}
     assert lanes == {"generator-1"}

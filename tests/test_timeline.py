@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import time
 
 import pytest
 
+from streamrl.cli.main import parse_command
 from streamrl.records import Sample
 from streamrl.training.timeline import (
     STAGES,
@@ -22,7 +22,6 @@ from streamrl.training.timeline import (
 from streamrl.training.timeline_chart import (
     ITERATION_LABEL,
     LEGEND_LABELS,
-    add_timeline_command,
     draw_timeline,
     timeline_figure,
 )
@@ -193,11 +192,8 @@ def test_timeline_command_end_to_end(tmp_path):
     for span in _pipeline():
         recorder.add(span)
     trace = recorder.to_json(tmp_path / "run.json")
-    parser = argparse.ArgumentParser()
-    add_timeline_command(parser.add_subparsers(dest="command"))
-
-    args = parser.parse_args(["timeline", str(trace)])
-    result = args.func(args)
+    _, run = parse_command(["timeline", str(trace)])
+    result = run()
     assert result["png"] == str(tmp_path / "run.png")
     assert result["spans"] == 21
     assert result["lanes"] == pytest.approx(
@@ -208,8 +204,8 @@ def test_timeline_command_end_to_end(tmp_path):
     json.dumps(result)  # the CLI prints it as JSON
 
     out = tmp_path / "charts" / "custom.png"
-    args = parser.parse_args(["timeline", str(trace), "-o", str(out), "--title", "run 1"])
-    assert args.func(args)["png"] == str(out) and out.read_bytes()[:8] == PNG_MAGIC
+    _, run = parse_command(["timeline", str(trace), "-o", str(out), "--title", "run 1"])
+    assert run()["png"] == str(out) and out.read_bytes()[:8] == PNG_MAGIC
 
 
 def test_version_1_traces_still_load(tmp_path):

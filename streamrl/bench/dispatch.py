@@ -32,6 +32,7 @@ import torch
 from streamrl.bench.inputs import load_lengths, model_dir_for, tokenizer_for
 from streamrl.bench.pipeline import DEFAULT_LENGTHS
 from streamrl.bench.predictions import SOURCES, Batch, Predictions, batch_and_history, predict
+from streamrl.bench.settings import DispatchBench
 from streamrl.components.generation.service import StreamGenerationService
 from streamrl.components.skewness.dispatch import Dispatcher, RandomDispatcher
 from streamrl.components.skewness.latency import PAPER_7B_H800_MS, LatencyModel, simulate_instance
@@ -94,29 +95,33 @@ def _requests(prompt_ids: list[list[int]], true: list[int], iteration: int = 0) 
     ]
 
 
-def _dispatcher(policy: str, latency: LatencyModel, args, d: list[int]) -> Blindfolded:
+def _dispatcher(
+    policy: str, latency: LatencyModel, settings: DispatchBench, d: list[int]
+) -> Blindfolded:
     """A policy's dispatcher; ``d`` is its length distribution ``D`` (unused by random)."""
     if policy == "random":
-        return Blindfolded(RandomDispatcher(args.seed), args.max_batch_size)
+        return Blindfolded(RandomDispatcher(settings.seed), settings.max_batch_size)
     skew = SkewAwareDispatcher(
         latency,
-        args.max_batch_size,
-        objective=args.objective,
+        settings.max_batch_size,
+        objective=settings.objective,
         recent_lengths=d,
-        tail_batch_size=args.tail_batch_size,
+        tail_batch_size=settings.tail_batch_size,
     )
-    return Blindfolded(skew, args.max_batch_size)
+    return Blindfolded(skew, settings.max_batch_size)
 
 
-def _simulate(dispatcher: Blindfolded, scores, latency, args, prompt_ids, true) -> float:
+def _simulate(
+    dispatcher: Blindfolded, scores, latency, settings: DispatchBench, prompt_ids, true
+) -> float:
     """Replayed makespan; random dispatch (no scores: FIFO) averages ``RANDOM_DRAWS`` draws
     (one draw alone can be far from what random dispatch costs on average)."""
     draws = RANDOM_DRAWS if scores is None else 1
     total = 0.0
     for _ in range(draws):
-        parts = dispatcher.plan(_requests(prompt_ids, true), scores, args.instances)
+        parts = dispatcher.plan(_requests(prompt_ids, true), scores, settings.instances)
         makespans = []
-        for part, limit in zip(parts, dispatcher.batch_limits(args.instances)):
+        for part, limit in zip(parts, dispatcher.batch_limits(settings.instances)):
             if scores is not None:  # LPT admission; stable: FIFO on ties
                 part = sorted(part, key=lambda r: -r.predicted_length)
             makespans.append(simulate_instance([r.forced_length for r in part], limit, latency))
@@ -124,8 +129,10 @@ def _simulate(dispatcher: Blindfolded, scores, latency, args, prompt_ids, true) 
     return total / draws
 
 
-def _run_real(plans: dict, args, prompt_ids, true, model_dir: Path) -> dict[str, float]:
-    """Median wall-clock makespan of each row over ``args.repeats`` generations.
+def _run_real(
+    plans: dict, settings: DispatchBench, prompt_ids, true, model_dir: Path
+) -> dict[str, float]:
+    """Median wall-clock makespan of each row over ``settings.repeats`` generations.
 
     One service serves every row, the rows interleaved in each repeat so that drift on a
     shared machine hits them alike. Its instances admit LPT: requests without a prediction
@@ -133,10 +140,15 @@ def _run_real(plans: dict, args, prompt_ids, true, model_dir: Path) -> dict[str,
     """
     times: dict[str, list[float]] = {label: [] for label in plans}
     with StreamGenerationService(
-        model_dir, args.instances, max_batch_size=args.max_batch_size, scheduler=LPTScheduler
+        model_dir,
+        settings.instances,
+        max_batch_size=settings.max_batch_size,
+        scheduler=LPTScheduler,
     ) as sgs:
         runs = [(None, *next(iter(plans.items())))]  # one unmeasured warm-up run
-        runs += [(label, label, plan) for _ in range(args.repeats) for label, plan in plans.items()]
+        runs += [
+            (label, label, plan) for _ in range(settings.repeats) for label, plan in plans.items()
+        ]
         for iteration, (measured, _, (dispatcher, scores)) in enumerate(runs):
             sgs.dispatcher = dispatcher
             started = time.perf_counter()
@@ -147,13 +159,15 @@ def _run_real(plans: dict, args, prompt_ids, true, model_dir: Path) -> dict[str,
     return {label: statistics.median(t) for label, t in times.items()}
 
 
-def _rows(args) -> list[tuple[str, str, str | None]]:
+def _rows(settings: DispatchBench) -> list[tuple[str, str, str | None]]:
     """``(label, policy, predictions source)`` per row: the first source is the headline
     ``skew`` row, the others ``skew_<source>``."""
-    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    policies = [p.strip() for p in settings.policies.split(",") if p.strip()]
     if not policies or any(p not in POLICIES for p in policies):
-        raise ConfigError(f"--policies: choose from {', '.join(POLICIES)}, got {args.policies!r}.")
-    sources = _sources(args)
+        raise ConfigError(
+            f"--policies: choose from {', '.join(POLICIES)}, got {settings.policies!r}."
+        )
+    sources = _sources(settings)
     rows = []
     for policy in policies:
         if policy != "skew":
@@ -163,39 +177,39 @@ def _rows(args) -> list[tuple[str, str, str | None]]:
     return rows
 
 
-def _sources(args) -> list[str]:
-    chosen = args.predictions or ("file" if args.predicted else "ranker,noisy")
+def _sources(settings: DispatchBench) -> list[str]:
+    chosen = settings.predictions or ("file" if settings.predicted else "ranker,noisy")
     sources = [s.strip() for s in chosen.split(",") if s.strip()]
     if not sources or any(s not in SOURCES for s in sources):
         raise ConfigError(f"--predictions: choose from {', '.join(SOURCES)}, got {chosen!r}.")
-    if ("file" in sources) != bool(args.predicted):
+    if ("file" in sources) != bool(settings.predicted):
         raise ConfigError("--predictions file and --predicted PATH go together; pass both.")
     return sources
 
 
-def bench_dispatch(args) -> dict:
+def bench_dispatch(settings: DispatchBench) -> dict:
     """Makespan of each row (median of repeats when real) and its ratio to random."""
     torch.set_num_threads(1)  # the ranker trains beside the generators' cores, as they would
-    rows = _rows(args)
-    table = load_lengths(args.lengths or DEFAULT_LENGTHS)
-    n = args.prompts or len(table)
-    history = args.history or 2 * n
-    if n < 1 or history < 2 or args.instances < 1 or args.repeats < 1:
+    rows = _rows(settings)
+    table = load_lengths(settings.lengths or DEFAULT_LENGTHS)
+    n = settings.prompts or len(table)
+    history = settings.history or 2 * n
+    if n < 1 or history < 2 or settings.instances < 1 or settings.repeats < 1:
         raise ConfigError(
             "--prompts, --instances and --repeats must be >= 1 and --history >= 2; got "
-            f"{n}, {args.instances}, {args.repeats}, {history}."
+            f"{n}, {settings.instances}, {settings.repeats}, {history}."
         )
-    batch, earlier = batch_and_history(table, n, history, args.sample_sigma, args.seed)
+    batch, earlier = batch_and_history(table, n, history, settings.sample_sigma, settings.seed)
     with tempfile.TemporaryDirectory(prefix="streamrl-dispatch-") as tmp:
-        prompt_ids, model_dir, latency = _setup(args, batch, Path(tmp))
+        prompt_ids, model_dir, latency = _setup(settings, batch, Path(tmp))
         predictions = {
             label: predict(
                 source,
                 batch,
                 earlier,
-                ranker_noise=args.ranker_noise,
-                seed=args.seed,
-                predicted_file=args.predicted,
+                ranker_noise=settings.ranker_noise,
+                seed=settings.seed,
+                predicted_file=settings.predicted,
             )
             for label, _, source in rows
             if source is not None
@@ -204,16 +218,16 @@ def bench_dispatch(args) -> dict:
         for label, policy, _ in rows:
             d = batch.lengths if policy == "oracle" else earlier.lengths
             scores = _scores(policy, batch, predictions.get(label))
-            plans[label] = (_dispatcher(policy, latency, args, d), scores)
-        if args.simulate:
+            plans[label] = (_dispatcher(policy, latency, settings, d), scores)
+        if settings.simulate:
             makespan = {
-                label: _simulate(dispatcher, scores, latency, args, prompt_ids, batch.lengths)
+                label: _simulate(dispatcher, scores, latency, settings, prompt_ids, batch.lengths)
                 for label, (dispatcher, scores) in plans.items()
             }
         else:
-            makespan = _run_real(plans, args, prompt_ids, batch.lengths, model_dir)
+            makespan = _run_real(plans, settings, prompt_ids, batch.lengths, model_dir)
         makespan = {label: round(v, 4) for label, v in makespan.items()}
-    result = _result(args, batch, earlier, predictions, makespan, latency)
+    result = _result(settings, batch, earlier, predictions, makespan, latency)
     _print_table(result)
     return result
 
@@ -226,23 +240,25 @@ def _scores(policy: str, batch: Batch, predictions: Predictions | None) -> list[
     return predictions.lengths
 
 
-def _setup(args, batch: Batch, tmp: Path) -> tuple[list[list[int]], Path | None, LatencyModel]:
+def _setup(
+    settings: DispatchBench, batch: Batch, tmp: Path
+) -> tuple[list[list[int]], Path | None, LatencyModel]:
     """Prompt token ids, the model directory (real runs; built with the context the prompts and
     lengths need, or refused before any work) and the latency model."""
     latency = None
-    if args.latency == "paper-7b-h800":
+    if settings.latency == "paper-7b-h800":
         latency = LatencyModel.from_table_ms(PAPER_7B_H800_MS)
-    elif args.latency:
-        latency = LatencyModel.from_json(args.latency)
-    if args.simulate and latency is not None:
+    elif settings.latency:
+        latency = LatencyModel.from_json(settings.latency)
+    if settings.simulate and latency is not None:
         return [[0]] * len(batch.prompts), None, latency  # replays ignore the prompt
-    tokenizer = tokenizer_for(args.model)
+    tokenizer = tokenizer_for(settings.model)
     prompt_ids = [tokenizer(p)["input_ids"] for p in batch.prompts]
-    needed = 0 if args.simulate else max(len(p) + n for p, n in zip(prompt_ids, batch.lengths))
-    model_dir = model_dir_for(args.model, tmp, args.seed, context=needed)
+    needed = 0 if settings.simulate else max(len(p) + n for p, n in zip(prompt_ids, batch.lengths))
+    model_dir = model_dir_for(settings.model, tmp, settings.seed, context=needed)
     if latency is None:  # measure the backend that runs: PTL up to the batch size used
         policy, _ = load_policy(model_dir)
-        sizes = [b for b in (1, 2, 4, 8, 16, 32, 64, 128) if b <= args.max_batch_size]
+        sizes = [b for b in (1, 2, 4, 8, 16, 32, 64, 128) if b <= settings.max_batch_size]
         latency = Profiler(policy, PROFILE_PROMPT, tokens=16, repeats=1).fit(sizes)
     return prompt_ids, model_dir, latency
 
@@ -256,7 +272,14 @@ def _quality(predictions: Predictions, true: list[int]) -> dict:
     }
 
 
-def _result(args, batch: Batch, earlier: Batch, predictions: dict, makespan: dict, latency) -> dict:
+def _result(
+    settings: DispatchBench,
+    batch: Batch,
+    earlier: Batch,
+    predictions: dict,
+    makespan: dict,
+    latency,
+) -> dict:
     quality = {label: _quality(p, batch.lengths) for label, p in predictions.items()}
     base = makespan.get("random")
     result = {
@@ -270,9 +293,9 @@ def _result(args, batch: Batch, earlier: Batch, predictions: dict, makespan: dic
         },
         # Decoding the longest sample alone at PTL(1): no policy finishes sooner.
         "longest_sample_s": round(latency.ptl(1) * max(batch.lengths), 4),
-        "instances": args.instances,
+        "instances": settings.instances,
         "prompts": len(batch.lengths),
-        "mode": "simulated" if args.simulate else "real",
+        "mode": "simulated" if settings.simulate else "real",
     }
     if "skew" in quality:  # the headline predictions
         result["recall@20"] = quality["skew"]["recall@20"]

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from streamrl.bench.settings import EpisodesBench
 from streamrl.components.generation.service import StreamGenerationService
 from streamrl.components.skewness.dispatch import RoundRobinDispatcher
 from streamrl.components.skewness.ranker import LengthRanker
@@ -86,31 +87,33 @@ def _policy_dir(out: Path, size: str) -> Path:
     return save_policy(build_tiny_model(tok, size, seed=0), tok, out / "policy")
 
 
-def _play(policy: str, model_dir: Path, tok, rows, scores, history, latency, args) -> dict:
+def _play(
+    policy: str, model_dir: Path, tok, rows, scores, history, latency, settings: EpisodesBench
+) -> dict:
     """One timed pass of ``rows`` under ``policy``: episodes/s and the turns' prefill."""
     aware = policy == "episode_aware"
     dispatcher = (
-        SkewAwareDispatcher(latency, args.max_batch_size, recent_lengths=history)
+        SkewAwareDispatcher(latency, settings.max_batch_size, recent_lengths=history)
         if aware
         else RoundRobinDispatcher()
     )
     with StreamGenerationService(
         model_dir,
-        args.instances,
-        max_batch_size=args.max_batch_size,
+        settings.instances,
+        max_batch_size=settings.max_batch_size,
         dispatcher=dispatcher,
         scheduler=LPTScheduler if aware else FIFOScheduler,
         stop_token_ids=stop_token_ids(tok),
-        seed=args.seed,
+        seed=settings.seed,
     ) as service:
         runner = EpisodeRunner(
             service,
             Rounds,
             tok,
-            max_tokens=args.turn_tokens,
+            max_tokens=settings.turn_tokens,
             context=CONTEXT,
             max_turns=MAX_ROUNDS,
-            rebalance_requests=args.max_batch_size if aware else None,
+            rebalance_requests=settings.max_batch_size if aware else None,
             affinity=policy != "round_robin",
         )
         firsts = [runner.start(row) for row in rows]
@@ -130,32 +133,32 @@ def _play(policy: str, model_dir: Path, tok, rows, scores, history, latency, arg
     }
 
 
-def bench_episodes(args) -> dict:
+def bench_episodes(settings: EpisodesBench) -> dict:
     """Run the benchmark (module docstring); returns the JSON summary."""
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = _policy_dir(Path(tmp), args.model_size)
+        model_dir = _policy_dir(Path(tmp), settings.model_size)
         policy, tok = load_policy(model_dir)
-        history = rounds_rows(args.history, args.seed + 1, "h")
-        rows = rounds_rows(args.episodes, args.seed, "e")
+        history = rounds_rows(settings.history, settings.seed + 1, "h")
+        rows = rounds_rows(settings.episodes, settings.seed, "e")
         # The ranker learns episode cost from finished episodes of other prompts (their tokens:
         # every turn's generation and observation), as the run's online refresh does.
-        ranker, history_costs = _fit_ranker(model_dir, tok, history, args)
+        ranker, history_costs = _fit_ranker(model_dir, tok, history, settings)
         scores = ranker.predict([r["prompt"] for r in rows])
-        latency = measure_latency(policy, tok, args.max_batch_size)
+        latency = measure_latency(policy, tok, settings.max_batch_size)
         runs: dict[str, list[dict]] = {p: [] for p in POLICIES}
-        for _ in range(args.repeats):
+        for _ in range(settings.repeats):
             for name in POLICIES:
-                run = _play(name, model_dir, tok, rows, scores, history_costs, latency, args)
+                run = _play(name, model_dir, tok, rows, scores, history_costs, latency, settings)
                 runs[name].append(run)
                 print(f"{name}: {run['episodes_per_s']:.2f} episodes/s", flush=True)
     rates = {p: statistics.median(r["episodes_per_s"] for r in runs[p]) for p in POLICIES}
     cost = runs["round_robin"][0]["cost"]  # each episode's tokens, as played
     return {
         "bench": "episodes",
-        "episodes": args.episodes,
-        "instances": args.instances,
-        "repeats": args.repeats,
+        "episodes": settings.episodes,
+        "instances": settings.instances,
+        "repeats": settings.repeats,
         "episodes_per_s": rates,
         "speedup_vs_round_robin": rates["episode_aware"] / rates["round_robin"],
         "prefill_saved": {
@@ -170,22 +173,29 @@ def bench_episodes(args) -> dict:
     }
 
 
-def _fit_ranker(model_dir: Path, tok, history: list[dict], args) -> tuple[LengthRanker, list]:
+def _fit_ranker(
+    model_dir: Path, tok, history: list[dict], settings: EpisodesBench
+) -> tuple[LengthRanker, list]:
     """A ``LengthRanker`` fit on the costs of ``history``'s episodes, played once; with them."""
     with StreamGenerationService(
         model_dir,
-        args.instances,
-        max_batch_size=args.max_batch_size,
+        settings.instances,
+        max_batch_size=settings.max_batch_size,
         stop_token_ids=stop_token_ids(tok),
-        seed=args.seed + 7,
+        seed=settings.seed + 7,
     ) as service:
         runner = EpisodeRunner(
-            service, Rounds, tok, max_tokens=args.turn_tokens, context=CONTEXT, max_turns=MAX_ROUNDS
+            service,
+            Rounds,
+            tok,
+            max_tokens=settings.turn_tokens,
+            context=CONTEXT,
+            max_turns=MAX_ROUNDS,
         )
         firsts = [runner.start(row) for row in history]
         runner.submit(firsts)
         cost = {e.prompt_id: e.length for e in (runner.next_sample() for _ in firsts)}
     lengths = [cost[r["prompt_id"]] for r in history]
-    ranker = LengthRanker(seed=args.seed)
+    ranker = LengthRanker(seed=settings.seed)
     ranker.learn([r["prompt"] for r in history], lengths)
     return ranker, lengths

@@ -26,12 +26,14 @@ import tempfile
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import lightning as L
 import torch
 
 from streamrl.algorithms import GRPO
 from streamrl.bench.inputs import load_lengths, model_dir_for, tokenizer_for
+from streamrl.bench.settings import PipelineBench, RewardBench
 from streamrl.components.generation.service import StreamGenerationService
 from streamrl.errors import ConfigError
 from streamrl.policy.models import load_policy
@@ -70,41 +72,48 @@ BENCH_MODES: dict[str, BenchMode] = {
 }
 
 
-def run_mode(name: str, model_dir: Path, lengths: list[int], args) -> dict:
+def run_mode(
+    name: str,
+    model_dir: Path,
+    lengths: list[int],
+    settings: PipelineBench,
+    reward: str = "exact",
+    reward_workers: int = 0,
+) -> dict:
     """One timed run of the mode ``name`` (``BENCH_MODES``); medians over the measured
-    (post-warm-up) iterations."""
+    (post-warm-up) iterations. ``bench reward`` varies where the rewards run (``reward_workers``
+    processes, 0: in the trainer); ``bench pipeline`` scores exact match inline."""
     variant = BENCH_MODES[name]
     mode = variant.mode
     # A random policy at forced lengths rarely earns a reward: the bench times the pipeline.
     warnings.filterwarnings("ignore", category=NoLearningSignalWarning)
     torch.set_num_threads(1)
-    L.seed_everything(args.seed, verbose=False)
+    L.seed_everything(settings.seed, verbose=False)
     policy, tokenizer = load_policy(model_dir)
-    prompts = _prompt_set(args)
-    algorithm = GRPO(group_size=args.group_size)
-    steps = args.warmup + args.iterations
+    prompts = _prompt_set(settings)
+    algorithm = GRPO(group_size=settings.group_size)
+    steps = settings.warmup + settings.iterations
     # Two cores: colocated decodes on both, then trains on both; the disaggregated modes give
     # the generators --generators cores and the trainer the rest (default one each).
-    instances = args.colocated_generators if mode == "colocated" else args.generators
-    on_gpu = getattr(args, "device", "cpu") == "cuda"
+    instances = settings.colocated_generators if mode == "colocated" else settings.generators
+    on_gpu = settings.device == "cuda"
     service = StreamGenerationService(
         model_dir,
         instances,
-        max_batch_size=args.max_batch_size,
+        max_batch_size=settings.max_batch_size,
         gpus_per_instance=int(on_gpu),
-        cluster=getattr(args, "cluster", "local"),
-        weight_transport=getattr(args, "weight_transport", "gloo"),
+        cluster=settings.cluster,
+        weight_transport=settings.weight_transport,
         partial_rollout=variant.partial_rollout,
     )
-    # `bench reward` varies where the rewards run; `bench pipeline` scores exact match inline.
     rewards = RewardPool(
-        RewardSpec.from_config(getattr(args, "reward", "exact"), where="--reward"),
-        workers=getattr(args, "reward_workers", 0),
+        RewardSpec.from_config(reward, where="--reward"),
+        workers=reward_workers,
     )
     with service as sgs, rewards:
         rollouts = RolloutStream(
             sgs,
-            PromptSource(prompts, args.batch, seed=args.seed),
+            PromptSource(prompts, settings.batch, seed=settings.seed),
             tokenizer,
             algorithm,
             reward=rewards,
@@ -119,16 +128,16 @@ def run_mode(name: str, model_dir: Path, lengths: list[int], args) -> dict:
             iterations=steps,
             lr=1e-5,
             mode=mode,
-            max_tokens_per_micro_batch=args.max_tokens_per_micro_batch,
+            max_tokens_per_micro_batch=settings.max_tokens_per_micro_batch,
             staleness_bound=variant.staleness_bound,
         )
         accelerator = "gpu" if on_gpu else "cpu"
         build_trainer(module, show_progress=False, accelerator=accelerator, devices=1).fit(module)
-    measured = module.history[args.warmup :]
+    measured = module.history[settings.warmup :]
     spans = rollouts.trace.spans
     # The measured window: from the first trainer span of the first measured iteration to the
     # end of the last one (the trainer's spans carry their iteration).
-    trainer = [s for s in spans if s.lane == "trainer" and s.iteration >= args.warmup]
+    trainer = [s for s in spans if s.lane == "trainer" and s.iteration >= settings.warmup]
     start, end = min(s.start_s for s in trainer), max(s.end_s for s in trainer)
     lanes = sorted({s.lane for s in spans if s.lane.startswith("generator")})
     gen_busy = [busy_fraction(spans, lane, start, end) for lane in lanes]
@@ -145,7 +154,7 @@ def run_mode(name: str, model_dir: Path, lengths: list[int], args) -> dict:
         ),
         "generator_idle_frac": 1 - statistics.mean(gen_busy) if gen_busy else 1.0,
         "exposed_sync_s": statistics.median(h["time/sync_exposed_s"] for h in measured),
-        "slot_use": running / (instances * args.max_batch_size),
+        "slot_use": running / (instances * settings.max_batch_size),
         "token_lag_mean": statistics.mean(
             h.get("train/token_staleness_mean", 0.0) for h in measured
         ),
@@ -153,31 +162,31 @@ def run_mode(name: str, model_dir: Path, lengths: list[int], args) -> dict:
     }
 
 
-def bench_pipeline(args) -> dict:
-    """Run every mode ``args.repeats`` times; report medians and speedups over colocated."""
-    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+def bench_pipeline(settings: PipelineBench) -> dict:
+    """Run every mode ``settings.repeats`` times; report medians and speedups over colocated."""
+    modes = [m.strip() for m in settings.modes.split(",") if m.strip()]
     unknown = [m for m in modes if m not in BENCH_MODES]
     if unknown or not modes:
         raise ConfigError(f"--modes: unknown {unknown}; choose from {', '.join(BENCH_MODES)}.")
-    lengths = load_lengths(args.lengths or DEFAULT_LENGTHS)
-    if getattr(args, "device", "cpu") == "cuda" and not torch.cuda.is_available():
+    lengths = load_lengths(settings.lengths or DEFAULT_LENGTHS)
+    if settings.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError(
             "--device cuda: this machine has no CUDA GPU (torch.cuda.is_available() "
             "is False); run without --device to benchmark on the CPU."
         )
-    tokenizer = tokenizer_for(args.model)
-    longest_prompt = max(len(tokenizer(p)["input_ids"]) for p in _prompt_set(args)["prompt"])
+    tokenizer = tokenizer_for(settings.model)
+    longest_prompt = max(len(tokenizer(p)["input_ids"]) for p in _prompt_set(settings)["prompt"])
     with tempfile.TemporaryDirectory(prefix="streamrl-bench-") as tmp:
         # Lengths past the built-in model's context: build it with the context they need (a
         # model directory too short fails here, before any generator starts).
         context = longest_prompt + max(lengths)
-        model_dir = model_dir_for(args.model, Path(tmp), args.seed, context=context)
+        model_dir = model_dir_for(settings.model, Path(tmp), settings.seed, context=context)
         runs: dict[str, list[dict]] = {m: [] for m in modes}
-        for repeat in range(args.repeats):
+        for repeat in range(settings.repeats):
             for mode in modes:  # interleaved, so drift on the machine hits every mode alike
-                runs[mode].append(run_mode(mode, model_dir, lengths, args))
+                runs[mode].append(run_mode(mode, model_dir, lengths, settings))
                 rate = runs[mode][-1]["samples_per_s"]
-                tag = f"[{repeat + 1}/{args.repeats}] {mode}"
+                tag = f"[{repeat + 1}/{settings.repeats}] {mode}"
                 print(f"{tag}: {rate:.1f} samples/s", file=sys.stderr)
     result = {"modes": {m: _median_run(r) for m, r in runs.items()}}
     if "colocated" in runs:
@@ -194,8 +203,8 @@ def bench_pipeline(args) -> dict:
             for m, v in result["modes"].items()
             if BENCH_MODES[m].mode == "async" and m != "async"
         }
-    if args.timeline_dir:
-        out = Path(args.timeline_dir)
+    if settings.timeline_dir:
+        out = Path(settings.timeline_dir)
         out.mkdir(parents=True, exist_ok=True)
         for mode, mode_runs in runs.items():
             trace = mode_runs[-1]["_trace"]
@@ -207,9 +216,9 @@ def bench_pipeline(args) -> dict:
     return result
 
 
-def _prompt_set(args):
+def _prompt_set(settings: PipelineBench | RewardBench) -> Any:
     """The task prompts every mode draws its batches from."""
-    return make_prompt_set(max(64, args.batch * 4), seed=args.seed, max_len=8)
+    return make_prompt_set(max(64, settings.batch * 4), seed=settings.seed, max_len=8)
 
 
 def _median_run(runs: list[dict]) -> dict:

@@ -9,7 +9,6 @@ between backward passes; in the pool it overlaps training.
 
 from __future__ import annotations
 
-import copy
 import statistics
 import sys
 import tempfile
@@ -17,35 +16,37 @@ from pathlib import Path
 
 from streamrl.bench.inputs import load_lengths, model_dir_for, tokenizer_for
 from streamrl.bench.pipeline import DEFAULT_LENGTHS, _prompt_set, run_mode
+from streamrl.bench.settings import RewardBench
 from streamrl.errors import ConfigError
 
 
-def bench_reward(args) -> dict:
-    """Run ``args.mode`` once per worker count per repeat; report medians and the ratio of each
+def bench_reward(settings: RewardBench) -> dict:
+    """Run ``settings.mode`` once per worker count per repeat; report medians and the ratio of each
     pool to inline scoring."""
     try:
-        settings = [int(w) for w in args.workers.split(",") if w.strip()]
+        counts = [int(w) for w in settings.workers.split(",") if w.strip()]
     except ValueError as err:
-        raise ConfigError(f"--workers: comma-separated integers, got {args.workers!r}.") from err
-    if not settings or min(settings) < 0:
-        raise ConfigError(f"--workers: need counts >= 0 (0 = inline), got {args.workers!r}.")
-    lengths = load_lengths(args.lengths or DEFAULT_LENGTHS)
-    tokenizer = tokenizer_for(args.model)
-    longest_prompt = max(len(tokenizer(p)["input_ids"]) for p in _prompt_set(args)["prompt"])
-    runs: dict[int, list[dict]] = {w: [] for w in settings}
+        raise ConfigError(
+            f"--workers: comma-separated integers, got {settings.workers!r}."
+        ) from err
+    if not counts or min(counts) < 0:
+        raise ConfigError(f"--workers: need counts >= 0 (0 = inline), got {settings.workers!r}.")
+    lengths = load_lengths(settings.lengths or DEFAULT_LENGTHS)
+    tokenizer = tokenizer_for(settings.model)
+    longest_prompt = max(len(tokenizer(p)["input_ids"]) for p in _prompt_set(settings)["prompt"])
+    runs: dict[int, list[dict]] = {w: [] for w in counts}
     with tempfile.TemporaryDirectory(prefix="streamrl-bench-") as tmp:
         model_dir = model_dir_for(
-            args.model, Path(tmp), args.seed, context=longest_prompt + max(lengths)
+            settings.model, Path(tmp), settings.seed, context=longest_prompt + max(lengths)
         )
-        for repeat in range(args.repeats):
-            for workers in settings:  # interleaved: drift on the machine hits every setting
-                run_args = copy.copy(args)
-                run_args.reward_workers = workers
-                result = run_mode(args.mode, model_dir, lengths, run_args)
+        for repeat in range(settings.repeats):
+            for workers in counts:  # interleaved: drift on the machine hits every setting
+                run = settings.pipeline()
+                result = run_mode(settings.mode, model_dir, lengths, run, settings.reward, workers)
                 runs[workers].append(result)
                 rate = result["samples_per_s"]
                 print(
-                    f"[{repeat + 1}/{args.repeats}] workers={workers}: {rate:.1f} samples/s",
+                    f"[{repeat + 1}/{settings.repeats}] workers={workers}: {rate:.1f} samples/s",
                     file=sys.stderr,
                 )
     table = {
@@ -56,7 +57,7 @@ def bench_reward(args) -> dict:
         }
         for w, rs in runs.items()
     }
-    result = {"reward": args.reward, "mode": args.mode, "settings": table}
+    result = {"reward": settings.reward, "mode": settings.mode, "settings": table}
     if 0 in runs:
         base = table["workers=0"]["samples_per_s"]
         result["ratio_to_inline"] = {

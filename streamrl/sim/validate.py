@@ -24,7 +24,6 @@ Nothing is fitted to the predicted rows, and no stored number is on the "real" s
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import tempfile
@@ -114,8 +113,9 @@ def run_real(
 ) -> dict:
     """One fresh real run of ``config`` through ``bench.pipeline.run_mode`` (no trace kept)."""
     from streamrl.bench.pipeline import run_mode
+    from streamrl.bench.settings import PipelineBench
 
-    args = argparse.Namespace(
+    settings = PipelineBench(
         seed=seed,
         batch=config.batch,
         group_size=config.group_size,
@@ -125,11 +125,8 @@ def run_real(
         colocated_generators=config.instances,
         max_batch_size=config.max_batch_size,
         max_tokens_per_micro_batch=config.token_budget,
-        device="cpu",
-        cluster="local",
-        weight_transport="gloo",
     )
-    result = run_mode(config.mode, model_dir, LENGTH_SETS[config.lengths](), args)
+    result = run_mode(config.mode, model_dir, LENGTH_SETS[config.lengths](), settings)
     result.pop("_trace", None)
     return result
 

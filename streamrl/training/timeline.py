@@ -3,8 +3,8 @@
 A timeline shows pipeline bubbles (idle gaps) at a glance where logs only list durations. The
 pieces: ``Span`` (one timed stage on one lane), ``TraceRecorder`` (collects spans in bounded
 memory and writes a JSON trace), ``load_trace`` / ``busy_fraction`` (read a trace back and
-measure it). ``streamrl.training.timeline_chart`` draws them (``draw_timeline``, a Gantt chart PNG;
-``add_timeline_command``, the ``streamrl timeline TRACE`` sub-command).
+measure it). ``streamrl.training.timeline_chart`` draws them (``draw_timeline``, a Gantt chart
+PNG, which ``streamrl timeline TRACE`` runs).
 """
 
 from __future__ import annotations

@@ -19,14 +19,12 @@ Every colour, shade and mark drawn has a legend entry below the chart.
 
 from __future__ import annotations
 
-import argparse
 from bisect import bisect_right
 from collections.abc import Sequence
 from itertools import pairwise
 from pathlib import Path
 
-from streamrl.errors import ConfigError
-from streamrl.training.timeline import STAGES, Span, busy_fraction, lane_order, load_trace
+from streamrl.training.timeline import STAGES, Span, busy_fraction, lane_order
 
 DETAIL_ITERATIONS = 10
 """The iterations a summarised chart draws in full, the last ones."""
@@ -293,30 +291,3 @@ def _legend(fig, spans: Sequence[Span], with_unrecorded: bool) -> None:
         handles.append(Patch(facecolor=UNRECORDED_COLOUR, edgecolor="0.5", label=label))
     ncol = min(len(handles), 4)
     fig.legend(handles=handles, loc="outside lower center", ncol=ncol, frameon=False, fontsize=9)
-
-
-def add_timeline_command(subparsers: argparse._SubParsersAction) -> None:
-    """Register ``timeline TRACE [-o PNG] [--title T]`` on an argparse subparsers object."""
-    parser = subparsers.add_parser(
-        "timeline", help="draw a pipeline timeline (Gantt chart PNG) from a trace JSON"
-    )
-    parser.add_argument("trace", metavar="TRACE", help="trace JSON written by TraceRecorder")
-    parser.add_argument("-o", "--output", help="PNG path (default: TRACE with a .png suffix)")
-    parser.add_argument("--title", default=None, help="chart title (default: the trace's name)")
-    parser.set_defaults(func=run_timeline_command)
-
-
-def run_timeline_command(args: argparse.Namespace) -> dict:
-    """Load ``args.trace``, draw it; returns the PNG path, span count and busy fractions."""
-    spans = load_trace(args.trace)
-    if not spans:
-        raise ConfigError(f"{args.trace} holds no spans: nothing to draw.")
-    output = args.output or Path(args.trace).with_suffix(".png")
-    title = Path(args.trace).name if args.title is None else args.title
-    path = draw_timeline(spans, output, title)
-    lanes = sorted({s.lane for s in spans}, key=lane_order)
-    return {
-        "png": str(path),
-        "spans": len(spans),
-        "lanes": {lane: round(busy_fraction(spans, lane), 4) for lane in lanes},
-    }

@@ -1,7 +1,7 @@
 """Dispatchers and admission schedulers by the names a config uses (StreamRL §5.3).
 
 A run (``rl.dispatcher``, ``rl.scheduler``) and the simulator (``SimConfig.dispatch`` and
-``admission``, ``streamrl simulate --config``) build them here, from the same values: a
+``admission``, ``streamrl simulate --run_config``) build them here, from the same values: a
 built-in's short name, ``package.module:Name`` for your own class, or a mapping
 ``{name: ..., option: value}`` that adds constructor options. So a dispatcher of yours runs in
 the simulator with no edit.

@@ -1,0 +1,168 @@
+"""``streamrl demo``, ``model``, ``profile`` and ``timeline``: each a dataclass of options and
+the function that runs it (``streamrl.cli.parsing.Command``)."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from streamrl.cli.parsing import Command
+from streamrl.errors import ConfigError
+from streamrl.runtime.quiet import quiet_lightning
+
+
+@dataclass
+class DemoOptions:
+    """Run the main job on the embedded default (CPU, tiny model).
+
+    Attributes:
+        size: full: the demo of docs/demo.md (about 4 min after the install); small: the same
+            job shrunk to about 2 min.
+        output_dir: where logs and metrics go (a new directory beside it if it holds a run).
+        no_progress: draw no progress bars.
+        verbose: also show Lightning's information lines (accelerators found, tips) on stderr,
+            as streamrl fit --verbose does.
+    """
+
+    size: Literal["full", "small"] = "full"
+    output_dir: str = "runs/demo"
+    no_progress: bool = False
+    verbose: bool = False
+
+
+def demo(options: DemoOptions) -> dict:
+    from streamrl.run.demo import run_demo
+
+    quiet_lightning(verbose=options.verbose)
+    return run_demo(options.size, options.output_dir, show_progress=not options.no_progress)
+
+
+@dataclass
+class ModelOptions:
+    """Write a random-init model directory of a built-in shape (e.g. 0.5b).
+
+    Attributes:
+        out: the directory to write.
+        size: the built-in shape.
+        context: positions (prompt + output).
+        seed: the weights' seed.
+    """
+
+    out: str
+    size: Literal["test", "demo", "0.5b"] = "0.5b"
+    context: int = 2048
+    seed: int = 0
+
+
+def model(options: ModelOptions) -> dict:
+    from streamrl.policy.models import count_parameters, load_policy, write_random_policy
+
+    path = write_random_policy(
+        options.out, options.size, context=options.context, seed=options.seed
+    )
+    policy, tokenizer = load_policy(path)
+    return {
+        "model_dir": str(path),
+        "parameters": count_parameters(policy),
+        "vocab": policy.config.vocab_size,
+        "tokenizer_ids": len(tokenizer),
+    }
+
+
+@dataclass
+class ProfileOptions:
+    """Measure PTL(BS), the per-token decode latency.
+
+    Attributes:
+        model: 'tiny' (~1M params, random) or a model dir.
+        batch_sizes: comma-separated batch sizes.
+        tokens: forced output length per sequence.
+        repeats: runs per batch size (median).
+        output: where to save the latency model (-o).
+    """
+
+    model: str = "tiny"
+    batch_sizes: str = "1,2,4,8,16,32,64"
+    tokens: int = 32
+    repeats: int = 3
+    output: str = "profile.json"
+
+
+def profile(options: ProfileOptions) -> dict:
+    from streamrl.bench.generate import load_model
+    from streamrl.components.skewness.profiler import Profiler
+
+    policy, tokenizer = load_model(options.model)
+    prompt = tokenizer("copy abcdefgh=")["input_ids"]
+    sizes = [int(b) for b in options.batch_sizes.split(",")]
+    fitted = Profiler(policy, prompt, tokens=options.tokens, repeats=options.repeats).fit(sizes)
+    print(f"{'batch':>6} {'ms/token':>10}", file=sys.stderr)
+    for size, ptl in zip(fitted.batch_sizes, fitted.ptl_s):
+        print(f"{size:>6} {ptl * 1000:>10.2f}", file=sys.stderr)
+    path = fitted.to_json(options.output)
+    return {
+        "batch_sizes": fitted.batch_sizes,
+        "ptl_ms": [round(p * 1000, 3) for p in fitted.ptl_s],
+        "output": str(path),
+    }
+
+
+@dataclass
+class TimelineOptions:
+    """Draw a pipeline timeline (Gantt chart PNG) from a trace JSON.
+
+    Attributes:
+        trace: trace JSON written by TraceRecorder (also the first bare argument).
+        output: PNG path (-o; default: TRACE with a .png suffix).
+        title: chart title (default: the trace's name).
+    """
+
+    trace: str
+    output: str | None = None
+    title: str | None = None
+
+
+def timeline(options: TimelineOptions) -> dict:
+    """Load the trace, draw it; returns the PNG path, span count and busy fractions."""
+    from streamrl.training.timeline import busy_fraction, lane_order, load_trace
+    from streamrl.training.timeline_chart import draw_timeline
+
+    spans = load_trace(options.trace)
+    if not spans:
+        raise ConfigError(f"{options.trace} holds no spans: nothing to draw.")
+    output = options.output or Path(options.trace).with_suffix(".png")
+    title = Path(options.trace).name if options.title is None else options.title
+    path = draw_timeline(spans, output, title)
+    lanes = sorted({s.lane for s in spans}, key=lane_order)
+    return {
+        "png": str(path),
+        "spans": len(spans),
+        "lanes": {lane: round(busy_fraction(spans, lane), 4) for lane in lanes},
+    }
+
+
+COMMANDS = {
+    "demo": Command(
+        "run the main job on the embedded default (CPU, tiny model)", DemoOptions, demo
+    ),
+    "model": Command(
+        "write a random-init model directory of a built-in shape (e.g. 0.5b)",
+        ModelOptions,
+        model,
+    ),
+    "profile": Command(
+        "measure PTL(BS), the per-token decode latency",
+        ProfileOptions,
+        profile,
+        short={"-o": "output"},
+    ),
+    "timeline": Command(
+        "draw a pipeline timeline (Gantt chart PNG) from a trace JSON",
+        TimelineOptions,
+        timeline,
+        positional="trace",
+        short={"-o": "output"},
+    ),
+}

@@ -29,7 +29,6 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
 
 import lightning as L
 import torch
@@ -46,7 +45,7 @@ from streamrl.algorithms.base import Algorithm
 from streamrl.components.capacity.elastic import ElasticController
 from streamrl.errors import TrainerRankError
 from streamrl.policy.lora import LoRASpec, apply_lora
-from streamrl.run.config import RunConfig
+from streamrl.run.config import RLConfig, RunConfig, TrainerConfig
 from streamrl.run.config_checks import placement_of
 from streamrl.run.parts import lora_spec
 from streamrl.runtime.devices import Placement
@@ -78,7 +77,8 @@ class RankSetup:
         stop_deadline_s: the most seconds a stopped run spends saving (``None``: no limit).
         sharded_checkpoints: checkpoints as folders of each rank's shards.
         lora: the policy's adapters (every rank wraps its policy alike), or ``None``.
-        module_options: the rest of ``build_module``'s keyword arguments.
+        training: the run's ``rl`` and ``trainer`` sections, read by ``module`` in its one
+            call of ``build_module``.
     """
 
     algorithm: Algorithm
@@ -89,7 +89,9 @@ class RankSetup:
     stop_deadline_s: float | None = 60.0
     sharded_checkpoints: bool = False
     lora: LoRASpec | None = None
-    module_options: dict[str, Any] = field(default_factory=dict)
+    training: tuple[RLConfig, TrainerConfig] = field(
+        default_factory=lambda: (RLConfig(), TrainerConfig())
+    )
 
     @property
     def ranks(self) -> int:
@@ -120,22 +122,7 @@ class RankSetup:
             stop_deadline_s=rl.stop_deadline_s,
             sharded_checkpoints=trainer.sharded_checkpoints,
             lora=lora_spec(rl),
-            module_options=dict(
-                mode=rl.mode,
-                lr=rl.lr,
-                temperature=rl.temperature,
-                max_tokens_per_micro_batch=rl.max_tokens_per_micro_batch,
-                layout={True: "packed", False: "padded", None: None}[rl.pack_sequences],
-                min_samples=rl.min_samples,
-                is_cap=rl.is_cap,
-                staleness_bound=rl.staleness_bound,
-                correction=rl.correction,
-                correct_engine_gap=rl.correct_engine_gap,
-                precision=placement.precision,
-                activation_checkpointing=trainer.activation_checkpointing,
-                reference_offload=trainer.reference_offload,
-                logprob_chunk_tokens=trainer.logprob_chunk_tokens,
-            ),
+            training=(rl, trainer),
         )
 
     def trainable(self, policy: PreTrainedModel) -> PreTrainedModel:
@@ -150,7 +137,9 @@ class RankSetup:
         *,
         elastic: ElasticController | None = None,
     ) -> StreamRLModule:
-        """This rank's module (``rollouts`` only on rank 0)."""
+        """This rank's module (``rollouts`` only on rank 0): every rank builds it here, from the
+        same settings, through ``build_module``."""
+        rl, trainer = self.training
         return build_module(
             policy,
             self.algorithm,
@@ -158,7 +147,20 @@ class RankSetup:
             iterations=self.iterations,
             elastic=elastic,
             sharded=self.placement.sharded,
-            **self.module_options,
+            precision=self.placement.precision,
+            mode=rl.mode,
+            lr=rl.lr,
+            temperature=rl.temperature,
+            max_tokens_per_micro_batch=rl.max_tokens_per_micro_batch,
+            layout={True: "packed", False: "padded", None: None}[rl.pack_sequences],
+            min_samples=rl.min_samples,
+            is_cap=rl.is_cap,
+            staleness_bound=rl.staleness_bound,
+            correction=rl.correction,
+            correct_engine_gap=rl.correct_engine_gap,
+            activation_checkpointing=trainer.activation_checkpointing,
+            reference_offload=trainer.reference_offload,
+            logprob_chunk_tokens=trainer.logprob_chunk_tokens,
         )
 
     def trainer(

@@ -8,7 +8,6 @@ it; they differ only in their rows, warm start, evaluator and sampler.
 
 from __future__ import annotations
 
-import copy
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -21,6 +20,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from streamrl.components.generation.service import StreamGenerationService
 from streamrl.errors import ConfigError
+from streamrl.policy.lora import merged_copy
 from streamrl.policy.models import load_policy, save_policy
 from streamrl.protocols import Sampler
 from streamrl.run.config import RunConfig
@@ -148,7 +148,7 @@ def run_fit(
         summary.update(rl_summary(module, len(module.history)))
     summary.update(ledger(module), **kind.run_summary(module.rollouts.sampler))
     # The trained policy as a model directory: `--config` with `model: <this dir>` goes on.
-    trained = save_policy(_plain(policy), tokenizer, Path(config.output_dir) / "policy")
+    trained = save_policy(merged_copy(policy), tokenizer, Path(config.output_dir) / "policy")
     summary["policy_dir"] = str(trained)
     write_summary(summary, config, model_dir, started)
     stages.files(config.output_dir)
@@ -183,10 +183,3 @@ def _follow_rank_zero(config: RunConfig, job: ClusterEnvironment, resume: str | 
     setup.trainer(module).fit(module, ckpt_path=resume)
     dist.destroy_process_group()
     return {"trainer_rank": job.global_rank(), "output_dir": config.output_dir}
-
-
-def _plain(policy: PreTrainedModel) -> PreTrainedModel:
-    """The policy without LoRA wrappers (adapters merged into a copy), ready to save."""
-    if hasattr(policy, "merge_and_unload"):
-        return copy.deepcopy(policy).merge_and_unload()
-    return policy

@@ -28,7 +28,7 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 import torch
 
-from streamrl.records import Request, Sample, Step
+from streamrl.records import LengthDistribution, Request, Sample, Step
 
 
 class RewardFn(Protocol):
@@ -61,6 +61,17 @@ class LengthPredictor(Protocol):
     def state_dict(self) -> dict: ...
 
     def load_state_dict(self, state: dict) -> None: ...
+
+
+@runtime_checkable
+class DistributionalLengthPredictor(LengthPredictor, Protocol):
+    """A ``LengthPredictor`` that also predicts each prompt's length as a distribution, so
+    planners can weigh the tail: the expected longest of a group's samples, a quantile, the
+    remaining tokens of a running sample (``LengthDistribution``)."""
+
+    def predict_distribution(self, prompts: Sequence[str]) -> list[LengthDistribution]:
+        """A length distribution per prompt (one sample's length)."""
+        ...
 
 
 @runtime_checkable

@@ -6,7 +6,123 @@ torch tensors (a tensor on a queue costs ~30x more and breaks when its producer 
 
 from __future__ import annotations
 
+import functools
+import math
 from dataclasses import dataclass, field
+from statistics import NormalDist
+
+import numpy as np
+
+_NORMAL = NormalDist()
+
+
+@dataclass(frozen=True)
+class LengthDistribution:
+    """A predicted output length as a distribution, not a point: ``log(length) ~ N(mu, sigma)``.
+
+    Output lengths are heavy-tailed (StreamRL §5, Fig. 3), and what a group of ``G`` samples
+    costs an instance is its *longest* sample, so planners need more than a point estimate: a
+    quantile (``quantile(0.9)``), the expected longest of ``n`` draws (``expected_max``), and,
+    for a sample still running, its expected remaining tokens (``remaining``).
+
+    Attributes:
+        mu: mean of the log length (``exp(mu)`` is the median length).
+        sigma: standard deviation of the log length: the predictor's error and the sampling
+            spread together (0: a point).
+
+    Examples:
+        >>> d = LengthDistribution(mu=math.log(100), sigma=0.5)
+        >>> round(d.median), round(d.quantile(0.9)), round(d.mean)
+        (100, 190, 113)
+        >>> round(d.expected_max(8)) > round(d.mean)
+        True
+    """
+
+    mu: float
+    sigma: float
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.mu) and math.isfinite(self.sigma)) or self.sigma < 0:
+            raise ValueError(f"LengthDistribution: need finite mu and sigma >= 0, got {self}.")
+
+    @classmethod
+    def point(cls, length: float) -> LengthDistribution:
+        """All mass at ``length`` (a point prediction seen as a distribution)."""
+        return cls(math.log(max(float(length), 1.0)), 0.0)
+
+    @property
+    def median(self) -> float:
+        return math.exp(self.mu)
+
+    @property
+    def mean(self) -> float:
+        return math.exp(self.mu + self.sigma**2 / 2)
+
+    def quantile(self, q: float) -> float:
+        """The length below which a share ``q`` of samples ends (``0 < q < 1``)."""
+        if not 0 < q < 1:
+            raise ValueError(f"quantile: q must be in (0, 1), got {q}.")
+        return math.exp(self.mu + self.sigma * _NORMAL.inv_cdf(q))
+
+    def cdf(self, length: float) -> float:
+        """Probability that a sample ends at ``length`` tokens or sooner."""
+        if length <= 0:
+            return 0.0
+        if self.sigma == 0:
+            return float(length >= self.median)
+        return _NORMAL.cdf((math.log(length) - self.mu) / self.sigma)
+
+    def expected_max(self, n: int) -> float:
+        """Expected longest of ``n`` independent samples: what a group of ``n`` occupies an
+        instance for (``E[max] = integral over u of Q(u ** (1/n))``, by quadrature)."""
+        if n < 1:
+            raise ValueError(f"expected_max: n must be >= 1, got {n}.")
+        if n == 1:
+            return self.mean
+        return math.exp(self.mu) * float(np.exp(self.sigma * _max_grid(n)).mean())
+
+    def remaining(self, generated: float) -> float:
+        """Expected tokens still to come for a sample that has ``generated`` tokens and has not
+        ended: ``E[L | L > generated] - generated`` (at least 1)."""
+        if generated <= 0:
+            return self.mean
+        if self.sigma == 0:
+            return max(1.0, self.median - generated)
+        z = (math.log(generated) - self.mu) / self.sigma
+        survive = 1.0 - _NORMAL.cdf(z)
+        if survive < 1e-9:  # far in the tail: the Mills-ratio limit, E[L - g | L > g] ~ g s / z
+            return max(1.0, generated * self.sigma / max(z, 1e-6))
+        beyond = self.mean * (1.0 - _NORMAL.cdf(z - self.sigma))  # E[L; L > g]
+        return max(1.0, beyond / survive - generated)
+
+
+@functools.lru_cache(maxsize=256)
+def _max_grid(n: int, points: int = 128) -> np.ndarray:
+    """Standard-normal quantiles at ``u ** (1/n)`` for midpoints ``u`` of ``points`` cells."""
+    u = (np.arange(points) + 0.5) / points
+    return np.array([_NORMAL.inv_cdf(x) for x in u ** (1.0 / n)])
+
+
+@dataclass
+class Progress:
+    """What a request generated on one instance before it moved to another (mid-flight moves).
+
+    Attributes:
+        token_ids: the tokens generated so far.
+        logprobs: their behaviour log-probabilities.
+        versions: the weight version that drew each of them.
+        weight_version: the version loaded when the request was first admitted (the finished
+            sample's ``weight_version``).
+        started_s: when it was first admitted (the finished sample's ``started_s``).
+        moves: how many times it has moved.
+    """
+
+    token_ids: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    weight_version: int
+    started_s: float
+    moves: int = 1
 
 
 @dataclass
@@ -29,6 +145,11 @@ class Request:
             one) prefills only its new tokens (``streamrl.envs``).
         prefer_instance: the instance that should run it (the one holding its prefix); the
             dispatcher places it if that instance is not active.
+        length_dist: the predicted length as a distribution (a distributional predictor's),
+            for planners that weigh the tail; ``predicted_length`` is the cost LPT orders by.
+        progress: what the request generated on another instance before it was moved (its
+            tokens, log-probs and versions); the instance that takes it prefills the prompt and
+            those tokens, then goes on. ``None``: it starts from its prompt.
     """
 
     prompt_id: str
@@ -41,6 +162,8 @@ class Request:
     iteration: int = 0
     keep_prefix: bool = False
     prefer_instance: int | None = None
+    length_dist: LengthDistribution | None = None
+    progress: Progress | None = None
 
     @property
     def key(self) -> tuple[str, int, int]:

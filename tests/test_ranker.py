@@ -11,6 +11,7 @@ import pytest
 
 from streamrl.algorithms import GRPO
 from streamrl.cli.main import main
+from streamrl.components.generation.service import StreamGenerationService
 from streamrl.components.skewness.ranker import LengthRanker, prompt_features
 from streamrl.components.skewness.ranking_metrics import recall_at_k
 from streamrl.policy.models import build_tokenizer
@@ -289,7 +290,12 @@ class _FakeDispatcher:
 
 
 class _FakeService:
-    """In-process stand-in for the generation service: a prompt's samples are as long as it."""
+    """In-process stand-in for the generation service: a prompt's samples are as long as it.
+    As a ``Sampler`` it starts groups as the real service does."""
+
+    scores_samples = False
+    start_group = StreamGenerationService.start_group
+    left_out = StreamGenerationService.left_out
 
     def __init__(self) -> None:
         self.dispatcher = _FakeDispatcher()

@@ -144,7 +144,7 @@ class AdaptiveDispatcher:
         for i, request in enumerate(requests):
             dist = self._register(request, None if scores is None else scores[i])
             group = sizes[request.prompt_id, request.iteration]
-            request.predicted_length = self._cost(dist, group)
+            request.predicted_length = min(self._cost(dist, group), float(request.max_tokens))
         if self.split_groups:
             units = [[r] for r in requests]
         else:
@@ -227,6 +227,8 @@ class AdaptiveDispatcher:
         return dist if dist is not None else self._prior(request.length_dist, None)
 
     def _register(self, request: Request, score: float | None) -> LengthDistribution:
+        if score is not None:  # no sample outlasts its budget
+            score = min(float(score), float(request.max_tokens))
         dist = self._prior(request.length_dist, score)
         self._dist[request.key] = dist
         group = self._groups.setdefault((request.prompt_id, request.iteration), _Group(dist))
@@ -248,10 +250,13 @@ class AdaptiveDispatcher:
     def _cost(self, dist: LengthDistribution, group: int) -> float:
         return dist.expected_max(group) if self.tail_aware else dist.median
 
-    def _left(self, request: Request) -> float:
-        """Expected tokens still to generate (a moved request's so far excluded)."""
-        done = len(request.progress.token_ids) if request.progress is not None else 0
-        return self.distribution(request).remaining(done)
+    def _left(self, request: Request, generated: int | None = None) -> float:
+        """Expected tokens still to generate after ``generated`` (default: what it brought
+        when it moved here), at most what its budget leaves."""
+        if generated is None:
+            generated = len(request.progress.token_ids) if request.progress is not None else 0
+        left = self.distribution(request).remaining(generated)
+        return max(1.0, min(left, request.max_tokens - generated))
 
 
 @dataclass
@@ -265,9 +270,7 @@ class _Work:
 
     @classmethod
     def of(cls, load: InstanceLoad, planner: AdaptiveDispatcher) -> _Work:
-        running = {
-            r.key: planner.distribution(r).remaining(generated) for r, generated in load.running
-        }
+        running = {r.key: planner._left(r, generated) for r, generated in load.running}
         order = sorted(load.waiting, key=lambda r: -(r.predicted_length or 0.0))
         waiting = [(r.key, planner._left(r)) for r in order]
         return cls(load.instance_id, max(1, load.batch_limit), running, waiting)

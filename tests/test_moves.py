@@ -219,3 +219,36 @@ def test_moved_requests_are_neither_lost_nor_generated_twice(model_dir, kill, mo
         assert counts["instances_restarted"] == 1
     else:
         assert counts.get("instances_restarted", 0) == 0
+
+
+# -- the simulator: the same planner on simulated instances ------------------------------------
+def test_simulated_moves_undo_a_bad_plan_and_count_what_moved():
+    from streamrl.sim.moves import simulate_generation
+
+    flat = LatencyModel([1], [0.01])
+    lengths = [40, 30, 30, 20, 20, 10, 10, 10]
+    reqs = [Request(f"p{i}", [1], 64, forced_length=n) for i, n in enumerate(lengths)]
+    scores = [float(n) for n in lengths]
+    planned = simulate_generation(_AllOnOne(flat, moves=False), reqs, scores, 2, flat, 2)
+    moved = simulate_generation(_AllOnOne(flat), reqs, scores, 2, flat, 2)
+    # All on one instance, 2 slots, longest first: 40 | 30+20+20(70)... by hand: 0.9 s.
+    assert planned.makespan_s == pytest.approx(0.9)
+    assert planned.requests_moved == 0
+    # Moves spread the queue over both instances: the total (170 tokens / 4 slots) and the
+    # longest (40) bound it below.
+    assert 0.43 <= moved.makespan_s < 0.6
+    assert moved.requests_moved >= 2 and moved.rebalances >= 1
+
+
+def test_simulated_speculation_speeds_up_only_the_tail():
+    from streamrl.components.skewness.dispatch import RoundRobinDispatcher
+    from streamrl.sim.instance import TailSpeculation
+    from streamrl.sim.moves import simulate_generation
+
+    flat = LatencyModel([1], [1.0])
+    reqs = [Request(f"p{i}", [1], 64, forced_length=n) for i, n in enumerate([10, 10, 10, 40])]
+    plain = simulate_generation(RoundRobinDispatcher(), reqs, None, 1, flat, 4)
+    tail = TailSpeculation(max_running=1, tokens_per_step=2.0, verify_cost=1.0)
+    fast = simulate_generation(RoundRobinDispatcher(), reqs, None, 1, flat, 4, speculation=tail)
+    # 10 steps with all four running, then the last 30 tokens at 2 per step (15 steps).
+    assert plain.makespan_s == pytest.approx(40.0) and fast.makespan_s == pytest.approx(25.0)

@@ -91,6 +91,8 @@ def simulate_generation(
         sim.release(part, 0.0)
     planner = dispatcher if isinstance(dispatcher, Rebalancer) else None
     result = GenerationResult(0.0)
+    if planner is not None and _due(sims):  # as the pool asks right after a dispatch
+        _rebalance(planner, sims, 0.0, result)
     while True:
         now = min(sim.next_finish_s() for sim in sims)
         if now == float("inf"):

@@ -229,6 +229,7 @@ class InstancePool:
                 handle.batch_limit = limits[i]
             if batch:
                 self.send(handle, batch)
+        self.rebalancing.maybe_ask()  # a planner that moves work may improve on its plan now
 
     @staticmethod
     def send(handle: InstanceHandle, batch: list[Request]) -> None:
@@ -360,6 +361,7 @@ class InstancePool:
                 if message is None or time.monotonic() - self._checked > 1.0:
                     self._check_health()
                 if message is None:
+                    self.rebalancing.maybe_ask()  # a round skipped for being too soon
                     if time.monotonic() >= deadline and quiet:
                         return "timeout", None
                     if time.monotonic() > deadline:

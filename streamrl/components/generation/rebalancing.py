@@ -77,7 +77,9 @@ class Rebalancing:
         """Ask every active instance for its status when one has free slots while another
         holds two requests or more (and no round is under way)."""
         now = time.monotonic()
-        if self._query is not None or now - self._asked < self.min_interval_s:
+        if self.planner is None or self._query is not None:
+            return
+        if now - self._asked < self.min_interval_s:
             return
         active = self.pool.active()
         if len(active) < 2:

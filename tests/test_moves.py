@@ -7,9 +7,9 @@ from __future__ import annotations
 import math
 import os
 import signal
+from typing import ClassVar
 
 import pytest
-import torch
 
 from streamrl.components.generation.admission import AdmissionQueue
 from streamrl.components.generation.hf_generator import HFStreamGenerator
@@ -155,7 +155,7 @@ class _AllOnOne(AdaptiveDispatcher):
     ``kill`` ('source' or 'target') kills that instance as the first moves go out."""
 
     kill: str | None = None
-    pids: dict[int, int] = {}
+    pids: ClassVar[dict[int, int]] = {}
 
     def plan(self, requests, scores, instances):
         parts = super().plan(requests, scores, 1)

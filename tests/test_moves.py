@@ -252,3 +252,55 @@ def test_simulated_speculation_speeds_up_only_the_tail():
     fast = simulate_generation(RoundRobinDispatcher(), reqs, None, 1, flat, 4, speculation=tail)
     # 10 steps with all four running, then the last 30 tokens at 2 per step (15 steps).
     assert plain.makespan_s == pytest.approx(40.0) and fast.makespan_s == pytest.approx(25.0)
+
+
+# -- deadlines: several iterations in flight ---------------------------------------------------
+def _finished(prompt: str, iteration: int, length: int, start: float, end: float) -> Sample:
+    return Sample(
+        prompt,
+        0,
+        [1],
+        [0] * length,
+        [0.0] * length,
+        0,
+        0,
+        started_s=start,
+        finished_s=end,
+        iteration=iteration,
+    )
+
+
+def test_the_clock_measures_token_and_iteration_times_from_finished_samples():
+    from streamrl.components.skewness.deadlines import IterationClock
+
+    clock = IterationClock(smoothing=1.0)  # the newest measurement only: hand-checkable
+    for it in range(3):
+        clock.opened(it, [(f"p{it}", 0, it)])
+    clock.finished(_finished("p0", 0, 10, 100.0, 101.0))  # 0.1 s per token
+    assert clock.lead(2) is None  # one completion: no period yet
+    clock.finished(_finished("p1", 1, 10, 102.0, 103.0))  # done 2 s after iteration 0
+    assert clock.seconds_per_token == pytest.approx(0.1)
+    assert clock.seconds_per_iteration == pytest.approx(2.0)
+    assert clock.lead(2) == pytest.approx(0.0)  # the oldest open is 2 itself
+    clock.opened(3, [("p3", 0, 3)])
+    assert clock.lead(3) == pytest.approx(20.0)  # one period of 2 s at 0.1 s per token
+
+
+def test_a_later_iterations_long_sample_waits_behind_an_earlier_ones_if_it_has_the_slack():
+    from streamrl.components.skewness.deadlines import IterationClock
+
+    planner = AdaptiveDispatcher(max_batch_size=4, recent_lengths=[40, 50, 60] * 20)
+    planner.clock = IterationClock(smoothing=1.0)
+    for it in (-2, -1):  # two iterations done 5 s apart, at 0.01 s per token
+        planner.clock.opened(it, [(f"x{it}", 0, it)])
+    planner.clock.finished(_finished("x-2", -2, 100, 0.0, 1.0))
+    planner.clock.finished(_finished("x-1", -1, 100, 5.0, 6.0))
+    now = Request("short-now", [1], 512, iteration=0)
+    later = Request("long-later", [1], 512, iteration=1)
+    planner.plan([now, later], [50.0, 300.0], 1)
+    # Iteration 1 has 500 tokens of slack: its ~300-token sample costs less than ~50 now.
+    assert now.predicted_length > later.predicted_length
+    blind = AdaptiveDispatcher(max_batch_size=4, staleness_aware=False)
+    now2, later2 = Request("a", [1], 512, iteration=0), Request("b", [1], 512, iteration=1)
+    blind.plan([now2, later2], [50.0, 300.0], 1)
+    assert later2.predicted_length > now2.predicted_length  # plain LPT: longest first

@@ -4,7 +4,7 @@ samples, and moves work between instances mid-flight (beyond StreamRL §5.3).
 The paper's Algorithm 2 + LPT plan once, from point estimates, and let the plan run. Work since
 acts on what the run learns while it generates (Seer: group context and divided rollout; TIE:
 scheduling on a tail-inflated expectation; RollPacker: the tail handled apart). This planner does
-three things a ``Dispatcher`` plus a ``Rebalancer`` may (``streamrl.protocols``):
+four things a ``Dispatcher`` plus a ``Rebalancer`` may (``streamrl.protocols``):
 
 1. **Plan on distributions.** Each request's length is a ``LengthDistribution`` (a distributional
    predictor's, or the point prediction widened by the spread of recent lengths). A group of
@@ -19,7 +19,10 @@ three things a ``Dispatcher`` plus a ``Rebalancer`` may (``streamrl.protocols``)
    to finish last to the one predicted to finish first, while that shortens the predicted
    makespan by more than the move costs. A running sample's remaining work is its
    distribution's ``remaining(generated)``: the longer it has run, the longer it is expected to
-   run on (heavy tails).
+   run on (heavy tails); an instance's finish is predicted by ``InstanceWork``.
+4. **Deadlines** (``IterationClock``): with several iterations in flight (async mode, a
+   staleness bound above 1), a later iteration's requests cost less by the tokens a slot decodes
+   per iteration, so admission is by least slack: each window's long samples start early.
 
 Examples:
     >>> from streamrl.records import Request
@@ -31,7 +34,6 @@ Examples:
 
 from __future__ import annotations
 
-import heapq
 import math
 from collections import deque
 from collections.abc import Iterable, Sequence
@@ -40,7 +42,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from streamrl.components.skewness.deadlines import IterationClock
 from streamrl.components.skewness.group_context import GroupContext
+from streamrl.components.skewness.instance_work import InstanceWork
 from streamrl.components.skewness.latency import LatencyModel
 from streamrl.records import InstanceLoad, LengthDistribution, Move, Request, Sample
 
@@ -50,8 +54,6 @@ if TYPE_CHECKING:
 Key = tuple[str, int, int]
 #: Spread of log lengths assumed before any length is known.
 DEFAULT_SIGMA = 0.8
-#: Candidates weighed per move (the next waiting ones, the longest running ones).
-CANDIDATES = 6
 
 
 @dataclass
@@ -83,6 +85,10 @@ class AdaptiveDispatcher:
             ``observe``); its spread widens point predictions.
         window: how many recent lengths ``D`` keeps.
         group_context: the within-group spread it learns (a fresh ``GroupContext`` if ``None``).
+        staleness_aware: with several iterations in flight (async mode), admit by least slack:
+            a later iteration's cost is lowered by the tokens a slot decodes per iteration
+            (``IterationClock``, measured), so each window's long samples start early and no
+            later iteration crowds out an earlier one.
     """
 
     def __init__(
@@ -99,6 +105,7 @@ class AdaptiveDispatcher:
         recent_lengths: Iterable[int] = (),
         window: int = 4096,
         group_context: GroupContext | None = None,
+        staleness_aware: bool = True,
     ) -> None:
         self.latency = latency if latency is not None else LatencyModel([1], [1.0])
         self.max_batch_size = max_batch_size
@@ -112,6 +119,7 @@ class AdaptiveDispatcher:
         self._dist: dict[Key, LengthDistribution] = {}  # open requests' current estimates
         self._groups: dict[tuple[str, int], _Group] = {}
         self.moved = 0  # requests moved by its plans
+        self.clock = IterationClock() if staleness_aware else None
 
     @classmethod
     def from_run(cls, run: RunContext, **options: Any) -> AdaptiveDispatcher:
@@ -144,7 +152,8 @@ class AdaptiveDispatcher:
         for i, request in enumerate(requests):
             dist = self._register(request, None if scores is None else scores[i])
             group = sizes[request.prompt_id, request.iteration]
-            request.predicted_length = min(self._cost(dist, group), float(request.max_tokens))
+            cost = min(self._cost(dist, group), float(request.max_tokens))
+            request.predicted_length = cost - self._lead(request.iteration)
         if self.split_groups:
             units = [[r] for r in requests]
         else:
@@ -176,6 +185,8 @@ class AdaptiveDispatcher:
         """Learn from a finished sample: its open siblings' distributions follow the group's
         finished lengths (``GroupContext``); returns their new admission costs."""
         self._dist.pop(sample.key, None)
+        if self.clock is not None:
+            self.clock.finished(sample)
         group = self._groups.get((sample.prompt_id, sample.iteration))
         if group is None or sample.key not in group.open:
             return {}
@@ -187,9 +198,10 @@ class AdaptiveDispatcher:
             return {}
         after = self.context.posterior(group.prior, group.finished)
         costs = {}
+        lead = self._lead(sample.iteration)
         for key in group.open:
             self._dist[key] = after
-            costs[key] = self._cost(after, len(group.open))
+            costs[key] = self._cost(after, len(group.open)) - lead
         return costs
 
     def rebalance(self, loads: Sequence[InstanceLoad]) -> list[Move]:
@@ -197,7 +209,7 @@ class AdaptiveDispatcher:
         predicted to finish first, while each shortens the predicted makespan enough."""
         if not self.moves or len(loads) < 2:
             return []
-        work = [_Work.of(load, self) for load in loads]
+        work = [self._work(load) for load in loads]
         moves: dict[tuple[int, int], list[Key]] = {}
         for _ in range(self.max_moves):
             finish = [w.finish_s(self.latency) for w in work]
@@ -227,9 +239,14 @@ class AdaptiveDispatcher:
         return dist if dist is not None else self._prior(request.length_dist, None)
 
     def _register(self, request: Request, score: float | None) -> LengthDistribution:
+        known = self._dist.get(request.key)
+        if known is not None:  # requeued (its instance failed): its estimate stands
+            return known
         if score is not None:  # no sample outlasts its budget
             score = min(float(score), float(request.max_tokens))
         dist = self._prior(request.length_dist, score)
+        if self.clock is not None:
+            self.clock.opened(request.iteration, [request.key])
         self._dist[request.key] = dist
         group = self._groups.setdefault((request.prompt_id, request.iteration), _Group(dist))
         group.open.add(request.key)
@@ -247,6 +264,11 @@ class AdaptiveDispatcher:
         mu = float(np.median(logs)) if logs.size else math.log(32)
         return LengthDistribution(mu, sigma)
 
+    def _lead(self, iteration: int) -> float:
+        """Tokens of slack a request of ``iteration`` has over the oldest iteration in flight."""
+        lead = self.clock.lead(iteration) if self.clock is not None else None
+        return lead or 0.0
+
     def _cost(self, dist: LengthDistribution, group: int) -> float:
         return dist.expected_max(group) if self.tail_aware else dist.median
 
@@ -258,77 +280,9 @@ class AdaptiveDispatcher:
         left = self.distribution(request).remaining(generated)
         return max(1.0, min(left, request.max_tokens - generated))
 
-
-@dataclass
-class _Work:
-    """An instance's predicted remaining work: running and waiting requests' expected tokens."""
-
-    instance_id: int
-    batch: int
-    running: dict[Key, float]  # key -> expected tokens left
-    waiting: list[tuple[Key, float]]  # in admission order
-
-    @classmethod
-    def of(cls, load: InstanceLoad, planner: AdaptiveDispatcher) -> _Work:
-        running = {r.key: planner._left(r, generated) for r, generated in load.running}
+    def _work(self, load: InstanceLoad) -> InstanceWork:
+        """What ``load``'s instance is expected to generate still, in admission order."""
+        running = {r.key: self._left(r, generated) for r, generated in load.running}
         order = sorted(load.waiting, key=lambda r: -(r.predicted_length or 0.0))
-        waiting = [(r.key, planner._left(r)) for r in order]
-        return cls(load.instance_id, max(1, load.batch_limit), running, waiting)
-
-    def finish_s(self, latency: LatencyModel) -> tuple[float, float]:
-        """Predicted seconds until its last sample ends, and the fluid bound that breaks ties.
-
-        Continuous batching with equal decode steps is list scheduling on ``batch`` slots
-        (running first, then waiting in admission order: each to the slot that frees first);
-        the fluid bound, its tokens spread over the slots, falls with every token moved away,
-        so moves that only prepare a better split still count.
-        """
-        lengths = [*self.running.values(), *(n for _, n in self.waiting)]
-        if not lengths:
-            return 0.0, 0.0
-        batch = min(self.batch, len(lengths))
-        slots = [0.0] * batch
-        for n in lengths:
-            heapq.heapreplace(slots, slots[0] + n)
-        ptl = latency.ptl(batch)
-        return max(slots) * ptl, max(max(lengths), sum(lengths) / batch) * ptl
-
-    def without(self, key: Key) -> _Work:
-        return _Work(
-            self.instance_id,
-            self.batch,
-            {k: v for k, v in self.running.items() if k != key},
-            [(k, v) for k, v in self.waiting if k != key],
-        )
-
-    def best_move(
-        self, target: _Work, latency: LatencyModel, overhead_s: float
-    ) -> tuple[tuple[float, float], Key] | None:
-        """The candidate whose move gives the smallest later finish of the two (then the
-        smallest fluid bound), with those finishes."""
-        longest = sorted(self.running.items(), key=lambda kv: -kv[1])[:CANDIDATES]
-        candidates = [(k, v, True) for k, v in longest] + [
-            (k, v, False) for k, v in self.waiting[:CANDIDATES]
-        ]
-        best = None
-        for key, left, running in candidates:
-            if running:  # its prompt and tokens are prefilled again there
-                left += overhead_s / latency.ptl(1)
-            moved = _Work(target.instance_id, target.batch, target.running, [(key, left)])
-            moved.waiting += target.waiting
-            here, there = self.without(key).finish_s(latency), moved.finish_s(latency)
-            after = (max(here[0], there[0]), max(here[1], there[1]))
-            if best is None or after < best[0]:
-                best = (after, key)
-        return best
-
-    def take(self, source: _Work, key: Key, overhead_s: float, latency: LatencyModel) -> None:
-        """Move ``key`` from ``source`` to here (admitted first here: it is the costliest)."""
-        left = source.running.get(key)
-        if left is None:
-            left = dict(source.waiting)[key]
-        else:
-            left += overhead_s / latency.ptl(1)
-        source.running.pop(key, None)
-        source.waiting = [(k, v) for k, v in source.waiting if k != key]
-        self.waiting.insert(0, (key, left))
+        waiting = [(r.key, self._left(r)) for r in order]
+        return InstanceWork(load.instance_id, max(1, load.batch_limit), running, waiting)

@@ -7,9 +7,9 @@ from __future__ import annotations
 import math
 import os
 import signal
-from typing import ClassVar
 
 import pytest
+from extension_plugins import AllOnFirstInstance
 
 from streamrl.components.generation.admission import AdmissionQueue
 from streamrl.components.generation.hf_generator import HFStreamGenerator
@@ -150,26 +150,6 @@ def model_dir(tmp_path_factory, tokenizer):
     return path
 
 
-class _AllOnOne(AdaptiveDispatcher):
-    """Plans everything onto the first instance, so the second must take work by moves; a
-    ``kill`` ('source' or 'target') kills that instance as the first moves go out."""
-
-    kill: str | None = None
-    pids: ClassVar[dict[int, int]] = {}
-
-    def plan(self, requests, scores, instances):
-        parts = super().plan(requests, scores, 1)
-        return parts + [[] for _ in range(instances - 1)]
-
-    def rebalance(self, loads):
-        moves = super().rebalance(loads)
-        if moves and self.kill is not None:
-            victim = moves[0].source if self.kill == "source" else moves[0].target
-            os.kill(self.pids[victim], signal.SIGKILL)
-            self.kill = None
-        return moves
-
-
 FORCED = [22, 3, 18, 5, 14, 7, 20, 4, 16, 9, 12, 6]
 
 
@@ -183,7 +163,7 @@ def test_moved_requests_are_neither_lost_nor_generated_twice(model_dir, kill, mo
     """Killed as the moves go out (the release reaches a dead source; the target dies before it
     gets them), or once the source has released them (the rest of its requests requeued)."""
     baseline = _baseline(model_dir)
-    planner = _AllOnOne(LatencyModel([1, 4], [0.002, 0.008]), max_batch_size=4)
+    planner = AllOnFirstInstance(LatencyModel([1, 4], [0.002, 0.008]), max_batch_size=4)
     planner.kill = kill if kill != "source-after-release" else None
     if kill == "source-after-release":
         released = Rebalancing.released
@@ -229,8 +209,8 @@ def test_simulated_moves_undo_a_bad_plan_and_count_what_moved():
     lengths = [40, 30, 30, 20, 20, 10, 10, 10]
     reqs = [Request(f"p{i}", [1], 64, forced_length=n) for i, n in enumerate(lengths)]
     scores = [float(n) for n in lengths]
-    planned = simulate_generation(_AllOnOne(flat, moves=False), reqs, scores, 2, flat, 2)
-    moved = simulate_generation(_AllOnOne(flat), reqs, scores, 2, flat, 2)
+    planned = simulate_generation(AllOnFirstInstance(flat, moves=False), reqs, scores, 2, flat, 2)
+    moved = simulate_generation(AllOnFirstInstance(flat), reqs, scores, 2, flat, 2)
     # All on one instance, 2 slots, longest first: 40 | 30+20+20(70)... by hand: 0.9 s.
     assert planned.makespan_s == pytest.approx(0.9)
     assert planned.requests_moved == 0

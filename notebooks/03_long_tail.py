@@ -34,6 +34,7 @@ from streamrl.bench.settings import DispatchBench
 from streamrl.components.skewness.ranker import LengthRanker
 from streamrl.components.skewness.ranking_metrics import kendall_tau, recall_at_k
 from streamrl.run.notebook import notebook_settings
+from streamrl.sim.moves import simulate_generation
 from streamrl.tasks import make_prompt_set
 
 SMALL, OUT = notebook_settings()  # STREAMRL_NOTEBOOK_BUDGET=small|full, STREAMRL_NOTEBOOK_OUT
@@ -93,7 +94,7 @@ plt.show()
 #
 # `bench_dispatch` is the function behind `streamrl bench dispatch`; its settings,
 # `DispatchBench`, are the command line's. With `simulate=True` it replays continuous batching
-# with a latency model instead of running generators:
+# with a latency model instead of running generators (the simulator's `simulate_generation`):
 #
 # - `random`: each prompt to a random instance, FIFO admission (the baseline; mean of 20 draws);
 # - `skew`: Algorithm 2 + LPT on the lengths **our `LengthRanker` predicts** from each prompt's
@@ -118,7 +119,8 @@ def dispatch(instances: int, prompts: int | None = None, **overrides) -> dict:
         "instances": instances,
         "repeats": 1,
     }
-    return bench_dispatch(DispatchBench(**{**settings, **overrides}))
+    chosen = DispatchBench(**{**settings, **overrides})
+    return bench_dispatch(chosen, simulator=simulate_generation)
 
 
 settings = [(2, None), (8, None)] if SMALL else [(2, None), (8, None), (8, 4096), (32, 4096)]

@@ -21,14 +21,14 @@ In YAML each of them is a short name for a built-in or ``package.module:Name`` f
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 import torch
 
-from streamrl.records import LengthDistribution, Request, Sample, Step
+from streamrl.records import InstanceLoad, LengthDistribution, Move, Request, Sample, Step
 
 
 class RewardFn(Protocol):
@@ -106,6 +106,22 @@ class Dispatcher(Protocol):
 
 
 @runtime_checkable
+class Rebalancer(Protocol):
+    """What a ``Dispatcher`` adds to go on planning while the iteration runs (beyond §5.3):
+    the pool tells it each finished sample and, when an instance has free slots while another
+    is busy, asks it what to move (``streamrl.components.skewness.adaptive``)."""
+
+    def finished(self, sample: Sample) -> Mapping[tuple, float]:
+        """A sample finished: learn from it (its group's siblings); returns new admission
+        costs of open requests by key (sent to the instances that queue them)."""
+        ...
+
+    def rebalance(self, loads: Sequence[InstanceLoad]) -> list[Move]:
+        """The moves that shorten the predicted makespan of these instances (may be none)."""
+        ...
+
+
+@runtime_checkable
 class AdmissionScheduler(Protocol):
     """Queue of waiting requests, consulted each time a batch slot frees."""
 
@@ -174,6 +190,30 @@ class RecomputingGenerator(Protocol):
     def recompute_running(self) -> int:
         """Prefill every running sequence again, prompt and tokens so far, under the weights
         loaded now; returns the tokens prefilled."""
+        ...
+
+
+@runtime_checkable
+class MovableGenerator(Protocol):
+    """What a ``StreamGenerator`` adds so a planner can move its requests to other instances
+    mid-flight (``streamrl.components.skewness.adaptive``): take requests off, say how far the
+    running ones are, and reorder the waiting ones."""
+
+    def release(self, keys: Collection[tuple]) -> list[Request]:
+        """Take these requests off (waiting ones as they are, running ones with their
+        ``Request.progress``); keys it does not hold are ignored."""
+        ...
+
+    def release_waiting(self, count: int) -> list[Request]:
+        """Take off the ``count`` waiting requests it would admit next."""
+        ...
+
+    def reprioritize(self, costs: Mapping[tuple, float]) -> int:
+        """Set new admission costs (``predicted_length``) of waiting requests by key."""
+        ...
+
+    def running_progress(self) -> list[tuple[tuple, int]]:
+        """``(key, tokens generated)`` of each running sequence."""
         ...
 
 

@@ -268,6 +268,32 @@ class Step:
     info: dict = field(default_factory=dict)
 
 
+@dataclass
+class InstanceLoad:
+    """What one generator instance holds, as a planner that moves work sees it.
+
+    Attributes:
+        instance_id: the instance.
+        batch_limit: sequences it runs at once.
+        running: each running request with the tokens it has generated.
+        waiting: its requests not yet admitted (its queue).
+    """
+
+    instance_id: int
+    batch_limit: int
+    running: list[tuple[Request, int]]
+    waiting: list[Request]
+
+
+@dataclass(frozen=True)
+class Move:
+    """Requests a planner moves from one instance to another, mid-flight."""
+
+    keys: tuple[tuple[str, int, int], ...]
+    source: int
+    target: int
+
+
 #: What a pipeline run reports, real (``streamrl bench pipeline``) or simulated, by name.
 PIPELINE_COLUMNS: tuple[str, ...] = (
     "samples_per_s",

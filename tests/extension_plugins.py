@@ -7,14 +7,17 @@ it is meant to run (its state in the checkpoint, a file written by the generator
 
 from __future__ import annotations
 
+import os
+import signal
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from streamrl.algorithms import GRPO
 from streamrl.components.generation.engines import HFEngine
 from streamrl.components.run_context import RunContext
+from streamrl.components.skewness.adaptive import AdaptiveDispatcher
 from streamrl.protocols import AdmissionScheduler, Cluster, EngineSpec, StreamGenerator
 from streamrl.records import Request
 
@@ -120,3 +123,24 @@ class GuessEnv:
 def guess_demonstration(row) -> list[str]:
     """A good episode: one wrong guess, then the word."""
     return ["maybe", row["answer"]]
+
+
+class AllOnFirstInstance(AdaptiveDispatcher):
+    """An adaptive planner that plans everything onto the first instance, so the others must
+    take work by moves (``tests/test_moves.py``); a ``kill`` ('source' or 'target') kills that
+    instance (``pids``: instance id -> pid) as the first moves go out."""
+
+    kill: str | None = None
+    pids: ClassVar[dict[int, int]] = {}
+
+    def plan(self, requests, scores, instances):
+        parts = super().plan(requests, scores, 1)
+        return parts + [[] for _ in range(instances - 1)]
+
+    def rebalance(self, loads):
+        moves = super().rebalance(loads)
+        if moves and self.kill is not None:
+            victim = moves[0].source if self.kill == "source" else moves[0].target
+            os.kill(self.pids[victim], signal.SIGKILL)
+            self.kill = None
+        return moves

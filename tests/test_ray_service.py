@@ -11,10 +11,13 @@ import os
 
 import pytest
 import torch
+from extension_plugins import AllOnFirstInstance
 
 from streamrl.components.generation.hf_generator import fingerprint
 from streamrl.components.generation.ray_instance import RayOptions
 from streamrl.components.generation.service import StreamGenerationService
+from streamrl.components.skewness.latency import LatencyModel
+from streamrl.components.skewness.schedulers import LPTScheduler
 from streamrl.policy.models import build_tiny_model, save_policy
 from streamrl.records import Request
 
@@ -116,3 +119,28 @@ def test_fit_config_switches_to_ray_with_one_field(tmp_path, fit_small, ray_opti
     status = json.loads((tmp_path / "out" / "instances.json").read_text())
     assert [s["state"] for s in status.values()] == ["stopped", "stopped"]
     assert all(s["pid"] not in (None, os.getpid()) for s in status.values())
+
+
+def test_ray_actors_move_requests_between_them(model_dir, tokenizer, ray_options):
+    """Moving work mid-flight on Ray actors (issue 34): everything planned onto one actor, the
+    other takes its share by moves; every sample once, greedy tokens as one instance gives."""
+    lengths = [22, 3, 18, 5, 14, 7, 20, 4, 16, 9]
+    with StreamGenerationService(model_dir, 1, max_batch_size=4, greedy=True) as one:
+        baseline = {s.key: s.token_ids for s in one.generate(requests_for(tokenizer, lengths))}
+    planner = AllOnFirstInstance(LatencyModel([1, 4], [0.002, 0.008]), max_batch_size=4)
+    with StreamGenerationService(
+        model_dir,
+        2,
+        max_batch_size=4,
+        greedy=True,
+        cluster="ray",
+        ray=ray_options,
+        dispatcher=planner,
+        scheduler=LPTScheduler,
+    ) as sgs:
+        scores = [float(n) for n in lengths]
+        samples = list(sgs.generate(requests_for(tokenizer, lengths), scores))
+        moved = sgs.counts["requests_moved"]
+    assert sorted(s.key for s in samples) == sorted(baseline)
+    assert all(s.token_ids == baseline[s.key] for s in samples)
+    assert moved >= 1 and {s.instance_id for s in samples} == {0, 1}

@@ -143,7 +143,8 @@ def _check_dispatch_contract(result: dict, rows: set[str], prompts: int, mode: s
     for label, seconds in makespan.items():
         assert ratio[label] == pytest.approx(seconds / makespan["random"], abs=1e-3)
     for label, quality in result["predictions"].items():
-        assert label.startswith("skew") and quality["source"] in ("ranker", "noisy", "file")
+        assert label.startswith(("skew", "adaptive"))
+        assert quality["source"] in ("ranker", "noisy", "file")
         assert 0.0 <= quality["recall@20"] <= 1.0 and -1.0 <= quality["kendall_tau"] <= 1.0
     assert result["recall@20"] == result["predictions"]["skew"]["recall@20"]  # the headline
     assert result["history"]["p50"] <= result["history"]["p90"]
@@ -153,7 +154,10 @@ def test_bench_dispatch_simulated_contract_and_order(capsys):
     # 128 prompts of the default file on 2 instances (64 each, 32 slots), paper PTL table.
     argv = ["--simulate", "--instances", "2", "--latency", "paper-7b-h800", "--prompts", "128"]
     result = _bench_json(capsys, argv)
-    _check_dispatch_contract(result, {"random", "skew", "skew_noisy", "oracle"}, 128, "simulated")
+    rows = {"random", "skew", "skew_noisy", "adaptive", "oracle"}
+    _check_dispatch_contract(result, rows, 128, "simulated")
+    assert set(result["requests_moved"]) == rows  # moves only by the planner that makes them
+    assert all(n == 0 for label, n in result["requests_moved"].items() if label != "adaptive")
     makespan, quality = result["makespan_s"], result["predictions"]
     # The headline is the library's ranker, trained on the earlier iteration (2 x 128 samples).
     assert quality["skew"]["source"] == "ranker" and quality["skew_noisy"]["source"] == "noisy"
@@ -257,7 +261,7 @@ def test_bench_dispatch_real_runs_lengths_past_the_tiny_context(tmp_path, capsys
         "ranker",
     ]
     result = _bench_json(capsys, argv)
-    _check_dispatch_contract(result, {"random", "skew", "oracle"}, 8, "real")
+    _check_dispatch_contract(result, {"random", "skew", "adaptive", "oracle"}, 8, "real")
     # Wall clock on a shared machine: the longest sample alone bounds each row loosely.
     assert all(v >= 0.5 * result["longest_sample_s"] for v in result["makespan_s"].values())
 

@@ -22,9 +22,10 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -34,17 +35,18 @@ from streamrl.bench.pipeline import DEFAULT_LENGTHS
 from streamrl.bench.predictions import SOURCES, Batch, Predictions, batch_and_history, predict
 from streamrl.bench.settings import DispatchBench
 from streamrl.components.generation.service import StreamGenerationService
+from streamrl.components.skewness.adaptive import AdaptiveDispatcher
 from streamrl.components.skewness.dispatch import Dispatcher, RandomDispatcher
-from streamrl.components.skewness.latency import PAPER_7B_H800_MS, LatencyModel, simulate_instance
+from streamrl.components.skewness.latency import PAPER_7B_H800_MS, LatencyModel
 from streamrl.components.skewness.profiler import Profiler
 from streamrl.components.skewness.ranking_metrics import kendall_tau, recall_at_k
-from streamrl.components.skewness.schedulers import LPTScheduler
+from streamrl.components.skewness.schedulers import FIFOScheduler, LPTScheduler
 from streamrl.components.skewness.skew_dispatch import SkewAwareDispatcher
 from streamrl.errors import ConfigError
 from streamrl.policy.models import load_policy
-from streamrl.records import Request
+from streamrl.records import InstanceLoad, Move, Request, Sample
 
-POLICIES = ("random", "skew", "oracle")
+POLICIES = ("random", "skew", "adaptive", "oracle")
 RANDOM_DRAWS = 20  # simulated random dispatch: mean makespan over this many draws
 PROFILE_PROMPT = [5, 6, 7, 8]  # the prompt PTL(BS) is measured on
 
@@ -64,8 +66,7 @@ class Blindfolded:
     def plan(
         self, requests: Sequence[Request], scores: Sequence[float] | None, instances: int
     ) -> list[list[Request]]:
-        cap = max(r.max_tokens for r in requests)  # one budget for all: it tells nothing
-        blind = [replace(r, forced_length=None, max_tokens=cap) for r in requests]
+        blind = [replace(r, forced_length=None) for r in requests]
         original = {id(b): r for b, r in zip(blind, requests)}
         parts = self.inner.plan(blind, scores, instances)
         for part in parts:
@@ -88,11 +89,52 @@ class Blindfolded:
         self.inner.load_state_dict(state)
 
 
-def _requests(prompt_ids: list[list[int]], true: list[int], iteration: int = 0) -> list[Request]:
+class BlindfoldedRebalancer(Blindfolded):
+    """``Blindfolded`` around a dispatcher that also rebalances mid-flight (``Rebalancer``):
+    what it learns comes from finished samples and the instances' progress, never from the
+    forced lengths."""
+
+    def finished(self, sample: Sample) -> Mapping[tuple, float]:
+        return self.inner.finished(sample)
+
+    def rebalance(self, loads: Sequence[InstanceLoad]) -> list[Move]:
+        def blind(request: Request) -> Request:
+            return replace(request, forced_length=None)
+
+        return self.inner.rebalance(
+            [
+                InstanceLoad(
+                    load.instance_id,
+                    load.batch_limit,
+                    [(blind(r), n) for r, n in load.running],
+                    [blind(r) for r in load.waiting],
+                )
+                for load in loads
+            ]
+        )
+
+
+def _requests(
+    prompt_ids: list[list[int]], true: list[list[int]], iteration: int = 0
+) -> list[Request]:
+    """One request per sample: prompt ``i``'s sample ``j`` is forced to ``true[i][j]`` tokens;
+    every request has the same budget (the longest), which tells nothing about its own."""
+    cap = max(n for lengths in true for n in lengths)
     return [
-        Request(f"p{i}", ids, n, forced_length=n, iteration=iteration)
-        for i, (ids, n) in enumerate(zip(prompt_ids, true))
+        Request(f"p{i}", ids, cap, sample_index=j, forced_length=n, iteration=iteration)
+        for i, (ids, lengths) in enumerate(zip(prompt_ids, true))
+        for j, n in enumerate(lengths)
     ]
+
+
+def group_lengths(lengths: list[int], group_size: int, sigma: float, seed: int) -> list[list[int]]:
+    """Each prompt's ``group_size`` sample lengths: its length times a log-normal factor of
+    spread ``sigma`` per sample (the first sample keeps the length itself when alone)."""
+    if group_size == 1:
+        return [[n] for n in lengths]
+    rng = np.random.default_rng(seed)
+    spread = rng.lognormal(0.0, sigma, (len(lengths), group_size))
+    return [[max(1, round(n * f)) for f in row] for n, row in zip(lengths, spread)]
 
 
 def _dispatcher(
@@ -101,6 +143,9 @@ def _dispatcher(
     """A policy's dispatcher; ``d`` is its length distribution ``D`` (unused by random)."""
     if policy == "random":
         return Blindfolded(RandomDispatcher(settings.seed), settings.max_batch_size)
+    if policy == "adaptive":
+        planner = AdaptiveDispatcher(latency, settings.max_batch_size, recent_lengths=d)
+        return BlindfoldedRebalancer(planner, settings.max_batch_size)
     skew = SkewAwareDispatcher(
         latency,
         settings.max_batch_size,
@@ -112,21 +157,31 @@ def _dispatcher(
 
 
 def _simulate(
-    dispatcher: Blindfolded, scores, latency, settings: DispatchBench, prompt_ids, true
-) -> float:
-    """Replayed makespan; random dispatch (no scores: FIFO) averages ``RANDOM_DRAWS`` draws
-    (one draw alone can be far from what random dispatch costs on average)."""
+    simulator: Callable[..., Any],
+    dispatcher: Blindfolded,
+    scores,
+    latency,
+    settings: DispatchBench,
+    prompt_ids,
+    true,
+) -> tuple[float, int]:
+    """Simulated makespan and requests moved (``streamrl.sim.moves``); random dispatch (no
+    scores: FIFO) averages ``RANDOM_DRAWS`` draws (one draw alone can be far from what random
+    dispatch costs on average)."""
     draws = RANDOM_DRAWS if scores is None else 1
-    total = 0.0
+    total, moved = 0.0, 0
     for _ in range(draws):
-        parts = dispatcher.plan(_requests(prompt_ids, true), scores, settings.instances)
-        makespans = []
-        for part, limit in zip(parts, dispatcher.batch_limits(settings.instances)):
-            if scores is not None:  # LPT admission; stable: FIFO on ties
-                part = sorted(part, key=lambda r: -r.predicted_length)
-            makespans.append(simulate_instance([r.forced_length for r in part], limit, latency))
-        total += max(makespans)
-    return total / draws
+        result = simulator(
+            dispatcher,
+            _requests(prompt_ids, true),
+            _per_sample(scores, true),
+            settings.instances,
+            latency,
+            settings.max_batch_size,
+            scheduler=FIFOScheduler if scores is None else LPTScheduler,
+        )
+        total, moved = total + result.makespan_s, moved + result.requests_moved
+    return total / draws, moved // draws
 
 
 def _run_real(
@@ -139,6 +194,7 @@ def _run_real(
     (random dispatch) keep submission order, i.e. FIFO.
     """
     times: dict[str, list[float]] = {label: [] for label in plans}
+    moves: dict[str, list[int]] = {label: [] for label in plans}
     with StreamGenerationService(
         model_dir,
         settings.instances,
@@ -151,12 +207,25 @@ def _run_real(
         ]
         for iteration, (measured, _, (dispatcher, scores)) in enumerate(runs):
             sgs.dispatcher = dispatcher
+            requests = _requests(prompt_ids, true, iteration)
+            moved = sgs.counts["requests_moved"]
             started = time.perf_counter()
-            for _ in sgs.generate(_requests(prompt_ids, true, iteration), scores):
+            for _ in sgs.generate(requests, _per_sample(scores, true)):
                 pass
             if measured is not None:
                 times[measured].append(time.perf_counter() - started)
-    return {label: statistics.median(t) for label, t in times.items()}
+                moves[measured].append(sgs.counts["requests_moved"] - moved)
+    return {label: statistics.median(t) for label, t in times.items()}, {
+        label: statistics.median(m) for label, m in moves.items()
+    }
+
+
+def _per_sample(scores: list[float] | None, true: list[list[int]]) -> list[float] | None:
+    """Per-prompt scores repeated for each of the prompt's samples (the oracle's are already
+    per sample)."""
+    if scores is None or len(scores) == sum(map(len, true)):
+        return scores
+    return [score for score, lengths in zip(scores, true) for _ in lengths]
 
 
 def _rows(settings: DispatchBench) -> list[tuple[str, str, str | None]]:
@@ -170,6 +239,9 @@ def _rows(settings: DispatchBench) -> list[tuple[str, str, str | None]]:
     sources = _sources(settings)
     rows = []
     for policy in policies:
+        if policy == "adaptive":  # the headline predictions, as a distribution's median
+            rows.append((policy, policy, sources[0]))
+            continue
         if policy != "skew":
             rows.append((policy, policy, None))
             continue
@@ -187,8 +259,23 @@ def _sources(settings: DispatchBench) -> list[str]:
     return sources
 
 
-def bench_dispatch(settings: DispatchBench) -> dict:
-    """Makespan of each row (median of repeats when real) and its ratio to random."""
+def bench_dispatch(settings: DispatchBench, simulator: Callable[..., Any] | None = None) -> dict:
+    """Makespan of each row (median of repeats when real) and its ratio to random.
+
+    Args:
+        settings: the bench's settings (the command line's options).
+        simulator: replays a batch on simulated instances, for ``settings.simulate``:
+            ``streamrl.sim.moves.simulate_generation`` (what ``streamrl bench dispatch
+            --simulate`` passes; the simulator is a layer above the benches).
+
+    Raises:
+        ConfigError: bad settings, or ``simulate`` without a ``simulator``.
+    """
+    if settings.simulate and simulator is None:
+        raise ConfigError(
+            "bench_dispatch(simulate=True) needs simulator=streamrl.sim.moves."
+            "simulate_generation (streamrl bench dispatch --simulate passes it)."
+        )
     torch.set_num_threads(1)  # the ranker trains beside the generators' cores, as they would
     rows = _rows(settings)
     table = load_lengths(settings.lengths or DEFAULT_LENGTHS)
@@ -200,10 +287,13 @@ def bench_dispatch(settings: DispatchBench) -> dict:
             f"{n}, {settings.instances}, {settings.repeats}, {history}."
         )
     batch, earlier = batch_and_history(table, n, history, settings.sample_sigma, settings.seed)
+    g, sigma = settings.group_size, settings.group_sigma
+    true = group_lengths(batch.lengths, g, sigma, settings.seed + 3)
+    seen = [x for row in group_lengths(earlier.lengths, g, sigma, settings.seed + 4) for x in row]
     with tempfile.TemporaryDirectory(prefix="streamrl-dispatch-") as tmp:
-        prompt_ids, model_dir, latency = _setup(settings, batch, Path(tmp))
-        predictions = {
-            label: predict(
+        prompt_ids, model_dir, latency = _setup(settings, batch, true, Path(tmp))
+        by_source = {
+            source: predict(
                 source,
                 batch,
                 earlier,
@@ -211,37 +301,45 @@ def bench_dispatch(settings: DispatchBench) -> dict:
                 seed=settings.seed,
                 predicted_file=settings.predicted,
             )
-            for label, _, source in rows
-            if source is not None
+            for source in {source for _, _, source in rows if source is not None}
         }
+        predictions = {label: by_source[source] for label, _, source in rows if source}
         plans = {}
         for label, policy, _ in rows:
-            d = batch.lengths if policy == "oracle" else earlier.lengths
-            scores = _scores(policy, batch, predictions.get(label))
+            d = [x for row in true for x in row] if policy == "oracle" else seen
+            scores = _scores(policy, true, predictions.get(label))
             plans[label] = (_dispatcher(policy, latency, settings, d), scores)
+        moves = {}
         if settings.simulate:
-            makespan = {
-                label: _simulate(dispatcher, scores, latency, settings, prompt_ids, batch.lengths)
+            simulated = {
+                label: _simulate(simulator, dispatcher, scores, latency, settings, prompt_ids, true)
                 for label, (dispatcher, scores) in plans.items()
             }
+            makespan = {label: m for label, (m, _) in simulated.items()}
+            moves = {label: n for label, (_, n) in simulated.items()}
         else:
-            makespan = _run_real(plans, settings, prompt_ids, batch.lengths, model_dir)
+            makespan, moves = _run_real(plans, settings, prompt_ids, true, model_dir)
         makespan = {label: round(v, 4) for label, v in makespan.items()}
-    result = _result(settings, batch, earlier, predictions, makespan, latency)
+    result = _result(settings, batch, true, earlier, predictions, makespan, latency)
+    if moves:
+        result["requests_moved"] = moves
     _print_table(result)
     return result
 
 
-def _scores(policy: str, batch: Batch, predictions: Predictions | None) -> list[float] | None:
+def _scores(
+    policy: str, true: list[list[int]], predictions: Predictions | None
+) -> list[float] | None:
+    """Per prompt (the skew and adaptive policies: predicted), per sample (the oracle: true)."""
     if policy == "random":
         return None
     if policy == "oracle":
-        return [float(n) for n in batch.lengths]
+        return [float(n) for row in true for n in row]
     return predictions.lengths
 
 
 def _setup(
-    settings: DispatchBench, batch: Batch, tmp: Path
+    settings: DispatchBench, batch: Batch, true: list[list[int]], tmp: Path
 ) -> tuple[list[list[int]], Path | None, LatencyModel]:
     """Prompt token ids, the model directory (real runs; built with the context the prompts and
     lengths need, or refused before any work) and the latency model."""
@@ -254,7 +352,7 @@ def _setup(
         return [[0]] * len(batch.prompts), None, latency  # replays ignore the prompt
     tokenizer = tokenizer_for(settings.model)
     prompt_ids = [tokenizer(p)["input_ids"] for p in batch.prompts]
-    needed = 0 if settings.simulate else max(len(p) + n for p, n in zip(prompt_ids, batch.lengths))
+    needed = 0 if settings.simulate else max(len(p) + max(n) for p, n in zip(prompt_ids, true))
     model_dir = model_dir_for(settings.model, tmp, settings.seed, context=needed)
     if latency is None:  # measure the backend that runs: PTL up to the batch size used
         policy, _ = load_policy(model_dir)
@@ -275,6 +373,7 @@ def _quality(predictions: Predictions, true: list[int]) -> dict:
 def _result(
     settings: DispatchBench,
     batch: Batch,
+    true: list[list[int]],
     earlier: Batch,
     predictions: dict,
     makespan: dict,
@@ -292,9 +391,10 @@ def _result(
             "p90": float(np.percentile(earlier.lengths, 90)),
         },
         # Decoding the longest sample alone at PTL(1): no policy finishes sooner.
-        "longest_sample_s": round(latency.ptl(1) * max(batch.lengths), 4),
+        "longest_sample_s": round(latency.ptl(1) * max(max(row) for row in true), 4),
         "instances": settings.instances,
         "prompts": len(batch.lengths),
+        "group_size": settings.group_size,
         "mode": "simulated" if settings.simulate else "real",
     }
     if "skew" in quality:  # the headline predictions

@@ -112,7 +112,8 @@ class DispatchBench:
         lengths: JSON list / JSONL 'length' of true output lengths (default: the shipped
             long-tailed file).
         instances: generator instances.
-        policies: comma-separated, any of random, skew, oracle.
+        policies: comma-separated, any of random, skew (Algorithm 2 + LPT on the point
+            ranker), adaptive (distributions, group context, moves mid-flight), oracle.
         predictions: comma-separated sources of the skew policy's predicted lengths, one row
             each, the first the headline 'skew' row: 'ranker' (the library's LengthRanker
             trained on an earlier iteration), 'noisy' (true lengths x log-normal noise, a
@@ -128,6 +129,9 @@ class DispatchBench:
             (default) measured on --model now.
         objective: Algorithm 2 objective: pools' makespan (max) or the paper's sum.
         prompts: prompts (default: one per length in the file).
+        group_size: samples per prompt (a group); each sample's length is its prompt's times
+            a log-normal factor of spread --group_sigma.
+        group_sigma: spread of the log lengths inside a group (same-prompt samples correlate).
         max_batch_size: slots per instance.
         tail_batch_size: batch size of the skew policies' long-tail instances (default:
             --max_batch_size).
@@ -138,7 +142,7 @@ class DispatchBench:
 
     lengths: str | None = None
     instances: int = 2
-    policies: str = "random,skew,oracle"
+    policies: str = "random,skew,adaptive,oracle"
     predictions: str | None = None
     predicted: str | None = None
     ranker_noise: float = 0.25
@@ -148,6 +152,8 @@ class DispatchBench:
     latency: str | None = None
     objective: Literal["max", "sum"] = "max"
     prompts: int | None = None
+    group_size: int = 1
+    group_sigma: float = 0.3
     max_batch_size: int = 32
     tail_batch_size: int | None = None
     repeats: int = 3

@@ -61,8 +61,9 @@ def reward(settings: RewardBench) -> dict:
 
 def dispatch(settings: DispatchBench) -> dict:
     from streamrl.bench.dispatch import bench_dispatch
+    from streamrl.sim.moves import simulate_generation
 
-    return bench_dispatch(settings)
+    return bench_dispatch(settings, simulator=simulate_generation)
 
 
 def episodes(settings: EpisodesBench) -> dict:

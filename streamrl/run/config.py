@@ -217,7 +217,9 @@ class RLConfig:
             attention (the CPU's), where a packed row's dense mask costs the square of its tokens.
         min_samples: samples gathered before an iteration's first backward pass.
         dispatcher: which instance gets which prompt: ``"skew"`` (Algorithm 2 on predicted
-            lengths, §5.3), ``"round_robin"``, ``"random"`` or your ``Dispatcher``.
+            lengths, §5.3), ``"adaptive"`` (length distributions, group context, moves
+            mid-flight: ``AdaptiveDispatcher``), ``"round_robin"``, ``"random"`` or your
+            ``Dispatcher``.
         scheduler: admission order inside an instance: ``"lpt"`` (longest predicted first,
             §5.3), ``"fifo"`` or your ``AdmissionScheduler`` class.
         length_predictor: predicts output lengths for dispatch and LPT, trained online on the

@@ -74,6 +74,23 @@ class Running:
         return self.tokens
 
 
+@dataclass(frozen=True)
+class TailSpeculation:
+    """Speculative decoding in the tail, as the simulator models it (measured by
+    ``streamrl bench generate --speculative``).
+
+    Attributes:
+        max_running: it is on while at most this many samples run.
+        tokens_per_step: tokens a verify step yields per sample, on average (accepted drafts
+            plus the one the step samples).
+        verify_cost: a verify step's seconds relative to a plain decode step's.
+    """
+
+    max_running: int
+    tokens_per_step: float
+    verify_cost: float = 1.0
+
+
 class SimInstance:
     """A generator instance advanced by the event loop.
 
@@ -91,6 +108,7 @@ class SimInstance:
         prefill_s_per_token: seconds per padded token of a re-prefill (``"recompute"``).
         prompt_tokens: prompt length, part of a running sample's length when re-prefilled.
         version: the weight version loaded at the start.
+        speculation: speculative decoding in the tail (``TailSpeculation``); ``None``: off.
     """
 
     def __init__(
@@ -106,11 +124,13 @@ class SimInstance:
         prefill_s_per_token: float = 0.0,
         prompt_tokens: int = 0,
         version: int = 0,
+        speculation: TailSpeculation | None = None,
     ) -> None:
         self.instance_id, self.latency, self.max_batch_size = instance_id, latency, max_batch_size
         self.slowdown, self.prefill_s = slowdown, prefill_s
         self.policy, self.prefill_s_per_token = partial_rollout, prefill_s_per_token
         self.prompt_tokens, self.version = prompt_tokens, version
+        self.speculation = speculation
         self.paused_until = 0.0  # prefilling: no decode step before this
         self.queue = queue
         self.running: list[Running] = []
@@ -131,8 +151,43 @@ class SimInstance:
         return not self.running and not len(self.queue)
 
     def step_s(self) -> float:
-        """Seconds per decode step at the current batch size."""
-        return self.latency.ptl(len(self.running)) * self.slowdown
+        """Seconds per token of every running sample at the current batch size: a decode step,
+        or in the tail with speculation, a verify step over the tokens it yields on average."""
+        step = self.latency.ptl(len(self.running)) * self.slowdown
+        spec = self.speculation
+        if spec is not None and len(self.running) <= spec.max_running:
+            return step * spec.verify_cost / spec.tokens_per_step
+        return step
+
+    def waiting(self) -> list[Request]:
+        """Its requests not running: queued (in admission order) and held for their weights."""
+        queued = [self.queue.pop() for _ in range(len(self.queue))]
+        for request in queued:
+            self.queue.push(request)
+        return queued + self.held
+
+    def withdraw(self, keys: set[tuple], now: float) -> list[tuple[Request, int]]:
+        """Take these requests off (they move): each with the tokens it generated (0 if it
+        was waiting)."""
+        self.advance(now)
+        queued = [self.queue.pop() for _ in range(len(self.queue))]
+        for request in queued:
+            if request.key not in keys:
+                self.queue.push(request)
+        taken = [(r, 0) for r in queued + self.held if r.key in keys]
+        self.held = [r for r in self.held if r.key not in keys]
+        for r in [r for r in self.running if r.request.key in keys]:
+            self.running.remove(r)
+            taken.append((r.request, math.floor(r.generated + 1e-6)))
+        self._settle()
+        return taken
+
+    def reprioritize(self, costs: dict[tuple, float]) -> None:
+        """New admission costs of queued requests (as ``AdmissionQueue.reprioritize``)."""
+        queued = [self.queue.pop() for _ in range(len(self.queue))]
+        for request in queued:
+            request.predicted_length = costs.get(request.key, request.predicted_length)
+            self.queue.push(request)
 
     def release(self, requests: list[Request], now: float) -> None:
         """Hand ``requests`` over; those the loaded weights may serve queue at once, the others
@@ -221,11 +276,16 @@ class SimInstance:
 
     def _admit(self) -> None:
         admitted = False
+        moved_tokens = 0  # a moved running request's prompt and tokens are prefilled again
         while len(self.queue) and len(self.running) < self.max_batch_size:
             request = self.queue.pop()
+            done = len(request.progress.token_ids) if request.progress is not None else 0
+            if done:
+                moved_tokens = max(moved_tokens, self.prompt_tokens + done)
             self.running.append(
-                Running(request, float(request.forced_length), self.now, self.version)
+                Running(request, float(request.forced_length - done), self.now, self.version)
             )
             admitted = True
-        if admitted and self.prefill_s > 0:
-            self.paused_until = max(self.now, self.paused_until) + self.prefill_s
+        cost = self.prefill_s + self.prefill_s_per_token * moved_tokens * self.slowdown
+        if admitted and cost > 0:
+            self.paused_until = max(self.now, self.paused_until) + cost

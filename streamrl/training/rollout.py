@@ -20,7 +20,7 @@ from transformers import PreTrainedTokenizerBase
 from streamrl.algorithms.base import Algorithm
 from streamrl.components.generation.service import StreamGenerationService
 from streamrl.policy.chat import completion_text, render_prompt
-from streamrl.protocols import GroupStart, LengthPredictor, Sampler
+from streamrl.protocols import DistributionalLengthPredictor, GroupStart, LengthPredictor, Sampler
 from streamrl.records import Request, Sample, ScoredGroup
 from streamrl.rewards.pool import RewardPool, Scored
 from streamrl.rewards.spec import RewardSpec
@@ -302,6 +302,13 @@ class RolloutStream:
         if self.ranker is None or not self.ranker.ready:
             return None
         texts = [self._prompt_text(r) for r in rows.values()]
+        if isinstance(self.ranker, DistributionalLengthPredictor):
+            # Each request carries its distribution (planners that weigh the tail read it);
+            # the point score stays the median, the paper's prediction (§5.2).
+            dists = dict(zip(rows, self.ranker.predict_distribution(texts)))
+            for request in requests:
+                request.length_dist = dists[request.prompt_id]
+            return [dists[r.prompt_id].median for r in requests]
         by_prompt = dict(zip(rows, self.ranker.predict(texts)))
         return [by_prompt[r.prompt_id] for r in requests]
 

@@ -345,3 +345,34 @@ def test_sampled_logprobs_are_under_the_temperature(policy_dir):
 def _original_weights() -> dict[str, torch.Tensor]:
     """The weights in ``policy_dir`` under the trainer's names."""
     return {n: p.detach() for n, p in _policy(seed=0).named_parameters()}
+
+
+def test_a_released_running_request_resumes_on_another_engine_as_if_unmoved(policy_dir):
+    """Moving work mid-flight (issue 34): a running request leaves with its tokens, log-probs
+    and versions; another vLLM instance prefills them and goes on to the same greedy sample.
+    The two engines run one after the other (one vLLM engine per process at a time)."""
+    source = VLLMStreamGenerator(policy_dir, max_batch_size=4, greedy=True, **ENGINE)
+    try:
+        source.submit(_forced([10, 14], tag="m"))
+        unmoved = {s.prompt_id: s for s in source.stream()}
+        source.submit(_forced([10, 14], tag="m"))
+        for _ in range(5):
+            assert source.step() == []
+        moved = source.release([("m1", 0, 0), ("absent", 0, 0)])
+        assert [r.prompt_id for r in moved] == ["m1"] and source.num_running == 1
+        assert moved[0].progress is not None and len(moved[0].progress.token_ids) == 5
+        (kept,) = list(source.stream())
+    finally:
+        source.close()
+    target = VLLMStreamGenerator(policy_dir, max_batch_size=4, greedy=True, instance_id=4, **ENGINE)
+    try:
+        target.submit(moved)
+        (resumed,) = list(target.stream())
+    finally:
+        target.close()
+    for sample in (kept, resumed):
+        base = unmoved[sample.prompt_id]
+        assert sample.token_ids == base.token_ids
+        torch.testing.assert_close(sample.logprobs, base.logprobs, atol=1e-4, rtol=0)
+        assert sample.token_versions == base.token_versions
+    assert resumed.instance_id == 4 and resumed.prefill_tokens == len(resumed.prompt_ids) + 5

@@ -17,9 +17,12 @@ import pytest
 pytest.importorskip("vllm", reason="needs vllm: make test-vllm")
 
 import torch
+from extension_plugins import AllOnFirstInstance
 
 from streamrl.components.generation.engines import VLLMEngine
 from streamrl.components.generation.service import StreamGenerationService
+from streamrl.components.skewness.latency import LatencyModel
+from streamrl.components.skewness.schedulers import LPTScheduler
 from streamrl.policy.models import build_tiny_model, build_tokenizer, save_policy
 from streamrl.records import Request
 
@@ -169,3 +172,34 @@ def test_the_gpu_checks_vllm_step_runs_on_the_cpu_build(tmp_path):
     result = json.loads(run.stdout.strip().splitlines()[-1])
     assert result["ok"] and result["wire_dtype"] == "torch.bfloat16"
     assert [v["samples_at_version"] for v in result["versions"]] == [8, 8]
+
+
+def test_vllm_instances_move_requests_between_them(tmp_path):
+    """Moving work mid-flight on vLLM instances (issue 34): all planned onto one instance, the
+    other takes its share by moves (running ones re-prefilled there); every sample once, with
+    the greedy tokens one instance gives."""
+    tokenizer = build_tokenizer()
+    model_dir = save_policy(build_tiny_model(tokenizer, "demo", seed=0), tokenizer, tmp_path / "m")
+    lengths = [22, 3, 18, 5, 14, 7, 20, 4]
+    requests = [
+        Request(f"p{i}", [5, 6, 7 + i], max_tokens=24, forced_length=n)
+        for i, n in enumerate(lengths)
+    ]
+    engine = VLLMEngine(options=ENGINE)
+    with StreamGenerationService(model_dir, 1, engine=engine, max_batch_size=4, greedy=True) as one:
+        baseline = {s.key: s.token_ids for s in one.generate(requests)}
+    planner = AllOnFirstInstance(LatencyModel([1, 4], [0.002, 0.008]), max_batch_size=4)
+    with StreamGenerationService(
+        model_dir,
+        2,
+        engine=engine,
+        max_batch_size=4,
+        greedy=True,
+        dispatcher=planner,
+        scheduler=LPTScheduler,
+    ) as sgs:
+        samples = list(sgs.generate(requests, [float(n) for n in lengths]))
+        moved = sgs.counts["requests_moved"]
+    assert sorted(s.key for s in samples) == sorted(baseline)
+    assert all(s.token_ids == baseline[s.key] for s in samples)
+    assert moved >= 1 and {s.instance_id for s in samples} == {0, 1}

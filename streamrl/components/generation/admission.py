@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 
 from streamrl.components.skewness.schedulers import AdmissionScheduler, FIFOScheduler
 from streamrl.records import Request
@@ -123,9 +123,50 @@ class AdmissionQueue:
             admitted += 1
             yield req, self._submitted_s.pop(id(req), now)
 
+    def withdraw(self, keys: Collection[tuple]) -> list[Request]:
+        """Take the waiting requests whose ``key`` is in ``keys`` out of the queue (they move
+        to another instance); the others keep their order."""
+        return self._take(lambda req: req.key in keys)
+
+    def withdraw_next(self, count: int) -> list[Request]:
+        """Take out the ``count`` waiting requests that would be admitted next (work another
+        instance steals), in admission order; resuming turns stay."""
+        taken = []
+        while len(taken) < count and len(self._scheduler):
+            req = self._scheduler.pop()
+            self._submitted_s.pop(id(req), None)
+            taken.append(req)
+        return taken
+
+    def reprioritize(self, costs: Mapping[tuple, float]) -> int:
+        """Set the ``predicted_length`` of the waiting requests whose key is in ``costs`` (the
+        planner's estimates, updated from their finished siblings) and queue them again under
+        it; returns how many were waiting."""
+        waiting = [self._scheduler.pop() for _ in range(len(self._scheduler))]
+        changed = 0
+        for req in waiting:
+            if req.key in costs:
+                req.predicted_length, changed = float(costs[req.key]), changed + 1
+            self._scheduler.push(req)
+        return changed
+
+    def _take(self, chosen: Callable[[Request], bool]) -> list[Request]:
+        """Pop every waiting request, return those ``chosen`` picks and push the rest back in
+        the order they came out (FIFO order, or LPT order with ties as they were)."""
+        waiting = [self._scheduler.pop() for _ in range(len(self._scheduler))]
+        taken = [req for req in waiting if chosen(req)]
+        for req in waiting:
+            if not chosen(req):
+                self._scheduler.push(req)
+        taken += [req for req in self._resuming if chosen(req)]
+        self._resuming = deque(req for req in self._resuming if not chosen(req))
+        for req in taken:
+            self._submitted_s.pop(id(req), None)
+        return taken
+
 
 def budget(req: Request) -> int:
-    """Most tokens the request may generate."""
+    """Most tokens the request may generate (a moved request's tokens so far included)."""
     return req.forced_length if req.forced_length is not None else req.max_tokens
 
 

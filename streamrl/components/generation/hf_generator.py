@@ -24,7 +24,7 @@ Examples:
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -35,6 +35,7 @@ from streamrl.components.generation.admission import AdmissionQueue, budget
 from streamrl.components.generation.finished import finished_sample
 from streamrl.components.generation.hf_weights import WeightMap, copy_into, fingerprint
 from streamrl.components.generation.kv_cache import SlotCache
+from streamrl.components.generation.moving import leaving
 from streamrl.components.generation.prefix_stash import PrefixStash
 from streamrl.components.generation.sampling import sampling_temperature
 from streamrl.protocols import AdmissionScheduler
@@ -225,12 +226,36 @@ class HFStreamGenerator:
         if not self._rows:
             return 0
         with torch.inference_mode():
-            self._prefill_columns(
-                0, [(r.request.prompt_ids + r.token_ids)[: r.length] for r in self._rows]
-            )
+            self._prefill_columns(0, [_columns(r) for r in self._rows])
         for row in self._rows:
             row.recomputed += row.length
         return sum(r.length for r in self._rows)
+
+    def release(self, keys: Collection[tuple]) -> list[Request]:
+        """Take the requests with these keys off this instance (they move to another one):
+        waiting ones as they are, running ones with their progress (``moving.leaving``), their
+        slots freed at once. Keys it does not hold (finished already) are ignored."""
+        keys = set(keys)
+        moved = self.admission.withdraw(keys)
+        running = [i for i, row in enumerate(self._rows) if row.request.key in keys]
+        moved += [leaving(self._rows[i]) for i in running]
+        if running:
+            with torch.inference_mode():  # the cache is an inference tensor
+                self._release(running)
+        return moved
+
+    def release_waiting(self, count: int) -> list[Request]:
+        """Take off the ``count`` waiting requests it would admit next (work another instance
+        steals)."""
+        return self.admission.withdraw_next(count)
+
+    def reprioritize(self, costs: Mapping[tuple, float]) -> int:
+        """New admission costs for waiting requests (``AdmissionQueue.reprioritize``)."""
+        return self.admission.reprioritize(costs)
+
+    def running_progress(self) -> list[tuple[tuple, int]]:
+        """``(key, tokens generated)`` of every running sequence, moves included."""
+        return [(row.request.key, len(row.token_ids)) for row in self._rows]
 
     def weight_templates(self) -> dict[str, torch.Tensor]:
         """The tensors a weight update fills: the model's parameters (live, not copies), in
@@ -249,9 +274,10 @@ class HFStreamGenerator:
         fresh, resumed = [], []
         for req, submitted in self.admission.admit(len(self._rows), now):
             prompt = req.prompt_ids
-            # The last prompt token is fed by the shared decode forward, which yields token one.
-            row = _Running(req, submitted, now, self._weight_version, len(prompt) - 1, prompt[-1])
-            kept = self.prefixes.take(req.key, prompt, self._weight_version)
+            row = self._admitted_row(req, submitted, now)
+            kept = (
+                None if req.progress else self.prefixes.take(req.key, prompt, self._weight_version)
+            )
             if kept is None:
                 fresh.append(row)
             else:
@@ -268,6 +294,28 @@ class HFStreamGenerator:
             self._cache.load_row(len(self._rows), kv)
             self._rows.append(row)
 
+    def _admitted_row(self, req: Request, submitted: float, now: float) -> _Running:
+        """A new row for ``req``. The last known token (the prompt's, or the last one it
+        generated before it moved here) is fed by the shared decode forward; a moved request
+        keeps its tokens, log-probs, versions and first admission (its prompt and tokens are
+        prefilled here, counted in ``recomputed``)."""
+        prompt, done = req.prompt_ids, req.progress
+        if done is None or not done.token_ids:
+            return _Running(req, submitted, now, self._weight_version, len(prompt) - 1, prompt[-1])
+        row = _Running(
+            req,
+            submitted,
+            done.started_s,
+            done.weight_version,
+            len(prompt) + len(done.token_ids) - 1,
+            done.token_ids[-1],
+            token_ids=list(done.token_ids),
+            logprobs=list(done.logprobs),
+            versions=list(done.versions),
+        )
+        row.recomputed = len(done.token_ids)
+        return row
+
     def _resumable(self, req: Request) -> bool:
         """Whether ``req`` continues an episode whose prefix this generator kept."""
         return req.key in self.prefixes
@@ -277,7 +325,7 @@ class HFStreamGenerator:
         for i in resumed:
             self._prefill_after_prefix(i)
         new = self._rows[start : resumed[0] if resumed else len(self._rows)]
-        self._prefill_columns(start, [r.request.prompt_ids[: r.length] for r in new])
+        self._prefill_columns(start, [_columns(r) for r in new])
 
     def _prefill_columns(self, start: int, columns: list[list[int]]) -> None:
         """One batched forward that writes rows ``start, start + 1, ...`` of the cache from
@@ -414,6 +462,12 @@ class HFStreamGenerator:
             finish_reason=reason,
             cached_tokens=row.offset,
         )
+
+
+def _columns(row: _Running) -> list[int]:
+    """The tokens in a row's cache columns ``[0, length)``: its prompt, then what it generated
+    before its next input."""
+    return (row.request.prompt_ids + row.token_ids)[: row.length]
 
 
 def _version_seed(seed: int, version: int) -> int:

@@ -57,6 +57,7 @@ class InstanceHandle:
     members: set[int] = field(default_factory=set)  # instances it feeds weights to
     feed_generation: int = 0  # bumped each time it is connected to a (new) feeder
     latency: tuple | None = None  # (batch sizes, PTL seconds) it measured at start, if asked
+    batch_limit: int | None = None  # the dispatcher's batch size for it; None: the service's
 
     @classmethod
     def spawn(
@@ -97,12 +98,15 @@ class InstanceHandle:
 
     def salvage(self) -> list[Sample]:
         """After a failure: the samples it finished and sent before it went (each is one whole
-        pickled message); they leave ``open``, so only what it still held gets requeued."""
+        pickled message); they leave ``open``, so only what it still held gets requeued (the
+        requests it released to move on, with their progress)."""
         kept = []
         while self.link is not None and self.link.poll(0):
             message = self.read()
             if message and message[0] == "sample" and self.open.pop(message[1].key, None):
                 kept.append(message[1])
+            elif message and message[0] == "released":  # requeued with the progress they had
+                self.open.update((r.key, r) for r in message[3] if r.key in self.open)
         self.close_link()
         return kept
 

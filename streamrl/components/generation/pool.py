@@ -25,6 +25,7 @@ import torch
 
 from streamrl.components.generation.feeding import WeightFeeds
 from streamrl.components.generation.instance import InstanceHandle, InstanceInfo
+from streamrl.components.generation.rebalancing import Rebalancing
 from streamrl.components.weights.nccl import DEFAULT_BUCKET_BYTES
 from streamrl.components.weights.sync import AsyncWeightSync, Weights
 from streamrl.protocols import Dispatcher, WeightTransport
@@ -63,6 +64,7 @@ class InstancePool:
             taken as hung: killed and replaced.
         status_path: a JSON file rewritten on every change (instance id -> pid, state, weight
             version), for operators.
+        max_batch_size: each instance's batch slots (until the dispatcher sets a limit).
 
     Attributes:
         handles: every instance started, in id order (failed and stopped ones included).
@@ -88,8 +90,10 @@ class InstancePool:
         max_restarts: int = 3,
         heartbeat_timeout_s: float = 60.0,
         status_path: str | Path | None = None,
+        max_batch_size: int = 32,
     ) -> None:
         self.launch = launch
+        self.max_batch_size = max_batch_size
         self.dispatcher = dispatcher
         self.trainer_site = trainer_site
         self.weight_transport = weight_transport
@@ -112,6 +116,8 @@ class InstancePool:
         self._reading_since = time.monotonic()
         self._last_read = 0.0
         self._checked = 0.0  # when instance health was last checked
+        #: Moves between instances, when the dispatcher plans them (``rebalancing``).
+        self.rebalancing = Rebalancing(self)
 
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self, sites: Sequence[str]) -> None:
@@ -209,7 +215,7 @@ class InstancePool:
         held = {h.instance_id: h for h in active}
         placed = [r.prefer_instance in held for r in requests]
         for request in (r for r, p in zip(requests, placed) if p):
-            self._send(held[request.prefer_instance], [request])
+            self.send(held[request.prefer_instance], [request])
         rest = [r for r, p in zip(requests, placed) if not p]
         if not rest:
             return
@@ -220,13 +226,20 @@ class InstancePool:
         for i, (handle, batch) in enumerate(zip(active, parts)):
             if limits is not None:
                 handle.inbox.put(("limit", limits[i]))
+                handle.batch_limit = limits[i]
             if batch:
-                self._send(handle, batch)
+                self.send(handle, batch)
+        self.rebalancing.maybe_ask()  # a planner that moves work may improve on its plan now
 
     @staticmethod
-    def _send(handle: InstanceHandle, batch: list[Request]) -> None:
+    def send(handle: InstanceHandle, batch: list[Request]) -> None:
+        """Hand ``batch`` to one instance: it holds them from now on."""
         handle.open.update((r.key, r) for r in batch)
         handle.inbox.put(("submit", list(batch)))
+
+    def batch_limit(self, handle: InstanceHandle) -> int:
+        """How many sequences ``handle`` runs at once."""
+        return handle.batch_limit if handle.batch_limit is not None else self.max_batch_size
 
     # -- weights -----------------------------------------------------------------------------
     def push_weights(self, weights: Weights, version: int) -> float:
@@ -302,6 +315,7 @@ class InstancePool:
             )
         handle.stop(0.0)
         self.backlog.extend(handle.salvage())  # finished before it went: kept, not redone
+        self.rebalancing.forget(handle)
         self.feeds.leave(handle)
         requests = list(handle.open.values())
         handle.open.clear()
@@ -347,6 +361,7 @@ class InstancePool:
                 if message is None or time.monotonic() - self._checked > 1.0:
                     self._check_health()
                 if message is None:
+                    self.rebalancing.maybe_ask()  # a round skipped for being too soon
                     if time.monotonic() >= deadline and quiet:
                         return "timeout", None
                     if time.monotonic() > deadline:
@@ -412,7 +427,12 @@ class InstancePool:
                 )
             if handle.state == "draining":
                 self._retire_drained()
-        return kind not in ("heartbeat", "ready")
+            self.rebalancing.sample_arrived(handle, message[1])
+        elif kind == "status":
+            self.rebalancing.status(handle, *message[2:])
+        elif kind == "released":
+            self.rebalancing.released(handle, *message[2:])
+        return kind not in ("heartbeat", "ready", "status", "released")
 
     def _check_health(self) -> None:
         """Replace instances that died, or that stayed silent while we were reading."""

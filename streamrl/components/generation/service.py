@@ -216,6 +216,7 @@ class StreamGenerationService:
             max_restarts=max_restarts,
             heartbeat_timeout_s=heartbeat_timeout_s,
             status_path=status_path,
+            max_batch_size=max_batch_size,
         )
         self._outstanding: set[tuple] = set()  # keys submitted and not yet returned
         self.weight_version = 0  # loaded by every active instance

@@ -44,7 +44,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -55,6 +55,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from streamrl.components.generation.admission import AdmissionQueue, budget
 from streamrl.components.generation.finished import finished_sample
+from streamrl.components.generation.moving import generated_before, leaving
 from streamrl.components.generation.sampling import sampling_temperature
 from streamrl.components.generation.vllm_worker import EXTENSION
 from streamrl.components.skewness.schedulers import AdmissionScheduler
@@ -292,6 +293,32 @@ class VLLMStreamGenerator:
             self._add(row, prefix, budget(row.request) - len(row.token_ids))
         return columns
 
+    def release(self, keys: Collection[tuple]) -> list[Request]:
+        """Take the requests with these keys off this instance (they move to another one):
+        waiting ones as they are, running ones aborted in the engine and returned with their
+        progress (``moving.leaving``). Keys it does not hold are ignored."""
+        keys = set(keys)
+        moved = self.admission.withdraw(keys)
+        rows = [(rid, row) for rid, row in self._running.items() if row.request.key in keys]
+        if rows:
+            self._engine.abort_request([rid for rid, _ in rows])
+        for rid, row in rows:
+            del self._running[rid]
+            moved.append(leaving(row))
+        return moved
+
+    def release_waiting(self, count: int) -> list[Request]:
+        """Take off the ``count`` waiting requests it would admit next."""
+        return self.admission.withdraw_next(count)
+
+    def reprioritize(self, costs: Mapping[tuple, float]) -> int:
+        """New admission costs for waiting requests (``AdmissionQueue.reprioritize``)."""
+        return self.admission.reprioritize(costs)
+
+    def running_progress(self) -> list[tuple[tuple, int]]:
+        """``(key, tokens generated)`` of every request inside the engine, moves included."""
+        return [(row.request.key, len(row.token_ids)) for row in self._running.values()]
+
     def load_weights(
         self, state_dict: Mapping[str, torch.Tensor | np.ndarray], version: int
     ) -> None:
@@ -346,7 +373,13 @@ class VLLMStreamGenerator:
         now = time.time()
         for req, submitted in self.admission.admit(len(self._running), now):
             row = _Admitted(req, submitted, now, self._weight_version, priority=self._admitted)
-            self._add(row, list(req.prompt_ids), budget(req))
+            done = req.progress
+            if done is not None and done.token_ids:  # moved here: prefill its tokens too
+                row.started_s, row.weight_version = done.started_s, done.weight_version
+                row.token_ids, row.logprobs = list(done.token_ids), list(done.logprobs)
+                row.versions, row.recomputed = list(done.versions), len(done.token_ids)
+            prefix = list(req.prompt_ids) + row.token_ids
+            self._add(row, prefix, budget(req) - generated_before(req))
 
     def _add(self, row: _Admitted, prompt_ids: list[int], tokens: int) -> None:
         """Put ``row`` into the engine: ``prompt_ids`` in, at most ``tokens`` more out (its

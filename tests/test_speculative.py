@@ -16,6 +16,7 @@ from streamrl.components.generation.drafting import SuffixDrafter, SuffixIndex
 from streamrl.components.generation.speculative import (
     SpeculativeDecoding,
     accept_drafts,
+    verify_batch,
     vllm_speculative_config,
 )
 from streamrl.components.skewness.schedulers import FIFOScheduler
@@ -427,3 +428,15 @@ def test_yaml_turns_speculation_on_through_the_engine_options(tmp_path):
         check("{draft: 3}")
     with pytest.raises(ConfigError, match="min_ngram <= max_ngram"):
         check("{min_ngram: 5}")
+
+
+def test_a_verify_batch_pads_rows_past_their_drafts_at_their_last_position():
+    ids, positions, columns, allowed = verify_batch(
+        [3, 5], [7, 8], [[1, 2], []], pad_token_id=0, device=torch.device("cpu")
+    )
+    assert ids.tolist() == [[7, 1, 2], [8, 0, 0]]
+    assert columns.tolist() == [[3, 4, 5], [5, 6, 7]]  # distinct columns, pads included
+    assert positions.tolist() == [[3, 4, 5], [5, 5, 5]]  # pads repeat the row's last position
+    assert allowed.shape == (2, 3, 8)
+    # Row 0's second query (its first draft token, column 4) sees columns 0-4 only.
+    assert allowed[0, 1].tolist() == [True] * 5 + [False] * 3

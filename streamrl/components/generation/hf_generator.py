@@ -346,15 +346,15 @@ class HFStreamGenerator:
     def _verify(self, drafts: list[list[int]]) -> tuple[list[list[int]], list[list[float]]]:
         """One forward over every row's next input and draft; the tokens each row emits."""
         rows = self._rows
-        ids, pos, allowed = verify_batch(
+        ids, positions, columns, allowed = verify_batch(
             [r.length for r in rows],
             [r.next_input for r in rows],
             drafts,
             pad_token_id=self.pad_token_id,
             device=self.model.device,
         )
-        self._cache.prepare(slice(0, len(rows)), allowed.shape[-1], write_pos=pos)
-        logits = self._forward(ids, pos, allowed, keep=0)  # [batch, 1 + draft, vocab]
+        self._cache.prepare(slice(0, len(rows)), allowed.shape[-1], write_pos=columns)
+        logits = self._forward(ids, positions, allowed, keep=0)  # [batch, 1 + draft, vocab]
         logp = token_log_probs(logits, self._forced_rows(), self._eos, self.temperature)
         return self.speculator.accept(logp, drafts, greedy=self.greedy, rng=self._rng)
 

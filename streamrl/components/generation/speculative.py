@@ -169,15 +169,15 @@ def verify_batch(
     *,
     pad_token_id: int,
     device: torch.device,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Inputs of the forward that verifies every row's draft at once.
 
     Row ``i`` feeds its next input and its draft (``1 + k_i`` tokens) at its own positions
     ``lengths[i], lengths[i] + 1, ...``, padded to the longest row; each query sees its row's
     columns up to its own. Its keys and values land in those columns: those of rejected draft
     tokens stay masked until later tokens overwrite them. Padding queries write the columns past
-    a row's draft (the cache keeps ``draft_tokens`` spare columns per row for them) and are
-    never read.
+    a row's draft (the cache keeps ``draft_tokens`` spare columns per row for them), repeat the
+    row's last position (never past the context) and are never read.
 
     Args:
         lengths: each row's filled cache columns (the position of its next input).
@@ -187,16 +187,20 @@ def verify_batch(
         device: the model's device.
 
     Returns:
-        ``(ids [batch, width], positions [batch, width], allowed [batch, width, kv])``; the
-        positions are also the cache columns the inputs are written to.
+        ``(ids, positions, columns, allowed)``: ``[batch, width]`` input ids, their position
+        ids and the cache columns they are written to, and ``[batch, width, kv]`` the columns
+        each query sees.
     """
     width = 1 + max(map(len, drafts))
     rows = [[first, *draft] for first, draft in zip(next_inputs, drafts, strict=True)]
     ids = torch.tensor([r + [pad_token_id] * (width - len(r)) for r in rows], device=device)
-    pos = torch.tensor(lengths, device=device)[:, None] + torch.arange(width, device=device)
+    start = torch.tensor(lengths, device=device)
+    columns = start[:, None] + torch.arange(width, device=device)  # [batch, width]
+    last = start + torch.tensor([len(d) for d in drafts], device=device)
+    positions = torch.minimum(columns, last[:, None])
     kv_len = max(lengths) + width
-    allowed = torch.arange(kv_len, device=device)[None, None, :] <= pos[:, :, None]
-    return ids, pos, allowed
+    allowed = torch.arange(kv_len, device=device)[None, None, :] <= columns[:, :, None]
+    return ids, positions, columns, allowed
 
 
 def accept_drafts(

@@ -13,12 +13,8 @@ from varied_models import varied_model
 
 from streamrl.components import HFEngine, HFStreamGenerator, VLLMEngine
 from streamrl.components.generation.drafting import SuffixDrafter, SuffixIndex
-from streamrl.components.generation.speculative import (
-    SpeculativeDecoding,
-    accept_drafts,
-    verify_batch,
-    vllm_speculative_config,
-)
+from streamrl.components.generation.speculative import SpeculativeDecoding, vllm_speculative_config
+from streamrl.components.generation.verification import accept_drafts, verify_batch
 from streamrl.components.skewness.schedulers import FIFOScheduler
 from streamrl.errors import ConfigError
 from streamrl.policy.models import build_tiny_model, build_tokenizer, save_policy

@@ -38,11 +38,8 @@ from streamrl.components.generation.hf_weights import WeightMap, copy_into, fing
 from streamrl.components.generation.kv_cache import SlotCache
 from streamrl.components.generation.prefix_stash import PrefixStash
 from streamrl.components.generation.sampling import sampling_temperature, token_log_probs
-from streamrl.components.generation.speculative import (
-    SpeculativeDecoding,
-    Speculator,
-    verify_batch,
-)
+from streamrl.components.generation.speculative import SpeculativeDecoding, Speculator
+from streamrl.components.generation.verification import verify_batch
 from streamrl.protocols import AdmissionScheduler
 from streamrl.records import Request, Sample
 

@@ -19,14 +19,22 @@ from streamrl.runtime.quiet import quiet_lightning
 
 @dataclass
 class GenerateBench:
-    """Decode throughput: continuous batching vs batched HF generate.
+    """Decode throughput: continuous batching vs batched HF generate (or --speculative).
+
+    With --speculative: the long tail's time with and without speculative decoding.
 
     Attributes:
-        model: 'tiny' (~1M params, random) or a model dir.
+        model: 'tiny' (~1M params, random; with --speculative: a warm start trained to copy,
+            cached) or a model dir.
         batch_sizes: comma-separated batch sizes.
-        max_tokens: forced output length per prompt.
+        max_tokens: forced output length per prompt (--speculative: the token budget, EOS
+            ends each copy first).
         prompts: prompts per measurement.
         repeats: runs per setting (median reported).
+        speculative: time the tail phase (at most --max-running sequences left) of copy
+            prompts with long-tailed lengths, with and without speculative decoding.
+        draft_tokens: --speculative: tokens drafted per sequence and step.
+        max_running: --speculative: speculate (and time the tail) from this batch size down.
     """
 
     model: str = "tiny"
@@ -34,12 +42,27 @@ class GenerateBench:
     max_tokens: int = 64
     prompts: int = 32
     repeats: int = 3
+    speculative: bool = False
+    draft_tokens: int = 4
+    max_running: int = 4
 
 
 def generate(options: GenerateBench) -> dict:
+    sizes = [int(s) for s in options.batch_sizes.split(",")]
+    if options.speculative:
+        from streamrl.bench.speculative import bench_speculative
+
+        return bench_speculative(
+            options.model,
+            sizes,
+            options.max_tokens,
+            options.repeats,
+            options.prompts,
+            draft_tokens=options.draft_tokens,
+            max_running=options.max_running,
+        )
     from streamrl.bench.generate import bench_generate
 
-    sizes = [int(s) for s in options.batch_sizes.split(",")]
     return bench_generate(
         options.model, sizes, options.max_tokens, options.repeats, options.prompts
     )
@@ -130,7 +153,10 @@ def ranker(options: RankerBench) -> dict:
 
 COMMANDS = {
     "generate": Command(
-        "decode throughput: continuous batching vs batched HF generate", GenerateBench, generate
+        "decode throughput: continuous batching vs batched HF generate; --speculative: the "
+        "long tail's time with and without speculative decoding",
+        GenerateBench,
+        generate,
     ),
     "pipeline": Command(
         "colocated vs disaggregated sync vs async (one-step, k=2, partial rollout), same cores "

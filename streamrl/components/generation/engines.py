@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import importlib.util
 import pickle
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -32,6 +33,7 @@ from streamrl.protocols import AdmissionScheduler, Cluster, EngineSpec, Generati
 
 if TYPE_CHECKING:
     from streamrl.components.generation.hf_generator import HFStreamGenerator
+    from streamrl.components.generation.speculative import SpeculativeDecoding
     from streamrl.components.generation.vllm_generator import VLLMStreamGenerator
     from streamrl.components.run_context import RunContext
     from streamrl.policy.lora import LoRASpec
@@ -62,10 +64,17 @@ class HFEngine:
         dtype: the dtype the model runs in, and weight updates travel in: ``"float32"`` (the
             trainer's master weights, so behaviour log-probs match the trainer's) or
             ``"bfloat16"`` (half the memory and bytes per update).
+        speculative: speculative decoding in the tail of each instance's batch
+            (``SpeculativeDecoding``: drafts from the prompt, the sample and its group, verified
+            exactly); ``None``: plain decoding.
     """
 
     lora: LoRASpec | None = None
     dtype: str = "float32"
+    speculative: SpeculativeDecoding | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "speculative", speculative_settings(self.speculative))
 
     def check(self, *, cluster: Cluster, gpus_per_instance: int) -> None:
         """transformers is recent enough, the dtype known, peft installed if there are
@@ -108,6 +117,7 @@ class HFEngine:
             eos_token_id=eos_ids,
             stop_strings=spec.stop_strings,
             tokenizer=tokenizer if spec.stop_strings else None,
+            speculative=self.speculative,
             **generator_settings(spec, scheduler),
         )
         if self.lora is None:
@@ -126,13 +136,21 @@ class VLLMEngine:
     Attributes:
         options: more ``vllm.EngineArgs`` fields for every instance (``max_model_len``,
             ``kv_cache_memory_bytes``, ``enforce_eager``, ``dtype``...); they override ours.
+        speculative: speculative decoding as vLLM's n-gram proposer
+            (``speculative.vllm_speculative_config``: drafts from the request's own tokens, up
+            to ``max_running`` requests; ``stored_samples`` must be 0); ``None``: none.
     """
 
     options: dict[str, Any] = field(default_factory=dict)
+    speculative: SpeculativeDecoding | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "speculative", speculative_settings(self.speculative))
 
     def check(self, *, cluster: Cluster, gpus_per_instance: int) -> None:
         """No option asks for what the weight updates would break (LoRA, prefix caching) or
-        for other tensor-parallel ranks than GPUs per instance; vLLM is installed."""
+        for other tensor-parallel ranks than GPUs per instance; ``speculative`` maps to vLLM's
+        n-gram proposer (``vllm_speculative_config``); vLLM is installed."""
         if self.options.get("enable_lora"):
             raise ConfigError(
                 "VLLMEngine gets no LoRA adapters (updates carry the whole policy); use "
@@ -141,6 +159,15 @@ class VLLMEngine:
         if self.options.get("enable_prefix_caching"):
             # A cached prompt's KV would outlive load_weights and mix weight versions.
             raise ConfigError("VLLMEngine: enable_prefix_caching is not supported.")
+        if self.speculative is not None:
+            if "speculative_config" in self.options:
+                raise ConfigError(
+                    "VLLMEngine: both speculative= and options['speculative_config'] are given; "
+                    "keep one (speculative= maps SpeculativeDecoding to vLLM's n-gram config)."
+                )
+            from streamrl.components.generation.speculative import vllm_speculative_config
+
+            vllm_speculative_config(self.speculative)
         ranks = self.options.get("tensor_parallel_size")
         if ranks is not None and gpus_per_instance > 0 and ranks != gpus_per_instance:
             raise ConfigError(
@@ -159,6 +186,10 @@ class VLLMEngine:
         options = dict(self.options)
         if spec.device.startswith("cuda"):  # a rank per GPU the instance was given
             options.setdefault("tensor_parallel_size", visible_gpu_count())
+        if self.speculative is not None:
+            from streamrl.components.generation.speculative import vllm_speculative_config
+
+            options["speculative_config"] = vllm_speculative_config(self.speculative)
         return VLLMStreamGenerator(
             spec.model_dir,
             **generator_settings(spec, scheduler),
@@ -166,6 +197,29 @@ class VLLMEngine:
             **{name: value for name, value in stops.items() if value},  # only those given
             **options,
         )
+
+
+def speculative_settings(value: Any) -> SpeculativeDecoding | None:
+    """An engine's ``speculative=``: ``None``, a ``SpeculativeDecoding``, or its fields as a
+    mapping (``rl.engine: {name: hf, speculative: {max_running: 4}}`` in YAML).
+
+    Raises:
+        ConfigError: a mapping with unknown fields, or another kind of value.
+    """
+    from streamrl.components.generation.speculative import SpeculativeDecoding
+
+    if value is None or isinstance(value, SpeculativeDecoding):
+        return value
+    fields = "draft_tokens, max_ngram, min_ngram, max_running, stored_samples"
+    if not isinstance(value, Mapping):
+        raise ConfigError(
+            f"speculative={value!r}: pass SpeculativeDecoding(...) or a mapping of its fields "
+            f"({fields})."
+        )
+    try:
+        return SpeculativeDecoding(**value)
+    except TypeError as err:
+        raise ConfigError(f"speculative: {err}; its fields are {fields}.") from err
 
 
 def generator_settings(spec: EngineSpec, scheduler: AdmissionScheduler) -> dict[str, Any]:

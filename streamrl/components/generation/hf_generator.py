@@ -32,12 +32,15 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from streamrl.components.generation.admission import AdmissionQueue, budget
+from streamrl.components.generation.drafting import SuffixIndex
 from streamrl.components.generation.finished import finished_sample
 from streamrl.components.generation.hf_weights import WeightMap, copy_into, fingerprint
 from streamrl.components.generation.kv_cache import SlotCache
 from streamrl.components.generation.moving import leaving
 from streamrl.components.generation.prefix_stash import PrefixStash
-from streamrl.components.generation.sampling import sampling_temperature
+from streamrl.components.generation.sampling import sampling_temperature, token_log_probs
+from streamrl.components.generation.speculative import SpeculativeDecoding, Speculator
+from streamrl.components.generation.verification import verify_batch
 from streamrl.protocols import AdmissionScheduler
 from streamrl.records import Request, Sample
 
@@ -57,6 +60,7 @@ class _Running:
     versions: list[int] = field(default_factory=list)  # per generated token, its weights
     offset: int = 0  # prompt columns whose KV was kept from the episode's previous turn
     recomputed: int = 0  # cache columns computed again under newer weights (partial rollout)
+    draft: SuffixIndex | None = None  # its tokens' n-grams, once speculative decoding drafts
 
 
 class HFStreamGenerator:
@@ -100,6 +104,10 @@ class HFStreamGenerator:
             for their episode's next turn (``PrefixStash``; cleared when weights load); four per
             batch slot by default (each holds a sequence's whole KV cache: mind a GPU's memory).
             Such a turn is admitted before the scheduler's requests.
+        speculative: speculative decoding in the tail (``SpeculativeDecoding``): while at most
+            its ``max_running`` sequences run, each step drafts tokens from text already seen
+            and verifies them in the one forward, with the outputs (and log-probs) of plain
+            decoding; its counters are ``speculator``'s. ``None``: plain decoding only.
     """
 
     def __init__(
@@ -118,6 +126,7 @@ class HFStreamGenerator:
         seed: int = 0,
         weight_version: int = 0,
         prefix_entries: int | None = None,
+        speculative: SpeculativeDecoding | None = None,
     ) -> None:
         #: The requests waiting for a batch slot, and how many may run at once.
         self.admission = AdmissionQueue(
@@ -149,6 +158,8 @@ class HFStreamGenerator:
         self._rows: list[_Running] = []
         #: Episodes' kept prefixes (``hits``: turns that reused one).
         self.prefixes = PrefixStash(prefix_entries or 4 * max_batch_size)
+        #: Speculative decoding's drafter and counters (``None`` without ``speculative``).
+        self.speculator = None if speculative is None else Speculator(speculative)
 
     # ----------------------------------------------------------------- public API
     @property
@@ -204,7 +215,8 @@ class HFStreamGenerator:
                 self._prefill(start)
             if not self._rows:
                 return []
-            tokens, logprobs = self._decode()
+            drafts = None if self.speculator is None else self.speculator.drafts(self._rows)
+            tokens, logprobs = self._decode() if drafts is None else self._verify(drafts)
             return self._advance(tokens, logprobs)
 
     def load_weights(self, state_dict: WeightMap, version: int) -> None:
@@ -271,6 +283,8 @@ class HFStreamGenerator:
     def _admit(self) -> None:
         now = time.time()
         needed = 0
+        # A verify forward writes up to draft_tokens columns past a row's last one.
+        spare = 0 if self.speculator is None else self.speculator.settings.draft_tokens
         fresh, resumed = [], []
         for req, submitted in self.admission.admit(len(self._rows), now):
             prompt = req.prompt_ids
@@ -283,10 +297,11 @@ class HFStreamGenerator:
             else:
                 row.offset = len(kept.token_ids)
                 resumed.append((row, kept.kv))
-            needed = max(needed, len(prompt) + budget(req) - 1)
+            needed = max(needed, len(prompt) + budget(req) - 1 + spare)
         if needed > self._cache.capacity:
             # Doubling keeps growth copies amortised O(1) per token.
-            self._cache.capacity = min(max(needed, 2 * self._cache.capacity), self.context_length)
+            grown = max(needed, 2 * self._cache.capacity)
+            self._cache.capacity = min(grown, self.context_length + spare)
         # Fresh rows first: one batched prefill writes them from column 0; then each resumed
         # row gets its kept columns back and prefills only what follows them.
         self._rows.extend(fresh)
@@ -361,7 +376,7 @@ class HFStreamGenerator:
         self._cache.prepare(slice(i, i + 1), row.length, write_pos=pos)
         self._forward(torch.tensor([new], device=dev), pos, allowed)
 
-    def _decode(self) -> tuple[list[int], list[float]]:
+    def _decode(self) -> tuple[list[list[int]], list[list[float]]]:
         dev = self.model.device
         rows = self._rows
         lengths = torch.tensor([r.length for r in rows], device=dev)
@@ -370,10 +385,29 @@ class HFStreamGenerator:
         allowed = (torch.arange(kv_len, device=dev)[None, :] <= lengths[:, None])[:, None]
         self._cache.prepare(slice(0, len(rows)), kv_len, write_pos=lengths)
         logits = self._forward(ids, lengths[:, None], allowed)[:, -1]
-        return self._sample(logits)
+        tokens, logprobs = self._sample(logits)
+        return [[t] for t in tokens], [[lp] for lp in logprobs]
 
-    def _forward(self, ids: torch.Tensor, pos: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
-        """One model call on the prepared cache rows; ``allowed``: ``[batch, q, kv]`` bools."""
+    def _verify(self, drafts: list[list[int]]) -> tuple[list[list[int]], list[list[float]]]:
+        """One forward over every row's next input and draft; the tokens each row emits."""
+        rows = self._rows
+        ids, positions, columns, allowed = verify_batch(
+            [r.length for r in rows],
+            [r.next_input for r in rows],
+            drafts,
+            pad_token_id=self.pad_token_id,
+            device=self.model.device,
+        )
+        self._cache.prepare(slice(0, len(rows)), allowed.shape[-1], write_pos=columns)
+        logits = self._forward(ids, positions, allowed, keep=0)  # [batch, 1 + draft, vocab]
+        logp = token_log_probs(logits, self._forced_rows(), self._eos, self.temperature)
+        return self.speculator.accept(logp, drafts, greedy=self.greedy, rng=self._rng)
+
+    def _forward(
+        self, ids: torch.Tensor, pos: torch.Tensor, allowed: torch.Tensor, keep: int = 1
+    ) -> torch.Tensor:
+        """One model call on the prepared cache rows; ``allowed``: ``[batch, q, kv]`` bools;
+        logits of the last ``keep`` positions (0: all)."""
         dtype = self.model.dtype
         # Additive float mask, as HF builds them: accepted by both SDPA and eager attention.
         mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
@@ -384,20 +418,17 @@ class HFStreamGenerator:
             position_ids=pos,
             cache=self._cache,
             use_cache=True,
-            logits_to_keep=1,
+            logits_to_keep=keep,
         )
         if self._cache.kv is None:
             raise RuntimeError("The model ignored the KV cache (HFStreamGenerator needs HF >= 5).")
         return out.logits
 
+    def _forced_rows(self) -> list[int]:
+        return [i for i, r in enumerate(self._rows) if r.request.forced_length is not None]
+
     def _sample(self, logits: torch.Tensor) -> tuple[list[int], list[float]]:
-        logits = logits.float()
-        forced = [i for i, r in enumerate(self._rows) if r.request.forced_length is not None]
-        if forced and self._eos:
-            # Forced-length rows must not stop, and must not emit an EOS mid-sequence either.
-            rows, eos = torch.tensor(forced)[:, None], torch.tensor(self._eos)[None, :]
-            logits[rows.to(logits.device), eos.to(logits.device)] = float("-inf")
-        logp = torch.log_softmax(logits / self.temperature, dim=-1)
+        logp = token_log_probs(logits, self._forced_rows(), self._eos, self.temperature)
         if self.greedy:
             tokens = logp.argmax(dim=-1)
         else:
@@ -405,16 +436,13 @@ class HFStreamGenerator:
         chosen = logp.gather(1, tokens[:, None]).squeeze(1)
         return tokens.tolist(), chosen.tolist()
 
-    def _advance(self, tokens: list[int], logprobs: list[float]) -> list[Sample]:
+    def _advance(self, tokens: list[list[int]], logprobs: list[list[float]]) -> list[Sample]:
+        """Append each row's new tokens (one, or a verified draft run) and finish the rows a
+        finishing rule ends."""
         now = time.time()
         finished, done = [], []
-        for i, (row, tok, lp) in enumerate(zip(self._rows, tokens, logprobs, strict=True)):
-            row.length += 1
-            row.next_input = tok
-            row.token_ids.append(tok)
-            row.logprobs.append(lp)
-            row.versions.append(self._weight_version)
-            reason = self._finish_reason(row, tok)
+        for i, (row, run, lps) in enumerate(zip(self._rows, tokens, logprobs, strict=True)):
+            reason = self._append(row, run, lps)
             if reason is not None:
                 finished.append(self._to_sample(row, reason, now))
                 done.append(i)
@@ -422,9 +450,25 @@ class HFStreamGenerator:
                     kept = (row.request.prompt_ids + row.token_ids)[: row.length]
                     kv = self._cache.save_row(i, row.length)
                     self.prefixes.put(row.request.key, kept, kv, row.weight_version)
+                if self.speculator is not None:
+                    self.speculator.finished(row)
         if done:
             self._release(done)
         return finished
+
+    def _append(self, row: _Running, tokens: list[int], logprobs: list[float]) -> str | None:
+        """Append ``tokens`` one by one until a finishing rule ends the row (nothing past its
+        end is kept); returns that rule's reason, or ``None``."""
+        for tok, lp in zip(tokens, logprobs, strict=True):
+            row.length += 1
+            row.next_input = tok
+            row.token_ids.append(tok)
+            row.logprobs.append(lp)
+            row.versions.append(self._weight_version)
+            reason = self._finish_reason(row, tok)
+            if reason is not None:
+                return reason
+        return None
 
     def _finish_reason(self, row: _Running, token: int) -> str | None:
         req = row.request

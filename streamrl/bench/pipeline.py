@@ -14,7 +14,16 @@ lengths (the paper's throughput protocol, §7), and the same two cores (``BENCH_
 - ``async-k2``: as ``async``, two iterations ahead (staleness bound 2);
 - ``partial-keep`` / ``partial-recompute``: as ``async``, with partial rollout: running
   sequences go on under new weights, keeping their key/value cache or computing it again
-  (``streamrl.components.generation.partial``); ``partial-keep-k2``: keep, two ahead.
+  (``streamrl.components.generation.partial``); ``partial-keep-k2``: keep, two ahead;
+- ``async-adaptive``: as ``async``, with the long-tail parts past the paper (issue 34): the
+  distributional ``LengthRanker`` learning online, the ``AdaptiveDispatcher`` (tail-aware costs,
+  group context, moves between generators, least-slack order) and LPT admission;
+  ``async-spec``: as ``async``, with speculative decoding in each generator's tail;
+  ``async-all``: both.
+
+With ``--prompt_set by_length`` each prompt is a task prompt built for its forced length (a
+ranker can learn it from the text, as on real tasks); with ``tasks`` the lengths are dealt to
+prompts in turn, whatever their text.
 """
 
 from __future__ import annotations
@@ -24,6 +33,7 @@ import statistics
 import sys
 import tempfile
 import warnings
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,8 +43,14 @@ import torch
 
 from streamrl.algorithms import GRPO
 from streamrl.bench.inputs import load_lengths, model_dir_for, tokenizer_for
-from streamrl.bench.settings import PipelineBench, RewardBench
+from streamrl.bench.predictions import task_prompts
+from streamrl.bench.settings import PipelineBench
+from streamrl.components.generation.engines import HFEngine
 from streamrl.components.generation.service import StreamGenerationService
+from streamrl.components.generation.speculative import SpeculativeDecoding
+from streamrl.components.skewness.adaptive import AdaptiveDispatcher
+from streamrl.components.skewness.ranker import LengthRanker
+from streamrl.components.skewness.schedulers import LPTScheduler
 from streamrl.errors import ConfigError
 from streamrl.policy.models import load_policy
 from streamrl.records import PIPELINE_COLUMNS
@@ -49,16 +65,23 @@ from streamrl.training.timeline import busy_fraction, mean_running
 from streamrl.training.timeline_chart import draw_timeline
 
 DEFAULT_LENGTHS = Path(__file__).resolve().parents[1] / "data" / "lengths_longtail.json"
+#: ``by_length`` prompts: spread of a sample's length around what its prompt asks for.
+SAMPLE_SIGMA = 0.25
+#: The long-tail modes' ranker learns from finished samples every this many iterations.
+RANKER_REFRESH_EVERY = 2
 
 
 @dataclass(frozen=True)
 class BenchMode:
-    """How one benchmarked mode runs: the module's ``mode``, its staleness bound and the
-    instances' partial-rollout policy."""
+    """How one benchmarked mode runs: the module's ``mode``, its staleness bound, the
+    instances' partial-rollout policy, and whether the long-tail planner (``planner``: ranker,
+    adaptive dispatch, LPT) and speculative decoding (``speculative``) are on."""
 
     mode: str
     staleness_bound: int | None = None
     partial_rollout: str = "finish"
+    planner: bool = False
+    speculative: bool = False
 
 
 BENCH_MODES: dict[str, BenchMode] = {
@@ -69,6 +92,9 @@ BENCH_MODES: dict[str, BenchMode] = {
     "partial-keep": BenchMode("async", 1, "keep"),
     "partial-recompute": BenchMode("async", 1, "recompute"),
     "partial-keep-k2": BenchMode("async", 2, "keep"),
+    "async-adaptive": BenchMode("async", planner=True),
+    "async-spec": BenchMode("async", speculative=True),
+    "async-all": BenchMode("async", planner=True, speculative=True),
 }
 
 
@@ -90,7 +116,7 @@ def run_mode(
     torch.set_num_threads(1)
     L.seed_everything(settings.seed, verbose=False)
     policy, tokenizer = load_policy(model_dir)
-    prompts = _prompt_set(settings)
+    prompts = _prompt_set(settings, lengths)
     algorithm = GRPO(group_size=settings.group_size)
     steps = settings.warmup + settings.iterations
     # Two cores: colocated decodes on both, then trains on both; the disaggregated modes give
@@ -105,6 +131,7 @@ def run_mode(
         cluster=settings.cluster,
         weight_transport=settings.weight_transport,
         partial_rollout=variant.partial_rollout,
+        **_long_tail_parts(variant, settings),
     )
     rewards = RewardPool(
         RewardSpec.from_config(reward, where="--reward"),
@@ -119,7 +146,9 @@ def run_mode(
             reward=rewards,
             max_tokens=max(lengths),
             context=policy.config.max_position_embeddings,
-            forced_lengths=itertools.cycle(lengths),
+            forced_lengths=_forced_lengths(settings, lengths),
+            ranker=_ranker(variant, settings, tokenizer),
+            ranker_refresh_every=RANKER_REFRESH_EVERY,
         )
         module = build_module(
             policy,
@@ -175,7 +204,8 @@ def bench_pipeline(settings: PipelineBench) -> dict:
             "is False); run without --device to benchmark on the CPU."
         )
     tokenizer = tokenizer_for(settings.model)
-    longest_prompt = max(len(tokenizer(p)["input_ids"]) for p in _prompt_set(settings)["prompt"])
+    prompt_set = _prompt_set(settings, lengths)
+    longest_prompt = max(len(tokenizer(row["prompt"])["input_ids"]) for row in prompt_set)
     with tempfile.TemporaryDirectory(prefix="streamrl-bench-") as tmp:
         # Lengths past the built-in model's context: build it with the context they need (a
         # model directory too short fails here, before any generator starts).
@@ -216,9 +246,44 @@ def bench_pipeline(settings: PipelineBench) -> dict:
     return result
 
 
-def _prompt_set(settings: PipelineBench | RewardBench) -> Any:
-    """The task prompts every mode draws its batches from."""
-    return make_prompt_set(max(64, settings.batch * 4), seed=settings.seed, max_len=8)
+def _prompt_set(settings: PipelineBench, lengths: list[int]) -> Any:
+    """The task prompts every mode draws its batches from: the built-in tasks, or (``by_length``)
+    one task prompt built for each forced length, the file's lengths in turn."""
+    n = max(64, settings.batch * 4)
+    if settings.prompt_set == "tasks":
+        return make_prompt_set(n, seed=settings.seed, max_len=8)
+    wanted = [lengths[i % len(lengths)] for i in range(n)]
+    texts = task_prompts(wanted, SAMPLE_SIGMA, settings.seed, set())
+    return [
+        {"prompt_id": f"p{i:04d}", "prompt": text, "answer": "", "length": length}
+        for i, (text, length) in enumerate(zip(texts, wanted))
+    ]
+
+
+def _forced_lengths(
+    settings: PipelineBench, lengths: list[int]
+) -> Iterator[int] | Callable[[Mapping[str, Any]], int]:
+    """The lengths dealt in turn, or each prompt's own (``by_length``)."""
+    if settings.prompt_set == "tasks":
+        return itertools.cycle(lengths)
+    return lambda row: row["length"]
+
+
+def _ranker(variant: BenchMode, settings: PipelineBench, tokenizer: Any) -> LengthRanker | None:
+    """The long-tail modes' length ranker, learning online from the policy's samples."""
+    return LengthRanker(seed=settings.seed, tokenizer=tokenizer) if variant.planner else None
+
+
+def _long_tail_parts(variant: BenchMode, settings: PipelineBench) -> dict:
+    """The service's dispatcher, scheduler and engine for a mode (the defaults otherwise)."""
+    parts: dict[str, Any] = {}
+    if variant.planner:
+        parts.update(
+            dispatcher=AdaptiveDispatcher(None, settings.max_batch_size), scheduler=LPTScheduler
+        )
+    if variant.speculative:
+        parts["engine"] = HFEngine(speculative=SpeculativeDecoding())
+    return parts
 
 
 def _median_run(runs: list[dict]) -> dict:

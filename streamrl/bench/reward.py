@@ -33,7 +33,8 @@ def bench_reward(settings: RewardBench) -> dict:
         raise ConfigError(f"--workers: need counts >= 0 (0 = inline), got {settings.workers!r}.")
     lengths = load_lengths(settings.lengths or DEFAULT_LENGTHS)
     tokenizer = tokenizer_for(settings.model)
-    longest_prompt = max(len(tokenizer(p)["input_ids"]) for p in _prompt_set(settings)["prompt"])
+    prompt_set = _prompt_set(settings.pipeline(), lengths)
+    longest_prompt = max(len(tokenizer(row["prompt"])["input_ids"]) for row in prompt_set)
     runs: dict[int, list[dict]] = {w: [] for w in counts}
     with tempfile.TemporaryDirectory(prefix="streamrl-bench-") as tmp:
         model_dir = model_dir_for(

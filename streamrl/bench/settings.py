@@ -20,7 +20,7 @@ class PipelineBench:
 
     Attributes:
         modes: comma-separated, any of colocated, sync, async, async-k2, partial-keep,
-            partial-recompute, partial-keep-k2.
+            partial-recompute, partial-keep-k2, async-adaptive, async-spec, async-all.
         lengths: JSON list (or JSONL with 'length') of forced output lengths, cycled; default:
             the shipped long-tailed file.
         batch: prompts per iteration.
@@ -40,6 +40,8 @@ class PipelineBench:
         cluster: generators as local processes or Ray actors.
         weight_transport: how weights reach the generators.
         device: cuda: generators and trainer share this machine's GPU(s).
+        prompt_set: 'tasks' (the lengths dealt to prompts in turn) or 'by_length' (each prompt
+            built for its length, which a ranker can learn from its text).
         seed: prompts, weights and sampling.
     """
 
@@ -59,6 +61,7 @@ class PipelineBench:
     cluster: Literal["local", "ray"] = "local"
     weight_transport: Literal["gloo", "bucketed", "nccl"] = "gloo"
     device: Literal["cpu", "cuda"] = "cpu"
+    prompt_set: Literal["tasks", "by_length"] = "tasks"
     seed: int = 0
 
 

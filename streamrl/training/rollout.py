@@ -11,7 +11,7 @@ generated.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -85,9 +85,9 @@ class RolloutStream:
         max_tokens: generation budget per sample.
         context: the policy's context length; a sample's budget never runs past it.
         trace: where sample spans and the trainer's waits are recorded for the timeline.
-        forced_lengths: if given, each prompt takes the next length from it and its samples
-            ignore EOS and generate exactly that many tokens (the paper's throughput protocol,
-            §7); used by benchmarks.
+        forced_lengths: if given, each prompt's samples ignore EOS and generate exactly its
+            length (the paper's throughput protocol, §7; benchmarks): the next length of an
+            iterator, or a function of the prompt's row (a length the prompt's text implies).
         ranker: a ``LengthPredictor`` of each prompt's output length for the dispatcher and
             LPT admission (§5.2-5.3); its ``learn`` gets the policy's own finished samples every
             ``ranker_refresh_every`` iterations (the dispatcher observes their lengths then,
@@ -126,7 +126,7 @@ class RolloutStream:
         max_tokens: int,
         context: int,
         trace: TraceRecorder | None = None,
-        forced_lengths: Iterator[int] | None = None,
+        forced_lengths: Iterator[int] | Callable[[Mapping[str, Any]], int] | None = None,
         ranker: LengthPredictor | None = None,
         ranker_refresh_every: int = 10,
         system_prompt: str | None = None,
@@ -239,12 +239,18 @@ class RolloutStream:
                 self.max_tokens,
                 self.context,
                 prompt_ids=lambda: self.prompt_ids(pid, row),
-                forced_length=None if self.forced_lengths is None else next(self.forced_lengths),
+                forced_length=self._forced_length(row),
             )
         )
         # The prompt as sampled (an environment's first prompt), for the length predictor.
         self._prompt_ids[pid] = requests[0].prompt_ids
         return requests
+
+    def _forced_length(self, row: dict) -> int | None:
+        lengths = self.forced_lengths
+        if lengths is None:
+            return None
+        return int(lengths(row)) if callable(lengths) else next(lengths)
 
     def prompt_ids(self, prompt_id: str, row: dict) -> list[int]:
         """The prompt's token ids: chat messages (or a string, with a chat-templated tokenizer)

@@ -255,13 +255,13 @@ def _spec(model_dir, **stops) -> EngineSpec:
 def test_hf_engine_passes_the_spec_stops_to_the_generator(bpe, tokenizer, tmp_path):
     char_dir = save_policy(build_tiny_model(tokenizer), tokenizer, tmp_path / "char")
     plain = HFEngine()(_spec(char_dir), None)
-    assert (plain._eos, plain.stop_strings, plain.tokenizer) == ([1], (), None)
+    assert (plain.finishing.eos_ids, plain.stop_strings, plain.tokenizer) == ([1], (), None)
     stopping = HFEngine()(_spec(char_dir, stop_token_ids=(5, 1), stop_strings=("=",)), None)
-    assert (stopping._eos, stopping.stop_strings) == ([1, 5], ("=",))
+    assert (stopping.finishing.eos_ids, stopping.stop_strings) == ([1, 5], ("=",))
     assert stopping.tokenizer.decode(tokenizer("ab=")["input_ids"]) == "ab="
 
     bpe_dir = save_policy(build_tiny_model(bpe), bpe, tmp_path / "bpe")
-    assert HFEngine()(_spec(bpe_dir), None)._eos == [0, 2]
+    assert HFEngine()(_spec(bpe_dir), None).finishing.eos_ids == [0, 2]
 
 
 def test_hf_engine_generation_stops_at_a_stop_string(tokenizer, tmp_path):

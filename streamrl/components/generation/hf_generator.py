@@ -5,11 +5,12 @@ the whole batch; §5 (continuous batching in an SGS instance) keeps a fixed numb
 busy by admitting a waiting request into a slot as soon as its sequence finishes. This module does
 both on plain ``transformers`` (>= 5) with a real KV cache, on CPU or GPU.
 
-Layout: every running sequence owns one row of a preallocated KV buffer, its tokens left-aligned
-at columns ``[0, length)``. Rows of different lengths decode together in one forward pass; a
-per-row attention mask hides each row's unused columns and explicit ``position_ids`` give each
-row its own positions. Finished rows are dropped by moving the last rows into their place, so the
-running rows always form the prefix ``[0, n)`` of the buffer and no step re-pads or re-allocates.
+Layout: every running sequence (``SlotSequence``) owns one row of a preallocated KV buffer
+(``SlotCache``), its tokens left-aligned at columns ``[0, length)``. Rows of different lengths
+decode together in one forward pass (``SlotForwards``: per-row masks and positions). Finished rows
+are dropped by moving the last rows into their place, so the running rows always form the prefix
+``[0, n)`` of the buffer and no step re-pads or re-allocates. The generator's
+``FinishingRules`` say when a row ends.
 
 Examples:
     >>> from streamrl.policy.models import build_tokenizer, build_tiny_model
@@ -25,42 +26,28 @@ from __future__ import annotations
 
 import time
 from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from streamrl.components.generation.admission import AdmissionQueue, budget
-from streamrl.components.generation.drafting import SuffixIndex
 from streamrl.components.generation.finished import finished_sample
+from streamrl.components.generation.finishing import FinishingRules
 from streamrl.components.generation.hf_weights import WeightMap, copy_into, fingerprint
 from streamrl.components.generation.kv_cache import SlotCache
 from streamrl.components.generation.moving import leaving
 from streamrl.components.generation.prefix_stash import PrefixStash
-from streamrl.components.generation.sampling import sampling_temperature, token_log_probs
+from streamrl.components.generation.sampling import (
+    draw_tokens,
+    sampling_temperature,
+    token_log_probs,
+    version_seed,
+)
+from streamrl.components.generation.slot_forwards import SlotForwards
+from streamrl.components.generation.slot_sequence import SlotSequence, admitted_sequence
 from streamrl.components.generation.speculative import SpeculativeDecoding, Speculator
-from streamrl.components.generation.verification import verify_batch
 from streamrl.protocols import AdmissionScheduler
 from streamrl.records import Request, Sample
-
-
-@dataclass
-class _Running:
-    """A sequence occupying a batch slot."""
-
-    request: Request
-    submitted_s: float
-    started_s: float
-    weight_version: int
-    length: int  # cache columns filled, i.e. the position of ``next_input``
-    next_input: int
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)  # per generated token, its weights
-    offset: int = 0  # prompt columns whose KV was kept from the episode's previous turn
-    recomputed: int = 0  # cache columns computed again under newer weights (partial rollout)
-    draft: SuffixIndex | None = None  # its tokens' n-grams, once speculative decoding drafts
 
 
 class HFStreamGenerator:
@@ -140,22 +127,18 @@ class HFStreamGenerator:
         config = model.config
         self.model = model.eval()
         self.context_length = int(config.max_position_embeddings)
-        eos = config.eos_token_id if eos_token_id is None else eos_token_id
-        self._eos = [] if eos is None else [int(e) for e in np.atleast_1d(eos)]
-        self.stop_strings = tuple(s for s in stop_strings if s)
-        if self.stop_strings and tokenizer is None:
-            raise ValueError("HFStreamGenerator: stop_strings need the tokenizer= to decode with.")
-        self.tokenizer = tokenizer
-        # Tokens decoded per check: each holds at least one byte of text, plus two for a
-        # character split across tokens or a space the decoder drops at the start.
-        self._stop_window = max((len(s.encode()) for s in self.stop_strings), default=0) + 2
+        #: When a sequence ends: EOS ids, forced lengths, ``max_tokens``, stop strings.
+        self.finishing = FinishingRules(
+            config.eos_token_id if eos_token_id is None else eos_token_id, stop_strings, tokenizer
+        )
         pad = config.pad_token_id if pad_token_id is None else pad_token_id
         self.pad_token_id = 0 if pad is None else int(pad)
         self._seed = seed
         self._rng = torch.Generator(device=model.device)
-        self._rng.manual_seed(_version_seed(seed, weight_version))
+        self._rng.manual_seed(version_seed(seed, weight_version))
         self._cache = SlotCache(config.num_hidden_layers, max_batch_size)
-        self._rows: list[_Running] = []
+        self._forwards = SlotForwards(self.model, self._cache, self.pad_token_id)
+        self._rows: list[SlotSequence] = []
         #: Episodes' kept prefixes (``hits``: turns that reused one).
         self.prefixes = PrefixStash(prefix_entries or 4 * max_batch_size)
         #: Speculative decoding's drafter and counters (``None`` without ``speculative``).
@@ -166,6 +149,16 @@ class HFStreamGenerator:
     def weight_version(self) -> int:
         """Version of the weights held now."""
         return self._weight_version
+
+    @property
+    def stop_strings(self) -> tuple[str, ...]:
+        """The stop strings (``finishing``'s)."""
+        return self.finishing.stop_strings
+
+    @property
+    def tokenizer(self) -> PreTrainedTokenizerBase | None:
+        """The tokenizer that decodes for the stop strings (``finishing``'s)."""
+        return self.finishing.tokenizer
 
     @property
     def num_running(self) -> int:
@@ -230,7 +223,7 @@ class HFStreamGenerator:
         self.prefixes.clear()
         # A resumed run's new process loads the checkpoint's version first: reseeding here
         # gives it the random stream the uninterrupted process had for that version.
-        self._rng.manual_seed(_version_seed(self._seed, self._weight_version))
+        self._rng.manual_seed(version_seed(self._seed, self._weight_version))
 
     def recompute_running(self) -> int:
         """Prefill every running sequence again, prompt and tokens so far, under the weights
@@ -238,7 +231,7 @@ class HFStreamGenerator:
         if not self._rows:
             return 0
         with torch.inference_mode():
-            self._prefill_columns(0, [_columns(r) for r in self._rows])
+            self._forwards.prefill(0, [r.columns() for r in self._rows])
         for row in self._rows:
             row.recomputed += row.length
         return sum(r.length for r in self._rows)
@@ -288,48 +281,23 @@ class HFStreamGenerator:
         fresh, resumed = [], []
         for req, submitted in self.admission.admit(len(self._rows), now):
             prompt = req.prompt_ids
-            row = self._admitted_row(req, submitted, now)
             kept = (
                 None if req.progress else self.prefixes.take(req.key, prompt, self._weight_version)
             )
+            offset = 0 if kept is None else len(kept.token_ids)
+            row = admitted_sequence(req, submitted, now, self._weight_version, offset)
             if kept is None:
                 fresh.append(row)
             else:
-                row.offset = len(kept.token_ids)
                 resumed.append((row, kept.kv))
             needed = max(needed, len(prompt) + budget(req) - 1 + spare)
-        if needed > self._cache.capacity:
-            # Doubling keeps growth copies amortised O(1) per token.
-            grown = max(needed, 2 * self._cache.capacity)
-            self._cache.capacity = min(grown, self.context_length + spare)
+        self._cache.reserve(needed, limit=self.context_length + spare)
         # Fresh rows first: one batched prefill writes them from column 0; then each resumed
         # row gets its kept columns back and prefills only what follows them.
         self._rows.extend(fresh)
         for row, kv in resumed:
             self._cache.load_row(len(self._rows), kv)
             self._rows.append(row)
-
-    def _admitted_row(self, req: Request, submitted: float, now: float) -> _Running:
-        """A new row for ``req``. The last known token (the prompt's, or the last one it
-        generated before it moved here) is fed by the shared decode forward; a moved request
-        keeps its tokens, log-probs, versions and first admission (its prompt and tokens are
-        prefilled here, counted in ``recomputed``)."""
-        prompt, done = req.prompt_ids, req.progress
-        if done is None or not done.token_ids:
-            return _Running(req, submitted, now, self._weight_version, len(prompt) - 1, prompt[-1])
-        row = _Running(
-            req,
-            submitted,
-            done.started_s,
-            done.weight_version,
-            len(prompt) + len(done.token_ids) - 1,
-            done.token_ids[-1],
-            token_ids=list(done.token_ids),
-            logprobs=list(done.logprobs),
-            versions=list(done.versions),
-        )
-        row.recomputed = len(done.token_ids)
-        return row
 
     def _resumable(self, req: Request) -> bool:
         """Whether ``req`` continues an episode whose prefix this generator kept."""
@@ -338,103 +306,31 @@ class HFStreamGenerator:
     def _prefill(self, start: int) -> None:
         resumed = [i for i in range(start, len(self._rows)) if self._rows[i].offset]
         for i in resumed:
-            self._prefill_after_prefix(i)
-        new = self._rows[start : resumed[0] if resumed else len(self._rows)]
-        self._prefill_columns(start, [_columns(r) for r in new])
-
-    def _prefill_columns(self, start: int, columns: list[list[int]]) -> None:
-        """One batched forward that writes rows ``start, start + 1, ...`` of the cache from
-        column 0 with ``columns`` (each row's tokens before its next input)."""
-        width = max(map(len, columns), default=0)
-        if width == 0:
-            return
-        dev = self.model.device
-        ids = torch.full((len(columns), width), self.pad_token_id, dtype=torch.long)
-        for i, tokens in enumerate(columns):
-            ids[i, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
-        lengths = torch.tensor([len(t) for t in columns], device=dev)
-        cols = torch.arange(width, device=dev)
-        # Right-padded: a query sees earlier columns that hold prompt tokens. Padding queries also
-        # see themselves so no row is fully masked (NaN in half precision); they are never read.
-        causal = cols[None, :] <= cols[:, None]
-        allowed = causal & (
-            (cols < lengths[:, None])[:, None] | torch.eye(width, dtype=torch.bool, device=dev)
-        )
-        self._cache.prepare(slice(start, start + len(columns)), width)
-        self._forward(ids.to(dev), cols.expand(len(columns), width), allowed)
-
-    def _prefill_after_prefix(self, i: int) -> None:
-        """Prefill row ``i``'s prompt after its kept columns ``[0, offset)`` (alone: its new
-        tokens start at its own column)."""
-        row = self._rows[i]
-        new = row.request.prompt_ids[row.offset : row.length]
-        if not new:
-            return
-        dev = self.model.device
-        pos = torch.arange(row.offset, row.length, device=dev)[None]  # [1, new]
-        allowed = torch.arange(row.length, device=dev)[None, None, :] <= pos[:, :, None]
-        self._cache.prepare(slice(i, i + 1), row.length, write_pos=pos)
-        self._forward(torch.tensor([new], device=dev), pos, allowed)
+            row = self._rows[i]
+            new = row.request.prompt_ids[row.offset : row.length]
+            self._forwards.prefill_after(i, new, row.offset)
+        new_rows = self._rows[start : resumed[0] if resumed else len(self._rows)]
+        self._forwards.prefill(start, [r.columns() for r in new_rows])
 
     def _decode(self) -> tuple[list[list[int]], list[list[float]]]:
-        dev = self.model.device
         rows = self._rows
-        lengths = torch.tensor([r.length for r in rows], device=dev)
-        ids = torch.tensor([[r.next_input] for r in rows], device=dev)
-        kv_len = max(r.length for r in rows) + 1
-        allowed = (torch.arange(kv_len, device=dev)[None, :] <= lengths[:, None])[:, None]
-        self._cache.prepare(slice(0, len(rows)), kv_len, write_pos=lengths)
-        logits = self._forward(ids, lengths[:, None], allowed)[:, -1]
-        tokens, logprobs = self._sample(logits)
+        logits = self._forwards.decode([r.length for r in rows], [r.next_input for r in rows])
+        tokens, logprobs = draw_tokens(self._log_probs(logits), greedy=self.greedy, rng=self._rng)
         return [[t] for t in tokens], [[lp] for lp in logprobs]
 
     def _verify(self, drafts: list[list[int]]) -> tuple[list[list[int]], list[list[float]]]:
         """One forward over every row's next input and draft; the tokens each row emits."""
         rows = self._rows
-        ids, positions, columns, allowed = verify_batch(
-            [r.length for r in rows],
-            [r.next_input for r in rows],
-            drafts,
-            pad_token_id=self.pad_token_id,
-            device=self.model.device,
+        lengths, inputs = [r.length for r in rows], [r.next_input for r in rows]
+        logits = self._forwards.verify(lengths, inputs, drafts)  # [batch, 1 + draft, vocab]
+        return self.speculator.accept(
+            self._log_probs(logits), drafts, greedy=self.greedy, rng=self._rng
         )
-        self._cache.prepare(slice(0, len(rows)), allowed.shape[-1], write_pos=columns)
-        logits = self._forward(ids, positions, allowed, keep=0)  # [batch, 1 + draft, vocab]
-        logp = token_log_probs(logits, self._forced_rows(), self._eos, self.temperature)
-        return self.speculator.accept(logp, drafts, greedy=self.greedy, rng=self._rng)
 
-    def _forward(
-        self, ids: torch.Tensor, pos: torch.Tensor, allowed: torch.Tensor, keep: int = 1
-    ) -> torch.Tensor:
-        """One model call on the prepared cache rows; ``allowed``: ``[batch, q, kv]`` bools;
-        logits of the last ``keep`` positions (0: all)."""
-        dtype = self.model.dtype
-        # Additive float mask, as HF builds them: accepted by both SDPA and eager attention.
-        mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
-        mask = mask.masked_fill_(~allowed, torch.finfo(dtype).min)[:, None]
-        out = self.model(
-            input_ids=ids,
-            attention_mask=mask,
-            position_ids=pos,
-            cache=self._cache,
-            use_cache=True,
-            logits_to_keep=keep,
-        )
-        if self._cache.kv is None:
-            raise RuntimeError("The model ignored the KV cache (HFStreamGenerator needs HF >= 5).")
-        return out.logits
-
-    def _forced_rows(self) -> list[int]:
-        return [i for i, r in enumerate(self._rows) if r.request.forced_length is not None]
-
-    def _sample(self, logits: torch.Tensor) -> tuple[list[int], list[float]]:
-        logp = token_log_probs(logits, self._forced_rows(), self._eos, self.temperature)
-        if self.greedy:
-            tokens = logp.argmax(dim=-1)
-        else:
-            tokens = torch.multinomial(logp.exp(), 1, generator=self._rng).squeeze(1)
-        chosen = logp.gather(1, tokens[:, None]).squeeze(1)
-        return tokens.tolist(), chosen.tolist()
+    def _log_probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """Log-probs of the distribution each row draws from (EOS masked for forced rows)."""
+        forced = [i for i, r in enumerate(self._rows) if r.request.forced_length is not None]
+        return token_log_probs(logits, forced, self.finishing.eos_ids, self.temperature)
 
     def _advance(self, tokens: list[list[int]], logprobs: list[list[float]]) -> list[Sample]:
         """Append each row's new tokens (one, or a verified draft run) and finish the rows a
@@ -447,7 +343,7 @@ class HFStreamGenerator:
                 finished.append(self._to_sample(row, reason, now))
                 done.append(i)
                 if row.request.keep_prefix and row.weight_version == self._weight_version:
-                    kept = (row.request.prompt_ids + row.token_ids)[: row.length]
+                    kept = row.columns()
                     kv = self._cache.save_row(i, row.length)
                     self.prefixes.put(row.request.key, kept, kv, row.weight_version)
                 if self.speculator is not None:
@@ -456,35 +352,15 @@ class HFStreamGenerator:
             self._release(done)
         return finished
 
-    def _append(self, row: _Running, tokens: list[int], logprobs: list[float]) -> str | None:
+    def _append(self, row: SlotSequence, tokens: list[int], logprobs: list[float]) -> str | None:
         """Append ``tokens`` one by one until a finishing rule ends the row (nothing past its
         end is kept); returns that rule's reason, or ``None``."""
         for tok, lp in zip(tokens, logprobs, strict=True):
-            row.length += 1
-            row.next_input = tok
-            row.token_ids.append(tok)
-            row.logprobs.append(lp)
-            row.versions.append(self._weight_version)
-            reason = self._finish_reason(row, tok)
+            row.append(tok, lp, self._weight_version)
+            reason = self.finishing.reason(row.request, row.token_ids)
             if reason is not None:
                 return reason
         return None
-
-    def _finish_reason(self, row: _Running, token: int) -> str | None:
-        req = row.request
-        if req.forced_length is not None:
-            return "forced" if len(row.token_ids) >= req.forced_length else None
-        if token in self._eos:
-            return "eos"
-        if self.stop_strings and self._has_stop_string(row.token_ids):
-            return "stop"
-        return "length" if len(row.token_ids) >= req.max_tokens else None
-
-    def _has_stop_string(self, token_ids: list[int]) -> bool:
-        """Whether the text of the last few tokens holds a stop string (checked every token,
-        so one that ends with the newest token is found at once)."""
-        tail = self.tokenizer.decode(token_ids[-self._stop_window :])
-        return any(s in tail for s in self.stop_strings)
 
     def _release(self, done: list[int]) -> None:
         """Free the slots in ``done``: move the last surviving rows into the holes."""
@@ -498,7 +374,7 @@ class HFStreamGenerator:
             rows[hole] = rows[src]
         del rows[keep:]
 
-    def _to_sample(self, row: _Running, reason: str, now: float) -> Sample:
+    def _to_sample(self, row: SlotSequence, reason: str, now: float) -> Sample:
         return finished_sample(
             row,
             instance_id=self.instance_id,
@@ -506,14 +382,3 @@ class HFStreamGenerator:
             finish_reason=reason,
             cached_tokens=row.offset,
         )
-
-
-def _columns(row: _Running) -> list[int]:
-    """The tokens in a row's cache columns ``[0, length)``: its prompt, then what it generated
-    before its next input."""
-    return (row.request.prompt_ids + row.token_ids)[: row.length]
-
-
-def _version_seed(seed: int, version: int) -> int:
-    """The sampling seed of weight ``version`` (distinct across versions and instance seeds)."""
-    return seed * 1_000_003 + version

@@ -72,6 +72,13 @@ class SlotCache(Cache):
             grown[..., : self.kv.shape[-2], :] = self.kv
         self.kv = grown
 
+    def reserve(self, columns: int, limit: int) -> None:
+        """Make room for ``columns`` columns per row, but no more than ``limit`` (the buffer
+        grows on the next write)."""
+        if columns > self.capacity:
+            # Doubling keeps growth copies amortised O(1) per token.
+            self.capacity = min(max(columns, 2 * self.capacity), limit)
+
     def move_rows(self, src: list[int], dst: list[int], columns: int) -> None:
         """Copy rows ``src`` onto rows ``dst`` (first ``columns`` columns only)."""
         if self.kv is not None and src:

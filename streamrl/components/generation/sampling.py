@@ -1,5 +1,6 @@
 """Sampling in every stream generator (StreamRL §3): the temperature it checks at construction,
-and the log-probs it samples from and reports."""
+and the log-probs it samples from and reports; for ``HFStreamGenerator``, the tokens it draws
+from them and the seed of its random stream under each weight version."""
 
 from __future__ import annotations
 
@@ -40,3 +41,23 @@ def token_log_probs(
         shape = (-1,) + (1,) * (logits.dim() - 1)
         logits = logits.masked_fill(rows.view(shape) & tokens, float("-inf"))
     return torch.log_softmax(logits / temperature, dim=-1)
+
+
+def draw_tokens(
+    logp: torch.Tensor, *, greedy: bool, rng: torch.Generator
+) -> tuple[list[int], list[float]]:
+    """One token per row of ``logp`` (``[batch, vocab]``, from ``token_log_probs``), and its
+    log-prob: the argmax when ``greedy``, else a draw from ``rng``."""
+    if greedy:
+        tokens = logp.argmax(dim=-1)
+    else:
+        tokens = torch.multinomial(logp.exp(), 1, generator=rng).squeeze(1)
+    chosen = logp.gather(1, tokens[:, None]).squeeze(1)
+    return tokens.tolist(), chosen.tolist()
+
+
+def version_seed(seed: int, version: int) -> int:
+    """The sampling seed of weight ``version`` (distinct across versions and instance seeds):
+    reseeding with it when a version loads makes what a version samples independent of what
+    earlier versions sampled, so a resumed run samples as the uninterrupted one."""
+    return seed * 1_000_003 + version

@@ -185,8 +185,9 @@ class Sample:
         instance_id: the generator instance that produced it.
         submitted_s / started_s / finished_s: wall-clock timestamps (``time.time()``) of
             submission, admission into a batch slot and completion.
-        finish_reason: ``"eos"``, ``"length"`` (hit ``max_tokens``) or ``"forced"``; an
-            episode's: ``"done"``, or why it was truncated (``streamrl.envs.Episode``).
+        finish_reason: ``"eos"``, ``"stop"`` (a stop string), ``"length"`` (hit ``max_tokens``)
+            or ``"forced"``; an episode's: ``"done"``, or why it was truncated
+            (``streamrl.envs.Episode``).
         reward: filled in by the trainer once scored (an episode comes with its env's reward).
         reward_parts: each of the run's rewards on its own, unweighted (``RewardSpec``'s labels),
             filled in with ``reward``; ``None`` for an episode (its environment rewards it).

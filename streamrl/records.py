@@ -72,28 +72,54 @@ class LengthDistribution:
             return float(length >= self.median)
         return _NORMAL.cdf((math.log(length) - self.mu) / self.sigma)
 
-    def expected_max(self, n: int) -> float:
+    def expected_max(self, n: int, cap: float | None = None) -> float:
         """Expected longest of ``n`` independent samples: what a group of ``n`` occupies an
-        instance for (``E[max] = integral over u of Q(u ** (1/n))``, by quadrature)."""
+        instance for (``E[max] = integral over u of Q(u ** (1/n))``, by quadrature); with
+        ``cap``, of samples cut at ``cap`` tokens (a generation budget)."""
         if n < 1:
             raise ValueError(f"expected_max: n must be >= 1, got {n}.")
         if n == 1:
-            return self.mean
-        return math.exp(self.mu) * float(np.exp(self.sigma * _max_grid(n)).mean())
+            return self.mean if cap is None else self.mean_above(0.0, cap)
+        draws = math.exp(self.mu) * np.exp(self.sigma * _max_grid(n))
+        return float((draws if cap is None else np.minimum(draws, cap)).mean())
 
-    def remaining(self, generated: float) -> float:
+    def remaining(self, generated: float, cap: float | None = None) -> float:
         """Expected tokens still to come for a sample that has ``generated`` tokens and has not
-        ended: ``E[L | L > generated] - generated`` (at least 1)."""
-        if generated <= 0:
-            return self.mean
+        ended: ``E[L | L > generated] - generated`` (``L`` cut at ``cap`` if given; at least
+        1)."""
+        if cap is not None and generated >= cap:
+            return 1.0
         if self.sigma == 0:
-            return max(1.0, self.median - generated)
+            length = self.median if cap is None else min(self.median, cap)
+            return max(1.0, length - generated)
+        if generated <= 0:
+            return self.mean if cap is None else self.mean_above(0.0, cap)
         z = (math.log(generated) - self.mu) / self.sigma
         survive = 1.0 - _NORMAL.cdf(z)
         if survive < 1e-9:  # far in the tail: the Mills-ratio limit, E[L - g | L > g] ~ g s / z
-            return max(1.0, generated * self.sigma / max(z, 1e-6))
-        beyond = self.mean * (1.0 - _NORMAL.cdf(z - self.sigma))  # E[L; L > g]
-        return max(1.0, beyond / survive - generated)
+            left = generated * self.sigma / max(z, 1e-6)
+            return max(1.0, left if cap is None else min(left, cap - generated))
+        return max(1.0, self.mean_above(generated, cap) / survive - generated)
+
+    def mean_above(self, low: float, cap: float | None = None) -> float:
+        """``E[min(L, cap); L > low]``: the mean length over the samples longer than ``low``,
+        each cut at ``cap`` (``None``: not cut), times their probability (closed form)."""
+        if low > 0 and cap is not None and low >= cap:
+            return 0.0
+        if self.sigma == 0:
+            length = self.median if cap is None else min(self.median, cap)
+            return length if self.median > low else 0.0
+        above_low = self._tail_mean(low)
+        if cap is None:
+            return above_low
+        return above_low - self._tail_mean(cap) + cap * (1.0 - self.cdf(cap))
+
+    def _tail_mean(self, length: float) -> float:
+        """``E[L; L > length]`` of the log-normal (closed form)."""
+        if length <= 0:
+            return self.mean
+        z = (math.log(length) - self.mu) / self.sigma
+        return self.mean * (1.0 - _NORMAL.cdf(z - self.sigma))
 
 
 @functools.lru_cache(maxsize=256)

@@ -47,3 +47,17 @@ def test_bad_parameters_are_refused():
         LengthDistribution(1.0, -0.1)
     with pytest.raises(ValueError, match="q must be"):
         LengthDistribution(1.0, 0.1).quantile(1.0)
+
+
+def test_a_budget_cuts_the_expectations_as_cut_samples_would():
+    d = LengthDistribution(math.log(100), 0.8)
+    draws = np.exp(np.random.default_rng(2).normal(d.mu, d.sigma, (400_000, 8)))
+    cap = 150
+    assert d.expected_max(1, cap) == pytest.approx(np.minimum(draws[:, 0], cap).mean(), rel=0.01)
+    assert d.expected_max(8, cap) == pytest.approx(np.minimum(draws.max(1), cap).mean(), rel=0.01)
+    one = draws[:, 0]
+    for g in (50, 140):
+        cut = np.minimum(one[one > g], cap) - g
+        assert d.remaining(g, cap) == pytest.approx(cut.mean(), rel=0.02)
+    assert d.remaining(cap + 5, cap) == 1.0  # past the budget: it ends now
+    assert d.mean_above(0.0, cap) < d.mean

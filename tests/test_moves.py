@@ -221,8 +221,8 @@ def test_simulated_moves_undo_a_bad_plan_and_count_what_moved():
 
 
 def test_simulated_speculation_speeds_up_only_the_tail():
+    from streamrl.components.generation.speculative import TailSpeculation
     from streamrl.components.skewness.dispatch import RoundRobinDispatcher
-    from streamrl.sim.instance import TailSpeculation
     from streamrl.sim.moves import simulate_generation
 
     flat = LatencyModel([1], [1.0])

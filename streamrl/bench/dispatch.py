@@ -35,6 +35,7 @@ from streamrl.bench.pipeline import DEFAULT_LENGTHS
 from streamrl.bench.predictions import SOURCES, Batch, Predictions, batch_and_history, predict
 from streamrl.bench.settings import DispatchBench
 from streamrl.components.generation.service import StreamGenerationService
+from streamrl.components.generation.speculative import TailSpeculation
 from streamrl.components.skewness.adaptive import AdaptiveDispatcher
 from streamrl.components.skewness.dispatch import Dispatcher, RandomDispatcher
 from streamrl.components.skewness.latency import PAPER_7B_H800_MS, LatencyModel
@@ -47,6 +48,8 @@ from streamrl.policy.models import load_policy
 from streamrl.records import InstanceLoad, Move, Request, Sample
 
 POLICIES = ("random", "skew", "adaptive", "oracle")
+#: The label suffix of a simulated row with speculative decoding in the tail.
+SPEC = "+spec"
 RANDOM_DRAWS = 20  # simulated random dispatch: mean makespan over this many draws
 PROFILE_PROMPT = [5, 6, 7, 8]  # the prompt PTL(BS) is measured on
 
@@ -164,6 +167,7 @@ def _simulate(
     settings: DispatchBench,
     prompt_ids,
     true,
+    speculation: TailSpeculation | None = None,
 ) -> tuple[float, int]:
     """Simulated makespan and requests moved (``streamrl.sim.moves``); random dispatch (no
     scores: FIFO) averages ``RANDOM_DRAWS`` draws (one draw alone can be far from what random
@@ -179,6 +183,7 @@ def _simulate(
             latency,
             settings.max_batch_size,
             scheduler=FIFOScheduler if scores is None else LPTScheduler,
+            speculation=speculation,
         )
         total, moved = total + result.makespan_s, moved + result.requests_moved
     return total / draws, moved // draws
@@ -246,6 +251,13 @@ def _rows(settings: DispatchBench) -> list[tuple[str, str, str | None]]:
             rows.append((policy, policy, None))
             continue
         rows += [("skew" if i == 0 else f"skew_{s}", "skew", s) for i, s in enumerate(sources)]
+    if settings.tail_speedup is not None:  # the same plans, with speculation in the tail
+        if not settings.simulate:
+            raise ConfigError(
+                "--tail_speedup models speculative decoding in simulated runs (--simulate); "
+                "real runs measure it: streamrl bench generate --speculative."
+            )
+        rows += [(label + SPEC, p, s) for label, p, s in rows if p in ("skew", "adaptive")]
     return rows
 
 
@@ -311,8 +323,20 @@ def bench_dispatch(settings: DispatchBench, simulator: Callable[..., Any] | None
             plans[label] = (_dispatcher(policy, latency, settings, d), scores)
         moves = {}
         if settings.simulate:
+            tail = None
+            if settings.tail_speedup is not None:
+                tail = TailSpeculation(settings.tail_max_running, settings.tail_speedup)
             simulated = {
-                label: _simulate(simulator, dispatcher, scores, latency, settings, prompt_ids, true)
+                label: _simulate(
+                    simulator,
+                    dispatcher,
+                    scores,
+                    latency,
+                    settings,
+                    prompt_ids,
+                    true,
+                    tail if label.endswith(SPEC) else None,
+                )
                 for label, (dispatcher, scores) in plans.items()
             }
             makespan = {label: m for label, (m, _) in simulated.items()}

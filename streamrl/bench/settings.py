@@ -138,6 +138,10 @@ class DispatchBench:
         max_batch_size: slots per instance.
         tail_batch_size: batch size of the skew policies' long-tail instances (default:
             --max_batch_size).
+        tail_speedup: simulated runs: add skew+spec and adaptive+spec rows, with speculative
+            decoding in the tail speeding each tail step up this much (the measured tail-phase
+            speedup of streamrl bench generate --speculative, plain / speculative).
+        tail_max_running: simulated speculation is on while at most this many samples run.
         repeats: real runs per policy (median).
         model: 'tiny' (~1M params, random) or a model dir.
         seed: lengths, noise and weights.
@@ -159,6 +163,8 @@ class DispatchBench:
     group_sigma: float = 0.3
     max_batch_size: int = 32
     tail_batch_size: int | None = None
+    tail_speedup: float | None = None
+    tail_max_running: int = 4
     repeats: int = 3
     model: str = "tiny"
     seed: int = 0

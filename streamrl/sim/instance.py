@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from streamrl.components.generation.speculative import TailSpeculation
 from streamrl.components.skewness.latency import LatencyModel
 from streamrl.protocols import AdmissionScheduler
 from streamrl.records import Request
@@ -72,23 +73,6 @@ class Running:
             self.tokens[self._current] = self.tokens.get(self._current, 0) + rest
             self._mark = self.request.forced_length
         return self.tokens
-
-
-@dataclass(frozen=True)
-class TailSpeculation:
-    """Speculative decoding in the tail, as the simulator models it (measured by
-    ``streamrl bench generate --speculative``).
-
-    Attributes:
-        max_running: it is on while at most this many samples run.
-        tokens_per_step: tokens a verify step yields per sample, on average (accepted drafts
-            plus the one the step samples).
-        verify_cost: a verify step's seconds relative to a plain decode step's.
-    """
-
-    max_running: int
-    tokens_per_step: float
-    verify_cost: float = 1.0
 
 
 class SimInstance:

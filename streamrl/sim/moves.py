@@ -18,11 +18,12 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
+from streamrl.components.generation.speculative import TailSpeculation
 from streamrl.components.skewness.latency import LatencyModel
 from streamrl.components.skewness.schedulers import LPTScheduler
 from streamrl.protocols import AdmissionScheduler, Dispatcher, Rebalancer
 from streamrl.records import InstanceLoad, Progress, Request, Sample
-from streamrl.sim.instance import SimInstance, TailSpeculation
+from streamrl.sim.instance import SimInstance
 
 
 @dataclass

@@ -178,6 +178,23 @@ def _synced_index(row: DraftedSequence, settings: SpeculativeDecoding) -> Suffix
     return row.draft
 
 
+@dataclass(frozen=True)
+class TailSpeculation:
+    """What speculative decoding does to a tail step, as the simulator models it
+    (``streamrl.sim``; measured by ``streamrl bench generate --speculative``).
+
+    Attributes:
+        max_running: it is on while at most this many samples run.
+        tokens_per_step: tokens a verify step yields per sample, on average (accepted drafts
+            plus the one the step samples).
+        verify_cost: a verify step's seconds relative to a plain decode step's.
+    """
+
+    max_running: int
+    tokens_per_step: float
+    verify_cost: float = 1.0
+
+
 def vllm_speculative_config(settings: SpeculativeDecoding) -> dict:
     """The settings as vLLM's ``speculative_config``: its n-gram proposer (prompt lookup).
 

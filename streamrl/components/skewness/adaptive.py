@@ -61,6 +61,7 @@ class _Group:
     """One prompt's samples in one iteration, as the planner follows them."""
 
     prior: LengthDistribution
+    budget: float  # its requests' max_tokens
     open: set[Key] = field(default_factory=set)
     finished: list[int] = field(default_factory=list)
 
@@ -152,7 +153,7 @@ class AdaptiveDispatcher:
         for i, request in enumerate(requests):
             dist = self._register(request, None if scores is None else scores[i])
             group = sizes[request.prompt_id, request.iteration]
-            cost = min(self._cost(dist, group), float(request.max_tokens))
+            cost = self._cost(dist, group, request.max_tokens)
             request.predicted_length = cost - self._lead(request.iteration)
         if self.split_groups:
             units = [[r] for r in requests]
@@ -201,7 +202,7 @@ class AdaptiveDispatcher:
         lead = self._lead(sample.iteration)
         for key in group.open:
             self._dist[key] = after
-            costs[key] = self._cost(after, len(group.open)) - lead
+            costs[key] = self._cost(after, len(group.open), group.budget) - lead
         return costs
 
     def rebalance(self, loads: Sequence[InstanceLoad]) -> list[Move]:
@@ -248,7 +249,9 @@ class AdaptiveDispatcher:
         if self.clock is not None:
             self.clock.opened(request.iteration, [request.key])
         self._dist[request.key] = dist
-        group = self._groups.setdefault((request.prompt_id, request.iteration), _Group(dist))
+        group = self._groups.setdefault(
+            (request.prompt_id, request.iteration), _Group(dist, float(request.max_tokens))
+        )
         group.open.add(request.key)
         return dist
 
@@ -269,16 +272,17 @@ class AdaptiveDispatcher:
         lead = self.clock.lead(iteration) if self.clock is not None else None
         return lead or 0.0
 
-    def _cost(self, dist: LengthDistribution, group: int) -> float:
-        return dist.expected_max(group) if self.tail_aware else dist.median
+    def _cost(self, dist: LengthDistribution, group: int, budget: float) -> float:
+        """The admission cost: the expected longest of the group's samples (or one sample's
+        median, the paper's point), none longer than the budget."""
+        return dist.expected_max(group, budget) if self.tail_aware else min(dist.median, budget)
 
     def _left(self, request: Request, generated: int | None = None) -> float:
         """Expected tokens still to generate after ``generated`` (default: what it brought
         when it moved here), at most what its budget leaves."""
         if generated is None:
             generated = len(request.progress.token_ids) if request.progress is not None else 0
-        left = self.distribution(request).remaining(generated)
-        return max(1.0, min(left, request.max_tokens - generated))
+        return self.distribution(request).remaining(generated, cap=request.max_tokens)
 
     def _work(self, load: InstanceLoad) -> InstanceWork:
         """What ``load``'s instance is expected to generate still, in admission order."""

@@ -419,3 +419,33 @@ def test_verbose_keeps_lightnings_information_lines():
     quiet_lightning()
     assert parse_fit(["--verbose"]).verbose and not parse_fit([]).verbose
     assert parse_command(["demo", "--verbose"])[1].args[0].verbose
+
+
+def test_bench_pipeline_runs_the_long_tail_modes_on_prompts_built_for_their_lengths(
+    tmp_path, capsys
+):
+    """``async-all``: the distributional ranker, the adaptive planner with LPT and speculative
+    decoding in the tail; ``--prompt_set by_length``: each prompt asks for its forced length."""
+    from streamrl.bench.pipeline import BENCH_MODES, _long_tail_parts, _prompt_set
+    from streamrl.bench.settings import PipelineBench
+    from streamrl.components.skewness.adaptive import AdaptiveDispatcher
+    from streamrl.components.skewness.schedulers import LPTScheduler
+
+    lengths = tmp_path / "lengths.json"
+    lengths.write_text(json.dumps([3, 9, 4, 20]))
+    argv = ["bench", "pipeline", "--lengths", str(lengths), "--modes", "async,async-all"]
+    argv += ["--prompt_set", "by_length", "--batch", "2", "--group-size", "2"]
+    argv += ["--iterations", "3", "--warmup", "1", "--repeats", "1", "--generators", "2"]
+    assert main(argv) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert set(result["modes"]) == {"async", "async-all"} and set(result["over_async"]) == {
+        "async-all"
+    }
+    for row in result["modes"].values():  # every iteration trains the 2 x 2 samples asked for
+        assert row["samples_per_s"] * row["iteration_s"] == pytest.approx(4, rel=1e-2)
+    parts = _long_tail_parts(BENCH_MODES["async-all"], PipelineBench())
+    assert isinstance(parts["dispatcher"], AdaptiveDispatcher)
+    assert parts["scheduler"] is LPTScheduler and parts["engine"].speculative is not None
+    assert _long_tail_parts(BENCH_MODES["async"], PipelineBench()) == {}
+    rows = _prompt_set(PipelineBench(prompt_set="by_length"), [3, 9, 4, 20])
+    assert [row["length"] for row in rows[:5]] == [3, 9, 4, 20, 3]

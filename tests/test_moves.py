@@ -284,3 +284,13 @@ def test_a_later_iterations_long_sample_waits_behind_an_earlier_ones_if_it_has_t
     now2, later2 = Request("a", [1], 512, iteration=0), Request("b", [1], 512, iteration=1)
     blind.plan([now2, later2], [50.0, 300.0], 1)
     assert later2.predicted_length > now2.predicted_length  # plain LPT: longest first
+
+
+# -- a run -------------------------------------------------------------------------------------
+def test_a_fit_with_the_adaptive_planner_trains_every_sample_once(fit_small):
+    """``rl.dispatcher: adaptive`` in a real run (two generators, async, the online ranker):
+    whatever it moves, every requested sample is trained and none is lost (``fit_small``)."""
+    summary = fit_small(
+        dispatcher="adaptive", generators=2, mode="async", iterations=3, length_predictor="ranker"
+    )
+    assert summary["samples_lost"] == 0

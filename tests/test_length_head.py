@@ -92,6 +92,8 @@ def test_coverage_and_crps_with_hand_computed_values():
     d = LengthDistribution(math.log(100), 0.5)  # P90 = 100 e^(0.5 * 1.2816) = 189.7
     assert coverage([d] * 5, [10, 100, 189, 190, 1000]) == 3 / 5
     assert coverage([d] * 2, [100, 150], q=0.5) == 0.5  # the median: 100 <= 100, 150 above
+    # A length at its quantile is covered (exp(log 32) is exactly 32.0).
+    assert coverage([LengthDistribution.point(32)] * 2, [32, 33]) == 0.5
     # N(mu, 1) at its own mu (z = 0): 2 phi(0) - 1 / sqrt(pi) = 0.797885 - 0.564190.
     at_mu = LengthDistribution(math.log(50), 1.0)
     assert mean_crps([at_mu], [50]) == pytest.approx(0.233695, abs=1e-6)

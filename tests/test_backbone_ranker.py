@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import json
 import math
+import random
 import sys
 
 import pytest
 
 from streamrl.components.skewness.backbone_ranker import BackboneLengthRanker
-from streamrl.components.skewness.ranking_metrics import kendall_tau, recall_at_k
+from streamrl.components.skewness.ranking_metrics import coverage, kendall_tau, recall_at_k
 from streamrl.errors import ConfigError
-from streamrl.protocols import LengthPredictor
+from streamrl.protocols import DistributionalLengthPredictor, LengthPredictor
 from streamrl.records import Sample
 from streamrl.tasks import make_prompt_set
 
@@ -135,3 +136,64 @@ def test_bench_ranker_trains_the_backbone_next_to_the_fast_baseline(backbone_dir
     assert result["ranker"] == "backbone" and result["baseline"]["ranker"] == "fast"
     assert result["n_train"] == 48 and result["n_test"] == 12
     assert 0.0 <= result["recall@20"] <= 1.0
+
+
+def _noisy_rows(n: int, seed: int) -> list[tuple[str, list[int], str]]:
+    """``copy`` and ``rev`` prompts, 5 tokens per letter: ``copy`` lengths barely vary, ``rev``
+    ones by a log-normal of spread 0.8."""
+    rng, rows = random.Random(seed), []
+    for _ in range(n):
+        task, letters = rng.choice(["copy", "rev"]), rng.randint(1, 20)
+        noise = 0.05 if task == "copy" else 0.8
+        prompt = f"{task} {''.join(rng.choice('abcdefgh') for _ in range(letters))}="
+        lengths = [max(1, round(5 * letters * math.exp(rng.gauss(0, noise)))) for _ in range(4)]
+        rows.append((prompt, lengths, task))
+    return rows
+
+
+def test_predicts_a_calibrated_spread_wider_where_lengths_vary_more(tokenizer):
+    from streamrl.policy.models import build_tiny_model
+
+    model = build_tiny_model(tokenizer, "test", seed=0)
+    ranker = BackboneLengthRanker(model, tokenizer, epochs=5, batch_size=16, seed=0)
+    assert isinstance(ranker, DistributionalLengthPredictor)
+    train, test = _noisy_rows(150, seed=0), _noisy_rows(80, seed=1)
+    ranker.fit([p for p, ls, _ in train for _ in ls], [n for _, ls, _ in train for n in ls])
+    distinct = len({p for p, _, _ in train})
+    assert len(ranker.calibration.residuals) == 4 * int(0.2 * distinct)  # the held-out slice
+    predicted = ranker.predict_distribution([p for p, _, _ in test])
+    spread = {
+        task: sum(d.sigma for d, row in zip(predicted, test) if row[2] == task)
+        / sum(row[2] == task for row in test)
+        for task in ("copy", "rev")
+    }
+    assert spread["rev"] > 2 * spread["copy"]  # measured 1.01 vs 0.17
+    covered = coverage(
+        [d for d, (_, ls, _) in zip(predicted, test) for _ in ls],
+        [n for _, ls, _ in test for n in ls],
+    )
+    assert 0.8 <= covered <= 0.97  # measured 0.944
+    assert ranker.predict([p for p, _, _ in test]) == pytest.approx([d.median for d in predicted])
+
+
+def test_distribution_round_trips_and_old_point_states_load(backbone_dir):
+    ranker = BackboneLengthRanker(backbone_dir, epochs=2, seed=0)
+    rows = _noisy_rows(60, seed=2)
+    ranker.fit([p for p, ls, _ in rows for _ in ls], [n for _, ls, _ in rows for n in ls])
+    probe = [p for p, _, _ in _noisy_rows(10, seed=3)]
+    copy = BackboneLengthRanker(backbone_dir, seed=1)
+    copy.load_state_dict(ranker.state_dict())
+    assert copy.predict_distribution(probe) == ranker.predict_distribution(probe)
+    assert copy.calibration.scale == ranker.calibration.scale != 1.0
+    # Saved before issue 34: a one-output head and no calibration. It loads as the location.
+    old = ranker.state_dict()
+    old["trainable"] = {
+        n: t[:1] if n.startswith("head.") else t for n, t in old["trainable"].items()
+    }
+    del old["calibration"]
+    loaded = BackboneLengthRanker(backbone_dir, seed=1)
+    loaded.load_state_dict(old)
+    mu, _ = ranker._raw(probe)
+    assert loaded.predict(probe) == pytest.approx([math.exp(m) for m in mu])
+    assert len({d.sigma for d in loaded.predict_distribution(probe)}) == 1
+    assert loaded.calibration.scale == 1.0

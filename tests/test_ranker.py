@@ -74,6 +74,8 @@ def test_bench_ranker_command(tmp_path, capsys):
         "recall@10",
         "recall@5",
         "kendall_tau",
+        "p90_coverage",
+        "crps",
         "train_s",
         "n_train",
         "n_test",
@@ -152,7 +154,8 @@ def test_token_features_use_the_policy_tokenizer_on_chat_prompts():
     lengths = [sum(r["lengths"]) / 4 for r in rows]
     ranker = LengthRanker(epochs=150, seed=0, tokenizer=tokenizer, token_buckets=512)
     ranker.fit(prompts[:320], lengths[:320])
-    width = 1024 + 8 + 512 + 1  # char n-grams, numeric, token n-grams, token count
+    # char n-grams, numeric, number contexts, token n-grams, token count
+    width = 1024 + 8 + 128 + 512 + 1
     assert ranker.net[0].in_features == width
     expected = [r["expected"] for r in rows[320:]]
     assert recall_at_k(ranker.predict(prompts[320:]), expected, 0.2) >= 0.7
@@ -395,7 +398,7 @@ def test_the_run_s_ranker_reads_prompts_in_the_policy_s_tokens():
     assert isinstance(ranker, LengthRanker) and ranker.tokenizer is tokenizer
     ranker.learn_epochs = 5
     ranker.fit(prompts, [3, 8, 20, 4] * 4)
-    assert ranker.net[0].in_features == 1024 + 8 + ranker.token_buckets + 1
+    assert ranker.net[0].in_features == 1024 + 8 + 128 + ranker.token_buckets + 1
     # A character-level tokenizer's tokens would only repeat the character n-grams: not given.
     chars = build_tokenizer()
     policy = build_tiny_model(chars, size="test")

@@ -87,6 +87,21 @@ def chat(system: str | None, user: str) -> str:
     return f"{head}<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n"
 
 
+def train_bpe(texts: list[str], vocab_size: int):
+    """A byte-level BPE tokenizer (``tokenizers``) trained on ``texts``, with the ChatML turn
+    markers as special tokens: the stand-in for a policy's tokenizer."""
+    from tokenizers import ByteLevelBPETokenizer
+
+    tokenizer = ByteLevelBPETokenizer()
+    tokenizer.train_from_iterator(
+        texts,
+        vocab_size=vocab_size,
+        special_tokens=["<|im_start|>", "<|im_end|>"],
+        show_progress=False,
+    )
+    return tokenizer
+
+
 def make_length_rows(
     per_task: int = 125,
     samples: int = 8,
@@ -97,19 +112,12 @@ def make_length_rows(
     """``(rows, tokenizer)``: ``per_task`` prompts of each of ``TASKS`` with ``samples`` synthetic
     lengths each (see the module docstring for exactly how), and the trained BPE tokenizer."""
     import reasoning_gym
-    from tokenizers import ByteLevelBPETokenizer
 
     items = []
     for t, task in enumerate(TASKS):
         for entry in reasoning_gym.create_dataset(task, size=per_task, seed=seed * 1000 + t):
             items.append((task, entry["question"], str(entry["answer"])))
-    tokenizer = ByteLevelBPETokenizer()
-    tokenizer.train_from_iterator(
-        [text for _, q, a in items for text in (q, a)],
-        vocab_size=vocab_size,
-        special_tokens=["<|im_start|>", "<|im_end|>"],
-        show_progress=False,
-    )
+    tokenizer = train_bpe([text for _, q, a in items for text in (q, a)], vocab_size)
     rng = random.Random(seed)
     rows = []
     for task, question, answer in items:

@@ -1,4 +1,5 @@
-"""``streamrl bench ranker``: recall@k and Kendall tau of the length rankers (§5.2)."""
+"""``streamrl bench ranker``: recall@k and Kendall tau of the length rankers (§5.2), and the
+held-out coverage of their predicted P90 and the CRPS of their length distributions (issue 34)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,12 @@ import torch
 
 from streamrl.bench.inputs import check_context
 from streamrl.components.skewness.ranker import LengthRanker, word_tokenizer
-from streamrl.components.skewness.ranking_metrics import kendall_tau, recall_at_k
+from streamrl.components.skewness.ranking_metrics import (
+    coverage,
+    kendall_tau,
+    mean_crps,
+    recall_at_k,
+)
 from streamrl.errors import ConfigError
 
 POLICY_MAX_TOKENS = 64  # --from-policy: the longest answer sampled
@@ -105,9 +111,11 @@ def sampling_ceiling(rows: list[dict], seed: int = 0, fraction: float = 0.20) ->
 def bench_ranker(data: str, seed: int = 0, backbone: str | None = None, tokenizer=None) -> dict:
     """Train on a seeded 80% split of the prompts, score the other 20%.
 
-    The rankers train on each training prompt's mean sampled length and are scored against one
-    sampled length per test prompt, averaged over which sample (``held_out_recall``): the same
-    truth as the sampling ceiling.
+    The rankers train on every sampled length of each training prompt (as ``learn`` gets a
+    group's samples in a run: their spread is what the predicted distribution learns) and are
+    scored against one sampled length per test prompt, averaged over which sample
+    (``held_out_recall``): the same truth as the sampling ceiling. Their predicted P90 is scored
+    against every sampled length of the test prompts.
 
     Args:
         data: JSONL rows ``{"prompt": str, "lengths": [int, ...]}`` or ``{"prompt": str,
@@ -121,7 +129,9 @@ def bench_ranker(data: str, seed: int = 0, backbone: str | None = None, tokenize
             use its tokens; ``None``: words.
 
     Returns:
-        recall@20/10/5, Kendall tau and training seconds of the ranker on the held-out 20%;
+        recall@20/10/5, Kendall tau, P90 coverage (``"p90_coverage"``: the share of sampled
+        lengths at or below the predicted P90; target 0.8-0.97), mean CRPS of the log lengths
+        and training seconds of the ranker on the held-out 20%;
         ``"char_baseline"``: the same for the ranker with character features only; with two or
         more samples per prompt, ``"ceiling@20"`` (``sampling_ceiling``), and where the data
         carries expected lengths, ``"oracle@20"``: recall@20 of ranking by them.
@@ -132,17 +142,25 @@ def bench_ranker(data: str, seed: int = 0, backbone: str | None = None, tokenize
         tokenizer = word_tokenizer
     elif isinstance(tokenizer, (str, Path)):
         tokenizer = _load_tokenizer(tokenizer)
-    train, test = split(len(prompts), seed)
-    train = ([prompts[i] for i in train], [sum(samples[i]) / len(samples[i]) for i in train])
-    test_samples = [samples[i] for i in test]
-    test = ([prompts[i] for i in test], test_samples)
-    result = _score(LengthRanker(seed=seed, tokenizer=tokenizer), "fast", train, test)
-    result["char_baseline"] = _score(LengthRanker(seed=seed), "chars", train, test)
+    train_rows, test_rows = split(len(prompts), seed)
+    # Every sample of a prompt, as in a run; rows that repeat a prompt add to its samples.
+    train = (
+        [prompts[i] for i in train_rows for _ in samples[i]],
+        [n for i in train_rows for n in samples[i]],
+    )
+    test_samples = [samples[i] for i in test_rows]
+    test = ([prompts[i] for i in test_rows], test_samples)
+    result = _score(
+        LengthRanker(seed=seed, tokenizer=tokenizer), "fast", train, test, len(train_rows)
+    )
+    result["char_baseline"] = _score(LengthRanker(seed=seed), "chars", train, test, len(train_rows))
     if backbone is not None:
         from streamrl.components.skewness.backbone_ranker import BackboneLengthRanker
 
         baseline = result
-        result = _score(BackboneLengthRanker(backbone, seed=seed), "backbone", train, test)
+        result = _score(
+            BackboneLengthRanker(backbone, seed=seed), "backbone", train, test, len(train_rows)
+        )
         result["baseline"] = baseline
     result["samples"] = min(map(len, test_samples))
     if result["samples"] >= 2:
@@ -164,9 +182,13 @@ def _load_tokenizer(path: str | Path):
     return load_tokenizer(path)
 
 
-def _score(ranker, name: str, train: tuple[list, list], test: tuple[list, list]) -> dict:
+def _score(
+    ranker, name: str, train: tuple[list, list], test: tuple[list, list], train_rows: int
+) -> dict:
     ranker.fit(*train)
     predicted, samples = ranker.predict(test[0]), test[1]
+    distributions = ranker.predict_distribution(test[0])
+    every = [(d, n) for d, lengths in zip(distributions, samples) for n in lengths]
     mean = [sum(s) / len(s) for s in samples]
     return {
         "ranker": name,
@@ -174,8 +196,10 @@ def _score(ranker, name: str, train: tuple[list, list], test: tuple[list, list])
         "recall@10": round(held_out_recall(predicted, samples, 0.10), 4),
         "recall@5": round(held_out_recall(predicted, samples, 0.05), 4),
         "kendall_tau": round(kendall_tau(predicted, mean), 4),
+        "p90_coverage": round(coverage(*zip(*every), q=0.9), 4),
+        "crps": round(mean_crps(*zip(*every)), 4),
         "train_s": round(ranker.train_s, 2),
-        "n_train": len(train[0]),
+        "n_train": train_rows,
         "n_test": len(samples),
     }
 
@@ -183,13 +207,15 @@ def _score(ranker, name: str, train: tuple[list, list], test: tuple[list, list])
 def _print_table(result: dict) -> None:
     rows = [result, *(result[k] for k in ("char_baseline", "baseline") if k in result)]
     print(
-        f"{'ranker':<10} {'recall@20':>9} {'@10':>6} {'@5':>6} {'tau':>6} {'train s':>8}",
+        f"{'ranker':<10} {'recall@20':>9} {'@10':>6} {'@5':>6} {'tau':>6} {'P90 cov':>8} "
+        f"{'CRPS':>6} {'train s':>8}",
         file=sys.stderr,
     )
     for row in rows:
         print(
             f"{row['ranker']:<10} {row['recall@20']:>9.3f} {row['recall@10']:>6.3f} "
-            f"{row['recall@5']:>6.3f} {row['kendall_tau']:>6.3f} {row['train_s']:>8.1f}",
+            f"{row['recall@5']:>6.3f} {row['kendall_tau']:>6.3f} {row['p90_coverage']:>8.3f} "
+            f"{row['crps']:>6.3f} {row['train_s']:>8.1f}",
             file=sys.stderr,
         )
     for key, label in (("ceiling@20", "ceiling (mean of other samples)"), ("oracle@20", "oracle")):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from typing import Literal
 
 from streamrl.bench.settings import DispatchBench, EpisodesBench, PipelineBench, RewardBench
 from streamrl.cli.bench_cases import COMMANDS as CASE_COMMANDS
@@ -101,8 +102,11 @@ class RankerBench:
 
     Attributes:
         data: JSONL rows {"prompt": str, "lengths": [int, ...]} or {"prompt", "length"}.
-        make_data: instead of --data: write chat prompts with SYNTHETIC lengths
-            (streamrl/bench/length_data.py) and their tokenizer to this file, then bench.
+        make_data: instead of --data: write prompts with SYNTHETIC lengths (of --data-kind)
+            and their tokenizer to this file, then bench.
+        data_kind: what --make-data writes: 'chat' (reasoning-gym questions,
+            streamrl/bench/length_data.py) or 'requests' (everyday requests with other length
+            rules and heavier-tailed noise, streamrl/bench/length_data_requests.py).
         tokenizer: tokenizer.json or model dir of the policy for the ranker's token features
             (default: words).
         from_policy: instead of --data: sample this model directory's lengths on the built-in
@@ -117,6 +121,7 @@ class RankerBench:
 
     data: str | None = None
     make_data: str | None = None
+    data_kind: Literal["chat", "requests"] = "chat"
     tokenizer: str | None = None
     from_policy: str | None = None
     prompts: int = 2000
@@ -133,9 +138,12 @@ def ranker(options: RankerBench) -> dict:
     if sum(map(bool, chosen)) != 1:
         raise ConfigError("bench ranker: pass exactly one of --data, --from-policy, --make-data.")
     if options.make_data:
-        from streamrl.bench.length_data import write_length_data
+        if options.data_kind == "requests":
+            from streamrl.bench.length_data_requests import write_request_data as write
+        else:
+            from streamrl.bench.length_data import write_length_data as write
 
-        made = write_length_data(options.make_data, options.seed)
+        made = write(options.make_data, options.seed)
         tokenizer = options.tokenizer or made
         return bench_ranker(options.make_data, options.seed, options.backbone, tokenizer)
     if options.data:

@@ -2,11 +2,14 @@
 
 The paper predicts output lengths with a fine-tuned LLM (a 7B causal LM in §5.2): the model reads
 the prompt, and a small head on its final hidden state scores how long the policy will answer.
-This is that option. It differs from the default ``LengthRanker`` (``ranker.py``) in cost, not in
-contract: the fast ranker is an MLP on hashed prompt features that trains in seconds on a CPU,
-while this one runs a transformer forward and backward per prompt, so it is slower by orders of
-magnitude and meant for GPUs, large length data sets, or prompts whose length cue is semantic
-(natural-language instructions rather than the built-in tasks' visible counts).
+This is that option, with the fast ranker's distributional head (``length_head.py``): a location
+and a spread of the log length per prompt, the spread calibrated on lengths it did not learn from
+(``predict_distribution``; ``predict`` is the median). It differs from the default
+``LengthRanker`` (``ranker.py``) in cost, not in contract: the fast ranker is an MLP on hashed
+prompt features that trains in seconds on a CPU, while this one runs a transformer forward and
+backward per prompt, so it is slower by orders of magnitude and meant for GPUs, large length data
+sets, or prompts whose length cue is semantic (natural-language instructions rather than the
+built-in tasks' visible counts).
 
 Only the LoRA adapters of the attention projections and the head train; the backbone stays frozen
 and is *not* part of ``state_dict()``. To restore a ranker, build it again on the same backbone
@@ -25,67 +28,48 @@ from __future__ import annotations
 
 import copy
 import math
-import os
 import random
 import time
 from collections import deque
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING
 
 import torch
 
+from streamrl.components.skewness.backbone_model import (
+    ATTENTION_PROJECTIONS,
+    LengthModel,
+    Pooling,
+    check_targets,
+    load_backbone,
+    require_peft,
+)
+from streamrl.components.skewness.calibration import SpreadCalibration
+from streamrl.components.skewness.length_head import (
+    LogLengths,
+    calibration_split,
+    head_loss,
+    spread,
+    widen_point_head,
+)
 from streamrl.components.skewness.online_learning import OnlineLearning, fit_afresh
 from streamrl.errors import ConfigError
-from streamrl.records import Sample
+from streamrl.records import LengthDistribution, Sample
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-Pooling = Literal["mean", "last"]
-
-#: Attention projections of Llama/Qwen/Mistral-style models; other architectures name theirs.
-ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
-
-
-class _LengthModel(torch.nn.Module):
-    """Frozen backbone + LoRA adapters, pooled final hidden state, linear head."""
-
-    def __init__(self, backbone: torch.nn.Module, hidden: int, pooling: Pooling) -> None:
-        super().__init__()
-        self.backbone, self.pooling = backbone, pooling
-        self.head = torch.nn.Linear(hidden, 1)
-
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        states = self.backbone(input_ids=input_ids, attention_mask=attention_mask)[0]  # [b, s, h]
-        mask = attention_mask.unsqueeze(-1).to(states.dtype)  # [b, s, 1]
-        if self.pooling == "mean":
-            pooled = (states * mask).sum(1) / mask.sum(1).clamp(min=1)  # [b, h]
-        else:  # the last real token, wherever the padding side put it
-            positions = torch.arange(states.shape[1], device=states.device)
-            last = (attention_mask * positions).argmax(-1)  # [b]
-            pooled = states[torch.arange(len(states), device=states.device), last]  # [b, h]
-        return self.head(pooled.float()).squeeze(-1)  # [b]
-
-
-def _require_peft():
-    try:
-        import peft
-    except ImportError as err:
-        raise ConfigError(
-            "BackboneLengthRanker needs peft, which is not installed. "
-            "Install it with: pip install 'streamrl[peft]'"
-        ) from err
-    return peft
-
 
 class BackboneLengthRanker(OnlineLearning):
-    """Predicts output lengths with a LoRA-tuned causal LM; a ``LengthPredictor`` like
-    ``LengthRanker`` (``learn`` online; ``fit``, ``update`` and ``refresh`` as well).
+    """Predicts output lengths with a LoRA-tuned causal LM; a ``DistributionalLengthPredictor``
+    like ``LengthRanker`` (``learn`` online; ``fit``, ``update`` and ``refresh`` as well).
 
-    Trained by regression on the standardised log-length plus a pairwise ranking term within each
-    mini-batch: order matters more than the value (§5.2). The model is kept in eval mode (LoRA
-    dropout is 0), so training and prediction are deterministic for a given seed.
+    Trained as the fast ranker's head is (``length_head.head_loss``: squared error and
+    likelihood of every sample's standardised log length, plus a pairwise ranking term within
+    each mini-batch: order matters more than the value, §5.2), and calibrated the same way. The
+    model is kept in eval mode (LoRA dropout is 0), so training and prediction are deterministic
+    for a given seed.
 
     Args:
         backbone: a local Hugging Face causal-LM directory, or an already-built
@@ -109,6 +93,10 @@ class BackboneLengthRanker(OnlineLearning):
         refresh_epochs: passes over the recent buffer that each ``learn`` runs once ``ready``
             (each pass is ``len(buffer) / batch_size`` steps through the backbone: lower both
             for large buffers).
+        calibration_share: share of a fit's distinct prompts a first training run leaves out to
+            calibrate the spread on, before the run on all of them (so a fit trains twice;
+            0: never, and the spread is calibrated by later ``learn`` calls only).
+        coverage: the quantile the calibration makes right (0.9: the P90).
 
     Raises:
         ConfigError: peft is missing, a model is given without its tokenizer, or no module of the
@@ -134,8 +122,17 @@ class BackboneLengthRanker(OnlineLearning):
         *,
         learn_epochs: int = 100,
         refresh_epochs: int = 10,
+        calibration_share: float = 0.2,
+        coverage: float = 0.9,
     ) -> None:
-        peft = _require_peft()
+        peft = require_peft()
+        if not 0 <= calibration_share < 1:
+            raise ConfigError(
+                f"BackboneLengthRanker: calibration_share {calibration_share}; need 0 <= share "
+                "< 1 (0: calibrate only on later learn() calls)."
+            )
+        self.calibration_share = calibration_share
+        self.calibration = SpreadCalibration(coverage)
         if pooling not in ("mean", "last"):
             raise ConfigError(f"BackboneLengthRanker: pooling {pooling!r}; use 'mean' or 'last'.")
         self.config = dict(
@@ -150,8 +147,8 @@ class BackboneLengthRanker(OnlineLearning):
         self.device = torch.device(device)
         self.recent: deque[tuple[str, int]] = deque(maxlen=buffer)
         self.train_s = 0.0
-        base, self.tokenizer = _load_backbone(backbone, tokenizer)
-        _check_targets(base, target_modules)
+        base, self.tokenizer = load_backbone(backbone, tokenizer)
+        check_targets(base, target_modules)
         lora = peft.LoraConfig(
             r=lora_r,
             lora_alpha=lora_alpha,
@@ -162,7 +159,7 @@ class BackboneLengthRanker(OnlineLearning):
         with torch.random.fork_rng(devices=[]):  # CPU RNG only; CUDA untouched
             torch.manual_seed(seed)
             wrapped = peft.get_peft_model(base, lora)
-            self.model = _LengthModel(wrapped, base.config.hidden_size, pooling)
+            self.model = LengthModel(wrapped, base.config.hidden_size, pooling)
         #: Backbone with adapters, plus the head; trained in eval mode (no dropout anywhere).
         self.model.to(self.device).eval()
         self._initial = copy.deepcopy(self._trainable_state())
@@ -181,18 +178,29 @@ class BackboneLengthRanker(OnlineLearning):
     def fit(
         self, prompts: Sequence[str], lengths: Sequence[int], epochs: int | None = None
     ) -> None:
-        """Train adapters and head from their initial values on ``(prompt, length)`` pairs."""
+        """Train adapters and head from their initial values on ``(prompt, length)`` pairs (a
+        prompt may come with several); with enough prompts, a first run without a held-out
+        ``calibration_share`` of them calibrates the spread on those (split conformal)."""
         if len(prompts) != len(lengths) or len(prompts) < 2:
             raise ValueError(
                 "BackboneLengthRanker.fit: need >= 2 prompts and one length per prompt."
             )
         started = time.perf_counter()
-        self.model.load_state_dict(self._initial, strict=False)
-        logs = [math.log1p(n) for n in lengths]
+        logs = [math.log(max(int(n), 1)) for n in lengths]
         mean = sum(logs) / len(logs)
         std = math.sqrt(sum((v - mean) ** 2 for v in logs) / len(logs))
         self._log_mean, self._log_std = mean, max(std, 1e-3)
-        self._train(list(prompts), list(lengths), epochs or self.epochs)
+        distinct, targets = LogLengths.group(prompts, lengths)
+        train, held = calibration_split(distinct, targets, self.calibration_share, self.seed)
+        self.calibration.reset()
+        if held:
+            self.model.load_state_dict(self._initial, strict=False)
+            self._train([distinct[i] for i in train], targets.take(train), epochs or self.epochs)
+            self._fitted = True
+            held_logs = targets.take(held).logs
+            self.calibration.observe(*self._raw([distinct[i] for i in held]), held_logs)
+        self.model.load_state_dict(self._initial, strict=False)
+        self._train(distinct, targets, epochs or self.epochs)
         self._fitted = True
         self.recent.extend(zip(prompts, (int(n) for n in lengths)))
         self.train_s = time.perf_counter() - started
@@ -210,49 +218,72 @@ class BackboneLengthRanker(OnlineLearning):
             "attention_mask": encoded["attention_mask"].to(self.device),  # [b, s]
         }
 
-    def _train(self, prompts: list[str], lengths: list[int], epochs: int) -> None:
+    def _train(self, prompts: list[str], lengths: LogLengths, epochs: int) -> None:
         params = list(self.trainable_parameters().values())
         optimizer = torch.optim.AdamW(params, lr=self.lr, weight_decay=1e-4)
-        target = (torch.log1p(torch.tensor(lengths, dtype=torch.float32)) - self._log_mean) / (
-            self._log_std
-        )
+        target = lengths.standardised(self._log_mean, self._log_std)
         order = list(range(len(prompts)))
         shuffler = random.Random(self.seed)
         for _ in range(epochs):
             shuffler.shuffle(order)
             for start in range(0, len(order), self.batch_size):
                 index = order[start : start + self.batch_size]
-                pred = self.model(**self._batch([prompts[i] for i in index]))  # [b]
-                loss = self._loss(pred, target[index].to(self.device))
+                out = self.model(**self._batch([prompts[i] for i in index]))  # [b, 2]
+                # Every ordered pair of the mini-batch is ranked.
+                loss = head_loss(out, target.take(index), self.rank_weight)
                 optimizer.zero_grad()
                 loss.backward()
                 optimizer.step()
 
-    def _loss(self, pred: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """MSE on standardised log-length + logistic loss on every ordered pair in the batch."""
-        sign = torch.sign(y[:, None] - y[None, :])  # [b, b]; ties and the diagonal give 0
-        margin = pred[:, None] - pred[None, :]  # [b, b]
-        pairs = sign != 0
-        rank = torch.nn.functional.softplus(-sign * margin)[pairs].mean() if pairs.any() else 0.0
-        return torch.nn.functional.mse_loss(pred, y) + self.rank_weight * rank
-
     @torch.no_grad()
-    def predict(self, prompts: Sequence[str]) -> list[float]:
-        """Predicted output lengths (tokens) of ``prompts``; their order is what matters."""
+    def _raw(self, prompts: Sequence[str]) -> tuple[list[float], list[float]]:
+        """The head's ``mu`` and uncalibrated ``sigma`` of each prompt's log length."""
         if not self._fitted:
             raise RuntimeError(
                 "BackboneLengthRanker.predict: not ready; call learn() or fit() first."
             )
         # Batched by token length, so that little padding is computed.
         order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
-        scores = [0.0] * len(prompts)
+        mu, sigma = [0.0] * len(prompts), [0.0] * len(prompts)
         for start in range(0, len(order), self.batch_size):
             index = order[start : start + self.batch_size]
-            pred = self.model(**self._batch([prompts[i] for i in index])).cpu()
-            lengths = torch.expm1(pred * self._log_std + self._log_mean).clamp(min=0)
-            for i, value in zip(index, lengths.tolist()):
-                scores[i] = value
-        return scores
+            out = self.model(**self._batch([prompts[i] for i in index])).cpu()  # [b, 2]
+            locations = out[:, 0] * self._log_std + self._log_mean
+            spreads = spread(out[:, 1]) * self._log_std
+            for i, m, s in zip(index, locations.tolist(), spreads.tolist()):
+                mu[i], sigma[i] = m, s
+        return mu, sigma
+
+    def predict(self, prompts: Sequence[str]) -> list[float]:
+        """Predicted median output lengths (tokens) of ``prompts``; their order is what matters."""
+        return [math.exp(m) for m in self._raw(prompts)[0]]
+
+    def predict_distribution(self, prompts: Sequence[str]) -> list[LengthDistribution]:
+        """Each prompt's length distribution (one sample's length), its spread calibrated.
+
+        Args:
+            prompts: prompt texts, as ``predict`` takes them.
+
+        Returns:
+            ``LengthDistribution(mu, sigma)`` per prompt: ``exp(mu)`` is ``predict``'s median,
+            ``sigma`` the head's spread times ``calibration.scale`` (``SpreadCalibration``).
+
+        Raises:
+            RuntimeError: not ready (call ``learn`` or ``fit`` first).
+        """
+        return self.calibration.apply(*self._raw(prompts))
+
+    def observe_held_out(self, prompts: Sequence[str], lengths: Sequence[int]) -> None:
+        """Calibrate the spread on finished samples not learned from yet (``learn`` calls this
+        before it refreshes on them); nothing while not ``ready``.
+
+        Args:
+            prompts: the samples' prompt texts (a prompt may repeat: its group's samples).
+            lengths: their output lengths, in tokens.
+        """
+        if self._fitted:
+            distinct, targets = LogLengths.group(prompts, lengths)
+            self.calibration.observe(*self._raw(distinct), targets.logs)
 
     def update(self, samples: Iterable[Sample], texts: dict[str, str], epochs: int = 1) -> None:
         """Refresh online from finished samples (policy lengths drift during RL).
@@ -263,7 +294,9 @@ class BackboneLengthRanker(OnlineLearning):
             epochs: passes over the recent buffer (each is ``len(buffer) / batch_size`` steps
                 through the backbone, so far costlier than a ``LengthRanker`` epoch).
         """
-        self.recent.extend((texts[s.prompt_id], s.length) for s in samples)
+        pairs = [(texts[s.prompt_id], s.length) for s in samples]
+        self.observe_held_out([p for p, _ in pairs], [n for _, n in pairs])
+        self.recent.extend(pairs)
         self.refresh(epochs)
 
     def refresh(self, epochs: int = 1) -> None:
@@ -271,9 +304,9 @@ class BackboneLengthRanker(OnlineLearning):
         if not self._fitted:
             fit_afresh(self, list(self.recent), None)
             return
-        prompts, lengths = zip(*self.recent)
         started = time.perf_counter()
-        self._train(list(prompts), list(lengths), epochs)
+        distinct, targets = LogLengths.group(*zip(*self.recent))
+        self._train(distinct, targets, epochs)
         self.train_s += time.perf_counter() - started
 
     def _trainable_state(self) -> dict[str, torch.Tensor]:
@@ -289,65 +322,36 @@ class BackboneLengthRanker(OnlineLearning):
             "fitted": self._fitted,
             "config": dict(self.config),
             "recent": list(self.recent),
+            "calibration": self.calibration.state_dict(),
         }
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore from ``state_dict()``; this ranker must be built on the same backbone.
+        """Restore from ``state_dict()``; this ranker must be built on the same backbone. A state
+        saved before the distributional head (no ``"calibration"``) loads its point head as the
+        location, with the same spread for every prompt and no calibration until the next
+        ``learn``.
 
         Raises:
             ConfigError: the state was saved with other settings or on another backbone.
         """
+        trainable = dict(state["trainable"])
+        if "calibration" not in state and trainable.get("head.weight") is not None:
+            trainable["head.weight"], trainable["head.bias"] = widen_point_head(
+                trainable["head.weight"], trainable["head.bias"]
+            )
         shapes = {n: t.shape for n, t in self._trainable_state().items()}
-        saved = {n: t.shape for n, t in state["trainable"].items()}
+        saved = {n: t.shape for n, t in trainable.items()}
         if state["config"] != self.config or saved != shapes:
             raise ConfigError(
                 f"BackboneLengthRanker.load_state_dict: saved with {state['config']} and "
                 f"{len(saved)} adapter/head tensors; this ranker is {self.config} with "
                 f"{len(shapes)}. Build it with the saved settings on its training backbone."
             )
-        self.model.load_state_dict(state["trainable"], strict=False)
+        self.model.load_state_dict(trainable, strict=False)
         self._log_mean, self._log_std = state["log_mean"], state["log_std"]
         self._fitted = state["fitted"]
         self.recent.clear()
         self.recent.extend(state["recent"])
-
-
-def _load_backbone(
-    backbone: str | Path | torch.nn.Module, tokenizer: PreTrainedTokenizerBase | None
-) -> tuple[torch.nn.Module, PreTrainedTokenizerBase]:
-    """The base transformer (no LM head: only hidden states are needed) and its tokenizer."""
-    if isinstance(backbone, torch.nn.Module):
-        if tokenizer is None:
-            raise ConfigError(
-                "BackboneLengthRanker: a model object needs its tokenizer; pass tokenizer=..."
-            )
-        # A causal LM's base_model is its transformer body (a base model returns itself).
-        base = getattr(backbone, "base_model", backbone)
-    else:
-        from transformers import AutoModel
-
-        from streamrl.policy.models import load_tokenizer
-
-        path = Path(backbone)
-        if not (path / "config.json").is_file():
-            raise ConfigError(
-                f"BackboneLengthRanker: no model directory at {str(path)!r} (no config.json "
-                "there). Pass a local Hugging Face causal-LM directory."
-            )
-        os.environ.setdefault("HF_HUB_OFFLINE", "1")
-        tokenizer = tokenizer or load_tokenizer(path)
-        base = AutoModel.from_pretrained(path, local_files_only=True, dtype=torch.float32)
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    for param in base.parameters():
-        param.requires_grad_(False)
-    return base, tokenizer
-
-
-def _check_targets(model: torch.nn.Module, targets: Sequence[str]) -> None:
-    names = [name for name, _ in model.named_modules()]
-    if not any(name.split(".")[-1] in targets for name in names):
-        raise ConfigError(
-            f"BackboneLengthRanker: no module of the backbone is named one of {list(targets)}. "
-            "Pass target_modules with its attention projection names (e.g. ['c_attn'] for GPT-2)."
-        )
+        self.calibration.reset()
+        if "calibration" in state:
+            self.calibration.load_state_dict(state["calibration"])

@@ -2,9 +2,11 @@
 
 The policy's output lengths drift during RL, so its ranker keeps learning: ``RolloutStream``
 hands ``learn`` the finished samples; while the ranker is not ``ready`` it fits from scratch
-(once it has two pairs or more), afterwards it adds them to its bounded recent buffer and
-refreshes on that. Both rankers (``LengthRanker``, ``BackboneLengthRanker``) follow this
-schedule; they differ only in what ``fit`` and ``refresh`` train.
+(once it has two pairs or more), afterwards it first calibrates its predicted spread on them
+(they are lengths it has not learned from: ``calibration.SpreadCalibration``), then adds them
+to its bounded recent buffer and refreshes on that. Both rankers (``LengthRanker``,
+``BackboneLengthRanker``) follow this schedule; they differ only in what ``fit`` and
+``refresh`` train.
 """
 
 from __future__ import annotations
@@ -44,6 +46,10 @@ class Refittable(Protocol):
         """Fine-tune on ``recent``."""
         ...
 
+    def observe_held_out(self, prompts: Sequence[str], lengths: Sequence[int]) -> None:
+        """Calibrate the predicted spread on finished samples not learned from yet."""
+        ...
+
 
 class OnlineLearning:
     """``ready`` and ``learn``, the ``LengthPredictor`` verbs, of a ranker that provides what
@@ -59,7 +65,8 @@ class OnlineLearning:
 
         While not ``ready``, fits from scratch for ``learn_epochs`` on these pairs and any kept
         from earlier calls (fewer than two pairs in all are kept for the next call); once
-        ``ready``, adds them to the recent buffer and refreshes for ``refresh_epochs``.
+        ``ready``, calibrates on them (before it has learned them), adds them to the recent
+        buffer and refreshes for ``refresh_epochs``.
 
         Raises:
             ValueError: ``prompts`` and ``lengths`` differ in length.
@@ -70,6 +77,7 @@ class OnlineLearning:
             )
         pairs = list(zip(prompts, (int(n) for n in lengths)))
         if self.ready:
+            self.observe_held_out(prompts, lengths)
             self.recent.extend(pairs)
             self.refresh(epochs=self.refresh_epochs)
         elif len(self.recent) + len(pairs) < 2:

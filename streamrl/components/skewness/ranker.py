@@ -2,30 +2,31 @@
 
 "Rankability over predictability": exact lengths are hard to predict, their order much less so.
 The fast default here trains in seconds on a CPU: a small MLP on features that any prompt text
-has (hashed character n-grams, the numbers it contains and their spreads, its length, and hashed
-token unigrams and bigrams when given the policy's ``tokenizer`` or ``word_tokenizer``), fitted
-by regression on log-length plus a pairwise ranking term, and refreshed online from finished
-samples as the policy's lengths drift. Token n-grams carry word-level meaning ("step by step",
-"7 disks", "matrix") that character n-grams blur on long natural-language and chat prompts.
-The paper fine-tunes a 1.5B-7B LLM instead; that backbone option is for GPUs.
+has (``ranker_features.py``: hashed character n-grams, the numbers it contains, its length, and
+hashed token n-grams when given the policy's ``tokenizer`` or ``word_tokenizer``). Its head
+predicts each prompt's log length as a distribution, a location and a spread (``length_head.py``:
+Gaussian likelihood of every finished sample plus a pairwise ranking term on the location), and
+the spread is calibrated on lengths it did not learn from, so the predicted P90 covers about 90%
+of what the policy does. It is refreshed online from finished samples as the lengths drift. The
+paper fine-tunes a 1.5B-7B LLM instead; that backbone option (``backbone_ranker.py``) is for GPUs.
 
-It is a ``streamrl.protocols.LengthPredictor``: ``RolloutStream`` hands ``learn`` the policy's
-finished samples (the first call fits, later ones refresh) and consults ``predict`` once ``ready``.
+It is a ``streamrl.protocols.DistributionalLengthPredictor``: ``RolloutStream`` hands ``learn``
+the policy's finished samples (the first call fits, later ones refresh) and consults ``predict``
+(the median length: the paper's ranking) once ``ready``; planners that weigh the tail read
+``predict_distribution``.
 
 Examples:
     >>> ranker = LengthRanker(seed=0)
     >>> ranker.learn(["count 1 3=", "count 1 90="], [5, 260])  # doctest: +SKIP
     >>> ranker.ready, len(ranker.predict(["count 5 80="]))  # doctest: +SKIP
     (True, 1)
+    >>> ranker.predict_distribution(["count 5 80="])[0].quantile(0.9)  # doctest: +SKIP
 """
 
 from __future__ import annotations
 
-import functools
 import math
-import re
 import time
-import zlib
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -33,85 +34,62 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from streamrl.components.skewness.calibration import SpreadCalibration
+from streamrl.components.skewness.length_head import (
+    LogLengths,
+    calibration_split,
+    spread,
+)
 from streamrl.components.skewness.online_learning import OnlineLearning, fit_afresh
-from streamrl.records import Sample
+from streamrl.components.skewness.ranker_features import (
+    CHAR_GRAMS,
+    CONTEXT_BUCKETS,
+    PromptFeatures,
+    prompt_features,
+    token_features,
+    word_ids,
+    word_tokenizer,
+)
+from streamrl.components.skewness.ranker_net import (
+    load_mlp,
+    location,
+    make_linear,
+    make_mlp,
+    train_models,
+)
+from streamrl.records import LengthDistribution, Sample
 
 if TYPE_CHECKING:
     from streamrl.components.run_context import RunContext
 
-_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
-_WORD = re.compile(r"\w+|[^\w\s]")
-_CHAR_WIDTH = 1024 + 8  # prompt_features(): char n-gram buckets + numeric summary
-TOKEN_STD_FLOOR = 1.0
+__all__ = [
+    "LengthRanker",
+    "prompt_features",
+    "token_features",
+    "word_ids",
+    "word_tokenizer",
+]
 
-
-@functools.lru_cache(maxsize=65_536)
-def prompt_features(prompt: str, buckets: int = 1024) -> np.ndarray:
-    """Features of one prompt: hashed char 1-3-grams (counts, log-scaled) + numeric summary.
-
-    Cached: RL deals the same prompts again every epoch, and online refreshes re-read them.
-    The returned array is shared; do not modify it.
-    """
-    grams = np.zeros(buckets, dtype=np.float32)
-    text = f"^{prompt}$"
-    for n in (1, 2, 3):
-        for i in range(len(text) - n + 1):
-            grams[zlib.crc32(text[i : i + n].encode()) % buckets] += 1.0
-    numbers = [float(x) for x in _NUMBER.findall(prompt)][:64]
-    arr = np.asarray(numbers or [0.0])
-    spread = arr.max() - arr.min()
-    first_two = abs(arr[1] - arr[0]) if len(arr) > 1 else 0.0
-    digits = sum(len(x) for x in _NUMBER.findall(prompt))
-    numeric = [
-        len(prompt),
-        len(prompt.split()),
-        len(numbers),
-        digits,
-        spread,
-        first_two,
-        first_two * math.log10(max(arr.max(), 1.0) + 1),
-        arr.mean(),
-    ]
-    return np.concatenate([np.log1p(grams), np.log1p(np.abs(numeric)).astype(np.float32)])
-
-
-def token_features(tokens: Sequence[int], buckets: int = 2048) -> np.ndarray:
-    """Features of one tokenized prompt: hashed token unigrams and bigrams (counts, log-scaled) in
-    ``buckets`` buckets (half each), plus the log token count."""
-    ids = np.asarray(tokens, dtype=np.uint64)  # arithmetic below wraps mod 2**64: a hash
-    half = buckets // 2
-    uni = (ids * np.uint64(0x9E3779B1)) % np.uint64(1_000_000_007) % np.uint64(half)
-    bi = (ids[:-1] * np.uint64(0x85EBCA6B) + ids[1:] * np.uint64(0xC2B2AE35)) % np.uint64(
-        1_000_000_007
-    ) % np.uint64(buckets - half) + np.uint64(half)
-    grams = np.bincount(np.concatenate([uni, bi]).astype(np.int64), minlength=buckets)
-    grams = grams.astype(np.float32)
-    return np.concatenate([np.log1p(grams), np.float32([math.log1p(len(ids))])])
-
-
-def word_ids(prompt: str) -> list[int]:
-    """Token ids of ``prompt`` without a tokenizer: its words and punctuation marks, hashed."""
-    return [zlib.crc32(w.encode()) for w in _WORD.findall(prompt.lower())]
-
-
-def word_tokenizer(prompt: str) -> dict[str, list[int]]:
-    """A ``tokenizer`` for ``LengthRanker`` when the policy's is not at hand: ``word_ids``."""
-    return {"input_ids": word_ids(prompt)}
+#: Smallest scale of a hashed n-gram feature: rare n-grams are not blown up to the scale of
+#: common ones (a few hundred prompts would overfit them; a passage's n-grams are noise).
+NGRAM_STD_FLOOR = 1.0
 
 
 class LengthRanker(OnlineLearning):
-    """Predicts an output-length score per prompt (higher means longer); a ``LengthPredictor``.
+    """Predicts each prompt's output length as a distribution (higher location: longer); a
+    ``DistributionalLengthPredictor``.
 
     ``learn`` is the online entry point (``RolloutStream`` calls it); ``fit``, ``update`` and
-    ``refresh`` remain for offline training and benchmarks.
+    ``refresh`` remain for offline training and benchmarks. Samples of the same prompt (a
+    group's ``G``) are read as one row: their spread is what the head's ``sigma`` learns.
 
     Args:
         hidden: MLP width.
         epochs: full-batch training epochs of a ``fit`` called without ``epochs``.
         lr: Adam learning rate.
-        rank_weight: weight of the pairwise ranking loss next to the log-length regression.
+        rank_weight: weight of the pairwise ranking loss next to the length likelihood.
         buffer: finished samples kept for online refresh (``learn``, ``update``).
-        seed: initialisation and shuffling seed.
+        seed: initialisation, shuffling and calibration-split seed.
         learn_epochs: epochs of the fit from scratch that ``learn`` runs while not ``ready``.
         refresh_epochs: epochs of the refresh over the recent buffer that each ``learn`` runs
             once ``ready``.
@@ -120,6 +98,18 @@ class LengthRanker(OnlineLearning):
             word-level meaning on natural-language and chat prompts. ``None``: character and
             numeric features only.
         token_buckets: hashed token unigram + bigram buckets (with a ``tokenizer``).
+        context_buckets: buckets of the numbers the prompt states, filed under the words beside
+            them (``ranker_features.number_contexts``; 0: none).
+        calibration_share: share of a fit's distinct prompts a first net is trained without, to
+            calibrate the spread on (no such net below ``length_head.MIN_CALIBRATION_PROMPTS``
+            held-out prompts; 0: never); later ``learn`` calls calibrate on each new batch
+            before learning it.
+        coverage: the quantile the calibration makes right (0.9: the P90).
+        linear_l2: ridge penalty of the linear model whose location is averaged with the
+            MLP's (``ranker_net.py``).
+
+    Raises:
+        ValueError: ``calibration_share`` outside [0, 1) or ``coverage`` outside (0.5, 1).
     """
 
     @classmethod
@@ -141,38 +131,45 @@ class LengthRanker(OnlineLearning):
         refresh_epochs: int = 10,
         tokenizer: Callable[[str], Mapping[str, list[int]]] | None = None,
         token_buckets: int = 2048,
+        context_buckets: int = CONTEXT_BUCKETS,
+        calibration_share: float = 0.2,
+        coverage: float = 0.9,
+        linear_l2: float = 10.0,
     ) -> None:
+        if not 0 <= calibration_share < 1:
+            raise ValueError(
+                f"LengthRanker: calibration_share {calibration_share}; need 0 <= share < 1 "
+                "(0: calibrate only on later learn() calls)."
+            )
         self.hidden, self.epochs, self.lr = hidden, epochs, lr
-        self.tokenizer, self.token_buckets = tokenizer, token_buckets
-        self._cache: dict[str, np.ndarray] = {}  # token features by prompt
+        self.features = PromptFeatures(tokenizer, token_buckets, context_buckets)
         self.rank_weight, self.seed = rank_weight, seed
         self.learn_epochs, self.refresh_epochs = learn_epochs, refresh_epochs
+        self.calibration_share = calibration_share
+        self.calibration = SpreadCalibration(coverage)
         self.recent: deque[tuple[str, int]] = deque(maxlen=buffer)
+        self.linear_l2 = linear_l2
         self.net: torch.nn.Module | None = None
+        self.linear: torch.nn.Linear | None = None
         self._mean = self._std = None
         self.train_s = 0.0
 
-    def _prompt_features(self, prompt: str) -> np.ndarray:
-        chars = prompt_features(prompt)
-        if self.tokenizer is None or not self.token_buckets:
-            return chars
-        tokens = self._cache.get(prompt)
-        if tokens is None:
-            tokens = token_features(self.tokenizer(prompt)["input_ids"], self.token_buckets)
-            if len(self._cache) >= 65_536:  # RL re-deals the same prompts: a bounded memo
-                self._cache.clear()
-            self._cache[prompt] = tokens
-        return np.concatenate([chars, tokens])
+    @property
+    def tokenizer(self) -> Callable[[str], Mapping[str, list[int]]] | None:
+        return self.features.tokenizer
 
-    def _features(self, prompts: Sequence[str]) -> torch.Tensor:
-        x = np.stack([self._prompt_features(p) for p in prompts])
+    @property
+    def token_buckets(self) -> int:
+        return self.features.token_buckets
+
+    def _standardised(self, prompts: Sequence[str]) -> torch.Tensor:
+        x = self.features(prompts)
         if self._mean is None:
             std = x.std(0)
             # A feature constant in training (an n-gram never seen) keeps its raw scale.
             std = np.where(std < 1e-3, 1.0, std)
-            # Token n-grams: rare ones are not blown up to the scale of common ones (a few
-            # hundred prompts would overfit them).
-            std[_CHAR_WIDTH:] = np.maximum(std[_CHAR_WIDTH:], TOKEN_STD_FLOOR)
+            for grams in (slice(0, CHAR_GRAMS), slice(self.features.text_width, None)):
+                std[grams] = np.maximum(std[grams], NGRAM_STD_FLOOR)
             self._mean, self._std = x.mean(0), std
         # Clipped: text unlike anything seen in training must not blow the MLP up.
         return torch.from_numpy(np.clip((x - self._mean) / self._std, -10, 10)).float()
@@ -180,63 +177,103 @@ class LengthRanker(OnlineLearning):
     def fit(
         self, prompts: Sequence[str], lengths: Sequence[int], epochs: int | None = None
     ) -> None:
-        """Train from scratch on ``(prompt, output length)`` pairs of the policy."""
+        """Train from scratch on ``(prompt, output length)`` pairs of the policy (a prompt may
+        come with several).
+
+        With enough prompts, a first net trains without a held-out ``calibration_share`` of
+        them and calibrates the spread on those (split conformal); then the net is trained
+        again, the same way, on all of them (its spread scaled as the first net's needed).
+        """
         if len(prompts) != len(lengths) or len(prompts) < 2:
             raise ValueError("LengthRanker.fit: need >= 2 prompts and one length per prompt.")
         started = time.perf_counter()
-        torch.manual_seed(self.seed)
-        self._mean = self._std = None
-        x = self._features(prompts)
-        y = torch.log1p(torch.tensor(lengths, dtype=torch.float32))
-        self.net = self._make_net(x.shape[1])
-        self._train(x, y, epochs or self.epochs)
+        distinct, targets = LogLengths.group(prompts, lengths)
+        train, held = calibration_split(distinct, targets, self.calibration_share, self.seed)
+        self.calibration.reset()
+        if held:
+            self._fit_net([distinct[i] for i in train], targets.take(train), epochs or self.epochs)
+            held_logs = targets.take(held).logs
+            self.calibration.observe(*self._raw([distinct[i] for i in held]), held_logs)
+        self._fit_net(distinct, targets, epochs or self.epochs)
         self.recent.extend(zip(prompts, (int(n) for n in lengths)))
         self.train_s = time.perf_counter() - started
 
-    def _make_net(self, width: int) -> torch.nn.Module:
-        return torch.nn.Sequential(
-            torch.nn.Linear(width, self.hidden),
-            torch.nn.GELU(),
-            torch.nn.Linear(self.hidden, self.hidden),
-            torch.nn.GELU(),
-            torch.nn.Linear(self.hidden, 1),
+    def _fit_net(self, prompts: list[str], targets: LogLengths, epochs: int) -> None:
+        """New models, their features standardised on ``prompts``, trained on them."""
+        torch.manual_seed(self.seed)
+        self._mean = self._std = None
+        x = self._standardised(prompts)
+        self.net = make_mlp(x.shape[1], self.hidden)
+        self.linear = make_linear(x.shape[1], targets)
+        self._train(x, targets, epochs)
+
+    def _train(self, x: torch.Tensor, y: LogLengths, epochs: int) -> None:
+        if self.linear is None:  # loaded from a state saved before the linear model
+            self.linear = make_linear(x.shape[1], y)
+        train_models(
+            self.net,
+            self.linear,
+            x,
+            y,
+            epochs,
+            lr=self.lr,
+            rank_weight=self.rank_weight,
+            l2=self.linear_l2,
+            seed=self.seed,
         )
 
-    def _train(self, x: torch.Tensor, y: torch.Tensor, epochs: int) -> None:
-        optimizer = torch.optim.Adam(self.net.parameters(), lr=self.lr, weight_decay=1e-4)
-        generator = torch.Generator().manual_seed(self.seed)
-        for _ in range(epochs):
-            pred = self.net(x).squeeze(-1)  # [n]
-            loss = torch.nn.functional.mse_loss(pred, y)
-            # Pairwise ranking on random pairs: order matters more than the value (§5.2).
-            i = torch.randint(len(y), (min(4096, len(y) * 4),), generator=generator)
-            j = torch.randint(len(y), i.shape, generator=generator)
-            sign = torch.sign(y[i] - y[j])
-            loss = (
-                loss
-                + self.rank_weight
-                * torch.nn.functional.softplus(-sign * (pred[i] - pred[j])).mean()
-            )
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
-
     @torch.no_grad()
-    def predict(self, prompts: Sequence[str]) -> list[float]:
-        """Predicted output lengths (tokens) of ``prompts``; their order is what matters."""
+    def _raw(self, prompts: Sequence[str]) -> tuple[list[float], list[float]]:
+        """The ``mu`` and uncalibrated ``sigma`` of each prompt's log length."""
         if self.net is None:
             raise RuntimeError("LengthRanker.predict: not ready; call learn() or fit() first.")
-        return torch.expm1(self.net(self._features(prompts)).squeeze(-1)).clamp(min=0).tolist()
+        x = self._standardised(prompts)
+        out = self.net(x)  # [n, 2]
+        return location(out, self.linear, x).tolist(), spread(out[:, 1]).tolist()
+
+    def predict(self, prompts: Sequence[str]) -> list[float]:
+        """Predicted median output lengths (tokens) of ``prompts``; their order is what matters."""
+        return [math.exp(mu) for mu in self._raw(prompts)[0]]
+
+    def predict_distribution(self, prompts: Sequence[str]) -> list[LengthDistribution]:
+        """Each prompt's length distribution (one sample's length), its spread calibrated.
+
+        Args:
+            prompts: prompt texts, as ``predict`` takes them.
+
+        Returns:
+            ``LengthDistribution(mu, sigma)`` per prompt: ``exp(mu)`` is ``predict``'s median,
+            ``sigma`` the head's spread times ``calibration.scale`` (``SpreadCalibration``).
+
+        Raises:
+            RuntimeError: not ready (call ``learn`` or ``fit`` first).
+        """
+        return self.calibration.apply(*self._raw(prompts))
+
+    def observe_held_out(self, prompts: Sequence[str], lengths: Sequence[int]) -> None:
+        """Calibrate the spread on finished samples not learned from yet (``learn`` calls this
+        before it refreshes on them); nothing while not ``ready``.
+
+        Args:
+            prompts: the samples' prompt texts (a prompt may repeat: its group's samples).
+            lengths: their output lengths, in tokens.
+        """
+        if self.ready:
+            distinct, targets = LogLengths.group(prompts, lengths)
+            self.calibration.observe(*self._raw(distinct), targets.logs)
 
     def update(self, samples: Iterable[Sample], texts: dict[str, str], epochs: int = 30) -> None:
-        """Refresh online from finished samples (policy lengths drift during RL).
+        """Refresh online from finished samples (policy lengths drift during RL); they calibrate
+        the spread first.
 
         Args:
             samples: finished samples of the policy.
             texts: prompt text by ``prompt_id``.
             epochs: fine-tuning epochs over the recent buffer.
         """
-        self.recent.extend((texts[s.prompt_id], s.length) for s in samples)
+        pairs = [(texts[s.prompt_id], s.length) for s in samples]
+        self.observe_held_out([p for p, _ in pairs], [n for _, n in pairs])
+        self.recent.extend(pairs)
         self.refresh(epochs)
 
     def refresh(self, epochs: int = 30) -> None:
@@ -244,10 +281,9 @@ class LengthRanker(OnlineLearning):
         if not self.ready:
             fit_afresh(self, list(self.recent), None)
             return
-        prompts, lengths = zip(*self.recent)
         started = time.perf_counter()
-        x = self._features(list(prompts))
-        self._train(x, torch.log1p(torch.tensor(lengths, dtype=torch.float32)), epochs)
+        distinct, targets = LogLengths.group(*zip(*self.recent))
+        self._train(self._standardised(distinct), targets, epochs)
         self.train_s += time.perf_counter() - started
 
     def state_dict(self) -> dict:
@@ -260,21 +296,37 @@ class LengthRanker(OnlineLearning):
             "hidden": self.hidden,
             # Feature width: 0 without a tokenizer (then the loading ranker uses none either).
             "token_buckets": self.token_buckets if self.tokenizer is not None else 0,
+            "context_buckets": self.features.context_buckets,
+            "calibration": self.calibration.state_dict(),
+            "linear": None if self.linear is None else self.linear.state_dict(),
         }
 
     def load_state_dict(self, state: dict) -> None:
-        self._mean, self._std = (
-            None if state[k] is None else np.asarray(state[k]) for k in ("mean", "std")
-        )
-        self.hidden = state["hidden"]
-        self.token_buckets = state.get("token_buckets", 0)  # saved before token features: none
-        if self.token_buckets and self.tokenizer is None:
+        """Restore from ``state_dict()``. A state saved before issue 34 loads with the features it
+        was trained on (no number contexts), its point head as the location, the same spread
+        for every prompt and no calibration until the next ``learn``.
+
+        Raises:
+            ValueError: the state has token features and this ranker no tokenizer.
+        """
+        mean, std = (None if state[k] is None else np.asarray(state[k]) for k in ("mean", "std"))
+        token_buckets = state.get("token_buckets", 0)  # saved before token features: none
+        if token_buckets and self.tokenizer is None:
             raise ValueError(
                 "LengthRanker.load_state_dict: saved with token features; pass the same "
                 "tokenizer to the constructor."
             )
+        self._mean, self._std, self.hidden = mean, std, state["hidden"]
+        self.features.token_buckets = token_buckets
+        self.features.context_buckets = state.get("context_buckets", 0)  # saved before them
         self.recent.clear()
         self.recent.extend(state["recent"])
+        self.calibration.reset()
+        if "calibration" in state:
+            self.calibration.load_state_dict(state["calibration"])
         if state["net"] is not None:
-            self.net = self._make_net(len(self._mean))
-            self.net.load_state_dict(state["net"])
+            self.net = load_mlp(state["net"], len(self._mean), self.hidden)
+        self.linear = None
+        if state.get("linear") is not None:
+            self.linear = torch.nn.Linear(len(self._mean), 1)
+            self.linear.load_state_dict(state["linear"])

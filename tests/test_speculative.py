@@ -23,7 +23,7 @@ from streamrl.records import Request, Sample
 
 torch.set_num_threads(1)
 
-ALWAYS = SpeculativeDecoding(max_running=None)
+ALWAYS = SpeculativeDecoding(max_running=None, min_acceptance=0)  # every step speculates
 
 
 @pytest.fixture(scope="module")
@@ -187,6 +187,28 @@ def test_speculation_runs_only_at_or_below_max_running(tok):
     assert [n for n, _ in seen].count(4) >= 3  # the first steps ran plain, four rows
 
 
+def test_low_acceptance_backs_off_to_plain_decoding_then_tries_again(tok):
+    """Sampling a random policy hot: drafts are rarely right, so after a few verify steps the
+    instance decodes plainly for ``backoff_steps`` steps, then probes again; an echo never
+    backs off."""
+    model = build_tiny_model(tok, "test", seed=0)
+    noisy = SpeculativeDecoding(max_running=None, min_acceptance=0.5, backoff_steps=16)
+    gen = HFStreamGenerator(model, temperature=8.0, speculative=noisy)
+    gen.submit([Request(f"p{i}", [5, 6, 7], 120, forced_length=120) for i in range(2)])
+    steps = 0
+    while not gen.idle:
+        gen.step()
+        steps += 1
+    sp = gen.speculator
+    assert sp.acceptance_rate < 0.5 and sp.backoffs >= 2  # off, back on, off again
+    # Each backoff follows 4 verify steps and lasts 16 plain ones: most steps are plain.
+    assert sp.verify_steps <= 4 * (sp.backoffs + 1) and sp.verify_steps < steps / 2
+    echo = HFStreamGenerator(model, greedy=True, speculative=SpeculativeDecoding())
+    echo.submit([Request("e", [5, 6, 7], 60, forced_length=60)])
+    list(echo.stream())
+    assert echo.speculator.backoffs == 0 and echo.speculator.acceptance_rate > 0.9
+
+
 # ---------------------------------------------------------------- exactness, sampling
 
 
@@ -332,6 +354,8 @@ def test_a_kept_prefix_and_lora_decode_as_without_speculation(tok):
         (dict(min_ngram=0), "min_ngram <= max_ngram"),
         (dict(max_running=0), "or None to speculate at any batch size"),
         (dict(stored_samples=-1), "pass >= 0"),
+        (dict(min_acceptance=1.0), "0 <= min_acceptance < 1"),
+        (dict(backoff_steps=0), "backoff_steps >= 1"),
     ],
 )
 def test_bad_settings_say_what_to_pass(kwargs, message):
@@ -357,7 +381,9 @@ def test_the_hf_engine_builds_a_speculating_generator(tmp_path, tok):
 
 
 def test_vllm_gets_its_ngram_config_or_a_refusal_naming_why():
-    settings = SpeculativeDecoding(draft_tokens=5, max_ngram=3, min_ngram=2, stored_samples=0)
+    settings = SpeculativeDecoding(
+        draft_tokens=5, max_ngram=3, min_ngram=2, stored_samples=0, min_acceptance=0
+    )
     # vLLM 0.32's n-gram proposer; the tail threshold as its per-batch-size schedule: 5 draft
     # tokens for batches of 1 to 4 requests, none from 5 on (vLLM carries the last range on).
     assert vllm_speculative_config(settings) == {
@@ -367,12 +393,15 @@ def test_vllm_gets_its_ngram_config_or_a_refusal_naming_why():
         "prompt_lookup_min": 2,
         "num_speculative_tokens_per_batch_size": [[1, 4, 5], [5, 5, 0]],
     }
-    always = SpeculativeDecoding(max_running=None, stored_samples=0)
+    always = SpeculativeDecoding(max_running=None, stored_samples=0, min_acceptance=0)
     assert "num_speculative_tokens_per_batch_size" not in vllm_speculative_config(always)
+    no_groups = SpeculativeDecoding(min_acceptance=0)
     with pytest.raises(ConfigError, match="stored_samples=0"):
-        vllm_speculative_config(SpeculativeDecoding())  # group drafts: vLLM has none
+        vllm_speculative_config(no_groups)  # group drafts: vLLM has none
     with pytest.raises(ConfigError, match="stored_samples=0"):
-        VLLMEngine(speculative=SpeculativeDecoding()).check(cluster=None, gpus_per_instance=0)
+        VLLMEngine(speculative=no_groups).check(cluster=None, gpus_per_instance=0)
+    with pytest.raises(ConfigError, match="min_acceptance=0"):
+        vllm_speculative_config(SpeculativeDecoding(stored_samples=0))  # no backoff in vLLM
     engine = VLLMEngine(options={"speculative_config": {}}, speculative=settings)
     with pytest.raises(ConfigError, match="keep one"):
         engine.check(cluster=None, gpus_per_instance=0)

@@ -28,6 +28,7 @@ Examples:
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -54,6 +55,10 @@ class SpeculativeDecoding:
             tail, where decode is latency-bound); ``None``: at any batch size.
         stored_samples: finished samples kept per instance to draft from their group's other
             samples (same prompt and iteration); 0: draft from the sequence itself only.
+        min_acceptance: when fewer than this share of the drafts of the last few verify steps
+            were accepted (a policy whose text repeats little: verifying would only cost), the
+            instance decodes plainly for ``backoff_steps`` steps, then tries again; 0: never.
+        backoff_steps: plain decode steps after a low-acceptance stretch.
 
     Raises:
         ConfigError: a count is out of range.
@@ -64,6 +69,8 @@ class SpeculativeDecoding:
     min_ngram: int = 1
     max_running: int | None = 4
     stored_samples: int = 64
+    min_acceptance: float = 0.2
+    backoff_steps: int = 64
 
     def __post_init__(self) -> None:
         if self.draft_tokens < 1:
@@ -86,6 +93,11 @@ class SpeculativeDecoding:
                 f"SpeculativeDecoding(stored_samples={self.stored_samples}): pass >= 0 (0 keeps "
                 "no finished samples)."
             )
+        if not 0 <= self.min_acceptance < 1 or self.backoff_steps < 1:
+            raise ConfigError(
+                f"SpeculativeDecoding: need 0 <= min_acceptance < 1 and backoff_steps >= 1, got "
+                f"min_acceptance={self.min_acceptance}, backoff_steps={self.backoff_steps}."
+            )
 
 
 class DraftedSequence(Protocol):
@@ -107,6 +119,7 @@ class Speculator:
         accepted: draft tokens that verification accepted (a finishing rule may still end the
             sequence before some of them).
         verify_steps: forwards that verified drafts.
+        backoffs: times a low acceptance turned speculation off for ``backoff_steps`` steps.
     """
 
     def __init__(self, settings: SpeculativeDecoding) -> None:
@@ -116,7 +129,9 @@ class Speculator:
             max_ngram=settings.max_ngram,
             stored_samples=settings.stored_samples,
         )
-        self.proposed = self.accepted = self.verify_steps = 0
+        self.proposed = self.accepted = self.verify_steps = self.backoffs = 0
+        self._recent: deque[tuple[int, int]] = deque(maxlen=ACCEPTANCE_WINDOW)  # (drafted, kept)
+        self._plain_steps = 0  # left in a backoff
 
     @property
     def acceptance_rate(self) -> float:
@@ -133,6 +148,9 @@ class Speculator:
         ``None`` when none speculates this step: the batch is above ``max_running`` or no row
         found a draft (plain decoding then)."""
         if not self.active(len(rows)):
+            return None
+        if self._plain_steps > 0:
+            self._plain_steps -= 1
             return None
         out = []
         for row in rows:
@@ -152,16 +170,31 @@ class Speculator:
         """The tokens each row emits after verification, and their log-probs
         (``accept_drafts``); updates the counters."""
         tokens, logprobs = accept_drafts(logp, drafts, greedy=greedy, rng=rng)
+        drafted, kept = sum(map(len, drafts)), sum(len(run) - 1 for run in tokens)
         self.verify_steps += 1
-        self.proposed += sum(map(len, drafts))
-        self.accepted += sum(len(run) - 1 for run in tokens)
+        self.proposed, self.accepted = self.proposed + drafted, self.accepted + kept
+        self._back_off_if_unaccepted(drafted, kept)
         return tokens, logprobs
+
+    def _back_off_if_unaccepted(self, drafted: int, kept: int) -> None:
+        """Decode plainly for a while once the last few verify steps accepted too little."""
+        self._recent.append((drafted, kept))
+        if len(self._recent) < ACCEPTANCE_WINDOW:
+            return
+        drafted = sum(d for d, _ in self._recent)
+        if drafted and sum(k for _, k in self._recent) / drafted < self.settings.min_acceptance:
+            self._plain_steps, self.backoffs = self.settings.backoff_steps, self.backoffs + 1
+            self._recent.clear()
 
     def finished(self, row: DraftedSequence) -> None:
         """Keep a finished row's prompt and completion to draft for its group."""
         if self.settings.stored_samples == 0:
             return
         self.drafter.remember(_group(row.request), _synced_index(row, self.settings))
+
+
+#: Verify steps whose acceptance decides a backoff.
+ACCEPTANCE_WINDOW = 4
 
 
 def _group(request: Request) -> tuple[str, int]:
@@ -212,9 +245,16 @@ def vllm_speculative_config(settings: SpeculativeDecoding) -> dict:
         The ``speculative_config`` engine argument.
 
     Raises:
-        ConfigError: ``stored_samples`` is above 0: vLLM's n-gram proposer drafts from the
-            request alone, not from its group's finished samples.
+        ConfigError: ``stored_samples`` is above 0 (vLLM's n-gram proposer drafts from the
+            request alone, not from its group's finished samples), or ``min_acceptance`` is
+            (it has no backoff on low acceptance).
     """
+    if settings.min_acceptance > 0:
+        raise ConfigError(
+            f"VLLMEngine(speculative=...): min_acceptance={settings.min_acceptance}, but vLLM's "
+            "n-gram proposer has no backoff on low acceptance; pass "
+            "SpeculativeDecoding(min_acceptance=0, ...) to speculate in every tail step."
+        )
     if settings.stored_samples > 0:
         raise ConfigError(
             f"VLLMEngine(speculative=...): stored_samples={settings.stored_samples}, but vLLM's "

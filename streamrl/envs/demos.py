@@ -30,7 +30,7 @@ from streamrl.envs.episode import TurnFormat
 from streamrl.errors import ConfigError
 from streamrl.policy.chat import render_prompt
 from streamrl.policy.models import build_bpe_tokenizer
-from streamrl.policy.sft import Batch, token_budget_batches, train_steps
+from streamrl.policy.sft import Batch, train_in_token_batches
 from streamrl.policy.sft_rows import encode_rows
 from streamrl.protocols import Environment
 
@@ -137,19 +137,12 @@ def sft_on_episodes(
             that is not a list of turn texts (``demonstrated``).
         EnvError: the environment's ``reset`` or ``step`` returned something malformed.
     """
-    import random
-
     demos = [
         demo_tokens(row, make_env(), demonstrated(demonstrate, row), tokenizer) for row in rows
     ]
     if not demos:
         raise ConfigError("sft_on_episodes: no rows to train on.")
     lengths = [len(ids) for ids, _ in demos]
-    if max(lengths) > tokens_per_batch:
-        raise ConfigError(
-            f"sft_on_episodes: an episode has {max(lengths)} tokens, more than "
-            f"tokens_per_batch={tokens_per_batch}; raise tokens_per_batch."
-        )
 
     def batch(idx: list[int]) -> Batch:
         ids, mask, _ = encode_rows(tokenizer, [demos[i][0] for i in idx], [[] for _ in idx])
@@ -158,13 +151,15 @@ def sft_on_episodes(
             labels[row, : lengths[i]] = ids.new_tensor(demos[i][1])
         return ids, mask, labels
 
-    return train_steps(
+    return train_in_token_batches(
         model,
         batch,
-        token_budget_batches(lengths, tokens_per_batch),
+        lengths,
+        tokens_per_batch=tokens_per_batch,
         steps=steps,
         lr=lr,
-        rng=random.Random(seed),
+        seed=seed,
+        what="sft_on_episodes: an episode",
         show_progress=show_progress,
         progress_file=progress_file,
     )

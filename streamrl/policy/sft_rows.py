@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from streamrl.policy.sft import Batch, token_budget_batches, train_steps
+from streamrl.policy.sft import Batch, train_in_token_batches
 
 #: ``render(tokenizer, prompt) -> prompt token ids``.
 Render = Callable[[PreTrainedTokenizerBase, Any], list[int]]
@@ -92,7 +92,8 @@ def sft_on_rows(
         The loss of every step (mean over the step's answer tokens).
 
     Raises:
-        ValueError: no rows, or a demonstration longer than ``tokens_per_batch``.
+        ValueError: no rows, or (``ConfigError``) a demonstration longer than
+            ``tokens_per_batch``.
     """
     render = render or plain_render
     eos = tokenizer.eos_token_id
@@ -102,24 +103,19 @@ def sft_on_rows(
         answers.append([*tokenizer(str(row["answer"]), add_special_tokens=False)["input_ids"], eos])
     if not prompts:
         raise ValueError("sft_on_rows: no rows to train on.")
-    lengths = [len(p) + len(a) for p, a in zip(prompts, answers)]
-    if max(lengths) > tokens_per_batch:
-        raise ValueError(
-            f"sft_on_rows: a demonstration has {max(lengths)} tokens, more than "
-            f"tokens_per_batch={tokens_per_batch}; raise tokens_per_batch."
-        )
-    batches = token_budget_batches(lengths, tokens_per_batch)
 
     def batch(idx: list[int]) -> Batch:
         return encode_rows(tokenizer, [prompts[i] for i in idx], [answers[i] for i in idx])
 
-    return train_steps(
+    return train_in_token_batches(
         model,
         batch,
-        batches,
+        [len(p) + len(a) for p, a in zip(prompts, answers)],
+        tokens_per_batch=tokens_per_batch,
         steps=steps,
         lr=lr,
-        rng=random.Random(seed),
+        seed=seed,
+        what="sft_on_rows: a demonstration",
         show_progress=show_progress,
         progress_file=progress_file,
     )

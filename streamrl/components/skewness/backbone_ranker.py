@@ -55,7 +55,7 @@ from streamrl.components.skewness.length_head import (
 )
 from streamrl.components.skewness.online_learning import OnlineLearning, fit_afresh
 from streamrl.errors import ConfigError
-from streamrl.records import LengthDistribution, Sample
+from streamrl.records import Sample
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -253,37 +253,6 @@ class BackboneLengthRanker(OnlineLearning):
             for i, m, s in zip(index, locations.tolist(), spreads.tolist()):
                 mu[i], sigma[i] = m, s
         return mu, sigma
-
-    def predict(self, prompts: Sequence[str]) -> list[float]:
-        """Predicted median output lengths (tokens) of ``prompts``; their order is what matters."""
-        return [math.exp(m) for m in self._raw(prompts)[0]]
-
-    def predict_distribution(self, prompts: Sequence[str]) -> list[LengthDistribution]:
-        """Each prompt's length distribution (one sample's length), its spread calibrated.
-
-        Args:
-            prompts: prompt texts, as ``predict`` takes them.
-
-        Returns:
-            ``LengthDistribution(mu, sigma)`` per prompt: ``exp(mu)`` is ``predict``'s median,
-            ``sigma`` the head's spread times ``calibration.scale`` (``SpreadCalibration``).
-
-        Raises:
-            RuntimeError: not ready (call ``learn`` or ``fit`` first).
-        """
-        return self.calibration.apply(*self._raw(prompts))
-
-    def observe_held_out(self, prompts: Sequence[str], lengths: Sequence[int]) -> None:
-        """Calibrate the spread on finished samples not learned from yet (``learn`` calls this
-        before it refreshes on them); nothing while not ``ready``.
-
-        Args:
-            prompts: the samples' prompt texts (a prompt may repeat: its group's samples).
-            lengths: their output lengths, in tokens.
-        """
-        if self._fitted:
-            distinct, targets = LogLengths.group(prompts, lengths)
-            self.calibration.observe(*self._raw(distinct), targets.logs)
 
     def update(self, samples: Iterable[Sample], texts: dict[str, str], epochs: int = 1) -> None:
         """Refresh online from finished samples (policy lengths drift during RL).

@@ -1,21 +1,30 @@
-"""How a length ranker learns online from the policy's finished samples (StreamRL §5.2).
+"""How a length ranker predicts and learns online from the policy's finished samples (§5.2).
+
+A ranker predicts each prompt's length as a log-normal (``LengthDistribution``): its own model
+gives the location and spread of the log length (``_raw``), and ``SpreadCalibration`` scales the
+spread so that its quantiles cover what the policy really generates; ``predict`` is the median.
 
 The policy's output lengths drift during RL, so its ranker keeps learning: ``RolloutStream``
 hands ``learn`` the finished samples; while the ranker is not ``ready`` it fits from scratch
 (once it has two pairs or more), afterwards it first calibrates its predicted spread on them
 (they are lengths it has not learned from: ``calibration.SpreadCalibration``), then adds them
 to its bounded recent buffer and refreshes on that. Both rankers (``LengthRanker``,
-``BackboneLengthRanker``) follow this schedule; they differ only in what ``fit`` and
-``refresh`` train.
+``BackboneLengthRanker``) predict and follow this schedule alike; they differ only in the model
+``_raw`` runs and what ``fit`` and ``refresh`` train.
 """
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Sequence
 from typing import Protocol
 
 import torch
+
+from streamrl.components.skewness.calibration import SpreadCalibration
+from streamrl.components.skewness.length_head import LogLengths
+from streamrl.records import LengthDistribution
 
 
 class Refittable(Protocol):
@@ -27,6 +36,8 @@ class Refittable(Protocol):
     learn_epochs: int
     #: Epochs of the refresh over ``recent`` that each ``learn`` runs once ``ready``.
     refresh_epochs: int
+    #: Scales the model's spread to the coverage the policy's samples show.
+    calibration: SpreadCalibration
 
     @property
     def net(self) -> torch.nn.Module | None:
@@ -46,19 +57,55 @@ class Refittable(Protocol):
         """Fine-tune on ``recent``."""
         ...
 
-    def observe_held_out(self, prompts: Sequence[str], lengths: Sequence[int]) -> None:
-        """Calibrate the predicted spread on finished samples not learned from yet."""
+    def _raw(self, prompts: Sequence[str]) -> tuple[list[float], list[float]]:
+        """The model's location and (uncalibrated) spread of each prompt's log length.
+
+        Raises:
+            RuntimeError: not ready.
+        """
         ...
 
 
 class OnlineLearning:
-    """``ready`` and ``learn``, the ``LengthPredictor`` verbs, of a ranker that provides what
-    ``Refittable`` lists (its ``net``, ``recent`` buffer, epochs, ``fit`` and ``refresh``)."""
+    """The ``LengthPredictor`` verbs (``ready``, ``predict``, ``predict_distribution``,
+    ``learn``) of a ranker that provides what ``Refittable`` lists (its ``net``, ``recent``
+    buffer, epochs, ``calibration``, ``fit``, ``refresh`` and ``_raw``)."""
 
     @property
     def ready(self: Refittable) -> bool:
         """Whether it has been fitted (``predict`` works)."""
         return self.net is not None
+
+    def predict(self: Refittable, prompts: Sequence[str]) -> list[float]:
+        """Predicted median output lengths (tokens) of ``prompts``; their order is what matters."""
+        return [math.exp(mu) for mu in self._raw(prompts)[0]]
+
+    def predict_distribution(self: Refittable, prompts: Sequence[str]) -> list[LengthDistribution]:
+        """Each prompt's length distribution (one sample's length), its spread calibrated.
+
+        Args:
+            prompts: prompt texts, as ``predict`` takes them.
+
+        Returns:
+            ``LengthDistribution(mu, sigma)`` per prompt: ``exp(mu)`` is ``predict``'s median,
+            ``sigma`` the model's spread times ``calibration.scale`` (``SpreadCalibration``).
+
+        Raises:
+            RuntimeError: not ready (call ``learn`` or ``fit`` first).
+        """
+        return self.calibration.apply(*self._raw(prompts))
+
+    def observe_held_out(self: Refittable, prompts: Sequence[str], lengths: Sequence[int]) -> None:
+        """Calibrate the spread on finished samples not learned from yet (``learn`` calls this
+        before it refreshes on them); nothing while not ``ready``.
+
+        Args:
+            prompts: the samples' prompt texts (a prompt may repeat: its group's samples).
+            lengths: their output lengths, in tokens.
+        """
+        if self.ready:
+            distinct, targets = LogLengths.group(prompts, lengths)
+            self.calibration.observe(*self._raw(distinct), targets.logs)
 
     def learn(self: Refittable, prompts: Sequence[str], lengths: Sequence[int]) -> None:
         """Learn from the policy's finished samples (``LengthPredictor``).

@@ -25,7 +25,6 @@ Examples:
 
 from __future__ import annotations
 
-import math
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -57,7 +56,7 @@ from streamrl.components.skewness.ranker_net import (
     make_mlp,
     train_models,
 )
-from streamrl.records import LengthDistribution, Sample
+from streamrl.records import Sample
 
 if TYPE_CHECKING:
     from streamrl.components.run_context import RunContext
@@ -230,37 +229,6 @@ class LengthRanker(OnlineLearning):
         x = self._standardised(prompts)
         out = self.net(x)  # [n, 2]
         return location(out, self.linear, x).tolist(), spread(out[:, 1]).tolist()
-
-    def predict(self, prompts: Sequence[str]) -> list[float]:
-        """Predicted median output lengths (tokens) of ``prompts``; their order is what matters."""
-        return [math.exp(mu) for mu in self._raw(prompts)[0]]
-
-    def predict_distribution(self, prompts: Sequence[str]) -> list[LengthDistribution]:
-        """Each prompt's length distribution (one sample's length), its spread calibrated.
-
-        Args:
-            prompts: prompt texts, as ``predict`` takes them.
-
-        Returns:
-            ``LengthDistribution(mu, sigma)`` per prompt: ``exp(mu)`` is ``predict``'s median,
-            ``sigma`` the head's spread times ``calibration.scale`` (``SpreadCalibration``).
-
-        Raises:
-            RuntimeError: not ready (call ``learn`` or ``fit`` first).
-        """
-        return self.calibration.apply(*self._raw(prompts))
-
-    def observe_held_out(self, prompts: Sequence[str], lengths: Sequence[int]) -> None:
-        """Calibrate the spread on finished samples not learned from yet (``learn`` calls this
-        before it refreshes on them); nothing while not ``ready``.
-
-        Args:
-            prompts: the samples' prompt texts (a prompt may repeat: its group's samples).
-            lengths: their output lengths, in tokens.
-        """
-        if self.ready:
-            distinct, targets = LogLengths.group(prompts, lengths)
-            self.calibration.observe(*self._raw(distinct), targets.logs)
 
     def update(self, samples: Iterable[Sample], texts: dict[str, str], epochs: int = 30) -> None:
         """Refresh online from finished samples (policy lengths drift during RL); they calibrate

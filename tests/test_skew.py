@@ -36,6 +36,20 @@ def test_simulated_continuous_batching_rewards_lpt_order():
     assert simulate_instance([4, 1, 1], 2, model) == pytest.approx(5.0)
 
 
+def test_makespan_floor_is_met_where_a_plan_can_meet_it_and_never_beaten():
+    model = LatencyModel([1, 2], [1.0, 1.5])  # 2 tokens per 1.5 s at best, 1 s a step alone
+    # Four samples of 3 on one instance, two at a time: exactly the work floor (12 / (2 / 1.5)).
+    longest, work = model.makespan_floor([3, 3, 3, 3], 1, 2)
+    assert (longest, work) == (pytest.approx(3.0), pytest.approx(9.0))
+    assert simulate_instance([3, 3, 3, 3], 2, model) == pytest.approx(work)
+    # One long sample alone takes 4 s; six tokens take 4.5 s at the best rate; no order beats it.
+    assert model.makespan_floor([4, 1, 1], 1, 2) == (pytest.approx(4.0), pytest.approx(4.5))
+    for order in ([1, 1, 4], [4, 1, 1], [1, 4, 1]):
+        assert simulate_instance(order, 2, model) >= 4.5
+    # The slot limit counts: with one slot the best rate is one token a second.
+    assert model.makespan_floor([3, 3], 2, 1) == (pytest.approx(3.0), pytest.approx(3.0))
+
+
 @pytest.mark.parametrize(("objective", "expected"), [("sum", (2, 2)), ("max", (3, 1))])
 def test_algorithm_2_hand_worked(objective, expected):
     # 40 samples on 4 instances, alpha 0.2 -> 8 tail samples (L_a = P90 = 100) and 32 regular
@@ -142,6 +156,7 @@ def _check_dispatch_contract(result: dict, rows: set[str], prompts: int, mode: s
     assert result["prompts"] == prompts and result["mode"] == mode
     for label, seconds in makespan.items():
         assert ratio[label] == pytest.approx(seconds / makespan["random"], abs=1e-3)
+        assert result["ratio_to_skew"][label] == pytest.approx(seconds / makespan["skew"], abs=1e-3)
     for label, quality in result["predictions"].items():
         assert label.startswith(("skew", "adaptive"))
         assert quality["source"] in ("ranker", "noisy", "file")
@@ -163,9 +178,12 @@ def test_bench_dispatch_simulated_contract_and_order(capsys):
     assert quality["skew"]["source"] == "ranker" and quality["skew_noisy"]["source"] == "noisy"
     assert quality["skew"]["trained_on"] == result["history"]["samples"] == 256
     assert quality["skew_noisy"]["sigma"] == 0.25
-    # Replays are exact: nothing beats the longest sample decoded alone at PTL(1), the oracle
-    # beats random, and no prediction beats the oracle by more than the 4/3 LPT slack.
-    assert all(v >= result["longest_sample_s"] for v in makespan.values())
+    # Replays are exact: nothing beats the latency model's floor (the longest sample at the
+    # fastest step, every token at the best tokens/s), the oracle beats random, and no
+    # prediction beats the oracle by more than the 4/3 LPT slack.
+    floor = result["makespan_floor_s"]
+    assert floor == max(result["longest_sample_s"], result["work_s"]) > 0
+    assert all(v >= floor - 1e-4 for v in makespan.values())
     assert makespan["oracle"] < makespan["random"]
     assert makespan["skew"] < makespan["random"]  # measured: 0.925 of random for this seed
     assert all(makespan["oracle"] <= v * 4 / 3 for v in makespan.values())

@@ -91,6 +91,33 @@ class LatencyModel:
         batch = min(samples, max_batch_size)
         return self.ptl(batch) * avg_length * math.ceil(samples / batch)
 
+    def makespan_floor(
+        self, lengths: Sequence[int], instances: int, max_batch_size: int
+    ) -> tuple[float, float]:
+        """Two times no plan of ``lengths`` beats on ``instances`` of at most ``max_batch_size``
+        slots, whatever it dispatches, admits or moves (a move only adds a re-prefill):
+
+        - the longest sample: it decodes one token a step, each step at least the fastest
+          ``PTL(b)``;
+        - the work: every token decoded, each instance at its best tokens per second
+          (``b / PTL(b)``, at the ``b`` that maximises it).
+
+        A target below the larger of the two cannot be met by any dispatcher on this latency
+        model; only faster steps (speculative decoding) move it.
+
+        Returns:
+            ``(longest_s, work_s)``.
+
+        Examples:
+            >>> model = LatencyModel.from_table_ms({1: 10.0, 4: 20.0})
+            >>> [round(s, 3) for s in model.makespan_floor([100, 10, 10, 10], 1, 4)]
+            [1.0, 0.65]
+        """
+        sizes = range(1, max_batch_size + 1)
+        fastest_step = min(self.ptl(b) for b in sizes)
+        best_rate = max(b / self.ptl(b) for b in sizes)  # tokens per second of one instance
+        return max(lengths) * fastest_step, sum(lengths) / (instances * best_rate)
+
     def to_json(self, path: str | Path) -> Path:
         path = Path(path)
         path.write_text(json.dumps(asdict(self), indent=2))

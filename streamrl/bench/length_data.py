@@ -36,6 +36,10 @@ import math
 import random
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tokenizers import ByteLevelBPETokenizer
 
 # Diverse tasks, from one-token answers to answers of hundreds of tokens.
 TASKS = (
@@ -146,7 +150,12 @@ def make_length_rows(
 def write_length_data(path: str | Path, seed: int = 0, **kwargs) -> Path:
     """Write ``make_length_rows`` to ``path`` (JSONL) and its tokenizer to
     ``<path>.tokenizer.json``; returns the tokenizer's path."""
-    rows, tokenizer = make_length_rows(seed=seed, **kwargs)
+    return write_rows(path, *make_length_rows(seed=seed, **kwargs))
+
+
+def write_rows(path: str | Path, rows: list[dict], tokenizer: ByteLevelBPETokenizer) -> Path:
+    """Write a ranker data set's ``rows`` to ``path`` (JSONL) and its ``tokenizer`` to
+    ``<path>.tokenizer.json``; returns the tokenizer's path."""
     Path(path).write_text("".join(json.dumps(row) + "\n" for row in rows))
     tokenizer_path = Path(path).with_suffix(".tokenizer.json")
     tokenizer.save(str(tokenizer_path))

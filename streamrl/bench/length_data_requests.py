@@ -52,7 +52,6 @@ Example:
 
 from __future__ import annotations
 
-import json
 import math
 import random
 import sys
@@ -61,7 +60,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from streamrl.bench import request_words as words
-from streamrl.bench.length_data import chat, train_bpe
+from streamrl.bench.length_data import chat, train_bpe, write_rows
 
 TOKENS_PER_WORD = 1.35
 MAX_TOKENS = 4096
@@ -259,11 +258,7 @@ def make_request_rows(
 def write_request_data(path: str | Path, seed: int = 0, **kwargs) -> Path:
     """Write ``make_request_rows`` to ``path`` (JSONL) and its tokenizer to
     ``<path>.tokenizer.json``; returns the tokenizer's path."""
-    rows, tokenizer = make_request_rows(seed=seed, **kwargs)
-    Path(path).write_text("".join(json.dumps(row) + "\n" for row in rows))
-    tokenizer_path = Path(path).with_suffix(".tokenizer.json")
-    tokenizer.save(str(tokenizer_path))
-    return tokenizer_path
+    return write_rows(path, *make_request_rows(seed=seed, **kwargs))
 
 
 if __name__ == "__main__":

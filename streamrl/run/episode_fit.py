@@ -23,7 +23,6 @@ from streamrl.protocols import Sampler
 from streamrl.run.config import RunConfig
 from streamrl.run.episode_task import EpisodeTask, episode_task
 from streamrl.run.prepare import TINY_CONTEXT, cached_warm_start
-from streamrl.run.stages import RunStages
 from streamrl.runtime.cache_keys import code_digest, rows_digest
 from streamrl.tasks.local_data import check_enough_rows
 
@@ -115,20 +114,6 @@ class EpisodeJob:
             "episode_counts": dict(counts),
             "prefill_saved": sampler.prefill_saved,
         }
-
-
-def run_episode_fit(
-    config: RunConfig,
-    show_progress: bool = True,
-    resume: str | None = None,
-    stages: RunStages | None = None,
-) -> dict:
-    """``streamrl.run.jobs.run_fit`` on ``config.env``'s episodes (the older name)."""
-    from streamrl.run.jobs import run_fit
-
-    if config.env.name is None:
-        raise ConfigError("run_episode_fit: set env.name (an environment) for an episode run.")
-    return run_fit(config, show_progress, resume, stages)
 
 
 def episode_policy(config: RunConfig, task: EpisodeTask, show_progress: bool) -> Path:

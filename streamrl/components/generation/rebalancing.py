@@ -25,17 +25,43 @@ from __future__ import annotations
 
 import itertools
 import time
-from typing import TYPE_CHECKING
+from collections import Counter
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Protocol
 
-from streamrl.protocols import Rebalancer
+from streamrl.protocols import Dispatcher, Rebalancer
 from streamrl.records import InstanceLoad, Request, Sample
 
 if TYPE_CHECKING:
     from streamrl.components.generation.instance import InstanceHandle
-    from streamrl.components.generation.pool import InstancePool
 
 #: The shortest time between two status rounds (each costs a round trip per instance).
 MIN_INTERVAL_S = 0.02
+
+
+class Instances(Protocol):
+    """What ``Rebalancing`` uses of the pool that holds it (``InstancePool``)."""
+
+    dispatcher: Dispatcher
+    handles: list[InstanceHandle]
+    #: The ledger: ``Rebalancing`` adds its moves to it.
+    counts: Counter[str]
+
+    def active(self) -> list[InstanceHandle]:
+        """The instances that take work now."""
+        ...
+
+    def batch_limit(self, handle: InstanceHandle) -> int:
+        """How many requests ``handle`` runs at once."""
+        ...
+
+    def send(self, handle: InstanceHandle, batch: list[Request]) -> None:
+        """Hand ``batch`` to one instance."""
+        ...
+
+    def dispatch(self, requests: list[Request], scores: Sequence[float] | None) -> None:
+        """Plan ``requests`` over the active instances and send them."""
+        ...
 
 
 class Rebalancing:
@@ -47,7 +73,7 @@ class Rebalancing:
         min_interval_s: the shortest time between two status rounds.
     """
 
-    def __init__(self, pool: InstancePool, min_interval_s: float = MIN_INTERVAL_S) -> None:
+    def __init__(self, pool: Instances, min_interval_s: float = MIN_INTERVAL_S) -> None:
         self.pool, self.min_interval_s = pool, min_interval_s
         self._ids = itertools.count(1)
         self._query: tuple[int, dict[int, list | None]] | None = None  # id, answers so far

@@ -12,7 +12,7 @@ lengths (the lengths file's) on the same instances:
 - ``oracle``: Algorithm 2 and LPT on the batch's *true* lengths (scores and ``D``).
 
 The skew policy's dispatcher plans on copies of the requests without their forced lengths
-(``Blindfolded``): it sees prompts, predictions and ``D``, never the truth.
+(``streamrl.bench.blindfolded``): it sees prompts, predictions and ``D``, never the truth.
 ``--simulate`` replays continuous batching with the latency model instead of running models.
 """
 
@@ -22,14 +22,14 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import replace
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
+from streamrl.bench.blindfolded import Blindfolded, BlindfoldedRebalancer
 from streamrl.bench.inputs import load_lengths, model_dir_for, tokenizer_for
 from streamrl.bench.pipeline import DEFAULT_LENGTHS
 from streamrl.bench.predictions import SOURCES, Batch, Predictions, batch_and_history, predict
@@ -37,7 +37,7 @@ from streamrl.bench.settings import DispatchBench
 from streamrl.components.generation.service import StreamGenerationService
 from streamrl.components.generation.speculative import TailSpeculation
 from streamrl.components.skewness.adaptive import AdaptiveDispatcher
-from streamrl.components.skewness.dispatch import Dispatcher, RandomDispatcher
+from streamrl.components.skewness.dispatch import RandomDispatcher
 from streamrl.components.skewness.latency import PAPER_7B_H800_MS, LatencyModel
 from streamrl.components.skewness.profiler import Profiler
 from streamrl.components.skewness.ranking_metrics import kendall_tau, recall_at_k
@@ -45,76 +45,13 @@ from streamrl.components.skewness.schedulers import FIFOScheduler, LPTScheduler
 from streamrl.components.skewness.skew_dispatch import SkewAwareDispatcher
 from streamrl.errors import ConfigError
 from streamrl.policy.models import load_policy
-from streamrl.records import InstanceLoad, Move, Request, Sample
+from streamrl.records import Request
 
 POLICIES = ("random", "skew", "adaptive", "oracle")
 #: The label suffix of a simulated row with speculative decoding in the tail.
 SPEC = "+spec"
 RANDOM_DRAWS = 20  # simulated random dispatch: mean makespan over this many draws
 PROFILE_PROMPT = [5, 6, 7, 8]  # the prompt PTL(BS) is measured on
-
-
-class Blindfolded:
-    """A dispatcher that plans on copies of the requests stripped of their forced (true)
-    lengths; the plan is mapped back onto the originals, with the predicted lengths it set.
-
-    Args:
-        inner: the dispatcher to blindfold.
-        max_batch_size: every instance's batch size when ``inner`` has no per-pool sizes.
-    """
-
-    def __init__(self, inner: Dispatcher, max_batch_size: int) -> None:
-        self.inner, self.max_batch_size = inner, max_batch_size
-
-    def plan(
-        self, requests: Sequence[Request], scores: Sequence[float] | None, instances: int
-    ) -> list[list[Request]]:
-        blind = [replace(r, forced_length=None) for r in requests]
-        original = {id(b): r for b, r in zip(blind, requests)}
-        parts = self.inner.plan(blind, scores, instances)
-        for part in parts:
-            for b in part:
-                original[id(b)].predicted_length = b.predicted_length
-        return [[original[id(b)] for b in part] for part in parts]
-
-    def batch_limits(self, instances: int) -> list[int]:
-        """The inner plan's per-instance batch sizes (full batches for random dispatch)."""
-        limits = self.inner.batch_limits(instances)
-        return limits if limits is not None else [self.max_batch_size] * instances
-
-    def observe(self, lengths: Iterable[int]) -> None:
-        self.inner.observe(lengths)
-
-    def state_dict(self) -> dict:
-        return self.inner.state_dict()
-
-    def load_state_dict(self, state: dict) -> None:
-        self.inner.load_state_dict(state)
-
-
-class BlindfoldedRebalancer(Blindfolded):
-    """``Blindfolded`` around a dispatcher that also rebalances mid-flight (``Rebalancer``):
-    what it learns comes from finished samples and the instances' progress, never from the
-    forced lengths."""
-
-    def finished(self, sample: Sample) -> Mapping[tuple, float]:
-        return self.inner.finished(sample)
-
-    def rebalance(self, loads: Sequence[InstanceLoad]) -> list[Move]:
-        def blind(request: Request) -> Request:
-            return replace(request, forced_length=None)
-
-        return self.inner.rebalance(
-            [
-                InstanceLoad(
-                    load.instance_id,
-                    load.batch_limit,
-                    [(blind(r), n) for r, n in load.running],
-                    [blind(r) for r in load.waiting],
-                )
-                for load in loads
-            ]
-        )
 
 
 def _requests(

@@ -30,8 +30,8 @@ from streamrl.envs.episode import TurnFormat
 from streamrl.errors import ConfigError
 from streamrl.policy.chat import render_prompt
 from streamrl.policy.models import build_bpe_tokenizer
-from streamrl.policy.sft import Batch, train_in_token_batches
-from streamrl.policy.sft_rows import encode_rows
+from streamrl.policy.sft import Batch
+from streamrl.policy.sft_rows import encode_rows, train_in_token_batches
 from streamrl.protocols import Environment
 
 

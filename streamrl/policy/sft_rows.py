@@ -28,7 +28,8 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from streamrl.policy.sft import Batch, train_in_token_batches
+from streamrl.errors import ConfigError
+from streamrl.policy.sft import Batch, token_budget_batches, train_steps
 
 #: ``render(tokenizer, prompt) -> prompt token ids``.
 Render = Callable[[PreTrainedTokenizerBase, Any], list[int]]
@@ -116,6 +117,46 @@ def sft_on_rows(
         lr=lr,
         seed=seed,
         what="sft_on_rows: a demonstration",
+        show_progress=show_progress,
+        progress_file=progress_file,
+    )
+
+
+def train_in_token_batches(
+    model: PreTrainedModel,
+    make_batch: Callable[[list[int]], Batch],
+    lengths: list[int],
+    *,
+    tokens_per_batch: int,
+    steps: int,
+    lr: float,
+    seed: int,
+    what: str,
+    show_progress: bool = False,
+    progress_file: Path | None = None,
+) -> list[float]:
+    """``train_steps`` over examples of ``lengths`` tokens, grouped by ``token_budget_batches``
+    and shuffled from ``seed``: the warm start on your rows and on episodes alike.
+
+    Args:
+        what: the caller and its kind of example, for the error (``"sft_on_rows: a
+            demonstration"``).
+
+    Raises:
+        ConfigError: an example is longer than ``tokens_per_batch``.
+    """
+    if max(lengths) > tokens_per_batch:
+        raise ConfigError(
+            f"{what} has {max(lengths)} tokens, more than tokens_per_batch={tokens_per_batch}; "
+            "raise tokens_per_batch."
+        )
+    return train_steps(
+        model,
+        make_batch,
+        token_budget_batches(lengths, tokens_per_batch),
+        steps=steps,
+        lr=lr,
+        rng=random.Random(seed),
         show_progress=show_progress,
         progress_file=progress_file,
     )

@@ -176,6 +176,9 @@ class Request:
         progress: what the request generated on another instance before it was moved (its
             tokens, log-probs and versions); the instance that takes it prefills the prompt and
             those tokens, then goes on. ``None``: it starts from its prompt.
+        greedy: decode this request greedily (the most likely token each step) whatever the
+            instance's sampling settings: a held-out evaluation on the training instances
+            (``streamrl.eval.on_generators``).
     """
 
     prompt_id: str
@@ -190,6 +193,7 @@ class Request:
     prefer_instance: int | None = None
     length_dist: LengthDistribution | None = None
     progress: Progress | None = None
+    greedy: bool = False
 
     @property
     def key(self) -> tuple[str, int, int]:

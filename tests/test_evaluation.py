@@ -193,7 +193,11 @@ def test_periodic_eval_logs_records_and_plots(tmp_path):
     torch.manual_seed(0)
     tok = build_tokenizer()
     module = _TinyPolicyModule(build_tiny_model(tok, size="test"))
-    evaluator = functools.partial(evaluate, tokenizer=tok, dataset=_rows(), max_new_tokens=4, k=2)
+    on_policy = functools.partial(evaluate, tokenizer=tok, dataset=_rows(), max_new_tokens=4, k=2)
+
+    def evaluator(pl_module):  # the module at its version: here its policy, in this process
+        return on_policy(pl_module.policy)
+
     callback = PeriodicEval(evaluator, every=2, output_dir=tmp_path, at_start=True)
     trainer = L.Trainer(
         max_steps=4,

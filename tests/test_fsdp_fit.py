@@ -157,9 +157,11 @@ def test_two_fsdp_trainer_ranks_train_like_one(runs, launch):
 
 
 def test_two_fsdp_ranks_checkpoint_and_resume(tmp_path, runs):
-    """Every rank saves (a collective), rank 0 writes one file; a resumed run of 2 ranks loads
-    it on both, trains only the iterations left and ends where the uninterrupted run did."""
-    first = _fit(tmp_path, 2, 2, name="run")
+    """Every rank saves (a collective), rank 0 writes one file (asked for: several ranks write
+    sharded checkpoints by default); a resumed run of 2 ranks loads it on both, trains only the
+    iterations left and ends where the uninterrupted run did."""
+    one_file = ("--trainer.sharded_checkpoints", "false")
+    first = _fit(tmp_path, 2, 2, *one_file, name="run")
     last = tmp_path / "run" / "checkpoints" / "last.ckpt"
     assert last.is_file() and first["samples_trained"] == 2 * SAMPLES
     state = torch.load(last, weights_only=True, map_location="cpu")
@@ -168,7 +170,7 @@ def test_two_fsdp_ranks_checkpoint_and_resume(tmp_path, runs):
     saved = state["state_dict"]
     for name, tensor in trained.items():  # the file holds the full, gathered weights
         torch.testing.assert_close(saved[f"policy.{name}"], tensor, atol=1e-6, rtol=0)
-    resumed = _fit(tmp_path, 2, 3, "--resume", str(last), name="run")
+    resumed = _fit(tmp_path, 2, 3, *one_file, "--resume", str(last), name="run")
     assert resumed["samples_trained"] == 3 * SAMPLES and resumed["samples_lost"] == 0
     after = dict(load_policy(resumed["policy_dir"])[0].named_parameters())
     assert any(not torch.equal(after[n], trained[n]) for n in after)  # the third step ran
@@ -191,7 +193,13 @@ def test_two_ranks_train_lora_adapters_in_bf16_mixed(tmp_path):
     # The KL term against the adapter-free reference gives every step after the first a
     # gradient, whatever the rewards (LoRA's B starts at 0: at step 1 the KL is 0 too).
     assert all(norm > 1e-5 for norm in _per_iteration(summary, "train/grad_norm")[1:])
-    start = dict(load_policy(summary["model_dir"])[0].named_parameters())
+    # The base never trains: it is held in the compute dtype (bfloat16), so the saved policy
+    # (float32, the tiny policy directory's dtype) is the start rounded to bfloat16, except
+    # where the adapters were merged in.
+    start = {
+        n: p.to(torch.bfloat16).float()
+        for n, p in load_policy(summary["model_dir"])[0].named_parameters()
+    }
     merged = dict(load_policy(summary["policy_dir"])[0].named_parameters())  # adapters merged
     moved = {n for n in start if not torch.equal(start[n], merged[n])}
     assert moved and all(n.rsplit(".", 2)[-2].endswith("_proj") for n in moved)
@@ -206,6 +214,8 @@ def test_sharded_checkpoints_resume_like_the_uninterrupted_run(tmp_path, runs):
     last = tmp_path / "run" / "checkpoints" / "last.ckpt"
     assert last.is_dir() and first["samples_trained"] == 2 * SAMPLES
     assert len(list(last.glob("*.distcp"))) == 2  # one file of shards per rank
+    default = Path(runs[2]["output_dir"], "checkpoints", "last.ckpt")
+    assert default.is_dir()  # several ranks write sharded checkpoints unless told otherwise
     resumed = _fit(tmp_path, 2, 3, *sharded, "--resume", str(last), name="run")
     assert resumed["samples_trained"] == 3 * SAMPLES and resumed["samples_lost"] == 0
     after = dict(load_policy(resumed["policy_dir"])[0].named_parameters())
@@ -222,8 +232,9 @@ def test_a_killed_trainer_rank_stops_the_run_which_resumes_where_it_was(tmp_path
     bit for bit where the uninterrupted run did."""
     config = _config(tmp_path, "killed", ITERATIONS, ranks=2)
     command = [sys.executable, "-m", "streamrl.cli.main", "fit", "--config", str(config)]
+    one_file = ("--trainer.sharded_checkpoints", "false")  # its stop record is read below
     run = subprocess.Popen(
-        [*command, "--no-progress"],
+        [*command, "--no-progress", *one_file],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -265,7 +276,7 @@ def test_a_killed_trainer_rank_stops_the_run_which_resumes_where_it_was(tmp_path
         time.sleep(0.2)
     else:
         pytest.fail("a process of the run outlived it")
-    resumed = _fit(tmp_path, 2, ITERATIONS, "--resume", "auto", name="killed")
+    resumed = _fit(tmp_path, 2, ITERATIONS, *one_file, "--resume", "auto", name="killed")
     assert resumed["samples_trained"] == ITERATIONS * SAMPLES and resumed["samples_lost"] == 0
     after = dict(load_policy(resumed["policy_dir"])[0].named_parameters())
     uninterrupted = dict(load_policy(runs[2]["policy_dir"])[0].named_parameters())
@@ -284,13 +295,14 @@ def test_rank_zero_writes_every_ranks_share_of_the_rollouts(tmp_path):
 
 def test_a_torchrun_job_stopped_by_sigterm_saves_on_both_ranks_and_resumes(tmp_path, runs):
     """SIGTERM to both torchrun launchers' process groups (a scheduler stopping the job): rank
-    0 acts on it, rank 1 (which ignores it) saves the checkpoint with it, both leave; the job
-    rerun with ``--resume auto`` ends bit for bit where the uninterrupted torchrun job did."""
+    0 acts on it, rank 1 (which ignores it) saves the checkpoint with it (each rank its shards:
+    several ranks write sharded checkpoints by default), both leave; the job rerun with
+    ``--resume auto`` ends bit for bit where the uninterrupted torchrun job did."""
     nodes = _torchrun_nodes(tmp_path, "torchrun", ITERATIONS)
     last = tmp_path / "torchrun" / "checkpoints" / "last.ckpt"
     try:
         deadline = time.monotonic() + 300
-        while not last.is_file() and all(n.poll() is None for n in nodes):
+        while not (last / "meta.pt").is_file() and all(n.poll() is None for n in nodes):
             assert time.monotonic() < deadline, "no checkpoint was written"
             time.sleep(0.1)
         for node in nodes:
@@ -304,7 +316,9 @@ def test_a_torchrun_job_stopped_by_sigterm_saves_on_both_ranks_and_resumes(tmp_p
     assert time.monotonic() - stopped < 90
     assert all(node.returncode != 0 for node in nodes)  # never a success
     assert "stopped by SIGTERM" in errors[0], errors[0][-3000:]
-    assert torch.load(last, weights_only=True)["stopped_by"] == "SIGTERM", errors[0][-3000:]
+    assert len(list(last.glob("*.distcp"))) == 2  # each rank wrote its own shards
+    meta = torch.load(last / "meta.pt", weights_only=True)
+    assert meta["stopped_by"] == "SIGTERM", errors[0][-3000:]
     resumed = _fit_torchrun(tmp_path, ITERATIONS, "torchrun", "--resume", "auto")
     assert resumed["samples_trained"] == ITERATIONS * SAMPLES and resumed["samples_lost"] == 0
     after = dict(load_policy(resumed["policy_dir"])[0].named_parameters())

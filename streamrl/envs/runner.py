@@ -82,6 +82,8 @@ class EpisodeRunner:
         stop_strings: a turn's text ends before these (the generators stop on them too).
         on_fault: ``"drop"``: an episode the environment cut (``ENV_FAULTS``) is left out of
             the loss (``left_out``); ``"train"``: it is trained with the reward it had.
+        greedy: every turn decoded greedily whatever the instances' sampling settings (a
+            held-out evaluation on the run's instances, ``streamrl.eval.episodes``).
 
     Attributes:
         counts: the ledger: episodes started and finished (and why), turns, environment steps,
@@ -103,6 +105,7 @@ class EpisodeRunner:
         system_prompt: str | None = None,
         stop_strings: Sequence[str] = (),
         on_fault: OnFault = "drop",
+        greedy: bool = False,
     ) -> None:
         if max_turns < 1:
             raise ValueError(f"max_turns must be >= 1, got {max_turns}.")
@@ -111,7 +114,7 @@ class EpisodeRunner:
         self.service, self.make_env, self.tokenizer = service, make_env, tokenizer
         self.max_tokens, self.context, self.max_turns = max_tokens, context, max_turns
         self.env_timeout_s, self.rebalance_requests = env_timeout_s, rebalance_requests
-        self.affinity, self.on_fault = affinity, on_fault
+        self.affinity, self.on_fault, self.greedy = affinity, on_fault, greedy
         self.system_prompt, self.stop_strings = system_prompt, tuple(stop_strings)
         self.format = TurnFormat(tokenizer)
         self.counts: Counter[str] = Counter()
@@ -170,6 +173,7 @@ class EpisodeRunner:
             iteration=iteration,
             min_weight_version=min_weight_version,
             keep_prefix=True,
+            greedy=self.greedy,
         )
         self._episodes[first.key] = Episode(first, row, env, ids)
         self.counts["episodes_started"] += 1
@@ -288,6 +292,7 @@ class EpisodeRunner:
             predicted_length=predicted,
             keep_prefix=True,
             prefer_instance=self._placement(episode),
+            greedy=first.greedy,
         )
         self.service.submit([turn], None if predicted is None else [predicted])
 

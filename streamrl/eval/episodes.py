@@ -1,8 +1,10 @@
-"""Held-out success of a policy on an environment: greedy episodes, in this process.
+"""Held-out success of a policy on an environment: greedy episodes.
 
 ``evaluate_episodes`` plays one greedy episode per row with the same ``EpisodeRunner`` that RL
-uses, on an in-process ``HFStreamGenerator`` (``LocalGeneration``) holding the policy as it is
-now, so the tokens, the turn format and the limits are those of training.
+uses, so the tokens, the turn format and the limits are those of training: on the run's own
+generator instances (a started service, seen through ``streamrl.eval.on_generators.
+EvaluationView``), or on an in-process ``HFStreamGenerator`` (``LocalGeneration``) holding a
+policy as it is now.
 
 Examples:
     >>> from streamrl.policy.models import build_bpe_tokenizer, build_tiny_model
@@ -26,7 +28,9 @@ from typing import Any
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from streamrl.components.generation.hf_generator import HFStreamGenerator
+from streamrl.components.generation.service import StreamGenerationService
 from streamrl.envs.runner import EpisodeRunner
+from streamrl.eval.on_generators import EVAL_ITERATION, EvaluationView
 from streamrl.policy.chat import stop_token_ids
 from streamrl.protocols import Environment
 from streamrl.records import Request, Sample
@@ -77,6 +81,8 @@ class EpisodeEval:
         n: episodes (one per row).
         finish_reasons: how the episodes ended (``"done"``, ``"max_turns"``...).
         rewards: each row's episode reward, in row order.
+        weight_versions: the policy versions whose tokens were evaluated, on the run's
+            generators (empty for a model).
     """
 
     success: float
@@ -85,6 +91,7 @@ class EpisodeEval:
     n: int
     finish_reasons: dict[str, int] = field(default_factory=dict)
     rewards: list[float] = field(default_factory=list, repr=False)
+    weight_versions: list[int] = field(default_factory=list)
 
     def metrics(self, prefix: str = "eval") -> dict[str, float]:
         """What to log; success is also ``pass@1`` (the curve ``PeriodicEval`` plots)."""
@@ -97,7 +104,7 @@ class EpisodeEval:
 
 
 def evaluate_episodes(
-    model: PreTrainedModel,
+    model: PreTrainedModel | StreamGenerationService,
     tokenizer: PreTrainedTokenizerBase,
     make_env: Callable[[], Environment],
     rows: Sequence[Mapping[str, Any]],
@@ -108,24 +115,31 @@ def evaluate_episodes(
     pass_threshold: float = 1.0,
     batch_size: int = 32,
     env_timeout_s: float = 30.0,
+    min_weight_version: int = 0,
 ) -> EpisodeEval:
-    """One greedy episode per row on ``model`` as it is now (left in eval mode)."""
-    generator = HFStreamGenerator(
-        model.eval(),
-        max_batch_size=batch_size,
-        greedy=True,
-        eos_token_id=stop_token_ids(tokenizer),
-    )
+    """One greedy episode per row: on a started service's instances once they hold
+    ``min_weight_version``, or on ``model`` as it is now (left in eval mode)."""
+    if isinstance(model, StreamGenerationService):
+        generation = EvaluationView(model)
+    else:
+        generator = HFStreamGenerator(
+            model.eval(),
+            max_batch_size=batch_size,
+            greedy=True,
+            eos_token_id=stop_token_ids(tokenizer),
+        )
+        generation = LocalGeneration(generator)
     runner = EpisodeRunner(
-        LocalGeneration(generator),  # type: ignore[arg-type]  # the part of a service it uses
+        generation,  # type: ignore[arg-type]  # the part of a service it uses
         make_env,
         tokenizer,
         max_tokens=max_tokens,
         context=context,
         max_turns=max_turns,
         env_timeout_s=env_timeout_s,
+        greedy=True,
     )
-    firsts = [runner.start(row) for row in rows]
+    firsts = [runner.start(row, 0, EVAL_ITERATION, min_weight_version) for row in rows]
     runner.submit(firsts)
     by_key = {s.key: s for s in (runner.next_sample() for _ in firsts)}
     episodes = [by_key[r.key] for r in firsts]
@@ -138,4 +152,5 @@ def evaluate_episodes(
         n=len(episodes),
         finish_reasons=dict(Counter(e.finish_reason for e in episodes)),
         rewards=rewards,
+        weight_versions=sorted(getattr(generation, "versions_seen", ())),
     )

@@ -21,6 +21,7 @@ import math
 import numbers
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass, field
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 import torch
@@ -32,6 +33,23 @@ from streamrl.tasks.rewards import exact_match, partial_credit
 #: ``(completions, rows) -> rewards``, one float per completion (e.g. ``load_rewards(...).score``
 #: reduced to its totals).
 Score = Callable[[list[str], list[dict]], list[float]]
+
+
+@runtime_checkable
+class Decoder(Protocol):
+    """Decodes token-id prompts for ``evaluate``: a model in this process (``ModelDecoder``) or
+    the run's generator instances (``streamrl.eval.on_generators.ServiceDecoder``)."""
+
+    context: int  # the policy's context length in tokens (prompt plus completion)
+
+    def __call__(
+        self, prompts: list[list[int]], max_new_tokens: int, *, greedy: bool, seed: int = 0
+    ) -> list[list[int]]:
+        """Each prompt's completion (ids, stop token left out), in order: greedy, or sampled
+        (reproducibly from ``seed`` where the decoder can)."""
+        ...
+
+
 #: Decode budget when no row has a reference answer to size it from.
 DEFAULT_MAX_NEW_TOKENS = 64
 
@@ -58,6 +76,8 @@ class EvalResult:
         sampled_pass_at_1: share of samples that pass, an estimate of sampled pass@1 (``k > 1``).
         completions / rewards: the greedy completion texts and their rewards, in row order.
         samples / sample_rewards: per row, its ``k`` sampled texts and their rewards (``k > 1``).
+        weight_versions: the policy versions whose tokens were evaluated, when it decoded on
+            the run's generators (``streamrl.eval.on_generators``); empty for a model.
     """
 
     accuracy: float
@@ -79,6 +99,7 @@ class EvalResult:
     rewards: list[float] = field(default_factory=list, repr=False)
     samples: list[list[str]] = field(default_factory=list, repr=False)
     sample_rewards: list[list[float]] = field(default_factory=list, repr=False)
+    weight_versions: list[int] = field(default_factory=list)
 
     def as_dict(self) -> dict:
         """The aggregate numbers (per-row completions and rewards left out), JSON-ready."""
@@ -172,8 +193,48 @@ def generate_completions(
     return outputs
 
 
+class ModelDecoder:
+    """A ``Decoder`` on a model in this process (``generate_completions``): a notebook's policy,
+    a tiny one. Its samples are seeded (the caller's RNG state is left as it was).
+
+    Args:
+        model: a causal LM.
+        eos_token_ids: ids that end a completion.
+        pad_token_id: id used for left padding.
+        batch_size: prompts per ``generate`` call.
+        temperature: the sampling temperature of non-greedy completions.
+    """
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        *,
+        eos_token_ids: list[int],
+        pad_token_id: int,
+        batch_size: int = 64,
+        temperature: float = 1.0,
+    ) -> None:
+        self.model, self.temperature = model, temperature
+        self.context = int(model.config.max_position_embeddings)
+        self.options = dict(
+            eos_token_ids=eos_token_ids, pad_token_id=pad_token_id, batch_size=batch_size
+        )
+
+    def __call__(
+        self, prompts: list[list[int]], max_new_tokens: int, *, greedy: bool, seed: int = 0
+    ) -> list[list[int]]:
+        if greedy:
+            return generate_completions(self.model, prompts, max_new_tokens, **self.options)
+        device = next(self.model.parameters()).device
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            torch.manual_seed(seed)
+            return generate_completions(
+                self.model, prompts, max_new_tokens, temperature=self.temperature, **self.options
+            )
+
+
 def evaluate(
-    model: PreTrainedModel,
+    model: PreTrainedModel | Decoder,
     tokenizer: PreTrainedTokenizerBase,
     dataset: Iterable[Mapping],
     batch_size: int = 64,
@@ -192,21 +253,24 @@ def evaluate(
     ``k > 1``, sample ``k`` completions per prompt for pass@k).
 
     Args:
-        model: the policy.
+        model: the policy (decoded in this process), or a ``Decoder``: a run evaluates on its
+            generator instances (``streamrl.eval.on_generators.ServiceDecoder``).
         tokenizer: the policy's tokenizer.
         dataset: rows (a ``datasets.Dataset`` or dicts) with ``prompt_id``, ``prompt``, ``task``
             (the data source) and, for the default scorer, ``answer``.
-        batch_size: prompts per ``generate`` call.
-        max_new_tokens: decode budget; defaults to the longest answer (in tokens) plus 16, or
-            ``DEFAULT_MAX_NEW_TOKENS`` when no row has an answer, within the context window.
+        batch_size: prompts per ``generate`` call (a model's).
+        max_new_tokens: decode budget (a run passes ``rl.eval_max_tokens``); ``None``: the
+            longest answer (in tokens) plus 16, or ``DEFAULT_MAX_NEW_TOKENS`` when no row has
+            an answer, within the context window.
         score: ``(completions, rows) -> rewards``; default exact match on ``row["answer"]``.
         encode: row -> prompt token ids; default ``tokenizer(row["prompt"])`` (a list of chat
             messages goes through the tokenizer's chat template).
         decode: completion ids -> text; default ``tokenizer.decode(ids, skip_special_tokens=True)``.
         eos_token_ids: ids that end a completion; default ``[tokenizer.eos_token_id]``.
         k: samples per prompt for pass@k; 1 decodes greedily only.
-        temperature: sampling temperature of the ``k`` samples.
-        seed: seeds the samples (the caller's RNG state is left as it was).
+        temperature: sampling temperature of the ``k`` samples (a model's; a decoder samples
+            at its own: the generators at the run's temperature).
+        seed: seeds the samples of a model (the caller's RNG state is left as it was).
         pass_threshold: a completion passes when its reward is >= this.
 
     Raises:
@@ -227,24 +291,26 @@ def evaluate(
     prompts = [list(encode(row)) for row in rows]
     answers = [row.get("answer") or "" for row in rows]
     ref_lengths = np.array([len(tokenizer(a, add_special_tokens=False).input_ids) for a in answers])
+    if isinstance(model, torch.nn.Module):
+        model = ModelDecoder(
+            model,
+            eos_token_ids=eos,
+            pad_token_id=pad,
+            batch_size=batch_size,
+            temperature=temperature,
+        )
     if max_new_tokens is None:
         want = int(ref_lengths.max()) + 16 if ref_lengths.max() > 0 else DEFAULT_MAX_NEW_TOKENS
-        room = int(model.config.max_position_embeddings) - max(len(p) for p in prompts)
+        room = model.context - max(len(p) for p in prompts)
         max_new_tokens = max(1, min(want, room))
-    generate = dict(eos_token_ids=eos, pad_token_id=pad, batch_size=batch_size)
-    ids = generate_completions(model, prompts, max_new_tokens, **generate)
+    ids = model(prompts, max_new_tokens, greedy=True, seed=seed)
     texts = [decode(c) for c in ids]
     rewards = _checked(score(texts, rows), rows, "greedy")
     lengths = [len(c) for c in ids]
     result = _greedy_result(rows, texts, rewards, lengths, ref_lengths, pass_threshold)
     if k > 1:
-        device = next(model.parameters()).device
-        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-            torch.manual_seed(seed)
-            repeated = [p for p in prompts for _ in range(k)]
-            sampled = generate_completions(
-                model, repeated, max_new_tokens, temperature=temperature, **generate
-            )
+        repeated = [p for p in prompts for _ in range(k)]
+        sampled = model(repeated, max_new_tokens, greedy=False, seed=seed)
         sample_texts = [decode(c) for c in sampled]
         sample_rows = [row for row in rows for _ in range(k)]
         flat = _checked(score(sample_texts, sample_rows), sample_rows, "sampled")

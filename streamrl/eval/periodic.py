@@ -1,15 +1,15 @@
 """Periodic held-out evaluation during training (``rl.eval_every``): logged and plotted.
 
 ``PeriodicEval`` is a Lightning ``Callback``: every ``every`` RL iterations it calls its
-evaluator (``policy -> EvalResult``: ``streamrl.eval.heldout.evaluate`` on the held-out rows with
-the run's reward, e.g. ``streamrl.run.prompt_job.heldout_evaluator``) on the module's ``policy``
-(in eval mode, then back in train mode), logs ``eval/reward``, ``eval/pass@1``, ``eval/pass@k``
-and the per-data-source ``eval/reward/<task>`` to the trainer's loggers at step = iteration,
-keeps every result in ``history``, and at the end of training draws ``eval.png`` (reward and
-pass@1 against the iteration, one line per data source).
+evaluator on the module (``module -> EvalResult``: a run's decodes on its generator instances once
+they hold the module's ``weight_version``, ``streamrl.eval.on_generators``; a notebook's may call
+``streamrl.eval.heldout.evaluate`` on ``module.policy``), logs ``eval/reward``, ``eval/pass@1``,
+``eval/pass@k`` and the per-data-source ``eval/reward/<task>`` to the trainer's loggers at step =
+iteration, keeps every result in ``history``, and at the end of training draws ``eval.png``
+(reward and pass@1 against the iteration, one line per data source).
 
 Examples:
-    >>> # evaluator = functools.partial(evaluate, tokenizer=tok, dataset=heldout, score=score)
+    >>> # evaluator = lambda module: evaluate(module.policy, tok, heldout, score=score)
     >>> # callback = PeriodicEval(evaluator, every=10, output_dir=out)
     >>> # L.Trainer(..., callbacks=[callback]).fit(module)
 """
@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import Any
 
 import lightning as L
-from transformers import PreTrainedModel
 
 from streamrl.errors import ConfigError
 from streamrl.eval.heldout import EvalResult
@@ -33,34 +32,31 @@ class PeriodicEval(L.Callback):
     """Evaluates the policy on held-out rows every ``every`` iterations with the run's reward.
 
     Args:
-        evaluator: ``policy -> EvalResult``, e.g. ``functools.partial(evaluate,
-            tokenizer=tokenizer, dataset=heldout, score=score)``.
+        evaluator: ``module -> EvalResult``: on the run's generators (``streamrl.run`` builds
+            one with ``streamrl.eval.on_generators.ServiceDecoder``), or on the module's policy
+            in this process (``lambda module: evaluate(module.policy, tokenizer, heldout)``: a
+            policy sharded over several trainer ranks cannot decode on one of them).
         every: evaluate after each iteration whose count of finished iterations is a multiple
             of this (the count is the module's ``weight_version``).
         output_dir: where ``eval.png`` is written at the end of training; ``None`` draws nothing.
         at_start: also evaluate the starting weights (iteration 0) before the first step.
 
     Raises:
-        ConfigError: ``every < 1``; at ``fit``, more
-            than one trainer rank (a sharded policy runs forward on all ranks together, so rank
-            0 cannot evaluate it alone).
+        ConfigError: ``every < 1``.
 
     Examples:
-        >>> import functools
         >>> from streamrl.eval.heldout import evaluate
         >>> from streamrl.policy.models import build_tokenizer
         >>> from streamrl.tasks import make_prompt_set
-        >>> evaluator = functools.partial(
-        ...     evaluate, tokenizer=build_tokenizer(), dataset=make_prompt_set(4), k=4
-        ... )
-        >>> callback = PeriodicEval(evaluator, every=2)
+        >>> tok, rows = build_tokenizer(), make_prompt_set(4)
+        >>> callback = PeriodicEval(lambda module: evaluate(module.policy, tok, rows), every=2)
         >>> callback.history
         []
     """
 
     def __init__(
         self,
-        evaluator: Callable[[PreTrainedModel], EvalResult],
+        evaluator: Callable[[L.LightningModule], EvalResult],
         *,
         every: int,
         output_dir: str | Path | None = None,
@@ -72,15 +68,6 @@ class PeriodicEval(L.Callback):
         self.output_dir = Path(output_dir) if output_dir is not None else None
         #: One dict per evaluation: ``iteration``, ``eval/wall_s`` and ``EvalResult.metrics()``.
         self.history: list[dict[str, float]] = []
-
-    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        if trainer.world_size > 1:
-            raise ConfigError(
-                f"Periodic evaluation runs on one trainer rank, but this run has "
-                f"{trainer.world_size}: a sharded (FSDP) policy runs forward on all ranks "
-                "together. Set rl.eval_every to 0 (the held-out evaluation after training "
-                "still runs) or train on one rank."
-            )
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self.at_start:
@@ -97,13 +84,13 @@ class PeriodicEval(L.Callback):
             plot_eval(self.history, self.output_dir / "eval.png")
 
     def run(self, trainer: L.Trainer, pl_module: L.LightningModule) -> EvalResult:
-        """Evaluate ``pl_module.policy`` now, log it to the trainer's loggers and record it."""
+        """Evaluate ``pl_module`` now, log it to the trainer's loggers and record it."""
         iteration = _iteration(trainer, pl_module)
         started = time.perf_counter()
         # A span on the run's timeline (the trainer is busy here, not idle): tagged with the
         # iteration just finished, so the chart draws it inside that iteration.
         with trainer_span(pl_module, "eval", iteration - 1, after_iterations=iteration):
-            result = self.evaluator(pl_module.policy)
+            result = self.evaluator(pl_module)
         metrics = self.record(iteration, result, wall_s=time.perf_counter() - started)
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=iteration)

@@ -27,12 +27,15 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import math
 import warnings
+import zlib
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from streamrl.errors import ConfigError, unknown_name
 
@@ -83,8 +86,11 @@ def apply_lora(model: torch.nn.Module, spec: LoRASpec, seed: int = 0) -> torch.n
 
     The adapters are injected into ``model`` in place (its ``q_proj`` etc. become LoRA layers),
     and the returned ``PeftModel`` wraps it. ``B`` starts at zero, so outputs are unchanged
-    until training moves it; ``A`` is drawn from ``seed`` (the CPU RNG is left as it was), so
-    every process that wraps the same model gets the same adapters.
+    until training moves it; ``A`` is drawn from ``seed`` and its name (``init_adapters``; the
+    CPU RNG is left as it was), so every process that wraps the same model gets the same
+    adapters, whatever device or sharding it holds them on. A model on the meta device
+    (``streamrl.policy.model_dir.empty_model``) gets meta adapters, started by
+    ``streamrl.policy.model_dir.materialize``.
 
     Args:
         model: a causal LM, e.g. from ``load_policy`` or ``build_tiny_model``.
@@ -121,7 +127,36 @@ def apply_lora(model: torch.nn.Module, spec: LoRASpec, seed: int = 0) -> torch.n
             "ignore", message=".*is_gradient_checkpointing", category=FutureWarning
         )
         wrapped = peft.get_peft_model(model, config)
+    if not any(p.is_meta for p in wrapped.parameters()):
+        init_adapters(wrapped, seed)
     return wrapped
+
+
+def init_adapters(model: torch.nn.Module, seed: int = 0) -> None:
+    """Start ``model``'s LoRA adapters, if it has any: each ``A`` drawn from ``seed`` and its own
+    name (Kaiming-uniform, as ``peft`` draws it), each ``B`` zero, so the adapters are the same on
+    every process whatever device or sharding it built them on, and the policy starts as its
+    base. A sharded adapter takes its rows of the same full tensor."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if not is_adapter(name):
+                continue
+            full = torch.zeros(param.shape, dtype=param.dtype)
+            if ".lora_A." in name:
+                rng = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+                bound = 1.0 / math.sqrt(full.shape[1])  # kaiming_uniform_(a=sqrt(5)): 1/sqrt(in)
+                full.uniform_(-bound, bound, generator=rng)
+            _copy_full(param, full)
+
+
+def _copy_full(param: torch.Tensor, full: torch.Tensor) -> None:
+    """Copy ``full`` into ``param``: its rows of it when ``param`` is a shard (no
+    communication: every rank holds ``full``)."""
+    if isinstance(param, DTensor):
+        mine = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
+        param.to_local().copy_(mine.to_local())
+    else:
+        param.copy_(full)
 
 
 def adapter_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -134,7 +169,7 @@ def adapter_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     Raises:
         ConfigError: ``model`` has no LoRA parameters (wrap it with ``apply_lora`` first).
     """
-    weights = {name: p for name, p in model.named_parameters() if _is_adapter(name)}
+    weights = {name: p for name, p in model.named_parameters() if is_adapter(name)}
     if not weights:
         raise ConfigError(
             f"adapter_weights: {type(model).__name__} has no LoRA parameters; wrap the policy "
@@ -145,7 +180,7 @@ def adapter_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def adapter_names(model: torch.nn.Module) -> set[str]:
     """Names of ``model``'s LoRA parameters (empty when it has none)."""
-    return {name for name, _ in model.named_parameters() if _is_adapter(name)}
+    return {name for name, _ in model.named_parameters() if is_adapter(name)}
 
 
 def merged_copy(policy: torch.nn.Module) -> torch.nn.Module:
@@ -160,7 +195,7 @@ def synced_weights(policy: torch.nn.Module) -> torch.nn.Module | dict[str, torch
     """What one weight update of ``policy`` carries, for ``StreamGenerationService.update`` /
     ``push_weights``: the adapters of a LoRA policy (its generators hold the base weights
     already), otherwise the whole policy."""
-    if any(_is_adapter(name) for name, _ in policy.named_parameters()):
+    if any(is_adapter(name) for name, _ in policy.named_parameters()):
         return adapter_weights(policy)
     return policy
 
@@ -208,7 +243,8 @@ class MergedLoRA:
             self.model.merge_adapter()
 
 
-def _is_adapter(name: str) -> bool:
+def is_adapter(name: str) -> bool:
+    """Whether the parameter ``name`` belongs to a LoRA adapter (``lora_A``, ``lora_B``)."""
     return any(part.startswith("lora_") for part in name.split("."))
 
 

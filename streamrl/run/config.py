@@ -206,6 +206,9 @@ class RLConfig:
         eval_every: evaluate on the held-out set every this many iterations with the run's
             reward (logged as ``eval/*`` and plotted to ``eval.png``); 0: only before and after.
         eval_k: samples per held-out prompt for pass@k (1: greedy pass@1 only).
+        eval_max_tokens: the decode budget of a held-out completion (cut to what the context
+            leaves); ``null``: ``max_tokens``. Evaluations decode on the generator instances,
+            with the engine, chat handling and reward of training (docs/evaluation.md).
         temperature: sampling temperature of the generators.
         max_tokens: generation budget per sample (capped by the context).
         max_tokens_per_micro_batch: the most tokens (prompt + completion) one forward/backward
@@ -281,6 +284,7 @@ class RLConfig:
     reward_timeout_s: float = 60.0
     eval_every: int = 0
     eval_k: int = 1
+    eval_max_tokens: int | None = None
     temperature: float = 0.7
     max_tokens: int = 64
     max_tokens_per_micro_batch: int = 1024
@@ -321,7 +325,8 @@ class TrainerConfig:
             reduction and optimizer; the default on CUDA) or ``"32-true"`` (the default on the
             CPU); ``null``: by accelerator.
         activation_checkpointing: keep only each decoder layer's input in the forward pass and
-            recompute the layer in the backward pass (less memory, about a third more compute).
+            recompute the layer in the backward pass (less memory, about a third more compute);
+            ``null``: on CUDA, off on the CPU.
         reference_offload: keep the KL reference policy's shards in host memory, copied to the
             device layer by layer (``rl.kl_coef > 0`` only; a LoRA run needs no reference copy).
         logprob_chunk_tokens: completion tokens per chunk of the LM head when the trainer
@@ -329,17 +334,33 @@ class TrainerConfig:
         sharded_checkpoints: several ranks write a checkpoint as a folder of their own shards
             (``torch.distributed.checkpoint``), so no rank gathers the full weights and
             optimizer state (``false``: one file written by rank 0, whose host memory then
-            holds them whole: 16 bytes per parameter with AdamW).
+            holds them whole: 16 bytes per parameter with AdamW, refused before training when
+            that would not fit it); ``null``: sharded with more than one rank.
+        save_dtype: the dtype of the trained policy written to ``<output_dir>/policy``:
+            ``auto`` (the model directory's: bfloat16 for a released model), ``bfloat16``,
+            ``float16`` or ``float32``. It is written tensor by tensor from the shards.
+        collective_timeout_s: how long a collective of the trainer ranks (FSDP2's gathers,
+            checkpoint writes) waits for the others before the run fails; ``null``: 300 s plus
+            30 s per GB of the policy's weights.
+        prepare_timeout_s: how long launched ranks (torchrun, SLURM) wait for rank 0 to prepare
+            the policy, start the generators and evaluate; ``null``: 1800 s plus 120 s per GB.
+        share_timeout_s: how long a trainer rank > 0 waits for its next share of samples (rank
+            0 waits for the generators, and evaluates every ``rl.eval_every``); ``null``: 900 s
+            plus 0.2 s per token of ``rl.max_tokens`` per GB.
     """
 
     accelerator: str = "auto"
     devices: int | list[int] | None = None
     num_nodes: int = 1
     precision: str | None = None
-    activation_checkpointing: bool = False
+    activation_checkpointing: bool | None = None
     reference_offload: bool = False
     logprob_chunk_tokens: int | None = None
-    sharded_checkpoints: bool = False
+    sharded_checkpoints: bool | None = None
+    save_dtype: str = "auto"
+    collective_timeout_s: float | None = None
+    prepare_timeout_s: float | None = None
+    share_timeout_s: float | None = None
 
 
 @dataclass

@@ -155,14 +155,6 @@ def check_trainer(config: RunConfig) -> None:
             "this trainer is not sharded (one process, trainer.precision: 32-true); use "
             "trainer.precision: bf16-mixed or more trainer.devices, or drop the option."
         )
-    if placement.ranks == 1:
-        return
-    if rl.eval_every > 0:  # a sharded policy runs forward on all ranks together
-        raise ConfigError(
-            f"rl.eval_every={rl.eval_every} evaluates on one trainer rank, but "
-            f"{placement.ranks} trainer ranks shard the policy; set rl.eval_every: 0 (the "
-            "held-out evaluation after training still runs) or train on one rank."
-        )
 
 
 def check_rl(rl: RLConfig) -> None:

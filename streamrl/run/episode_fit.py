@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from streamrl.components.generation.service import StreamGenerationService
 from streamrl.envs.demos import episode_tokenizer, sft_on_episodes
@@ -51,17 +51,18 @@ class EpisodeJob:
     def policy_dir(self, show_progress: bool) -> Path:
         return episode_policy(self.config, self.task, show_progress)
 
-    def context(self, policy: PreTrainedModel) -> int:
-        return int(policy.config.max_position_embeddings)
+    def context(self, model_config: PretrainedConfig) -> int:
+        return int(model_config.max_position_embeddings)
 
     def evaluator(
         self, tokenizer: PreTrainedTokenizerBase, context: int
-    ) -> Callable[[PreTrainedModel], EpisodeEval]:
+    ) -> Callable[[StreamGenerationService, int], EpisodeEval]:
+        """Greedy episodes on the run's generator instances, once they hold the version."""
         env, rl = self.config.env, self.config.rl
 
-        def evaluator(model: PreTrainedModel) -> EpisodeEval:
+        def evaluator(service: StreamGenerationService, version: int) -> EpisodeEval:
             return evaluate_episodes(
-                model,
+                service,
                 tokenizer,
                 self.task.make_env,
                 self.task.heldout,
@@ -69,6 +70,7 @@ class EpisodeJob:
                 context=context,
                 max_turns=env.max_turns,
                 env_timeout_s=env.timeout_s,
+                min_weight_version=version,
             )
 
         return evaluator

@@ -16,12 +16,11 @@ from typing import Any, Protocol
 import lightning as L
 import torch.distributed as dist
 from lightning.fabric.plugins.environments import ClusterEnvironment
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers import AutoConfig, PretrainedConfig, PreTrainedTokenizerBase
 
 from streamrl.components.generation.service import StreamGenerationService
 from streamrl.errors import ConfigError
-from streamrl.policy.lora import merged_copy
-from streamrl.policy.models import load_policy, save_policy
+from streamrl.policy.models import load_tokenizer
 from streamrl.protocols import Sampler
 from streamrl.run.config import RunConfig
 from streamrl.run.config_checks import check_values, placement_of
@@ -29,13 +28,14 @@ from streamrl.run.episode_fit import EpisodeJob
 from streamrl.run.parts import build_run_algorithm, check_parts
 from streamrl.run.prompt_job import PromptJob
 from streamrl.run.reruns import resolve_resume
-from streamrl.run.rl_job import ledger, rl_summary, train_rl, train_with_eval, write_summary
+from streamrl.run.rl_job import HeldoutEvals, ledger, rl_summary, train_rl, write_summary
 from streamrl.run.stages import RunStages
 from streamrl.run.trainer_ranks import (
     RankSetup,
     join_launched_job,
     launched_job,
     pin_threads,
+    rank_timeouts,
     wait_for_rank_zero,
 )
 from streamrl.runtime.stopping import ignore_signals
@@ -51,11 +51,11 @@ class JobKind(Protocol):
 
     def policy_dir(self, show_progress: bool) -> Path: ...
 
-    def context(self, policy: PreTrainedModel) -> int: ...
+    def context(self, model_config: PretrainedConfig) -> int: ...
 
     def evaluator(
         self, tokenizer: PreTrainedTokenizerBase, context: int
-    ) -> Callable[[PreTrainedModel], Any]: ...
+    ) -> Callable[[StreamGenerationService, int], Any]: ...
 
     def sampler(
         self, tokenizer: PreTrainedTokenizerBase, context: int
@@ -108,7 +108,7 @@ def run_fit(
     job = launched_job()  # torchrun or SLURM started this process as one of several ranks
     if job is not None:
         check_launched(config, job.world_size())
-        join_launched_job(job)
+        join_launched_job(job, placement_of(config), rank_timeouts(config))
         if job.global_rank() > 0:
             return _follow_rank_zero(config, job, resume)
     L.seed_everything(config.seed, verbose=False)
@@ -116,39 +116,41 @@ def run_fit(
     stages = stages or RunStages()
     stages.policy(config)
     model_dir = kind.policy_dir(show_progress)
-    if job is not None:
-        wait_for_rank_zero()  # the other ranks load the policy now
-    policy, tokenizer = load_policy(model_dir)
-    context = kind.context(policy)
-    evaluator = kind.evaluator(tokenizer, context)
-    stages.evaluation("before", len(kind.heldout), kind.unit)
-    before = evaluator(policy)
-    summary: dict = kind.eval_summary(before, "before")
-    stages.rl(config)
-    module, policy, after, summary["train_wall_s"] = train_with_eval(
-        config,
-        evaluator,
-        before,
-        lambda callbacks: train_rl(
-            config,
-            kind.train,
-            context,
-            model_dir,
-            (policy, tokenizer),
-            show_progress,
-            resume,
-            job,
-            callbacks=callbacks,
-            sampler=kind.sampler(tokenizer, context),
-        ),
-        lambda: stages.evaluation("after", len(kind.heldout), kind.unit),
+    if job is not None:  # the other ranks build the policy now
+        wait_for_rank_zero(rank_timeouts(config, model_dir).prepare_s)
+    tokenizer = load_tokenizer(model_dir)
+    context = kind.context(AutoConfig.from_pretrained(model_dir, local_files_only=True))
+    evals = HeldoutEvals(
+        kind.evaluator(tokenizer, context),
+        every=config.rl.eval_every,
+        output_dir=config.output_dir,
+        announce=lambda when: stages.evaluation(when, len(kind.heldout), kind.unit),
     )
-    summary.update(kind.eval_summary(after, "after"))
+    started_training = time.perf_counter()
+    module = train_rl(
+        config,
+        kind.train,
+        context,
+        model_dir,
+        tokenizer,
+        show_progress,
+        resume,
+        job,
+        sampler=kind.sampler(tokenizer, context),
+        evals=evals,
+        announce_rl=lambda: stages.rl(config),
+    )
+    summary: dict = kind.eval_summary(evals.results["before"], "before")
+    summary["train_wall_s"] = time.perf_counter() - started_training - sum(evals.wall_s.values())
+    summary.update(kind.eval_summary(evals.results["after"], "after"))
+    summary.update(eval_wall_s={when: round(s, 3) for when, s in evals.wall_s.items()})
     if module.history:  # a resumed run may have had no iteration left
         summary.update(rl_summary(module, len(module.history)))
     summary.update(ledger(module), **kind.run_summary(module.rollouts.sampler))
-    # The trained policy as a model directory: `--config` with `model: <this dir>` goes on.
-    trained = save_policy(merged_copy(policy), tokenizer, Path(config.output_dir) / "policy")
+    # The trained policy as a model directory (its weights written by the trainer ranks):
+    # `--config` with `model: <this dir>` goes on.
+    trained = Path(config.output_dir) / "policy"
+    tokenizer.save_pretrained(trained)
     summary["policy_dir"] = str(trained)
     write_summary(summary, config, model_dir, started)
     stages.files(config.output_dir)
@@ -172,14 +174,15 @@ def check_launched(config: RunConfig, world: int) -> None:
 def _follow_rank_zero(config: RunConfig, job: ClusterEnvironment, resume: str | None) -> dict:
     """A launched trainer rank > 0: the same module and trainer as rank 0, without the
     generation service; it trains on the micro-batch shares rank 0 deals it."""
-    wait_for_rank_zero()  # rank 0 has prepared the policy (warm start, if any)
+    wait_for_rank_zero(rank_timeouts(config).prepare_s)  # rank 0 prepared the policy
     ignore_signals()  # a signal to every rank is rank 0's to act on: it stops this one
     L.seed_everything(config.seed, verbose=False)
-    policy = load_policy(job_kind(config).policy_dir(show_progress=False))[0]
-    algorithm = build_run_algorithm(config.rl, policy.config.hidden_size)
-    setup = RankSetup.from_config(config, algorithm, job)
+    model_dir = job_kind(config).policy_dir(show_progress=False)
+    hidden = AutoConfig.from_pretrained(model_dir, local_files_only=True).hidden_size
+    setup = RankSetup.from_config(config, build_run_algorithm(config.rl, hidden), job, model_dir)
     pin_threads(setup.placement)
-    module = setup.module(setup.trainable(policy), None)
+    module = setup.module(setup.empty_policy(model_dir), None)  # it reads its own shards
+    wait_for_rank_zero(setup.timeouts.prepare_s)  # rank 0's generators run, its evaluation done
     setup.trainer(module).fit(module, ckpt_path=resume)
     dist.destroy_process_group()
     return {"trainer_rank": job.global_rank(), "output_dir": config.output_dir}

@@ -9,10 +9,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 import datasets
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
 from streamrl.components.generation.service import StreamGenerationService
 from streamrl.eval.heldout import EvalResult, evaluate
+from streamrl.eval.on_generators import ServiceDecoder
 from streamrl.policy.chat import completion_text, render_prompt, stop_token_ids
 from streamrl.protocols import Sampler
 from streamrl.rewards.spec import load_rewards
@@ -41,13 +42,13 @@ class PromptJob:
         """Yours (``model``), or the tiny policy warm-started on the prompts (cached)."""
         return ensure_policy(self.config, self.run, show_progress=show_progress)
 
-    def context(self, policy: PreTrainedModel) -> int:
+    def context(self, model_config: PretrainedConfig) -> int:
         return self.run.context
 
     def evaluator(
         self, tokenizer: PreTrainedTokenizerBase, context: int
-    ) -> Callable[[PreTrainedModel], EvalResult]:
-        return heldout_evaluator(self.config, tokenizer, self.heldout)
+    ) -> Callable[[StreamGenerationService, int], EvalResult]:
+        return heldout_evaluator(self.config, tokenizer, self.heldout, context)
 
     def sampler(
         self, tokenizer: PreTrainedTokenizerBase, context: int
@@ -80,18 +81,25 @@ class PromptJob:
 
 
 def heldout_evaluator(
-    config: RunConfig, tokenizer: PreTrainedTokenizerBase, heldout: datasets.Dataset
-) -> Callable[[PreTrainedModel], EvalResult]:
-    """``policy -> EvalResult`` on the held-out rows, as training sees them: the same chat
-    rendering, stop tokens and strings, and the run's own reward (computed in this process)."""
+    config: RunConfig,
+    tokenizer: PreTrainedTokenizerBase,
+    heldout: datasets.Dataset,
+    context: int,
+) -> Callable[[StreamGenerationService, int], EvalResult]:
+    """``(service, version) -> EvalResult`` on the held-out rows, as training sees them: decoded
+    on the run's generator instances once they hold ``version`` (``ServiceDecoder``), with the
+    same chat rendering, stop tokens and strings, a budget of ``rl.eval_max_tokens`` (the run's
+    ``max_tokens`` by default), and the run's own reward (computed in this process)."""
     data, rl = config.data, config.rl
     rewards = load_rewards(reward_specs(rl))
 
-    def evaluator(policy: PreTrainedModel) -> EvalResult:
-        return evaluate(
-            policy,
+    def evaluator(service: StreamGenerationService, version: int) -> EvalResult:
+        decoder = ServiceDecoder(service, context, min_weight_version=version)
+        result = evaluate(
+            decoder,
             tokenizer,
             heldout,
+            max_new_tokens=rl.eval_max_tokens or rl.max_tokens,
             score=lambda completions, rows: rewards.score(completions, rows)[0],
             encode=lambda row: render_prompt(
                 tokenizer, row["prompt"], system_prompt=data.system_prompt, chat=data.chat_template
@@ -101,5 +109,7 @@ def heldout_evaluator(
             k=rl.eval_k,
             seed=config.seed,
         )
+        result.weight_versions = sorted(decoder.versions_seen)
+        return result
 
     return evaluator

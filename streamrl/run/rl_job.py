@@ -13,26 +13,28 @@ import json
 import sys
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import datasets
 import lightning as L
+import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.environments import ClusterEnvironment
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase
 
 from streamrl.components.generation.service import StreamGenerationService
 from streamrl.components.generation.timeouts import Timeouts
 from streamrl.components.skewness.instance_profile import LatencyProfile
 from streamrl.eval.periodic import PeriodicEval, plot_eval
 from streamrl.policy.chat import stop_token_ids
-from streamrl.policy.models import load_policy
+from streamrl.policy.model_dir import empty_model
 from streamrl.policy.sft import default_cache_dir
 from streamrl.protocols import Sampler
 from streamrl.run.config import RunConfig
 from streamrl.run.parts import RunParts, reward_pool
-from streamrl.run.trainer_ranks import RankSetup, pin_threads, trainer_ranks
+from streamrl.run.trainer_ranks import RankSetup, pin_threads, trainer_ranks, wait_for_rank_zero
 from streamrl.runtime.stopping import shielded
 from streamrl.training.builders import make_logger
 from streamrl.training.module import StreamRLModule
@@ -42,35 +44,67 @@ from streamrl.training.rollout_files import ParquetRollouts, RolloutRecorder
 from streamrl.training.timeline_chart import draw_timeline
 
 
-def train_with_eval(
-    config: RunConfig,
-    evaluator: Callable[[PreTrainedModel], Any],
-    before: Any,
-    train: Callable[[list[L.Callback]], tuple[StreamRLModule, PreTrainedModel]],
-    announce_eval: Callable[[], None] = lambda: None,
-) -> tuple[StreamRLModule, PreTrainedModel, Any, float]:
-    """``train(callbacks)`` with ``rl.eval_every``'s ``PeriodicEval`` (its history starting at
-    ``before``, ``eval.png`` drawn at the end), then ``announce_eval()`` and the held-out
-    evaluation after training.
+@dataclass
+class HeldoutEvals:
+    """The run's held-out evaluations, on its generator instances (``streamrl.eval.
+    on_generators``): before RL (the starting weights, version 0), every ``every`` iterations
+    (``PeriodicEval``: logged, plotted to ``eval.png``) and after RL (the final version).
 
-    Returns:
-        ``(module, policy, after, train_wall_s)``; ``train_wall_s`` is a user's stopwatch on
-        the training call: process spawns, profiling, checkpoint writes and Lightning's own
-        overhead included (``rl_wall_s`` counts the iterations only).
+    Args:
+        evaluator: ``(service, weight version) -> result`` (an ``EvalResult``, or an
+            ``EpisodeEval`` for episodes), decoding on the service's instances once they hold
+            that version.
+        every: ``rl.eval_every`` (0: before and after only).
+        output_dir: where ``eval.png`` goes.
+        announce: prints a stage heading (``"before"`` / ``"after"``).
+
+    Attributes:
+        results: ``{"before": ..., "after": ...}`` once run.
+        wall_s: each one's seconds, service start excluded.
     """
-    periodic = None
-    if config.rl.eval_every > 0:
-        periodic = PeriodicEval(evaluator, every=config.rl.eval_every, output_dir=config.output_dir)
-        periodic.record(0, before)
-    started = time.perf_counter()
-    module, policy = train([periodic] if periodic else [])
-    train_wall_s = time.perf_counter() - started
-    announce_eval()
-    after = evaluator(policy)
-    if periodic is not None:
-        periodic.record(module.weight_version, after)
-        plot_eval(periodic.history, Path(config.output_dir) / "eval.png")
-    return module, policy, after, train_wall_s
+
+    evaluator: Callable[[StreamGenerationService, int], Any]
+    every: int = 0
+    output_dir: str | None = None
+    announce: Callable[[str], None] = lambda when: None
+    results: dict[str, Any] = field(default_factory=dict)
+    wall_s: dict[str, float] = field(default_factory=dict)
+    periodic: PeriodicEval | None = None
+
+    def run(self, when: str, service: StreamGenerationService, version: int) -> Any:
+        """Evaluate ``version`` on ``service``'s instances now, as ``when``."""
+        self.announce(when)
+        started = time.perf_counter()
+        result = self.results[when] = self.evaluator(service, version)
+        self.wall_s[when] = time.perf_counter() - started
+        if self.periodic is not None:
+            self.periodic.record(version, result, wall_s=self.wall_s[when])
+        return result
+
+    def callbacks(self, service: StreamGenerationService) -> list[L.Callback]:
+        """``rl.eval_every``'s ``PeriodicEval`` on ``service`` (its history starting at the
+        evaluation before RL), or none."""
+        if self.every < 1:
+            return []
+        evaluator = functools.partial(_on_service, self.evaluator, service)
+        self.periodic = PeriodicEval(evaluator, every=self.every, output_dir=self.output_dir)
+        if "before" in self.results:
+            self.periodic.record(0, self.results["before"], wall_s=self.wall_s["before"])
+        return [self.periodic]
+
+    def plot(self) -> None:
+        """``eval.png`` with every evaluation, the last one included."""
+        if self.periodic is not None and self.output_dir is not None:
+            plot_eval(self.periodic.history, Path(self.output_dir) / "eval.png")
+
+
+def _on_service(
+    evaluator: Callable[[StreamGenerationService, int], Any],
+    service: StreamGenerationService,
+    module: StreamRLModule,
+) -> Any:
+    """``PeriodicEval``'s call: the module's version, on the run's instances."""
+    return evaluator(service, module.weight_version)
 
 
 def write_summary(summary: dict, config: RunConfig, model_dir: Path, started: float) -> dict:
@@ -93,28 +127,34 @@ def train_rl(
     train_set: datasets.Dataset,
     context: int,
     model_dir: Path,
-    policy_and_tokenizer: tuple[PreTrainedModel, PreTrainedTokenizerBase],
+    tokenizer: PreTrainedTokenizerBase,
     show_progress: bool,
     resume: str | None = None,
     job: ClusterEnvironment | None = None,
     callbacks: Sequence[L.Callback] = (),
     sampler: Callable[[StreamGenerationService], Sampler] | None = None,
-) -> tuple[StreamRLModule, PreTrainedModel]:
-    """Config -> component objects -> the public builders: start the generation service and
-    let a Lightning ``Trainer`` run the RL iterations (from the checkpoint ``resume``, if given:
-    weights, optimizer, stream position, in-flight prompts, component states).
+    evals: HeldoutEvals | None = None,
+    announce_rl: Callable[[], None] = lambda: None,
+) -> StreamRLModule:
+    """Config -> component objects -> the public builders: start the generation service, evaluate
+    on it (``evals``: before, periodically, after), and let a Lightning ``Trainer`` run the RL
+    iterations (from the checkpoint ``resume``, if given: weights, optimizer, stream position,
+    in-flight prompts, component states).
+
+    The policy is built empty (``RankSetup.empty_policy``) and each trainer rank reads only its
+    own shards of ``model_dir`` once sharded; at the end every rank writes its part of the
+    trained policy to ``<output_dir>/policy`` (``SavePolicy``).
 
     ``sampler`` makes the stream's sampler on the started service (a multi-turn run's
     ``EpisodeRunner``, whose environments reward the samples; ``None``: the service samples);
     ``callbacks`` go to rank 0's trainer (a ``streamrl.training.rollout_files.RolloutRecorder``
     hands your function each iteration's trained samples; ``rl.save_rollouts`` adds one writing
-    Parquet files). Returns the module and the trained policy (unsharded)."""
+    Parquet files). Returns the module."""
     rl = config.rl
-    policy, tokenizer = policy_and_tokenizer
-    parts = RunParts.from_config(config, policy, tokenizer)
-    setup = RankSetup.from_config(config, parts.algorithm, job)
+    parts = RunParts.from_config(config, empty_model(model_dir, torch.float32), tokenizer)
+    setup = RankSetup.from_config(config, parts.algorithm, job, model_dir)
     pin_threads(setup.placement)  # on the CPU the generators need the other cores
-    policy = setup.trainable(policy)  # LoRA: adapters only train, and only they travel
+    policy = setup.empty_policy(model_dir)  # LoRA: adapters only train, and only they travel
     timeouts = Timeouts.for_model(
         sum(p.numel() * p.element_size() for p in policy.parameters()),
         rl.max_tokens,
@@ -165,6 +205,10 @@ def train_rl(
             rewards = stack.enter_context(reward_pool(rl, parts.rewards, status))
         if parts.latency is not None:  # the instances' own PTL(BS), before any dispatch
             parts.latency.update_from(service.measured_latency())
+        if evals is not None:  # the starting weights, on the instances that hold them
+            evals.run("before", service, 0)
+            callbacks = [*callbacks, *evals.callbacks(service)]
+        announce_rl()
         rollouts = RolloutStream(
             service,
             PromptSource(train_set, rl.prompts_per_iteration, seed=config.seed),
@@ -191,6 +235,7 @@ def train_rl(
         # Several ranks: a stop lands only where they can all follow (fsdp.stop_ranks).
         ranks_follow = shielded() if setup.ranks > 1 else contextlib.nullcontext()
         if job is not None:  # rank 0 of a launcher's ranks: the others run _follow_rank_zero
+            wait_for_rank_zero(setup.timeouts.prepare_s)  # they wait for the service up to here
             with ranks_follow:
                 make_trainer().fit(module, ckpt_path=resume)
             dist.destroy_process_group()
@@ -206,18 +251,16 @@ def train_rl(
             finally:
                 if setup.placement.sharded and dist.is_initialized():  # one FSDP2 rank
                     dist.destroy_process_group()  # a later run in this process starts afresh
-        if setup.placement.sharded:
-            # the sharded copy's full weights, unsharded
-            policy = setup.trainable(load_policy(model_dir)[0])
-            policy.load_state_dict(module.final_weights, strict=False)
-    policy.eval()
+        if evals is not None:  # the final weights: the instances hold them (on_train_end)
+            evals.run("after", service, module.weight_version)
+            evals.plot()
     out = Path(config.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     trace_path = rollouts.trace.to_json(out / "trace.json")
     if rollouts.trace.spans:  # a resumed run may have had nothing left to do
         draw_timeline(rollouts.trace.spans, out / "timeline.png", title=f"streamrl {rl.mode}")
         print(f"timeline: {trace_path} -> {out / 'timeline.png'}", file=sys.stderr)
-    return module, policy
+    return module
 
 
 def rl_summary(module: StreamRLModule, iterations: int) -> dict:

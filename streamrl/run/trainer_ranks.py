@@ -43,23 +43,24 @@ from transformers import PreTrainedModel
 
 from streamrl.algorithms.base import Algorithm
 from streamrl.components.capacity.elastic import ElasticController
+from streamrl.components.training.sharding import compute_dtype
 from streamrl.errors import TrainerRankError
 from streamrl.policy.lora import LoRASpec, apply_lora
+from streamrl.policy.model_dir import directory_bytes, empty_model
 from streamrl.run.config import RLConfig, RunConfig, TrainerConfig
 from streamrl.run.config_checks import placement_of
 from streamrl.run.parts import lora_spec
 from streamrl.runtime.devices import Placement
 from streamrl.runtime.stopping import Stopped, ignore_signals
 from streamrl.training.builders import build_module, build_trainer
+from streamrl.training.fsdp import process_group_backend
 from streamrl.training.module import StreamRLModule
+from streamrl.training.policy_save import SavePolicy
+from streamrl.training.rank_timeouts import RankTimeouts
 from streamrl.training.rollout import RolloutStream
 
-#: How long ranks may take to leave after rank 0 finished (they are killed afterwards).
-LEAVE_TIMEOUT_S = 30.0
-#: How long launched ranks wait for rank 0 to prepare the policy (a warm start takes minutes).
-PREPARE_TIMEOUT_S = 1800.0
-#: How long a collective of launched ranks waits for the others before it fails.
-COLLECTIVE_TIMEOUT_S = 300.0
+#: The launch group of an externally launched job (``join_launched_job``): gloo, for the waits.
+_LAUNCH_GROUP: list[dist.ProcessGroup] = []
 
 
 @dataclass
@@ -79,6 +80,9 @@ class RankSetup:
         lora: the policy's adapters (every rank wraps its policy alike), or ``None``.
         training: the run's ``rl`` and ``trainer`` sections, read by ``module`` in its one
             call of ``build_module``.
+        timeouts: how long the ranks wait for each other (``RankTimeouts``).
+        save_dtype: the dtype of the trained policy every rank writes its part of at the end
+            (``trainer.save_dtype``; ``SavePolicy``).
     """
 
     algorithm: Algorithm
@@ -92,6 +96,8 @@ class RankSetup:
     training: tuple[RLConfig, TrainerConfig] = field(
         default_factory=lambda: (RLConfig(), TrainerConfig())
     )
+    timeouts: RankTimeouts = field(default_factory=RankTimeouts)
+    save_dtype: str = "auto"
 
     @property
     def ranks(self) -> int:
@@ -100,10 +106,15 @@ class RankSetup:
 
     @classmethod
     def from_config(
-        cls, config: RunConfig, algorithm: Algorithm, job: ClusterEnvironment | None = None
+        cls,
+        config: RunConfig,
+        algorithm: Algorithm,
+        job: ClusterEnvironment | None = None,
+        model_dir: str | Path | None = None,
     ) -> RankSetup:
-        """The setup of ``config``'s run; under an external launcher (``job``) its world is
-        the launcher's (``LOCAL_WORLD_SIZE`` ranks on each of its nodes)."""
+        """The setup of ``config``'s run (its timeouts scaled to ``model_dir``'s weights); under
+        an external launcher (``job``) its world is the launcher's (``LOCAL_WORLD_SIZE`` ranks on
+        each of its nodes)."""
         rl, trainer = config.rl, config.trainer
         placement = placement_of(config)
         if job is not None:
@@ -120,15 +131,29 @@ class RankSetup:
             output_dir=config.output_dir,
             checkpoint_every=rl.checkpoint_every,
             stop_deadline_s=rl.stop_deadline_s,
-            sharded_checkpoints=trainer.sharded_checkpoints,
+            sharded_checkpoints=(
+                trainer.sharded_checkpoints
+                if trainer.sharded_checkpoints is not None
+                else placement.ranks > 1
+            ),
             lora=lora_spec(rl),
             training=(rl, trainer),
+            timeouts=rank_timeouts(config, model_dir),
+            save_dtype=trainer.save_dtype,
         )
 
     def trainable(self, policy: PreTrainedModel) -> PreTrainedModel:
         """``policy`` as this run trains it: wrapped with the run's LoRA adapters, if any (drawn
         from one seed, so every rank's adapters start the same and FSDP shards one model)."""
         return policy if self.lora is None else apply_lora(policy, self.lora)
+
+    def empty_policy(self, model_dir: str | Path) -> PreTrainedModel:
+        """The policy of ``model_dir`` as this run trains it, on the meta device: nothing is read
+        until each rank, once sharded, reads its own rows (``StreamRLModule.configure_model``).
+        Trained weights are float32 masters; a LoRA policy's base, which never trains, is built
+        in the compute dtype (bfloat16 under ``bf16-mixed``) with float32 adapters."""
+        dtype = torch.float32 if self.lora is None else compute_dtype(self.placement.precision)
+        return self.trainable(empty_model(model_dir, dtype))
 
     def module(
         self,
@@ -158,9 +183,14 @@ class RankSetup:
             staleness_bound=rl.staleness_bound,
             correction=rl.correction,
             correct_engine_gap=rl.correct_engine_gap,
-            activation_checkpointing=trainer.activation_checkpointing,
+            activation_checkpointing=(
+                trainer.activation_checkpointing
+                if trainer.activation_checkpointing is not None
+                else self.placement.accelerator == "cuda"
+            ),
             reference_offload=trainer.reference_offload,
             logprob_chunk_tokens=trainer.logprob_chunk_tokens,
+            share_timeout_s=self.timeouts.share_s,
         )
 
     def trainer(
@@ -171,7 +201,12 @@ class RankSetup:
         show_progress: bool = False,
         callbacks: Sequence[L.Callback] = (),
     ) -> L.Trainer:
-        """This rank's Lightning trainer (logging, progress and ``callbacks`` on rank 0 only)."""
+        """This rank's Lightning trainer (logging, progress and ``callbacks`` on rank 0 only;
+        on every rank, with an output directory, ``SavePolicy`` writing its part of the trained
+        policy to ``<output_dir>/policy``)."""
+        if self.output_dir is not None:
+            saver = SavePolicy(Path(self.output_dir) / "policy", dtype=self.save_dtype)
+            callbacks = [*callbacks, saver]
         return build_trainer(
             module,
             accelerator=self.placement.accelerator,
@@ -183,6 +218,7 @@ class RankSetup:
             stop_deadline_s=self.stop_deadline_s,
             show_progress=show_progress,
             sharded_checkpoints=self.sharded_checkpoints,
+            collective_timeout_s=self.timeouts.collective_s,
             callbacks=list(callbacks),
         )
 
@@ -230,8 +266,8 @@ def trainer_ranks(setup: RankSetup, model_dir: Path, resume: str | None = None) 
             if dead:
                 raise TrainerRankError(f"{dead}; the run stopped") from err
             raise
-        for process in ranks:
-            process.join(LEAVE_TIMEOUT_S)
+        for process in ranks:  # they leave once their last collective is done
+            process.join(setup.timeouts.collective_s)
     finally:
         for process in ranks:
             if process.is_alive():
@@ -273,14 +309,13 @@ def _rank_main(
     """Trainer rank ``rank`` > 0: the sharded module without rollouts, fed by rank 0."""
     os.environ.update(job, RANK=str(rank), LOCAL_RANK=str(rank))
     pin_threads(setup.placement)
-    from streamrl.policy.models import load_policy
     from streamrl.runtime.quiet import quiet_libraries, quiet_lightning
 
     quiet_libraries()  # rank 0's stderr is the run's log: the other ranks add nothing to it
     quiet_lightning()
     _leave_with(os.getppid())
     ignore_signals()  # a signal to the group is rank 0's to act on: it stops this rank
-    module = setup.module(setup.trainable(load_policy(model_dir)[0]), None)
+    module = setup.module(setup.empty_policy(model_dir), None)  # it reads its own shards
     with contextlib.suppress(Stopped):  # rank 0 was stopped: this rank saved with it
         setup.trainer(module).fit(module, ckpt_path=resume)
     # Leave at once: a normal exit tears down gloo's threads mid-receive and aborts.
@@ -311,22 +346,47 @@ def launched_job() -> ClusterEnvironment | None:
     return None
 
 
-def join_launched_job(job: ClusterEnvironment) -> None:
-    """Join the launcher's process group (gloo), so rank 0 can prepare the policy while the
-    others wait (``wait_for_rank_zero``); Lightning then trains in this group."""
+def join_launched_job(
+    job: ClusterEnvironment, placement: Placement, timeouts: RankTimeouts
+) -> None:
+    """Join the launcher's default process group (``process_group_backend``, the same as a
+    spawned run's) and a gloo group for the waits (``wait_for_rank_zero``), so rank 0 can
+    prepare the policy while the others wait; Lightning then trains in the default group."""
     if dist.is_initialized():
         return
     os.environ.setdefault("MASTER_ADDR", job.main_address)
     os.environ.setdefault("MASTER_PORT", str(job.main_port))
     dist.init_process_group(
-        "gloo",
+        process_group_backend(placement.accelerator),
         rank=job.global_rank(),
         world_size=job.world_size(),
-        timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S),
+        timeout=timedelta(seconds=timeouts.collective_s),
     )
+    _LAUNCH_GROUP[:] = [
+        dist.new_group(backend="gloo", timeout=timedelta(seconds=timeouts.prepare_s))
+    ]
 
 
-def wait_for_rank_zero() -> None:
-    """Every launched rank meets here: rank 0 once its policy is ready, the others before
-    they load it (they find rank 0's warm start in the cache, or a ``model`` directory)."""
-    dist.monitored_barrier(timeout=timedelta(seconds=PREPARE_TIMEOUT_S), wait_all_ranks=True)
+def wait_for_rank_zero(timeout_s: float) -> None:
+    """Every launched rank meets here, waiting up to ``timeout_s`` (``trainer.prepare_timeout_s``):
+    rank 0 once its policy is ready (the others then build it: they find rank 0's warm start in
+    the cache, or a ``model`` directory), and again once its generators run and the first
+    evaluation is done (the others then start training with it)."""
+    group = _LAUNCH_GROUP[0] if _LAUNCH_GROUP else None
+    dist.monitored_barrier(group, timeout=timedelta(seconds=timeout_s), wait_all_ranks=True)
+
+
+def rank_timeouts(config: RunConfig, model_dir: str | Path | None = None) -> RankTimeouts:
+    """``config``'s ``trainer.*_timeout_s``, each one left unset scaled to the weights of
+    ``model_dir`` (or of ``model``, when it is a directory already; a policy still to be warm
+    started is small)."""
+    where = model_dir if model_dir is not None else config.model
+    weights = directory_bytes(where) if where != "tiny" and Path(where).is_dir() else 0
+    trainer = config.trainer
+    return RankTimeouts.for_model(
+        weights,
+        config.rl.max_tokens,
+        collective_s=trainer.collective_timeout_s,
+        prepare_s=trainer.prepare_timeout_s,
+        share_s=trainer.share_timeout_s,
+    )

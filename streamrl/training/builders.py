@@ -40,7 +40,7 @@ from streamrl.components.training.sharding import Precision, enable_activation_c
 from streamrl.components.training.staleness import staleness_bound_of
 from streamrl.runtime.progress import IterationBar
 from streamrl.training.checkpointing import AtomicCheckpointIO, checkpoints
-from streamrl.training.fsdp import ShardedStreamRLModule, fsdp_strategy
+from streamrl.training.fsdp import ShardedStreamRLModule, fsdp_strategy, process_group_backend
 from streamrl.training.module import Mode, StreamRLModule
 from streamrl.training.rollout import RolloutStream
 
@@ -84,6 +84,7 @@ def build_module(
     activation_checkpointing: bool = False,
     reference_offload: bool = False,
     logprob_chunk_tokens: int | None = None,
+    share_timeout_s: float = 900.0,
 ) -> StreamRLModule:
     """The LightningModule of a run.
 
@@ -123,6 +124,11 @@ def build_module(
         reference_offload: keep a sharded reference's shards in host memory.
         logprob_chunk_tokens: completion tokens per chunk of the LM head (``None``: 64M
             logits per chunk, ``streamrl.policy.logprobs``).
+        share_timeout_s: sharded: how long a rank > 0 waits for its next share of samples.
+
+    A policy on the meta device (``streamrl.policy.model_dir.empty_model``) is read from its
+    directory once placed (``StreamRLModule.configure_model``: each rank its own shards), and
+    its reference is built the same way, never copied.
     """
     bound = staleness_bound_of(mode, staleness_bound)
     if rollouts is not None:
@@ -176,6 +182,7 @@ def build_module(
             share_stream=True,
             precision=precision,
             reference_offload=reference_offload,
+            share_timeout_s=share_timeout_s,
             **options,
         )
     if reference_offload:
@@ -195,6 +202,7 @@ def build_trainer(
     stop_deadline_s: float | None = 60.0,
     show_progress: bool = True,
     sharded_checkpoints: bool = False,
+    collective_timeout_s: float = 300.0,
     **trainer_options: Any,
 ) -> L.Trainer:
     """The Lightning ``Trainer`` that runs ``module``'s iterations (one step each).
@@ -220,6 +228,8 @@ def build_trainer(
             unless ``callbacks`` bring a ``ProgressBar`` of their own).
         sharded_checkpoints: a sharded module's checkpoints are folders of each rank's shards
             (no full copy on rank 0); ``False``: one file with the gathered state.
+        collective_timeout_s: how long a collective of the ranks waits for the others
+            (``streamrl.training.rank_timeouts``).
         trainer_options: any other ``lightning.Trainer`` argument (``callbacks=[...]``, added
             to the checkpoint callback...); it wins over the settings above.
     """
@@ -248,8 +258,12 @@ def build_trainer(
         )
     if isinstance(module, ShardedStreamRLModule):
         ranks = (len(devices) if isinstance(devices, list) else devices) * num_nodes
-        backend = "nccl" if accelerator == "cuda" else "gloo"
-        strategy = fsdp_strategy(ranks, backend=backend, full_checkpoints=not sharded_checkpoints)
+        strategy = fsdp_strategy(
+            ranks,
+            backend=process_group_backend(accelerator),
+            timeout_s=collective_timeout_s,
+            full_checkpoints=not sharded_checkpoints,
+        )
         settings.update(strategy=strategy)
     # Your callbacks join the checkpoint callback rather than replace it.
     callbacks = [*settings.pop("callbacks", []), *trainer_options.pop("callbacks", [])]

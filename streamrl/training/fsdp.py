@@ -7,8 +7,10 @@ gathered weights and the compute are bfloat16 over float32 shards (FSDP2's
 checkpointing each decoder layer is recomputed in the backward pass. A KL reference policy is
 sharded the same way (only a shard per rank, in the compute dtype). Gradients are averaged
 across the ranks by FSDP's reduce-scatter, so every rank must back-propagate its own share of the
-iteration's samples, with the loss divided by that share. The generators need whole tensors:
-``full_state`` gathers them (see docs/fsdp.md).
+iteration's samples, with the loss divided by that share. Every rank builds the policy empty and
+reads only its own shards of the model directory (``streamrl.policy.model_dir``); the generators
+get whole tensors one at a time (``streamrl.components.weights.staging``), and the trained policy
+is written tensor by tensor (``streamrl.training.policy_save``; see docs/fsdp.md).
 
 Lightning's ``fsdp`` strategy refuses the CPU; ``ModelParallelStrategy`` (FSDP2, DTensor) runs on
 it with the gloo backend, which is how the 2-process CPU test runs it, and on GPUs with NCCL.
@@ -24,7 +26,6 @@ Examples:
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Literal
 
 import torch
 import torch.distributed as dist
@@ -41,13 +42,23 @@ from streamrl.training.module import StreamRLModule
 
 __all__ = ["ShardedStreamRLModule", "fsdp_strategy", "full_state", "shard_policy"]
 
-#: How long a trainer rank > 0 waits for its next share: rank 0 may wait that long for samples.
-SHARE_TIMEOUT_S = 900.0
+
+def process_group_backend(accelerator: str) -> str:
+    """The default process group's backend: on CUDA one group with CPU tensors and objects on
+    gloo and CUDA tensors on NCCL (``"cpu:gloo,cuda:nccl"``: FSDP2's gathers and reductions run
+    on NCCL, objects and host tensors on gloo), on the CPU gloo. Spawned and launched
+    (torchrun, SLURM) ranks use the same.
+
+    Examples:
+        >>> process_group_backend("cuda"), process_group_backend("cpu")
+        ('cpu:gloo,cuda:nccl', 'gloo')
+    """
+    return "cpu:gloo,cuda:nccl" if accelerator == "cuda" else "gloo"
 
 
 def fsdp_strategy(
     data_parallel_size: int,
-    backend: Literal["gloo", "nccl"] = "gloo",
+    backend: str = "gloo",
     timeout_s: float = 300.0,
     full_checkpoints: bool = True,
 ) -> ModelParallelStrategy:
@@ -56,7 +67,8 @@ def fsdp_strategy(
     Args:
         data_parallel_size: trainer ranks that shard the policy (the Trainer's ``devices``
             times ``num_nodes``).
-        backend: the process-group backend: ``"gloo"`` on CPUs, ``"nccl"`` on GPUs.
+        backend: the process-group backend (``process_group_backend``): ``"gloo"`` on CPUs,
+            ``"cpu:gloo,cuda:nccl"`` on GPUs.
         timeout_s: how long a collective waits for the other ranks before it fails, so a
             crashed rank stops the run instead of hanging it.
         full_checkpoints: checkpoints as one file with the full (gathered) weights and
@@ -109,6 +121,8 @@ class ShardedStreamRLModule(StreamRLModule):
         share_stream: rank 0 deals its stream to the ranks (above).
         precision: ``"bf16-mixed"`` (bfloat16 compute over float32 shards) or ``"32-true"``.
         reference_offload: keep a frozen reference's shards in host memory.
+        share_timeout_s: how long a rank > 0 waits for its next share (rank 0 waits for the
+            generators, and evaluates; ``streamrl.training.rank_timeouts``).
 
     The other arguments are ``StreamRLModule``'s.
 
@@ -129,15 +143,14 @@ class ShardedStreamRLModule(StreamRLModule):
         share_stream: bool = False,
         precision: Precision = "32-true",
         reference_offload: bool = False,
+        share_timeout_s: float = 900.0,
         **kwargs,
     ) -> None:
         super().__init__(*args, **kwargs)
         self.share_stream, self.precision = share_stream, precision
-        self.reference_offload = reference_offload
+        self.reference_offload, self.share_timeout_s = reference_offload, share_timeout_s
         self._shares: dist.ProcessGroup | None = None
         self._wire_dtype: list | None = None  # [dtype], the same on every rank once known
-        #: Rank 0's full weights after the last step (gathered at the end of ``fit``).
-        self.final_weights: dict[str, torch.Tensor] | None = None
         if self.rollouts is None and not share_stream:
             raise ValueError("ShardedStreamRLModule: rollouts=None needs share_stream=True.")
         if list(self.algorithm.trainable_parameters()):
@@ -156,6 +169,7 @@ class ShardedStreamRLModule(StreamRLModule):
         shard_model(self.policy, mesh, precision=self.precision)
         if isinstance(self.reference, FrozenCopy):  # a shard per rank, like the policy
             self.reference.shard(mesh, offload=self.reference_offload)
+        self.place_weights()  # sharded first: each rank reads only its own rows
 
     def weights_to_sync(self) -> list[tuple[str, torch.Tensor]]:
         """The sharded parameters the generators load after each step (``DTensor`` s, each
@@ -178,12 +192,11 @@ class ShardedStreamRLModule(StreamRLModule):
 
     def on_fit_start(self) -> None:
         if self.share_stream:  # gloo carries the shares whatever backend FSDP uses
-            timeout = timedelta(seconds=SHARE_TIMEOUT_S)
+            timeout = timedelta(seconds=self.share_timeout_s)
             self._shares = dist.new_group(backend="gloo", timeout=timeout)
 
     def on_train_end(self) -> None:
-        with shielded():
-            self.final_weights = full_state(self.policy)  # a collective: every rank is here
+        with shielded():  # collectives: every rank is here
             super().on_train_end()
             peaks: list = [None] * dist.get_world_size()
             dist.all_gather_object(peaks, self.peak_memory_bytes[0], group=self._shares)

@@ -38,6 +38,7 @@ from streamrl.components.weights.sync import stage
 from streamrl.errors import NonFiniteLossError
 from streamrl.policy.logprobs import completion_logprobs
 from streamrl.policy.lora import synced_weights
+from streamrl.policy.model_dir import is_empty, materialize, source_dir
 from streamrl.records import Sample
 from streamrl.runtime.peak_memory import peak_memory_bytes
 from streamrl.runtime.stopping import reclaim_signals, shielded
@@ -353,6 +354,19 @@ class StreamRLModule(L.LightningModule):
         self.history[-1]["elastic/instances"] = float(decision.instances)
         self.history[-1]["elastic/delta_s"] = decision.delta_s
         self.history[-1]["elastic/delta_prime_s"] = decision.delta_prime_s
+
+    def configure_model(self) -> None:
+        self.place_weights()
+
+    def place_weights(self) -> None:
+        """Put the policy and its reference on the trainer's device: a policy still on the meta
+        device (``streamrl.policy.model_dir.empty_model``) is filled from its directory, each
+        rank reading only its own shards (a collective when sharded); so is the reference."""
+        device = self.trainer.strategy.root_device
+        if is_empty(self.policy):
+            materialize(self.policy, source_dir(self.policy), device)
+        if isinstance(self.reference, FrozenCopy):
+            self.reference.place(device)
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         save_run_state(self, checkpoint)

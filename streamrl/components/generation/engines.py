@@ -61,16 +61,17 @@ class HFEngine:
 
     Attributes:
         lora: the adapters' shape, the same ``LoRASpec`` as the trainer's; ``None``: none.
-        dtype: the dtype the model runs in, and weight updates travel in: ``"float32"`` (the
-            trainer's master weights, so behaviour log-probs match the trainer's) or
-            ``"bfloat16"`` (half the memory and bytes per update).
+        dtype: the dtype the model runs in, and weight updates travel in: ``"auto"`` (the
+            model directory's: ``bfloat16`` for a released model, ``float32`` for the tiny
+            policies), ``"float32"`` (the trainer's master weights, so behaviour log-probs match
+            the trainer's) or ``"bfloat16"`` (half the memory and bytes per update).
         speculative: speculative decoding in the tail of each instance's batch
             (``SpeculativeDecoding``: drafts from the prompt, the sample and its group, verified
             exactly); ``None``: plain decoding.
     """
 
     lora: LoRASpec | None = None
-    dtype: str = "float32"
+    dtype: str = "auto"
     speculative: SpeculativeDecoding | None = None
 
     def __post_init__(self) -> None:
@@ -87,9 +88,10 @@ class HFEngine:
                 f"this environment has {transformers.__version__} (vLLM 0.32 pins <5.20: "
                 "rl.engine: vllm there, or pip install 'transformers>=5.20' without vLLM)."
             )
-        if self.dtype not in ("float32", "bfloat16", "float16"):
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ConfigError(
-                f"HFEngine dtype {self.dtype!r}: choose float32, bfloat16 or float16."
+                f"HFEngine dtype {self.dtype!r}: choose auto (the model directory's), float32, "
+                "bfloat16 or float16."
             )
         if self.lora is not None and importlib.util.find_spec("peft") is None:
             raise ConfigError(
@@ -106,9 +108,11 @@ class HFEngine:
 
         from streamrl.components.generation.hf_generator import HFStreamGenerator
         from streamrl.components.generation.lora_generator import LoRAStreamGenerator
+        from streamrl.policy.model_dir import directory_dtype
         from streamrl.policy.models import load_policy
 
-        model, tokenizer = load_policy(spec.model_dir, dtype=getattr(torch, self.dtype))
+        dtype = getattr(torch, self.dtype, None) or directory_dtype(spec.model_dir)
+        model, tokenizer = load_policy(spec.model_dir, dtype=dtype)
         model = model.to(spec.device)
         eos = model.config.eos_token_id
         eos_ids = [] if eos is None else [int(e) for e in ([eos] if isinstance(eos, int) else eos)]

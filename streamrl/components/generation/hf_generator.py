@@ -208,7 +208,9 @@ class HFStreamGenerator:
                 self._prefill(start)
             if not self._rows:
                 return []
-            drafts = None if self.speculator is None else self.speculator.drafts(self._rows)
+            drafts = None
+            if self.speculator is not None and not self._greedy_requests():
+                drafts = self.speculator.drafts(self._rows)
             tokens, logprobs = self._decode() if drafts is None else self._verify(drafts)
             return self._advance(tokens, logprobs)
 
@@ -315,8 +317,14 @@ class HFStreamGenerator:
     def _decode(self) -> tuple[list[list[int]], list[list[float]]]:
         rows = self._rows
         logits = self._forwards.decode([r.length for r in rows], [r.next_input for r in rows])
-        tokens, logprobs = draw_tokens(self._log_probs(logits), greedy=self.greedy, rng=self._rng)
+        greedy = [self.greedy or r.request.greedy for r in rows]
+        tokens, logprobs = draw_tokens(self._log_probs(logits), greedy=greedy, rng=self._rng)
         return [[t] for t in tokens], [[lp] for lp in logprobs]
+
+    def _greedy_requests(self) -> bool:
+        """Whether a sampling generator holds greedy requests (a held-out evaluation): such a
+        step decodes plainly, as verification takes one rule for the whole batch."""
+        return not self.greedy and any(r.request.greedy for r in self._rows)
 
     def _verify(self, drafts: list[list[int]]) -> tuple[list[list[int]], list[list[float]]]:
         """One forward over every row's next input and draft; the tokens each row emits."""

@@ -202,9 +202,13 @@ class InstancePool:
     def infos(self) -> list[InstanceInfo]:
         return [h.info() for h in self.handles]
 
-    def dispatch(self, requests: list[Request], scores: Sequence[float] | None) -> None:
+    def dispatch(
+        self, requests: list[Request], scores: Sequence[float] | None, plan: bool = True
+    ) -> None:
         """Deal ``requests`` to the active instances (held until one is active if none is): a
-        request's ``prefer_instance`` if it is active, the dispatcher's plan for the others."""
+        request's ``prefer_instance`` if it is active, the dispatcher's plan for the others
+        (``plan=False``: each to the instance with the fewest open requests, the dispatcher
+        left out: an evaluation's)."""
         if not requests:
             return
         active = self.active()
@@ -218,6 +222,17 @@ class InstancePool:
             self.send(held[request.prefer_instance], [request])
         rest = [r for r, p in zip(requests, placed) if not p]
         if not rest:
+            return
+        if not plan:
+            load = {h.instance_id: len(h.open) for h in active}
+            batches: dict[int, list[Request]] = {h.instance_id: [] for h in active}
+            for request in rest:
+                least = min(load, key=load.__getitem__)
+                batches[least].append(request)
+                load[least] += 1
+            for handle in active:
+                if batches[handle.instance_id]:
+                    self.send(handle, batches[handle.instance_id])
             return
         if scores is not None:
             scores = [x for x, p in zip(scores, placed) if not p]

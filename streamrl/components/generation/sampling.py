@@ -44,14 +44,18 @@ def token_log_probs(
 
 
 def draw_tokens(
-    logp: torch.Tensor, *, greedy: bool, rng: torch.Generator
+    logp: torch.Tensor, *, greedy: bool | list[bool], rng: torch.Generator
 ) -> tuple[list[int], list[float]]:
     """One token per row of ``logp`` (``[batch, vocab]``, from ``token_log_probs``), and its
-    log-prob: the argmax when ``greedy``, else a draw from ``rng``."""
-    if greedy:
-        tokens = logp.argmax(dim=-1)
-    else:
-        tokens = torch.multinomial(logp.exp(), 1, generator=rng).squeeze(1)
+    log-prob: the argmax when ``greedy`` (a bool for every row, or one per row), else a draw
+    from ``rng`` (only the sampled rows draw: greedy rows take none of its random stream)."""
+    greedy_rows = [greedy] * logp.shape[0] if isinstance(greedy, bool) else list(greedy)
+    tokens = logp.argmax(dim=-1)  # [batch]
+    sampled = [i for i, g in enumerate(greedy_rows) if not g]
+    if sampled:
+        rows = torch.tensor(sampled, device=logp.device)
+        draws = torch.multinomial(logp[rows].exp(), 1, generator=rng).squeeze(1)
+        tokens = tokens.index_copy(0, rows, draws)
     chosen = logp.gather(1, tokens[:, None]).squeeze(1)
     return tokens.tolist(), chosen.tolist()
 

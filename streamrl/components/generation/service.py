@@ -219,6 +219,7 @@ class StreamGenerationService:
             max_batch_size=max_batch_size,
         )
         self._outstanding: set[tuple] = set()  # keys submitted and not yet returned
+        self._evaluating: set[tuple] = set()  # of those, an evaluation's (``submit``)
         self.weight_version = 0  # loaded by every active instance
 
     # -- what the pool holds -----------------------------------------------------------------
@@ -348,53 +349,89 @@ class StreamGenerationService:
         return False
 
     # -- the two calls -----------------------------------------------------------------------
-    def submit(self, requests: Sequence[Request], scores: Sequence[float] | None = None) -> None:
+    def submit(
+        self,
+        requests: Sequence[Request],
+        scores: Sequence[float] | None = None,
+        *,
+        evaluation: bool = False,
+    ) -> None:
         """Dispatch ``requests`` to the instances and return at once (see ``next_sample``).
 
         Args:
             requests: one per sample; their keys must be unique among requests not returned.
             scores: optional predicted lengths, passed to the dispatcher.
+            evaluation: the requests of a held-out evaluation run beside training
+                (``streamrl.eval.on_generators``): dealt to the least busy instances without
+                the dispatcher, counted apart from the run's samples, and returned only to
+                ``next_sample(keys=...)`` / ``poll_sample(keys=...)`` (a training sample
+                arriving meanwhile waits for the stream, and theirs never reach it).
         """
         self.pool.require_running()
         keys = {r.key for r in requests}
         if len(keys) != len(requests) or keys & self._outstanding:
             raise ValueError("submit: duplicate (prompt_id, sample_index) among open requests.")
         self._outstanding |= keys
-        self.counts["requests_submitted"] += len(requests)
-        self.pool.dispatch(list(requests), scores)
+        if evaluation:
+            self._evaluating |= keys
+            self.counts["evaluation_requests"] += len(requests)
+        else:
+            self.counts["requests_submitted"] += len(requests)
+        self.pool.dispatch(list(requests), scores, plan=not evaluation)
 
-    def next_sample(self) -> Sample:
+    def next_sample(self, keys: set[tuple] | None = None) -> Sample:
         """The next finished sample from any instance, in completion order.
+
+        Args:
+            keys: the next one of these (an evaluation's requests); ``None``: of the run's.
 
         Raises:
             GeneratorError: instances failed more often than ``max_restarts`` allows, or no
                 sample arrived within ``sample_timeout_s``.
         """
         self.pool.require_running()
-        if not self._outstanding:
+        if not self._open(keys):
             raise RuntimeError("next_sample: no request is open; submit() some first.")
-        while not self.pool.backlog:
+        while (sample := self._take(keys)) is None:
             self.pool.next_message(time.monotonic() + self.sample_timeout_s)
-        return self._take()
+        return sample
 
-    def poll_sample(self, timeout_s: float) -> Sample | None:
+    def poll_sample(self, timeout_s: float, keys: set[tuple] | None = None) -> Sample | None:
         """The next finished sample if one comes within ``timeout_s``, else ``None`` (for a
-        caller with other work meanwhile: an episode runner waits on its environments too).
+        caller with other work meanwhile: an episode runner waits on its environments too);
+        ``keys`` as for ``next_sample``.
 
         Raises:
             GeneratorError: instances failed more often than ``max_restarts`` allows.
         """
         self.pool.require_running()
         deadline = time.monotonic() + timeout_s
-        while not self.pool.backlog and self._outstanding:
+        while (sample := self._take(keys)) is None and self._open(keys):
             if self.pool.next_message(deadline, quiet=True)[0] == "timeout":
                 return None
-        return self._take() if self.pool.backlog else None
+        return sample
 
-    def _take(self) -> Sample:
-        sample = self.pool.backlog.popleft()
+    def _open(self, keys: set[tuple] | None) -> bool:
+        """Whether a request is open among ``keys`` (``None``: among the run's)."""
+        if keys is None:
+            return bool(self._outstanding - self._evaluating)
+        return bool(keys & self._outstanding)
+
+    def _take(self, keys: set[tuple] | None) -> Sample | None:
+        """The first read sample among ``keys`` (``None``: of the run's), out of the backlog."""
+        backlog = self.pool.backlog
+        for i, sample in enumerate(backlog):
+            if (sample.key in keys) if keys is not None else (sample.key not in self._evaluating):
+                del backlog[i]
+                break
+        else:
+            return None
         self._outstanding.discard(sample.key)
-        self.counts["samples_returned"] += 1
+        if sample.key in self._evaluating:
+            self._evaluating.discard(sample.key)
+            self.counts["evaluation_samples"] += 1
+        else:
+            self.counts["samples_returned"] += 1
         return sample
 
     def generate(

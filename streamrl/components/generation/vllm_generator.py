@@ -390,7 +390,8 @@ class VLLMStreamGenerator:
 
         forced = row.request.forced_length is not None
         params = SamplingParams(
-            temperature=0.0 if self.greedy else self.temperature,  # vLLM: 0 means argmax
+            # vLLM: 0 means argmax (a greedy request: a held-out evaluation)
+            temperature=0.0 if self.greedy or row.request.greedy else self.temperature,
             max_tokens=tokens,
             # Forced: exactly forced_length tokens; min_tokens also masks EOS meanwhile.
             min_tokens=tokens if forced else 0,

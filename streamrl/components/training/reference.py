@@ -6,10 +6,14 @@ The builder picks one of three, from what the algorithm and the run need
 - none at all when the algorithm needs no reference (``kl_coef == 0``);
 - ``DisabledAdapters`` under LoRA: the base weights never train, so the reference is the policy
   itself with its adapters switched off, and costs no memory;
-- ``FrozenCopy`` otherwise: a copy of the starting weights in the compute dtype, without
-  gradients or optimizer state. On a sharded trainer it is sharded with FSDP2 like the policy
-  (each rank holds ``1/N``), and by option its shards stay in host memory, copied to the device
-  layer by layer (``offload``).
+- ``FrozenCopy`` otherwise: the starting weights in the compute dtype, without gradients or
+  optimizer state. A policy read from its directory shard by shard
+  (``streamrl.policy.model_dir``: still on the meta device here) gets a reference built the same
+  way, never a copy of the policy: an empty model in the compute dtype, sharded with FSDP2 like
+  the policy (each rank holds ``1/N``) and filled from the same directory (``place``), so no
+  rank holds it whole in any dtype, nor a float32 copy. By option its shards stay in host
+  memory, copied to the device layer by layer (``offload``). A policy already in memory (a
+  notebook's) is copied and cast.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from streamrl.components.training.sharding import Precision, compute_dtype, shard_model
 from streamrl.policy.logprobs import TokenBatch, completion_logprobs
+from streamrl.policy.model_dir import empty_model, is_empty, materialize, source_dir
 
 
 @runtime_checkable
@@ -63,14 +68,16 @@ class FrozenCopy:
     """A frozen copy of the policy's starting weights.
 
     Args:
-        model: the copy (``copy.deepcopy(policy)`` before training); frozen and cast to
-            ``dtype`` here.
+        model: the copy (``copy.deepcopy(policy)`` before training), or an empty model of the
+            policy's directory (``streamrl.policy.model_dir.empty_model``) that ``place`` fills
+            from it; frozen and cast to ``dtype`` here.
         dtype: the dtype it is kept in (the run's compute dtype: it never trains, so it needs
             no float32 master).
     """
 
     def __init__(self, model: torch.nn.Module, dtype: torch.dtype | None = None) -> None:
         self.model = model.eval().requires_grad_(False)
+        self.offload = False  # its shards kept in host memory (``shard``)
         if dtype is not None:
             self.model.to(dtype)
 
@@ -82,10 +89,15 @@ class FrozenCopy:
         """Shard it across ``device_mesh`` like the policy (only a shard per rank)."""
         if not self.sharded:
             shard_model(self.model, device_mesh, offload=offload)
+            self.offload = offload
 
-    def to(self, device: torch.device) -> None:
-        """Move an unsharded copy to the trainer's device (a sharded one is already there)."""
-        if not self.sharded:
+    def place(self, device: torch.device) -> None:
+        """Put it on the trainer's ``device``: an empty model is filled from its directory, each
+        rank reading only its shards (a collective when sharded); an unsharded copy is moved
+        there (a sharded one already is)."""
+        if is_empty(self.model):  # offloaded shards live in host memory
+            materialize(self.model, source_dir(self.model), "cpu" if self.offload else device)
+        elif not self.sharded:
             self.model.to(device)
 
     def logprobs(
@@ -102,9 +114,14 @@ def reference_policy(
     policy: torch.nn.Module, needed: bool, precision: Precision = "32-true"
 ) -> ReferencePolicy | None:
     """The reference a run needs: ``None`` when ``needed`` is false, the policy with adapters
-    off under LoRA, else a frozen copy in ``precision``'s compute dtype."""
+    off under LoRA, else a frozen copy in ``precision``'s compute dtype: for a policy still on
+    the meta device, an empty model of its directory in that dtype (filled by ``place``), else a
+    copy of the policy."""
     if not needed:
         return None
     if callable(getattr(policy, "disable_adapter", None)):  # a peft model
         return DisabledAdapters(policy)
-    return FrozenCopy(copy.deepcopy(policy), compute_dtype(precision))
+    dtype = compute_dtype(precision)
+    if is_empty(policy):
+        return FrozenCopy(empty_model(source_dir(policy), dtype))
+    return FrozenCopy(copy.deepcopy(policy), dtype)

@@ -34,7 +34,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from streamrl.components.weights.nccl import DEFAULT_BUCKET_BYTES, Bucket, TensorSpec, plan_buckets
 
-__all__ = ["StagedWeights", "map_file", "stage_parameters"]
+__all__ = ["StagedWeights", "gather_rows", "map_file", "row_sharded", "stage_parameters"]
 
 
 class StagedWeights:
@@ -215,10 +215,10 @@ def stage_parameters(
             wire = param
             if isinstance(param, DTensor) and dtype is not None and param.dtype != dtype:
                 wire = param.to(dtype)  # the shard, cast: what travels
-            if isinstance(wire, DTensor) and root is not None and _row_sharded(wire):
+            if isinstance(wire, DTensor) and root is not None and row_sharded(wire):
                 if staged is not None:
                     staged.check(index, name, tuple(wire.shape))
-                _gather_rows(wire, staged.view(index) if staged is not None else None, root)
+                gather_rows(wire, staged.view(index) if staged is not None else None, root)
             else:
                 full = wire.full_tensor() if isinstance(wire, DTensor) else wire
                 if staged is not None:
@@ -232,12 +232,12 @@ def stage_parameters(
         staged.version = version
 
 
-def _row_sharded(tensor: DTensor) -> bool:
+def row_sharded(tensor: DTensor) -> bool:
     """Sharded along its first dimension over a one-dimensional mesh (FSDP2's layout)."""
     return tensor.device_mesh.ndim == 1 and tensor.placements == (Shard(0),)
 
 
-def _gather_rows(tensor: DTensor, into: torch.Tensor | None, root: int) -> None:
+def gather_rows(tensor: DTensor, into: torch.Tensor | None, root: int) -> None:
     """``root`` receives every rank's rows of ``tensor`` into ``into`` (host memory); the other
     ranks send theirs. Rows split as ``torch.chunk`` splits them, FSDP2's sharding."""
     group = tensor.device_mesh.get_group()

@@ -32,7 +32,7 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
-ModelSize = Literal["test", "demo", "0.5b"]
+ModelSize = Literal["test", "demo", "0.5b", "1.5b", "7b"]
 
 #: Every character the built-in tasks use. Kept small: decode cost grows with the vocabulary.
 ALPHABET = "0123456789abcdefghijklmnopqrstuvwxyz =>,:+-*()[]."
@@ -75,6 +75,25 @@ SHAPES: dict[str, dict[str, int]] = {
         num_key_value_heads=2,
         intermediate_size=4864,
         vocab_size=151936,
+    ),
+    # ~1.54B parameters, Qwen2.5-1.5B's shapes: the CPU's largest LoRA run (docs/memory.md).
+    "1.5b": dict(
+        hidden_size=1536,
+        num_hidden_layers=28,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+        intermediate_size=8960,
+        vocab_size=151936,
+    ),
+    # ~7.62B parameters, Qwen2.5-7B's shapes (untied head): memory plans (streamrl plan memory).
+    "7b": dict(
+        hidden_size=3584,
+        num_hidden_layers=28,
+        num_attention_heads=28,
+        num_key_value_heads=4,
+        intermediate_size=18944,
+        vocab_size=152064,
+        tie_word_embeddings=False,
     ),
 }
 
@@ -184,12 +203,11 @@ def build_tiny_model(
         raise ValueError(
             f"build_tiny_model: unknown size {size!r}; choose one of {sorted(SHAPES)}."
         )
-    shape = {"vocab_size": len(tokenizer), **SHAPES[size]}  # a preset may pad the vocabulary
+    shape = {"vocab_size": len(tokenizer), "tie_word_embeddings": True, **SHAPES[size]}
     stops = stop_token_ids(tokenizer)
     eos = stops if len(stops) > 1 else tokenizer.eos_token_id
     config = Qwen2Config(
         max_position_embeddings=max_positions,
-        tie_word_embeddings=True,
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=eos,
         bos_token_id=tokenizer.eos_token_id,
@@ -201,6 +219,16 @@ def build_tiny_model(
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.generation_config.eos_token_id = eos
     return model
+
+
+def model_config(size: ModelSize, max_positions: int = 32768) -> Qwen2Config:
+    """The config of a built-in shape (a preset's: ``"7b"`` is Qwen2.5-7B's), without building
+    a model: what ``streamrl plan memory --model 7b`` estimates from."""
+    if size not in SHAPES:
+        raise ValueError(f"model_config: unknown size {size!r}; choose one of {sorted(SHAPES)}.")
+    return Qwen2Config(
+        max_position_embeddings=max_positions, **{"tie_word_embeddings": True, **SHAPES[size]}
+    )
 
 
 def write_random_policy(

@@ -219,8 +219,8 @@ def time_limit(seconds: float | None) -> Iterator[None]:
 def resume_hint(output_dir: str | Path, argv: Sequence[str]) -> str:
     """What to run to go on after a stop: ``argv`` (a ``fit`` command line) resuming from the
     run's last checkpoint, or why there is none."""
-    last = Path(output_dir) / "checkpoints" / "last.ckpt"
-    if not last.is_file():
+    last = Path(output_dir) / "checkpoints" / "last.ckpt"  # a file, or a folder of shards
+    if not last.exists():
         return (
             f"; no checkpoint to resume from in {last.parent} (rl.checkpoint_every: N writes one "
             "every N iterations): run it again from the start."

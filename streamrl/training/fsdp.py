@@ -25,7 +25,10 @@ Examples:
 
 from __future__ import annotations
 
+import shutil
 from datetime import timedelta
+from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -81,13 +84,41 @@ def fsdp_strategy(
     """
     if data_parallel_size < 1:
         raise ValueError(f"data_parallel_size must be at least 1, got {data_parallel_size}.")
-    return ModelParallelStrategy(
+    return AtomicShardsStrategy(
         data_parallel_size=data_parallel_size,
         tensor_parallel_size=1,
         process_group_backend=backend,
         timeout=timedelta(seconds=timeout_s),
         save_distributed_checkpoint=not full_checkpoints,
     )
+
+
+class AtomicShardsStrategy(ModelParallelStrategy):
+    """Lightning's ``ModelParallelStrategy`` whose sharded checkpoints are written whole or not at
+    all, as ``streamrl.training.checkpointing.AtomicCheckpointIO`` writes one-file ones: every
+    rank writes its shards into a hidden partial folder beside the checkpoint; once all are done
+    rank 0 moves the old folder aside, the new one into its place, and deletes the old. A rank
+    killed while writing leaves the previous checkpoint as it was."""
+
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: str | Path, storage_options: Any = None
+    ) -> None:
+        if not self._save_distributed_checkpoint:
+            return super().save_checkpoint(checkpoint, filepath, storage_options)
+        path = Path(self.broadcast(str(filepath)))
+        partial, old = (path.with_name(f".{path.name}.{tag}") for tag in ("partial", "old"))
+        if self.global_rank == 0:
+            shutil.rmtree(partial, ignore_errors=True)
+        self.barrier()
+        super().save_checkpoint(checkpoint, partial, storage_options)
+        self.barrier()  # every rank's shards are in the partial folder
+        if self.global_rank == 0:
+            shutil.rmtree(old, ignore_errors=True)
+            if path.exists():
+                path.rename(old)
+            partial.rename(path)
+            shutil.rmtree(old, ignore_errors=True)
+        self.barrier()
 
 
 def shard_policy(

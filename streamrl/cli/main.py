@@ -50,7 +50,10 @@ FIT_HELP = "train from the defaults, YAML configs and dotted overrides (--rl.lr 
 GROUP_HELP = {
     "bench": "measurements; the last stdout line is JSON",
     "sim": "simulator tools (validate against real runs)",
+    "plan": "plans before a run: the GPU split (Alg. 1: resources), each GPU's memory",
 }
+#: A group's command when none is named (``streamrl plan --budget 64`` is ``plan resources``).
+GROUP_DEFAULT = {"plan": "resources"}
 CommandTree = dict[str, "Command | CommandTree | None"]
 
 
@@ -67,6 +70,7 @@ def command_tree() -> CommandTree:
         "profile": tools.COMMANDS["profile"],
         "timeline": tools.COMMANDS["timeline"],
         **sim.COMMANDS,
+        "plan": sim.PLAN_COMMANDS,
         "sim": sim.SIM_COMMANDS,
     }
 
@@ -106,6 +110,10 @@ def parse_command(argv: Sequence[str]) -> tuple[str, Callable[[], dict]]:
     """A command other than ``fit``: its name (the first word) and its run, options bound.
     ``--help``, ``--print_config`` and a parse error exit (0, 0, 2), as ``argparse`` does."""
     entry: Command | CommandTree | None = command_tree()
+    argv = list(argv)
+    group = argv[0] if argv and argv[0] in GROUP_DEFAULT else None
+    if group and not set(argv[1:2]) & {*entry[group], "-h", "--help"}:
+        argv.insert(1, GROUP_DEFAULT[group])
     path: list[str] = []
     while isinstance(entry, dict) and len(path) < len(argv) and argv[len(path)] in entry:
         entry = entry[argv[len(path)]]

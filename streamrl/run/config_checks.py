@@ -14,9 +14,12 @@ from streamrl.components.generation.timeouts import Timeouts
 from streamrl.components.weights.transport import TRANSPORTS, make_transport
 from streamrl.errors import ConfigError, unknown_name
 from streamrl.run.config import DataConfig, RLConfig, RunConfig
+from streamrl.run.memory_checks import check_memory
 from streamrl.runtime.devices import Placement, resolve_placement
 from streamrl.tasks.families import FAMILIES
 
+#: The dtypes the trained policy may be written in (``trainer.save_dtype``).
+SAVE_DTYPES = ("auto", "bfloat16", "float16", "float32")
 #: Lightning loggers a run can write to, and the package each needs.
 LOGGERS = {"csv": None, "tensorboard": "tensorboard", "wandb": "wandb"}
 
@@ -137,7 +140,7 @@ def placement_of(config: RunConfig) -> Placement:
 def check_trainer(config: RunConfig) -> None:
     """The trainer section: its devices against this machine's GPUs and the generators', and
     what several trainer ranks do not support yet; ``ConfigError``."""
-    trainer, rl = config.trainer, config.rl
+    trainer = config.trainer
     placement = placement_of(config)
     if trainer.logprob_chunk_tokens is not None and trainer.logprob_chunk_tokens < 1:
         raise ConfigError(
@@ -155,6 +158,11 @@ def check_trainer(config: RunConfig) -> None:
             "this trainer is not sharded (one process, trainer.precision: 32-true); use "
             "trainer.precision: bf16-mixed or more trainer.devices, or drop the option."
         )
+    if trainer.save_dtype not in SAVE_DTYPES:
+        raise ConfigError(
+            f"trainer.save_dtype: {unknown_name('dtype', trainer.save_dtype, SAVE_DTYPES)}"
+        )
+    check_memory(config, placement)  # each device fits the run's estimate
 
 
 def check_rl(rl: RLConfig) -> None:

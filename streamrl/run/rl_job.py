@@ -35,6 +35,7 @@ from streamrl.protocols import Sampler
 from streamrl.run.config import RunConfig
 from streamrl.run.parts import RunParts, reward_pool
 from streamrl.run.trainer_ranks import RankSetup, pin_threads, trainer_ranks, wait_for_rank_zero
+from streamrl.runtime.devices import Placement
 from streamrl.runtime.stopping import shielded
 from streamrl.training.builders import make_logger
 from streamrl.training.module import StreamRLModule
@@ -194,6 +195,7 @@ def train_rl(
         stop_token_ids=stop_token_ids(tokenizer),
         stop_strings=config.data.stop_strings,
         partial_rollout=rl.partial_rollout,
+        trainer_device=trainer_device(setup.placement),
     )
     with contextlib.ExitStack() as stack:
         stack.enter_context(service)
@@ -261,6 +263,14 @@ def train_rl(
         draw_timeline(rollouts.trace.spans, out / "timeline.png", title=f"streamrl {rl.mode}")
         print(f"timeline: {trace_path} -> {out / 'timeline.png'}", file=sys.stderr)
     return module
+
+
+def trainer_device(placement: Placement) -> str:
+    """The device trainer rank 0 holds, which the weights leave from: its GPU (the first of
+    ``trainer.devices``), or the CPU."""
+    if placement.accelerator == "cuda" and placement.trainer_gpus:
+        return f"cuda:{placement.trainer_gpus[0]}"
+    return "cpu"
 
 
 def rl_summary(module: StreamRLModule, iterations: int) -> dict:

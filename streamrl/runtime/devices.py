@@ -42,6 +42,24 @@ def cuda_device_count() -> int:
     return torch.cuda.device_count()
 
 
+def gpu_memory_bytes(index: int) -> int:
+    """Total memory of GPU ``index`` (``cuda:index``), what ``streamrl fit``'s memory checks
+    compare their estimates with; tests replace it, as ``cuda_device_count``."""
+    import torch
+
+    return int(torch.cuda.get_device_properties(index).total_memory)
+
+
+def host_memory_bytes() -> int:
+    """This machine's available memory (``MemAvailable``), what a one-file checkpoint gathered
+    on rank 0 must fit in; tests replace it."""
+    with open("/proc/meminfo") as meminfo:
+        for line in meminfo:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES"))
+
+
 @dataclass(frozen=True)
 class Placement:
     """Where the trainer runs and which GPUs local generator instances take.

@@ -37,9 +37,9 @@ Examples:
     7.62
     >>> per_gpu = trainer_memory(shape, ranks=4, micro_batch_tokens=8704)
     >>> round(per_gpu.total / 2**30)  # GiB on each of 4 trainer GPUs
-    39
+    45
     >>> generator_memory(shape, gpu_bytes=80 * 2**30, sequence_tokens=8704).sequences
-    111
+    120
 """
 
 from __future__ import annotations
@@ -154,6 +154,25 @@ class GeneratorMemory:
     kv_per_token: int
     free_for_kv: int
     sequences: int
+
+
+def lora_params(
+    shape: ModelShape, r: int, targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
+) -> int:
+    """Parameters of rank-``r`` LoRA adapters on ``targets`` in every layer (0 when ``r`` is 0):
+    ``r x (in + out)`` per adapted projection."""
+    q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
+    h, i = shape.hidden, shape.intermediate
+    sizes = {
+        "q_proj": (h, q),
+        "k_proj": (h, kv),
+        "v_proj": (h, kv),
+        "o_proj": (q, h),
+        "gate_proj": (h, i),
+        "up_proj": (h, i),
+        "down_proj": (i, h),
+    }
+    return r * shape.layers * sum(sum(sizes[t]) for t in targets if t in sizes)
 
 
 def trainer_memory(

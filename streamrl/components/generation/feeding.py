@@ -36,6 +36,8 @@ class WeightFeeds:
         transport: the groups' transport (``WeightGroup``).
         timeout_s: rendezvous and per-transfer timeout of a group.
         fanout: instances each instance feeds at most (new ones; a refeed may exceed it).
+        device: the trainer's device the weights leave from (an NCCL link's buffers live
+            there: the trainer's own GPU, ``cuda:k``, never a guessed ``cuda:0``).
     """
 
     def __init__(
@@ -45,11 +47,13 @@ class WeightFeeds:
         transport: WeightTransport | str,
         timeout_s: float,
         fanout: int = 1,
+        device: str = "cuda",
     ) -> None:
         if fanout < 1:
             raise ValueError(f"fanout must be >= 1, got {fanout}.")
         self.sync, self.handles = sync, handles
         self.transport, self.timeout_s, self.fanout = transport, timeout_s, fanout
+        self.device = device
 
     def join(self, handle: InstanceHandle) -> None:
         """A new instance that loaded the model: feed it from the first instance of its site
@@ -133,6 +137,7 @@ class WeightFeeds:
                 store=handle.store,
                 timeout_s=self.timeout_s,
                 transport=self.transport,
+                device=self.device,
                 generation=generation,
                 abandon=gone,
             )

@@ -65,6 +65,7 @@ class InstancePool:
         status_path: a JSON file rewritten on every change (instance id -> pid, state, weight
             version), for operators.
         max_batch_size: each instance's batch slots (until the dispatcher sets a limit).
+        trainer_device: the trainer's device the weights leave from (``WeightFeeds``).
 
     Attributes:
         handles: every instance started, in id order (failed and stopped ones included).
@@ -91,8 +92,9 @@ class InstancePool:
         heartbeat_timeout_s: float = 60.0,
         status_path: str | Path | None = None,
         max_batch_size: int = 32,
+        trainer_device: str = "cuda",
     ) -> None:
-        self.launch = launch
+        self.launch, self.trainer_device = launch, trainer_device
         self.max_batch_size = max_batch_size
         self.dispatcher = dispatcher
         self.trainer_site = trainer_site
@@ -131,6 +133,7 @@ class InstancePool:
             self.weight_transport,
             self.weight_timeout_s,
             self.fanout,
+            self.trainer_device,
         )
         try:
             for site in sites:

@@ -121,6 +121,9 @@ class StreamGenerationService:
             version), ``"keep"`` (go on under the new weights with the old cache) or
             ``"recompute"`` (their cache computed again under the new weights); see
             ``streamrl.components.generation.partial``.
+        trainer_device: the device the trainer's weights leave from: its NCCL link to the
+            instances lives there (``Placement``'s first trainer GPU, ``cuda:k``); ``"cuda"``:
+            the current one.
 
     Raises:
         ConfigError: the engine's ``check`` failed, the cluster or transport is unknown or
@@ -160,6 +163,7 @@ class StreamGenerationService:
         stop_token_ids: Sequence[int] = (),
         stop_strings: Sequence[str] = (),
         partial_rollout: PartialRollout = "finish",
+        trainer_device: str = "cuda",
     ) -> None:
         if num_instances < 1:
             raise ValueError(f"num_instances must be >= 1, got {num_instances}.")
@@ -217,6 +221,7 @@ class StreamGenerationService:
             heartbeat_timeout_s=heartbeat_timeout_s,
             status_path=status_path,
             max_batch_size=max_batch_size,
+            trainer_device=trainer_device,
         )
         self._outstanding: set[tuple] = set()  # keys submitted and not yet returned
         self._evaluating: set[tuple] = set()  # of those, an evaluation's (``submit``)

@@ -39,16 +39,24 @@ def main() -> None:
     parser.add_argument("--kill-above-gib", type=float, default=21.0)
     parser.add_argument("--timeout-s", type=float, default=3600.0)
     parser.add_argument("--out", help="also write the JSON here")
+    parser.add_argument(
+        "--baseline-unset",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY",
+        help="a config key the baseline's code does not know, left out of its copy",
+    )
     parser.add_argument("fit_args", nargs="*", help="more `streamrl fit` options (after --)")
     args = parser.parse_args()
     trees = []
     if args.baseline:
-        trees.append((f"baseline {args.baseline}", _worktree(args.baseline)))
-    trees.append(("this tree", ROOT))
+        config = _without(Path(args.config), args.baseline_unset)
+        trees.append((f"baseline {args.baseline}", _worktree(args.baseline), config))
+    trees.append(("this tree", ROOT, Path(args.config).resolve()))
     results = []
-    for label, tree in trees:
-        print(f"[fit_memory] {label}: streamrl fit --config {args.config}", file=sys.stderr)
-        results.append({"code": label, **_measure(tree, args)})
+    for label, tree, config in trees:
+        print(f"[fit_memory] {label}: streamrl fit --config {config}", file=sys.stderr)
+        results.append({"code": label, **_measure(tree, config, args)})
         _print_row(results[-1])
     report = {"config": args.config, "runs": results}
     if args.out:
@@ -67,7 +75,20 @@ def _worktree(revision: str) -> Path:
     return path
 
 
-def _measure(tree: Path, args: argparse.Namespace) -> dict:
+def _without(config: Path, keys: list[str]) -> Path:
+    """A copy of ``config`` without ``keys`` (``section.key``)."""
+    import yaml
+
+    values = yaml.safe_load(config.read_text())
+    for key in keys:
+        section, _, name = key.rpartition(".")
+        (values.get(section, {}) if section else values).pop(name, None)
+    copy = Path(tempfile.mkdtemp(prefix="fit-memory-config-")) / config.name
+    copy.write_text(yaml.safe_dump(values))
+    return copy
+
+
+def _measure(tree: Path, config: Path, args: argparse.Namespace) -> dict:
     output_dir = Path(tempfile.mkdtemp(prefix="fit-memory-"))
     env = {**os.environ, "PYTHONPATH": str(tree)}
     command = [
@@ -76,7 +97,7 @@ def _measure(tree: Path, args: argparse.Namespace) -> dict:
         "streamrl.cli.main",
         "fit",
         "--config",
-        str(Path(args.config).resolve()),
+        str(config),
         "--output_dir",
         str(output_dir),
         "--no-progress",

@@ -8,6 +8,7 @@ work with one line naming the knob.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -20,6 +21,7 @@ from streamrl.run.config import RunConfig
 from streamrl.run.config_checks import placement_of
 from streamrl.run.memory_checks import check_memory
 
+REPO = Path(__file__).resolve().parents[1]
 SEVEN_B = ModelShape.from_config(model_config("7b"))
 
 
@@ -132,3 +134,26 @@ def test_a_one_file_checkpoint_too_big_for_rank_zeros_host_is_refused(devices, t
         check_memory(config, placement_of(config))
     config.trainer.sharded_checkpoints = None  # several ranks: sharded by default
     check_memory(config, placement_of(config))
+
+
+def test_the_7b_preset_needs_only_its_model_and_data_and_fits_80gb_gpus(devices, tmp_path):
+    from streamrl.run.config_checks import check_values
+    from streamrl.run.config_file import load_config
+
+    model = tmp_path / "Qwen2.5-7B-Instruct"
+    model_config("7b").save_pretrained(model)  # the shape only: the checks read no weight
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(f'{{"prompt": "q{i}", "answer": "{i}"}}\n' for i in range(200)))
+    text = (REPO / "configs" / "qwen2.5-7b-1node.yaml").read_text()
+    text = text.replace("/path/to/Qwen2.5-7B-Instruct", str(model))
+    text = text.replace("/path/to/your/train.jsonl", str(data))
+    path = tmp_path / "preset.yaml"
+    path.write_text(text.replace("runs/qwen2.5-7b", str(tmp_path / "out")))
+    devices(gib=80.0)
+    config = load_config(path)
+    check_values(config)  # the estimate fits: nothing refused
+    placement = placement_of(config)
+    assert placement.trainer_gpus == (0, 1, 2, 3) and placement.generator_gpus == (4, 5, 6, 7)
+    devices(gib=40.0)
+    with pytest.raises(ConfigError, match=r"trainer: about 47\.6 GiB per GPU"):
+        check_values(config)

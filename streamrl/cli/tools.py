@@ -45,29 +45,40 @@ class ModelOptions:
 
     Attributes:
         out: the directory to write.
-        size: the built-in shape.
+        size: the built-in shape (0.5b, 1.5b: Qwen2.5's).
         context: positions (prompt + output).
         seed: the weights' seed.
+        dtype: the dtype the weights are saved in (a released model's is bfloat16).
     """
 
     out: str
-    size: Literal["test", "demo", "0.5b"] = "0.5b"
+    size: Literal["test", "demo", "0.5b", "1.5b"] = "0.5b"
     context: int = 2048
     seed: int = 0
+    dtype: Literal["float32", "bfloat16"] = "float32"
 
 
 def model(options: ModelOptions) -> dict:
-    from streamrl.policy.models import count_parameters, load_policy, write_random_policy
+    import torch
+
+    from streamrl.policy.model_dir import directory_bytes, empty_model
+    from streamrl.policy.models import count_parameters, load_tokenizer, write_random_policy
 
     path = write_random_policy(
-        options.out, options.size, context=options.context, seed=options.seed
+        options.out,
+        options.size,
+        context=options.context,
+        seed=options.seed,
+        dtype=getattr(torch, options.dtype),
     )
-    policy, tokenizer = load_policy(path)
+    policy = empty_model(path, torch.float32)  # the shape only: nothing read
     return {
         "model_dir": str(path),
         "parameters": count_parameters(policy),
         "vocab": policy.config.vocab_size,
-        "tokenizer_ids": len(tokenizer),
+        "tokenizer_ids": len(load_tokenizer(path)),
+        "dtype": options.dtype,
+        "bytes": directory_bytes(path),
     }
 
 

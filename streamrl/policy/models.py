@@ -237,6 +237,7 @@ def write_random_policy(
     *,
     context: int = 2048,
     seed: int = 0,
+    dtype: torch.dtype = torch.float32,
 ) -> Path:
     """A random-init model directory of a built-in shape with a byte-level BPE tokenizer built
     here (trained on the built-in tasks' prompts and answers), for ``streamrl fit --model``,
@@ -245,16 +246,17 @@ def write_random_policy(
     Args:
         out: the directory to write (``save_pretrained`` layout).
         size: a built-in shape; ``"0.5b"`` is Qwen2.5-0.5B's (151,936-token vocabulary: ids
-            past the tokenizer's decode to nothing).
+            past the tokenizer's decode to nothing), ``"1.5b"`` Qwen2.5-1.5B's.
         context: positions of the model (prompt plus completion).
         seed: initialisation seed.
+        dtype: the dtype the weights are saved in (a released model's is ``torch.bfloat16``).
     """
     from streamrl.tasks import make_prompt_set
 
     rows = make_prompt_set(2048, seed=seed)
     tokenizer = build_bpe_tokenizer([*rows["prompt"], *rows["answer"]], vocab_size=512)
     model = build_tiny_model(tokenizer, size, max_positions=context, seed=seed)
-    return save_policy(model, tokenizer, out)
+    return save_policy(model.to(dtype), tokenizer, out)
 
 
 def save_policy(

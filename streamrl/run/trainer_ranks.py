@@ -51,6 +51,7 @@ from streamrl.run.config import RLConfig, RunConfig, TrainerConfig
 from streamrl.run.config_checks import placement_of
 from streamrl.run.parts import lora_spec
 from streamrl.runtime.devices import Placement
+from streamrl.runtime.peak_memory import release_freed_memory
 from streamrl.runtime.stopping import Stopped, ignore_signals
 from streamrl.training.builders import build_module, build_trainer
 from streamrl.training.fsdp import process_group_backend
@@ -225,9 +226,11 @@ class RankSetup:
 
 def pin_threads(placement: Placement) -> None:
     """One torch thread per trainer process on the CPU, where the generators need the other
-    cores; on CUDA the host threads are left alone."""
+    cores, and freed tensors' memory returned to the system at once (``release_freed_memory``:
+    the process's memory follows its live tensors); on CUDA the host is left alone."""
     if placement.accelerator == "cpu":
         torch.set_num_threads(1)
+        release_freed_memory()
 
 
 @contextlib.contextmanager

@@ -476,9 +476,14 @@ class StreamRLModule(L.LightningModule):
         self.log_dict(progress, prog_bar=True, on_step=True, logger=False)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        # The algorithm's own parameters (PPO's value head) train with the policy.
-        params = [*self.policy.parameters(), *self.algorithm.trainable_parameters()]
-        return torch.optim.AdamW(params, lr=self.lr, weight_decay=0.0)
+        # The algorithm's own parameters (PPO's value head) train with the policy. Only the
+        # trainable ones: a LoRA base or a frozen part has no state. Fused: one kernel per
+        # step, without foreach's temporaries the size of every trained parameter (on a 0.5B
+        # trainer rank those were 1 GiB of its peak).
+        params = [p for p in self.policy.parameters() if p.requires_grad]
+        params += list(self.algorithm.trainable_parameters())
+        fused = all(p.device.type in ("cpu", "cuda") for p in params)
+        return torch.optim.AdamW(params, lr=self.lr, weight_decay=0.0, fused=fused or None)
 
     def train_dataloader(self) -> torch.utils.data.DataLoader:
         return torch.utils.data.DataLoader(

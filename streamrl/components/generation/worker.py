@@ -44,7 +44,6 @@ from typing import Any
 
 import torch
 
-# fingerprint: imported from here by callers that compare an instance's weights with a policy.
 from streamrl.components.generation.hf_generator import fingerprint
 from streamrl.components.generation.partial import WeightLoader
 from streamrl.components.skewness.instance_profile import LatencyProfile, profiled_latency
@@ -61,6 +60,9 @@ from streamrl.protocols import (
 )
 from streamrl.records import Request
 from streamrl.runtime.devices import pin_visible_gpu
+
+# fingerprint: imported from here by callers that compare an instance's weights with a policy.
+from streamrl.runtime.peak_memory import release_freed_memory
 
 __all__ = ["WorkerSpec", "fingerprint", "worker_main"]
 
@@ -126,6 +128,8 @@ def worker_main(spec: WorkerSpec, inbox: Any, outbox: Any, leave: Any = None) ->
     with contextlib.suppress(ValueError):  # not the main thread (a Ray actor may be threaded)
         signal.signal(signal.SIGINT, signal.SIG_IGN)
     torch.set_num_threads(1)
+    if not str(spec.device).startswith("cuda"):  # memory follows the live tensors
+        release_freed_memory()
     # The pool starts instances as daemons (never outliving it); an instance may start processes
     # of its own (vLLM's tensor-parallel workers, daemons too, which watch it and end with it).
     multiprocessing.current_process().daemon = False

@@ -1,0 +1,68 @@
+"""Packed micro-batches through ``streamrl_varlen`` (SDPA on a jagged tensor of the samples):
+the same log-probs and gradients as each sample on its own, with no mask built."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from streamrl.components.training.layout import layout_batch, layout_for
+from streamrl.policy.logprobs import completion_logprobs
+from streamrl.policy.models import build_tiny_model, build_tokenizer
+from streamrl.policy.varlen_attention import NAME, register, varlen_attention
+from streamrl.records import Sample
+
+
+def _samples(lengths: list[tuple[int, int]]) -> list[Sample]:
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for i, (prompt, completion) in enumerate(lengths):
+        ids = torch.randint(3, 50, (prompt + completion,), generator=g).tolist()
+        out.append(Sample(f"p{i}", 0, ids[:prompt], ids[prompt:], [0.0] * completion, 0, 0))
+    return out
+
+
+def test_the_attention_equals_each_sample_on_its_own():
+    torch.manual_seed(0)
+    q, k, v = torch.randn(1, 4, 9, 8), torch.randn(1, 2, 9, 8), torch.randn(1, 2, 9, 8)
+    positions = torch.tensor([[0, 1, 2, 3, 0, 1, 0, 1, 2]])  # samples of 4, 2 and 3 tokens
+    out, _ = varlen_attention(None, q, k, v, None, position_ids=positions)
+    start = 0
+    for length in (4, 2, 3):
+        span = slice(start, start + length)
+        expected = torch.nn.functional.scaled_dot_product_attention(
+            q[:, :, span],
+            k[:, :, span].repeat_interleave(2, dim=1),
+            v[:, :, span].repeat_interleave(2, dim=1),
+            is_causal=True,
+        )  # [1, heads, length, d]
+        torch.testing.assert_close(out[0, span], expected[0].transpose(0, 1))
+        start += length
+
+
+def test_a_padded_batch_or_a_mask_is_refused():
+    q = torch.randn(2, 2, 3, 4)
+    with pytest.raises(ValueError, match="one packed row"):
+        varlen_attention(None, q, q, q, None, position_ids=torch.zeros(2, 3, dtype=torch.long))
+
+
+def test_a_model_built_with_it_packs_and_scores_as_padded_rows_do():
+    register()
+    torch.manual_seed(0)
+    tok = build_tokenizer()
+    padded_model = build_tiny_model(tok, "test")
+    packed_model = build_tiny_model(tok, "test")
+    packed_model.config._attn_implementation = NAME
+    assert layout_for(packed_model) == "packed" and layout_for(padded_model) == "padded"
+    samples = _samples([(5, 30), (3, 2), (7, 12), (4, 1)])
+    results = {}
+    for name, model, layout in (("padded", padded_model, "padded"), ("packed", packed_model, "packed")):
+        batch = layout_batch(samples, layout, 0, torch.device("cpu"))
+        scored = completion_logprobs(model, batch.tokens, 0.7)
+        loss = batch.per_sample(scored.logprobs).sum()
+        loss.backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        results[name] = (batch.per_sample(scored.logprobs).detach(), grads)
+    torch.testing.assert_close(results["packed"][0], results["padded"][0], rtol=1e-5, atol=1e-5)
+    for name, grad in results["padded"][1].items():
+        torch.testing.assert_close(results["packed"][1][name], grad, rtol=1e-4, atol=1e-5)

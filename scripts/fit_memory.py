@@ -50,9 +50,9 @@ def main() -> None:
     args = parser.parse_args()
     trees = []
     if args.baseline:
-        config = _without(Path(args.config), args.baseline_unset)
+        config = _copy(Path(args.config), args.baseline_unset)
         trees.append((f"baseline {args.baseline}", _worktree(args.baseline), config))
-    trees.append(("this tree", ROOT, Path(args.config).resolve()))
+    trees.append(("this tree", ROOT, _copy(Path(args.config), [])))
     results = []
     for label, tree, config in trees:
         print(f"[fit_memory] {label}: streamrl fit --config {config}", file=sys.stderr)
@@ -75,11 +75,14 @@ def _worktree(revision: str) -> Path:
     return path
 
 
-def _without(config: Path, keys: list[str]) -> Path:
-    """A copy of ``config`` without ``keys`` (``section.key``)."""
+def _copy(config: Path, keys: list[str]) -> Path:
+    """A copy of ``config`` without ``keys`` (``section.key``), its model directory made
+    absolute (each run starts in its own code tree)."""
     import yaml
 
     values = yaml.safe_load(config.read_text())
+    if Path(values.get("model", "tiny")).is_dir():
+        values["model"] = str(Path(values["model"]).resolve())
     for key in keys:
         section, _, name = key.rpartition(".")
         (values.get(section, {}) if section else values).pop(name, None)

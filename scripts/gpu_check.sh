@@ -8,6 +8,11 @@
 #      weight version staged from the CUDA trainer into pinned host buffers in bf16, bucket by
 #      bucket, received into the instance's staging and loaded onto its GPU (gloo: NCCL refuses
 #      two members on one GPU), the engine-gap correction on;
+#      each rank reading its own rows of the directory, the held-out evaluations decoded on the
+#      generator instance, the trained policy written tensor by tensor (its directory is read
+#      back);
+#   2b. scripts/gpu_edges_check.py: the sharded load on NCCL ("cpu:gloo,cuda:nccl"), compared
+#      with from_pretrained tensor by tensor, the bf16 reference, the save, their GPU peaks;
 #   3. `streamrl bench memory` at the same shape, --seq 4096, old path beside the new;
 #   4. if this machine's Python has vLLM (it cannot be carried: its wheels pass the carry limit),
 #      scripts/gpu_vllm_check.py: one vLLM instance in bfloat16 on the GPU beside the trainer,
@@ -56,12 +61,13 @@ output_dir: $OUT/fit
 data: {tasks: [copy, count], n_train: 32, n_heldout: 2}
 rl: {iterations: 2, prompts_per_iteration: 2, group_size: 2, generators: 1, gpus: 1,
      share_trainer_gpus: true, engine: {name: hf, dtype: bfloat16},
-     max_batch_size: 4, temperature: 1.0, max_tokens: 4096,
+     max_batch_size: 4, temperature: 1.0, max_tokens: 4096, eval_max_tokens: 64,
      max_tokens_per_micro_batch: 8400, reward: partial, reward_workers: 0,
      length_predictor: null, checkpoint_every: 0}
 trainer: {accelerator: cuda, devices: 1, precision: bf16-mixed, activation_checkpointing: true}
 YAML
 step fit 240 python3 -m streamrl.cli.main fit --config "$OUT/fit.yaml" --no-progress
+step edges 90 python3 scripts/gpu_edges_check.py "$OUT/qwen0.5b" "$OUT/edges"
 step bench-memory 120 python3 -m streamrl.cli.main bench memory --shape 0.5b --seq 4096 \
   --device cuda --timeout-s 50
 if python3 -c "import vllm" 2> /dev/null; then
@@ -100,7 +106,10 @@ result = {
             "samples_trained": (fit or {}).get("samples_trained"),
             "samples_lost": (fit or {}).get("samples_lost"),
             "sync_exposed_s_total": (fit or {}).get("sync_exposed_s_total"),
-            "sync_transfer_s_total": (fit or {}).get("sync_transfer_s_total")},
+            "sync_transfer_s_total": (fit or {}).get("sync_transfer_s_total"),
+            "eval_wall_s": (fit or {}).get("eval_wall_s"),
+            "policy_saved": (out / "fit" / "policy" / "model.safetensors").is_file()},
+    "edges": {**status("edges"), "result": last_json("edges")},
     "bench_memory": {**status("bench-memory"),
                      "cases": [{k: c.get(k) for k in ("path", "seq", "peak_bytes", "tokens_per_s",
                                                       "logprob_extra_bytes", "oom")}

@@ -158,21 +158,21 @@ def _two_ranks(rank: int, port: int, dirs: dict[str, Path], out: Path) -> None:
 
 def _sharded_case(rank: int, path: Path, out: Path) -> dict:
     """Load sharded (counting the rows read), check, write it back together; what was read."""
-    from torch.distributed.checkpoint import HuggingFaceStorageReader
     from torch.distributed.device_mesh import init_device_mesh
 
+    import streamrl.policy.model_dir as model_dir
     from streamrl.components.training.reference import FrozenCopy, reference_policy
     from streamrl.components.training.sharding import shard_model
     from streamrl.training.policy_save import save_policy_shards
 
     read = []
-    process = HuggingFaceStorageReader._process_read_request
+    original = model_dir._read_rows
 
-    def counted(self, f, req, planner):
-        read.append((req.storage_index.fqn, tuple(req.lengths)))
-        return process(self, f, req, planner)
+    def counted(f, data_start, entry, item, target):  # every read of the reader, counted
+        read.append((item.storage_index.fqn, tuple(item.lengths)))
+        return original(f, data_start, entry, item, target)
 
-    HuggingFaceStorageReader._process_read_request = counted
+    model_dir._read_rows = counted
     mesh = init_device_mesh("cpu", (2,))
     policy = empty_model(path, torch.float32)
     reference = reference_policy(policy, True, "bf16-mixed")
@@ -182,7 +182,7 @@ def _sharded_case(rank: int, path: Path, out: Path) -> dict:
     materialize(policy, source_dir(policy), "cpu")
     policy_reads = list(read)
     reference.place(torch.device("cpu"))
-    HuggingFaceStorageReader._process_read_request = process
+    model_dir._read_rows = original
     expected = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     _assert_same_model(policy, expected)
     _assert_same_model(

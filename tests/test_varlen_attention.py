@@ -3,7 +3,6 @@ the same log-probs and gradients as each sample on its own, with no mask built."
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 from streamrl.components.training.layout import layout_batch, layout_for
@@ -40,10 +39,18 @@ def test_the_attention_equals_each_sample_on_its_own():
         start += length
 
 
-def test_a_padded_batch_or_a_mask_is_refused():
-    q = torch.randn(2, 2, 3, 4)
-    with pytest.raises(ValueError, match="one packed row"):
-        varlen_attention(None, q, q, q, None, position_ids=torch.zeros(2, 3, dtype=torch.long))
+def test_padded_rows_go_to_transformers_sdpa():
+    """A critic's pass or a generate call on such a model: padded rows and their mask, as SDPA
+    takes them."""
+    register()
+    torch.manual_seed(0)
+    tok = build_tokenizer()
+    sdpa, varlen = build_tiny_model(tok, "test"), build_tiny_model(tok, "test")
+    varlen.config._attn_implementation = NAME
+    ids = torch.randint(3, 40, (2, 7))
+    mask = torch.tensor([[1] * 7, [0, 0, 1, 1, 1, 1, 1]])
+    expected = sdpa(input_ids=ids, attention_mask=mask).logits
+    torch.testing.assert_close(varlen(input_ids=ids, attention_mask=mask).logits, expected)
 
 
 def test_a_model_built_with_it_packs_and_scores_as_padded_rows_do():
@@ -56,7 +63,10 @@ def test_a_model_built_with_it_packs_and_scores_as_padded_rows_do():
     assert layout_for(packed_model) == "packed" and layout_for(padded_model) == "padded"
     samples = _samples([(5, 30), (3, 2), (7, 12), (4, 1)])
     results = {}
-    for name, model, layout in (("padded", padded_model, "padded"), ("packed", packed_model, "packed")):
+    for name, model, layout in (
+        ("padded", padded_model, "padded"),
+        ("packed", packed_model, "packed"),
+    ):
         batch = layout_batch(samples, layout, 0, torch.device("cpu"))
         scored = completion_logprobs(model, batch.tokens, 0.7)
         loss = batch.per_sample(scored.logprobs).sum()

@@ -1,5 +1,5 @@
-"""``streamrl bench generate|pipeline|reward|dispatch|ranker|episodes``: measurements, each a
-dataclass of options and the function that runs it (``streamrl.cli.parsing.Command``).
+"""``streamrl bench generate|pipeline|reward|dispatch|ranker|episodes|packing``: measurements,
+each a dataclass of options and the function that runs it (``streamrl.cli.parsing.Command``).
 
 The options of the benchmarks that run the trainer are ``streamrl.bench.settings``' dataclasses,
 which notebooks and ``streamrl.sim.validate`` build in Python too.
@@ -159,6 +159,30 @@ def ranker(options: RankerBench) -> dict:
     return result
 
 
+@dataclass
+class PackingBench:
+    """Tokens/s of one training step (forward and backward of the trainer's log-probs) on the
+    demo's micro-batch and on a long-tailed one: padded rows (SDPA, a mask) vs one packed row
+    under Hugging Face's block-diagonal mask vs one packed row through streamrl_varlen (SDPA on
+    a jagged tensor of the samples, no mask).
+
+    Attributes:
+        size: the model's shape (random weights): demo (~1M parameters), test or 0.5b.
+        repeats: timed steps per path (median; one warm-up round first).
+        seed: weights and tokens.
+    """
+
+    size: Literal["test", "demo", "0.5b"] = "demo"
+    repeats: int = 5
+    seed: int = 0
+
+
+def packing(options: PackingBench) -> dict:
+    from streamrl.bench.packing import bench_packing
+
+    return bench_packing(options.size, options.repeats, options.seed)
+
+
 COMMANDS = {
     "generate": Command(
         "decode throughput: continuous batching vs batched HF generate; --speculative: the "
@@ -187,6 +211,11 @@ COMMANDS = {
         "episodes/s of multi-turn episodes: episode-aware dispatch vs round-robin",
         EpisodesBench,
         episodes,
+    ),
+    "packing": Command(
+        "tokens/s of a training step: padded rows vs packed rows (dense mask, varlen SDPA)",
+        PackingBench,
+        packing,
     ),
     **CASE_COMMANDS,
 }

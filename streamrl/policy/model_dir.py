@@ -4,8 +4,9 @@ Every trainer rank builds the directory's architecture on the meta device (``emp
 memory, no weights read), shards it with FSDP2, then ``materialize`` allocates only its own
 shards on its device and fills them from the directory's safetensors files, each rank reading
 only its rows of each tensor. The reading is PyTorch's: ``torch.distributed.checkpoint.load``
-with its ``HuggingFaceStorageReader`` (lazy safetensors slices), the path torchtitan and
-PyTorch's own tests load Hugging Face checkpoints into DTensors with. An unsharded model (one
+with its ``HuggingFaceStorageReader``, the path torchtitan and PyTorch's own tests load Hugging
+Face checkpoints into DTensors with; ``RowReader`` reads each rank's rows with plain file reads
+instead of mapping the files (mapped pages count in the process's memory). An unsharded model (one
 rank) goes through the same call and reads every row.
 
 Tensors take the dtype their parameter was built in, whatever the file's: a trainable policy is
@@ -30,12 +31,18 @@ Examples:
 from __future__ import annotations
 
 import json
+import math
 import os
+import struct
 from pathlib import Path
+from typing import BinaryIO
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint import HuggingFaceStorageReader
+from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.tensor import DTensor
+from torch.futures import Future
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, PreTrainedModel
 
 from streamrl.errors import ConfigError
@@ -43,6 +50,7 @@ from streamrl.policy.logprobs import causal_lm
 from streamrl.policy.lora import init_adapters, is_adapter
 
 __all__ = [
+    "RowReader",
     "directory_bytes",
     "directory_dtype",
     "empty_model",
@@ -73,7 +81,9 @@ def directory_bytes(path: str | Path) -> int:
     return sum(f.stat().st_size for f in Path(path).glob("*.safetensors"))
 
 
-def empty_model(path: str | Path, dtype: torch.dtype) -> PreTrainedModel:
+def empty_model(
+    path: str | Path, dtype: torch.dtype, attention: str | None = None
+) -> PreTrainedModel:
     """The causal LM of the directory ``path`` on the meta device: its architecture and config,
     parameters of the right shapes in ``dtype``, no memory and nothing read from its weights.
 
@@ -83,12 +93,15 @@ def empty_model(path: str | Path, dtype: torch.dtype) -> PreTrainedModel:
     Args:
         path: a local Hugging Face model directory (``config.json`` and safetensors files).
         dtype: the dtype its parameters are built (and later read) in.
+        attention: its attention implementation (``attn_implementation``: e.g.
+            ``streamrl.policy.varlen_attention.NAME`` for a trainer's packed rows); ``None``:
+            transformers' default.
     """
     _config_file(path)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     config = AutoConfig.from_pretrained(path, local_files_only=True)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attention)
     if Path(path, "generation_config.json").is_file():
         model.generation_config = GenerationConfig.from_pretrained(path, local_files_only=True)
     return model.eval()
@@ -147,7 +160,6 @@ def read_weights(model: torch.nn.Module, path: str | Path) -> None:
         ConfigError: the directory has no safetensors file, or lacks a tensor the model has.
     """
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import HuggingFaceStorageReader
 
     files = sorted(Path(path).glob("*.safetensors"))
     if not files:
@@ -168,9 +180,76 @@ def read_weights(model: torch.nn.Module, path: str | Path) -> None:
     sharded = any(isinstance(p, DTensor) for p in wanted.values())
     dcp.load(
         wanted,
-        storage_reader=HuggingFaceStorageReader(str(path)),
+        storage_reader=RowReader(str(path)),
         no_dist=not (sharded and dist.is_initialized()),
     )
+
+
+class RowReader(HuggingFaceStorageReader):
+    """PyTorch's ``HuggingFaceStorageReader`` reading each request's rows with plain file reads.
+
+    The planning (which rank reads which rows of which tensor) is PyTorch's; only the bytes'
+    source differs. Its reader maps each safetensors file into the process (safetensors' lazy
+    slices), and every page it touches then counts in the process's resident memory until the
+    file is closed: a rank reading half of a 3 GB file held 1.5 GB of mapped pages beside the
+    1.5 GB it copied out. Rows of a tensor are contiguous in the file, so a rank's rows are one
+    ``readinto`` straight into its shard (cast after, when the file's dtype is not the
+    parameter's); any other slice goes through safetensors.
+    """
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        per_file: dict[str, list[ReadItem]] = {}
+        for item in plan.items:
+            per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(
+                item
+            )
+        for file_name, items in per_file.items():
+            with open(file_name, "rb", buffering=0) as f:
+                header, data_start = _safetensors_header(f)
+                for item in items:
+                    entry = header[item.storage_index.fqn]
+                    target = planner.resolve_tensor(item).detach()
+                    if not _read_rows(f, data_start, entry, item, target):
+                        self._read_slice(file_name, item, target)
+                    planner.commit_tensor(item, target)
+        done: Future[None] = Future()
+        done.set_result(None)
+        return done
+
+    @staticmethod
+    def _read_slice(file_name: str, item: ReadItem, target: torch.Tensor) -> None:
+        from safetensors import safe_open
+
+        slices = tuple(slice(o, o + n) for o, n in zip(item.storage_offsets, item.lengths))
+        with safe_open(file_name, framework="pt") as f:
+            target.copy_(f.get_slice(item.storage_index.fqn)[slices])
+
+
+def _safetensors_header(f: BinaryIO) -> tuple[dict, int]:
+    """A safetensors file's header (name -> dtype, shape, byte offsets) and where data starts."""
+    (length,) = struct.unpack("<Q", f.read(8))
+    return json.loads(f.read(length)), 8 + length
+
+
+def _read_rows(
+    f: BinaryIO, data_start: int, entry: dict, item: ReadItem, target: torch.Tensor
+) -> bool:
+    """Read ``item``'s rows of a tensor into ``target`` when they are whole rows (contiguous
+    bytes in the file); ``False`` for another slice."""
+    shape, offsets, lengths = entry["shape"], item.storage_offsets, item.lengths
+    if any(o != 0 or n != size for o, n, size in zip(offsets[1:], lengths[1:], shape[1:])):
+        return False
+    dtype = _FILE_DTYPES[entry["dtype"]]
+    row = math.prod(shape[1:]) * torch.empty((), dtype=dtype).element_size()
+    f.seek(data_start + entry["data_offsets"][0] + (offsets[0] if shape else 0) * row)
+    direct = target.dtype == dtype and target.is_contiguous() and target.device.type == "cpu"
+    into = target if direct else torch.empty(tuple(lengths), dtype=dtype)
+    view = into.view(torch.uint8).reshape(-1).numpy()
+    if f.readinto(view) != view.nbytes:
+        raise ConfigError(f"{f.name}: {item.storage_index.fqn} ends before its rows (truncated?).")
+    if not direct:
+        target.copy_(into)
+    return True
 
 
 def base_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -192,6 +271,18 @@ def _shared_parameters(model: torch.nn.Module) -> list[list[tuple[torch.nn.Modul
             if param is not None:
                 owners.setdefault(id(param), []).append((module, name))
     return [found for found in owners.values() if len(found) > 1]
+
+
+_FILE_DTYPES = {
+    "F32": torch.float32,
+    "BF16": torch.bfloat16,
+    "F16": torch.float16,
+    "F64": torch.float64,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
 
 
 def _compute_buffers(lm: torch.nn.Module) -> None:

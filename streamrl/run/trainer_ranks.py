@@ -47,6 +47,7 @@ from streamrl.components.training.sharding import compute_dtype
 from streamrl.errors import TrainerRankError
 from streamrl.policy.lora import LoRASpec, apply_lora
 from streamrl.policy.model_dir import directory_bytes, empty_model
+from streamrl.policy.varlen_attention import attention_for
 from streamrl.run.config import RLConfig, RunConfig, TrainerConfig
 from streamrl.run.config_checks import placement_of
 from streamrl.run.parts import lora_spec
@@ -152,9 +153,13 @@ class RankSetup:
         """The policy of ``model_dir`` as this run trains it, on the meta device: nothing is read
         until each rank, once sharded, reads its own rows (``StreamRLModule.configure_model``).
         Trained weights are float32 masters; a LoRA policy's base, which never trains, is built
-        in the compute dtype (bfloat16 under ``bf16-mixed``) with float32 adapters."""
+        in the compute dtype (bfloat16 under ``bf16-mixed``) with float32 adapters. Its attention
+        attends within each sample of a packed micro-batch (``varlen_attention.attention_for``),
+        unless ``rl.pack_sequences: false``."""
         dtype = torch.float32 if self.lora is None else compute_dtype(self.placement.precision)
-        return self.trainable(empty_model(model_dir, dtype))
+        packs = self.training[0].pack_sequences is not False
+        attention = attention_for(self.placement.accelerator) if packs else None
+        return self.trainable(empty_model(model_dir, dtype, attention))
 
     def module(
         self,

@@ -112,8 +112,7 @@ class HFEngine:
         from streamrl.policy.models import load_policy
 
         dtype = getattr(torch, self.dtype, None) or directory_dtype(spec.model_dir)
-        model, tokenizer = load_policy(spec.model_dir, dtype=dtype)
-        model = model.to(spec.device)
+        model, tokenizer = load_policy(spec.model_dir, dtype=dtype, device=spec.device)
         eos = model.config.eos_token_id
         eos_ids = [] if eos is None else [int(e) for e in ([eos] if isinstance(eos, int) else eos)]
         eos_ids += [int(t) for t in spec.stop_token_ids if int(t) not in eos_ids]

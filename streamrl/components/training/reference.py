@@ -26,7 +26,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 
 from streamrl.components.training.sharding import Precision, compute_dtype, shard_model
-from streamrl.policy.logprobs import TokenBatch, completion_logprobs
+from streamrl.policy.logprobs import TokenBatch, causal_lm, completion_logprobs
 from streamrl.policy.model_dir import empty_model, is_empty, materialize, source_dir
 
 
@@ -122,6 +122,7 @@ def reference_policy(
     if callable(getattr(policy, "disable_adapter", None)):  # a peft model
         return DisabledAdapters(policy)
     dtype = compute_dtype(precision)
-    if is_empty(policy):
-        return FrozenCopy(empty_model(source_dir(policy), dtype))
+    if is_empty(policy):  # the same architecture and attention, read from the same directory
+        attention = getattr(causal_lm(policy).config, "_attn_implementation", None)
+        return FrozenCopy(empty_model(source_dir(policy), dtype, attention))
     return FrozenCopy(copy.deepcopy(policy), dtype)

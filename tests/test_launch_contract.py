@@ -84,6 +84,9 @@ def test_the_weights_leave_from_rank_zeros_own_gpu(eight_gpus):
 
 def test_a_launched_job_joins_with_the_backend_and_the_timeouts(eight_gpus, monkeypatch):
     calls = []
+    for name in ("MASTER_ADDR", "MASTER_PORT"):  # the join sets them: undone after the test
+        monkeypatch.setenv(name, "recorded")  # (monkeypatch restores only what it saw)
+        monkeypatch.delenv(name)
     monkeypatch.setattr(dist, "is_initialized", lambda: False)
     monkeypatch.setattr(dist, "init_process_group", lambda *a, **k: calls.append(("init", a, k)))
     monkeypatch.setattr(dist, "new_group", lambda **k: calls.append(("group", (), k)) or "g")

@@ -214,9 +214,12 @@ class _ChunkedHead(torch.autograd.Function):
         temperature, chunk = ctx.temperature, ctx.chunk
         need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
         grad_hidden = torch.empty_like(hidden) if need_hidden else None
-        # Accumulated over chunks in float32, cast once (a bf16 sum would round per chunk).
-        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
-        grad_bias = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device)
+        # Accumulated over chunks in float32, cast once (a bf16 sum would round per chunk); only
+        # when the head trains: a frozen one (a LoRA base) would hold vocab x hidden floats for
+        # nothing (0.9 GB at Qwen2.5-1.5B's shape).
+        f32 = dict(dtype=torch.float32, device=weight.device)
+        grad_weight = torch.zeros(weight.shape, **f32) if need_weight else None
+        grad_bias = torch.zeros(weight.shape[0], **f32) if need_bias else None
         for s in range(0, hidden.shape[0], chunk):
             e = min(hidden.shape[0], s + chunk)
             go = grad_logprobs[s:e, None].float()  # [chunk, 1]

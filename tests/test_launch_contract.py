@@ -15,6 +15,8 @@ import lightning as L
 import pytest
 import torch.distributed as dist
 from lightning.fabric.accelerators import cuda as lightning_cuda
+from lightning.fabric.utilities.rank_zero import rank_zero_only as fabric_rank_zero_only
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 
 import streamrl.runtime.devices
 from streamrl.algorithms import GRPO
@@ -46,6 +48,10 @@ def test_the_backend_carries_objects_on_gloo_and_cuda_tensors_on_nccl():
 
 
 def _sharded_trainer(placement, monkeypatch, local_rank: int) -> L.Trainer:
+    # The strategy makes this process rank `local_rank` for Lightning's rank-zero-only calls
+    # (loggers write nothing elsewhere): undone after the test, for the tests that follow.
+    for flag in (fabric_rank_zero_only, utils_rank_zero_only):
+        monkeypatch.setattr(flag, "rank", flag.rank)
     monkeypatch.setenv("LOCAL_RANK", str(local_rank))
     monkeypatch.setenv("RANK", str(local_rank))
     monkeypatch.setenv("WORLD_SIZE", str(placement.ranks))

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -39,6 +40,9 @@ def main() -> None:
     parser.add_argument("--kill-above-gib", type=float, default=21.0)
     parser.add_argument("--timeout-s", type=float, default=3600.0)
     parser.add_argument("--out", help="also write the JSON here")
+    parser.add_argument(
+        "--keep", action="store_true", help="keep each run's output directory (several GB each)"
+    )
     parser.add_argument(
         "--baseline-unset",
         action="append",
@@ -142,13 +146,15 @@ def _measure(tree: Path, config: Path, args: argparse.Namespace) -> dict:
         if run.poll() is None:
             os.killpg(run.pid, signal.SIGKILL)
     roles = _roles(run.pid, output_dir, peaks)
+    if not args.keep:  # checkpoints and the saved policy: GBs per run, read by no one here
+        shutil.rmtree(output_dir, ignore_errors=True)
     result = {
         "wall_s": round(time.monotonic() - started, 1),
         "returncode": run.returncode,
         "tree_peak_rss_bytes": tree_peak,
         "process_peak_bytes": {role: peaks[pid] for role, pid in roles.items()},
         "killed_above_bytes": killed_at,
-        "output_dir": str(output_dir),
+        "output_dir": str(output_dir) if args.keep else None,
     }
     lines = out.strip().splitlines()
     if run.returncode == 0 and lines:

@@ -180,7 +180,7 @@ def _follow_rank_zero(config: RunConfig, job: ClusterEnvironment, resume: str | 
     model_dir = job_kind(config).policy_dir(show_progress=False)
     hidden = AutoConfig.from_pretrained(model_dir, local_files_only=True).hidden_size
     setup = RankSetup.from_config(config, build_run_algorithm(config.rl, hidden), job, model_dir)
-    pin_threads(setup.placement)
+    pin_threads(setup.placement, model_dir)
     module = setup.module(setup.empty_policy(model_dir), None)  # it reads its own shards
     wait_for_rank_zero(setup.timeouts.prepare_s)  # rank 0's generators run, its evaluation done
     setup.trainer(module).fit(module, ckpt_path=resume)

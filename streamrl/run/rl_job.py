@@ -154,7 +154,7 @@ def train_rl(
     rl = config.rl
     parts = RunParts.from_config(config, empty_model(model_dir, torch.float32), tokenizer)
     setup = RankSetup.from_config(config, parts.algorithm, job, model_dir)
-    pin_threads(setup.placement)  # on the CPU the generators need the other cores
+    pin_threads(setup.placement, model_dir)  # on the CPU the generators need the other cores
     policy = setup.empty_policy(model_dir)  # LoRA: adapters only train, and only they travel
     timeouts = Timeouts.for_model(
         sum(p.numel() * p.element_size() for p in policy.parameters()),

@@ -62,7 +62,10 @@ from streamrl.records import Request
 from streamrl.runtime.devices import pin_visible_gpu
 
 # fingerprint: imported from here by callers that compare an instance's weights with a policy.
-from streamrl.runtime.peak_memory import release_freed_memory
+from streamrl.runtime.peak_memory import (
+    DECODE_FREED_MEMORY_THRESHOLD_BYTES,
+    release_freed_memory,
+)
 
 __all__ = ["WorkerSpec", "fingerprint", "worker_main"]
 
@@ -128,8 +131,8 @@ def worker_main(spec: WorkerSpec, inbox: Any, outbox: Any, leave: Any = None) ->
     with contextlib.suppress(ValueError):  # not the main thread (a Ray actor may be threaded)
         signal.signal(signal.SIGINT, signal.SIG_IGN)
     torch.set_num_threads(1)
-    if not str(spec.device).startswith("cuda"):  # memory follows the live tensors
-        release_freed_memory()
+    if not str(spec.device).startswith("cuda"):  # memory follows the live big tensors
+        release_freed_memory(DECODE_FREED_MEMORY_THRESHOLD_BYTES)
     # The pool starts instances as daemons (never outliving it); an instance may start processes
     # of its own (vLLM's tensor-parallel workers, daemons too, which watch it and end with it).
     multiprocessing.current_process().daemon = False

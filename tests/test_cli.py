@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -101,7 +102,10 @@ def test_fit_small_run_prints_json_summary(tmp_path, capsys):
     # As a user pipes it (`streamrl fit ... | tail -1`), progress on: the headings of the
     # stages and every bar go to stderr, and stdout is the one JSON line.
     command = [sys.executable, "-m", "streamrl.cli.main", "fit", "--config", str(config)]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=280, check=True)
+    env = {**os.environ, "STREAMRL_CACHE": str(tmp_path / "cache")}  # a warm start that runs
+    result = subprocess.run(
+        command, capture_output=True, text=True, timeout=280, check=True, env=env
+    )
     [line] = result.stdout.splitlines()
     summary = json.loads(line)
     headings = [h for h in result.stderr.splitlines() if h.startswith("[")]

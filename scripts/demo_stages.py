@@ -21,6 +21,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from baseline_tree import worktree
+
 ROOT = Path(__file__).resolve().parents[1]
 HEADING = re.compile(r"^\[(\d)/(\d)\] (.*)")
 
@@ -32,7 +34,7 @@ def main() -> None:
     args = parser.parse_args()
     runs = []
     for label, tree in (
-        (f"baseline {args.baseline}", _worktree(args.baseline)),
+        (f"baseline {args.baseline}", worktree(args.baseline)),
         ("this tree", ROOT),
     ):
         print(f"[demo_stages] {label}", file=sys.stderr)
@@ -43,17 +45,6 @@ def main() -> None:
                 file=sys.stderr,
             )
     print(json.dumps({"size": args.size, "runs": runs}))
-
-
-def _worktree(revision: str) -> Path:
-    path = Path(tempfile.gettempdir()) / f"streamrl-baseline-{revision}"
-    if not path.exists():
-        subprocess.run(
-            ["git", "-C", str(ROOT), "worktree", "add", "--detach", str(path), revision],
-            check=True,
-            capture_output=True,
-        )
-    return path
 
 
 def _run(tree: Path, size: str) -> dict:

@@ -28,6 +28,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from baseline_tree import worktree
+
 ROOT = Path(__file__).resolve().parents[1]
 GIB = 2**30
 
@@ -55,7 +57,7 @@ def main() -> None:
     trees = []
     if args.baseline:
         config = _copy(Path(args.config), args.baseline_unset)
-        trees.append((f"baseline {args.baseline}", _worktree(args.baseline), config))
+        trees.append((f"baseline {args.baseline}", worktree(args.baseline), config))
     trees.append(("this tree", ROOT, _copy(Path(args.config), [])))
     results = []
     for label, tree, config in trees:
@@ -66,17 +68,6 @@ def main() -> None:
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=2))
     print(json.dumps(report))
-
-
-def _worktree(revision: str) -> Path:
-    path = Path(tempfile.gettempdir()) / f"streamrl-baseline-{revision}"
-    if not path.exists():
-        subprocess.run(
-            ["git", "-C", str(ROOT), "worktree", "add", "--detach", str(path), revision],
-            check=True,
-            capture_output=True,
-        )
-    return path
 
 
 def _copy(config: Path, keys: list[str]) -> Path:

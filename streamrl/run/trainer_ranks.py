@@ -230,11 +230,8 @@ class RankSetup:
 
 
 def pin_threads(placement: Placement, model_dir: str | Path) -> None:
-    """One torch thread per trainer process on the CPU, where the generators need the other
-    cores, and, for a model past ``RELEASE_FROM_MODEL_BYTES``, freed tensors' memory returned to
-    the system at once (``release_freed_memory``: the process's memory follows its live
-    tensors; a smaller model's steps stay on glibc's faster heap); on CUDA the host is left
-    alone."""
+    """On the CPU: one torch thread (the generators need the other cores), and for a model past
+    ``RELEASE_FROM_MODEL_BYTES`` freed memory returned at once (``release_freed_memory``)."""
     if placement.accelerator == "cpu":
         torch.set_num_threads(1)
         if directory_bytes(model_dir) >= RELEASE_FROM_MODEL_BYTES:

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import torch
 
+import streamrl.policy.varlen_attention as varlen_module
 from streamrl.components.training.layout import layout_batch, layout_for
 from streamrl.policy.logprobs import completion_logprobs
 from streamrl.policy.models import build_tiny_model, build_tokenizer
-from streamrl.policy.varlen_attention import NAME, register, varlen_attention
+from streamrl.policy.varlen_attention import NAME, attention_for, register, varlen_attention
 from streamrl.records import Sample
 
 
@@ -76,3 +77,21 @@ def test_a_model_built_with_it_packs_and_scores_as_padded_rows_do():
     torch.testing.assert_close(results["packed"][0], results["padded"][0], rtol=1e-5, atol=1e-5)
     for name, grad in results["padded"][1].items():
         torch.testing.assert_close(results["packed"][1][name], grad, rtol=1e-4, atol=1e-5)
+
+
+def test_cuda_with_flash_attn_takes_flash_attention_2_and_the_rest_streamrl_varlen(monkeypatch):
+    real_find_spec = varlen_module.importlib.util.find_spec
+
+    def flash_installed(installed: bool) -> None:
+        def find_spec(name: str):
+            if name == "flash_attn":
+                return object() if installed else None
+            return real_find_spec(name)
+
+        monkeypatch.setattr(varlen_module.importlib.util, "find_spec", find_spec)
+
+    flash_installed(True)
+    assert attention_for("cuda") == "flash_attention_2"
+    assert attention_for("cpu") == NAME  # flash-attn is CUDA's alone
+    flash_installed(False)
+    assert attention_for("cuda") == NAME

@@ -57,7 +57,6 @@ from streamrl.components.generation.admission import AdmissionQueue, budget
 from streamrl.components.generation.finished import finished_sample
 from streamrl.components.generation.moving import generated_before, leaving
 from streamrl.components.generation.sampling import sampling_temperature
-from streamrl.components.generation.vllm_worker import EXTENSION
 from streamrl.components.skewness.schedulers import AdmissionScheduler
 from streamrl.components.weights.nccl import DEFAULT_BUCKET_BYTES
 from streamrl.components.weights.staging import StagedWeights
@@ -85,6 +84,7 @@ class _Admitted:
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)  # per generated token, its weights
     recomputed: int = 0  # tokens prefilled again under newer weights (partial rollout)
+    added_at: int = 0  # tokens generated before its current vLLM request (moves, recompute)
 
 
 #: KV cache of one instance on the CPU build, unless ``kv_cache_memory_bytes`` is passed.
@@ -162,6 +162,10 @@ class VLLMStreamGenerator:
             # A cached prompt's KV would outlive load_weights and mix weight versions.
             raise ConfigError("VLLMStreamGenerator: enable_prefix_caching is not supported.")
         vllm = _import_vllm()
+        # Both import vLLM: here, once it is known to be installed.
+        from streamrl.components.generation.vllm_worker import EXTENSION
+        from streamrl.components.weights.vllm_protocol import engine_backend, register_backends
+
         if os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0") != "0":
             raise ConfigError(
                 "VLLMStreamGenerator runs vLLM's engine core in-process (weights are loaded "
@@ -202,6 +206,9 @@ class VLLMStreamGenerator:
             # its KV cache and compiles graphs at start; several instances on one machine need a
             # bounded cache and eager mode instead. Pass either argument to choose otherwise.
             args.update(kv_cache_memory_bytes=CPU_KV_CACHE_BYTES, enforce_eager=True)
+        # vLLM's weight-transfer protocol (vllm_protocol): its NCCL on CUDA, our gloo elsewhere.
+        register_backends()
+        args.update(weight_transfer_config={"backend": engine_backend(device)})
         args.update(engine_kwargs, worker_extension_cls=EXTENSION)
         ranks = int(args.get("tensor_parallel_size", 1))
         with _cpu_rank_binding(ranks if device == "cpu" else 1):
@@ -274,6 +281,7 @@ class VLLMStreamGenerator:
             row.logprobs += [step[tok].logprob for tok, step in zip(tokens, delta.logprobs)]
             row.versions += [self._weight_version] * len(tokens)
             if out.finished:
+                _engine_versions(row, delta)
                 finished.append(out)
         now = time.time()
         return [self._to_sample(out, now) for out in finished]
@@ -359,6 +367,40 @@ class VLLMStreamGenerator:
             self._staging = staging
         return self._staging
 
+    # vLLM's weight-transfer protocol on this instance (``vllm_protocol.InstancesClient`` makes
+    # the calls on every instance of a run): the engine's own calls, through its workers.
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        """Join the trainer's weight group (its rank is ``init_info``'s ``rank_offset`` + the
+        worker's rank)."""
+        self._engine.collective_rpc("init_weight_transfer_engine", kwargs={"init_info": init_info})
+
+    def start_weight_update(self) -> None:
+        """Open an update: vLLM's layerwise reload takes the tensors that follow."""
+        self._engine.collective_rpc("start_weight_update")
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        """Receive a version's tensors (blocks while the trainer broadcasts them) and load them
+        between two steps: running sequences keep their KV cache (vLLM's ``keep`` pause)."""
+        self._engine.collective_rpc("update_weights", kwargs={"update_info": update_info})
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        """Close the update; from now on tokens are drawn by ``weight_version`` (vLLM tags
+        each output with it, and so does ``Sample.token_versions``)."""
+        self._engine.collective_rpc("finish_weight_update")
+        if weight_version is not None:
+            self._engine.set_weight_version(str(weight_version))
+            self._weight_version = int(weight_version)
+
+    def loaded_digests(self) -> list[dict[str, str]]:
+        """Per worker rank, the digest of every tensor it loaded in the last update that
+        asked for digests (``vllm_protocol.verify_digests``)."""
+        return self._engine.collective_rpc("streamrl_loaded_digests")
+
+    def applied_digests(self) -> list[dict[str, str]]:
+        """Per worker rank, the digests of the weights its model holds now, by the trainer's
+        names (those it can read back: ``vllm_protocol.applied_digests``)."""
+        return self._engine.collective_rpc("streamrl_applied_digests")
+
     def weight_templates(self) -> dict[str, torch.Tensor]:
         """The trainer's parameters as ``meta`` tensors: names, shapes and dtypes, in
         ``named_parameters()`` order (the order weights are broadcast in)."""
@@ -401,6 +443,7 @@ class VLLMStreamGenerator:
             logprobs=0,  # the sampled token's log-prob only
             output_kind=RequestOutputKind.DELTA,  # each step's new tokens: tagged by version
         )
+        row.added_at = len(row.token_ids)
         request_id = f"{self.instance_id}-{self._admitted}"
         prompt = TokensPrompt(prompt_token_ids=prompt_ids)
         self._engine.add_request(request_id, prompt, params, priority=row.priority)
@@ -442,6 +485,18 @@ class VLLMStreamGenerator:
                 )
             weights.append((name, tensor))
         return weights
+
+
+def _engine_versions(row: _Admitted, completion: Any) -> None:
+    """Take each token's weight version from vLLM's ``weight_versions`` spans where the
+    engine gives them (versions set by ``finish_weight_update``); they cover the tokens of the
+    row's current vLLM request."""
+    for span in getattr(completion, "weight_versions", None) or []:
+        if not str(span.version).isdigit():  # the checkpoint's own label: ours stand
+            continue
+        start = row.added_at + span.start
+        end = min(row.added_at + span.end, len(row.versions))
+        row.versions[start:end] = [int(span.version)] * (end - start)
 
 
 @contextlib.contextmanager

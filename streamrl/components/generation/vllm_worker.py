@@ -18,6 +18,15 @@ from typing import Any
 import torch
 
 from streamrl.components.weights.staging import map_file
+from streamrl.components.weights.vllm_protocol import (
+    applied_digests,
+    register_backends,
+    reprocess_lm_heads,
+)
+
+# vLLM resolves this module in every worker process before it loads the model, so the weight
+# transfer backend of ours is known wherever vLLM builds its engine.
+register_backends()
 
 #: The extension, as vLLM's ``worker_extension_cls`` names it.
 EXTENSION = f"{__name__}.StagingLoader"
@@ -46,15 +55,13 @@ class StagingLoader:
         self.reload_weights(weights_iterator=iter(views), is_checkpoint_format=True)
         reprocess_lm_heads(self.get_model())
 
+    def streamrl_loaded_digests(self) -> dict[str, str]:
+        """The digests of what the weight-transfer engine loaded last (``vllm_protocol``)."""
+        return dict(getattr(self.weight_transfer_engine, "loaded_digests", {}))
 
-def reprocess_lm_heads(model: torch.nn.Module) -> None:
-    """Re-run the LM heads' post-load processing: a tied head gets no tensor of its own, so
-    vLLM 0.32 would keep its CPU-packed copy of the old embedding (stale logits)."""
-    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
-
-    for module in model.modules():
-        if isinstance(module, ParallelLMHead):
-            module.quant_method.process_weights_after_loading(module)
+    def streamrl_applied_digests(self) -> dict[str, str]:
+        """The digests of the weights the model holds now, by the trainer's names."""
+        return applied_digests(self.get_model())
 
 
 def _numel(shape: Any) -> int:

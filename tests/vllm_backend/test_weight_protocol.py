@@ -1,0 +1,150 @@
+"""vLLM's weight-transfer protocol on vLLM's CPU build, through our gloo backend: the very calls a
+GPU run makes (``init_weight_transfer_engine``, ``start_weight_update``, ``update_weights``,
+``finish_weight_update``), several instances on one broadcast, checksums after every version,
+and transfers broken on purpose caught."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm")
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+import torch
+from hosted_instance import HostedInstance
+from test_vllm_generator import _forced, _hf_greedy, _policy
+
+from streamrl.components.weights.checksums import (
+    WeightMismatchError,
+    verify_applied,
+    verify_digests,
+)
+from streamrl.components.weights.instances_client import InstancesClient
+from streamrl.components.weights.vllm_protocol import (
+    GlooWeightTransferEngine,
+    WireSource,
+    trainer_engine,
+)
+from streamrl.policy.models import build_tokenizer, save_policy
+
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.timeout(300),
+    pytest.mark.filterwarnings("ignore:.*reduce_op.*:FutureWarning"),
+]
+
+
+class DropsWhatItReceives(GlooWeightTransferEngine):
+    """A worker backend that joins every broadcast and applies nothing: the silent no-op of
+    vLLM's NCCL path off CUDA (vLLM PR #57022), or an adapter never applied (verl #7495)."""
+
+    def receive_weights(self, update_info):  # type: ignore[no-untyped-def]
+        model, self.model = self.model, _Nowhere()
+        try:
+            super().receive_weights(update_info)  # every bucket crosses, and goes nowhere
+        finally:
+            self.model = model
+        self.loaded_digests = {}
+
+
+class _Nowhere:
+    def load_weights(self, weights):  # type: ignore[no-untyped-def]
+        return set()
+
+
+#: The error names the instance and the first tensor that differs.
+NAMED = r"instance-0 .* 'model\.embed_tokens\.weight'"
+#: Registered in each instance's process (``hosted_instance``), as a vLLM plugin would be.
+NOOP = "streamrl_test_drops"
+
+
+@pytest.fixture(scope="module")
+def policy_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_policy(_policy(seed=0), build_tokenizer(), tmp_path_factory.mktemp("policy"))
+
+
+def _instances(policy_dir: Path, count: int, **kwargs) -> dict[str, HostedInstance]:
+    """``count`` instances, each a process of its own (as in a run)."""
+    backends = {NOOP: f"{__name__}:DropsWhatItReceives"}
+    return {
+        f"instance-{k}": HostedInstance(policy_dir, backends, instance_id=k, **kwargs)
+        for k in range(count)
+    }
+
+
+def _check(sender, instances: dict[str, HostedInstance]) -> None:
+    for name, instance in instances.items():
+        for loaded in instance.loaded_digests():
+            verify_digests(sender.sent_digests, loaded, name)
+        for applied in instance.applied_digests():
+            assert verify_applied(sender.sent_digests, applied, name) > 0
+
+
+def test_one_broadcast_reaches_every_instance_and_checksums_agree(policy_dir):
+    instances = _instances(policy_dir, 3)
+    try:
+        client = InstancesClient(instances, timeout_s=60)
+        assert client.world_size == 4
+        sender = trainer_engine(WireSource(dict().items), client, timeout_s=60)
+        for version, seed in ((1, 1), (2, 0)):
+            trainer = _policy(seed)
+            sender.source = WireSource(trainer.named_parameters, torch.float32)
+            sender.send_weights(str(version), digests=True)
+            assert len(sender.sent_digests) == len(list(trainer.parameters()))
+            _check(sender, instances)
+            for instance in instances.values():
+                requests = _forced([8] * 4, tag=f"v{version}")
+                samples = {s.prompt_id: s for s in instance.generate(requests)}
+                for req in requests:
+                    assert samples[req.prompt_id].token_ids == _hf_greedy(trainer, req)[0]
+                    assert samples[req.prompt_id].token_versions == [version] * 8
+    finally:
+        for instance in instances.values():
+            instance.close()
+
+
+def test_a_transfer_that_applies_nothing_is_caught_naming_the_instance_and_tensor(policy_dir):
+    instances = _instances(policy_dir, 1, weight_transfer_config={"backend": NOOP})
+    (instance,) = instances.values()
+    try:
+        sender = trainer_engine(
+            WireSource(_policy(1).named_parameters, torch.float32),
+            InstancesClient(instances, timeout_s=60),
+            timeout_s=60,
+        )
+        sender.send_weights("1", digests=True)  # "succeeds": every bucket crossed
+        with pytest.raises(WeightMismatchError, match=NAMED):
+            verify_digests(sender.sent_digests, instance.loaded_digests()[0], "instance-0")
+        with pytest.raises(WeightMismatchError, match=NAMED):
+            verify_applied(sender.sent_digests, instance.applied_digests()[0], "instance-0")
+    finally:
+        instance.close()
+
+
+def test_a_running_sequence_keeps_its_tokens_across_an_update_with_vllms_version_spans(
+    policy_dir,
+):
+    instances = _instances(policy_dir, 1)
+    (instance,) = instances.values()
+    try:
+        sender = trainer_engine(
+            WireSource(_policy(1).named_parameters, torch.float32),
+            InstancesClient(instances, timeout_s=60),
+            timeout_s=60,
+        )
+        sender.send_weights("1")
+        instance.submit(_forced([12]))
+        for _ in range(5):
+            assert not instance.step()
+        ((_, generated),) = instance.running_progress()
+        sender.source = WireSource(_policy(0).named_parameters, torch.float32)
+        sender.send_weights("2")  # between two steps: the sequence stays, its KV cache too
+        (sample,) = instance.generate([])
+    finally:
+        instance.close()
+    # vLLM's spans say which weights drew each token: the first ones version 1, then 2.
+    assert sample.token_versions == [1] * generated + [2] * (12 - generated)
+    assert sample.weight_version == 1 and sample.length == 12

@@ -295,6 +295,8 @@ def rl_summary(module: StreamRLModule, iterations: int) -> dict:
         "dropped_stale": module.pipeline.dropped_stale,
         "sync_exposed_s_total": sum(h["time/sync_exposed_s"] for h in history),
         "sync_transfer_s_total": module.sync_transfer_s,
+        "grad_norms": [h["train/grad_norm"] for h in history],
+        "logprob_gap_max": max((h.get("train/logprob_gap", 0.0) for h in history), default=0.0),
         "trainer": {
             "device": module.trained_on,
             "ranks": module.trainer.world_size,

@@ -50,6 +50,7 @@ class Correction:
     ratio_max: float = 1.0
     truncated_frac: float = 0.0
     stale_samples: int = 0
+    logprob_gap: float = 0.0  # mean |trainer - generator| log-prob of the corrected tokens
 
 
 def correct_stale(
@@ -97,6 +98,7 @@ def correct_stale(
         ratio_max=float(picked.max()),
         truncated_frac=float(cut.float().mean()),
         stale_samples=int(tokens.any(1).sum()),
+        logprob_gap=float((proximal - behaviour)[tokens].abs().mean()),
     )
 
 
@@ -112,6 +114,9 @@ def correction_metrics(corrections: list[Correction]) -> dict[str, float]:
         "train/is_ratio_max": max(c.ratio_max for c in corrections),
         "train/is_truncated_frac": sum(c.truncated_frac * c.stale_samples for c in corrections)
         / stale,
+        # with the engine-gap correction on (every token), how far the generators' numerics
+        # are from the trainer's: a wrong weight load shows here first
+        "train/logprob_gap": sum(c.logprob_gap * c.stale_samples for c in corrections) / stale,
     }
 
 

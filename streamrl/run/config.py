@@ -157,6 +157,10 @@ class RLConfig:
         weight_transport: how weights reach each generator: ``"gloo"`` (a broadcast per
             tensor), ``"bucketed"`` (tensors packed into large buffers) or ``"nccl"`` (buckets
             GPU to GPU through CuPy's NCCL; needs CuPy and GPUs).
+        weight_protocol: vLLM instances take each version through vLLM's weight-transfer
+            protocol (its four calls, our gloo backend on the CPU) instead of a host staging of
+            their own; needs ``engine: vllm`` and ``partial_rollout`` keep or recompute
+            (docs/weight_transfer.md).
         weight_bucket_mb: the largest bucket a weight version travels in (MiB); the extra
             device memory of a sync is about one bucket (docs/weight_transfer.md).
         weight_fanout: generator instances each instance passes the weights on to (1: a
@@ -262,6 +266,7 @@ class RLConfig:
     cluster: str | dict[str, Any] = "local"
     gpus: int = 0
     weight_transport: str = "gloo"
+    weight_protocol: bool = False
     weight_bucket_mb: int = 256
     weight_fanout: int = 1
     start_timeout_s: float | None = None

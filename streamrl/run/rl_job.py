@@ -179,6 +179,7 @@ def train_rl(
         gpus_per_instance=rl.gpus,
         gpu_ids=setup.placement.generator_gpus or None,
         weight_transport=rl.weight_transport,
+        weight_protocol=rl.weight_protocol,
         weight_bucket_bytes=rl.weight_bucket_mb * 2**20,
         weight_fanout=rl.weight_fanout,
         start_timeout_s=timeouts.start_s,

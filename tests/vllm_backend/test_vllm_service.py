@@ -115,6 +115,15 @@ def test_fit_switches_to_vllm_with_one_field(fit_small):
     fit_small(model_size="demo", engine="vllm")  # head size 32: vLLM's CPU attention
 
 
+def test_fit_feeds_vllm_through_its_weight_transfer_protocol(fit_small):
+    """rl.weight_protocol: every version through vLLM's four calls, loaded between two steps
+    (partial rollout keep, one-step async); nothing lost, every instance on the last version."""
+    summary = fit_small(
+        model_size="demo", engine="vllm", weight_protocol=True, partial_rollout="keep", mode="async"
+    )
+    assert summary["samples_lost"] == 0 and summary["instances_restarted"] == 0
+
+
 def test_a_tensor_parallel_instance_gets_updates_and_takes_its_ranks_with_it(tmp_path):
     """An instance whose engine spans two worker processes (tensor_parallel_size=2): weights
     reach both ranks through the instance's shared staging; when the instance is killed, its

@@ -17,6 +17,8 @@ import torch
 from hosted_instance import HostedInstance
 from test_vllm_generator import _forced, _hf_greedy, _policy
 
+from streamrl.components.generation.engines import VLLMEngine
+from streamrl.components.generation.service import StreamGenerationService
 from streamrl.components.weights.checksums import (
     WeightMismatchError,
     verify_applied,
@@ -28,7 +30,8 @@ from streamrl.components.weights.vllm_protocol import (
     WireSource,
     trainer_engine,
 )
-from streamrl.policy.models import build_tokenizer, save_policy
+from streamrl.policy.models import build_tiny_model, build_tokenizer, save_policy
+from streamrl.records import Request
 
 pytestmark = [
     pytest.mark.vllm,
@@ -148,3 +151,48 @@ def test_a_running_sequence_keeps_its_tokens_across_an_update_with_vllms_version
     # vLLM's spans say which weights drew each token: the first ones version 1, then 2.
     assert sample.token_versions == [1] * generated + [2] * (12 - generated)
     assert sample.weight_version == 1 and sample.length == 12
+
+
+def test_the_service_feeds_vllm_instances_through_the_protocol(tmp_path):
+    """``weight_protocol=True``: each version reaches each vLLM instance through vLLM's calls
+    (no host staging in the instances), and the engines then compute the trainer's log-probs."""
+    tokenizer = build_tokenizer()
+    policy = build_tiny_model(tokenizer, "demo", seed=0)  # head size 32: vLLM's CPU attention
+    model_dir = save_policy(policy, tokenizer, tmp_path / "policy")
+    service = StreamGenerationService(
+        model_dir,
+        2,
+        engine=VLLMEngine(options=dict(enforce_eager=True, kv_cache_memory_bytes=16 << 20)),
+        max_batch_size=4,
+        greedy=True,
+        partial_rollout="keep",
+        weight_protocol=True,
+        weight_bucket_bytes=256 << 10,  # several buckets
+    )
+    requests = [Request(f"p{i}", [5 + i, 6, 7], max_tokens=8, forced_length=8) for i in range(4)]
+    with service:
+        old = [list(s.logprobs) for s in service.generate(requests)]
+        for version in (1, 2):
+            with torch.no_grad():
+                for p in policy.parameters():
+                    p.add_(torch.randn_like(p) * 0.2)
+            service.update(policy, version=version)
+            assert [i.weight_version for i in service.instances()] == [version, version]
+            samples = list(service.generate(requests))
+            assert {s.weight_version for s in samples} == {version}
+            for sample in samples:
+                got = torch.tensor(sample.logprobs)
+                torch.testing.assert_close(
+                    got, _logprobs(policy, sample, tokenizer), atol=1e-3, rtol=0
+                )
+        assert old != [list(s.logprobs) for s in samples]
+        assert service.counts["instances_restarted"] == 0
+
+
+def _logprobs(model, sample, tokenizer) -> torch.Tensor:
+    ids = torch.tensor([sample.prompt_ids + sample.token_ids])
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(sample.prompt_ids) - 1 : -1].float()
+    logits[:, tokenizer.eos_token_id] = float("-inf")  # masked while a forced length runs
+    logp = torch.log_softmax(logits, -1)
+    return logp.gather(1, torch.tensor(sample.token_ids)[:, None])[:, 0]

@@ -26,7 +26,7 @@ import importlib.util
 import pickle
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from streamrl.errors import ConfigError
 from streamrl.protocols import AdmissionScheduler, Cluster, EngineSpec, GenerationEngine
@@ -146,6 +146,8 @@ class VLLMEngine:
 
     options: dict[str, Any] = field(default_factory=dict)
     speculative: SpeculativeDecoding | None = None
+    #: Its instances take weights through vLLM's weight-transfer protocol too (``protocol_feed``).
+    speaks_weight_protocol: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "speculative", speculative_settings(self.speculative))

@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from streamrl.components.generation.instance import InstanceHandle
+from streamrl.components.generation.protocol_feed import ProtocolLink
 from streamrl.components.weights.relay import RelayedGroup
 from streamrl.components.weights.sync import AsyncWeightSync
 from streamrl.components.weights.transport import LazyGroup, WeightGroup, set_feed
@@ -38,6 +39,8 @@ class WeightFeeds:
         fanout: instances each instance feeds at most (new ones; a refeed may exceed it).
         device: the trainer's device the weights leave from (an NCCL link's buffers live
             there: the trainer's own GPU, ``cuda:k``, never a guessed ``cuda:0``).
+        protocol: every instance is fed by the trainer through vLLM's weight-transfer
+            protocol (``protocol_feed.ProtocolLink``): no chains, no relays.
     """
 
     def __init__(
@@ -48,16 +51,20 @@ class WeightFeeds:
         timeout_s: float,
         fanout: int = 1,
         device: str = "cuda",
+        protocol: bool = False,
     ) -> None:
         if fanout < 1:
             raise ValueError(f"fanout must be >= 1, got {fanout}.")
         self.sync, self.handles = sync, handles
         self.transport, self.timeout_s, self.fanout = transport, timeout_s, fanout
-        self.device = device
+        self.device, self.protocol = device, protocol
 
     def join(self, handle: InstanceHandle) -> None:
         """A new instance that loaded the model: feed it from the first instance of its site
         with a free slot (or the trainer), from the last version pushed on."""
+        if self.protocol:
+            self._feed(handle, None)
+            return
         head = next(
             (
                 other
@@ -111,6 +118,10 @@ class WeightFeeds:
             handle.inbox.put(("update", version, generation))
 
         handle.head = head.instance_id if head is not None else None
+        if head is None and self.protocol:  # vLLM's calls; the group meets at the first version
+            link = ProtocolLink(handle, self.sync, generation, self.timeout_s)
+            self.sync.add_group(handle.instance_id, link, link.announce)
+            return
         if head is None:  # both sides connect at the first transfer (the instance on receiving)
             group = LazyGroup(self._connect(handle, generation))
             self.sync.add_group(handle.instance_id, group, announce)

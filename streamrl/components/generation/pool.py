@@ -66,6 +66,8 @@ class InstancePool:
             version), for operators.
         max_batch_size: each instance's batch slots (until the dispatcher sets a limit).
         trainer_device: the trainer's device the weights leave from (``WeightFeeds``).
+        weight_protocol: every instance takes weights through vLLM's protocol
+            (``protocol_feed``), fed by the trainer.
 
     Attributes:
         handles: every instance started, in id order (failed and stopped ones included).
@@ -93,8 +95,10 @@ class InstancePool:
         status_path: str | Path | None = None,
         max_batch_size: int = 32,
         trainer_device: str = "cuda",
+        weight_protocol: bool = False,
     ) -> None:
         self.launch, self.trainer_device = launch, trainer_device
+        self.weight_protocol = weight_protocol
         self.max_batch_size = max_batch_size
         self.dispatcher = dispatcher
         self.trainer_site = trainer_site
@@ -134,6 +138,7 @@ class InstancePool:
             self.weight_timeout_s,
             self.fanout,
             self.trainer_device,
+            protocol=self.weight_protocol,
         )
         try:
             for site in sites:

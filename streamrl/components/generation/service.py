@@ -36,6 +36,7 @@ from streamrl.components.generation.engines import HFEngine, check_factories
 from streamrl.components.generation.instance import InstanceHandle, InstanceInfo
 from streamrl.components.generation.partial import PartialRollout, check_partial_rollout
 from streamrl.components.generation.pool import GeneratorError, InstancePool
+from streamrl.components.generation.protocol_feed import check_weight_protocol
 from streamrl.components.generation.ray_instance import RayOptions
 from streamrl.components.skewness.dispatch import RoundRobinDispatcher
 from streamrl.components.skewness.instance_profile import LatencyProfile, mean_curve
@@ -154,6 +155,7 @@ class StreamGenerationService:
         gpu_ids: Sequence[int] | None = None,
         ray: RayOptions | None = None,
         weight_transport: str | WeightTransport = "gloo",
+        weight_protocol: bool = False,
         weight_bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         weight_fanout: int = 1,
         weight_timeout_s: float = 300.0,
@@ -186,6 +188,9 @@ class StreamGenerationService:
                 "most likely token instead of sampling."
             )
         weight_transport.check()  # NCCL: CuPy and a GPU, or a ConfigError saying how to get them
+        if weight_protocol:
+            check_weight_protocol(engine, partial_rollout)
+        self.weight_protocol = weight_protocol
         self.engine, self.scheduler = engine, scheduler
         self.model_dir = str(model_dir)
         self.num_instances = num_instances
@@ -222,6 +227,7 @@ class StreamGenerationService:
             status_path=status_path,
             max_batch_size=max_batch_size,
             trainer_device=trainer_device,
+            weight_protocol=weight_protocol,
         )
         self._outstanding: set[tuple] = set()  # keys submitted and not yet returned
         self._evaluating: set[tuple] = set()  # of those, an evaluation's (``submit``)
@@ -531,6 +537,7 @@ class StreamGenerationService:
             stop_token_ids=self.stop_token_ids,
             stop_strings=self.stop_strings,
             partial_rollout=self.partial_rollout,
+            weight_protocol=self.weight_protocol,
         )
         return self.cluster.spawn(
             instance_id,

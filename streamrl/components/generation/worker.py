@@ -46,6 +46,7 @@ import torch
 
 from streamrl.components.generation.hf_generator import fingerprint
 from streamrl.components.generation.partial import WeightLoader
+from streamrl.components.generation.protocol_feed import ProtocolReceiver
 from streamrl.components.skewness.instance_profile import LatencyProfile, profiled_latency
 from streamrl.components.skewness.schedulers import FIFOScheduler
 from streamrl.components.weights.nccl import DEFAULT_BUCKET_BYTES
@@ -104,6 +105,7 @@ class WorkerSpec:
     stop_token_ids: tuple[int, ...] = ()  # end-of-turn ids a sample also stops on
     stop_strings: tuple[str, ...] = ()  # a sample stops once its text contains one
     partial_rollout: str = "finish"  # running sequences at a weight update (``partial.py``)
+    weight_protocol: bool = False  # weights through vLLM's protocol (``protocol_feed``)
 
     def engine_spec(self) -> EngineSpec:
         """What the engine gets to build this instance."""
@@ -158,29 +160,40 @@ class _Instance:
     (admission pacing for the staleness bound) and weights being received in the background."""
 
     def __init__(self, spec: WorkerSpec, outbox: Any, parent: int) -> None:
-        from streamrl.components.weights.transport import WeightGroup
-
         self.spec, self.outbox, self.parent = spec, outbox, parent
         self.generator = spec.engine(spec.engine_spec(), spec.scheduler())
-        # The trainer's names and shapes, in the engine's dtype: what travels. An engine that
-        # loads from a staging of its own (vLLM's, shared with its worker processes) receives
-        # straight into that one.
-        own = getattr(self.generator, "weight_staging", None)
-        staged = (
-            own(spec.bucket_bytes)
-            if own is not None
-            else StagedWeights.like(
-                self.generator.weight_templates().items(), bucket_bytes=spec.bucket_bytes
-            )
+        templates = self.generator.weight_templates()
+        wire = str(next(iter(templates.values())).dtype) if templates else "float32"
+        wire = wire.removeprefix("torch.")
+        self.protocol = (
+            ProtocolReceiver(self.generator, spec.instance_id, spec.partial_rollout)
+            if spec.weight_protocol
+            else None
         )
-        wire = str(staged.specs[0].dtype).removeprefix("torch.") if staged.specs else "float32"
         curve = None
         if spec.profile is not None:  # PTL(BS) of this engine, device and dtype (§5.1)
             model, _ = profiled_latency(
                 self.generator, spec.profile, spec.model_dir, spec.engine, spec.device
             )
             curve = (model.batch_sizes, model.ptl_s)
+        self.loader = WeightLoader(self.generator, spec.partial_rollout)
+        self.held: list[Request] = []
+        # The trainer's names and shapes, in the engine's dtype: what travels. An engine that
+        # loads from a staging of its own (vLLM's, shared with its worker processes) receives
+        # straight into that one; with vLLM's protocol there is none.
+        self.receiver = None if self.protocol is not None else self._receiver(templates)
         _put(outbox, ("ready", spec.instance_id, os.getpid(), wire, curve), parent)
+
+    def _receiver(self, templates: dict[str, torch.Tensor]) -> _WeightReceiver:
+        from streamrl.components.weights.transport import WeightGroup
+
+        spec = self.spec
+        own = getattr(self.generator, "weight_staging", None)
+        staged = (
+            own(spec.bucket_bytes)
+            if own is not None
+            else StagedWeights.like(templates.items(), bucket_bytes=spec.bucket_bytes)
+        )
         timeout_s = spec.weight_timeout_s
 
         def connect(generation: int) -> WeightGroup:
@@ -196,9 +209,7 @@ class _Instance:
             )
 
         relay = WeightRelay(staged, spec.store_host, timeout_s, spec.transport)
-        self.receiver = _WeightReceiver(connect, staged, relay)
-        self.loader = WeightLoader(self.generator, spec.partial_rollout)
-        self.held: list[Request] = []
+        return _WeightReceiver(connect, staged, relay)
 
     def run(self, inbox: Any) -> None:
         beat = time.monotonic()
@@ -208,9 +219,8 @@ class _Instance:
                 _put(self.outbox, ("heartbeat", self.spec.instance_id), self.parent)
             self._apply_received_weights()
             idle = self.generator.idle
-            message = _next_message(
-                inbox, block=idle, poll_s=0.005 if self.receiver.busy else POLL_S
-            )
+            busy = self.receiver is not None and self.receiver.busy
+            message = _next_message(inbox, block=idle, poll_s=0.005 if busy else POLL_S)
             if message is not None:
                 if message[0] == "stop":
                     return
@@ -229,7 +239,9 @@ class _Instance:
             kind in ("update", "refeed") and not all(isinstance(x, int) for x in message[1:])
         ):  # fail loudly: the service replaces this instance and requeues its requests
             raise ValueError(f"Corrupt message from the service: {message!r:.200}")
-        if kind in MOVES:
+        if kind in PROTOCOL:
+            self._protocol(message)
+        elif kind in MOVES:
             self._move(message)
         elif kind == "submit":
             self.held.extend(message[1])
@@ -274,7 +286,19 @@ class _Instance:
                 moved = generator.release_waiting(message[2])
             _put(self.outbox, ("released", me, message[1], moved), self.parent)
 
+    def _protocol(self, message: tuple) -> None:
+        """vLLM's weight-transfer calls, between two steps (``protocol_feed``)."""
+        if self.protocol is None:
+            raise ValueError(f"{message[0]}: this instance was not started with weight_protocol.")
+        reply = self.protocol.handle(message)
+        if reply is not None:
+            _put(self.outbox, reply, self.parent)
+            if reply[0] == "updated":
+                self._release_held()
+
     def _apply_received_weights(self) -> None:
+        if self.receiver is None:  # fed through vLLM's protocol (``_protocol``)
+            return
         for version, staged in self.receiver.ready():
             if isinstance(staged, str):  # it did not arrive: the service decides whose fault
                 lost = ("weights_lost", self.spec.instance_id, *version, staged)
@@ -389,8 +413,10 @@ class _WeightReceiver:
 
 #: The planner's messages (``_Instance._move``).
 MOVES = ("release", "steal", "status", "reprioritize")
+#: vLLM's weight-transfer protocol (``protocol_feed``).
+PROTOCOL = ("wt_init", "wt_update")
 #: Every message an instance takes.
-KNOWN = ("submit", "limit", "update", "refeed", "fingerprint", *MOVES)
+KNOWN = ("submit", "limit", "update", "refeed", "fingerprint", *MOVES, *PROTOCOL)
 
 
 def _next_message(inbox: Any, block: bool, poll_s: float = POLL_S) -> tuple | None:

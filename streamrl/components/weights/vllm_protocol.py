@@ -31,7 +31,7 @@ from __future__ import annotations
 import socket
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any, ClassVar
 
 import torch
@@ -69,6 +69,7 @@ class GlooInitInfo(WeightTransferInitInfo):
     world_size: int
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
     timeout_s: float = DEFAULT_TIMEOUT_S
+    generation: int = 1  # the feed on the trainer's store this group belongs to (``feeding``)
 
 
 @dataclass
@@ -116,6 +117,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
             timeout_s=init_info.timeout_s,
             host=init_info.master_address,
             device="cpu",
+            generation=init_info.generation,
         )
 
     def start_weight_update(self) -> None:
@@ -207,6 +209,11 @@ class GlooTrainerInitInfo(TrainerInitInfo):
     master_address: str = "127.0.0.1"
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
     timeout_s: float = DEFAULT_TIMEOUT_S
+    #: A store the trainer already hosts for these instances (else a new one on a free port),
+    #: the feed ``generation`` on it, and ``abandon()``: why to stop waiting for them, or None.
+    store: Any = field(default=None, repr=False, compare=False)
+    generation: int = 1
+    abandon: Callable[[], str | None] | None = field(default=None, repr=False, compare=False)
 
 
 class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerInitInfo]):
@@ -236,7 +243,7 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
         engine = cls(client, source, init_info)
         if not engine.is_sender:
             return engine
-        store = make_store(init_info.world_size, init_info.timeout_s)
+        store = init_info.store or make_store(init_info.world_size, init_info.timeout_s)
         worker = GlooInitInfo(
             init_info.master_address,
             store.port,
@@ -244,12 +251,19 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
             world_size=init_info.world_size,
             bucket_bytes=init_info.bucket_bytes,
             timeout_s=init_info.timeout_s,
+            generation=init_info.generation,
         )
         # The instances wait in their rendezvous inside the call: run it beside ours.
         with ThreadPoolExecutor(1) as pool:
             joined = pool.submit(client.init_weight_transfer_engine, asdict(worker))
             engine.group = WeightGroup(
-                store.port, 0, init_info.world_size, store=store, timeout_s=init_info.timeout_s
+                store.port,
+                0,
+                init_info.world_size,
+                store=store,
+                timeout_s=init_info.timeout_s,
+                generation=init_info.generation,
+                abandon=init_info.abandon,
             )
             joined.result(timeout=init_info.timeout_s)
         return engine
@@ -279,6 +293,10 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
         assert self.group is not None
         specs = info.specs()
         buckets = plan_buckets(specs, self.info.bucket_bytes)
+        staged = getattr(self.source, "staged", None)
+        if staged is not None and staged.buckets == buckets and not digests:
+            self.group.broadcast(staged.buffers)  # already laid out as the instances expect
+            return
         home = {s.index: b for b, bucket in enumerate(buckets) for s in bucket.slots}
         flats: dict[int, torch.Tensor] = {}
         filled = [0] * len(buckets)
@@ -310,7 +328,21 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
         self.group = None
 
 
-# ---------------------------------------------------------------------------- the source
+# --------------------------------------------------------------------------- the sources
+class StagedSource(WeightSource):
+    """A version staged in host memory (``StagedWeights``, the wire dtype) as vLLM's
+    ``WeightSource``; the gloo engine sends its buckets as they are."""
+
+    def __init__(self, staged: Any) -> None:
+        self.staged = staged
+
+    def metadata(self) -> list[ParamMeta]:
+        return [ParamMeta(s.name, s.dtype, tuple(s.shape)) for s in self.staged.specs]
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return self.staged.named()
+
+
 class WireSource(WeightSource):
     """The trainer's parameters as vLLM's ``WeightSource``: each in the wire dtype (the
     engines'), an FSDP2 shard gathered whole (cast first: half the bytes in bf16), one at a
@@ -358,9 +390,11 @@ def trainer_engine(
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     timeout_s: float = DEFAULT_TIMEOUT_S,
     master_address: str = "127.0.0.1",
+    **gloo: Any,
 ) -> Any:
     """The trainer's engine for ``client``'s instances, through vLLM's factory (call it on
-    every trainer rank; rank 0 sends)."""
+    every trainer rank; rank 0 sends). ``gloo``: ``store``, ``generation``, ``abandon`` of
+    ``GlooTrainerInitInfo``."""
     register_backends()
     info: TrainerInitInfo
     if backend == GLOO_BACKEND:
@@ -370,6 +404,7 @@ def trainer_engine(
             bucket_bytes=bucket_bytes,
             timeout_s=timeout_s,
             rank=rank,
+            **gloo,
         )
     elif backend == "nccl":  # vLLM's own, on CUDA: packed, double-buffered, GPU to GPU
         from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
@@ -408,6 +443,7 @@ __all__ = [
     "GLOO_BACKEND",
     "GlooTrainerWeightTransferEngine",
     "GlooWeightTransferEngine",
+    "StagedSource",
     "WireSource",
     "applied_digests",
     "engine_backend",

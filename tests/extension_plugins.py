@@ -144,3 +144,18 @@ class AllOnFirstInstance(AdaptiveDispatcher):
             os.kill(self.pids[victim], signal.SIGKILL)
             self.kill = None
         return moves
+
+
+@dataclass(frozen=True)
+class AppliesNothing(HFEngine):
+    """An HF engine whose instances take every weight update and apply none of it (a LoRA
+    policy's adapters included): the silent no-op a checksum must catch (verl #7495)."""
+
+    def __call__(self, spec: EngineSpec, scheduler: AdmissionScheduler) -> StreamGenerator:
+        generator = super().__call__(spec, scheduler)
+
+        def load_weights(state_dict: Any, version: int) -> None:
+            generator._weight_version = int(version)  # says it loaded: nothing changed
+
+        generator.load_weights = load_weights
+        return generator

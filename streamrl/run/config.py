@@ -161,6 +161,10 @@ class RLConfig:
             protocol (its four calls, our gloo backend on the CPU) instead of a host staging of
             their own; needs ``engine: vllm`` and ``partial_rollout`` keep or recompute
             (docs/weight_transfer.md).
+        verify_weights_every: which weight versions every instance checks against the
+            trainer's checksums of each tensor once loaded (a transfer that moved nothing, or
+            an adapter never applied, stops the run naming the instance and the tensor):
+            ``null`` the first version only, 0 none, N the first and every N-th.
         weight_bucket_mb: the largest bucket a weight version travels in (MiB); the extra
             device memory of a sync is about one bucket (docs/weight_transfer.md).
         weight_fanout: generator instances each instance passes the weights on to (1: a
@@ -267,6 +271,7 @@ class RLConfig:
     gpus: int = 0
     weight_transport: str = "gloo"
     weight_protocol: bool = False
+    verify_weights_every: int | None = None
     weight_bucket_mb: int = 256
     weight_fanout: int = 1
     start_timeout_s: float | None = None

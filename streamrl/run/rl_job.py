@@ -180,6 +180,7 @@ def train_rl(
         gpu_ids=setup.placement.generator_gpus or None,
         weight_transport=rl.weight_transport,
         weight_protocol=rl.weight_protocol,
+        verify_weights_every=rl.verify_weights_every,
         weight_bucket_bytes=rl.weight_bucket_mb * 2**20,
         weight_fanout=rl.weight_fanout,
         start_timeout_s=timeouts.start_s,
@@ -339,5 +340,6 @@ def ledger(module: StreamRLModule) -> dict:
         "samples_discarded_late": service.counts["samples_discarded"],
         "samples_lost": requested - module.samples_trained - filtered - env_fault,
         "instances_restarted": service.counts["instances_restarted"],
+        "weight_versions_verified": service.counts["weight_versions_verified"],
         "generators_final": sum(i.state != "failed" for i in service.instances()),
     }

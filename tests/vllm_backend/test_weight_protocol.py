@@ -167,6 +167,7 @@ def test_the_service_feeds_vllm_instances_through_the_protocol(tmp_path):
         greedy=True,
         partial_rollout="keep",
         weight_protocol=True,
+        verify_weights_every=1,  # each instance's checksums of every version, as loaded
         weight_bucket_bytes=256 << 10,  # several buckets
     )
     requests = [Request(f"p{i}", [5 + i, 6, 7], max_tokens=8, forced_length=8) for i in range(4)]
@@ -187,6 +188,7 @@ def test_the_service_feeds_vllm_instances_through_the_protocol(tmp_path):
                 )
         assert old != [list(s.logprobs) for s in samples]
         assert service.counts["instances_restarted"] == 0
+        assert service.counts["weight_versions_verified"] == 2 * 2
 
 
 def _logprobs(model, sample, tokenizer) -> torch.Tensor:

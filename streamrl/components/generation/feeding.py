@@ -115,7 +115,8 @@ class WeightFeeds:
             handle.inbox.put(("refeed", generation))
 
         def announce(version: int) -> None:
-            handle.inbox.put(("update", version, generation))
+            verify = int(self.sync.verifies(version))  # it reports its checksums once loaded
+            handle.inbox.put(("update", version, generation, verify))
 
         handle.head = head.instance_id if head is not None else None
         if head is None and self.protocol:  # vLLM's calls; the group meets at the first version

@@ -46,6 +46,7 @@ from streamrl.components.generation.sampling import (
 from streamrl.components.generation.slot_forwards import SlotForwards
 from streamrl.components.generation.slot_sequence import SlotSequence, admitted_sequence
 from streamrl.components.generation.speculative import SpeculativeDecoding, Speculator
+from streamrl.components.weights.checksums import tensor_digest
 from streamrl.protocols import AdmissionScheduler
 from streamrl.records import Request, Sample
 
@@ -273,6 +274,11 @@ class HFStreamGenerator:
         """A hash of the weights, equal to ``fingerprint(policy)`` of a trainer holding the same
         (the service's ``fingerprints()``)."""
         return fingerprint(self.model)
+
+    def weight_digests(self) -> dict[str, str]:
+        """The checksum of every tensor a weight update fills, as held now (``tensor_digest``,
+        by the trainer's names): equal to the trainer's for the version it sent."""
+        return {name: tensor_digest(t) for name, t in self.weight_templates().items()}
 
     # ----------------------------------------------------------------- internals
     def _admit(self) -> None:

@@ -26,6 +26,7 @@ import torch
 from streamrl.components.generation.feeding import WeightFeeds
 from streamrl.components.generation.instance import InstanceHandle, InstanceInfo
 from streamrl.components.generation.rebalancing import Rebalancing
+from streamrl.components.weights.checksums import WeightMismatchError, verify_applied
 from streamrl.components.weights.nccl import DEFAULT_BUCKET_BYTES
 from streamrl.components.weights.sync import AsyncWeightSync, Weights
 from streamrl.protocols import Dispatcher, WeightTransport
@@ -68,6 +69,9 @@ class InstancePool:
         trainer_device: the trainer's device the weights leave from (``WeightFeeds``).
         weight_protocol: every instance takes weights through vLLM's protocol
             (``protocol_feed``), fed by the trainer.
+        verify_weights_every: which versions the instances check against the trainer's
+            checksums (``AsyncWeightSync.verifies``: ``None`` the first only, 0 none, N every
+            N-th and the first); a mismatch raises ``GeneratorError``.
 
     Attributes:
         handles: every instance started, in id order (failed and stopped ones included).
@@ -96,9 +100,10 @@ class InstancePool:
         max_batch_size: int = 32,
         trainer_device: str = "cuda",
         weight_protocol: bool = False,
+        verify_weights_every: int | None = None,
     ) -> None:
         self.launch, self.trainer_device = launch, trainer_device
-        self.weight_protocol = weight_protocol
+        self.weight_protocol, self.verify_weights_every = weight_protocol, verify_weights_every
         self.max_batch_size = max_batch_size
         self.dispatcher = dispatcher
         self.trainer_site = trainer_site
@@ -130,7 +135,9 @@ class InstancePool:
         """Start one instance per site and wait until each is active; everything is stopped
         again if one fails."""
         self.running, self.handles, self._first_ready = True, [], []
-        self.weight_sync = AsyncWeightSync(self.weight_timeout_s, self.bucket_bytes)
+        self.weight_sync = AsyncWeightSync(
+            self.weight_timeout_s, self.bucket_bytes, verify_every=self.verify_weights_every
+        )
         self.feeds = WeightFeeds(
             self.weight_sync,
             self.handles,
@@ -437,6 +444,8 @@ class InstancePool:
             culprit = self.feeds.lost(handle, generation)
             if culprit is not None:
                 self._fail(culprit, f"did not pass on weights {version} ({why})")
+        elif kind == "digests":  # a version to verify, as loaded: a silent no-op stops the run
+            self._verify(handle, *message[2:])
         elif kind == "updated":
             handle.version = max(handle.version, message[2])
             if handle.state == "joining" and handle.version >= self.pushed_version:
@@ -456,6 +465,21 @@ class InstancePool:
         elif kind == "released":
             self.rebalancing.released(handle, *message[2:])
         return kind not in ("heartbeat", "ready", "status", "released")
+
+    def _verify(self, handle: InstanceHandle, version: int, digests: dict[str, str]) -> None:
+        """Compare an instance's checksums of ``version`` with the trainer's.
+
+        Raises:
+            GeneratorError: they differ (the error names the instance and the first tensor).
+        """
+        sent = self.weight_sync.digests.get(version)
+        if sent is None:  # long gone from the trainer's few: nothing to compare with
+            return
+        try:
+            verify_applied(sent, digests, f"{handle.instance_id} (pid {handle.proc.pid})")
+        except WeightMismatchError as err:
+            raise GeneratorError(f"{err} (weight version {version})") from err
+        self.counts["weight_versions_verified"] += 1
 
     def _check_health(self) -> None:
         """Replace instances that died, or that stayed silent while we were reading."""

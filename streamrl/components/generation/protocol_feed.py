@@ -112,7 +112,8 @@ class ProtocolLink:
                 abandon=self._gone,
             )
         self.engine.source = StagedSource(staged)
-        self.engine.send_weights(str(self.version))
+        # a version to verify: the instance digests what it loads (``AsyncWeightSync.verifies``)
+        self.engine.send_weights(str(self.version), digests=self.sync.verifies(self.version))
         return staged.nbytes
 
     def _gone(self) -> str | None:

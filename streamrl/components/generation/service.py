@@ -103,6 +103,12 @@ class StreamGenerationService:
         weight_transport: how each instance's weight group moves tensors (``WeightGroup``):
             a ``WeightTransport`` (``GlooTransport()``, ``NcclTransport()``: GPU to GPU
             through CuPy; yours) or its name (``"gloo"``, ``"bucketed"``, ``"nccl"``).
+        weight_protocol: vLLM instances take each version through vLLM's weight-transfer
+            protocol (``protocol_feed``; partial rollout keep or recompute), fed by the
+            trainer, without a host staging of their own.
+        verify_weights_every: which versions every instance checks against the trainer's
+            checksums once loaded: ``None`` the first only, 0 none, N the first and every
+            N-th; a mismatch raises ``GeneratorError`` naming the instance and the tensor.
         weight_bucket_bytes: the largest bucket a weight version travels in.
         weight_fanout: instances each instance passes the weights on to (1: a chain).
         weight_timeout_s: the longest one weight transfer may take: past it the instance is
@@ -156,6 +162,7 @@ class StreamGenerationService:
         ray: RayOptions | None = None,
         weight_transport: str | WeightTransport = "gloo",
         weight_protocol: bool = False,
+        verify_weights_every: int | None = None,
         weight_bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         weight_fanout: int = 1,
         weight_timeout_s: float = 300.0,
@@ -228,6 +235,7 @@ class StreamGenerationService:
             max_batch_size=max_batch_size,
             trainer_device=trainer_device,
             weight_protocol=weight_protocol,
+            verify_weights_every=verify_weights_every,
         )
         self._outstanding: set[tuple] = set()  # keys submitted and not yet returned
         self._evaluating: set[tuple] = set()  # of those, an evaluation's (``submit``)

@@ -396,6 +396,12 @@ class VLLMStreamGenerator:
         asked for digests (``vllm_protocol.verify_digests``)."""
         return self._engine.collective_rpc("streamrl_loaded_digests")
 
+    def weight_digests(self) -> dict[str, str]:
+        """The checksums of what rank 0 loaded last (when the update asked for them) and of
+        what its model holds now, by the trainer's names (the read-back wins where both
+        are)."""
+        return {**self.loaded_digests()[0], **self.applied_digests()[0]}
+
     def applied_digests(self) -> list[dict[str, str]]:
         """Per worker rank, the digests of the weights its model holds now, by the trainer's
         names (those it can read back: ``vllm_protocol.applied_digests``)."""

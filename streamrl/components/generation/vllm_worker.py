@@ -61,7 +61,7 @@ class StagingLoader:
 
     def streamrl_applied_digests(self) -> dict[str, str]:
         """The digests of the weights the model holds now, by the trainer's names."""
-        return applied_digests(self.get_model())
+        return applied_digests(self.get_model(), self.vllm_config.model_config.dtype)
 
 
 def _numel(shape: Any) -> int:

@@ -13,14 +13,16 @@ one feeds, and loaded from there into the engine when the partial-rollout policy
 full-model receive buffer is allocated, and a version that must wait waits in host memory.
 
 Inbox:  ``("submit", [Request, ...])``, ``("limit", batch_size)``, ``("update", version,
-generation)``, ``("refeed", generation)`` (a new feeder: ``feeding``), ``("fingerprint",)``,
+generation, verify)`` (``verify``: report the weights' checksums once loaded),
+``("refeed", generation)`` (a new feeder: ``feeding``), ``("fingerprint",)``,
 ``("relay", member, port, first, generation)`` / ``("unrelay", member)`` (this instance passes
 weights on to a member, ``weight_relay``), ``("release", move_id, keys)`` / ``("steal", move_id,
 count)`` (requests leave for another instance, ``moving``), ``("status", query_id)``,
 ``("reprioritize", {key: cost})``, ``("stop",)``.
 Outbox: ``("ready", instance_id, pid, wire_dtype, latency)`` (its measured ``PTL(BS)``, or
 None), ``("sample", Sample)``,
-``("updated", instance_id, version)``, ``("fingerprint", instance_id, hex)``,
+``("updated", instance_id, version)`` (after ``("digests", instance_id, version, {name:
+checksum})`` for a version to verify), ``("fingerprint", instance_id, hex)``,
 ``("heartbeat", instance_id)`` (every ``heartbeat_s`` while it runs),
 ``("weights_lost", instance_id, version, generation, reason)`` (a version did not arrive: the
 service decides whose fault), ``("released", instance_id, move_id, [Request, ...])``,
@@ -178,6 +180,7 @@ class _Instance:
             curve = (model.batch_sizes, model.ptl_s)
         self.loader = WeightLoader(self.generator, spec.partial_rollout)
         self.held: list[Request] = []
+        self.verify: set[int] = set()  # versions whose checksums the service wants once loaded
         # The trainer's names and shapes, in the engine's dtype: what travels. An engine that
         # loads from a staging of its own (vLLM's, shared with its worker processes) receives
         # straight into that one; with vLLM's protocol there is none.
@@ -249,7 +252,10 @@ class _Instance:
         elif kind == "limit":
             self.generator.set_batch_limit(message[1])
         elif kind == "update":
-            self.receiver.receive(*message[1:])  # joins the broadcast in the background
+            version, generation, *verify = message[1:]
+            if verify and verify[0]:
+                self.verify.add(version)
+            self.receiver.receive(version, generation)  # joins the broadcast in the background
         elif kind == "refeed":
             self.receiver.refeed(message[1])
         elif kind == "fingerprint":
@@ -291,10 +297,20 @@ class _Instance:
         if self.protocol is None:
             raise ValueError(f"{message[0]}: this instance was not started with weight_protocol.")
         reply = self.protocol.handle(message)
-        if reply is not None:
+        if reply is not None and reply[0] == "updated":
+            if message[3].get("digests"):
+                self._report_digests(reply[2])
             _put(self.outbox, reply, self.parent)
-            if reply[0] == "updated":
-                self._release_held()
+            self._release_held()
+        elif reply is not None:
+            _put(self.outbox, reply, self.parent)
+
+    def _report_digests(self, version: int) -> None:
+        """The checksums of the weights held now, by the trainer's names (before ``updated``:
+        the service has checked them by the time every instance says it loaded)."""
+        digests = getattr(self.generator, "weight_digests", None)
+        if digests is not None:
+            _put(self.outbox, ("digests", self.spec.instance_id, version, digests()), self.parent)
 
     def _apply_received_weights(self) -> None:
         if self.receiver is None:  # fed through vLLM's protocol (``_protocol``)
@@ -309,6 +325,9 @@ class _Instance:
         # each sample must come from one version (partial_rollout "finish").
         loaded = self.loader.apply()
         for version in loaded:
+            if version in self.verify and version == self.generator.weight_version:
+                self._report_digests(version)
+            self.verify.discard(version)
             _put(self.outbox, ("updated", self.spec.instance_id, version), self.parent)
         if loaded:
             self._release_held()

@@ -54,5 +54,10 @@ def verify_applied(sent: dict[str, str], applied: dict[str, str], instance: str)
     for the same names; raise ``WeightMismatchError`` at the first that differs. Returns how
     many were compared."""
     common = {name: sent[name] for name in sent if name in applied}
+    if not common:
+        raise WeightMismatchError(
+            f"Weight sync: instance {instance} reported no checksum of a tensor the trainer sent "
+            f"({len(applied)} of its own); it cannot show which weights it holds."
+        )
     verify_digests(common, applied, instance)
     return len(common)

@@ -26,11 +26,14 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import torch
 
+from streamrl.components.weights.checksums import tensor_digest
 from streamrl.components.weights.nccl import DEFAULT_BUCKET_BYTES
 from streamrl.components.weights.staging import StagedWeights, stage_parameters
 from streamrl.components.weights.transport import WeightGroup
 
 Weights = torch.nn.Module | Mapping[str, torch.Tensor] | StagedWeights
+#: Versions whose digests are kept for the instances' late reports.
+KEPT_DIGESTS = 4
 Announce = Callable[[int], None]
 
 
@@ -44,10 +47,15 @@ class AsyncWeightSync:
             transfer never hangs the trainer.
         bucket_bytes: the largest bucket of the staging (``plan_buckets``).
         dtype: the wire dtype (the generators' engine dtype); ``None``: the weights' own.
+        verify_every: which versions the instances check against the trainer's checksums
+            (``verifies``): ``None`` the first version sent only, 0 none, N the first and
+            every N-th.
 
     Attributes:
         failed: ``(key, error)`` of every group dropped because a transfer to it failed.
         staged: the host copy of the last version staged (``None`` before the first).
+        digests: the trainer's ``tensor_digest`` of every tensor of each version checked (the
+            last few), by version.
     """
 
     def __init__(
@@ -55,8 +63,12 @@ class AsyncWeightSync:
         timeout_s: float = 120.0,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         dtype: torch.dtype | None = None,
+        verify_every: int | None = None,
     ) -> None:
         self.timeout_s, self.bucket_bytes, self.dtype = timeout_s, bucket_bytes, dtype
+        self.verify_every = verify_every
+        self.digests: dict[int, dict[str, str]] = {}
+        self._first_version: int | None = None
         self.groups: dict[int, tuple[WeightGroup, Announce]] = {}
         self.failed: list[tuple[int, str]] = []
         self.sent_version = -1
@@ -113,6 +125,14 @@ class AsyncWeightSync:
         blocked = time.perf_counter() - started
         self.exposed_s += blocked
         return blocked
+
+    def verifies(self, version: int) -> bool:
+        """Whether the instances check ``version`` against the trainer's checksums."""
+        every = self.verify_every
+        if every == 0:
+            return False
+        first = self._first_version is None or version == self._first_version
+        return first or (every is not None and version % every == 0)
 
     def add_group(
         self,
@@ -191,6 +211,12 @@ class AsyncWeightSync:
             self._send(key, dict(self.groups))
 
     def _send(self, version: int, groups: dict[int, tuple]) -> None:
+        if self.verifies(version) and version not in self.digests:
+            self.digests[version] = {n: tensor_digest(t) for n, t in self.staged.named()}
+            for old in sorted(self.digests)[:-KEPT_DIGESTS]:
+                del self.digests[old]
+        if self._first_version is None:
+            self._first_version = version
         # Every receiver is told first: an instance that passes buckets on as they arrive must
         # find the next one of its chain already receiving.
         failed: dict[int, BaseException] = {}

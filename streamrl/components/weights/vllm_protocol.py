@@ -159,10 +159,11 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         self.group = None
 
 
-def applied_digests(model: torch.nn.Module) -> dict[str, str]:
-    """``tensor_digest`` of the weights a vLLM model holds now, under the trainer's names: a
-    fused projection (``qkv_proj``, ``gate_up_proj``) split back into its parts by its
-    ``output_sizes``, through the model's ``packed_modules_mapping``. Parameters a kernel
+def applied_digests(model: torch.nn.Module, dtype: torch.dtype) -> dict[str, str]:
+    """``tensor_digest`` of the weights a vLLM model holds now, under the trainer's names and
+    in the wire ``dtype`` (the engine's: vLLM's CPU build keeps biases in float32, an exact
+    upcast): a fused projection (``qkv_proj``, ``gate_up_proj``) split back into its parts by
+    its ``output_sizes``, through the model's ``packed_modules_mapping``. Parameters a kernel
     repacked away (a linear layer's weight on the CPU build) and tensor-parallel shards have
     no digest here; the others show whether an update was applied, not just received."""
     packed = getattr(model, "packed_modules_mapping", {}) or {}
@@ -180,10 +181,11 @@ def applied_digests(model: torch.nn.Module) -> dict[str, str]:
         sizes = getattr(layer, "output_sizes", None)
         vocab = getattr(layer, "org_vocab_size", None)  # an embedding padded past the vocab
         if parts and sizes and len(parts) == len(sizes) and sum(sizes) == param.shape[0]:
-            for part, piece in zip(parts, torch.split(param.detach(), list(sizes))):
+            for part, piece in zip(parts, torch.split(param.detach().to(dtype), list(sizes))):
                 digests[f"{module}.{part}.{leaf}"] = tensor_digest(piece)
         else:
-            digests[name] = tensor_digest(param[:vocab] if vocab is not None else param)
+            held = param.detach().to(dtype)
+            digests[name] = tensor_digest(held[:vocab] if vocab is not None else held)
     return digests
 
 

@@ -11,7 +11,7 @@ PIP_INSTALL := $(PY) -m pip install -q --disable-pip-version-check -c constraint
 # Quiet the harmless "Location ... is ignored" notices of this machine's pip configuration.
 PIP_FILTER := { grep -v "is ignored: it is neither" || true; }
 
-.PHONY: demo test test-vllm lint install docs notebooks clean
+.PHONY: demo test test-vllm check-cuda-stack lint install docs notebooks clean
 
 $(STAMP): pyproject.toml constraints-cpu.txt
 	@echo "[install] streamrl with everything the tests use into $(VENV) (about 5 min, once)" >&2
@@ -64,6 +64,11 @@ $(VLLM_STAMP): pyproject.toml constraints-cpu.txt
 
 test-vllm: $(VLLM_STAMP)
 	$(VLLM_PY) -m pytest tests/vllm_backend -m vllm $(PYTEST_ARGS)
+
+# One CUDA stack: '.[vllm,gpu]' resolved from PyPI as a CUDA machine would (nothing installed);
+# fails when torch, vLLM and the CUDA packages ask for different CUDA majors (about a minute).
+check-cuda-stack: $(STAMP)
+	$(PY) scripts/cuda_stack.py
 
 # The docs site (mkdocs.yml): any warning, such as a broken link or a malformed docstring, fails.
 # NO_MKDOCS_2_WARNING quiets Material's notice about its own future, which is not about our docs.

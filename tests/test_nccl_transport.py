@@ -196,16 +196,16 @@ def test_over_real_gloo_groups_in_threads():
 def test_without_cupy_a_config_error_says_what_to_install(monkeypatch):
     for name in ("cupy", "cupy.cuda", "cupy.cuda.nccl"):
         monkeypatch.setitem(sys.modules, name, None)  # import now raises ImportError
-    with pytest.raises(ConfigError, match=r"pip install 'streamrl\[gpu\]' \(cupy-cuda12x") as info:
+    with pytest.raises(ConfigError, match=r"pip install 'streamrl\[gpu\]' \(cupy-cuda13x") as info:
         import_nccl()
     assert "GPU" in str(info.value)
-    with pytest.raises(ConfigError, match="cupy-cuda12x"):
+    with pytest.raises(ConfigError, match="cupy-cuda13x"):
         NcclCommunicator(world_size=1, rank=0, unique_id=[0] * 128)
 
 
 @pytest.mark.gpu
 def test_nccl_one_member_round_trip():
-    pytest.importorskip("cupy", reason="needs CuPy: pip install cupy-cuda12x")
+    pytest.importorskip("cupy", reason="needs CuPy: pip install cupy-cuda13x")
     nccl = import_nccl()
     comm = NcclCommunicator(1, 0, nccl.get_unique_id())
     tensors = [t.cuda() for t in weights(3)]

@@ -271,8 +271,8 @@ def import_nccl() -> Any:
     except ImportError as err:
         raise ConfigError(
             "The NCCL weight transport needs CuPy built with NCCL: pip install 'streamrl[gpu]' "
-            "(cupy-cuda12x, for a CUDA 12 driver). NCCL needs a CUDA GPU on every member; on "
-            "CPU use WeightGroup (gloo) or BucketedTransport(GlooCommunicator(...))."
+            "(cupy-cuda13x: CUDA 13, as torch and vLLM). NCCL needs a CUDA GPU on every member; "
+            "on CPU use WeightGroup (gloo) or BucketedTransport(GlooCommunicator(...))."
         ) from err
     if not getattr(nccl, "available", True) or not torch.cuda.is_available():
         raise ConfigError(

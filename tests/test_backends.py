@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import pickle
+from dataclasses import replace
 
 import pytest
 import torch
@@ -126,6 +127,30 @@ def test_vllm_engine_passes_the_spec_and_its_options(monkeypatch, policy_dir):
         max_model_len=256,
         kv_cache_memory_bytes=1 << 20,
     )
+
+
+def test_a_tensor_parallel_vllm_instance_runs_its_ranks_under_itself(monkeypatch, policy_dir):
+    """Two GPUs given to an instance (a Ray actor's one bundle, faked here): two ranks, on
+    vLLM's mp executor, never its Ray executor (which refuses a bundle of more than one GPU)."""
+    from streamrl.components.generation import vllm_generator
+    from streamrl.runtime import devices
+
+    made = {}
+    monkeypatch.setattr(
+        vllm_generator, "VLLMStreamGenerator", lambda *args, **kwargs: made.update(kwargs)
+    )
+    monkeypatch.setattr(devices, "visible_gpu_count", lambda: 2)
+    spec = replace(spec_for(policy_dir), device="cuda")
+    VLLMEngine()(spec, FIFOScheduler())
+    assert made["tensor_parallel_size"] == 2
+    assert made["distributed_executor_backend"] == "mp"
+    made.clear()
+    VLLMEngine(options={"distributed_executor_backend": "ray"})(spec, FIFOScheduler())
+    assert made["distributed_executor_backend"] == "ray"  # said explicitly: kept
+    made.clear()
+    monkeypatch.setattr(devices, "visible_gpu_count", lambda: 1)
+    VLLMEngine()(spec, FIFOScheduler())
+    assert made["tensor_parallel_size"] == 1 and "distributed_executor_backend" not in made
 
 
 def _installed(monkeypatch, **packages: bool) -> None:

@@ -24,7 +24,7 @@ from streamrl.errors import ConfigError
 
 __all__ = ["bench_weights", "weight_cases"]
 
-PATHS = ("old", "new")
+PATHS = ("old", "new", "vllm", "protocol")
 
 
 def weight_cases(
@@ -40,7 +40,9 @@ def weight_cases(
         ConfigError: an unknown path, or a count below 1.
     """
     if unknown := sorted(set(paths) - set(PATHS)):
-        raise ConfigError(f"bench weights: unknown paths {unknown}; --paths takes old,new.")
+        raise ConfigError(
+            f"bench weights: unknown paths {unknown}; --paths takes any of {','.join(PATHS)}."
+        )
     if min(instances + trainer_ranks) < 1:
         raise ConfigError("bench weights: --instances and --trainer-ranks take counts >= 1.")
     return [

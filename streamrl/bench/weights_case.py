@@ -39,12 +39,15 @@ import torch.multiprocessing as mp
 
 __all__ = ["WeightsCase", "measure_case"]
 
+#: vLLM instances in a bench: eager, a small KV cache (nothing is generated).
+VLLM_OPTIONS = {"enforce_eager": True, "kv_cache_memory_bytes": 64 << 20, "max_model_len": 256}
+
 
 @dataclass(frozen=True)
 class WeightsCase:
     """One case: a path, a number of instances and trainer ranks, on one model directory."""
 
-    path: str  # "old" or "new"
+    path: str  # "old", "new" (HF instances), "vllm" (its staging path) or "protocol" (vLLM's)
     instances: int
     trainer_ranks: int
     model_dir: str
@@ -65,7 +68,7 @@ def measure_case(case: WeightsCase) -> dict[str, Any]:
         process.start()
     try:
         model = _trainer_model(0, port, case)
-        push = _NewPush(case, model) if case.path == "new" else _OldPush(case, model)
+        push = _OldPush(case, model) if case.path == "old" else _NewPush(case, model)
         try:
             result = _push_versions(case, model, push)
         finally:
@@ -97,7 +100,10 @@ def _push_versions(case: WeightsCase, model: torch.nn.Module, push: Any) -> dict
         seconds.append(time.perf_counter() - started)
         for pid in before:
             peak[pid] = max(peak[pid], _status_kb(pid, "VmHWM"))
-    extra = {pid: (peak[pid] - before[pid]) * 1024 + push.staging_bytes for pid in before}
+    # the staging, resident since the warm-up, added back (an instance's has the same layout)
+    staging = {pid: push.generator_staging_bytes for pid in pids}
+    staging[os.getpid()] = push.staging_bytes
+    extra = {pid: (peak[pid] - before[pid]) * 1024 + staging[pid] for pid in before}
     wire = push.wire_dtype
     return {
         "path": case.path,
@@ -111,33 +117,47 @@ def _push_versions(case: WeightsCase, model: torch.nn.Module, push: Any) -> dict
         "egress_bytes_per_version": push.bytes_sent // (case.versions + 1),
         "model_bytes": sum(p.numel() for p in model.parameters()) * _itemsize(wire),
         "wire_dtype": str(wire).removeprefix("torch."),
-        "bucket_bytes": case.bucket_bytes if case.path == "new" else None,
+        "bucket_bytes": case.bucket_bytes if case.path != "old" else None,
         "staging_bytes": push.staging_bytes,
-        "generator_staging_bytes": push.staging_bytes,  # an instance's: the same layout
+        "generator_staging_bytes": push.generator_staging_bytes,
         "consistent": push.consistent(),
     }
 
 
 class _NewPush:
-    """The library's path: stage, then ``StreamGenerationService.update``."""
+    """The library's path: stage, then ``StreamGenerationService.update`` (HF instances; vLLM
+    instances on their staging, or on vLLM's weight-transfer protocol)."""
 
     def __init__(self, case: WeightsCase, model: torch.nn.Module) -> None:
-        from streamrl.components.generation.engines import HFEngine
+        from streamrl.components.generation.engines import HFEngine, VLLMEngine
         from streamrl.components.generation.service import StreamGenerationService
 
         self.case, self.model = case, model
         self.wire_dtype = getattr(torch, case.wire_dtype)
+        vllm = case.path in ("vllm", "protocol")
+        engine = (
+            VLLMEngine(options=VLLM_OPTIONS | {"dtype": case.wire_dtype})
+            if vllm
+            else HFEngine(dtype=case.wire_dtype)
+        )
         self.service = StreamGenerationService(
             case.model_dir,
             case.instances,
-            engine=HFEngine(dtype=case.wire_dtype),
+            engine=engine,
             max_batch_size=1,
             weight_bucket_bytes=case.bucket_bytes,
             start_timeout_s=case.timeout_s,
             weight_timeout_s=case.timeout_s,
             sample_timeout_s=case.timeout_s,
+            weight_protocol=case.path == "protocol",
+            partial_rollout="keep" if vllm else "finish",
         ).start()
         self.named = list(model.named_parameters())
+
+    @property
+    def generator_staging_bytes(self) -> int:
+        """An instance's host staging: the trainer's layout, none with vLLM's protocol."""
+        return 0 if self.case.path == "protocol" else self.staging_bytes
 
     def instance_pids(self) -> list[int]:
         return [h.proc.pid for h in self.service.pool.handles]
@@ -157,6 +177,10 @@ class _NewPush:
         return self.service.weight_sync.staged.nbytes
 
     def consistent(self) -> bool:
+        """Every instance holds the trainer's weights: equal fingerprints (HF), or the
+        checksums of the first version checked on each (vLLM keeps no HF copy)."""
+        if self.case.path in ("vllm", "protocol"):
+            return self.service.counts["weight_versions_verified"] == self.case.instances
         return len(set(self.service.fingerprints().values())) == 1
 
     def close(self) -> None:
@@ -171,6 +195,7 @@ class _OldPush:
 
         self.case, self.model = case, model
         self.wire_dtype, self.bytes_sent, self.staging_bytes = torch.float32, 0, 0
+        self.generator_staging_bytes = 0
         ctx = mp.get_context("spawn")
         self.stores = [make_store(2, case.timeout_s) for _ in range(case.instances)]
         self.links, self.procs = [], []

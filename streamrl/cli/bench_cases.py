@@ -30,7 +30,7 @@ class MemoryBench:
         seq: comma list of completion lengths.
         prompt: prompt tokens per sample.
         batch: samples per step.
-        paths: any of old,new.
+        paths: any of old,new,vllm,protocol.
         repeats: timed steps per case (median; >1 adds a warm-up).
         chunk_tokens: tokens per chunk of the new path's head.
         timeout_s: per case.
@@ -106,14 +106,16 @@ def memory(options: MemoryBench) -> dict:
 class WeightsBench:
     """Seconds, memory and trainer egress per weight version: the old path (float32,
     whole-model copies, one instance at a time) vs the new (staged buckets in the engine's
-    dtype down a chain), a process per case.
+    dtype down a chain, HF instances); vllm: vLLM instances on that staging path; protocol:
+    vLLM instances on vLLM's weight-transfer protocol (run these two where vLLM is
+    installed); a process per case.
 
     Attributes:
         size: a built-in shape with random weights (0.5b: Qwen2.5-0.5B's).
         model: instead of --size: a local HF model directory.
         instances: comma list of instance counts.
         trainer_ranks: comma list of FSDP2 rank counts.
-        paths: any of old,new.
+        paths: any of old,new,vllm,protocol.
         versions: versions pushed per case.
         bucket_mb: the new path's buckets.
         dtype: the new path's engine and wire dtype.

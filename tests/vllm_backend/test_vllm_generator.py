@@ -118,6 +118,12 @@ def _greedy(gen: VLLMStreamGenerator) -> dict[str, Sample]:
     return {s.prompt_id: s for s in gen.stream()}
 
 
+def test_the_model_runner_is_v1_unless_the_environment_says_otherwise(gen):
+    """V1: the runner vLLM's CPU build runs, so a GPU run takes the runner these tests check."""
+    assert os.environ["VLLM_USE_V2_MODEL_RUNNER"] == "0"
+    assert gen._engine.vllm_config.use_v2_model_runner is False
+
+
 def test_streams_samples_in_completion_order(gen):
     gen.submit(_forced([40, 4, 20, 8]))
     done = _run(gen)

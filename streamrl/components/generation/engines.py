@@ -191,6 +191,11 @@ class VLLMEngine:
         options = dict(self.options)
         if spec.device.startswith("cuda"):  # a rank per GPU the instance was given
             options.setdefault("tensor_parallel_size", visible_gpu_count())
+        if int(options.get("tensor_parallel_size", 1)) > 1:
+            # The ranks are processes of this instance, on its GPUs. Inside a Ray actor vLLM
+            # would pick its Ray executor, which refuses our one bundle of N GPUs ("bundle
+            # cannot have more than 1 GPU"); the mp executor runs them under the actor.
+            options.setdefault("distributed_executor_backend", "mp")
         if self.speculative is not None:
             from streamrl.components.generation.speculative import vllm_speculative_config
 

@@ -82,6 +82,9 @@ class ProtocolLink:
         ranks: the instance's tensor-parallel ranks (each a member of the group).
     """
 
+    #: Each instance is a group of its own: ``AsyncWeightSync`` sends to them side by side.
+    concurrent = True
+
     def __init__(
         self, handle: InstanceHandle, sync: Any, generation: int, timeout_s: float, ranks: int = 1
     ) -> None:

@@ -171,6 +171,9 @@ class VLLMStreamGenerator:
                 "VLLMStreamGenerator runs vLLM's engine core in-process (weights are loaded "
                 "between steps); unset VLLM_ENABLE_V1_MULTIPROCESSING or set it to 0."
             )
+        # vLLM's model runner, said explicitly: V1, the one its CPU build runs and our tests
+        # exercise (V2 is the default on CUDA in 0.32); VLLM_USE_V2_MODEL_RUNNER=1 chooses V2.
+        os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
         from vllm import envs
 
         envs.disable_envs_cache()  # an earlier engine here cached vLLM's environment

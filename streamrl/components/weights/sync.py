@@ -23,6 +23,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -225,16 +226,29 @@ class AsyncWeightSync:
                 announce(version)
             except Exception as err:
                 failed[key] = err
-        for key, (group, _) in groups.items():
-            if key in failed:
-                continue
-            try:
-                self.bytes_sent += group.broadcast(self.staged.buffers)
-            except Exception as err:  # the peer died or timed out: drop it, serve the others
-                failed[key] = err
+        sending = {key: group for key, (group, _) in groups.items() if key not in failed}
+        # Groups that may send at once (each its own link: vLLM's protocol) go side by side;
+        # the others one after the other, as before.
+        together = {k: g for k, g in sending.items() if getattr(g, "concurrent", False)}
+        buffers = self.staged.buffers
+        with ThreadPoolExecutor(max(1, len(together))) as pool:
+            running = {k: pool.submit(g.broadcast, buffers) for k, g in together.items()}
+            for key, group in sending.items():
+                if key not in together:
+                    self._count(key, lambda group=group: group.broadcast(buffers), failed)
+            for key, future in running.items():
+                self._count(key, future.result, failed)
         for key, err in failed.items():
             self.groups.pop(key, None)
             self.failed.append((key, f"{type(err).__name__}: {err}"))
+
+    def _count(self, key: int, sent: Callable[[], int], failed: dict) -> None:
+        """Count the bytes ``sent()`` moved, or record why it failed (the peer died or timed
+        out: it is dropped, the others are served)."""
+        try:
+            self.bytes_sent += sent()
+        except Exception as err:
+            failed[key] = err
 
     def _raise_if_failed(self) -> None:
         if self._error is not None:

@@ -16,6 +16,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 import torch
 from hosted_instance import HostedInstance
 from test_vllm_generator import _forced, _hf_greedy, _policy
+from test_vllm_service import _logprobs
 
 from streamrl.components.generation.engines import VLLMEngine
 from streamrl.components.generation.service import StreamGenerationService
@@ -78,6 +79,12 @@ def _instances(policy_dir: Path, count: int, **kwargs) -> dict[str, HostedInstan
     }
 
 
+def _sender(policy, instances: dict[str, HostedInstance]):
+    """The trainer's engine for ``instances`` (vLLM's factory), sending ``policy`` in float32."""
+    source = WireSource(policy.named_parameters, torch.float32)
+    return trainer_engine(source, InstancesClient(instances, timeout_s=60), timeout_s=60)
+
+
 def _check(sender, instances: dict[str, HostedInstance]) -> None:
     for name, instance in instances.items():
         for loaded in instance.loaded_digests():
@@ -113,11 +120,7 @@ def test_a_transfer_that_applies_nothing_is_caught_naming_the_instance_and_tenso
     instances = _instances(policy_dir, 1, weight_transfer_config={"backend": NOOP})
     (instance,) = instances.values()
     try:
-        sender = trainer_engine(
-            WireSource(_policy(1).named_parameters, torch.float32),
-            InstancesClient(instances, timeout_s=60),
-            timeout_s=60,
-        )
+        sender = _sender(_policy(1), instances)
         sender.send_weights("1", digests=True)  # "succeeds": every bucket crossed
         with pytest.raises(WeightMismatchError, match=NAMED):
             verify_digests(sender.sent_digests, instance.loaded_digests()[0], "instance-0")
@@ -133,11 +136,7 @@ def test_a_running_sequence_keeps_its_tokens_across_an_update_with_vllms_version
     instances = _instances(policy_dir, 1)
     (instance,) = instances.values()
     try:
-        sender = trainer_engine(
-            WireSource(_policy(1).named_parameters, torch.float32),
-            InstancesClient(instances, timeout_s=60),
-            timeout_s=60,
-        )
+        sender = _sender(_policy(1), instances)
         sender.send_weights("1")
         instance.submit(_forced([12]))
         for _ in range(5):
@@ -189,12 +188,3 @@ def test_the_service_feeds_vllm_instances_through_the_protocol(tmp_path):
         assert old != [list(s.logprobs) for s in samples]
         assert service.counts["instances_restarted"] == 0
         assert service.counts["weight_versions_verified"] == 2 * 2
-
-
-def _logprobs(model, sample, tokenizer) -> torch.Tensor:
-    ids = torch.tensor([sample.prompt_ids + sample.token_ids])
-    with torch.no_grad():
-        logits = model(ids).logits[0, len(sample.prompt_ids) - 1 : -1].float()
-    logits[:, tokenizer.eos_token_id] = float("-inf")  # masked while a forced length runs
-    logp = torch.log_softmax(logits, -1)
-    return logp.gather(1, torch.tensor(sample.token_ids)[:, None])[:, 0]

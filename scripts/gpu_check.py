@@ -9,12 +9,13 @@ model, the run and their logs stay under the work folder (/tmp/gpu-check).
     OUT=... python3 scripts/gpu_check.py            # on the GPU
     GPU_CHECK_DEVICE=cpu python3 scripts/gpu_check.py  # the same steps on the CPU, small shapes
 
-Steps (limit in seconds): preflight (15: fails fast, every later step SKIPs), gpu-tests (40),
-model (30), fit (110: a reward that varies across samples; each iteration's grad norm finite and
+Steps (limit in seconds): preflight (15: fails fast, every later step SKIPs), gpu-tests (30),
+model (30), fit (100: a reward that varies across samples; each iteration's grad norm finite and
 > 0, the trainer/generator log-prob gap < 0.05, samples_lost 0, the trainer's peak GPU memory
-under FIT_PEAK_BOUND_BYTES), edges (40: sharded load on NCCL, bf16 reference, the save), weights
-(30: the weight sync's GPU path on an HF instance, by checksum), vllm (40, only where vLLM is
-installed). A step never starts past the deadline (DEADLINE_S) and never runs past it.
+under FIT_PEAK_BOUND_BYTES), edges (40: sharded load on NCCL, bf16 reference, the save), width
+(40: the trainer's step at a 7B width, two layers, against the memory model), weights (30: the
+weight sync's GPU path on an HF instance, by checksum), vllm (40, only where vLLM is installed).
+A step never starts past the deadline (DEADLINE_S) and never runs past it.
 """
 
 from __future__ import annotations
@@ -42,11 +43,12 @@ LOGPROB_GAP_BOUND = 0.05
 #: add up to less than the deadline, so every step can take its whole limit.
 LIMITS = {
     "preflight": 15,
-    "gpu-tests": 40,
+    "gpu-tests": 30,
     "model": 30,
-    "fit": 110,
+    "fit": 100,
     "edges": 40,
     "weights": 30,
+    "width": 40,
     "vllm": 40,
 }
 WHEELS_LIMIT_S = 30
@@ -269,6 +271,7 @@ def main() -> None:
         )
     else:
         check.record("edges", "SKIP", time.time(), reason="NCCL needs a GPU")
+    check.step("width", [py, "scripts/gpu_width_check.py", "--device", device], judge_ok)
     check.step(
         "weights",
         [py, "scripts/gpu_weights_check.py", str(work / "model"), "--device", device],

@@ -119,6 +119,7 @@ def test_the_gpu_check_starts_on_the_image_and_gives_its_verdict(image_env, tmp_
         "model": "PASS",
         "fit": "PASS",
         "edges": "SKIP",
+        "width": "PASS",
         "weights": "PASS",
         "vllm": "SKIP",
     }

@@ -176,7 +176,7 @@ def test_default_timeouts_scale_with_the_model_and_a_given_one_wins():
 def test_a_receiver_skips_versions_announced_for_a_feed_it_no_longer_has():
     """After a re-feed (its feeder stopped or failed), versions announced for the old feed are
     not waited for: the new feeder's catch-up brings the last one (``feeding``)."""
-    from streamrl.components.generation.worker import _WeightReceiver
+    from streamrl.components.generation.weight_receiver import WeightReceiver
 
     connected: list[int] = []
 
@@ -189,7 +189,7 @@ def test_a_receiver_skips_versions_announced_for_a_feed_it_no_longer_has():
             pass
 
     staged = StagedWeights.like(_named(), pin=False)
-    receiver = _WeightReceiver(connect, staged, NoMembers())
+    receiver = WeightReceiver(connect, staged, NoMembers())
     receiver.refeed(2)
     receiver.receive(5, 1)  # announced for feed 1, arrives after the re-feed: skipped
     receiver.receive(5, 2)  # the new feeder's catch-up

@@ -464,7 +464,7 @@ class InstancePool:
             self.rebalancing.status(handle, *message[2:])
         elif kind == "released":
             self.rebalancing.released(handle, *message[2:])
-        return kind not in ("heartbeat", "ready", "status", "released")
+        return kind not in ("heartbeat", "ready", "status", "released", "digests")
 
     def _verify(self, handle: InstanceHandle, version: int, digests: dict[str, str]) -> None:
         """Compare an instance's checksums of ``version`` with the trainer's.

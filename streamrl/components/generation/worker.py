@@ -37,7 +37,6 @@ import multiprocessing
 import os
 import queue
 import signal
-import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -49,6 +48,7 @@ import torch
 from streamrl.components.generation.hf_generator import fingerprint
 from streamrl.components.generation.partial import WeightLoader
 from streamrl.components.generation.protocol_feed import ProtocolReceiver
+from streamrl.components.generation.weight_receiver import WeightReceiver
 from streamrl.components.skewness.instance_profile import LatencyProfile, profiled_latency
 from streamrl.components.skewness.schedulers import FIFOScheduler
 from streamrl.components.weights.nccl import DEFAULT_BUCKET_BYTES
@@ -187,7 +187,7 @@ class _Instance:
         self.receiver = None if self.protocol is not None else self._receiver(templates)
         _put(outbox, ("ready", spec.instance_id, os.getpid(), wire, curve), parent)
 
-    def _receiver(self, templates: dict[str, torch.Tensor]) -> _WeightReceiver:
+    def _receiver(self, templates: dict[str, torch.Tensor]) -> WeightReceiver:
         from streamrl.components.weights.transport import WeightGroup
 
         spec = self.spec
@@ -212,7 +212,7 @@ class _Instance:
             )
 
         relay = WeightRelay(staged, spec.store_host, timeout_s, spec.transport)
-        return _WeightReceiver(connect, staged, relay)
+        return WeightReceiver(connect, staged, relay)
 
     def run(self, inbox: Any) -> None:
         beat = time.monotonic()
@@ -338,96 +338,6 @@ class _Instance:
         if ready:
             self.held = [r for r in self.held if r.min_weight_version > version]
             self.generator.submit(ready)
-
-
-class _WeightReceiver:
-    """Receives broadcast weights into the staging on a background thread, so decoding goes on
-    meanwhile, and passes each bucket on to the instances this one feeds (``WeightRelay``).
-
-    Its group is that of its current feed (``feeding``): versions announced for an older feed
-    are skipped (the new feeder sends the last one first), and a version that fails to arrive
-    is reported, not raised: the service fails this instance or its dead feeder.
-    """
-
-    def __init__(
-        self, connect: Callable[[int], Any], staged: StagedWeights, relay: WeightRelay
-    ) -> None:
-        self.connect, self.staged, self._relay = connect, staged, relay
-        self.generation = 1
-        self.broken: int | None = None  # the feed whose group failed (its versions fail fast)
-        self.group: Any = None  # connected at the first transfer of each feed, as the sender
-        self._todo: queue.Queue[tuple] = queue.Queue()
-        self._done: queue.Queue[tuple] = queue.Queue()
-        self._pending = 0
-        threading.Thread(target=self._loop, daemon=True, name="weight-receiver").start()
-
-    @property
-    def busy(self) -> bool:
-        return self._pending > 0
-
-    def receive(self, version: int, generation: int) -> None:
-        self._pending += 1
-        self._todo.put(("receive", (version, generation)))
-
-    def refeed(self, generation: int) -> None:
-        self._todo.put(("refeed", (generation,)))
-
-    def relay(self, kind: str, args: tuple) -> None:
-        self._todo.put((kind, args))
-
-    def ready(self) -> list[tuple]:
-        """``(version, staging)`` of each version received, or ``((version, generation),
-        reason)`` of one that did not arrive."""
-        out = []
-        while True:
-            try:
-                item = self._done.get_nowait()
-            except queue.Empty:
-                return out
-            if item[0] == "fatal":
-                raise RuntimeError("The weight-receiving thread failed") from item[1]
-            self._pending -= 1
-            if item[1] is not None:
-                out.append(item)
-
-    def _loop(self) -> None:
-        while True:
-            kind, payload = self._todo.get()
-            try:
-                if kind == "relay":
-                    self._relay.add(*payload)
-                elif kind == "unrelay":
-                    self._relay.remove(*payload)
-                elif kind == "refeed":
-                    self.generation, self.group = payload[0], None
-                else:
-                    self._done.put(self._receive(*payload))
-            except Exception as err:
-                if kind == "receive":  # handed to the main loop, which reports it
-                    self._done.put((payload, f"{type(err).__name__}: {err}"[:500]))
-                elif kind == "relay":  # a member we cannot reach: the service replaces it
-                    self._relay.remove(payload[0])
-                else:  # a bug: the main loop raises it, the service replaces us
-                    self._done.put(("fatal", err))
-
-    def _receive(self, version: int, generation: int) -> tuple:
-        if generation != self.generation:  # announced for a feed we no longer have
-            return version, None
-        if generation == self.broken:  # its sender gave it up too: no retry can meet it
-            raise ConnectionAbortedError(f"the weight group of feed {generation} failed before")
-        try:
-            if self.group is None:
-                self.group = self.connect(self.generation)
-            with self.staged.lock:  # the engine never loads a half-received version
-                self.staged.version = None
-                for index, buffer in enumerate(self.staged.buffers):
-                    self.group.broadcast([buffer])
-                    self._relay.forward(version, index, buffer)
-                self.staged.version = version
-        except Exception:
-            self.group, self.broken = None, generation
-            raise
-        return version, self.staged
 
 
 #: The planner's messages (``_Instance._move``).

@@ -188,3 +188,34 @@ def test_the_service_feeds_vllm_instances_through_the_protocol(tmp_path):
         assert old != [list(s.logprobs) for s in samples]
         assert service.counts["instances_restarted"] == 0
         assert service.counts["weight_versions_verified"] == 2 * 2
+
+
+def test_a_tensor_parallel_instance_takes_each_version_on_both_ranks(tmp_path):
+    """Two worker processes in one instance: both join the instance's group (rank offsets 1 and
+    2), each loads its shard, and the engine then computes the trainer's log-probs."""
+    tokenizer = build_tokenizer()
+    policy = build_tiny_model(tokenizer, "demo", seed=0)
+    model_dir = save_policy(policy, tokenizer, tmp_path / "policy")
+    engine = VLLMEngine(
+        options=dict(enforce_eager=True, kv_cache_memory_bytes=16 << 20, tensor_parallel_size=2)
+    )
+    service = StreamGenerationService(
+        model_dir,
+        1,
+        engine=engine,
+        max_batch_size=4,
+        greedy=True,
+        partial_rollout="keep",
+        weight_protocol=True,
+        verify_weights_every=1,
+    )
+    requests = [Request(f"p{i}", [5 + i, 6, 7], max_tokens=8, forced_length=8) for i in range(2)]
+    with service:
+        with torch.no_grad():
+            for p in policy.parameters():
+                p.add_(torch.randn_like(p) * 0.2)
+        service.update(policy, version=1)
+        for sample in service.generate(requests):
+            expected = _logprobs(policy, sample, tokenizer)
+            torch.testing.assert_close(torch.tensor(sample.logprobs), expected, atol=1e-3, rtol=0)
+        assert service.counts["weight_versions_verified"] == 1

@@ -183,6 +183,12 @@ class VLLMEngine:
         if importlib.util.find_spec("vllm") is None:
             raise ConfigError(f"VLLMEngine needs the 'vllm' package, not installed: {VLLM_INSTALL}")
 
+    def ranks(self, gpus_per_instance: int) -> int:
+        """The worker processes (tensor-parallel ranks) of each instance: what each adds to a
+        weight-transfer group (``protocol_feed``). On GPUs, a rank per GPU it is given."""
+        given = self.options.get("tensor_parallel_size")
+        return int(given) if given is not None else max(1, gpus_per_instance)
+
     def __call__(self, spec: EngineSpec, scheduler: AdmissionScheduler) -> VLLMStreamGenerator:
         from streamrl.components.generation.vllm_generator import VLLMStreamGenerator
         from streamrl.runtime.devices import visible_gpu_count

@@ -41,6 +41,7 @@ class WeightFeeds:
             there: the trainer's own GPU, ``cuda:k``, never a guessed ``cuda:0``).
         protocol: every instance is fed by the trainer through vLLM's weight-transfer
             protocol (``protocol_feed.ProtocolLink``): no chains, no relays.
+        protocol_ranks: each instance's worker processes (its members in the group).
     """
 
     def __init__(
@@ -52,12 +53,13 @@ class WeightFeeds:
         fanout: int = 1,
         device: str = "cuda",
         protocol: bool = False,
+        protocol_ranks: int = 1,
     ) -> None:
         if fanout < 1:
             raise ValueError(f"fanout must be >= 1, got {fanout}.")
         self.sync, self.handles = sync, handles
         self.transport, self.timeout_s, self.fanout = transport, timeout_s, fanout
-        self.device, self.protocol = device, protocol
+        self.device, self.protocol, self.protocol_ranks = device, protocol, protocol_ranks
 
     def join(self, handle: InstanceHandle) -> None:
         """A new instance that loaded the model: feed it from the first instance of its site
@@ -120,7 +122,7 @@ class WeightFeeds:
 
         handle.head = head.instance_id if head is not None else None
         if head is None and self.protocol:  # vLLM's calls; the group meets at the first version
-            link = ProtocolLink(handle, self.sync, generation, self.timeout_s)
+            link = ProtocolLink(handle, self.sync, generation, self.timeout_s, self.protocol_ranks)
             self.sync.add_group(handle.instance_id, link, link.announce)
             return
         if head is None:  # both sides connect at the first transfer (the instance on receiving)

@@ -69,6 +69,7 @@ class InstancePool:
         trainer_device: the trainer's device the weights leave from (``WeightFeeds``).
         weight_protocol: every instance takes weights through vLLM's protocol
             (``protocol_feed``), fed by the trainer.
+        protocol_ranks: each such instance's worker processes (members of its group).
         verify_weights_every: which versions the instances check against the trainer's
             checksums (``AsyncWeightSync.verifies``: ``None`` the first only, 0 none, N every
             N-th and the first); a mismatch raises ``GeneratorError``.
@@ -100,10 +101,12 @@ class InstancePool:
         max_batch_size: int = 32,
         trainer_device: str = "cuda",
         weight_protocol: bool = False,
+        protocol_ranks: int = 1,
         verify_weights_every: int | None = None,
     ) -> None:
         self.launch, self.trainer_device = launch, trainer_device
         self.weight_protocol, self.verify_weights_every = weight_protocol, verify_weights_every
+        self.protocol_ranks = protocol_ranks
         self.max_batch_size = max_batch_size
         self.dispatcher = dispatcher
         self.trainer_site = trainer_site
@@ -146,6 +149,7 @@ class InstancePool:
             self.fanout,
             self.trainer_device,
             protocol=self.weight_protocol,
+            protocol_ranks=self.protocol_ranks,
         )
         try:
             for site in sites:

@@ -235,6 +235,7 @@ class StreamGenerationService:
             max_batch_size=max_batch_size,
             trainer_device=trainer_device,
             weight_protocol=weight_protocol,
+            protocol_ranks=engine.ranks(gpus_per_instance) if weight_protocol else 1,
             verify_weights_every=verify_weights_every,
         )
         self._outstanding: set[tuple] = set()  # keys submitted and not yet returned

@@ -219,3 +219,30 @@ def test_a_tensor_parallel_instance_takes_each_version_on_both_ranks(tmp_path):
             expected = _logprobs(policy, sample, tokenizer)
             torch.testing.assert_close(torch.tensor(sample.logprobs), expected, atol=1e-3, rtol=0)
         assert service.counts["weight_versions_verified"] == 1
+
+
+def test_on_cuda_the_trainer_takes_vllms_own_nccl_engine_packed_and_double_buffered(monkeypatch):
+    """The GPU branch, without a GPU: an instance on CUDA is built with vLLM's ``nccl``
+    backend, and the trainer's engine comes from vLLM's factory with its NCCL init info (the
+    group's size from the client, packed buckets of ours, two buffers)."""
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+    from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
+
+    from streamrl.components.weights.vllm_protocol import GLOO_BACKEND, engine_backend
+
+    assert (engine_backend("cuda:1"), engine_backend("cpu")) == ("nccl", GLOO_BACKEND)
+    made = {}
+    monkeypatch.setattr(
+        WeightTransferTrainerFactory,
+        "trainer_init",
+        classmethod(lambda cls, info, *, client, source: made.update(info=info, client=client)),
+    )
+    client = InstancesClient({"a": object(), "b": object()}, ranks={"b": 2})
+    trainer_engine(WireSource(dict().items), client, backend="nccl", bucket_bytes=64 << 20, rank=1)
+    info = made["info"]
+    assert isinstance(info, NCCLTrainerInitInfo) and made["client"] is client
+    assert (info.world_size, info.rank, info.packed) == (4, 1, True)
+    assert (info.packed_buffer_size_bytes, info.packed_num_buffers) == (64 << 20, 2)
+    assert info.master_address == "127.0.0.1" and 0 < info.master_port < 65536
+    with pytest.raises(ValueError, match="Unknown weight-transfer backend 'ipc'"):
+        trainer_engine(WireSource(dict().items), client, backend="ipc")

@@ -22,15 +22,13 @@ send would wait for the instance to drain.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from streamrl.components.generation.instance import InstanceHandle
 from streamrl.components.weights.instances_client import InstancesClient
 from streamrl.errors import ConfigError
 
-if TYPE_CHECKING:  # instance -> worker -> here
-    from streamrl.components.generation.instance import InstanceHandle
-
-__all__ = ["InboxInstance", "ProtocolLink", "ProtocolReceiver", "check_weight_protocol"]
+__all__ = ["InboxInstance", "ProtocolLink", "check_weight_protocol"]
 
 
 def check_weight_protocol(engine: Any, partial_rollout: str) -> None:
@@ -123,31 +121,3 @@ class ProtocolLink:
         if self.handle.state == "failed" or self.handle.proc.exitcode is not None:
             return f"instance {self.handle.instance_id} is gone"
         return None
-
-
-class ProtocolReceiver:
-    """In the instance: the trainer's protocol messages, made as vLLM's calls on the
-    generator between two steps. Returns what to tell the service."""
-
-    def __init__(self, generator: Any, instance_id: int, policy: str) -> None:
-        self.generator, self.instance_id, self.policy = generator, instance_id, policy
-
-    def handle(self, message: tuple) -> tuple | None:
-        """``("wt_init", generation, init_info)``: join the trainer's group (a version that
-        cannot follow is reported lost); ``("wt_update", version, generation, update_info)``:
-        receive and load it, then ``("updated", id, version)``."""
-        kind, generation = message[0], message[1] if message[0] == "wt_init" else message[2]
-        version = -1 if kind == "wt_init" else message[1]
-        try:
-            if kind == "wt_init":
-                self.generator.init_weight_transfer_engine(message[2])
-                return None
-            self.generator.start_weight_update()
-            self.generator.update_weights(message[3])
-            self.generator.finish_weight_update(str(version))
-        except Exception as err:  # the service decides: this instance is replaced
-            reason = f"{type(err).__name__}: {err}"[:500]
-            return ("weights_lost", self.instance_id, version, generation, reason)
-        if self.policy == "recompute":
-            self.generator.recompute_running()
-        return ("updated", self.instance_id, version)

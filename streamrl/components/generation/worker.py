@@ -47,7 +47,7 @@ import torch
 
 from streamrl.components.generation.hf_generator import fingerprint
 from streamrl.components.generation.partial import WeightLoader
-from streamrl.components.generation.protocol_feed import ProtocolReceiver
+from streamrl.components.generation.protocol_receiver import ProtocolReceiver
 from streamrl.components.generation.weight_receiver import WeightReceiver
 from streamrl.components.skewness.instance_profile import LatencyProfile, profiled_latency
 from streamrl.components.skewness.schedulers import FIFOScheduler

@@ -133,7 +133,7 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
         if staged is not None and staged.buckets == buckets and not digests:
             self.group.broadcast(staged.buffers)  # already laid out as the instances expect
             return
-        home = {s.index: b for b, bucket in enumerate(buckets) for s in bucket.slots}
+        home = {s.index: (b, s) for b, bucket in enumerate(buckets) for s in bucket.slots}
         flats: dict[int, torch.Tensor] = {}
         filled = [0] * len(buckets)
         following = 0  # the next bucket to broadcast: in plan order, once full
@@ -146,8 +146,7 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
                     f"metadata() said {spec.name!r} {spec.shape}; both must list the same "
                     "tensors in the same order."
                 )
-            b = home[index]
-            slot = next(s for s in buckets[b].slots if s.index == index)
+            b, slot = home[index]
             flat = flats.setdefault(b, torch.empty(buckets[b].numel, dtype=buckets[b].dtype))
             view = flat[slot.offset : slot.offset + slot.numel].view(slot.shape)
             view.copy_(tensor.detach())

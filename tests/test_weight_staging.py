@@ -138,6 +138,50 @@ def test_a_newcomer_gets_the_staged_version_first():
     sync.close()
 
 
+class Hub:
+    """A broadcast shared by several groups (vLLM's protocol: ``SharedBroadcast``): it sends
+    once to every member given, and says per member what left the trainer, or why it failed."""
+
+    def __init__(self, fails: set[int] = frozenset()) -> None:
+        self.calls: list[tuple[int, list[int]]] = []
+        self.fails = fails
+
+    def send(self, version: int, members: dict, buffers) -> dict:
+        self.calls.append((version, sorted(members)))
+        nbytes = sum(b.numel() * b.element_size() for b in buffers)
+        first = min(members)
+        return {
+            key: RuntimeError(f"{key} died") if key in self.fails else nbytes * (key == first)
+            for key in members
+        }
+
+
+class Member:
+    def __init__(self, hub: Hub) -> None:
+        self.hub = hub
+
+    def broadcast(self, buffers) -> int:
+        raise AssertionError("a member of a shared broadcast is sent to by its hub")
+
+
+def test_groups_behind_one_shared_broadcast_are_sent_to_once_and_a_failed_member_dropped():
+    named = _named()
+    sync, hub = AsyncWeightSync(timeout_s=10), Hub(fails={2})
+    alone = RecordingGroup()
+    for key in (1, 2, 3):
+        sync.add_group(key, Member(hub), lambda version: None)
+    sync.add_group(9, alone, lambda version: None)
+    sync.push(dict(named), version=1)
+    sync.wait_sent(1)
+    assert hub.calls == [(1, [1, 2, 3])] and len(alone.received) == 1
+    assert sync.bytes_sent == 2 * sync.staged.nbytes  # one copy for the hub, one for the other
+    assert [key for key, _ in sync.failed] == [2] and "2 died" in sync.failed[0][1]
+    sync.push(dict(named), version=2)
+    sync.wait_sent(2)
+    assert hub.calls[-1] == (2, [1, 3])
+    sync.close()
+
+
 def test_a_stuck_transfer_times_out_instead_of_hanging_the_trainer():
     sync = AsyncWeightSync(timeout_s=0.5)
     sync.add_group(0, RecordingGroup(hang=True), lambda v: None)

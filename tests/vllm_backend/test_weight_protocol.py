@@ -5,7 +5,10 @@ and transfers broken on purpose caught."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -188,6 +191,105 @@ def test_the_service_feeds_vllm_instances_through_the_protocol(tmp_path):
         assert old != [list(s.logprobs) for s in samples]
         assert service.counts["instances_restarted"] == 0
         assert service.counts["weight_versions_verified"] == 2 * 2
+        # one broadcast reached both: one model copy left the trainer per version, and the
+        # group formed once
+        sync, shared = service.pool.weight_sync, service.pool.feeds.shared
+        assert sync.bytes_sent == 2 * sync.staged.nbytes
+        assert len(shared.formed_s) == 1 and shared.resent == []
+
+
+class DiesMidUpdate(GlooWeightTransferEngine):
+    """A worker backend whose process kills itself (SIGKILL) after an update's first bucket, once
+    the test's flag file exists: the instance that claims it (a rename) dies mid-broadcast."""
+
+    def receive_weights(self, update_info):  # type: ignore[no-untyped-def]
+        group, flag = self.group, os.environ[DIE_FLAG]
+
+        class Dying:
+            def broadcast(self, tensors):  # type: ignore[no-untyped-def]
+                group.broadcast(tensors)
+                with contextlib.suppress(FileNotFoundError):
+                    os.rename(flag, flag + ".claimed")
+                    os.kill(os.getpid(), signal.SIGKILL)
+
+        self.group = Dying()
+        try:
+            super().receive_weights(update_info)
+        finally:
+            self.group = group
+
+
+#: The environment variable naming ``DiesMidUpdate``'s flag file.
+DIE_FLAG = "STREAMRL_TEST_DIE_FLAG"
+DIES = "streamrl_test_dies"
+
+
+@dataclass(frozen=True)
+class DyingBackendEngine(VLLMEngine):
+    """vLLM instances on ``DiesMidUpdate`` (registered in the instance's process, as a vLLM
+    plugin would be)."""
+
+    def __call__(self, spec, scheduler):  # type: ignore[no-untyped-def]
+        from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+        if DIES not in WeightTransferEngineFactory._registry:
+            WeightTransferEngineFactory.register_engine(DIES, DiesMidUpdate)
+        return super().__call__(spec, scheduler)
+
+
+def test_an_instance_dying_mid_broadcast_is_replaced_and_the_others_are_sent_the_version_again(
+    tmp_path, monkeypatch
+):
+    """One broadcast reaches three instances; one dies after the first bucket of version 2. The
+    version is sent again on each survivor's own group (they wait for it: no token from a half
+    loaded model), only the dead one is replaced, and version 3 reaches every instance on one
+    broadcast formed anew, the newcomer included."""
+    flag = tmp_path / "die"
+    monkeypatch.setenv(DIE_FLAG, str(flag))  # the instances inherit it
+    tokenizer = build_tokenizer()
+    policy = build_tiny_model(tokenizer, "demo", seed=0)
+    model_dir = save_policy(policy, tokenizer, tmp_path / "policy")
+    options = dict(
+        enforce_eager=True, kv_cache_memory_bytes=16 << 20, weight_transfer_config={"backend": DIES}
+    )
+    service = StreamGenerationService(
+        model_dir,
+        3,
+        engine=DyingBackendEngine(options=options),
+        max_batch_size=4,
+        greedy=True,
+        partial_rollout="keep",
+        weight_protocol=True,
+        verify_weights_every=1,
+        weight_bucket_bytes=256 << 10,  # several buckets
+        weight_timeout_s=20,
+        max_restarts=1,
+    )
+    requests = [Request(f"p{i}", [5 + i, 6, 7], max_tokens=8, forced_length=8) for i in range(6)]
+    with service:
+        shared = service.pool.feeds.shared
+        for version in (1, 2, 3):
+            with torch.no_grad():
+                for p in policy.parameters():
+                    p.add_(torch.randn_like(p) * 0.2)
+            if version == 2:
+                flag.touch()
+            service.update(policy, version=version)
+            if version == 2:  # the newcomer catches up alone on version 2, then joins in
+                service.pool.wait_active(120)
+            samples = list(service.generate(requests))
+            assert {s.weight_version for s in samples} == {version}
+            for sample in samples:
+                expected = _logprobs(policy, sample, tokenizer)
+                torch.testing.assert_close(
+                    torch.tensor(sample.logprobs), expected, atol=1e-3, rtol=0
+                )
+        assert (tmp_path / "die.claimed").exists()
+        assert service.counts["instances_restarted"] == 1
+        assert [v for v, _ in shared.resent] == [2]
+        assert len(shared.formed_s) == 2  # at version 1, and at 3 with the newcomer
+        assert len(shared.members) == 3 and 3 in shared.members
+        assert {i.weight_version for i in service.instances() if i.state == "active"} == {3}
 
 
 def test_a_tensor_parallel_instance_takes_each_version_on_both_ranks(tmp_path):

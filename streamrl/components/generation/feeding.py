@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from streamrl.components.generation.instance import InstanceHandle
-from streamrl.components.generation.protocol_feed import ProtocolLink
+from streamrl.components.generation.protocol_feed import ProtocolLink, SharedBroadcast
 from streamrl.components.weights.relay import RelayedGroup
 from streamrl.components.weights.sync import AsyncWeightSync
 from streamrl.components.weights.transport import LazyGroup, WeightGroup, set_feed
@@ -40,7 +40,8 @@ class WeightFeeds:
         device: the trainer's device the weights leave from (an NCCL link's buffers live
             there: the trainer's own GPU, ``cuda:k``, never a guessed ``cuda:0``).
         protocol: every instance is fed by the trainer through vLLM's weight-transfer
-            protocol (``protocol_feed.ProtocolLink``): no chains, no relays.
+            protocol, all on one broadcast (``protocol_feed.SharedBroadcast``): no chains, no
+            relays.
         protocol_ranks: each instance's worker processes (its members in the group).
     """
 
@@ -60,6 +61,7 @@ class WeightFeeds:
         self.sync, self.handles = sync, handles
         self.transport, self.timeout_s, self.fanout = transport, timeout_s, fanout
         self.device, self.protocol, self.protocol_ranks = device, protocol, protocol_ranks
+        self.shared = SharedBroadcast(sync, timeout_s) if protocol else None
 
     def join(self, handle: InstanceHandle) -> None:
         """A new instance that loaded the model: feed it from the first instance of its site
@@ -122,7 +124,9 @@ class WeightFeeds:
 
         handle.head = head.instance_id if head is not None else None
         if head is None and self.protocol:  # vLLM's calls; the group meets at the first version
-            link = ProtocolLink(handle, self.sync, generation, self.timeout_s, self.protocol_ranks)
+            link = ProtocolLink(
+                handle, self.sync, generation, self.timeout_s, self.protocol_ranks, self.shared
+            )
             self.sync.add_group(handle.instance_id, link, link.announce)
             return
         if head is None:  # both sides connect at the first transfer (the instance on receiving)

@@ -4,26 +4,45 @@ trainer's messages made as vLLM's calls on the generator, between two engine ste
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
+from streamrl.components.weights.transport import DEFAULT_TIMEOUT_S
+
 __all__ = ["ProtocolReceiver"]
+
+#: How many broadcast timeouts an instance waits for a version to come again on its own group
+#: after a shared broadcast failed (the trainer waits one out, then forms the group anew).
+WAIT_TIMEOUTS = 3.0
 
 
 class ProtocolReceiver:
     """In the instance: the trainer's protocol messages, made as vLLM's calls on the
-    generator between two steps. Returns what to tell the service."""
+    generator between two steps. Returns what to tell the service.
+
+    Attributes:
+        waiting: ``(version, feed generation, why, deadline)`` while a version that failed in
+            a shared broadcast is awaited again on the instance's own group: the model may be
+            half loaded, so the instance draws no token until it arrives (``overdue``).
+    """
 
     def __init__(self, generator: Any, instance_id: int, policy: str) -> None:
         self.generator, self.instance_id, self.policy = generator, instance_id, policy
+        self.waiting: tuple[int, int, str, float] | None = None
+        self.wait_s = WAIT_TIMEOUTS * DEFAULT_TIMEOUT_S
 
     def handle(self, message: tuple) -> tuple | None:
-        """``("wt_init", generation, init_info)``: join the trainer's group (a version that
-        cannot follow is reported lost); ``("wt_update", version, generation, update_info)``:
-        receive and load it, then ``("updated", id, version)``."""
-        kind, generation = message[0], message[1] if message[0] == "wt_init" else message[2]
+        """``("wt_init", generation, init_info, shared)``: join the trainer's group;
+        ``("wt_update", version, generation, update_info, shared)``: receive and load it, then
+        ``("updated", id, version)``. A failure is reported (``weights_lost``: the service
+        replaces this instance), or, in a ``shared`` broadcast, awaited again."""
+        kind, shared = message[0], message[-1]
+        generation = message[1] if kind == "wt_init" else message[2]
         version = -1 if kind == "wt_init" else message[1]
         try:
             if kind == "wt_init":
+                timeout_s = message[2].get("timeout_s", DEFAULT_TIMEOUT_S)
+                self.wait_s = WAIT_TIMEOUTS * float(timeout_s)
                 self.generator.init_weight_transfer_engine(message[2])
                 return None
             self.generator.start_weight_update()
@@ -31,7 +50,23 @@ class ProtocolReceiver:
             self.generator.finish_weight_update(str(version))
         except Exception as err:  # the service decides: this instance is replaced
             reason = f"{type(err).__name__}: {err}"[:500]
+            if shared:  # the trainer sends the version again on this instance's own group
+                if self.waiting is None:
+                    self.waiting = (version, generation, reason, time.monotonic() + self.wait_s)
+                return None
+            self.waiting = None
             return ("weights_lost", self.instance_id, version, generation, reason)
+        if self.waiting is not None and version >= self.waiting[0]:
+            self.waiting = None
         if self.policy == "recompute":
             self.generator.recompute_running()
         return ("updated", self.instance_id, version)
+
+    def overdue(self) -> tuple | None:
+        """``weights_lost`` once a version awaited again did not come in time, else ``None``."""
+        if self.waiting is None or time.monotonic() < self.waiting[3]:
+            return None
+        version, generation, reason, _ = self.waiting
+        self.waiting = None
+        why = f"{reason}; not sent again within {self.wait_s:g} s"
+        return ("weights_lost", self.instance_id, version, generation, why)

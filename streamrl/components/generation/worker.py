@@ -221,7 +221,9 @@ class _Instance:
                 beat = time.monotonic()
                 _put(self.outbox, ("heartbeat", self.spec.instance_id), self.parent)
             self._apply_received_weights()
-            idle = self.generator.idle
+            # A version cut short in a shared broadcast is awaited again: no token before it.
+            waiting = self.protocol is not None and self.protocol.waiting is not None
+            idle = self.generator.idle or waiting
             busy = self.receiver is not None and self.receiver.busy
             message = _next_message(inbox, block=idle, poll_s=0.005 if busy else POLL_S)
             if message is not None:
@@ -229,6 +231,8 @@ class _Instance:
                     return
                 self._handle(message)
                 continue  # drain the inbox before decoding: requests join this step's batch
+            if waiting:
+                continue
             for sample in self.generator.step():
                 _put(self.outbox, ("sample", sample), self.parent)
 
@@ -314,6 +318,9 @@ class _Instance:
 
     def _apply_received_weights(self) -> None:
         if self.receiver is None:  # fed through vLLM's protocol (``_protocol``)
+            lost = self.protocol.overdue() if self.protocol is not None else None
+            if lost is not None:
+                _put(self.outbox, lost, self.parent)
             return
         for version, staged in self.receiver.ready():
             if isinstance(staged, str):  # it did not arrive: the service decides whose fault

@@ -24,6 +24,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import torch
 
@@ -168,8 +169,10 @@ class AsyncWeightSync:
 
     def _wait(self, done: Callable[[], bool], what: str) -> None:
         # Each group's transfer fails on its own past timeout_s (and is dropped, its instance
-        # replaced), so the queue moves on within timeout_s per group; past that, it is stuck.
-        limit = self.timeout_s * (len(self.groups) + 1)
+        # replaced), so the queue moves on within timeout_s per group (and a shared broadcast
+        # that fails, within three more: it is sent again group by group); past that, stuck.
+        shared = any(getattr(group, "hub", None) is not None for group, _ in self.groups.values())
+        limit = self.timeout_s * (len(self.groups) + 1 + 3 * shared)
         with self._sent:
             ok = self._sent.wait_for(lambda: done() or self._error is not None, limit)
         self._raise_if_failed()
@@ -227,17 +230,30 @@ class AsyncWeightSync:
             except Exception as err:
                 failed[key] = err
         sending = {key: group for key, (group, _) in groups.items() if key not in failed}
-        # Groups that may send at once (each its own link: vLLM's protocol) go side by side;
+        # Groups behind one shared broadcast (vLLM's protocol, ``SharedBroadcast``) are sent
+        # to by it, once; groups that may send at once (each its own link) go side by side;
         # the others one after the other, as before.
-        together = {k: g for k, g in sending.items() if getattr(g, "concurrent", False)}
+        hubs: dict[int, tuple[Any, dict[int, Any]]] = {}
+        for key, group in sending.items():
+            if getattr(group, "hub", None) is not None:
+                hubs.setdefault(id(group.hub), (group.hub, {}))[1][key] = group
+        shared = {key for _, members in hubs.values() for key in members}
+        alone = {k: g for k, g in sending.items() if k not in shared}
+        together = {k: g for k, g in alone.items() if getattr(g, "concurrent", False)}
         buffers = self.staged.buffers
-        with ThreadPoolExecutor(max(1, len(together))) as pool:
+        with ThreadPoolExecutor(max(1, len(together) + len(hubs))) as pool:
             running = {k: pool.submit(g.broadcast, buffers) for k, g in together.items()}
-            for key, group in sending.items():
+            reaching = [
+                pool.submit(hub.send, version, members, buffers) for hub, members in hubs.values()
+            ]
+            for key, group in alone.items():
                 if key not in together:
                     self._count(key, lambda group=group: group.broadcast(buffers), failed)
             for key, future in running.items():
                 self._count(key, future.result, failed)
+            for future in reaching:  # each member's bytes, or why it failed
+                for key, outcome in future.result().items():
+                    self._count(key, lambda outcome=outcome: _raised(outcome), failed)
         for key, err in failed.items():
             self.groups.pop(key, None)
             self.failed.append((key, f"{type(err).__name__}: {err}"))
@@ -253,6 +269,12 @@ class AsyncWeightSync:
     def _raise_if_failed(self) -> None:
         if self._error is not None:
             raise RuntimeError("Background weight sync failed") from self._error
+
+
+def _raised(outcome: int | BaseException) -> int:
+    if isinstance(outcome, BaseException):
+        raise outcome
+    return outcome
 
 
 def stage(

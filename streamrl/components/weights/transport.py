@@ -199,6 +199,8 @@ class WeightGroup:
             (``set_feed``), so a dead peer costs a poll, not the whole timeout.
         generation: which feed of the store this is: a member fed anew connects again on the
             same store under a new generation.
+        attempt: a group formed again within one feed (the same members, vLLM's protocol
+            after a shared broadcast: ``protocol_feed``) meets under keys of its own.
     """
 
     def __init__(
@@ -213,13 +215,15 @@ class WeightGroup:
         device: str = "cuda",
         generation: int = 1,
         abandon: Abandon | None = None,
+        attempt: int = 0,
     ) -> None:
         timeout = datetime.timedelta(seconds=timeout_s)
         if store is None:
             store = dist.TCPStore(host, port, world_size, False, timeout=timeout)
         self.rank, self.world_size = rank, world_size
         self.transport = make_transport(transport)
-        prefix = dist.PrefixStore(f"weights-{generation}", store)
+        name = f"weights-{generation}" + (f".{attempt}" if attempt else "")
+        prefix = dist.PrefixStore(name, store)
 
         def give_up() -> str | None:
             return superseded(store, generation) or (abandon() if abandon is not None else None)

@@ -49,6 +49,7 @@ class GlooTrainerInitInfo(TrainerInitInfo):
     #: the feed ``generation`` on it, and ``abandon()``: why to stop waiting for them, or None.
     store: Any = field(default=None, repr=False, compare=False)
     generation: int = 1
+    attempt: int = 0
     abandon: Callable[[], str | None] | None = field(default=None, repr=False, compare=False)
 
 
@@ -88,6 +89,7 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
             bucket_bytes=init_info.bucket_bytes,
             timeout_s=init_info.timeout_s,
             generation=init_info.generation,
+            attempt=init_info.attempt,
         )
         # The instances wait in their rendezvous inside the call: run it beside ours.
         with ThreadPoolExecutor(1) as pool:
@@ -100,6 +102,7 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
                 timeout_s=init_info.timeout_s,
                 generation=init_info.generation,
                 abandon=init_info.abandon,
+                attempt=init_info.attempt,
             )
             joined.result(timeout=init_info.timeout_s)
         return engine

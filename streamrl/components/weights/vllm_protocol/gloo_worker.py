@@ -4,6 +4,7 @@ vLLM's worker processes (StreamRL §6). Registered in vLLM's ``WeightTransferEng
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,6 +43,7 @@ class GlooInitInfo(WeightTransferInitInfo):
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
     timeout_s: float = DEFAULT_TIMEOUT_S
     generation: int = 1  # the feed on the trainer's store this group belongs to (``feeding``)
+    attempt: int = 0  # the group formed again within that feed (``WeightGroup``)
 
 
 @dataclass
@@ -90,6 +92,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
             host=init_info.master_address,
             device="cpu",
             generation=init_info.generation,
+            attempt=init_info.attempt,
         )
 
     def start_weight_update(self) -> None:
@@ -99,7 +102,15 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         # The base class ends with torch.accelerator.synchronize(), which raises without one.
-        self.receive_weights(self.parse_update_info(update_info))
+        try:
+            self.receive_weights(self.parse_update_info(update_info))
+        except BaseException:
+            # A broadcast cut short leaves layers half loaded on vLLM's meta tensors: close
+            # the reload (the old weights where nothing came), so the version sent again
+            # starts from a model that runs. Not a model to sample from: the caller waits.
+            with contextlib.suppress(Exception):  # the broadcast's error is the one to tell
+                self.finish_weight_update()
+            raise
         if torch.accelerator.is_available():
             torch.accelerator.synchronize()
 

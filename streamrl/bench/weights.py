@@ -105,7 +105,18 @@ def _cells(r: dict[str, Any]) -> str:
         f" GiB (staging {_gib(r['staging_bytes'])}), instance +"
         f"{_gib(r['generator_peak_extra_bytes'])} GiB, egress "
         f"{_gib(r['egress_bytes_per_version'])} GiB/version (model {_gib(r['model_bytes'])} GiB "
-        f"{r['wire_dtype']})"
+        f"{r['wire_dtype']})" + _join_cells(r)
+    )
+
+
+def _join_cells(r: dict[str, Any]) -> str:
+    """vLLM's protocol: a newcomer's catch-up alone against forming the shared group again."""
+    if "catch_up_s" not in r:
+        return ""
+    return (
+        f"; a newcomer: catch-up alone {r['catch_up_s']:.2f} s, group formed again "
+        f"{r['formed_again_s']:.2f} s (first {r['first_formed_s'] or 0:.2f} s), that version "
+        f"{r['version_with_newcomer_s']:.2f} s"
     )
 
 

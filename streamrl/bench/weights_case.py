@@ -121,7 +121,7 @@ def _push_versions(case: WeightsCase, model: torch.nn.Module, push: Any) -> dict
         "staging_bytes": push.staging_bytes,
         "generator_staging_bytes": push.generator_staging_bytes,
         "consistent": push.consistent(),
-    }
+    } | push.join_figures(case.versions + 2)
 
 
 class _NewPush:
@@ -176,6 +176,26 @@ class _NewPush:
     def staging_bytes(self) -> int:
         return self.service.weight_sync.staged.nbytes
 
+    def join_figures(self, version: int) -> dict[str, Any]:
+        """With vLLM's protocol, what a newcomer costs (``SharedBroadcast``): one more instance
+        catches up alone on the last version (``catch_up_s``), then ``version`` forms the
+        shared group again with it (``formed_s``, and the seconds of that whole version)."""
+        if self.case.path != "protocol" or self.case.trainer_ranks != 1:
+            return {}  # (another trainer rank would not join the extra version's gathers)
+        shared = self.service.pool.feeds.shared
+        formed_before = list(shared.formed_s)
+        self.service.add_instance(wait=True)
+        caught_up = shared.alone_s[-1]
+        _nudge(self.model)
+        started = time.perf_counter()
+        self.push(version)
+        return {
+            "first_formed_s": round(formed_before[0], 3) if formed_before else None,
+            "catch_up_s": round(caught_up[1], 3),
+            "formed_again_s": round(shared.formed_s[-1], 3),
+            "version_with_newcomer_s": round(time.perf_counter() - started, 3),
+        }
+
     def consistent(self) -> bool:
         """Every instance holds the trainer's weights: equal fingerprints (HF), or the
         checksums of the first version checked on each (vLLM keeps no HF copy)."""
@@ -195,6 +215,7 @@ class _OldPush:
 
         self.case, self.model = case, model
         self.wire_dtype, self.bytes_sent, self.staging_bytes = torch.float32, 0, 0
+        self.join_figures = lambda version: {}
         self.generator_staging_bytes = 0
         ctx = mp.get_context("spawn")
         self.stores = [make_store(2, case.timeout_s) for _ in range(case.instances)]

@@ -170,6 +170,8 @@ class SharedBroadcast:
 
     Attributes:
         formed_s: the seconds each forming took (until every member had joined).
+        alone_s: ``(version, seconds)`` of each version sent to one instance alone (a
+            newcomer's catch-up, or the only instance).
         resent: ``(version, why)`` of each version sent again member by member.
     """
 
@@ -180,6 +182,7 @@ class SharedBroadcast:
         self.members: tuple[int, ...] = ()
         self.engine: Any = None
         self.formed_s: list[float] = []
+        self.alone_s: list[tuple[int, float]] = []
         self.resent: list[tuple[int, str]] = []
 
     def send(
@@ -190,7 +193,10 @@ class SharedBroadcast:
         from streamrl.components.weights.vllm_protocol import StagedSource
 
         if len(links) == 1:  # a newcomer's catch-up, or a single instance: its own group
-            return _alone(links, buffers)
+            started = time.perf_counter()
+            outcomes = _alone(links, buffers)
+            self.alone_s.append((version, time.perf_counter() - started))
+            return outcomes
         staged = self.sync.staged
         try:
             if tuple(sorted(links)) != self.members or self.engine is None:

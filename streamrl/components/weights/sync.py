@@ -15,6 +15,8 @@ generation, §6; replacement of a failed one): ``add_group`` first sends a newco
 version staged (catch-up), then every later one; a group whose peer fails is dropped
 (``failed``) without stopping the others. An instance fed by another one (a chain or a site's
 head, ``weight_relay``) is a group that only announces: no bytes leave the trainer for it.
+Groups that share a ``hub`` (vLLM's protocol: ``protocol_feed.SharedBroadcast``) are sent each
+version by it, in one broadcast, and it says which of them failed.
 """
 
 from __future__ import annotations

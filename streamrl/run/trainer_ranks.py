@@ -22,7 +22,6 @@ import json
 import multiprocessing as mp
 import os
 import signal
-import socket
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -44,6 +43,7 @@ from transformers import PreTrainedModel
 from streamrl.algorithms.base import Algorithm
 from streamrl.components.capacity.elastic import ElasticController
 from streamrl.components.training.sharding import compute_dtype
+from streamrl.components.weights.transport import LOOPBACK, local_interfaces, make_store
 from streamrl.errors import TrainerRankError
 from streamrl.policy.lora import LoRASpec, apply_lora
 from streamrl.policy.model_dir import directory_bytes, empty_model
@@ -247,11 +247,16 @@ def trainer_ranks(setup: RankSetup, model_dir: Path, resume: str | None = None) 
         model_dir: the policy every rank starts from.
         resume: the checkpoint every rank resumes from, if any.
     """
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    # The ranks' rendezvous, hosted here on loopback only (torch's own, from MASTER_ADDR, would
+    # listen on every interface): each rank joins it as a client, as under torchelastic's agent.
+    store = make_store(setup.ranks)
     job = dict(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(setup.ranks), NODE_RANK="0"
+        MASTER_ADDR=LOOPBACK,
+        MASTER_PORT=str(store.port),
+        WORLD_SIZE=str(setup.ranks),
+        NODE_RANK="0",
+        TORCHELASTIC_USE_AGENT_STORE="True",
+        **local_interfaces(),
     )
     ctx = mp.get_context("spawn")
     ranks = []

@@ -263,14 +263,9 @@ class RayInstanceHandle(InstanceHandle):
             scheduling_strategy=PlacementGroupSchedulingStrategy(placement),
         )
         actor = actor_class.remote()
-        store = make_store(2, timeout_s)
-        spec = instance_spec(
-            instance_id,
-            store.port,
-            timeout_s,
-            spec_fields,
-            store_host=ray.util.get_node_ip_address(),
-        )
+        here = ray.util.get_node_ip_address()  # where the actor, maybe on another node, reaches it
+        store = make_store(2, timeout_s, host=here)
+        spec = instance_spec(instance_id, store.port, timeout_s, spec_fields, store_host=here)
         authkey = secrets.token_bytes(32)
         address = actor.open_channel.remote(authkey)
         serving = actor.serve.remote(spec)

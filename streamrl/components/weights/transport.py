@@ -16,9 +16,12 @@ config names one in ``rl.weight_transport`` (``gloo``, ``bucketed``, ``nccl``, o
 from __future__ import annotations
 
 import datetime
+import ipaddress
+import os
+import socket
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
 import torch
@@ -28,6 +31,8 @@ from streamrl.components.weights.nccl import NcclCommunicator, import_nccl
 from streamrl.protocols import WeightLink, WeightTransport
 from streamrl.runtime.references import checked, resolve
 
+#: Where a single-machine run's stores and groups listen: loopback only.
+LOOPBACK = "127.0.0.1"
 #: How long a rendezvous or a broadcast may wait for its peers before failing.
 DEFAULT_TIMEOUT_S = 120.0
 #: The store key holding an instance's current feed generation, or ``"closed"`` once it left.
@@ -59,16 +64,41 @@ def superseded(store: dist.Store, generation: int) -> str | None:
     return None
 
 
-def make_store(world_size: int, timeout_s: float = DEFAULT_TIMEOUT_S) -> dist.TCPStore:
-    """The rendezvous store, hosted by the trainer on a free loopback port (``store.port``)."""
+def make_store(
+    world_size: int, timeout_s: float = DEFAULT_TIMEOUT_S, host: str = LOOPBACK
+) -> dist.TCPStore:
+    """The rendezvous store, hosted by the trainer on a free port of ``host`` only
+    (``store.port``): loopback unless its members run on other machines (then the one address
+    they reach it on). Given a host, ``TCPStore`` itself listens on every interface, so it is
+    handed a socket bound to that one address."""
+    listening = socket.create_server((host, 0), backlog=128)
     return dist.TCPStore(
-        "127.0.0.1",
-        0,
+        host,
+        listening.getsockname()[1],
         world_size,
         is_master=True,
         wait_for_workers=False,
         timeout=datetime.timedelta(seconds=timeout_s),
+        master_listen_fd=listening.detach(),  # the store owns the socket from now on
     )
+
+
+def local_interfaces() -> dict[str, str]:
+    """The environment that keeps a single-machine job's gloo and NCCL sockets on the loopback
+    interface (torch's default group reads it), leaving out what the user set already."""
+    names = [name for _, name in socket.if_nameindex() if name.startswith("lo")]
+    if not names:
+        return {}
+    wanted = {"GLOO_SOCKET_IFNAME": names[0], "NCCL_SOCKET_IFNAME": names[0]}
+    return {key: value for key, value in wanted.items() if key not in os.environ}
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` is this machine's loopback address (a name resolving to one included)."""
+    try:
+        return ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
+    except (OSError, ValueError):
+        return False
 
 
 @dataclass(frozen=True)
@@ -77,6 +107,9 @@ class GlooTransport:
     round trip. Runs everywhere."""
 
     needs_own_gpu: ClassVar[bool] = False
+    #: The address this member's gloo pairs listen on (``None``: gloo's default, from the
+    #: host name or ``GLOO_SOCKET_IFNAME``). ``WeightGroup`` sets loopback for a local group.
+    bind: str | None = None
 
     def __str__(self) -> str:
         return "gloo"
@@ -90,7 +123,13 @@ class GlooTransport:
         # Every member is here, so the backend's own rendezvous is quick; its timeout only
         # bounds a peer that died in between (the broadcasts get the full one).
         connect = datetime.timedelta(seconds=min(timeout_s, CONNECT_TIMEOUT_S))
-        group = dist.ProcessGroupGloo(store, rank, world_size, connect)
+        if self.bind is None:
+            group = dist.ProcessGroupGloo(store, rank, world_size, connect)
+        else:
+            options = dist.ProcessGroupGloo._Options()
+            options._timeout = connect
+            options._devices = [dist.ProcessGroupGloo.create_device(hostname=self.bind)]
+            group = dist.ProcessGroupGloo(store, rank, world_size, options)
         return _GlooLink(group, rank, datetime.timedelta(seconds=timeout_s))
 
 
@@ -222,6 +261,10 @@ class WeightGroup:
             store = dist.TCPStore(host, port, world_size, False, timeout=timeout)
         self.rank, self.world_size = rank, world_size
         self.transport = make_transport(transport)
+        # A group whose store is on loopback is local: its gloo pairs listen there only.
+        where = getattr(store, "host", host) if store is not None else host
+        if isinstance(self.transport, GlooTransport) and is_loopback(where):
+            self.transport = replace(self.transport, bind=LOOPBACK)
         name = f"weights-{generation}" + (f".{attempt}" if attempt else "")
         prefix = dist.PrefixStore(name, store)
 

@@ -80,7 +80,9 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
         engine = cls(client, source, init_info)
         if not engine.is_sender:
             return engine
-        store = init_info.store or make_store(init_info.world_size, init_info.timeout_s)
+        store = init_info.store or make_store(
+            init_info.world_size, init_info.timeout_s, host=init_info.master_address
+        )
         worker = GlooInitInfo(
             init_info.master_address,
             store.port,

@@ -255,6 +255,40 @@ def test_bad_files_and_checkpoints_exit_2(fit, tmp_path, capsys):
     assert "--resume: no checkpoint at" in capsys.readouterr().err
 
 
+def test_a_binary_file_a_pipe_and_a_key_given_twice_get_one_line_errors(fit, tmp_path, capsys):
+    """What a new user hits: each a one-line error before any work, naming the fix."""
+    binary = tmp_path / "model.bin"
+    binary.write_bytes(bytes(range(256)) * 4)
+    code, calls = fit("--config", str(binary))
+    err = capsys.readouterr().err
+    assert code == 2 and not calls and "is not a text file" in err and "Traceback" not in err
+    pipe = tmp_path / "pipe"
+    os.mkfifo(pipe)  # what <(...) gives
+    code, calls = fit("--config", str(pipe))
+    err = capsys.readouterr().err
+    assert code == 2 and not calls
+    assert "is not a regular file (a pipe" in err and "write it to a file" in err
+    twice = tmp_path / "twice.yaml"
+    twice.write_text("rl:\n  iterations: 3\nseed: 1\nrl:\n  lr: 0.001\n")
+    code, calls = fit("--config", str(twice))
+    err = capsys.readouterr().err
+    assert code == 2 and not calls
+    assert "key 'rl' is given twice (first on line 1)" in err and "merge them" in err
+    code, calls = fit("--rl", "{iterations: 2, iterations: 3}")
+    assert code == 2 and "key 'iterations' is given twice" in capsys.readouterr().err
+
+
+def test_load_config_refuses_the_same_files(tmp_path):
+    twice = tmp_path / "twice.yaml"
+    twice.write_text("rl:\n  iterations: 3\nrl:\n  lr: 0.001\n")
+    with pytest.raises(ConfigError, match="key 'rl' is given twice"):
+        load_config(twice)
+    binary = tmp_path / "b.yaml"
+    binary.write_bytes(b"\xff\xfe\x00rl")
+    with pytest.raises(ConfigError, match="is not a text file"):
+        load_config(binary)
+
+
 def test_fit_help_shows_the_dotted_options(capsys):
     for argv in (["fit", "--help"], ["fit", "-h"]):
         with pytest.raises(SystemExit) as exit_info:

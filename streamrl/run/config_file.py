@@ -60,21 +60,73 @@ def lightning_trainer_arg(name: str, key: str) -> str:
     )
 
 
-def load_config(path: str | Path) -> RunConfig:
-    """Read a YAML file into a validated ``RunConfig``.
+class DuplicateKeyError(yaml.constructor.ConstructorError):
+    """A key given twice in one YAML mapping (``UniqueKeyLoader``)."""
+
+
+class UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader, refusing a key given twice in one mapping (YAML would keep the last
+    silently: a second ``rl:`` section would drop the first)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        lines: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in lines:
+                raise DuplicateKeyError(
+                    None,
+                    None,
+                    f"key {key!r} is given twice (first on line {lines[key] + 1}); YAML would "
+                    "keep the second and drop the first: merge them into one",
+                    key_node.start_mark,
+                )
+            lines[key] = key_node.start_mark.line
+        return super().construct_mapping(node, deep)
+
+
+def read_yaml(text: str) -> Any:
+    """Parse YAML ``text`` with ``UniqueKeyLoader``."""
+    return yaml.load(text, Loader=UniqueKeyLoader)  # a SafeLoader: no arbitrary objects
+
+
+def read_config_text(path: Path) -> str:
+    """The text of config file ``path``.
 
     Raises:
-        ConfigError: missing or unreadable file, an unknown key, a wrong type or a bad value;
-            the message names the key and the fix.
+        ConfigError: it does not exist, is not a regular file (a pipe such as ``<(...)`` is
+            read more than once by ``fit``) or is not text.
     """
-    path = Path(path)
-    if not path.is_file():
+    if not path.exists():
         raise ConfigError(
             f"Config file {str(path)!r} does not exist. Pass --config with a YAML file, e.g. "
             "configs/demo.yaml."
         )
+    if not path.is_file():
+        raise ConfigError(
+            f"Config file {str(path)!r} is not a regular file (a pipe, such as <(...), or a "
+            "folder): streamrl reads the config more than once; write it to a file and pass "
+            "that."
+        )
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise ConfigError(
+            f"Config file {str(path)!r} is not a text file (byte {err.start} is not UTF-8): "
+            "pass a YAML file, e.g. configs/demo.yaml."
+        ) from None
+
+
+def load_config(path: str | Path) -> RunConfig:
+    """Read a YAML file into a validated ``RunConfig``.
+
+    Raises:
+        ConfigError: missing or unreadable file, an unknown key (or one given twice), a wrong
+            type or a bad value; the message names the key and the fix.
+    """
+    path = Path(path)
+    text = read_config_text(path)
+    try:
+        data = read_yaml(text) or {}
     except yaml.YAMLError as err:
         raise ConfigError(f"Config file {str(path)!r} is not valid YAML: {err}") from err
     if not isinstance(data, dict):

@@ -129,6 +129,7 @@ def parse_fit(argv: Sequence[str]) -> FitArgs:
     from streamrl.run.config_file import from_dict
 
     argv = [_fit_alias(token) for token in argv]
+    _explain_fit_error(argv, files_only=True)  # a pipe, a binary file, a key given twice
     try:
         values = build_fit_parser().parse_args(argv).as_dict()
     except ArgumentError as err:
@@ -169,9 +170,11 @@ def _fit_alias(token: str) -> str:
     return _FIT_ALIASES.get(name, name) + eq + value
 
 
-def _explain_fit_error(argv: Sequence[str]) -> None:
+def _explain_fit_error(argv: Sequence[str], files_only: bool = False) -> None:
     """Raise our ``ConfigError`` for the unknown key (in a file, a YAML string or an option) or
-    the unreadable file behind a failed parse; return if none is found."""
+    the unreadable file behind a failed parse; return if none is found. ``files_only``: only
+    the config files and YAML values (before the parse: jsonargparse reads a file given twice
+    silently, and a binary one with a traceback)."""
     from streamrl.run.config import RunConfig
 
     groups = typing.get_type_hints(RunConfig)
@@ -187,7 +190,7 @@ def _explain_fit_error(argv: Sequence[str]) -> None:
             _check_config_value("--config", value, RunConfig)
         elif dataclasses.is_dataclass(groups.get(name)):  # --rl FILE_OR_YAML
             _check_config_value(f"--{name}", value, groups[name])
-        else:
+        elif not files_only:
             _check_option(name)
 
 
@@ -218,15 +221,22 @@ def _check_config_value(option: str, value: str, cls: type) -> None:
     """A ``--config`` (or ``--rl``) value: a YAML file or string of known keys; ``ConfigError``."""
     import yaml
 
+    from streamrl.run.config_file import DuplicateKeyError, read_config_text, read_yaml
+
     try:
-        is_file = Path(value).is_file()
+        exists = Path(value).exists()
     except OSError:  # e.g. a YAML string too long for a file name
-        is_file = False
+        exists = False
+    is_file = exists and Path(value).is_file()
+    if exists:
+        read_config_text(Path(value))  # a pipe or a binary file: a clear error
     try:
-        data = yaml.safe_load(Path(value).read_text() if is_file else value)
+        data = read_yaml(Path(value).read_text() if is_file else value)
     except yaml.YAMLError as err:
         if is_file:
             raise ConfigError(f"Config file {value!r} is not valid YAML: {err}") from err
+        if isinstance(err, DuplicateKeyError):
+            raise ConfigError(f"{option} {value!r}: {err.problem}.") from None
         return
     if isinstance(data, dict):
         _check_keys(cls, data, value if is_file else option)

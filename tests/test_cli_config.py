@@ -278,6 +278,34 @@ def test_a_binary_file_a_pipe_and_a_key_given_twice_get_one_line_errors(fit, tmp
     assert code == 2 and "key 'iterations' is given twice" in capsys.readouterr().err
 
 
+def test_an_output_dir_nothing_can_be_written_in_is_refused_before_any_work(fit, capsys):
+    code, calls = fit("--output_dir", "/proc/streamrl-run")
+    err = capsys.readouterr().err
+    assert code == 2 and not calls
+    assert "output_dir '/proc/streamrl-run': nothing can be written in '/proc'" in err
+
+
+def test_a_model_directory_without_weights_is_refused_before_any_work(fit, tmp_path, capsys):
+    from transformers import Qwen2Config
+
+    only_config = tmp_path / "model"
+    Qwen2Config(num_hidden_layers=1, hidden_size=32).save_pretrained(only_config)
+    code, calls = fit("--model", str(only_config))
+    err = capsys.readouterr().err
+    assert code == 2 and not calls and "has a config.json but no weights" in err
+    not_a_config = tmp_path / "other"
+    not_a_config.mkdir()
+    (not_a_config / "config.json").write_text("{}")
+    code, calls = fit("--model", str(not_a_config))
+    err = capsys.readouterr().err
+    assert code == 2 and not calls and "transformers cannot read its config.json" in err
+    code, calls = fit("--model", str(tmp_path / "nowhere"))
+    assert code == 2 and "is not a directory" in capsys.readouterr().err
+    (only_config / "model.safetensors").write_bytes(b"")  # its weights: the check passes
+    fit("--model", str(only_config))
+    assert "model:" not in capsys.readouterr().err
+
+
 def test_load_config_refuses_the_same_files(tmp_path):
     twice = tmp_path / "twice.yaml"
     twice.write_text("rl:\n  iterations: 3\nrl:\n  lr: 0.001\n")

@@ -306,6 +306,39 @@ def _saved_names(files: list[Path]) -> set[str]:
     return names
 
 
+#: The weight files a Hugging Face model directory holds (one of them).
+WEIGHT_FILES = ("*.safetensors", "pytorch_model*.bin", "model.safetensors.index.json")
+
+
+def check_model_dir(path: str | Path) -> None:
+    """``path`` is a model directory streamrl can load: its ``config.json`` and its weights.
+
+    Raises:
+        ConfigError: what is missing, and how to get a directory that has it.
+    """
+    where = Path(path)
+    fix = (
+        "Pass a directory written by save_pretrained (config.json, model.safetensors and the "
+        "tokenizer files), or model: tiny to build one."
+    )
+    if not where.is_dir():
+        raise ConfigError(f"model: {str(path)!r} is not a directory. {fix}")
+    if not (where / "config.json").is_file():
+        raise ConfigError(f"model: {str(path)!r} has no config.json. {fix}")
+    try:
+        AutoConfig.from_pretrained(where, local_files_only=True)
+    except (ValueError, OSError) as err:
+        reason = str(err).strip().splitlines()[0][:200]
+        raise ConfigError(
+            f"model: {str(path)!r}: transformers cannot read its config.json ({reason}). {fix}"
+        ) from None
+    if not any(next(where.glob(pattern), None) for pattern in WEIGHT_FILES):
+        raise ConfigError(
+            f"model: {str(path)!r} has a config.json but no weights (no *.safetensors or "
+            f"pytorch_model*.bin). {fix}"
+        )
+
+
 def _config_file(path: str | Path) -> Path:
     config = Path(path) / "config.json"
     if not config.is_file():

@@ -7,12 +7,15 @@ before any work starts (``streamrl.run.config_file.load_config`` and ``streamrl 
 from __future__ import annotations
 
 import importlib.util
+import os
+import tempfile
 from pathlib import Path
 
 from streamrl.components.generation.clusters import LocalCluster, make_cluster
 from streamrl.components.generation.timeouts import Timeouts
 from streamrl.components.weights.transport import TRANSPORTS, make_transport
 from streamrl.errors import ConfigError, unknown_name
+from streamrl.policy.model_dir import check_model_dir
 from streamrl.run.config import DataConfig, RLConfig, RunConfig
 from streamrl.run.memory_checks import check_memory
 from streamrl.runtime.devices import Placement, resolve_placement
@@ -25,10 +28,12 @@ LOGGERS = {"csv": None, "tensorboard": "tensorboard", "wandb": "wandb"}
 
 
 def check_output_dir(output_dir: str | Path) -> None:
-    """``output_dir`` is a directory, or can be made one: no file stands at it or above it.
+    """``output_dir`` is a directory, or can be made one: no file stands at it or above it, and
+    the nearest existing folder takes a new entry (a folder made and removed at once: a
+    read-only filesystem, ``/proc`` or a folder of someone else's fail here, before any work).
 
     Raises:
-        ConfigError: a file is in the way.
+        ConfigError: a file is in the way, or nothing can be written there.
     """
     path = Path(output_dir)
     for place in (path, *path.parents):
@@ -38,6 +43,13 @@ def check_output_dir(output_dir: str | Path) -> None:
                     f"output_dir {str(path)!r}: {str(place)!r} is a file, not a directory; "
                     "choose another output_dir (it is created if missing)."
                 )
+            try:
+                os.rmdir(tempfile.mkdtemp(prefix=".streamrl-write-check-", dir=place))
+            except OSError as err:
+                raise ConfigError(
+                    f"output_dir {str(path)!r}: nothing can be written in {str(place)!r} "
+                    f"({err.strerror}); choose an output_dir you can write to, e.g. runs/mine."
+                ) from None
             return
 
 
@@ -45,6 +57,8 @@ def check_values(config: RunConfig) -> None:
     """Check values that types alone cannot (ranges, names); raises ``ConfigError``."""
     data, sft = config.data, config.sft
     check_output_dir(config.output_dir)
+    if config.model != "tiny":
+        check_model_dir(config.model)
     check_data_source(data)
     if not (data.prompt_file or data.path or data.reasoning_gym):
         if not data.tasks:

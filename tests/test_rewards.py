@@ -51,6 +51,9 @@ def nan(completion, row):
 def text(completion, row):
     return "high"
 
+def numeric_text(completion, row):
+    return "0.5"
+
 def three_args(completion, row, extra):
     return 1.0
 '''
@@ -125,6 +128,7 @@ def test_a_hanging_reward_is_killed_and_named(user_rewards):
         ("raises", r"raised KeyError\('no such field'\) on prompt\(s\) \['p1'\]"),
         ("nan", r"returned nan for prompt 'p1'"),
         ("text", r"returned 'high' for prompt 'p0'"),
+        ("numeric_text", r"returned '0.5' for prompt 'p0'.*not text"),
     ],
 )
 def test_bad_reward_values_name_the_prompt(user_rewards, workers, name, message):

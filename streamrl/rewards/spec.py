@@ -245,14 +245,15 @@ def _checked_values(label: str, values: Any, rows: list[dict]) -> list[float]:
         )
     checked = []
     for value, row in zip(values, rows):
-        try:
-            number = float(value)
+        try:  # text is refused, even "0.5": float() would take it, and "1" vs "yes" is a bug
+            number = math.nan if isinstance(value, (str, bytes)) else float(value)
         except (TypeError, ValueError):
             number = math.nan
         if not math.isfinite(number):
             raise RewardError(
                 f"Reward {label!r} returned {value!r} for prompt {row.get('prompt_id')!r}; "
-                "rewards must be finite numbers (a float, int or bool; not NaN or None)."
+                "rewards must be finite numbers (a float, int or bool; not text, NaN or "
+                "None): return float(...) of your score."
             )
         checked.append(number)
     return checked

@@ -40,6 +40,10 @@ def hangs(completion, row):
         time.sleep(600)
     return 1.0
 
+def hangs_everywhere(completion, row):
+    time.sleep(600)
+    return 1.0
+
 def raises(completion, row):
     if row["prompt_id"] == "p1":
         raise KeyError("no such field")
@@ -163,3 +167,59 @@ def test_pool_close_leaves_no_process(user_rewards):
     processes = [w.process for w in pool._pool]
     pool.close()
     assert all(not p.is_alive() for p in processes)
+
+
+def test_a_reward_that_never_returns_stops_the_heldout_evaluation_with_its_prompts(
+    user_rewards, tmp_path, capsys
+):
+    """The evaluation before RL scores in the trainer's process: a reward that hangs there is
+    given rl.reward_timeout_s too, and the run stops with one line naming the prompts (it hung
+    forever before)."""
+    import yaml
+
+    from streamrl.cli.main import main
+
+    config = tmp_path / "run.yaml"
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "output_dir": str(tmp_path / "out"),
+                "data": {"tasks": ["copy"], "n_train": 16, "n_heldout": 4, "max_len": 6},
+                "sft": {"model_size": "test", "steps": 2},
+                "rl": {
+                    "iterations": 1,
+                    "prompts_per_iteration": 2,
+                    "group_size": 2,
+                    "max_tokens": 8,
+                    "reward": f"{user_rewards}:hangs_everywhere",
+                    "reward_timeout_s": 2,
+                },
+            }
+        )
+    )
+    started = time.monotonic()
+    code = main(["fit", "--config", str(config), "--no-progress"])
+    err = capsys.readouterr().err
+    assert code != 0 and time.monotonic() - started < 120
+    assert "did not return within 2 s (rl.reward_timeout_s) on held-out prompt(s)" in err
+
+
+def test_with_deadline_scores_in_batches_and_names_the_batch_that_hangs():
+    from streamrl.rewards.deadline import with_deadline
+
+    seen = []
+
+    def score(completions, rows):
+        seen.append(len(rows))
+        if any(r["prompt_id"] == "p5" for r in rows):
+            time.sleep(5)
+        return [1.0] * len(rows)
+
+    rows = [{"prompt_id": f"p{i}"} for i in range(6)]
+    scored = with_deadline(score, timeout_s=0.2, batch=4)
+    assert scored(["x"] * 4, rows[:4]) == [1.0] * 4
+    with pytest.raises(RewardError, match=r"within 0.2 s .* \['p4', 'p5'\]"):
+        scored(["x"] * 6, rows)
+    assert seen == [4, 4, 2]
+    with pytest.raises(KeyError):
+        with_deadline(lambda c, r: r[0]["missing"], timeout_s=1)(["x"], rows[:1])

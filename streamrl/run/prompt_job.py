@@ -16,6 +16,7 @@ from streamrl.eval.heldout import EvalResult, evaluate
 from streamrl.eval.on_generators import ServiceDecoder
 from streamrl.policy.chat import completion_text, render_prompt, stop_token_ids
 from streamrl.protocols import Sampler
+from streamrl.rewards.deadline import with_deadline
 from streamrl.rewards.spec import load_rewards
 from streamrl.run.config import RunConfig
 from streamrl.run.parts import reward_specs
@@ -92,6 +93,8 @@ def heldout_evaluator(
     ``max_tokens`` by default), and the run's own reward (computed in this process)."""
     data, rl = config.data, config.rl
     rewards = load_rewards(reward_specs(rl))
+    # in this process, each batch under the reward timeout: a reward that hangs stops the run
+    score = with_deadline(lambda texts, rows: rewards.score(texts, rows)[0], rl.reward_timeout_s)
 
     def evaluator(service: StreamGenerationService, version: int) -> EvalResult:
         decoder = ServiceDecoder(service, context, min_weight_version=version)
@@ -100,7 +103,7 @@ def heldout_evaluator(
             tokenizer,
             heldout,
             max_new_tokens=rl.eval_max_tokens or rl.max_tokens,
-            score=lambda completions, rows: rewards.score(completions, rows)[0],
+            score=score,
             encode=lambda row: render_prompt(
                 tokenizer, row["prompt"], system_prompt=data.system_prompt, chat=data.chat_template
             ),

@@ -82,6 +82,16 @@ def test_missing_model_directory(tmp_path):
         prepare_run(config)
 
 
+@pytest.mark.parametrize("field", ["max_tokens", "eval_max_tokens"])
+def test_a_token_budget_past_the_context_is_refused_before_any_work(field):
+    config = RunConfig()
+    setattr(config.rl, field, 100000)  # the tiny policy's context is 256 tokens
+    with pytest.raises(ConfigError, match=f"rl.{field}: 100000 new tokens do not fit .* 256"):
+        prepare_run(config)
+    setattr(config.rl, field, 200)
+    prepare_run(config)
+
+
 def test_prompt_longer_than_context(tmp_path):
     rows = [{"prompt": "copy ab=", "answer": "ab"}] * 3
     rows.append({"prompt_id": "too-long", "prompt": "copy " + "a" * 300 + "=", "answer": "a"})

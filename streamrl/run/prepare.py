@@ -271,8 +271,10 @@ def _tokenizer_and_context(
     config: RunConfig, train: datasets.Dataset | None = None
 ) -> tuple[PreTrainedTokenizerBase, int]:
     if config.model == "tiny" and train is not None:  # your data: a tokenizer learned from it
+        _check_budgets(config, TINY_CONTEXT)
         return data_tokenizer(train, kind=config.sft.tokenizer), TINY_CONTEXT
     if config.model == "tiny":
+        _check_budgets(config, TINY_CONTEXT)
         return build_tokenizer(), TINY_CONTEXT
     path = Path(config.model)
     if not (path / "config.json").is_file():
@@ -284,7 +286,23 @@ def _tokenizer_and_context(
     context = int(model_config.get("max_position_embeddings", 0))
     if context <= 0:
         raise ConfigError(f"{path}/config.json has no max_position_embeddings; cannot check fit.")
+    _check_budgets(config, context)
     return load_tokenizer(path), context
+
+
+def _check_budgets(config: RunConfig, context: int) -> None:
+    """The token budgets leave room for a prompt in the model's context (a sample never gets
+    more than the context less its prompt: a larger budget was silently cut)."""
+    rl = config.rl
+    for name, budget in (
+        ("rl.max_tokens", rl.max_tokens),
+        ("rl.eval_max_tokens", rl.eval_max_tokens),
+    ):
+        if budget is not None and budget >= context:
+            raise ConfigError(
+                f"{name}: {budget} new tokens do not fit the model's context of {context} tokens "
+                f"with a prompt; set {name} below {context} (less the longest prompt's tokens)."
+            )
 
 
 def data_tokenizer(

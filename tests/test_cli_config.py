@@ -306,6 +306,23 @@ def test_a_model_directory_without_weights_is_refused_before_any_work(fit, tmp_p
     assert "model:" not in capsys.readouterr().err
 
 
+def test_a_built_in_reward_whose_package_is_missing_is_refused_before_any_work(
+    fit, monkeypatch, capsys
+):
+    import importlib.util
+
+    find = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "math_verify" else find(name, *a),
+    )
+    code, calls = fit("--rl.reward", "math")
+    err = capsys.readouterr().err
+    assert code == 2 and not calls
+    assert "rl.reward: 'math' needs the 'math_verify' package" in err and "pip install" in err
+
+
 def test_load_config_refuses_the_same_files(tmp_path):
     twice = tmp_path / "twice.yaml"
     twice.write_text("rl:\n  iterations: 3\nrl:\n  lr: 0.001\n")

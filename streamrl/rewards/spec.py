@@ -35,6 +35,7 @@ Examples:
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import inspect
 import math
 from collections.abc import Callable, Mapping, Sequence
@@ -53,7 +54,30 @@ BUILTIN_REWARDS: dict[str, str] = {
     "reasoning_gym": "streamrl.tasks.reasoning_gym:reasoning_gym_reward",
 }
 
+#: What a built-in reward imports that streamrl does not install by default, and how to get it.
+BUILTIN_NEEDS: dict[str, tuple[str, str]] = {
+    "math": ("math_verify", "pip install 'math-verify>=0.9' (or streamrl[tasks])"),
+    "reasoning_gym": ("reasoning_gym", "pip install 'reasoning-gym>=0.1.25' (or streamrl[tasks])"),
+}
+
 BatchReward = Callable[[list[str], list[dict]], list[float]]
+
+
+def check_reward_packages(specs: Sequence[RewardSpec]) -> None:
+    """Every package the built-in rewards of ``specs`` import is installed.
+
+    Raises:
+        ConfigError: one is missing (checked before any work: the reward would fail at its
+            first call, after the warm start); the message gives the install command.
+    """
+    for spec in specs:
+        if isinstance(spec.reward, str) and spec.reward in BUILTIN_NEEDS:
+            module, install = BUILTIN_NEEDS[spec.reward]
+            if importlib.util.find_spec(module) is None:
+                raise ConfigError(
+                    f"rl.reward: {spec.reward!r} needs the {module!r} package, not installed "
+                    f"here: {install}."
+                )
 
 
 @dataclass(frozen=True)
@@ -223,6 +247,8 @@ class WeightedRewards:
             except Exception as err:
                 failed = [err.row] if isinstance(err, _RowFailure) else rows
                 cause = err.__cause__ if isinstance(err, _RowFailure) else err
+                if isinstance(cause, ConfigError):  # a setup problem (a missing package)
+                    raise cause from None
                 prompts = sorted({str(r.get("prompt_id")) for r in failed})
                 raise RewardError(
                     f"Reward {label!r} raised {cause!r} on prompt(s) {prompts}; fix the reward "

@@ -16,6 +16,7 @@ from streamrl.components.generation.timeouts import Timeouts
 from streamrl.components.weights.transport import TRANSPORTS, make_transport
 from streamrl.errors import ConfigError, unknown_name
 from streamrl.policy.model_dir import check_model_dir
+from streamrl.rewards.spec import RewardSpec, check_reward_packages
 from streamrl.run.config import DataConfig, RLConfig, RunConfig
 from streamrl.run.memory_checks import check_memory
 from streamrl.runtime.devices import Placement, resolve_placement
@@ -206,6 +207,8 @@ def check_rl(rl: RLConfig) -> None:
             f"reward_timeout_s={rl.reward_timeout_s}, eval_every={rl.eval_every}, "
             f"eval_k={rl.eval_k}."
         )
+    if rl.reward is not None:
+        check_reward_packages(RewardSpec.from_config(rl.reward))
     if rl.lora_r < 0:
         raise ConfigError(f"rl.lora_r must be >= 0 (0 = full fine-tuning), got {rl.lora_r}.")
     if rl.sites and len(rl.sites) != rl.generators:

@@ -453,3 +453,25 @@ def test_bench_pipeline_runs_the_long_tail_modes_on_prompts_built_for_their_leng
     assert _long_tail_parts(BENCH_MODES["async"], PipelineBench()) == {}
     rows = _prompt_set(PipelineBench(prompt_set="by_length"), [3, 9, 4, 20])
     assert [row["length"] for row in rows[:5]] == [3, 9, 4, 20, 3]
+
+
+def test_the_run_ends_with_one_line_a_person_reads():
+    from streamrl.run.stages import result_line
+
+    summary = {
+        "heldout_reward_before": 0.25,
+        "heldout_reward_after": 0.5,
+        "heldout_pass1_before": 0.25,
+        "heldout_pass1_after": 0.5,
+        "samples_trained": 16,
+        "samples_per_s": 32.08,
+        "output_dir": "runs/x",
+    }
+    assert result_line(summary) == (
+        "Result: held-out reward 0.250 -> 0.500 (pass@1 25% -> 50%), 16 samples trained at "
+        "32.1 samples/s, files in runs/x"
+    )
+    episodes = {"heldout_reward_before": 0.1, "heldout_reward_after": 0.2}
+    episodes |= {"heldout_success_before": 0.0, "heldout_success_after": 0.5}
+    assert "(success 0% -> 50%)" in result_line(episodes)
+    assert result_line({}) == "Result: no figures (see the JSON line)"

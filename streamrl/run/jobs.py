@@ -154,6 +154,7 @@ def run_fit(
     summary["policy_dir"] = str(trained)
     write_summary(summary, config, model_dir, started)
     stages.files(config.output_dir)
+    stages.result(summary)
     return summary
 
 

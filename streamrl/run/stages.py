@@ -9,6 +9,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from streamrl.run.config import RunConfig
 from streamrl.runtime.progress import Stages
@@ -58,9 +59,32 @@ class RunStages(Stages):
             "generator processes streaming samples to the trainer",
         )
 
+    def result(self, summary: Mapping[str, Any]) -> None:
+        """The run's result in one line a person reads (the JSON line follows on stdout)."""
+        print(result_line(summary), file=sys.stderr)
+
     def files(self, output_dir: str | Path) -> None:
         out = Path(output_dir)
         self.start("files", f"Files written to {out}")
         for name, what in OUTPUTS.items():
             if (out / name).exists():
                 print(f"  {name:<14} {what}", file=sys.stderr)
+
+
+def result_line(summary: Mapping[str, Any]) -> str:
+    """``Result: held-out reward 0.31 -> 0.58 (pass@1 25% -> 50%), 16 samples trained at 32.1
+    samples/s; files in runs/x`` from a run's summary (what it has of it)."""
+    parts = []
+    before, after = summary.get("heldout_reward_before"), summary.get("heldout_reward_after")
+    if before is not None and after is not None:
+        parts.append(f"held-out reward {before:.3f} -> {after:.3f}")
+        for key, name in (("pass1", "pass@1"), ("success", "success")):
+            first, last = summary.get(f"heldout_{key}_before"), summary.get(f"heldout_{key}_after")
+            if first is not None and last is not None:
+                parts[-1] += f" ({name} {first:.0%} -> {last:.0%})"
+    trained, rate = summary.get("samples_trained"), summary.get("samples_per_s")
+    if trained is not None:
+        parts.append(f"{trained} samples trained" + (f" at {rate:.1f} samples/s" if rate else ""))
+    if summary.get("output_dir"):
+        parts.append(f"files in {summary['output_dir']}")
+    return "Result: " + (", ".join(parts) if parts else "no figures (see the JSON line)")

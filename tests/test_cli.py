@@ -475,3 +475,18 @@ def test_the_run_ends_with_one_line_a_person_reads():
     episodes |= {"heldout_success_before": 0.0, "heldout_success_after": 0.5}
     assert "(success 0% -> 50%)" in result_line(episodes)
     assert result_line({}) == "Result: no figures (see the JSON line)"
+
+
+def test_a_run_without_a_warm_start_says_what_that_means(capsys):
+    from streamrl.run.config import RunConfig
+    from streamrl.run.stages import RunStages
+
+    config = RunConfig()
+    config.sft.steps = 0
+    RunStages().policy(config)
+    assert "warning: sft.steps: 0 starts RL from the tiny policy's random weights" in (
+        capsys.readouterr().err
+    )
+    config.sft.steps = 20
+    RunStages().policy(config)
+    assert "warning" not in capsys.readouterr().err

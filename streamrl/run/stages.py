@@ -44,6 +44,13 @@ class RunStages(Stages):
             f"Warm start: {sft.steps} SFT steps of the tiny '{sft.model_size}' policy on "
             "imperfect demonstrations (cached after the first run; an interrupted one resumes)",
         )
+        if sft.steps == 0:
+            print(
+                "warning: sft.steps: 0 starts RL from the tiny policy's random weights: its "
+                "samples earn no reward and RL has nothing to reinforce; give sft.steps (e.g. "
+                "the default) unless that is what you study.",
+                file=sys.stderr,
+            )
 
     def evaluation(self, when: str, count: int, unit: str = "prompts") -> None:
         """``when``: ``"before"`` or ``"after"`` RL; ``count`` held-out ``unit``."""

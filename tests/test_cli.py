@@ -143,6 +143,16 @@ def test_fit_small_run_prints_json_summary(tmp_path, capsys):
     assert resumed["samples_trained"] == 3 * 4 * 2 and resumed["samples_lost"] == 0
     assert sorted(p.name for p in last.parent.glob("last*.ckpt")) == ["last.ckpt"]
     assert main(["fit", "--config", str(config), "--resume", str(tmp_path / "nope.ckpt")]) == 2
+    capsys.readouterr()
+    # Once more on the finished run: nothing to do, its summary kept (it reran both evaluations
+    # and wrote a summary of nothing over it).
+    written = (tmp_path / "out" / "summary.json").stat().st_mtime_ns
+    assert main(["fit", "--config", str(config), "--no-progress", "--resume", "auto"]) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out.strip().splitlines()[-1]) == resumed
+    assert "finished its 3 iterations already; nothing to do" in err
+    assert "Held-out evaluation" not in err
+    assert (tmp_path / "out" / "summary.json").stat().st_mtime_ns == written
 
 
 def _children(pid: int) -> list[int]:

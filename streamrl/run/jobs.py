@@ -8,6 +8,7 @@ it; they differ only in their rows, warm start, evaluator and sampler.
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -27,7 +28,7 @@ from streamrl.run.config_checks import check_values, placement_of
 from streamrl.run.episode_fit import EpisodeJob
 from streamrl.run.parts import build_run_algorithm, check_parts
 from streamrl.run.prompt_job import PromptJob
-from streamrl.run.reruns import resolve_resume
+from streamrl.run.reruns import finished_run, resolve_resume
 from streamrl.run.rl_job import HeldoutEvals, ledger, rl_summary, train_rl, write_summary
 from streamrl.run.stages import RunStages
 from streamrl.run.trainer_ranks import (
@@ -103,6 +104,15 @@ def run_fit(
     resume = resolve_resume(config.output_dir, resume)  # one output directory, one run
     started = time.perf_counter()
     check_values(config)
+    done = finished_run(config.output_dir, resume, config.rl.iterations)
+    if done is not None and launched_job() is None:
+        print(
+            f"streamrl fit: {config.output_dir} finished its {done['iterations']} iterations "
+            "already; nothing to do (its summary.json is kept and printed). Raise "
+            "rl.iterations to go on, or start a new run in another output_dir.",
+            file=sys.stderr,
+        )
+        return done
     # Every extension point resolves and fits where the trainer runs, before any work.
     check_parts(config.rl, placement_of(config))
     job = launched_job()  # torchrun or SLURM started this process as one of several ranks

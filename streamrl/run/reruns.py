@@ -21,11 +21,12 @@ Examples:
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from streamrl.errors import ConfigError
 
-__all__ = ["AUTO", "earlier_run", "fresh_output_dir", "resolve_resume"]
+__all__ = ["AUTO", "earlier_run", "finished_run", "fresh_output_dir", "resolve_resume"]
 
 #: ``--resume auto``: go on from the output directory's last checkpoint if there is one.
 AUTO = "auto"
@@ -71,6 +72,24 @@ def resolve_resume(output_dir: str | Path, resume: str | None) -> str | None:
             "in another output_dir (or remove this one)."
         )
     return None
+
+
+def finished_run(output_dir: str | Path, checkpoint: str | None, iterations: int) -> dict | None:
+    """The summary of a run in ``output_dir`` that already did all ``iterations`` (its
+    ``summary.json``, written at its end, at least as new as ``checkpoint``), or ``None``: a
+    resume then has nothing to do (and would rerun both evaluations and write a summary of
+    nothing over it). With more ``iterations`` than it did, it goes on."""
+    summary_path = Path(output_dir) / "summary.json"
+    if checkpoint is None or not summary_path.is_file():
+        return None
+    if summary_path.stat().st_mtime < Path(checkpoint).stat().st_mtime:
+        return None  # a checkpoint after the summary: the run went on since
+    try:
+        summary = json.loads(summary_path.read_text())
+    except (OSError, ValueError):
+        return None
+    done = summary.get("iterations") if isinstance(summary, dict) else None
+    return summary if isinstance(done, int) and done >= iterations else None
 
 
 def fresh_output_dir(output_dir: str | Path) -> Path:

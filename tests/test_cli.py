@@ -500,3 +500,25 @@ def test_a_run_without_a_warm_start_says_what_that_means(capsys):
     config.sft.steps = 20
     RunStages().policy(config)
     assert "warning" not in capsys.readouterr().err
+
+
+def test_a_policy_earning_nothing_before_rl_is_told_what_to_change(capsys):
+    from types import SimpleNamespace
+
+    from streamrl.run.config import RunConfig
+    from streamrl.run.jobs import zero_reward_hint
+    from streamrl.run.rl_job import HeldoutEvals
+
+    config = RunConfig()
+    config.data.path = "rows.jsonl"
+    hint = zero_reward_hint(config)
+    assert "sft.tokenizer: char" in hint
+    for reward, warned in ((0.0, True), (0.25, False)):
+        evals = HeldoutEvals(
+            lambda service, version: SimpleNamespace(reward=reward), zero_hint=hint
+        )
+        evals.run("before", service=None, version=0)
+        err = capsys.readouterr().err
+        assert ("warning: the policy earns no reward" in err and hint in err) is warned
+    evals.run("after", service=None, version=1)  # after RL: the summary says it
+    assert "warning" not in capsys.readouterr().err

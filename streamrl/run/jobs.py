@@ -135,6 +135,7 @@ def run_fit(
         every=config.rl.eval_every,
         output_dir=config.output_dir,
         announce=lambda when: stages.evaluation(when, len(kind.heldout), kind.unit),
+        zero_hint=zero_reward_hint(config),
     )
     started_training = time.perf_counter()
     module = train_rl(
@@ -166,6 +167,22 @@ def run_fit(
     stages.files(config.output_dir)
     stages.result(summary)
     return summary
+
+
+def zero_reward_hint(config: RunConfig) -> str:
+    """What to change when a run's policy earns no reward before RL (``HeldoutEvals``)."""
+    if config.model != "tiny":
+        return (
+            "check the reward on a few completions (streamrl bench reward) and the prompt "
+            "format (data.chat_template, data.system_prompt), or warm-start the model first."
+        )
+    if config.data.path or config.data.prompt_file:
+        return (
+            "the tiny policy's warm start learned too little of your task: try sft.tokenizer: "
+            "char (one id per character: copying and reversing text), more training rows, or "
+            "more sft.steps (docs/own-task.md)."
+        )
+    return "give the warm start more sft.steps (or sft.model_size: demo)."
 
 
 def check_launched(config: RunConfig, world: int) -> None:

@@ -71,6 +71,9 @@ class HeldoutEvals:
     results: dict[str, Any] = field(default_factory=dict)
     wall_s: dict[str, float] = field(default_factory=dict)
     periodic: PeriodicEval | None = None
+    #: What to change when the policy earns no reward at all before RL (RL then has nothing to
+    #: reinforce: every advantage is 0), said on stderr; ``None``: nothing.
+    zero_hint: str | None = None
 
     def run(self, when: str, service: StreamGenerationService, version: int) -> Any:
         """Evaluate ``version`` on ``service``'s instances now, as ``when``."""
@@ -78,6 +81,12 @@ class HeldoutEvals:
         started = time.perf_counter()
         result = self.results[when] = self.evaluator(service, version)
         self.wall_s[when] = time.perf_counter() - started
+        if when == "before" and self.zero_hint and getattr(result, "reward", None) == 0:
+            print(
+                "warning: the policy earns no reward on any held-out prompt before RL, so RL "
+                f"has little to reinforce; {self.zero_hint}",
+                file=sys.stderr,
+            )
         if self.periodic is not None:
             self.periodic.record(version, result, wall_s=self.wall_s[when])
         return result

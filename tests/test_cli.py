@@ -514,9 +514,8 @@ def test_a_policy_earning_nothing_before_rl_is_told_what_to_change(capsys):
     hint = zero_reward_hint(config)
     assert "sft.tokenizer: char" in hint
     for reward, warned in ((0.0, True), (0.25, False)):
-        evals = HeldoutEvals(
-            lambda service, version: SimpleNamespace(reward=reward), zero_hint=hint
-        )
+        result = SimpleNamespace(reward=reward)
+        evals = HeldoutEvals(lambda service, version, r=result: r, zero_hint=hint)
         evals.run("before", service=None, version=0)
         err = capsys.readouterr().err
         assert ("warning: the policy earns no reward" in err and hint in err) is warned

@@ -461,3 +461,14 @@ def test_a_module_found_nowhere_names_the_directories_searched(fit, tmp_path, mo
     assert message.startswith("rl.reward: cannot import module 'nowhere_rewards'")
     assert f"Searched the installed packages, then {elsewhere}, {conf};" in message
     assert "put nowhere_rewards.py (or the package nowhere_rewards/) in one of" in message
+
+
+def test_more_cpu_trainer_ranks_than_cores_gets_a_note(fit, monkeypatch, capsys):
+    import streamrl.run.config_checks as checks
+
+    monkeypatch.setattr(checks, "usable_cores", lambda: 2)
+    fit("--trainer.devices", "3")
+    err = capsys.readouterr().err
+    assert "warning: trainer.devices asks for 3 CPU trainer ranks on 2 core(s)" in err
+    fit("--trainer.devices", "2")
+    assert "warning: trainer.devices" not in capsys.readouterr().err

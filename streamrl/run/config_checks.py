@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import sys
 import tempfile
 from pathlib import Path
 
 from streamrl.components.generation.clusters import LocalCluster, make_cluster
 from streamrl.components.generation.timeouts import Timeouts
+from streamrl.components.training.cores import usable_cores
 from streamrl.components.weights.transport import TRANSPORTS, make_transport
 from streamrl.errors import ConfigError, unknown_name
 from streamrl.policy.model_dir import check_model_dir
@@ -178,6 +180,15 @@ def check_trainer(config: RunConfig) -> None:
             f"trainer.save_dtype: {unknown_name('dtype', trainer.save_dtype, SAVE_DTYPES)}"
         )
     check_memory(config, placement)  # each device fits the run's estimate
+    cores = usable_cores()
+    if placement.accelerator == "cpu" and placement.ranks_per_node > cores:
+        print(
+            f"warning: trainer.devices asks for {placement.ranks_per_node} CPU trainer ranks on "
+            f"{cores} core(s) (beside rl.generators={config.rl.generators} generator "
+            "processes): ranks share cores and every collective waits for a descheduled one, "
+            f"so it trains slower than with trainer.devices: {cores} or fewer.",
+            file=sys.stderr,
+        )
 
 
 def check_rl(rl: RLConfig) -> None:

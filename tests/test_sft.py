@@ -79,11 +79,12 @@ def test_warm_start_is_cached_and_loadable(tmp_path):
 
 def test_interrupted_warm_start_resumes_where_it_stopped(tmp_path, monkeypatch):
     """Ctrl-C at step 250 of 300: the rerun starts at the last save (step 200), and ends with
-    the weights and losses of a warm start that was never interrupted."""
+    the weights and losses of a warm start that was never interrupted (threads pinned: with
+    the free cores counted each step, a neighbour's load may change the float rounding)."""
     import streamrl.policy.sft as sft
 
     config = SFTConfig(model_size="test", steps=300, n_demos=256)
-    whole = warm_start(config, tmp_path / "whole", show_progress=False)
+    whole = warm_start(config, tmp_path / "whole", show_progress=False, threads=1)
 
     encode, calls = sft.encode_demos, []
 
@@ -96,11 +97,11 @@ def test_interrupted_warm_start_resumes_where_it_stopped(tmp_path, monkeypatch):
     monkeypatch.setattr(sft, "encode_demos", interrupted)
     target = tmp_path / "resumed" / whole.name
     with pytest.raises(KeyboardInterrupt):
-        warm_start(config, tmp_path / "resumed", show_progress=False)
+        warm_start(config, tmp_path / "resumed", show_progress=False, threads=1)
     assert not target.exists()
     assert torch.load(sft.progress_path(target), weights_only=False)["step"] == 200
     monkeypatch.setattr(sft, "encode_demos", encode)
-    resumed = warm_start(config, tmp_path / "resumed", show_progress=False)
+    resumed = warm_start(config, tmp_path / "resumed", show_progress=False, threads=1)
     assert resumed == target and not sft.progress_path(target).exists()
     a, _ = load_policy(whole)
     b, _ = load_policy(resumed)
@@ -108,3 +109,29 @@ def test_interrupted_warm_start_resumes_where_it_stopped(tmp_path, monkeypatch):
         assert torch.equal(x, y), name
     meta = [json.loads((d / "sft_meta.json").read_text()) for d in (whole, resumed)]
     assert meta[0]["losses"] == meta[1]["losses"] and len(meta[1]["losses"]) == 300
+
+
+def test_each_step_takes_the_free_cores_and_the_thread_count_comes_back(
+    tokenizer, tiny_model, monkeypatch
+):
+    """A busy neighbour: the cores free before each step are what the step gets (2 threads
+    spin-waiting for a descheduled one ran 10x slower: docs/benchmarks.md, bench contention)."""
+    import streamrl.policy.sft as sft
+
+    free = iter([1, 2, 1, 2])
+    monkeypatch.setattr(sft, "free_cores", lambda: next(free))
+    seen: list[int] = []
+    encode = sft.encode_demos
+
+    def recording(*args):
+        seen.append(torch.get_num_threads())
+        return encode(*args)
+
+    monkeypatch.setattr(sft, "encode_demos", recording)
+    own = torch.get_num_threads()
+    demos = make_prompt_set(32, ["copy"], median_len=3, max_len=6, seed=0)
+    config = SFTConfig(model_size="test", steps=4, tokens_per_batch=256)
+    sft_train(tiny_model, tokenizer, demos, config, show_progress=False)
+    assert seen == [1, 2, 1, 2] and torch.get_num_threads() == own
+    sft_train(tiny_model, tokenizer, demos, config, show_progress=False, threads=1)
+    assert seen[4:] == [1, 1, 1, 1]

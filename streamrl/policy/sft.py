@@ -28,6 +28,7 @@ import datasets
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from streamrl.components.training.cores import free_cores
 from streamrl.policy.models import build_tiny_model, build_tokenizer, save_policy
 from streamrl.runtime.progress import progress_bar
 from streamrl.tasks.families import FAMILIES
@@ -148,11 +149,12 @@ def sft_train(
     config: SFTConfig,
     show_progress: bool = True,
     progress_file: Path | None = None,
+    threads: int | None = None,
 ) -> list[float]:
     """Train ``model`` in place on ``demos`` (``prompt``/``answer`` columns); returns the losses.
 
     Each step takes a batch of demonstrations of similar length and makes each imperfect the
-    way ``imperfect`` describes. ``progress_file``: see ``train_steps``.
+    way ``imperfect`` describes. ``progress_file``, ``threads``: see ``train_steps``.
     """
     rng = random.Random(config.seed)
     torch.manual_seed(config.seed)
@@ -175,6 +177,7 @@ def sft_train(
         rng=rng,
         show_progress=show_progress,
         progress_file=progress_file,
+        threads=threads,
     )
 
 
@@ -192,6 +195,7 @@ def train_steps(
     show_progress: bool = False,
     progress_file: Path | None = None,
     save_every: int = 100,
+    threads: int | None = None,
 ) -> list[float]:
     """The SFT loop every warm start shares: ``steps`` AdamW steps over ``batches`` (lists of
     example indices, reshuffled with ``rng`` each epoch), each encoded by ``make_batch``; linear
@@ -202,7 +206,12 @@ def train_steps(
     states, batch order, losses) is saved there every ``save_every`` steps, and a loop started
     with that file present resumes from it: an interrupted warm start (Ctrl-C, a killed
     process) goes on where it was, and ends with the weights an uninterrupted one gives. The
-    caller deletes the file once the result is saved (``save_cached_policy`` does)."""
+    caller deletes the file once the result is saved (``save_cached_policy`` does).
+
+    ``threads``: the intra-op threads of every step; ``None``: the cores no other process is
+    running on right now, counted before each step (``free_cores``: a busy neighbour costs a
+    fair share, not a 10x collapse of spin-waiting OpenMP threads), so the float rounding of a
+    warm start, not its recipe, depends on the machine's load; give a number to pin it."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(steps))
     losses: list[float] = []
@@ -212,22 +221,33 @@ def train_steps(
     bar = progress_bar(
         range(first, steps), "warm start (SFT)", enabled=show_progress, initial=first, total=steps
     )
-    for step in bar:
-        if step % len(batches) == 0:
-            rng.shuffle(batches)
-        input_ids, mask, labels = make_batch(batches[step % len(batches)])
-        loss = model(input_ids=input_ids, attention_mask=mask, labels=labels).loss
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        scheduler.step()
-        losses.append(loss.item())
-        bar.set_postfix(loss=f"{losses[-1]:.3f}", refresh=False)
-        if progress_file is not None and (step + 1) % save_every == 0 and step + 1 < steps:
-            loop.save(progress_file, step + 1)
+    own_threads = torch.get_num_threads()
+    try:
+        for step in bar:
+            torch.set_num_threads(threads or free_cores())
+            _step(loop, make_batch, step)
+            bar.set_postfix(loss=f"{losses[-1]:.3f}", refresh=False)
+            if progress_file is not None and (step + 1) % save_every == 0 and step + 1 < steps:
+                loop.save(progress_file, step + 1)
+    finally:
+        torch.set_num_threads(own_threads)
     model.eval()
     return losses
+
+
+def _step(loop: _Loop, make_batch: Callable[[list[int]], Batch], step: int) -> None:
+    """One optimizer step of ``train_steps``."""
+    model, optimizer, rng, batches = loop.model, loop.optimizer, loop.rng, loop.batches
+    if step % len(batches) == 0:
+        rng.shuffle(batches)
+    input_ids, mask, labels = make_batch(batches[step % len(batches)])
+    loss = model(input_ids=input_ids, attention_mask=mask, labels=labels).loss
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    optimizer.step()
+    loop.scheduler.step()
+    loop.losses.append(loss.item())
 
 
 class _Loop:
@@ -310,6 +330,7 @@ def warm_start(
     *,
     show_progress: bool = True,
     force: bool = False,
+    threads: int | None = None,
 ) -> Path:
     """Return the directory of the warm-started policy, training it only if not cached.
 
@@ -319,6 +340,7 @@ def warm_start(
             ``default_cache_dir()``.
         show_progress: draw a progress bar while training.
         force: retrain even when a cached policy exists.
+        threads: each step's threads (``train_steps``); ``None``: the free cores.
 
     Returns:
         A Hugging Face model directory (``load_policy`` reads it) with ``sft_meta.json`` beside
@@ -341,7 +363,9 @@ def warm_start(
         id_prefix="demo-",
     )
     started = time.perf_counter()
-    losses = sft_train(model, tokenizer, demos, config, show_progress, progress_path(target))
+    losses = sft_train(
+        model, tokenizer, demos, config, show_progress, progress_path(target), threads
+    )
     train_s = time.perf_counter() - started
     meta = {"config": asdict(config), "losses": losses, "train_s": train_s}
     return save_cached_policy(model, tokenizer, target, meta)

@@ -1,5 +1,5 @@
-"""``streamrl bench memory`` and ``streamrl bench weights``: cases run a process each
-(``streamrl.bench.memory``, ``streamrl.bench.weights``), each command a dataclass of options
+"""``streamrl bench memory``, ``weights`` and ``contention``: cases run a process each
+(``streamrl.bench.memory``, ``weights``, ``contention``), each command a dataclass of options
 and the function that runs it (``streamrl.cli.parsing.Command``)."""
 
 from __future__ import annotations
@@ -171,6 +171,34 @@ def _check_cuda(device: str) -> None:
             raise ConfigError("bench memory: --device cuda, but no CUDA GPU is visible.")
 
 
+@dataclass
+class ContentionBench:
+    """The warm start's SFT steps alone and beside a CPU-bound neighbour (a second warm start
+    with today's setting): today's thread setting (every core, fixed) vs the new (the cores
+    free before each step), each case a fresh process.
+
+    Attributes:
+        steps: SFT steps timed per case (after 3 untimed).
+        repeats: runs of every case (median reported).
+        timeout_s: per case.
+    """
+
+    steps: int = 60
+    repeats: int = 3
+    timeout_s: float = 900.0
+
+
+def contention(options: ContentionBench) -> dict:
+    from streamrl.bench.contention import bench_contention
+
+    if options.steps < 1 or options.repeats < 1:
+        raise ConfigError(
+            f"bench contention: need --steps >= 1 and --repeats >= 1, got {options.steps} and "
+            f"{options.repeats}."
+        )
+    return bench_contention(options.steps, options.repeats, options.timeout_s)
+
+
 COMMANDS = {
     "memory": Command(
         "peak memory and tokens/s of one training step: the old log-prob path (full "
@@ -184,5 +212,11 @@ COMMANDS = {
         "engine's dtype down a chain), a process per case",
         WeightsBench,
         weights,
+    ),
+    "contention": Command(
+        "the warm start's steps/s alone and beside a CPU-bound neighbour: today's thread "
+        "setting (every core) vs the new (the free cores, before each step), one run",
+        ContentionBench,
+        contention,
     ),
 }

@@ -521,3 +521,8 @@ def test_a_policy_earning_nothing_before_rl_is_told_what_to_change(capsys):
         assert ("warning: the policy earns no reward" in err and hint in err) is warned
     evals.run("after", service=None, version=1)  # after RL: the summary says it
     assert "warning" not in capsys.readouterr().err
+
+
+def test_bench_contention_refuses_nothing_to_time(capsys):
+    assert main(["bench", "contention", "--steps", "0"]) == 2
+    assert "bench contention: need --steps >= 1" in capsys.readouterr().err

@@ -104,22 +104,10 @@ def measure_case(case: ContentionCase) -> dict[str, Any]:
     """This process runs ``case``: the demo warm start's SFT steps, timed after 3 untimed."""
     import torch
 
-    from streamrl.policy.models import build_tiny_model, build_tokenizer
-    from streamrl.policy.sft import SFTConfig, sft_train
-    from streamrl.tasks.prompt_sets import make_prompt_set
+    from streamrl.policy.sft import SFTConfig, sft_train, warm_start_inputs
 
     config = SFTConfig(model_size=case.model_size, steps=case.steps + 3)
-    tokenizer = build_tokenizer()
-    model = build_tiny_model(tokenizer, size=case.model_size, seed=config.seed)  # type: ignore[arg-type]
-    demos = make_prompt_set(
-        config.n_demos,
-        config.tasks,
-        median_len=config.median_len,
-        tail=config.tail,
-        max_len=config.max_len,
-        seed=config.seed,
-        id_prefix="demo-",
-    )
+    tokenizer, model, demos = warm_start_inputs(config)
     threads = torch.get_num_threads() if case.setting == "fixed" else None
     stamps: list[float] = []
     import streamrl.policy.sft as sft

@@ -351,6 +351,21 @@ def warm_start(
     if (target / "sft_meta.json").is_file() and not force:
         print(f"warm start: reusing {target} (cached for this recipe)", file=sys.stderr)
         return target
+    tokenizer, model, demos = warm_start_inputs(config)
+    started = time.perf_counter()
+    losses = sft_train(
+        model, tokenizer, demos, config, show_progress, progress_path(target), threads
+    )
+    train_s = time.perf_counter() - started
+    meta = {"config": asdict(config), "losses": losses, "train_s": train_s}
+    return save_cached_policy(model, tokenizer, target, meta)
+
+
+def warm_start_inputs(
+    config: SFTConfig,
+) -> tuple[PreTrainedTokenizerBase, PreTrainedModel, datasets.Dataset]:
+    """What ``warm_start`` trains: the tokenizer, the tiny policy at its initialisation, and
+    the demonstrations of ``config``."""
     tokenizer = build_tokenizer()
     model = build_tiny_model(tokenizer, size=config.model_size, seed=config.seed)  # type: ignore[arg-type]
     demos = make_prompt_set(
@@ -362,13 +377,7 @@ def warm_start(
         seed=config.seed,
         id_prefix="demo-",
     )
-    started = time.perf_counter()
-    losses = sft_train(
-        model, tokenizer, demos, config, show_progress, progress_path(target), threads
-    )
-    train_s = time.perf_counter() - started
-    meta = {"config": asdict(config), "losses": losses, "train_s": train_s}
-    return save_cached_policy(model, tokenizer, target, meta)
+    return tokenizer, model, demos
 
 
 def save_cached_policy(

@@ -73,9 +73,16 @@ def test_plan_memory_prints_the_7b_presets_table(capsys):
     assert result["trainer_fits"] and result["generator_gpu"]["sequences"] > 64
 
 
+def _shape_only(model: Path) -> Path:
+    """A 7B model directory with its config and an empty weight file: the checks read no
+    weight, but a directory without a weight file is refused (``check_model_dir``)."""
+    model_config("7b").save_pretrained(model)
+    (model / "model.safetensors").touch()
+    return model
+
+
 def _7b_config(tmp_path, **trainer) -> RunConfig:
-    model = tmp_path / "qwen2.5-7b"
-    model_config("7b").save_pretrained(model)  # the shape only: the checks read no weight
+    model = _shape_only(tmp_path / "qwen2.5-7b")
     config = RunConfig(model=str(model), output_dir=str(tmp_path / "out"))
     config.trainer.accelerator, config.trainer.devices = "cuda", [0, 1, 2, 3]
     config.rl.gpus, config.rl.max_tokens = 1, 8192
@@ -140,8 +147,7 @@ def test_the_7b_preset_needs_only_its_model_and_data_and_fits_80gb_gpus(devices,
     from streamrl.run.config_checks import check_values
     from streamrl.run.config_file import load_config
 
-    model = tmp_path / "Qwen2.5-7B-Instruct"
-    model_config("7b").save_pretrained(model)  # the shape only: the checks read no weight
+    model = _shape_only(tmp_path / "Qwen2.5-7B-Instruct")
     data = tmp_path / "train.jsonl"
     data.write_text("".join(f'{{"prompt": "q{i}", "answer": "{i}"}}\n' for i in range(200)))
     text = (REPO / "configs" / "qwen2.5-7b-1node.yaml").read_text()

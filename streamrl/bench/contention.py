@@ -50,7 +50,7 @@ def bench_contention(steps: int = 60, repeats: int = 3, timeout_s: float = 900.0
         ``cases`` (each run), ``summary`` (per setting: alone and beside steps/s, and beside as
         a share of today's alone), and the machine's usable cores.
     """
-    from streamrl.components.training.cores import usable_cores
+    from streamrl.runtime.cores import usable_cores
 
     runs: list[dict[str, Any]] = []
     for repeat in range(repeats):

@@ -28,8 +28,8 @@ import datasets
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from streamrl.components.training.cores import free_cores
 from streamrl.policy.models import build_tiny_model, build_tokenizer, save_policy
+from streamrl.runtime.cores import free_cores
 from streamrl.runtime.progress import progress_bar
 from streamrl.tasks.families import FAMILIES
 from streamrl.tasks.prompt_sets import make_prompt_set

@@ -14,13 +14,13 @@ from pathlib import Path
 
 from streamrl.components.generation.clusters import LocalCluster, make_cluster
 from streamrl.components.generation.timeouts import Timeouts
-from streamrl.components.training.cores import usable_cores
 from streamrl.components.weights.transport import TRANSPORTS, make_transport
 from streamrl.errors import ConfigError, unknown_name
 from streamrl.policy.model_dir import check_model_dir
 from streamrl.rewards.spec import RewardSpec, check_reward_packages
 from streamrl.run.config import DataConfig, RLConfig, RunConfig
 from streamrl.run.memory_checks import check_memory
+from streamrl.runtime.cores import usable_cores
 from streamrl.runtime.devices import Placement, resolve_placement
 from streamrl.tasks.families import FAMILIES
 

@@ -20,7 +20,6 @@ from transformers import PreTrainedModel
 
 from streamrl.algorithms.base import Algorithm, LossInputs
 from streamrl.components.capacity.elastic import ElasticController
-from streamrl.components.training.cores import free_cores
 from streamrl.components.training.layout import Layout, layout_batch, layout_for
 from streamrl.components.training.off_policy import (
     Correction,
@@ -40,6 +39,7 @@ from streamrl.policy.logprobs import completion_logprobs
 from streamrl.policy.lora import synced_weights
 from streamrl.policy.model_dir import is_empty, materialize, source_dir
 from streamrl.records import Sample
+from streamrl.runtime.cores import free_cores
 from streamrl.runtime.peak_memory import peak_memory_bytes
 from streamrl.runtime.stopping import reclaim_signals, shielded
 from streamrl.training.reward_signal import RewardSpreadCheck

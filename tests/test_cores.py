@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from streamrl.components.training import cores
+from streamrl.runtime import cores
 
 
 @pytest.fixture

@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from streamrl.components.generation.instance import InstanceHandle
-from streamrl.components.generation.protocol_feed import ProtocolLink, SharedBroadcast
+from streamrl.components.generation.protocol_feed import ProtocolLink, SharedBroadcast, gone
 from streamrl.components.weights.relay import RelayedGroup
 from streamrl.components.weights.sync import AsyncWeightSync
 from streamrl.components.weights.transport import LazyGroup, WeightGroup, set_feed
@@ -142,11 +142,6 @@ class WeightFeeds:
         self.sync.add_group(handle.instance_id, RelayedGroup(), announce, start_relay)
 
     def _connect(self, handle: InstanceHandle, generation: int) -> Callable[[], WeightGroup]:
-        def gone() -> str | None:
-            if handle.state == "failed" or handle.proc.exitcode is not None:
-                return f"instance {handle.instance_id} is gone"
-            return None
-
         def connect() -> WeightGroup:
             return WeightGroup(
                 handle.store.port,
@@ -157,7 +152,7 @@ class WeightFeeds:
                 transport=self.transport,
                 device=self.device,
                 generation=generation,
-                abandon=gone,
+                abandon=lambda: gone([handle]),
             )
 
         return connect

@@ -39,7 +39,7 @@ from streamrl.components.weights.instances_client import InstancesClient
 from streamrl.components.weights.transport import make_store
 from streamrl.errors import ConfigError
 
-__all__ = ["InboxInstance", "ProtocolLink", "SharedBroadcast", "check_weight_protocol"]
+__all__ = ["InboxInstance", "ProtocolLink", "SharedBroadcast", "check_weight_protocol", "gone"]
 
 #: How much longer than a broadcast's timeout a version sent again may take to meet: the
 #: instances first wait out the failed broadcast.
@@ -142,7 +142,7 @@ class ProtocolLink:
                 store=self.handle.store,
                 generation=self.generation,
                 attempt=self.attempt,
-                abandon=lambda: _gone([self.handle]),
+                abandon=lambda: gone([self.handle]),
             )
         self.engine.source = StagedSource(staged)
         # a version to verify: the instance digests what it loads (``AsyncWeightSync.verifies``)
@@ -233,7 +233,7 @@ class SharedBroadcast:
             timeout_s=self.timeout_s,
             store=self.store,
             generation=self.generation,
-            abandon=lambda: _gone(handles),
+            abandon=lambda: gone(handles),
         )
         self.members = tuple(sorted(links))
         self.formed_s.append(time.perf_counter() - started)
@@ -256,7 +256,7 @@ def _alone(
     return outcomes
 
 
-def _gone(handles: Sequence[InstanceHandle]) -> str | None:
+def gone(handles: Sequence[InstanceHandle]) -> str | None:
     """Why to stop waiting for these instances (one failed or exited), or ``None``."""
     for handle in handles:
         if handle.state == "failed" or handle.proc.exitcode is not None:

@@ -5,7 +5,8 @@ The schedule is driven by the run's progress (its ``rollouts/iteration-*.parquet
 wall time: fault ``j`` strikes once the run (as started last) has finished iteration ``2 + 3j``.
 Faults: ``kill-generator`` (kill -9 a generator instance: replaced, the run goes on),
 ``stop-generator`` (SIGSTOP one: taken as hung after ``rl.heartbeat_timeout_s``, replaced),
-``kill-reward-worker`` (kill -9: the run stops with an error), ``kill-trainer-rank`` (kill -9
+``kill-reward-worker`` (kill -9 reward worker 0: replaced, what it held scored again, the run
+goes on), ``kill-trainer-rank`` (kill -9
 rank 1 of ``--ranks 2``: the run stops), ``sigterm-group`` (SIGTERM to the run's process group:
 the run stops with a checkpoint). A run that stops is started again with ``--resume auto``.
 Environments run on threads of the trainer process (``streamrl/envs/runner.py``), so an
@@ -59,7 +60,9 @@ LEDGER_KEYS = (
     "samples_requeued",
     "samples_discarded_late",
     "samples_lost",
+    "samples_reward_fault",
     "instances_restarted",
+    "reward_workers_restarted",
     "generators_final",
 )
 PROMPTS, GROUP = 4, 4  # per iteration
@@ -205,6 +208,18 @@ def await_replacement(run: Run, iid: str) -> str:
     return f"not replaced within {REPLACE_TIMEOUT_S:.0f}s"
 
 
+def await_reward_worker(run: Run, killed: int) -> str:
+    """``"replaced"`` once reward worker 0 runs in a process other than ``killed``."""
+    deadline = time.monotonic() + REPLACE_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if run.proc.poll() is not None:
+            return f"stopped rc={run.proc.returncode}: {run.stop_line()}"
+        if read_json(run.out / "reward_workers.json")["0"] != killed:
+            return "replaced"
+        time.sleep(0.2)
+    return f"not replaced within {REPLACE_TIMEOUT_S:.0f}s"
+
+
 def strike(run: Run, fault: str) -> tuple[str, str]:
     """Apply ``fault`` to the running ``run``: (what was done, its outcome)."""
     if fault in ("kill-generator", "stop-generator"):
@@ -215,9 +230,9 @@ def strike(run: Run, fault: str) -> tuple[str, str]:
         return what, await_replacement(run, iid)
     if fault == "kill-reward-worker":
         pid = read_json(run.out / "reward_workers.json")["0"]
-        what = f"kill -9 reward worker 0 (pid {pid})"
         os.kill(pid, signal.SIGKILL)
-    elif fault == "kill-trainer-rank":
+        return f"kill -9 reward worker 0 (pid {pid})", await_reward_worker(run, pid)
+    if fault == "kill-trainer-rank":
         pid = read_json(run.out / "trainer_ranks.json")["1"]
         what = f"kill -9 trainer rank 1 (pid {pid})"
         os.kill(pid, signal.SIGKILL)

@@ -1,5 +1,5 @@
-"""``scripts/chaos.py`` in its quickest configuration: a sync run whose generator is killed (it
-is replaced) and whose process group is then SIGTERMed (it stops and is resumed) trains exactly
+"""``scripts/chaos.py`` in its quickest configuration: a sync run whose generator and reward
+worker are killed (each is replaced) and whose process group is then SIGTERMed (it stops and is resumed) trains exactly
 the (prompt, sample) pairs the uninterrupted run trains, each once, and loses none."""
 
 from __future__ import annotations
@@ -36,10 +36,13 @@ def _nothing_lost_or_repeated(result: dict) -> None:
 
 
 @pytest.mark.timeout(600)
-def test_a_killed_generator_and_a_sigterm_lose_and_repeat_no_pair(tmp_path):
-    result = _chaos(tmp_path, "--mode", "sync", "--faults", "kill-generator,sigterm-group")
-    generator, sigterm = result["faults"]
+def test_a_killed_generator_reward_worker_and_a_sigterm_lose_and_repeat_no_pair(tmp_path):
+    faults = "kill-generator,kill-reward-worker,sigterm-group"
+    result = _chaos(tmp_path, "--mode", "sync", "--faults", faults)
+    generator, reward, sigterm = result["faults"]
     assert generator["what"].startswith("kill -9 generator") and generator["outcome"] == "replaced"
+    assert reward["what"].startswith("kill -9 reward worker") and reward["outcome"] == "replaced"
+    assert result["ledger"]["reward_workers_restarted"] >= 1
     assert sigterm["outcome"] == "stopped rc=143: streamrl fit: stopped by SIGTERM"
     assert result["resumes"] == 1
     _nothing_lost_or_repeated(result)

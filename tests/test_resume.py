@@ -15,6 +15,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from streamrl.algorithms import GRPO
 from streamrl.components.generation.service import StreamGenerationService
 from streamrl.policy.models import build_tiny_model, save_policy
+from streamrl.run.rl_job import ledger
 from streamrl.runtime.stopping import Stopped, stop_on_signals
 from streamrl.tasks import make_prompt_set, partial_credit
 from streamrl.training.builders import build_trainer
@@ -148,6 +149,15 @@ def test_async_run_killed_mid_iteration_resumes_without_loss_or_repeat(
     assert len(trained) == ITERATIONS * PROMPTS
     # The ledger carries over: every sample of every iteration trained once in all.
     assert resumed.samples_trained == ITERATIONS * PROMPTS * GROUP
+    assert same_ledger(resumed, uninterrupted)
+
+
+def same_ledger(resumed: StreamRLModule, uninterrupted: StreamRLModule) -> bool:
+    """The resumed run's ledger is the uninterrupted run's: what the stopped start generated
+    for iterations redone is counted once (docs/failures.md, "The ledger")."""
+    mine, theirs = ledger(resumed), ledger(uninterrupted)
+    assert mine["samples_generated"] == ITERATIONS * PROMPTS * GROUP, mine
+    return all(mine[k] == theirs[k] for k in theirs if k != "weight_versions_verified")
 
 
 def test_a_preempted_run_saves_its_finished_iterations_and_resumes_with_nothing_lost_or_repeated(
@@ -187,6 +197,7 @@ def test_a_preempted_run_saves_its_finished_iterations_and_resumes_with_nothing_
     trained = stopped.committed + resumed.committed
     assert set(trained) == set(uninterrupted.committed) and set(trained.values()) == {1}
     assert resumed.samples_trained == ITERATIONS * PROMPTS * GROUP
+    assert same_ledger(resumed, uninterrupted)
 
 
 # The resumed run writes its checkpoints to a folder of its own (Lightning notes the change).

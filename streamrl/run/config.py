@@ -209,8 +209,13 @@ class RLConfig:
             reward set there is refused rather than silently unused.
         reward_workers: processes that compute rewards off the trainer's critical path; 0
             computes them in the trainer.
-        reward_timeout_s: the most one reward call may take; past it the run stops with an
-            error naming the prompt.
+        reward_timeout_s: the most one reward call may take; past it the worker is killed and
+            replaced (in the held-out evaluation, which scores in the trainer, the run stops
+            with an error naming the prompts).
+        max_reward_restarts: reward workers replaced (after a death or a timeout) before the
+            run stops. A completion whose scoring takes down two workers is a reward fault:
+            left out of the loss, counted as ``samples_reward_fault``, written to
+            ``<output_dir>/reward_faults.jsonl``.
         eval_every: evaluate on the held-out set every this many iterations with the run's
             reward (logged as ``eval/*`` and plotted to ``eval.png``); 0: only before and after.
         eval_k: samples per held-out prompt for pass@k (1: greedy pass@1 only).
@@ -294,6 +299,7 @@ class RLConfig:
     reward: str | dict[str, Any] | list[Any] | None = None
     reward_workers: int = 1
     reward_timeout_s: float = 60.0
+    max_reward_restarts: int = 10
     eval_every: int = 0
     eval_k: int = 1
     eval_max_tokens: int | None = None

@@ -107,11 +107,11 @@ class EpisodeJob:
         }
 
     def run_summary(self, sampler: EpisodeRunner) -> dict:
-        """The episodes' ledger: samples are episodes, each of several requests (turns)."""
+        """The episodes' ledger: samples are episodes (``samples_generated``, the ledger's),
+        each of several requests (``turns``, this start's)."""
         counts = sampler.counts
         return {
             "env": self.config.env.name,
-            "samples_generated": counts["episodes_finished"],
             "turns": counts["turns"],
             "episode_counts": dict(counts),
             "prefill_saved": sampler.prefill_saved,

@@ -165,13 +165,16 @@ def reward_specs(rl: RLConfig) -> list[RewardSpec]:
     return RewardSpec.from_config("exact" if rl.reward is None else rl.reward)
 
 
-def reward_pool(
-    rl: RLConfig, specs: list[RewardSpec], status_path: str | Path | None = None
-) -> RewardPool:
-    """The pool that scores samples with ``specs`` (``rl.reward_workers`` processes; their pids
-    go to ``status_path``, if given)."""
+def reward_pool(rl: RLConfig, specs: list[RewardSpec], output_dir: str | Path) -> RewardPool:
+    """The pool that scores samples with ``specs`` (``rl.reward_workers`` processes, their pids
+    in ``<output_dir>/reward_workers.json``, reward faults in ``reward_faults.jsonl``)."""
     return RewardPool(
-        specs, workers=rl.reward_workers, timeout_s=rl.reward_timeout_s, status_path=status_path
+        specs,
+        workers=rl.reward_workers,
+        timeout_s=rl.reward_timeout_s,
+        status_path=Path(output_dir) / "reward_workers.json",
+        max_restarts=rl.max_reward_restarts,
+        faults_path=Path(output_dir) / "reward_faults.jsonl",
     )
 
 

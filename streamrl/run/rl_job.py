@@ -214,8 +214,7 @@ def train_rl(
         stack.callback(samples.close)  # open episodes (an iteration dispatched ahead) close
         rewards = None  # a sampler that scores its samples (episodes) needs no reward
         if not samples.scores_samples:
-            status = Path(config.output_dir) / "reward_workers.json"
-            rewards = stack.enter_context(reward_pool(rl, parts.rewards, status))
+            rewards = stack.enter_context(reward_pool(rl, parts.rewards, config.output_dir))
         if parts.latency is not None:  # the instances' own PTL(BS), before any dispatch
             parts.latency.update_from(service.measured_latency())
         if evals is not None:  # the starting weights, on the instances that hold them
@@ -337,18 +336,22 @@ def ledger(module: StreamRLModule) -> dict:
     requested = rollouts.prompts_dispatched * rollouts.algorithm.group_size
     filtered = module.pipeline.dropped_stale + rollouts.samples_filtered
     env_fault = rollouts.samples_env_fault  # episodes the environment cut, left out of the loss
+    reward_fault = rollouts.samples_reward_fault  # scoring crashed/hung reward workers twice
+    events = rollouts.events()  # summed over every start of a resumed run
     return {
         "prompts_dispatched": rollouts.prompts_dispatched,
         "samples_requested": requested,
-        # one request per sample; an episode run counts its episodes (EpisodeJob.run_summary)
-        "samples_generated": service.counts["samples_returned"],
+        # a completion, or an episode, once (a sample redone after a resume: once)
+        "samples_generated": rollouts.samples_received,
         "samples_env_fault": env_fault,
+        "samples_reward_fault": reward_fault,
         "samples_trained": module.samples_trained,
         "samples_filtered": filtered,
-        "samples_requeued": service.counts["requests_requeued"],
-        "samples_discarded_late": service.counts["samples_discarded"],
-        "samples_lost": requested - module.samples_trained - filtered - env_fault,
-        "instances_restarted": service.counts["instances_restarted"],
+        "samples_requeued": events["requests_requeued"],
+        "samples_discarded_late": events["samples_discarded"],
+        "samples_lost": requested - module.samples_trained - filtered - env_fault - reward_fault,
+        "instances_restarted": events["instances_restarted"],
+        "reward_workers_restarted": events["reward_workers_restarted"],
         "weight_versions_verified": service.counts["weight_versions_verified"],
         "generators_final": sum(i.state != "failed" for i in service.instances()),
     }

@@ -177,6 +177,8 @@ class StreamRLModule(L.LightningModule):
         #: Of those, the ones back-propagated in the iteration under way (its optimizer step
         #: not done yet): a checkpoint written now counts them as not trained (``run_state``).
         self.samples_in_step = 0
+        #: ``pipeline.dropped_stale`` once the last optimizer step was done (for checkpoints).
+        self.dropped_stale_settled = 0
         #: This iteration's micro-batches as trained (rank 0 with FSDP: every rank's), kept only
         #: once a list is set here (``streamrl.training.rollout_files.RolloutRecorder`` does).
         self.trained_batches: list[MicroBatch] | None = None
@@ -208,6 +210,7 @@ class StreamRLModule(L.LightningModule):
             train_s += self.optimizer_step(iteration)
             self.weight_version += 1
             self.samples_in_step = 0
+            self.dropped_stale_settled = self.pipeline.dropped_stale
             if self.rollouts is not None:
                 self.rollouts.trained(iteration)
         if self.rollouts is None:  # a trainer rank without the service (FSDP ranks > 0)

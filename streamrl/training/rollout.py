@@ -25,10 +25,13 @@ from streamrl.records import Request, Sample, ScoredGroup
 from streamrl.rewards.pool import RewardPool, Scored
 from streamrl.rewards.spec import RewardSpec
 from streamrl.training.prompts import PromptSource
+from streamrl.training.stream_ledger import StreamLedger
 from streamrl.training.timeline import TraceRecorder
 
 #: How long the trainer waits on the reward pool at a time when only rewards are outstanding.
 REWARD_POLL_S = 0.05
+#: The service's events the run's ledger sums over every start (``StreamLedger.events``).
+SERVICE_EVENTS = ("instances_restarted", "requests_requeued", "samples_discarded")
 
 
 @dataclass
@@ -107,7 +110,9 @@ class RolloutStream:
             leaves out (``left_out``: an episode the environment cut) is no member of its
             group: the group is scored over the others, or, with fewer than the algorithm's
             ``min_group_size`` left, filtered and refilled like a group ``keep_group`` drops;
-            such samples are counted in ``samples_env_fault``.
+            such samples are counted in ``samples_env_fault``. A completion the reward pool
+            gives up on (its scoring killed or hung a reward worker twice: ``Scored.fault``) is
+            left out the same way and counted in ``samples_reward_fault``.
         episodes: the older name of ``sampler`` (an ``EpisodeRunner``).
 
     Raises:
@@ -164,10 +169,33 @@ class RolloutStream:
         self._next_iteration = 0
         self.prompts_dispatched = 0
         self.samples_filtered = 0  # in groups an algorithm's keep_group dropped
-        self.samples_env_fault = 0  # samples the sampler left out of the loss (env cut)
+        #: Samples received and left out (an environment's or a reward's fault), events, over
+        #: the whole run (resumed or not), each counted once.
+        self.ledger = StreamLedger()
         self._redispatch: dict[int, list[dict]] = {}  # in-flight iterations of a checkpoint
         self._untrained: dict[int, dict[str, dict]] = {}  # delivered, optimizer step not done
         self.max_refills = 2 * prompts.batch_size if max_refills is None else max_refills
+
+    @property
+    def samples_env_fault(self) -> int:
+        """Samples the sampler left out of the loss (an episode its environment cut)."""
+        return self.ledger.totals["samples_env_fault"]
+
+    @property
+    def samples_reward_fault(self) -> int:
+        """Samples whose scoring killed or hung two reward workers (``Scored.fault``)."""
+        return self.ledger.totals["samples_reward_fault"]
+
+    @property
+    def samples_received(self) -> int:
+        """Samples that came back from the sampler (completions, or episodes)."""
+        return self.ledger.totals["samples_received"]
+
+    def events(self) -> dict[str, int]:
+        """The service's ``SERVICE_EVENTS`` and the reward workers restarted, over the run."""
+        counts = {k: self.service.counts[k] for k in SERVICE_EVENTS}
+        counts["reward_workers_restarted"] = self.reward.restarts if self.reward else 0
+        return self.ledger.events(counts)
 
     @property
     def episodes(self) -> Sampler | None:
@@ -216,7 +244,10 @@ class RolloutStream:
             "in_flight": in_flight,
             "prompts_dispatched": self.prompts_dispatched - sum(map(len, in_flight.values())),
             "samples_filtered": self.samples_filtered,
-            "samples_env_fault": self.samples_env_fault,
+            "ledger": self.ledger.state_dict(
+                {it: [row["prompt_id"] for row in rows] for it, rows in in_flight.items()},
+                self.events(),
+            ),
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -224,7 +255,8 @@ class RolloutStream:
         self._next_iteration = min(self._redispatch, default=state["next_iteration"])
         self.prompts_dispatched = state["prompts_dispatched"]
         self.samples_filtered = state["samples_filtered"]
-        self.samples_env_fault = state.get("samples_env_fault", 0)  # older checkpoints: none
+        older = {"counted": {"samples_env_fault": state.get("samples_env_fault", 0)}}
+        self.ledger.load_state_dict(state.get("ledger", older))
 
     def _requests(
         self, pid: str, row: dict, iteration: int, min_weight_version: int
@@ -299,6 +331,7 @@ class RolloutStream:
     def trained(self, iteration: int) -> None:
         """The optimizer step on ``iteration``'s groups is done: checkpoints no longer redo it."""
         self._untrained.pop(iteration, None)
+        self.ledger.settled(iteration)
 
     def iteration(self) -> Iterator[ScoredGroup]:
         """Dispatch one iteration and yield its groups as soon as each is complete."""
@@ -352,10 +385,10 @@ class RolloutStream:
         when the reward runs in a pool)."""
         batch = self._batches[sample.iteration]
         batch.awaiting -= 1
+        self.ledger.count("samples_received", sample.iteration, sample.prompt_id)
         if self.sampler.left_out(sample):  # the environment's fault, not the policy's
-            self.samples_env_fault += 1
-            batch.left_out[sample.prompt_id] = batch.left_out.get(sample.prompt_id, 0) + 1
-            self._complete(batch, sample.prompt_id, sample.iteration)
+            self.ledger.count("samples_env_fault", sample.iteration, sample.prompt_id)
+            self._leave_out(batch, sample)
             return
         batch.unscored[sample.key] = sample
         if self.reward is None:  # it came scored (an episode, by its environment)
@@ -372,6 +405,10 @@ class RolloutStream:
             iteration = result.key[2]
             batch = self._batches[iteration]
             sample = batch.unscored.pop(result.key)
+            if result.fault is not None:  # the reward's fault (crashed or hung), not the policy's
+                self.ledger.count("samples_reward_fault", iteration, sample.prompt_id)
+                self._leave_out(batch, sample)
+                continue
             sample.reward = self.algorithm.score_sample(sample, result.total)
             sample.reward_parts = dict(result.parts) or None
             stats = batch.stats
@@ -384,6 +421,11 @@ class RolloutStream:
             self._finished_lengths.append((self._prompt_text(row), sample.length))
             self.trace.add_samples([sample], sample.iteration)
             self._join_group(batch, sample)
+
+    def _leave_out(self, batch: _Batch, sample: Sample) -> None:
+        """``sample`` is no member of its group (a fault, not the policy's doing)."""
+        batch.left_out[sample.prompt_id] = batch.left_out.get(sample.prompt_id, 0) + 1
+        self._complete(batch, sample.prompt_id, sample.iteration)
 
     def _join_group(self, batch: _Batch, sample: Sample) -> None:
         batch.partial[sample.prompt_id].append(sample)

@@ -18,6 +18,8 @@ class RunStateOwner(Protocol):
     rollouts: Any  # a RolloutStream, or None on an FSDP rank > 0
     elastic: Any  # an ElasticController, or None
     algorithm: Any  # an Algorithm
+    pipeline: Any  # a DynamicBatchPipeline
+    dropped_stale_settled: int  # samples dropped as stale by the iterations trained
 
 
 def save_run_state(module: RunStateOwner, checkpoint: dict) -> None:
@@ -30,6 +32,7 @@ def save_run_state(module: RunStateOwner, checkpoint: dict) -> None:
     checkpoint["streamrl"] = {
         "weight_version": module.weight_version,
         "samples_trained": module.samples_trained - module.samples_in_step,
+        "dropped_stale": module.dropped_stale_settled,
         "rollouts": rollouts.state_dict(),
         "elastic": module.elastic.state_dict() if module.elastic else None,
         "algorithm": module.algorithm.state_dict(),
@@ -52,6 +55,7 @@ def load_run_state(module: RunStateOwner, checkpoint: dict) -> None:
         return
     module.weight_version = state["weight_version"]
     module.samples_trained = state.get("samples_trained", 0)
+    module.pipeline.dropped_stale = module.dropped_stale_settled = state.get("dropped_stale", 0)
     if "algorithm" in state:
         module.algorithm.load_state_dict(state["algorithm"])
     if "rng" in state:

@@ -1,0 +1,85 @@
+"""One reward worker process: builds the run's rewards, then scores what queues up in batches.
+
+``RewardPool`` (``streamrl.rewards.pool``) starts these with ``spawn`` and replaces one that dies
+or hangs. Each worker talks back on a pipe of its own: a ``Queue`` shared by the workers is
+written under one lock, which a worker killed mid-write holds forever (every other worker's
+results are then lost), and its feeder thread may not have written a message when a segfault
+strikes; ``Connection.send`` has written the message when it returns. So that the pool knows
+which completions a dead worker was scoring, the worker says so *before* it calls the rewards.
+A completion the pool suspects (it was being scored when a worker died) comes back marked
+``solo`` and is scored in a batch of its own, so that a second death names it alone.
+"""
+
+from __future__ import annotations
+
+import queue
+import signal
+import time
+from collections.abc import Hashable
+from typing import Any, NamedTuple
+
+from streamrl.errors import RewardError
+from streamrl.rewards.spec import RewardSpec, load_rewards
+
+__all__ = ["Job", "worker_main"]
+
+
+class Job(NamedTuple):
+    """One completion to score, as it travels to a worker."""
+
+    key: Hashable
+    completion: str
+    row: dict
+    solo: bool = False  # a suspect: scored in a batch of its own
+
+
+def worker_main(specs: list[RewardSpec], inbox: Any, results: Any, max_batch: int) -> None:
+    """Build the rewards, report ``ready`` (or ``fatal``), then score batches until ``None``.
+
+    Messages on ``results`` (a ``Connection``): ``("ready",)``, ``("fatal", why)``, then per
+    batch ``("start", batch, keys, since)`` (``since``: this process's wall clock) and
+    ``("done", batch, keys, totals, parts)`` or ``("error", message)``.
+    """
+    # Ctrl-C reaches the whole process group: the trainer decides, and stops us (``close``).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        rewards = load_rewards(specs)
+    except Exception as err:  # reported to the trainer, which stops the run with it
+        results.send(("fatal", repr(err)))
+        return
+    results.send(("ready",))
+    held: list[Job | None] = []  # taken from the inbox, for the next batch
+    for number in range(1 << 62):
+        batch = _next_batch(inbox, held, max_batch)
+        jobs = [job for job in batch if job is not None]
+        if jobs:
+            keys = [job.key for job in jobs]
+            results.send(("start", number, keys, time.time()))
+            try:
+                totals, parts = rewards.score([j.completion for j in jobs], [j.row for j in jobs])
+            except RewardError as err:
+                results.send(("error", str(err)))
+                return
+            results.send(("done", number, keys, totals, parts))
+        if None in batch:  # the pool's stop
+            return
+
+
+def _next_batch(inbox: Any, held: list[Job | None], max_batch: int) -> list[Job | None]:
+    """What queued up: one suspect alone, or up to ``max_batch`` others (``None``: stop)."""
+    first = held.pop(0) if held else inbox.get()
+    batch = [first]
+    if first is None or first.solo:
+        return batch
+    while len(batch) < max_batch:
+        try:
+            job = inbox.get_nowait()
+        except queue.Empty:
+            break
+        if job is not None and job.solo:  # not in this batch: it is scored alone, next
+            held.append(job)
+            break
+        batch.append(job)
+        if job is None:
+            break
+    return batch

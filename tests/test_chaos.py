@@ -1,6 +1,7 @@
 """``scripts/chaos.py`` in its quickest configuration: a sync run whose generator and reward
-worker are killed (each is replaced) and whose process group is then SIGTERMed (it stops and is resumed) trains exactly
-the (prompt, sample) pairs the uninterrupted run trains, each once, and loses none."""
+worker are killed (each is replaced) and whose process group is then SIGTERMed (it stops and
+is resumed) trains exactly the (prompt, sample) pairs the uninterrupted run trains, each once,
+and loses none."""
 
 from __future__ import annotations
 

@@ -12,6 +12,7 @@ norm and the loss (one AdamW step alone would hide it: AdamW is nearly scale-inv
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
 import os
@@ -222,6 +223,50 @@ def test_sharded_checkpoints_resume_like_the_uninterrupted_run(tmp_path, runs):
     uninterrupted = dict(load_policy(runs[2]["policy_dir"])[0].named_parameters())
     differ = [n for n in after if not torch.equal(after[n], uninterrupted[n])]
     assert not differ, f"resumed from shards, the weights differ: {differ}"
+
+
+def test_a_run_killed_while_its_ranks_write_a_checkpoint_keeps_the_previous_one_whole(
+    tmp_path, runs
+):
+    """kill -9 to the whole run (2 ranks, sharded checkpoints every iteration) while the ranks
+    write a checkpoint's shards: ``last.ckpt`` (a link) still points at the previous checkpoint,
+    whole; the run resumed from it ends bit for bit where the uninterrupted run did, and the
+    half-written folder is cleared by its next save."""
+    config = _config(tmp_path, "midsave", ITERATIONS, ranks=2)
+    command = [sys.executable, "-m", "streamrl.cli.main", "fit", "--config", str(config)]
+    last = tmp_path / "midsave" / "checkpoints" / "last.ckpt"
+    proc = subprocess.Popen(
+        [*command, "--no-progress"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    caught = None
+    try:
+        deadline = time.monotonic() + 300
+        while caught is None and proc.poll() is None and time.monotonic() < deadline:
+            if last.is_symlink():  # a checkpoint is whole: wait for the next one's shards
+                before = os.readlink(last)
+                writing = [f for f in last.parent.glob(".last.ckpt.[0-9]*") if f.name != before]
+                if writing:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    caught = (before, writing[0].name)
+            time.sleep(0.001)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=60)
+    assert caught is not None, "no save was caught in progress"
+    before, half_written = caught
+    # The link moves in one step once every rank's shards are in: the kill came before it.
+    assert os.readlink(last) == before and (last.parent / half_written).is_dir()
+    assert (last / "meta.pt").is_file() and len(list(last.glob("*.distcp"))) == 2
+    resumed = _fit(tmp_path, 2, ITERATIONS, "--resume", "auto", name="midsave")
+    assert resumed["samples_trained"] == ITERATIONS * SAMPLES and resumed["samples_lost"] == 0
+    after = dict(load_policy(resumed["policy_dir"])[0].named_parameters())
+    uninterrupted = dict(load_policy(runs[2]["policy_dir"])[0].named_parameters())
+    assert not [n for n in after if not torch.equal(after[n], uninterrupted[n])]
+    assert [f.name for f in last.parent.glob(".last.ckpt.*")] == [os.readlink(last)]
 
 
 @pytest.mark.parametrize("fault", ["kill -9 rank 1", "SIGTERM to the group"])

@@ -33,7 +33,6 @@ import contextlib
 import json
 import math
 import multiprocessing as mp
-import os
 import pickle
 import time
 from collections.abc import Hashable, Sequence
@@ -45,6 +44,7 @@ from typing import Any
 from streamrl.errors import RewardError
 from streamrl.rewards.spec import RewardSpec, load_rewards
 from streamrl.rewards.worker import Job, worker_main
+from streamrl.runtime.atomic_files import write_text_atomic
 
 #: A completion whose scoring killed or hung this many workers is a reward fault.
 STRIKES_TO_FAULT = 2
@@ -163,10 +163,7 @@ class RewardPool:
         if self.status_path is None:
             return
         pids = {str(w.slot): w.process.pid for w in self._pool}
-        self.status_path.parent.mkdir(parents=True, exist_ok=True)
-        partial = self.status_path.with_suffix(".partial")
-        partial.write_text(json.dumps(pids))
-        os.replace(partial, self.status_path)  # a reader never sees half a file
+        write_text_atomic(self.status_path, json.dumps(pids))  # a reader never sees half
 
     @property
     def pending(self) -> int:
@@ -286,7 +283,11 @@ class RewardPool:
         self._strikes.pop(job.key, None)
         self._done.append(Scored(job.key, math.nan, {}, fault=why))
         if self.faults_path is not None:
-            entry = {"prompt_id": job.row.get("prompt_id"), "why": why, "completion": job.completion}
+            entry = {
+                "prompt_id": job.row.get("prompt_id"),
+                "why": why,
+                "completion": job.completion,
+            }
             self.faults_path.parent.mkdir(parents=True, exist_ok=True)
             with self.faults_path.open("a") as f:
                 f.write(json.dumps({**entry, "row": job.row}, default=str) + "\n")

@@ -34,6 +34,7 @@ import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch.callbacks import ModelCheckpoint
 
+from streamrl.runtime.atomic_files import fsync_dir
 from streamrl.runtime.stopping import DeadlinePassed, Stopped, hold_signal, shielded, time_limit
 from streamrl.training.fsdp import ShardedStreamRLModule
 from streamrl.training.timeline import trainer_span
@@ -58,21 +59,9 @@ class AtomicCheckpointIO(TorchCheckpointIO):
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(partial, path)  # the one step that makes it visible: all or nothing
-            _fsync_dir(path.parent)
+            fsync_dir(path.parent)
         finally:
             partial.unlink(missing_ok=True)
-
-
-def _fsync_dir(directory: Path) -> None:
-    """Make a rename in ``directory`` durable (a no-op where directories cannot be opened)."""
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def checkpoints(

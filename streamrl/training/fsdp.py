@@ -25,7 +25,7 @@ Examples:
 
 from __future__ import annotations
 
-import shutil
+import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -40,6 +40,7 @@ from streamrl.components.training.pipeline import MicroBatch
 from streamrl.components.training.reference import FrozenCopy
 from streamrl.components.training.sharding import Precision, full_state, shard_model
 from streamrl.policy.lora import adapter_names
+from streamrl.runtime.atomic_files import point_link_at
 from streamrl.runtime.stopping import Stopped, shielded, stoppable
 from streamrl.training.module import StreamRLModule
 
@@ -95,10 +96,15 @@ def fsdp_strategy(
 
 class AtomicShardsStrategy(ModelParallelStrategy):
     """Lightning's ``ModelParallelStrategy`` whose sharded checkpoints are written whole or not at
-    all, as ``streamrl.training.checkpointing.AtomicCheckpointIO`` writes one-file ones: every
-    rank writes its shards into a hidden partial folder beside the checkpoint; once all are done
-    rank 0 moves the old folder aside, the new one into its place, and deletes the old. A rank
-    killed while writing leaves the previous checkpoint as it was."""
+    all, as ``streamrl.training.checkpointing.AtomicCheckpointIO`` writes one-file ones.
+
+    ``last.ckpt`` is a symbolic link to a hidden folder of shards beside it. Every rank writes
+    its shards into a new folder; once all are done rank 0 points the link at it in one
+    ``os.replace`` (there is no moment without a whole ``last.ckpt``) and deletes the folders
+    it no longer points at (those of saves killed half-way too). A rank killed while writing
+    leaves the previous checkpoint as it was. A ``last.ckpt`` folder written before links were
+    used is replaced the same way, once the new one is whole.
+    """
 
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: str | Path, storage_options: Any = None
@@ -106,18 +112,11 @@ class AtomicShardsStrategy(ModelParallelStrategy):
         if not self._save_distributed_checkpoint:
             return super().save_checkpoint(checkpoint, filepath, storage_options)
         path = Path(self.broadcast(str(filepath)))
-        partial, old = (path.with_name(f".{path.name}.{tag}") for tag in ("partial", "old"))
+        folder = path.with_name(self.broadcast(f".{path.name}.{time.time_ns()}"))
+        super().save_checkpoint(checkpoint, folder, storage_options)
+        self.barrier()  # every rank's shards are in the new folder
         if self.global_rank == 0:
-            shutil.rmtree(partial, ignore_errors=True)
-        self.barrier()
-        super().save_checkpoint(checkpoint, partial, storage_options)
-        self.barrier()  # every rank's shards are in the partial folder
-        if self.global_rank == 0:
-            shutil.rmtree(old, ignore_errors=True)
-            if path.exists():
-                path.rename(old)
-            partial.rename(path)
-            shutil.rmtree(old, ignore_errors=True)
+            point_link_at(path, folder)
         self.barrier()
 
 

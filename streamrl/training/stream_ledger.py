@@ -49,9 +49,7 @@ class StreamLedger:
         names = set(self._events_before) | set(this_start)
         return {k: self._events_before[k] + this_start.get(k, 0) for k in sorted(names)}
 
-    def state_dict(
-        self, in_flight: Mapping[int, Iterable[str]], events: Mapping[str, int]
-    ) -> dict:
+    def state_dict(self, in_flight: Mapping[int, Iterable[str]], events: Mapping[str, int]) -> dict:
         """What a checkpoint carries: the counts less those of the prompts ``in_flight``
         (iteration -> prompt ids, redone on resume), and the events so far."""
         counted = Counter(self.totals)

@@ -12,7 +12,6 @@ every instance's messages without starving any.
 from __future__ import annotations
 
 import json
-import os
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
@@ -31,6 +30,7 @@ from streamrl.components.weights.nccl import DEFAULT_BUCKET_BYTES
 from streamrl.components.weights.sync import AsyncWeightSync, Weights
 from streamrl.protocols import Dispatcher, WeightTransport
 from streamrl.records import Request, Sample
+from streamrl.runtime.atomic_files import write_text_atomic
 
 
 class GeneratorError(RuntimeError):
@@ -364,10 +364,7 @@ class InstancePool:
         if self.status_path is None:
             return
         status = {str(i.instance_id): asdict(i) for i in self.infos()}
-        tmp = self.status_path.with_suffix(".tmp")
-        tmp.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(json.dumps(status, indent=1))
-        os.replace(tmp, self.status_path)  # readers never see half a file
+        write_text_atomic(self.status_path, json.dumps(status, indent=1))  # never half a file
 
     # -- messages ----------------------------------------------------------------------------
     def wait_until(self, done: Callable[[], bool], what: str, timeout_s: float) -> None:

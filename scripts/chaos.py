@@ -6,11 +6,11 @@ wall time: fault ``j`` strikes once the run (as started last) has finished itera
 Faults: ``kill-generator`` (kill -9 a generator instance: replaced, the run goes on),
 ``stop-generator`` (SIGSTOP one: taken as hung after ``rl.heartbeat_timeout_s``, replaced),
 ``kill-reward-worker`` (kill -9 reward worker 0: replaced, what it held scored again, the run
-goes on), ``kill-trainer-rank`` (kill -9
-rank 1 of ``--ranks 2``: the run stops), ``sigterm-group`` (SIGTERM to the run's process group:
-the run stops with a checkpoint). A run that stops is started again with ``--resume auto``.
-Environments run on threads of the trainer process (``streamrl/envs/runner.py``), so an
-``--episodes`` run has no env worker process to kill; that fault is listed as skipped.
+goes on), ``kill-env-worker`` (an ``--episodes`` run, its environments in a worker process:
+kill -9 env worker 0; replaced, its episodes started again from their prompts, the run goes
+on), ``kill-trainer-rank`` (kill -9 rank 1 of ``--ranks 2``: the run stops), ``sigterm-group``
+(SIGTERM to the run's process group: the run stops with a checkpoint). A run that stops is
+started again with ``--resume auto``.
 
 At the end it prints ONE JSON line on stdout (progress goes to stderr): each fault and its
 outcome, the final run's ledger, and whether the chaos run trained exactly the (prompt, sample)
@@ -95,6 +95,7 @@ def run_config(out: Path, mode: str, episodes: bool, ranks: int, iterations: int
     config: dict = {"output_dir": str(out), "seed": 0, "rl": rl}
     if episodes:
         config["env"] = {"name": "calculator", "max_turns": 3, "n_train": rows, "n_heldout": 4}
+        config["env"]["workers"] = 1  # in a process (a built-in runs on threads by default)
         config["sft"] = {"model_size": "test", "steps": 10, "tokens_per_batch": 1024}
         rl["reward_workers"] = 0  # an episode's reward is its environment's
     else:
@@ -208,13 +209,14 @@ def await_replacement(run: Run, iid: str) -> str:
     return f"not replaced within {REPLACE_TIMEOUT_S:.0f}s"
 
 
-def await_reward_worker(run: Run, killed: int) -> str:
-    """``"replaced"`` once reward worker 0 runs in a process other than ``killed``."""
+def await_new_pid(run: Run, status: str, killed: int) -> str:
+    """``"replaced"`` once worker 0 of ``status`` (a slot -> pid file) runs in a process other
+    than ``killed``."""
     deadline = time.monotonic() + REPLACE_TIMEOUT_S
     while time.monotonic() < deadline:
         if run.proc.poll() is not None:
             return f"stopped rc={run.proc.returncode}: {run.stop_line()}"
-        if read_json(run.out / "reward_workers.json")["0"] != killed:
+        if read_json(run.out / status)["0"] != killed:
             return "replaced"
         time.sleep(0.2)
     return f"not replaced within {REPLACE_TIMEOUT_S:.0f}s"
@@ -228,10 +230,13 @@ def strike(run: Run, fault: str) -> tuple[str, str]:
         os.kill(pid, sig)
         what = f"{'kill -9' if sig == signal.SIGKILL else 'SIGSTOP'} generator {iid} (pid {pid})"
         return what, await_replacement(run, iid)
-    if fault == "kill-reward-worker":
-        pid = read_json(run.out / "reward_workers.json")["0"]
+    if fault in ("kill-reward-worker", "kill-env-worker"):
+        kind = fault.split("-")[1]
+        pid = read_json(run.out / f"{kind}_workers.json")["0"]
         os.kill(pid, signal.SIGKILL)
-        return f"kill -9 reward worker 0 (pid {pid})", await_reward_worker(run, pid)
+        return f"kill -9 {kind} worker 0 (pid {pid})", await_new_pid(
+            run, f"{kind}_workers.json", pid
+        )
     if fault == "kill-trainer-rank":
         pid = read_json(run.out / "trainer_ranks.json")["1"]
         what = f"kill -9 trainer rank 1 (pid {pid})"
@@ -252,8 +257,8 @@ def strike(run: Run, fault: str) -> tuple[str, str]:
 
 def skipped(fault: str, episodes: bool, ranks: int) -> str | None:
     """Why ``fault`` does not apply to this run, or ``None``."""
-    if fault == "kill-env-worker":
-        return "skipped: environments run on threads of the trainer (streamrl/envs/runner.py)"
+    if fault == "kill-env-worker" and not episodes:
+        return "skipped: a run of single completions has no environment (--episodes has)"
     if fault == "kill-reward-worker" and episodes:
         return "skipped: an episode run has no reward worker (its environment rewards)"
     if fault == "kill-trainer-rank" and ranks < 2:
@@ -375,6 +380,7 @@ def main(argv: list[str] | None = None) -> int:
         "faults": faults,
         "resumes": current.starts - 1,
         "ledger": {k: summary[k] for k in LEDGER_KEYS if k in summary},
+        "episodes_restarted": summary.get("episode_counts", {}).get("episodes_restarted", 0),
         # every count the whole run's, each once (checkpointed; StreamLedger)
         "ledger_of": "the whole run",
         "samples_expected": iterations * PROMPTS * GROUP,

@@ -61,3 +61,14 @@ def test_two_trainer_ranks_survive_a_killed_rank_then_a_sigterm(tmp_path):
     assert sigterm["outcome"] == "stopped rc=143: streamrl fit: stopped by SIGTERM"
     assert result["resumes"] == 2
     _nothing_lost_or_repeated(result)
+
+
+@pytest.mark.timeout(600)
+def test_an_episode_run_survives_a_killed_env_worker(tmp_path):
+    """Async episodes, the environments in a worker process: kill -9 it mid-run; it is replaced,
+    the episodes it held start again from their prompts, every pair trained once."""
+    result = _chaos(tmp_path, "--episodes", "--mode", "async", "--faults", "kill-env-worker")
+    (fault,) = result["faults"]
+    assert fault["what"].startswith("kill -9 env worker") and fault["outcome"] == "replaced"
+    assert result["resumes"] == 0
+    _nothing_lost_or_repeated(result)

@@ -34,6 +34,11 @@ STEP_EXPECTED = (
 )
 
 
+def env_name(env: object) -> str:
+    """The environment's class name, as errors give it (a ``RemoteEnv``'s is its own)."""
+    return getattr(env, "env_name", None) or type(env).__name__
+
+
 def check_reset(env: object, prompt: Any, prompt_id: Any) -> str | list[dict]:
     """``prompt``, what ``env.reset`` returned for ``prompt_id``, if it is a first prompt.
 
@@ -43,7 +48,7 @@ def check_reset(env: object, prompt: Any, prompt_id: Any) -> str | list[dict]:
     problem = _reset_problem(prompt)
     if problem is not None:
         raise EnvError(
-            f"{type(env).__name__}.reset {problem} for prompt {prompt_id!r}; {RESET_EXPECTED}"
+            f"{env_name(env)}.reset {problem} for prompt {prompt_id!r}; {RESET_EXPECTED}"
         )
     return prompt
 
@@ -64,9 +69,7 @@ def check_step(env: object, step: Any, prompt_id: Any) -> Step:
     elif not step.done and not isinstance(step.observation, str):
         problem = f"returned done=False with the observation {step.observation!r}"
     if problem is not None:
-        raise EnvError(
-            f"{type(env).__name__}.step {problem} on prompt {prompt_id!r}; {STEP_EXPECTED}"
-        )
+        raise EnvError(f"{env_name(env)}.step {problem} on prompt {prompt_id!r}; {STEP_EXPECTED}")
     return step
 
 

@@ -21,7 +21,11 @@ the episode ends, truncated (``finish_reason="env_timeout"``); more than ``max_t
 ``"max_turns"``; no room left in the context for the next observation and a token -> ``"context"``;
 a step that is not a ``Step``, a non-finite reward, or an environment that raises ->
 ``EnvError`` naming the environment and the prompt (the run stops); so is a first prompt that is
-blank or leaves no room in the context (``streamrl.envs.contract``).
+blank or leaves no room in the context (``streamrl.envs.contract``). With ``env_workers`` the
+environments run in worker processes (``streamrl.envs.workers``): an episode whose worker died
+or hung starts again from its prompt on a replacement (``episodes_restarted``), nothing lost or
+trained twice; a step past the timeout has its worker pinged, and one that does not answer is
+killed and replaced.
 
 An episode the environment cut (``ENV_FAULTS``) is the environment's fault, not the policy's:
 with ``on_fault="drop"`` (the default) the trainer leaves it out of the loss (``left_out``;
@@ -42,9 +46,10 @@ from typing import Any, Literal
 from transformers import PreTrainedTokenizerBase
 
 from streamrl.components.generation.service import GeneratorError, StreamGenerationService
-from streamrl.envs.contract import check_reset, check_step
+from streamrl.envs.contract import check_reset, check_step, env_name
 from streamrl.envs.episode import Episode, TurnFormat
 from streamrl.envs.tools import run_with_timeout
+from streamrl.envs.workers import EnvWorkerLost, EnvWorkers
 from streamrl.errors import EnvError
 from streamrl.policy.chat import completion_text, render_prompt
 from streamrl.protocols import Dispatcher, Environment, GroupStart
@@ -84,6 +89,10 @@ class EpisodeRunner:
             the loss (``left_out``); ``"train"``: it is trained with the reward it had.
         greedy: every turn decoded greedily whatever the instances' sampling settings (a
             held-out evaluation on the run's instances, ``streamrl.eval.episodes``).
+        env_workers: processes the environments run in (``EnvWorkers``; ``make_env`` must
+            pickle); 0: threads of this process.
+        max_env_restarts: env workers replaced (died or hung) before the run stops.
+        env_status_path: a JSON file of the env workers' pids (slot -> pid), or ``None``.
 
     Attributes:
         counts: the ledger: episodes started and finished (and why), turns, environment steps,
@@ -106,6 +115,9 @@ class EpisodeRunner:
         stop_strings: Sequence[str] = (),
         on_fault: OnFault = "drop",
         greedy: bool = False,
+        env_workers: int = 0,
+        max_env_restarts: int = 10,
+        env_status_path: str | None = None,
     ) -> None:
         if max_turns < 1:
             raise ValueError(f"max_turns must be >= 1, got {max_turns}.")
@@ -122,6 +134,14 @@ class EpisodeRunner:
         self._stepping: dict[tuple, float] = {}  # episode key -> when its env step started
         self._stepped: queue.Queue = queue.Queue()  # (key, Step | BaseException) from threads
         self._finished: deque[Sample] = deque()
+        #: The env worker processes, or ``None`` (environments on threads of this process).
+        self.workers: EnvWorkers | None = None
+        if env_workers > 0:
+            self.workers = EnvWorkers(
+                make_env, env_workers, max_restarts=max_env_restarts, status_path=env_status_path
+            )
+            self.workers.start()
+            self.make_env = self.workers.make
 
     # -- what RolloutStream calls (streamrl.protocols.Sampler) -----------------------------
     #: An episode comes scored by its environment (the stream's reward is not used).
@@ -149,8 +169,15 @@ class EpisodeRunner:
         """Make and reset the environment of one episode of ``row`` (its prompt's
         ``sample_index``-th); returns its first turn's request, prompted with what ``reset``
         gave."""
-        env = self.make_env()
-        prompt = self._call(env, "reset", lambda: env.reset(row), row)
+        for attempt in range(3):  # a worker lost mid-reset: again, on its replacement
+            env = self.make_env()
+            try:
+                prompt = self._call(env, "reset", lambda env=env: env.reset(row), row)
+                break
+            except EnvError as err:
+                if not isinstance(err.__cause__, EnvWorkerLost) or attempt == 2:
+                    raise
+                self.counts["resets_retried"] += 1
         try:
             check_reset(env, prompt, row.get("prompt_id"))
         except EnvError:
@@ -161,7 +188,7 @@ class EpisodeRunner:
         if budget < 1:
             self._close(env)
             raise EnvError(
-                f"Prompt {row.get('prompt_id')!r}: {type(env).__name__}.reset's first prompt has "
+                f"Prompt {row.get('prompt_id')!r}: {env_name(env)}.reset's first prompt has "
                 f"{len(ids)} tokens, no room left in the context of {self.context}; shorten the "
                 "observation (or the system prompt), or use a model with a larger context."
             )
@@ -263,9 +290,14 @@ class EpisodeRunner:
             if now - started > self.env_timeout_s:
                 del self._stepping[key]
                 self.counts["env_timeouts"] += 1
-                self._finish(self._episodes[key], "env_timeout")
+                episode = self._episodes[key]
+                if self.workers is not None and not self.workers.check(episode.env):
+                    self.counts["env_workers_hung"] += 1  # killed: its other episodes restart
+                self._finish(episode, "env_timeout")
 
     def _on_step(self, episode: Episode, result: Step | BaseException) -> None:
+        if isinstance(result, EnvWorkerLost):  # not the episode's doing: it starts again
+            return self._restart(episode)
         self.counts["env_steps"] += 1
         step = self._checked(episode, result)
         episode.rewards.append(float(step.reward))
@@ -296,8 +328,22 @@ class EpisodeRunner:
         )
         self.service.submit([turn], None if predicted is None else [predicted])
 
+    def _restart(self, episode: Episode) -> None:
+        """Start ``episode`` again from its prompt, under its key (its sample is awaited):
+        its environment's worker was lost with the state of the conversation."""
+        first = episode.request
+        del self._episodes[first.key]
+        self.counts["episodes_restarted"] += 1
+        self.counts["episodes_started"] -= 1  # counted again by start()
+        again = self.start(
+            episode.row, first.sample_index, first.iteration, first.min_weight_version
+        )
+        again.predicted_length = first.predicted_length
+        predicted = None if first.predicted_length is None else [first.predicted_length]
+        self.service.submit([again], predicted)
+
     def _checked(self, episode: Episode, result: Step | BaseException) -> Step:
-        name, pid = type(episode.env).__name__, episode.request.prompt_id
+        name, pid = env_name(episode.env), episode.request.prompt_id
         if isinstance(result, BaseException):
             self._finish(episode, "error")
             raise EnvError(f"{name}.step raised {result!r} on prompt {pid!r}.") from result
@@ -351,7 +397,7 @@ class EpisodeRunner:
         except BaseException as err:
             self._close(env)
             raise EnvError(
-                f"{type(env).__name__}.{what} failed on prompt {row.get('prompt_id')!r}: {err!r}."
+                f"{env_name(env)}.{what} failed on prompt {row.get('prompt_id')!r}: {err!r}."
             ) from err
 
     def _close(self, env: Environment) -> None:
@@ -366,3 +412,5 @@ class EpisodeRunner:
             self._close(episode.env)
         self._episodes.clear()
         self._stepping.clear()
+        if self.workers is not None:
+            self.workers.close()

@@ -401,6 +401,11 @@ class EnvConfig:
             ``context``) are always trained.
         rebalance_requests: move an episode's next turn off its instance when it has this many
             more requests open than the least loaded one (``null``: never).
+        workers: processes the environments run in (``streamrl.envs.workers``): one that dies
+            or hangs is replaced and its episodes start again from their prompts; 0: threads
+            of the trainer. ``null`` (default): 2 for your environment, 0 for the built-in
+            (pure-Python) ones. Their pids are in ``<output_dir>/env_workers.json``.
+        max_restarts: env workers replaced before the run stops.
         demonstrations: ``package.module:fn``, ``fn(row) -> [turn text, ...]``: the good
             episodes the tiny policy warm-starts on (the built-in environments bring theirs).
         n_train / n_heldout: the rows a built-in environment makes (yours come from
@@ -413,6 +418,8 @@ class EnvConfig:
     timeout_s: float = 30.0
     on_fault: str = "drop"
     rebalance_requests: int | None = None
+    workers: int | None = None
+    max_restarts: int = 10
     demonstrations: str | None = None
     n_train: int = 2000
     n_heldout: int = 200

@@ -103,6 +103,11 @@ def check_values(config: RunConfig) -> None:
         raise ConfigError(
             f"env.on_fault: {unknown_name('choice', config.env.on_fault, ['drop', 'train'])}"
         )
+    if (config.env.workers or 0) < 0 or config.env.max_restarts < 0:
+        raise ConfigError(
+            f"env: need workers >= 0 (0: threads of the trainer) and max_restarts >= 0, got "
+            f"workers={config.env.workers}, max_restarts={config.env.max_restarts}."
+        )
     if sft.steps < 0 or sft.lr <= 0 or not 0 <= sft.demo_noise <= 1 or not 0 <= sft.early_stop <= 1:
         raise ConfigError(
             "sft: need steps >= 0, lr > 0, 0 <= demo_noise <= 1 and 0 <= early_stop <= 1, got "

@@ -21,7 +21,7 @@ from streamrl.eval.episodes import EpisodeEval, evaluate_episodes
 from streamrl.policy.models import build_tiny_model
 from streamrl.protocols import Sampler
 from streamrl.run.config import RunConfig
-from streamrl.run.episode_task import EpisodeTask, episode_task
+from streamrl.run.episode_task import ENVIRONMENTS, EpisodeTask, episode_task
 from streamrl.run.prepare import TINY_CONTEXT, cached_warm_start
 from streamrl.runtime.cache_keys import code_digest, rows_digest
 from streamrl.tasks.local_data import check_enough_rows
@@ -94,6 +94,9 @@ class EpisodeJob:
                 system_prompt=config.data.system_prompt,
                 stop_strings=config.data.stop_strings,
                 on_fault=env.on_fault,
+                env_workers=env_workers(config),
+                max_env_restarts=env.max_restarts,
+                env_status_path=str(Path(config.output_dir) / "env_workers.json"),
             )
 
         return make
@@ -116,6 +119,14 @@ class EpisodeJob:
             "episode_counts": dict(counts),
             "prefill_saved": sampler.prefill_saved,
         }
+
+
+def env_workers(config: RunConfig) -> int:
+    """``env.workers``, or its default: 2 processes for your environment, threads (0) for the
+    built-in ones (pure Python, ours)."""
+    if config.env.workers is not None:
+        return config.env.workers
+    return 0 if config.env.name in ENVIRONMENTS else 2
 
 
 def episode_policy(config: RunConfig, task: EpisodeTask, show_progress: bool) -> Path:

@@ -38,6 +38,9 @@ from streamrl.runtime.atomic_files import write_text_atomic
 
 __all__ = ["EnvWorkerLost", "EnvWorkers", "RemoteEnv"]
 
+#: The call id of a worker's first message: it has started (``make_env`` unpickled).
+READY = -1
+
 
 class EnvWorkerLost(RuntimeError):
     """The process holding an environment died or hung: its episode starts again."""
@@ -52,6 +55,7 @@ class _Worker:
     open: dict[int, Future] = field(default_factory=dict)  # call id -> its reply
     envs: int = 0  # environments it holds
     lost: bool = False
+    ready: threading.Event = field(default_factory=threading.Event)  # it imported make_env
 
 
 class RemoteEnv:
@@ -81,6 +85,7 @@ class EnvWorkers:
         workers: processes.
         max_restarts: workers replaced (after a death or a hang) before ``make()`` raises.
         ping_timeout_s: how long ``check`` waits for a worker's answer.
+        start_timeout_s: the most a worker may take to start (import ``make_env``'s module).
         call_timeout_s: the most any call may wait for its answer (the runner's own
             ``env_timeout_s`` is shorter and cuts the episode first).
         status_path: a JSON file rewritten whenever a worker starts, slot -> pid, or ``None``.
@@ -93,6 +98,7 @@ class EnvWorkers:
         *,
         max_restarts: int = 10,
         ping_timeout_s: float = 5.0,
+        start_timeout_s: float = 180.0,
         call_timeout_s: float = 600.0,
         status_path: str | Path | None = None,
     ) -> None:
@@ -100,6 +106,7 @@ class EnvWorkers:
             raise ValueError(f"EnvWorkers: need workers >= 1 and max_restarts >= 0, got {workers}.")
         self.make_env, self.workers, self.max_restarts = make_env, workers, max_restarts
         self.ping_timeout_s, self.call_timeout_s = ping_timeout_s, call_timeout_s
+        self.start_timeout_s = start_timeout_s
         self.status_path = Path(status_path) if status_path is not None else None
         func = getattr(make_env, "func", make_env)  # a functools.partial's function
         self.env_name = getattr(func, "__name__", type(func).__name__)
@@ -118,9 +125,26 @@ class EnvWorkers:
         self.close()
 
     def start(self) -> None:
+        """Start the workers and wait until each has imported ``make_env`` (a step's timeout
+        never counts a worker's start).
+
+        Raises:
+            EnvError: a worker did not start within ``start_timeout_s``.
+        """
         if not self._pool:
             self._pool = [self._spawn(slot) for slot in range(self.workers)]
+            for worker in self._pool:
+                self._await_ready(worker)
             self._write_status()
+
+    def _await_ready(self, worker: _Worker) -> None:
+        if not worker.ready.wait(self.start_timeout_s) or worker.lost:
+            self.close()
+            raise EnvError(
+                f"Environment worker {worker.slot} did not start within "
+                f"{self.start_timeout_s:.0f}s (exit code {worker.process.exitcode}): the module "
+                f"of {self.env_name} must import in a fresh process (spawn)."
+            )
 
     def _spawn(self, slot: int) -> _Worker:
         ours, theirs = self._ctx.Pipe(duplex=True)
@@ -168,6 +192,7 @@ class EnvWorkers:
                 f"{self.env_name} robust, or raise env.max_restarts."
             )
         self._pool[i] = self._spawn(worker.slot)
+        self._await_ready(self._pool[i])
         self._write_status()
 
     def call(self, env: RemoteEnv, method: str, *args: Any, timeout_s: float | None = None) -> Any:
@@ -213,12 +238,16 @@ class EnvWorkers:
         try:
             while True:
                 call_id, ok, value = worker.requests.recv()
+                if call_id == READY:
+                    worker.ready.set()
+                    continue
                 reply = worker.open.get(call_id)
                 if reply is not None:
                     reply.set_result(value) if ok else reply.set_exception(value)
         except (EOFError, OSError, ValueError):
             pass
         self._lose(worker)
+        worker.ready.set()  # a start that failed: ``_await_ready`` sees it lost
 
     def _lose(self, worker: _Worker) -> None:
         """Mark ``worker`` lost, kill it, and fail every call it had open."""
@@ -254,6 +283,7 @@ def env_worker_main(make_env: Callable[[], Environment], conn: Any) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the trainer decides, and stops us
     envs: dict[int, Environment] = {}
     lock = threading.Lock()
+    conn.send((READY, True, None))
 
     def answer(call_id: int, ok: bool, value: Any) -> None:
         with lock:
@@ -282,4 +312,5 @@ def env_worker_main(make_env: Callable[[], Environment], conn: Any) -> None:
         if message[2] == "ping":
             answer(message[0], True, None)
             continue
-        threading.Thread(target=run, args=message, daemon=True).start()
+        # named as the runner's own step threads are (an environment may look)
+        threading.Thread(target=run, args=message, daemon=True, name="streamrl-env").start()

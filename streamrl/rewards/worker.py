@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import queue
 import signal
+import sys
 import time
 from collections.abc import Hashable
 from typing import Any, NamedTuple
 
 from streamrl.errors import RewardError
 from streamrl.rewards.spec import RewardSpec, load_rewards
+from streamrl.runtime.cores import free_cores
 
 __all__ = ["Job", "worker_main"]
 
@@ -54,6 +56,7 @@ def worker_main(specs: list[RewardSpec], inbox: Any, results: Any, max_batch: in
         jobs = [job for job in batch if job is not None]
         if jobs:
             keys = [job.key for job in jobs]
+            _size_threads()
             results.send(("start", number, keys, time.time()))
             try:
                 totals, parts = rewards.score([j.completion for j in jobs], [j.row for j in jobs])
@@ -63,6 +66,15 @@ def worker_main(specs: list[RewardSpec], inbox: Any, results: Any, max_batch: in
             results.send(("done", number, keys, totals, parts))
         if None in batch:  # the pool's stop
             return
+
+
+def _size_threads() -> None:
+    """A reward that computes with torch (a reward model) uses the cores free now, as the
+    trainer's steps do: a spinning OpenMP team beside busy cores collapses (bench contention).
+    A reward that does not import torch is left alone (nothing to size)."""
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.set_num_threads(free_cores())
 
 
 def _next_batch(inbox: Any, held: list[Job | None], max_batch: int) -> list[Job | None]:

@@ -7,6 +7,7 @@ import contextlib
 import os
 import signal
 from collections import Counter
+from pathlib import Path
 
 import pytest
 import torch
@@ -265,3 +266,19 @@ def _same(a: object, b: object) -> bool:
     if isinstance(a, list | tuple) and isinstance(b, list | tuple):
         return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
     return a == b
+
+
+def test_a_resumed_runs_metrics_continue_in_one_file(tmp_path, fit_small):
+    """Two iterations, then the same run resumed to four: one ``metrics.csv``, a row per
+    iteration's step, none missing or twice (Lightning's logger would start a second file)."""
+    import csv
+
+    fit_small(out="run", iterations=2, checkpoint_every=1)
+    fit_small(out="run", iterations=4, args=("--resume", "auto"))
+    files = sorted((tmp_path / "run" / "logs").rglob("metrics.csv"))
+    assert [f.relative_to(tmp_path / "run") for f in files] == [
+        Path("logs/version_0/metrics.csv")
+    ]
+    rows = list(csv.DictReader(files[0].open()))
+    steps = [int(float(r["step"])) for r in rows if r.get("train/loss")]
+    assert len(steps) == 4 and len(set(steps)) == 4, steps

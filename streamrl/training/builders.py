@@ -26,7 +26,7 @@ from typing import Any, Literal
 
 import lightning as L
 from lightning.pytorch.callbacks import ProgressBar
-from lightning.pytorch.loggers import CSVLogger, Logger, TensorBoardLogger, WandbLogger
+from lightning.pytorch.loggers import Logger, TensorBoardLogger, WandbLogger
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from streamrl.algorithms.base import Algorithm
@@ -43,6 +43,7 @@ from streamrl.training.checkpointing import AtomicCheckpointIO, checkpoints
 from streamrl.training.fsdp import ShardedStreamRLModule, fsdp_strategy, process_group_backend
 from streamrl.training.module import Mode, StreamRLModule
 from streamrl.training.rollout import RolloutStream
+from streamrl.training.run_logger import RunCSVLogger
 
 LoggerName = Literal["csv", "tensorboard", "wandb"]
 
@@ -278,4 +279,4 @@ def make_logger(kind: LoggerName, output_dir: str | Path) -> Logger:
         return TensorBoardLogger(str(output_dir), name="logs")
     if kind == "wandb":
         return WandbLogger(project="streamrl", save_dir=str(output_dir), offline=True)
-    return CSVLogger(str(output_dir), name="logs")
+    return RunCSVLogger(output_dir)  # one metrics.csv across a resumed run's starts

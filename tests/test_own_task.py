@@ -324,3 +324,22 @@ def test_own_modules_in_the_current_and_the_config_directory_in_a_real_fit(tmp_p
     # Both modules scored samples in the reward worker (another process than the run's).
     workers = {name for name, pid in calls if int(pid) != run.pid}
     assert workers == {"cwd_rewards", "beside_rewards"}
+
+
+def test_a_saved_char_tokenizer_loads_with_pretrainedtokenizerfast_to_the_same_ids(tmp_path):
+    """What docs/getting-started.md tells users to load a saved policy's tokenizer with gives
+    the ids training used (AutoTokenizer does not, for the char tokenizer: see the docs)."""
+    import datasets
+    from transformers import PreTrainedTokenizerFast
+
+    from streamrl.policy.models import build_tiny_model, save_policy
+    from streamrl.run.prepare import data_tokenizer
+
+    rows = [{"prompt": f"reverse: hello world {i}", "answer": "dlrow olleh"} for i in range(9)]
+    text = "reverse: ab cd\nxy  z"
+    for kind in ("char", "bpe"):
+        tok = data_tokenizer(datasets.Dataset.from_list(rows), kind=kind, vocab_size=300)
+        path = save_policy(build_tiny_model(tok, "test"), tok, tmp_path / kind)
+        loaded = PreTrainedTokenizerFast.from_pretrained(path)
+        assert loaded(text)["input_ids"] == tok(text)["input_ids"]
+        assert loaded.decode(loaded(text)["input_ids"]) == text

@@ -276,9 +276,7 @@ def test_a_resumed_runs_metrics_continue_in_one_file(tmp_path, fit_small):
     fit_small(out="run", iterations=2, checkpoint_every=1)
     fit_small(out="run", iterations=4, args=("--resume", "auto"))
     files = sorted((tmp_path / "run" / "logs").rglob("metrics.csv"))
-    assert [f.relative_to(tmp_path / "run") for f in files] == [
-        Path("logs/version_0/metrics.csv")
-    ]
+    assert [f.relative_to(tmp_path / "run") for f in files] == [Path("logs/version_0/metrics.csv")]
     rows = list(csv.DictReader(files[0].open()))
     steps = [int(float(r["step"])) for r in rows if r.get("train/loss")]
     assert len(steps) == 4 and len(set(steps)) == 4, steps

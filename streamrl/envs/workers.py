@@ -205,10 +205,12 @@ class EnvWorkers:
         worker = env.worker
         reply: Future = Future()
         call_id = next(self._ids)
-        if worker.lost:
-            raise EnvWorkerLost(f"environment worker {worker.slot} is gone")
+        # Registered before the check: a worker lost in between fails it (``_lose``), rather
+        # than leave it waiting out ``call_timeout_s``.
         worker.open[call_id] = reply
         try:
+            if worker.lost:
+                raise OSError("lost")
             with worker.send_lock:
                 worker.requests.send((call_id, env.env_id, method, args))
         except (OSError, ValueError):

@@ -147,7 +147,8 @@ def test_own_dataset_reward_and_chat_format_in_a_real_fit(tmp_path, reward_modul
 def test_the_tokenizer_is_a_chat_bpe_and_prompts_are_templated(tmp_path, reward_module):
     run = prepare_run(own_task(tmp_path))
     tokenizer = run.tokenizer
-    assert tokenizer.chat_template and len(tokenizer) > 300
+    # 3 special and 256 byte tokens, and the merges learned from the 40 rows.
+    assert tokenizer.chat_template and len(tokenizer) > 3 + 256
     assert any(len(tokenizer.convert_ids_to_tokens(i)) > 2 for i in range(260, len(tokenizer)))
     from streamrl.policy.chat import render_prompt
 
@@ -326,20 +327,28 @@ def test_own_modules_in_the_current_and_the_config_directory_in_a_real_fit(tmp_p
     assert workers == {"cwd_rewards", "beside_rewards"}
 
 
-def test_a_saved_char_tokenizer_loads_with_pretrainedtokenizerfast_to_the_same_ids(tmp_path):
-    """What docs/getting-started.md tells users to load a saved policy's tokenizer with gives
-    the ids training used (AutoTokenizer does not, for the char tokenizer: see the docs)."""
+def test_a_saved_policy_tokenizer_loads_with_autotokenizer_to_the_same_ids(tmp_path):
+    """A saved policy's tokenizer, loaded with ``AutoTokenizer`` (which picks ``Qwen2Tokenizer``
+    for the Qwen2 architecture and rebuilds its pre-tokenizer) or ``PreTrainedTokenizerFast``,
+    gives the ids training used: the own-data char and BPE tokenizers and the built-in tasks'
+    alphabet, on text with digits, runs of spaces, new lines and characters the data lacks."""
     import datasets
-    from transformers import PreTrainedTokenizerFast
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-    from streamrl.policy.models import build_tiny_model, save_policy
+    from streamrl.policy.models import build_tiny_model, build_tokenizer, save_policy
     from streamrl.run.prepare import data_tokenizer
 
-    rows = [{"prompt": f"reverse: hello world {i}", "answer": "dlrow olleh"} for i in range(9)]
-    text = "reverse: ab cd\nxy  z"
+    rows = [{"prompt": f"reverse: héllo world {i}", "answer": "dlrow olléh"} for i in range(90)]
+    own = "reverse: ab cd 1234\nxy  z é→Ω it's"
     for kind in ("char", "bpe"):
         tok = data_tokenizer(datasets.Dataset.from_list(rows), kind=kind, vocab_size=300)
         path = save_policy(build_tiny_model(tok, "test"), tok, tmp_path / kind)
-        loaded = PreTrainedTokenizerFast.from_pretrained(path)
-        assert loaded(text)["input_ids"] == tok(text)["input_ids"]
-        assert loaded.decode(loaded(text)["input_ids"]) == text
+        for loader in (AutoTokenizer, PreTrainedTokenizerFast):
+            loaded = loader.from_pretrained(path)
+            for text in (own, *rows[0].values()):
+                assert loaded(text)["input_ids"] == tok(text)["input_ids"], (kind, loader, text)
+                assert loaded.decode(loaded(text)["input_ids"]) == text
+    demo = build_tokenizer()
+    path = save_policy(build_tiny_model(demo, "test"), demo, tmp_path / "demo")
+    text = "rev 12 ab => ba, 3*(4+5)"
+    assert AutoTokenizer.from_pretrained(path)(text)["input_ids"] == demo(text)["input_ids"]

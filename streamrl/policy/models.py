@@ -98,25 +98,47 @@ SHAPES: dict[str, dict[str, int]] = {
 }
 
 
-def build_tokenizer(alphabet: str = ALPHABET) -> PreTrainedTokenizerFast:
+def build_tokenizer(
+    alphabet: str = ALPHABET, *, all_bytes: bool = False
+) -> PreTrainedTokenizerFast:
     """Build a character-level tokenizer: one id per character, exact round trip.
 
+    It is written as a byte-level BPE (GPT-2/Qwen2's byte alphabet, a character of several UTF-8
+    bytes merged from them), the form ``Qwen2Tokenizer`` rebuilds: a saved policy loaded with
+    ``AutoTokenizer`` (which picks ``Qwen2Tokenizer`` for the Qwen2 architecture) gets the same
+    ids as this tokenizer.
+
     Args:
-        alphabet: the characters to give ids to; any other character maps to ``<unk>``.
+        alphabet: the characters to give ids to, in id order after the three special tokens.
+        all_bytes: also give an id to each of the 256 bytes, so that a character outside the
+            alphabet is its UTF-8 bytes (the same in any loader) rather than ``<unk>`` (which
+            ``AutoTokenizer``'s loader drops).
 
     Returns:
         A ``PreTrainedTokenizerFast`` with ``<pad>`` (id 0), ``<eos>`` and ``<unk>``.
     """
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
 
     if len(set(alphabet)) != len(alphabet):
         raise ValueError("build_tokenizer: the alphabet has repeated characters; pass each once.")
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     vocab = {PAD: 0, EOS: 1, UNK: 2}
+    merges: list[tuple[str, str]] = []
     for ch in alphabet:
-        vocab[ch] = len(vocab)
-    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
-    core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    core.decoder = decoders.Fuse()
+        symbols = _byte_symbols(ch)
+        for end in range(2, len(symbols) + 1):  # a multi-byte character: merged left to right
+            merges.append((symbols[: end - 1], symbols[end - 1]))
+            vocab.setdefault(symbols[:end], len(vocab))
+        vocab.setdefault(symbols, len(vocab))
+    for ch in alphabet:  # the bytes a merge starts from
+        for symbol in _byte_symbols(ch):
+            vocab.setdefault(symbol, len(vocab))
+    for symbol in sorted(byte_level.alphabet()) if all_bytes else ():
+        vocab.setdefault(symbol, len(vocab))
+    core = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token=UNK))
+    core.normalizer = normalizers.NFC()  # as Qwen2Tokenizer's
+    core.pre_tokenizer = byte_level
+    core.decoder = decoders.ByteLevel()
     return PreTrainedTokenizerFast(
         tokenizer_object=core,
         pad_token=PAD,
@@ -126,13 +148,32 @@ def build_tokenizer(alphabet: str = ALPHABET) -> PreTrainedTokenizerFast:
     )
 
 
+def _byte_symbols(text: str) -> str:
+    """``text`` in the byte-level alphabet: one printable symbol per UTF-8 byte (GPT-2's)."""
+    return "".join(_BYTE_SYMBOLS[b] for b in text.encode())
+
+
+def _byte_alphabet() -> dict[int, str]:
+    """GPT-2's byte-to-symbol map: printable bytes stand for themselves, the others for the
+    symbols from U+0100 up, in byte order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    others = [b for b in range(256) if b not in printable]
+    return {
+        **{b: chr(b) for b in printable},
+        **{b: chr(0x100 + i) for i, b in enumerate(others)},
+    }
+
+
+_BYTE_SYMBOLS = _byte_alphabet()
+
+
 def build_bpe_tokenizer(
     texts: Iterable[str],
     vocab_size: int = 512,
     *,
     chat_template: str | None = DEFAULT_CHAT_TEMPLATE,
 ) -> PreTrainedTokenizerFast:
-    """Train a byte-level BPE tokenizer on ``texts`` (GPT-2/Qwen style, any text round-trips).
+    """Train a byte-level BPE tokenizer on ``texts`` (Qwen2's, any text round-trips).
 
     Training is deterministic: the same texts give the same vocabulary.
 
@@ -147,9 +188,10 @@ def build_bpe_tokenizer(
         A ``PreTrainedTokenizerFast`` with ``<|endoftext|>`` (id 0, eos and pad),
         ``<|im_start|>`` and ``<|im_end|>`` (ids 1 and 2), left padding.
     """
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
 
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     specials = [END_OF_TEXT, IM_START, IM_END]
     if vocab_size < len(specials) + len(byte_level.alphabet()):
         raise ValueError(
@@ -157,7 +199,12 @@ def build_bpe_tokenizer(
             f"and {len(byte_level.alphabet())} byte tokens every byte-level BPE holds."
         )
     core = Tokenizer(models.BPE())
-    core.pre_tokenizer = byte_level
+    # Qwen2Tokenizer's normalizer and pre-tokenizer (words, single digits, then bytes), which
+    # AutoTokenizer rebuilds for a Qwen2 model: a saved policy loads to the same ids.
+    core.normalizer = normalizers.NFC()
+    core.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated"), byte_level]
+    )
     core.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,

@@ -226,9 +226,10 @@ def _length_predictor(rl: RLConfig, run: RunContext) -> LengthPredictor | None:
 
 
 def _one_character_tokens(tokenizer: PreTrainedTokenizerBase) -> bool:
-    """Whether every token but the special ones is a single character."""
-    special = set(tokenizer.all_special_tokens)
-    return all(len(t) == 1 for t in tokenizer.get_vocab() if t not in special)
+    """Whether every token but the special ones decodes to one character (at most: a byte of a
+    character of several bytes decodes to a replacement character)."""
+    special = set(tokenizer.all_special_ids)
+    return all(len(tokenizer.decode([i])) <= 1 for i in range(len(tokenizer)) if i not in special)
 
 
 def _pick(

@@ -310,11 +310,13 @@ def data_tokenizer(
 ) -> PreTrainedTokenizerBase:
     """The tiny policy's tokenizer for your data, learned from the training prompts and answers
     (deterministic, so every rank gets the same): a byte-level BPE with a chat template, or
-    (``kind="char"``) one id per character of the training text and of printable ASCII."""
+    (``kind="char"``) one id per character of the training text and of printable ASCII, and
+    one per byte (a character the data lacks is its UTF-8 bytes). Either loads with
+    ``AutoTokenizer`` from the saved policy to the same ids."""
     texts = [_flat_text(p) for p in train["prompt"]] + list(train["answer"])
     if kind == "char":
         seen = set("".join(texts)) | set(string.printable)
-        return build_tokenizer("".join(sorted(seen - {"\x0b", "\x0c", "\r"})))
+        return build_tokenizer("".join(sorted(seen - {"\x0b", "\x0c", "\r"})), all_bytes=True)
     return build_bpe_tokenizer(texts, vocab_size=vocab_size)
 
 

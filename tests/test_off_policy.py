@@ -44,3 +44,90 @@ def test_weights_scale_the_surrogate_and_its_gradient():
     assert loss.item() == -1.0
     loss.backward()
     assert logprobs.grad.tolist() == [[-0.75, -0.25]]
+
+
+def _gap(log_ratios: list[list[float]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(current, behaviour)`` whose per-token log-ratios are ``log_ratios`` (behaviour -1)."""
+    behaviour = torch.full((len(log_ratios), len(log_ratios[0])), -1.0)
+    return behaviour + torch.tensor(log_ratios), behaviour
+
+
+def _mask(method: str, log_ratios, mask=None, advantages=None, **thresholds):
+    current, behaviour = _gap(log_ratios)
+    mask = torch.ones_like(current) if mask is None else torch.tensor(mask)
+    every = torch.ones(len(log_ratios), dtype=torch.bool)  # the masks correct every sample
+    adv = None if advantages is None else torch.tensor(advantages)
+    return correct_stale(
+        current, behaviour, mask, every, 2.0, method, advantages=adv, thresholds=thresholds
+    )
+
+
+def test_seq_mask_leaves_out_a_sequence_whose_ratio_product_leaves_1_3_to_3():
+    """TRL's cap 3.0, both ways: the product of the token ratios, not each token, decides;
+    padding is not counted."""
+    fix = _mask(
+        "seq_mask",
+        [
+            [0.5, 0.5, 0.2, 0.0],  # product e^1.2 = 3.3 > 3: out, though each token is < 1.7
+            [1.0, -0.5, 0.5, 0.0],  # e^1.0 = 2.7: kept, though one token's ratio is e
+            [-0.6, -0.6, 0.0, 0.0],  # e^-1.2 = 0.30 < 1/3: out
+            [0.6, 0.6, 9.0, 9.0],  # e^1.2, but the last two tokens are padding: kept
+        ],
+        mask=[[1, 1, 1, 1], [1, 1, 1, 1], [1, 1, 1, 1], [1, 0, 0, 0]],
+    )
+    assert fix.weights.tolist() == [[0.0] * 4, [1.0] * 4, [0.0] * 4, [1.0] * 4]
+    assert fix.masked_sequences == 2 and fix.masked_tokens == 8
+    wider = _mask("seq_mask", [[0.5, 0.5, 0.2, 0.0]], high=4.0)  # a threshold of your own
+    assert wider.weights.tolist() == [[1.0] * 4] and wider.masked_sequences == 0
+
+
+def test_geo_mask_leaves_out_a_sequence_whose_geometric_mean_ratio_leaves_0_99_to_1_01():
+    fix = _mask(
+        "geo_mask",
+        [
+            [0.005, 0.005, 0.005, 0.005],  # geometric mean e^0.005 = 1.005: kept
+            [0.04, 0.0, 0.0, 0.0],  # e^0.01 = 1.01005 > 1.01: out
+            [0.03, -0.03, 0.03, -0.03],  # 1.0 on the mean, though every token is off: kept
+            [-0.03, -0.02, 0.0, 0.0],  # e^-0.0125 = 0.988 < 0.99: out
+        ],
+    )
+    assert fix.weights[:, 0].tolist() == [1.0, 0.0, 1.0, 0.0]
+    assert fix.masked_sequences == 2
+
+
+def test_opsm_leaves_out_only_negative_samples_that_drifted_beyond_delta():
+    """DeepSeek-V3.2's rule: advantage < 0 and mean log(pi_behaviour / pi_prox) > 1e-4."""
+    drifted, close, favoured = [-0.01] * 3, [-0.00005] * 3, [0.01] * 3
+    fix = _mask(
+        "opsm",
+        [drifted, drifted, close, favoured],
+        advantages=[-1.0, 1.0, -1.0, -1.0],
+    )
+    # out: the negative sample whose generator put more mass on its tokens than the trainer
+    # does; a positive one is learned from, a small drift or a trainer that favours it too.
+    assert fix.weights[:, 0].tolist() == [0.0, 1.0, 1.0, 1.0]
+    assert fix.masked_sequences == 1 and fix.masked_tokens == 3
+
+
+def test_icepop_masks_tokens_outside_0_5_to_5():
+    fix = _mask("icepop", [[math.log(0.4), 0.0, math.log(6.0), math.log(4.9)]])
+    assert fix.weights.tolist() == [[0.0, 1.0, 0.0, 1.0]]
+    assert fix.masked_tokens == 2 and fix.masked_sequences == 0
+
+
+def test_a_mask_correction_is_named_with_its_thresholds_or_refused_in_one_line():
+    import pytest
+
+    from streamrl.components.training.off_policy import parse_correction
+    from streamrl.errors import ConfigError
+
+    assert parse_correction("icepop") == ("icepop", {"low": 0.5, "high": 5.0})
+    assert parse_correction({"name": "opsm", "delta": 0.01}) == ("opsm", {"delta": 0.01})
+    with pytest.raises(ConfigError, match="choose decoupled, behaviour, mask, seq_mask"):
+        parse_correction("seq-mask")
+    with pytest.raises(ConfigError, match="no option cap; its options: low, high"):
+        parse_correction({"name": "seq_mask", "cap": 3.0})
+    with pytest.raises(ConfigError, match="must hold 1"):
+        parse_correction({"name": "icepop", "low": 1.5})
+    with pytest.raises(ConfigError, match="no option delta; its options: none"):
+        parse_correction({"name": "decoupled", "delta": 1.0})

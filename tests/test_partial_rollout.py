@@ -181,7 +181,7 @@ def test_each_token_is_corrected_by_its_own_version(tok):
         token_versions=[0, 0, 1, 1],
     )
     results = {}
-    for method in ("decoupled", "behaviour", "mask"):
+    for method in ("decoupled", "behaviour", "mask", "seq_mask"):
         module = StreamRLModule(
             policy,
             GRPO(group_size=2),
@@ -207,6 +207,12 @@ def test_each_token_is_corrected_by_its_own_version(tok):
     kept = ((ratio <= 2.0) & (ratio >= 0.5)).float()
     assert results["mask"].token_weights[0].tolist() == [*kept.tolist(), 1.0, 1.0]
     assert kept.tolist() != [1.0, 1.0]  # the behaviour log-probs put one token out of band
+    # A sequence mask takes every token, fresh ones too: the whole sample goes or stays on
+    # the product of its ratios (here far below 1/3: the generator was far more sure).
+    seq = results["seq_mask"]
+    product = torch.exp((current - torch.tensor(behaviour)).sum())
+    assert product < 1 / 3 and seq.token_weights[0].tolist() == [0.0] * 4
+    assert torch.allclose(seq.old_logprobs[0], current)
 
 
 def test_the_engine_gap_correction_treats_fresh_tokens_as_off_policy(tok):

@@ -67,6 +67,7 @@ def fit(
     bound=1,
     partial="finish",
     stop=False,
+    correction="decoupled",
 ) -> Recorded:
     prompts = make_prompt_set(64, ["copy"], median_len=3, max_len=6, seed=0)
     algorithm = GRPO(group_size=GROUP)
@@ -91,6 +92,7 @@ def fit(
             crash_at=crash_at,
             stop=stop,
             staleness_bound=bound,
+            correction=correction,
         )
         if stop:  # the run's own checkpoints: only at the end, and at a stop
             trainer = build_trainer(module, show_progress=False, output_dir=run_dir)
@@ -109,10 +111,12 @@ def fit(
 
 
 @pytest.mark.parametrize(
-    ("bound", "partial"), [(1, "finish"), (2, "keep")], ids=["one-step", "k2-partial"]
+    ("bound", "partial", "correction"),
+    [(1, "finish", "decoupled"), (2, "keep", "decoupled"), (2, "keep", "seq_mask")],
+    ids=["one-step", "k2-partial", "k2-partial-seq-mask"],
 )
 def test_async_run_killed_mid_iteration_resumes_without_loss_or_repeat(
-    tmp_path, tokenizer, bound, partial
+    tmp_path, tokenizer, bound, partial, correction
 ):
     model_dir = save_policy(
         build_tiny_model(tokenizer, "test", seed=0), tokenizer, tmp_path / "policy"
@@ -121,7 +125,7 @@ def test_async_run_killed_mid_iteration_resumes_without_loss_or_repeat(
     def policy(seed: int = 0):
         return build_tiny_model(tokenizer, "test", seed=seed)
 
-    run = dict(bound=bound, partial=partial)
+    run = dict(bound=bound, partial=partial, correction=correction)
     uninterrupted = fit(tmp_path / "a", model_dir, tokenizer, policy(), **run)
     assert uninterrupted.weight_version == ITERATIONS
     crashed = fit(tmp_path / "b", model_dir, tokenizer, policy(), crash_at=CRASH_AT, **run)
@@ -144,6 +148,8 @@ def test_async_run_killed_mid_iteration_resumes_without_loss_or_repeat(
         lags = {int(k.rsplit("_", 1)[1]) for h in module.history for k in h if "tokens_lag" in k}
         assert max(lags) <= bound
     assert max(h["train/staleness_max"] for h in uninterrupted.history) == bound
+    if correction == "seq_mask":  # every sample's gap measured, what it masked logged
+        assert all("train/masked_sequences" in h for h in uninterrupted.history)
     trained = crashed.committed + resumed.committed
     assert set(trained) == set(uninterrupted.committed)  # same pairs...
     assert set(trained.values()) == {1}  # ...each trained in exactly one committed step

@@ -27,12 +27,13 @@ from transformers import (
     AutoTokenizer,
     PreTrainedModel,
     PreTrainedTokenizerBase,
+    PretrainedConfig,
     PreTrainedTokenizerFast,
     Qwen2Config,
     Qwen2ForCausalLM,
 )
 
-ModelSize = Literal["test", "demo", "0.5b", "1.5b", "7b"]
+ModelSize = Literal["test", "demo", "moe-test", "moe", "0.5b", "1.5b", "7b"]
 
 #: Every character the built-in tasks use. Kept small: decode cost grows with the vocabulary.
 ALPHABET = "0123456789abcdefghijklmnopqrstuvwxyz =>,:+-*()[]."
@@ -66,6 +67,30 @@ SHAPES: dict[str, dict[str, int]] = {
         num_attention_heads=4,
         num_key_value_heads=2,
         intermediate_size=384,
+    ),
+    # Mixtures of experts, Qwen3-MoE's architecture (8 experts, top-2 per token in every layer):
+    # ~340K parameters (~120K active per token) for tests; ~1.7M (~0.6M active) for the demo.
+    "moe-test": dict(
+        hidden_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        intermediate_size=192,
+        moe_intermediate_size=64,
+        num_experts=8,
+        num_experts_per_tok=2,
+    ),
+    "moe": dict(
+        hidden_size=128,
+        num_hidden_layers=5,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        intermediate_size=384,
+        moe_intermediate_size=96,
+        num_experts=8,
+        num_experts_per_tok=2,
     ),
     # ~494M parameters, Qwen2.5-0.5B's shapes (random weights): GPU checks (scripts/gpu_check.sh).
     "0.5b": dict(
@@ -228,18 +253,21 @@ def build_tiny_model(
     size: ModelSize = "test",
     max_positions: int = 256,
     seed: int = 0,
-) -> Qwen2ForCausalLM:
-    """Build a randomly initialised Qwen2-architecture causal LM sized for a CPU.
+) -> PreTrainedModel:
+    """Build a randomly initialised Qwen2-architecture causal LM sized for a CPU (Qwen3-MoE's
+    for the mixtures of experts, ``"moe-test"`` and ``"moe"``).
 
     Args:
         tokenizer: fixes the vocabulary size and the pad/eos ids.
-        size: ``"test"`` (~150K parameters), ``"demo"`` (~1M parameters) or ``"0.5b"``
+        size: ``"test"`` (~150K parameters), ``"demo"`` (~1M parameters), ``"moe-test"``
+            and ``"moe"`` (their mixture-of-experts kin, 8 experts, top-2) or ``"0.5b"``
             (Qwen2.5-0.5B's shapes, ~494M parameters, for GPU checks).
         max_positions: context length in tokens (prompt plus completion).
         seed: initialisation seed, so the same call builds the same weights.
 
     Returns:
-        A ``Qwen2ForCausalLM`` in float32 with tied input/output embeddings. Its
+        A ``Qwen2ForCausalLM`` (``Qwen3MoeForCausalLM``) in float32 with tied input/output
+        embeddings. Its
         ``eos_token_id`` (config and generation config) is the tokenizer's eos, or the list
         ``[eos, end-of-turn...]`` when the tokenizer has an end-of-turn token (``<|im_end|>``:
         ``streamrl.policy.chat.stop_token_ids``), so generation stops at the end of the turn.
@@ -253,7 +281,7 @@ def build_tiny_model(
     shape = {"vocab_size": len(tokenizer), "tie_word_embeddings": True, **SHAPES[size]}
     stops = stop_token_ids(tokenizer)
     eos = stops if len(stops) > 1 else tokenizer.eos_token_id
-    config = Qwen2Config(
+    config = _config_class(size)(
         max_position_embeddings=max_positions,
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=eos,
@@ -262,20 +290,38 @@ def build_tiny_model(
     )
     with torch.random.fork_rng():
         torch.manual_seed(seed)
-        model = Qwen2ForCausalLM(config)
+        model = _model_class(size)(config)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.generation_config.eos_token_id = eos
     return model
 
 
-def model_config(size: ModelSize, max_positions: int = 32768) -> Qwen2Config:
+def model_config(size: ModelSize, max_positions: int = 32768) -> PretrainedConfig:
     """The config of a built-in shape (a preset's: ``"7b"`` is Qwen2.5-7B's), without building
     a model: what ``streamrl plan memory --model 7b`` estimates from."""
     if size not in SHAPES:
         raise ValueError(f"model_config: unknown size {size!r}; choose one of {sorted(SHAPES)}.")
-    return Qwen2Config(
+    return _config_class(size)(
         max_position_embeddings=max_positions, **{"tie_word_embeddings": True, **SHAPES[size]}
     )
+
+
+def _config_class(size: str) -> type[PretrainedConfig]:
+    """Qwen3-MoE's config for the mixtures of experts, Qwen2's for the others."""
+    if "num_experts" in SHAPES[size]:
+        from transformers import Qwen3MoeConfig
+
+        return Qwen3MoeConfig
+    return Qwen2Config
+
+
+def _model_class(size: str) -> type[PreTrainedModel]:
+    """The causal LM of ``_config_class(size)``."""
+    if "num_experts" in SHAPES[size]:
+        from transformers import Qwen3MoeForCausalLM
+
+        return Qwen3MoeForCausalLM
+    return Qwen2ForCausalLM
 
 
 def write_random_policy(

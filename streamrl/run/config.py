@@ -193,7 +193,10 @@ class RLConfig:
             (docs/partial_rollout.md).
         correction: how tokens of older weights are corrected: ``"decoupled"`` (proximal policy
             plus truncated IS), ``"behaviour"`` (PPO's clip against the behaviour policy) or
-            ``"mask"`` (tokens with a ratio outside ``[1/is_cap, is_cap]`` left out).
+            ``"mask"`` (tokens with a ratio outside ``[1/is_cap, is_cap]`` left out); or a
+            mask of every sample's gap to its generator: ``"seq_mask"``, ``"geo_mask"``,
+            ``"opsm"``, ``"icepop"``, with the peers' thresholds or your own
+            (``{name: icepop, low: 0.5, high: 5.0}``; docs/algorithms.md).
         correct_engine_gap: correct every token, fresh ones too, by ``correction``: the
             generators' log-probs come from other numerics (bfloat16, vLLM's kernels) than the
             trainer's, so PPO's ratio is taken against the trainer's own log-probs and each
@@ -294,7 +297,7 @@ class RLConfig:
     is_cap: float = 2.0
     staleness_bound: int | None = None
     partial_rollout: str = "finish"
-    correction: str = "decoupled"
+    correction: str | dict[str, Any] = "decoupled"
     correct_engine_gap: bool | None = None
     reward: str | dict[str, Any] | list[Any] | None = None
     reward_workers: int = 1

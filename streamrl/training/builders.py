@@ -21,6 +21,7 @@ Examples:
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
@@ -77,7 +78,7 @@ def build_module(
     min_samples: int = 1,
     is_cap: float = 2.0,
     staleness_bound: int | None = None,
-    correction: str = "decoupled",
+    correction: str | Mapping[str, Any] = "decoupled",
     correct_engine_gap: bool | None = None,
     elastic: ElasticController | None = None,
     sharded: bool = False,
@@ -112,8 +113,10 @@ def build_module(
         is_cap: truncation of the importance ratio of stale samples (async).
         staleness_bound: async only: iterations generated ahead, k >= 1 (default 1, the
             paper's one-step mode); no trained token is more than k versions old.
-        correction: how stale tokens are corrected: ``"decoupled"``, ``"behaviour"`` or
-            ``"mask"`` (``streamrl.components.training.off_policy``).
+        correction: how stale tokens are corrected: ``"decoupled"``, ``"behaviour"``,
+            ``"mask"``, or a mask of every sample (``"seq_mask"``, ``"geo_mask"``, ``"opsm"``,
+            ``"icepop"``, or ``{name: ..., <threshold>: value}``;
+            ``streamrl.components.training.off_policy``).
         correct_engine_gap: correct every token for the generators' numerics (``None``: unless
             both sides compute in float32; ``StreamRLModule``).
         elastic: adds generator instances when generation lags training (§4.2).

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Literal
+from collections.abc import Mapping
+from typing import Any, Literal
 
 import lightning as L
 import torch
@@ -22,10 +23,11 @@ from streamrl.algorithms.base import Algorithm, LossInputs
 from streamrl.components.capacity.elastic import ElasticController
 from streamrl.components.training.layout import Layout, layout_batch, layout_for
 from streamrl.components.training.off_policy import (
+    MASKS,
     Correction,
-    check_correction,
     correct_stale,
     correction_metrics,
+    parse_correction,
     token_lag_metrics,
     token_lags,
 )
@@ -97,7 +99,9 @@ class StreamRLModule(L.LightningModule):
             whole.
         staleness_bound: async only: k >= 1 iterations generated ahead, so no trained token is
             more than k versions old (``staleness.AheadWindow``; ``None``: 1, the paper's).
-        correction: how stale tokens are corrected (``off_policy.CORRECTIONS``).
+        correction: how stale tokens are corrected (``off_policy.CORRECTIONS``), or a mapping
+            ``{name: ..., <threshold>: value}`` overriding a mask's defaults (``off_policy.
+            MASKS``: these act on every sample's gap to the generator, fresh ones too).
         correct_engine_gap: correct every token, not only stale ones: the generators'
             numerics (bfloat16, vLLM's kernels) differ from the trainer's, so their log-probs
             are not the trainer's policy even for fresh weights. PPO's ratio is then taken
@@ -129,7 +133,7 @@ class StreamRLModule(L.LightningModule):
         elastic: ElasticController | None = None,
         is_cap: float = 2.0,
         staleness_bound: int | None = None,
-        correction: str = "decoupled",
+        correction: str | Mapping[str, Any] = "decoupled",
         correct_engine_gap: bool | None = None,
         layout: Layout | None = None,
         logprob_chunk_tokens: int | None = None,
@@ -155,7 +159,8 @@ class StreamRLModule(L.LightningModule):
         self.layout, self.logprob_chunk_tokens = layout, logprob_chunk_tokens
         self.iterations, self.lr, self.max_grad_norm = iterations, lr, max_grad_norm
         self.weight_version, self.temperature, self.mode = 0, temperature, mode
-        self.staleness_bound, self.correction = bound, check_correction(correction)
+        self.staleness_bound = bound
+        self.correction, self.correction_thresholds = parse_correction(correction)
         self.correct_engine_gap = correct_engine_gap
         self.pipeline = pipeline or DynamicBatchPipeline(
             staleness_bound=bound, packed=layout == "packed"
@@ -425,16 +430,26 @@ class StreamRLModule(L.LightningModule):
             )
         # Per token: a partial rollout's or an episode's tokens may come from several versions.
         stale = b.versions < self.weight_version
-        if self.correct_engine_gap:  # every token: the generators' numerics are not ours
-            stale = torch.ones_like(stale)
+        if self.correct_engine_gap or self.correction in MASKS:  # every token: the
+            stale = torch.ones_like(stale)  # generators' numerics are not ours
         token_lags(b.versions, b.mask, self.weight_version, into=self.token_lags)
-        fix = correct_stale(current, b.behaviour, b.mask, stale, self.is_cap, self.correction)
+        advantages = torch.tensor(batch.advantages, dtype=current.dtype, device=self.device)
+        fix = correct_stale(
+            current,
+            b.behaviour,
+            b.mask,
+            stale,
+            self.is_cap,
+            self.correction,
+            advantages=advantages,
+            thresholds=self.correction_thresholds,
+        )
         if fix.stale_samples:
             self.off_policy.append(fix)
         return LossInputs(
             logprobs=current * b.mask,
             old_logprobs=fix.old_logprobs,
-            advantages=torch.tensor(batch.advantages, dtype=current.dtype, device=self.device),
+            advantages=advantages,
             mask=b.mask,
             ref_logprobs=ref,
             values=values,

@@ -1,0 +1,216 @@
+"""Rollout routing replay (streamrl.policy.routing) on three MoE families of transformers:
+recorded experts are the router's own, a replay uses exactly the recorded ones token by token,
+a replay of the router's own choice changes nothing, and replaying a bfloat16 generator's
+experts brings a float32 trainer's log-probs closer to the generator's."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+from transformers import (
+    MixtralConfig,
+    MixtralForCausalLM,
+    Qwen2MoeConfig,
+    Qwen2MoeForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
+)
+
+from streamrl.policy.routing import (
+    NOT_RECORDED,
+    RoutingRecorder,
+    RoutingReplay,
+    check_replayable,
+    is_moe,
+    moe_routers,
+)
+
+SHAPE = dict(
+    vocab_size=64,
+    hidden_size=32,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+)
+
+
+def mixtral() -> nn.Module:
+    config = MixtralConfig(**SHAPE, intermediate_size=48, num_local_experts=8)
+    return MixtralForCausalLM(config)
+
+
+def qwen2_moe() -> nn.Module:
+    config = Qwen2MoeConfig(
+        **SHAPE,
+        intermediate_size=48,
+        moe_intermediate_size=24,
+        shared_expert_intermediate_size=48,
+        num_experts=8,
+        num_experts_per_tok=2,
+        norm_topk_prob=False,
+    )
+    return Qwen2MoeForCausalLM(config)
+
+
+def qwen3_moe() -> nn.Module:
+    config = Qwen3MoeConfig(
+        **SHAPE,
+        head_dim=8,
+        intermediate_size=48,
+        moe_intermediate_size=24,
+        num_experts=8,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+    )
+    return Qwen3MoeForCausalLM(config)
+
+
+FAMILIES = {"mixtral": mixtral, "qwen2_moe": qwen2_moe, "qwen3_moe": qwen3_moe}
+
+
+@pytest.fixture(params=sorted(FAMILIES))
+def moe(request) -> nn.Module:
+    torch.manual_seed(0)
+    model = FAMILIES[request.param]()
+    for router in moe_routers(model):  # zeros by default in some families: no choice at all
+        nn.init.normal_(router.weight, std=0.5)
+    return model.eval()
+
+
+def tokens(batch: int = 4, length: int = 24, seed: int = 1) -> torch.Tensor:
+    return torch.randint(
+        0, SHAPE["vocab_size"], (batch, length), generator=torch.Generator().manual_seed(seed)
+    )
+
+
+def logprobs(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    logits = model(ids).logits.float()
+    return torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:, None])[..., 0]
+
+
+def test_a_dense_model_has_no_routers_and_a_moe_one_one_per_layer(moe):
+    assert is_moe(moe) and len(moe_routers(moe)) == SHAPE["num_hidden_layers"]
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    dense = Qwen2ForCausalLM(Qwen2Config(**SHAPE, intermediate_size=48))
+    assert not is_moe(dense)
+    with pytest.raises(ValueError, match="no MoE router"):
+        RoutingRecorder(dense)
+
+
+def test_the_recorder_keeps_each_routers_own_choice_per_token(moe):
+    ids = tokens()
+    with torch.no_grad(), RoutingRecorder(moe) as recorder:
+        out = moe(ids, output_router_logits=True)
+        experts = recorder.take()
+    assert experts.dtype == torch.int16
+    assert experts.shape == (ids.numel(), SHAPE["num_hidden_layers"], 2)
+    for layer, logits in enumerate(out.router_logits):  # the top-2 of each layer's logits
+        top = torch.topk(logits.float(), 2, dim=-1).indices
+        assert torch.equal(top.sort(-1).values, experts[:, layer].long().sort(-1).values)
+    assert recorder.take().shape[0] == 0  # taken: cleared
+
+
+def test_replaying_the_routers_own_choice_changes_nothing(moe):
+    ids = tokens()
+    with torch.no_grad(), RoutingRecorder(moe) as recorder:
+        plain = logprobs(moe, ids)
+        experts = recorder.take()
+    replay = RoutingReplay(moe)
+    with torch.no_grad(), replay.replaying(experts):
+        replayed = logprobs(moe, ids)
+    torch.testing.assert_close(replayed, plain, rtol=1e-5, atol=1e-5)
+    assert replay.take_mismatch() == (0, ids.numel())
+
+
+def test_the_trainer_computes_every_token_on_the_recorded_experts(moe):
+    """Experts recorded from another network (a perturbed router): under replay the routers
+    use exactly those, token by token and layer by layer, and the mismatch is counted before."""
+    ids = tokens()
+    other = copy.deepcopy(moe)
+    for router in moe_routers(other):
+        router.weight.data += 0.5 * torch.randn_like(router.weight)
+    with torch.no_grad(), RoutingRecorder(other) as recorder:
+        other(ids)
+        recorded = recorder.take()
+    replay = RoutingReplay(moe)
+    with torch.no_grad(), replay.replaying(recorded), RoutingRecorder(moe) as seen:
+        moe(ids)  # the recorder's hooks run after the replay's: they see what was used
+        used = seen.take()
+    assert torch.equal(used, recorded)
+    mismatched, compared = replay.take_mismatch()
+    assert compared == ids.numel() and 0 < mismatched <= compared
+
+
+def test_unrecorded_tokens_are_routed_by_the_router_and_not_counted(moe):
+    ids = tokens(batch=2, length=10)
+    with torch.no_grad(), RoutingRecorder(moe) as recorder:
+        plain = logprobs(moe, ids)
+        experts = recorder.take()
+    experts[:10] = NOT_RECORDED  # the first sample's tokens: a prompt the engine did not return
+    replay = RoutingReplay(moe)
+    with torch.no_grad(), replay.replaying(experts):
+        replayed = logprobs(moe, ids)
+    torch.testing.assert_close(replayed, plain, rtol=1e-5, atol=1e-5)
+    assert replay.take_mismatch() == (0, 10)
+
+
+def test_gradients_reach_the_router_under_replay(moe):
+    ids = tokens()
+    with torch.no_grad(), RoutingRecorder(moe) as recorder:
+        moe(ids)
+        experts = recorder.take()
+    moe.train()
+    with RoutingReplay(moe).replaying(experts):
+        logprobs(moe, ids).mean().backward()
+    for router in moe_routers(moe):
+        assert router.weight.grad is not None and router.weight.grad.abs().sum() > 0
+
+
+def test_replaying_a_bf16_generators_experts_narrows_the_logprob_gap(moe):
+    """The mismatch RL suffers: the generator in bfloat16 flips near-tied choices that the
+    float32 trainer makes otherwise; replaying its experts, the trainer's log-probs come closer
+    to the generator's."""
+    ids = tokens(batch=8, length=32)
+    generator = copy.deepcopy(moe).to(torch.bfloat16)
+    with torch.no_grad(), RoutingRecorder(generator) as recorder:
+        behaviour = logprobs(generator, ids)
+        experts = recorder.take()
+    replay = RoutingReplay(moe)
+    with torch.no_grad(), replay.replaying(experts, apply=False):
+        free = logprobs(moe, ids)
+    mismatched, compared = replay.take_mismatch()
+    with torch.no_grad(), replay.replaying(experts):
+        replayed = logprobs(moe, ids)
+    assert mismatched > 0, "bf16 flipped no expert choice: the test shows nothing"
+    gap_free = (free - behaviour).abs().mean()
+    gap_replayed = (replayed - behaviour).abs().mean()
+    assert gap_replayed < gap_free
+
+
+def test_a_sigmoid_gated_router_is_refused_by_name():
+    class BiasedTopKRouter(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.e_score_correction_bias = nn.Parameter(torch.zeros(4))
+
+    model = nn.Sequential(BiasedTopKRouter())
+    with pytest.raises(ValueError, match="BiasedTopKRouter gates with a sigmoid"):
+        check_replayable(model)
+
+
+def test_a_recording_of_another_shape_is_refused(moe):
+    ids = tokens()
+    replay = RoutingReplay(moe)
+    wrong_layers = torch.zeros(ids.numel(), 2, 2, dtype=torch.int16)
+    with pytest.raises(ValueError, match="2 layers recorded, the model has 3"):
+        with replay.replaying(wrong_layers):
+            pass
+    too_few = torch.zeros(ids.numel() - 1, 3, 2, dtype=torch.int16)
+    with pytest.raises(ValueError, match="were recorded for this forward"):
+        with torch.no_grad(), replay.replaying(too_few):
+            moe(ids)

@@ -1,7 +1,8 @@
 """Records passed between components: small dataclasses of plain Python values.
 
-They cross process boundaries on multiprocessing queues, so they hold lists and numbers, never
-torch tensors (a tensor on a queue costs ~30x more and breaks when its producer exits first).
+They cross process boundaries on multiprocessing queues, so they hold lists, numbers and numpy
+arrays, never torch tensors (a tensor on a queue costs ~30x more and breaks when its producer
+exits first).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import functools
 import math
 from dataclasses import dataclass, field
 from statistics import NormalDist
+from typing import Any
 
 import numpy as np
 
@@ -229,6 +231,9 @@ class Sample:
         turns: the model turns it holds (1 for a single completion).
         prefill_tokens / cached_tokens: prompt tokens this instance computed, and those whose
             KV cache it reused from the episode's previous turn (``Request.keep_prefix``).
+        routed_experts: a mixture-of-experts generator's choices, ``int16`` numpy array
+            ``[len(prompt_ids) + length, MoE layers, k]``, ``-1`` where not recorded, which the
+            trainer replays (``streamrl.policy.routing``); ``None`` for a dense policy.
     """
 
     prompt_id: str
@@ -250,6 +255,7 @@ class Sample:
     turns: int = 1
     prefill_tokens: int = 0
     cached_tokens: int = 0
+    routed_experts: Any = field(default=None, compare=False)
 
     @property
     def length(self) -> int:

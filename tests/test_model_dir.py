@@ -247,3 +247,36 @@ def _numel(lengths: tuple[int, ...]) -> int:
     for size in lengths:
         total *= size
     return total
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_fused_experts_are_read_from_a_checkpoints_per_expert_tensors(tmp_path, family):
+    """transformers 5 fuses a sparse block's experts (``experts.gate_up_proj``, ``down_proj``)
+    and saves them one tensor per expert (Qwen-MoE's ``experts.{e}.gate_proj``, Mixtral's
+    ``block_sparse_moe.experts.{e}.w1``): the meta-device model read from such a directory
+    holds every weight of the saved one, exactly."""
+    import torch
+    from safetensors import safe_open
+    from transformers import MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from streamrl.policy.model_dir import empty_model, materialize
+
+    shape = dict(
+        vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, intermediate_size=48, max_position_embeddings=64,
+    )  # fmt: skip
+    if family == "mixtral":
+        model = MixtralForCausalLM(MixtralConfig(**shape, num_local_experts=4))
+        per_expert = "model.layers.0.block_sparse_moe.experts.3.w1.weight"
+    else:
+        config = Qwen3MoeConfig(**shape, moe_intermediate_size=24, num_experts=4, head_dim=8)
+        model = Qwen3MoeForCausalLM(config)
+        per_expert = "model.layers.0.mlp.experts.3.gate_proj.weight"
+    model.save_pretrained(tmp_path)
+    with safe_open(str(next(tmp_path.glob("*.safetensors"))), framework="pt") as f:
+        names = set(f.keys())
+    assert per_expert in names  # the checkpoint holds them one by one
+    loaded = empty_model(tmp_path, torch.float32)
+    materialize(loaded, tmp_path, "cpu")
+    saved = model.state_dict()
+    assert all(torch.equal(value, saved[name]) for name, value in loaded.state_dict().items())

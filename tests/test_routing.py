@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -183,7 +184,7 @@ def test_replaying_a_bf16_generators_experts_narrows_the_logprob_gap(moe):
     replay = RoutingReplay(moe)
     with torch.no_grad(), replay.replaying(experts, apply=False):
         free = logprobs(moe, ids)
-    mismatched, compared = replay.take_mismatch()
+    mismatched, _ = replay.take_mismatch()
     with torch.no_grad(), replay.replaying(experts):
         replayed = logprobs(moe, ids)
     assert mismatched > 0, "bf16 flipped no expert choice: the test shows nothing"
@@ -208,9 +209,124 @@ def test_a_recording_of_another_shape_is_refused(moe):
     replay = RoutingReplay(moe)
     wrong_layers = torch.zeros(ids.numel(), 2, 2, dtype=torch.int16)
     with pytest.raises(ValueError, match="2 layers recorded, the model has 3"):
-        with replay.replaying(wrong_layers):
-            pass
-    too_few = torch.zeros(ids.numel() - 1, 3, 2, dtype=torch.int16)
-    with pytest.raises(ValueError, match="were recorded for this forward"):
-        with torch.no_grad(), replay.replaying(too_few):
-            moe(ids)
+        replay.arm(wrong_layers)
+    wrong_k = torch.zeros(ids.numel(), 3, 1, dtype=torch.int16)
+    replay.arm(wrong_k)
+    with (
+        pytest.raises(ValueError, match="routes 2 experts per token, 1 were recorded"),
+        torch.no_grad(),
+    ):
+        moe(ids)
+
+
+def test_a_forward_of_another_layout_or_a_copy_is_left_to_the_routers(moe):
+    """Armed for one layout of the batch, a forward over another number of tokens (the same
+    samples padded) and a copy of the policy (a frozen reference) route by themselves; a
+    recomputation of the same forward (activation checkpointing) is counted once."""
+    ids = tokens()
+    other = copy.deepcopy(moe)
+    for router in moe_routers(other):
+        router.weight.data += 0.5 * torch.randn_like(router.weight)
+    with torch.no_grad(), RoutingRecorder(other) as recorder:
+        other(ids)
+        recorded = recorder.take()
+    replay = RoutingReplay(moe)
+    reference = copy.deepcopy(moe)  # copies the hooks too
+    with torch.no_grad():
+        plain_longer = logprobs(moe, ids[:, :-1])
+        plain_reference = logprobs(reference, ids)
+        with replay.replaying(recorded):
+            assert torch.equal(logprobs(moe, ids[:, :-1]), plain_longer)
+            assert torch.equal(logprobs(reference, ids), plain_reference)
+            first = logprobs(moe, ids)
+            again = logprobs(moe, ids)
+    assert torch.equal(first, again)
+    mismatched, compared = replay.take_mismatch()
+    assert compared == ids.numel() and mismatched > 0
+
+
+# ------------------------------------------------------------------ through the loop
+
+
+def _moe_samples(generator_dtype: torch.dtype, n: int = 6):
+    """Samples of the tiny Qwen3-MoE policy from the HF generator in ``generator_dtype``, and
+    the float32 policy they came from."""
+    from streamrl.components.generation.hf_generator import HFStreamGenerator
+    from streamrl.policy.models import build_tiny_model, build_tokenizer
+    from streamrl.records import Request
+
+    tok = build_tokenizer()
+    policy = build_tiny_model(tok, "moe-test", seed=0)
+    for router in moe_routers(policy):  # sharper routers: more near-ties to flip in bf16
+        router.weight.data *= 4
+    generator = HFStreamGenerator(
+        copy.deepcopy(policy).to(generator_dtype), max_batch_size=4, temperature=1.0, seed=0
+    )
+    prompts = [tok(f"copy ab{'c' * i}=")["input_ids"] for i in range(n)]
+    generator.submit([Request(f"p{i}", p, 16) for i, p in enumerate(prompts)])
+    return list(generator.stream()), policy
+
+
+def test_the_hf_generator_records_each_samples_experts_as_the_trainer_would_choose_them():
+    """The same float32 weights on both sides: every fed token's experts are recorded (the
+    prompt's, by the prefill; each generated one but the last, by the decode that fed it) and
+    the trainer's routers choose exactly those."""
+    samples, policy = _moe_samples(torch.float32)
+    replay = RoutingReplay(policy)
+    for s in samples:
+        experts = s.routed_experts
+        assert experts.dtype == np.int16
+        assert experts.shape == (len(s.prompt_ids) + s.length, 3, 2)
+        assert (experts[:-1] >= 0).all() and (experts[-1] == NOT_RECORDED).all()
+        ids = torch.tensor([s.prompt_ids + s.token_ids])
+        with torch.no_grad(), replay.replaying(torch.from_numpy(experts), apply=False):
+            policy(ids)
+    mismatched, compared = replay.take_mismatch()
+    assert mismatched == 0 and compared == sum(len(s.prompt_ids) + s.length - 1 for s in samples)
+
+
+@pytest.mark.parametrize("layout", ["packed", "padded"])
+def test_the_trainer_trains_on_the_bf16_generators_experts_token_by_token(layout):
+    """StreamRLModule.loss_inputs on samples of a bfloat16 generator: with replay on, the
+    policy's forward uses the recorded experts for every recorded token (a recorder on its
+    routers, after the replay's hooks, sees them), whatever the layout; the mismatch it logs is
+    counted before the replay; with replay off the routers choose, and it is still logged."""
+    from streamrl.algorithms import GRPO
+    from streamrl.components.training.layout import layout_batch
+    from streamrl.components.training.pipeline import MicroBatch
+    from streamrl.training.module import StreamRLModule
+
+    samples, policy = _moe_samples(torch.bfloat16)
+    expected = layout_batch(samples, layout, 0, torch.device("cpu")).experts
+    recorded = expected[:, 0, 0] >= 0
+    mismatches = {}
+    for replay in (True, False):
+        module = StreamRLModule(
+            policy, GRPO(group_size=2), None, 1, temperature=1.0, layout=layout,
+            routing_replay=replay,
+        )  # fmt: skip
+        with RoutingRecorder(policy) as seen:
+            module.loss_inputs(MicroBatch(samples, [1.0] * len(samples)))
+            used = seen.take()
+        same = (used == expected).all(-1).all(-1)
+        assert bool(same[recorded].all()) is replay
+        stats = module.gap_stats.tolist()
+        mismatches[replay] = stats[2] / stats[3]
+        module.routing.close()
+    assert mismatches[True] == mismatches[False] > 0  # measured before replay, either way
+
+
+def test_a_tiny_moe_policy_trains_through_fit_with_2_ranks_and_a_bf16_generator(fit_small):
+    """The built-in tiny mixture of experts, warm-started, through ``streamrl fit``: 2
+    generators in bfloat16, 2 FSDP ranks in bf16-mixed, routing replay on by default; the
+    summary and the metrics carry the routing mismatch and the log-prob gap."""
+    summary = fit_small(
+        model_size="moe-test",
+        generators=2,
+        engine={"name": "hf", "dtype": "bfloat16"},
+        trainer={"devices": 2, "precision": "bf16-mixed"},
+    )
+    assert summary["routing_replay"] is True
+    assert 0.0 <= summary["routing_mismatch_frac"] < 0.5
+    assert 0.0 < summary["logprob_gap_mean"] < 1.0
+    assert summary["trainer"]["ranks"] == 2

@@ -45,14 +45,14 @@ class ModelOptions:
 
     Attributes:
         out: the directory to write.
-        size: the built-in shape (0.5b, 1.5b: Qwen2.5's).
+        size: the built-in shape (0.5b, 1.5b: Qwen2.5's; moe-test, moe: tiny Qwen3-MoE ones).
         context: positions (prompt + output).
         seed: the weights' seed.
         dtype: the dtype the weights are saved in (a released model's is bfloat16).
     """
 
     out: str
-    size: Literal["test", "demo", "0.5b", "1.5b"] = "0.5b"
+    size: Literal["test", "demo", "moe-test", "moe", "0.5b", "1.5b"] = "0.5b"
     context: int = 2048
     seed: int = 0
     dtype: Literal["float32", "bfloat16"] = "float32"

@@ -46,6 +46,7 @@ from torch.futures import Future
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, PreTrainedModel
 
 from streamrl.errors import ConfigError
+from streamrl.policy.expert_weights import expert_views
 from streamrl.policy.logprobs import causal_lm
 from streamrl.policy.lora import init_adapters, is_adapter
 
@@ -168,8 +169,9 @@ def read_weights(model: torch.nn.Module, path: str | Path) -> None:
             "safetensors only. Convert the directory once: AutoModelForCausalLM.from_pretrained"
             "(dir).save_pretrained(dir) writes them."
         )
-    wanted = base_weights(model)
     saved = _saved_names(files)
+    # Fused experts (transformers 5) read from a checkpoint's per-expert tensors, rows in place.
+    wanted = expert_views(base_weights(model), saved)
     missing = sorted(set(wanted) - saved)
     if missing:
         raise ConfigError(
@@ -177,7 +179,7 @@ def read_weights(model: torch.nn.Module, path: str | Path) -> None:
             f"it holds {len(saved)} others. Is it a checkpoint of this architecture "
             f"({type(causal_lm(model)).__name__}), with untied embeddings saved as such?"
         )
-    sharded = any(isinstance(p, DTensor) for p in wanted.values())
+    sharded = any(isinstance(p, DTensor) for p in base_weights(model).values())
     dcp.load(
         wanted,
         storage_reader=RowReader(str(path)),

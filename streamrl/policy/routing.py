@@ -102,60 +102,85 @@ class RoutingRecorder:
 
 
 class RoutingReplay:
-    """Replays recorded experts in a forward pass: the trainer's side.
+    """Replays recorded experts in the policy's forward passes: the trainer's side.
 
-    Within ``replaying(experts)``, each router's choice for a token is replaced by the recorded
-    one (where it is not ``NOT_RECORDED``), its gate weights recomputed from the current logits
-    over those experts, so gradients reach the router. What the routers would have chosen is
-    compared with the recorded experts first: ``mismatched`` / ``compared`` count the recorded
-    tokens whose experts differ in at least one layer.
+    Its hooks stay on the routers; ``arm(experts)`` gives the next forwards the experts of
+    their flattened input tokens (``[tokens, layers, k]``): each router's choice for a token is
+    replaced by the recorded one (where it is not ``NOT_RECORDED``), its gate weights recomputed
+    from the current logits over those experts, so gradients reach the router. They stay armed
+    until ``disarm``: a recomputation in the backward pass (activation checkpointing) replays
+    the same experts. A forward over another number of tokens (another layout of the batch)
+    is left to the routers.
+
+    What the routers would have chosen is compared with the recorded experts the first time
+    each layer sees them after ``arm``: ``take_mismatch`` counts the recorded tokens whose
+    experts differ in at least one layer. ``apply=False`` measures without replaying.
     """
 
-    def __init__(self, model: nn.Module) -> None:
-        check_replayable(model)
+    def __init__(self, model: nn.Module, *, check: bool = True) -> None:
+        if check:  # off: measures only (apply=False)
+            check_replayable(model)
         self.routers = moe_routers(model)
         if not self.routers:
             raise ValueError(f"{type(model).__name__} has no MoE router to replay.")
         self.compared = 0
         self.mismatched = 0
+        self._experts: torch.Tensor | None = None
+        self._apply = True
+        self._natural: dict[int, torch.Tensor] = {}
+        self._hooks = [
+            router.register_forward_hook(self._hook(layer))
+            for layer, router in enumerate(self.routers)
+        ]
 
-    @contextmanager
-    def replaying(self, experts: torch.Tensor | None, *, apply: bool = True) -> Iterator[None]:
-        """Forward passes inside see ``experts`` (``[tokens, layers, k]``, the flattened input
-        tokens of one forward) in place of the routers' choices; ``apply=False`` only measures
-        the mismatch. ``None``: nothing recorded, the routers choose."""
-        if experts is None:
-            yield
-            return
-        if experts.shape[1] != len(self.routers):
+    def arm(self, experts: torch.Tensor | None, *, apply: bool = True) -> None:
+        """Replay ``experts`` (``[tokens, layers, k]``) in the forwards to come; ``None``:
+        nothing recorded, the routers choose."""
+        if experts is not None and experts.shape[1] != len(self.routers):
             raise ValueError(
                 f"routing replay: {experts.shape[1]} layers recorded, the model has "
                 f"{len(self.routers)} MoE layers (another model generated these samples?)."
             )
-        natural: list[torch.Tensor] = []
-        hooks = [
-            router.register_forward_hook(self._hook(layer, experts, natural, apply))
-            for layer, router in enumerate(self.routers)
-        ]
+        self._experts, self._apply, self._natural = experts, apply, {}
+
+    def disarm(self) -> None:
+        """The routers choose again."""
+        self._experts, self._natural = None, {}
+
+    @contextmanager
+    def replaying(self, experts: torch.Tensor | None, *, apply: bool = True) -> Iterator[None]:
+        """``arm`` for the forwards inside, then ``disarm``."""
+        self.arm(experts, apply=apply)
         try:
             yield
         finally:
-            for hook in hooks:
-                hook.remove()
-        if len(natural) == len(self.routers):
-            self._count(experts, torch.stack(natural, dim=1))
+            self.disarm()
 
-    def _hook(self, layer: int, experts: torch.Tensor, natural: list, apply: bool):
+    def close(self) -> None:
+        """Take the hooks off the routers."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks.clear()
+
+    def _hook(self, layer: int):
         def replay(module: nn.Module, args: tuple, output: tuple) -> tuple:
+            experts = self._experts
+            if experts is None or module is not self.routers[layer]:  # a copy's (reference)
+                return output
             logits, scores, indices = output
+            if indices.shape[0] != experts.shape[0]:  # another layout of the batch
+                return output
             recorded = experts[:, layer].to(device=indices.device, dtype=indices.dtype)
             if recorded.shape != indices.shape:
                 raise ValueError(
-                    f"routing replay: layer {layer} routed {tuple(indices.shape)} tokens x "
-                    f"experts, {tuple(recorded.shape)} were recorded for this forward."
+                    f"routing replay: layer {layer} routes {indices.shape[1]} experts per "
+                    f"token, {recorded.shape[1]} were recorded (another model?)."
                 )
-            natural.append(indices.detach())
-            if not apply:
+            if layer not in self._natural:
+                self._natural[layer] = indices.detach()
+                if len(self._natural) == len(self.routers):
+                    self._count(experts, torch.stack([*self._natural.values()], dim=1))
+            if not self._apply:
                 return output
             known = (recorded >= 0).all(dim=-1, keepdim=True)
             chosen = torch.where(known, recorded, indices)
@@ -165,13 +190,10 @@ class RoutingReplay:
 
     def _count(self, experts: torch.Tensor, natural: torch.Tensor) -> None:
         recorded = (experts >= 0).all(dim=-1).all(dim=-1)  # [tokens]
-        same = (
-            torch.sort(natural.to(experts.device), dim=-1).values
-            == torch.sort(experts.to(natural.dtype), dim=-1).values
-        )
-        differs = ~same.all(dim=-1).all(dim=-1)
+        theirs = torch.sort(experts.to(device=natural.device, dtype=natural.dtype), -1).values
+        differs = (torch.sort(natural, dim=-1).values != theirs).any(dim=-1).any(dim=-1)
         self.compared += int(recorded.sum())
-        self.mismatched += int((differs & recorded).sum())
+        self.mismatched += int((differs & recorded.to(differs.device)).sum())
 
     def take_mismatch(self) -> tuple[int, int]:
         """``(mismatched, compared)`` tokens since the last call, and resets them."""
@@ -187,3 +209,14 @@ def gate_weights(router: nn.Module, logits: torch.Tensor, chosen: torch.Tensor) 
     if getattr(router, "norm_topk_prob", True):
         return torch.softmax(logits.gather(-1, chosen.long()), dim=-1)
     return torch.softmax(logits, dim=-1).gather(-1, chosen.long())
+
+
+def routing_metrics(stats: torch.Tensor, *, moe: bool) -> dict[str, float]:
+    """What to log of ``(sum |trainer - generator| log-prob, trained tokens, tokens routed
+    otherwise than recorded, tokens recorded)``: ``train/logprob_gap_mean`` (after replay, when
+    on) and, for a mixture of experts, ``train/routing_mismatch_frac`` (before it)."""
+    gap, tokens, mismatched, compared = (float(v) for v in stats)
+    out = {"train/logprob_gap_mean": gap / tokens} if tokens else {}
+    if moe and compared:
+        out["train/routing_mismatch_frac"] = mismatched / compared
+    return out

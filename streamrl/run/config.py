@@ -202,6 +202,10 @@ class RLConfig:
             trainer's, so PPO's ratio is taken against the trainer's own log-probs and each
             token weighted by the truncated ratio trainer/generator; ``null``: on unless the
             generators and the trainer both compute in float32 (docs/weight_transfer.md).
+        routing_replay: a mixture-of-experts policy (``sft.model_size: moe``, or a Mixtral,
+            Qwen-MoE... directory) trains each token on the experts its generator chose
+            (rollout routing replay); ``null``: on for a mixture of experts. Either way the
+            share of tokens routed otherwise is logged (``routing_mismatch_frac``).
         reward: the task reward: a built-in (``"exact"``, ``"partial"``, ``"math"`` (math-verify),
             ``"reward_model"`` (``{name: reward_model, path: DIR}``), ``"reasoning_gym"``), or
             your function ``fn(completion, row) -> float`` as ``package.module:function`` (``row``
@@ -299,6 +303,7 @@ class RLConfig:
     partial_rollout: str = "finish"
     correction: str | dict[str, Any] = "decoupled"
     correct_engine_gap: bool | None = None
+    routing_replay: bool | None = None
     reward: str | dict[str, Any] | list[Any] | None = None
     reward_workers: int = 1
     reward_timeout_s: float = 60.0

@@ -83,10 +83,9 @@ def check_values(config: RunConfig) -> None:
         raise ConfigError(
             f"sft.tokenizer: {unknown_name('tokenizer', sft.tokenizer, ['bpe', 'char'])}"
         )
-    if sft.model_size not in ("test", "demo"):
-        raise ConfigError(
-            f"sft.model_size: {unknown_name('size', sft.model_size, ['test', 'demo'])}"
-        )
+    tiny_sizes = ["test", "demo", "moe-test", "moe"]
+    if sft.model_size not in tiny_sizes:
+        raise ConfigError(f"sft.model_size: {unknown_name('size', sft.model_size, tiny_sizes)}")
     if config.logger not in LOGGERS:
         raise ConfigError(f"logger: {unknown_name('logger', config.logger, LOGGERS)}")
     needed = LOGGERS[config.logger]

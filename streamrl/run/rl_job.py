@@ -30,6 +30,7 @@ from streamrl.components.skewness.instance_profile import LatencyProfile
 from streamrl.eval.periodic import PeriodicEval, plot_eval
 from streamrl.policy.chat import stop_token_ids
 from streamrl.policy.model_dir import empty_model
+from streamrl.policy.routing import routing_metrics
 from streamrl.policy.sft import default_cache_dir
 from streamrl.protocols import Sampler
 from streamrl.run.config import RunConfig
@@ -307,6 +308,12 @@ def rl_summary(module: StreamRLModule, iterations: int) -> dict:
         "sync_transfer_s_total": module.sync_transfer_s,
         "grad_norms": [h["train/grad_norm"] for h in history],
         "logprob_gap_max": max((h.get("train/logprob_gap", 0.0) for h in history), default=0.0),
+        # over the whole run: trainer/generator log-prob gap, and the MoE routing mismatch
+        **{
+            k.removeprefix("train/"): v
+            for k, v in routing_metrics(module.gap_totals, moe=module.routing is not None).items()
+        },
+        "routing_replay": module.routing_replay,
         "trainer": {
             "device": module.trained_on,
             "ranks": module.trainer.world_size,

@@ -189,6 +189,7 @@ class RankSetup:
             staleness_bound=rl.staleness_bound,
             correction=rl.correction,
             correct_engine_gap=rl.correct_engine_gap,
+            routing_replay=rl.routing_replay,
             activation_checkpointing=(
                 trainer.activation_checkpointing
                 if trainer.activation_checkpointing is not None

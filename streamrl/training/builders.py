@@ -80,6 +80,7 @@ def build_module(
     staleness_bound: int | None = None,
     correction: str | Mapping[str, Any] = "decoupled",
     correct_engine_gap: bool | None = None,
+    routing_replay: bool | None = None,
     elastic: ElasticController | None = None,
     sharded: bool = False,
     precision: Precision = "32-true",
@@ -117,6 +118,8 @@ def build_module(
             ``"mask"``, or a mask of every sample (``"seq_mask"``, ``"geo_mask"``, ``"opsm"``,
             ``"icepop"``, or ``{name: ..., <threshold>: value}``;
             ``streamrl.components.training.off_policy``).
+        routing_replay: a mixture-of-experts policy replays the experts its generators chose
+            (``None``: on for one; ``StreamRLModule``).
         correct_engine_gap: correct every token for the generators' numerics (``None``: unless
             both sides compute in float32; ``StreamRLModule``).
         elastic: adds generator instances when generation lags training (§4.2).
@@ -174,6 +177,7 @@ def build_module(
         staleness_bound=bound,
         correction=correction,
         correct_engine_gap=correct_engine_gap,
+        routing_replay=routing_replay,
         layout=layout,
         logprob_chunk_tokens=logprob_chunk_tokens,
     )

@@ -254,6 +254,7 @@ class ShardedStreamRLModule(StreamRLModule):
         self.iteration_loss = reduce(self.iteration_loss, reduce_op="mean")
         self.entropy_sum = reduce(self.entropy_sum, reduce_op="sum")
         self.entropy_tokens = reduce(self.entropy_tokens, reduce_op="sum")
+        self.gap_stats = reduce(self.gap_stats, reduce_op="sum")
         return train_s
 
     def _train_on_shares(self, iteration: int) -> float:

@@ -40,6 +40,7 @@ from streamrl.errors import NonFiniteLossError
 from streamrl.policy.logprobs import completion_logprobs
 from streamrl.policy.lora import synced_weights
 from streamrl.policy.model_dir import is_empty, materialize, source_dir
+from streamrl.policy.routing import RoutingReplay, is_moe, routing_metrics
 from streamrl.records import Sample
 from streamrl.runtime.cores import free_cores
 from streamrl.runtime.peak_memory import peak_memory_bytes
@@ -114,6 +115,11 @@ class StreamRLModule(L.LightningModule):
             The pipeline's ceiling counts the same tokens.
         logprob_chunk_tokens: completion tokens per chunk of the LM head
             (``streamrl.policy.logprobs``); ``None``: 64M logits per chunk.
+        routing_replay: a mixture-of-experts policy computes each token on the experts its
+            generator chose (``Sample.routed_experts``; ``streamrl.policy.routing``), with gate
+            weights from the current router; ``None``: on for a mixture of experts. Either way
+            the share of tokens whose experts the trainer would choose otherwise is logged
+            (``train/routing_mismatch_frac``).
     """
 
     def __init__(
@@ -137,6 +143,7 @@ class StreamRLModule(L.LightningModule):
         correct_engine_gap: bool | None = None,
         layout: Layout | None = None,
         logprob_chunk_tokens: int | None = None,
+        routing_replay: bool | None = None,
     ) -> None:
         super().__init__()
         bound = staleness_bound_of(mode, staleness_bound)
@@ -161,6 +168,14 @@ class StreamRLModule(L.LightningModule):
         self.weight_version, self.temperature, self.mode = 0, temperature, mode
         self.staleness_bound = bound
         self.correction, self.correction_thresholds = parse_correction(correction)
+        self.routing_replay = is_moe(policy) if routing_replay is None else routing_replay
+        if self.routing_replay and not is_moe(policy):
+            raise ValueError(
+                f"routing_replay=True, but {type(policy).__name__} routes no token to experts "
+                "(not a mixture of experts); leave it unset."
+            )
+        #: Replays (or, off, measures) the generators' expert choices; ``None`` if dense.
+        self.routing = RoutingReplay(policy, check=self.routing_replay) if is_moe(policy) else None
         self.correct_engine_gap = correct_engine_gap
         self.pipeline = pipeline or DynamicBatchPipeline(
             staleness_bound=bound, packed=layout == "packed"
@@ -195,6 +210,9 @@ class StreamRLModule(L.LightningModule):
         self.grad_norm = torch.zeros(())  # of the last optimizer step, before clipping
         #: This iteration's summed entropy of the trained tokens' distributions, and their count.
         self.entropy_sum, self.entropy_tokens = torch.zeros(()), torch.zeros(())
+        #: This iteration's (sum |trainer - generator| log-prob, trained tokens, tokens routed
+        #: otherwise than recorded, tokens recorded), and the run's (``routing_metrics``).
+        self.gap_stats, self.gap_totals = torch.zeros(4), torch.zeros(4, dtype=torch.float64)
         #: Each trainer rank's peak memory over the run (``streamrl.runtime.peak_memory``), at its
         # end.
         self.peak_memory_bytes: list[int] = []
@@ -209,6 +227,7 @@ class StreamRLModule(L.LightningModule):
         self.iteration_loss = torch.zeros((), device=self.device)
         self.entropy_sum = torch.zeros((), device=self.device)
         self.entropy_tokens = torch.zeros((), device=self.device)
+        self.gap_stats = torch.zeros(4, device=self.device)
         self.samples_in_step = 0
         train_s = self.train_on_stream(iteration)
         with shielded():  # a stop (SIGTERM, Ctrl-C) waits: weights and version change together
@@ -412,6 +431,8 @@ class StreamRLModule(L.LightningModule):
         the algorithm has one) and the correction of stale tokens."""
         pad = int(self.policy.config.pad_token_id or 0)
         b = layout_batch(batch.samples, self.layout, pad, self.device)
+        if self.routing is not None:  # armed until the next micro-batch: a backward pass's
+            self.routing.arm(b.experts, apply=self.routing_replay)  # recomputation replays too
         chunk = self.logprob_chunk_tokens
         scored = completion_logprobs(
             self.policy, b.tokens, self.temperature, chunk_tokens=chunk, entropy=True
@@ -420,6 +441,11 @@ class StreamRLModule(L.LightningModule):
         if self.reference is not None:  # after the policy: FSDP2 first sees it train (LoRA)
             ref = b.per_sample(self.reference.logprobs(b.tokens, self.temperature, chunk))
         current = b.per_sample(scored.logprobs)  # [batch, width]
+        mismatched, compared = self.routing.take_mismatch() if self.routing else (0, 0)
+        gap = ((current.detach() - b.behaviour).abs() * b.mask).sum()
+        self.gap_stats += torch.stack(
+            [gap, b.mask.sum().to(gap.dtype), *gap.new_tensor([mismatched, compared])]
+        )
         self.entropy_sum += (b.per_sample(scored.entropy) * b.mask).sum()
         self.entropy_tokens += b.mask.sum()
         values = None
@@ -475,12 +501,14 @@ class StreamRLModule(L.LightningModule):
             "train/staleness_mean": sum(lags) / max(1, len(lags)),
             "train/staleness_max": float(max(lags, default=0)),
             **correction_metrics(self.off_policy),
+            **routing_metrics(self.gap_stats, moe=self.routing is not None),
             **token_lag_metrics(self.token_lags),
             "train/dropped_stale": float(self.pipeline.dropped_stale),
             "time/sync_exposed_s": sync_s,
             "time/sync_transfer_total_s": self.rollouts.service.weight_sync.transfer_s,
         }
         self.off_policy, self.token_lags = [], {}  # logged: the next iteration starts afresh
+        self.gap_totals += self.gap_stats.detach().cpu().double()
         self.history.append({"iteration": iteration, **metrics})
         self.reward_spread.observe(stats.rewards)
         self.log_dict(metrics, on_step=True, prog_bar=False)

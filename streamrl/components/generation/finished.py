@@ -7,7 +7,7 @@ the record the trainer takes, the moment it finishes.
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any, Protocol
 
 from streamrl.records import Request, Sample
 
@@ -32,6 +32,7 @@ def finished_sample(
     finished_s: float,
     finish_reason: str,
     cached_tokens: int = 0,
+    routed_experts: Any = None,
 ) -> Sample:
     """The ``Sample`` of ``seq``, finished at ``finished_s`` for ``finish_reason``.
 
@@ -42,6 +43,7 @@ def finished_sample(
         finish_reason: ``"eos"``, ``"stop"``, ``"length"`` or ``"forced"``.
         cached_tokens: prompt tokens whose KV cache was kept from the episode's previous turn
             (not prefilled here).
+        routed_experts: a mixture of experts' choices (``RoutedExperts.finish``).
     """
     req = seq.request
     return Sample(
@@ -60,4 +62,5 @@ def finished_sample(
         finish_reason=finish_reason,
         prefill_tokens=len(req.prompt_ids) - cached_tokens + seq.recomputed,
         cached_tokens=cached_tokens,
+        routed_experts=routed_experts,
     )

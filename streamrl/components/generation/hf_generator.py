@@ -37,6 +37,7 @@ from streamrl.components.generation.hf_weights import WeightMap, copy_into, fing
 from streamrl.components.generation.kv_cache import SlotCache
 from streamrl.components.generation.moving import leaving
 from streamrl.components.generation.prefix_stash import PrefixStash
+from streamrl.components.generation.routed_experts import RoutedExperts
 from streamrl.components.generation.sampling import (
     draw_tokens,
     sampling_temperature,
@@ -144,6 +145,9 @@ class HFStreamGenerator:
         self.prefixes = PrefixStash(prefix_entries or 4 * max_batch_size)
         #: Speculative decoding's drafter and counters (``None`` without ``speculative``).
         self.speculator = None if speculative is None else Speculator(speculative)
+        #: A mixture of experts' choices per sequence (``None`` for a dense model): each
+        #: sample carries them for the trainer to replay (``streamrl.policy.routing``).
+        self._routed = RoutedExperts.of(self.model)
 
     # ----------------------------------------------------------------- public API
     @property
@@ -235,6 +239,7 @@ class HFStreamGenerator:
             return 0
         with torch.inference_mode():
             self._forwards.prefill(0, [r.columns() for r in self._rows])
+        self._file_prefill(self._rows)
         for row in self._rows:
             row.recomputed += row.length
         return sum(r.length for r in self._rows)
@@ -247,6 +252,9 @@ class HFStreamGenerator:
         moved = self.admission.withdraw(keys)
         running = [i for i, row in enumerate(self._rows) if row.request.key in keys]
         moved += [leaving(self._rows[i]) for i in running]
+        if self._routed is not None:
+            for i in running:
+                self._routed.forget(self._rows[i])
         if running:
             with torch.inference_mode():  # the cache is an inference tensor
                 self._release(running)
@@ -317,12 +325,23 @@ class HFStreamGenerator:
             row = self._rows[i]
             new = row.request.prompt_ids[row.offset : row.length]
             self._forwards.prefill_after(i, new, row.offset)
+            if self._routed is not None and new:
+                self._routed.file([(row, range(row.offset, row.offset + len(new)))], len(new))
         new_rows = self._rows[start : resumed[0] if resumed else len(self._rows)]
         self._forwards.prefill(start, [r.columns() for r in new_rows])
+        self._file_prefill(new_rows)
+
+    def _file_prefill(self, rows: list[SlotSequence]) -> None:
+        """File a batched prefill's expert choices: row ``i`` fed columns ``[0, length)``."""
+        width = max((r.length for r in rows), default=0)
+        if self._routed is not None and width:
+            self._routed.file([(r, range(r.length)) for r in rows], width)
 
     def _decode(self) -> tuple[list[list[int]], list[list[float]]]:
         rows = self._rows
         logits = self._forwards.decode([r.length for r in rows], [r.next_input for r in rows])
+        if self._routed is not None:
+            self._routed.file([(r, range(r.length, r.length + 1)) for r in rows], 1)
         greedy = [self.greedy or r.request.greedy for r in rows]
         tokens, logprobs = draw_tokens(self._log_probs(logits), greedy=greedy, rng=self._rng)
         return [[t] for t in tokens], [[lp] for lp in logprobs]
@@ -337,6 +356,9 @@ class HFStreamGenerator:
         rows = self._rows
         lengths, inputs = [r.length for r in rows], [r.next_input for r in rows]
         logits = self._forwards.verify(lengths, inputs, drafts)  # [batch, 1 + draft, vocab]
+        if self._routed is not None:
+            fed = [range(n, n + 1 + len(d)) for n, d in zip(lengths, drafts, strict=True)]
+            self._routed.file(list(zip(rows, fed, strict=True)), 1 + max(map(len, drafts)))
         return self.speculator.accept(
             self._log_probs(logits), drafts, greedy=self.greedy, rng=self._rng
         )
@@ -395,4 +417,5 @@ class HFStreamGenerator:
             finished_s=now,
             finish_reason=reason,
             cached_tokens=row.offset,
+            routed_experts=None if self._routed is None else self._routed.finish(row),
         )

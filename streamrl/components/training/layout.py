@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+import numpy as np
 import torch
 
 from streamrl.policy.logprobs import TokenBatch
@@ -69,6 +70,9 @@ class TrainBatch:
             longest completion): not padding, and not an episode's environment tokens.
         behaviour: ``[batch, width]``, the generators' log-probs of the completion tokens.
         versions: ``[batch, width]``, the weight version of each completion token.
+        experts: a mixture of experts' recorded choices, ``[input tokens, layers, k]`` in the
+            order of the forward's flattened input (``routed_experts``), for the trainer to
+            replay; ``None`` when no sample carries them.
     """
 
     samples: list[Sample]
@@ -78,6 +82,7 @@ class TrainBatch:
     mask: torch.Tensor
     behaviour: torch.Tensor
     versions: torch.Tensor
+    experts: torch.Tensor | None = None
 
     @property
     def width(self) -> int:
@@ -165,7 +170,29 @@ def layout_batch(
         versions=per_token(
             [s.token_versions or [s.weight_version] * s.length for s in samples], 0, torch.long
         ),
+        experts=routed_experts(samples, layout, device),
     )
+
+
+def routed_experts(
+    samples: list[Sample], layout: Layout, device: torch.device
+) -> torch.Tensor | None:
+    """The samples' recorded experts laid out as their tokens are (``layout_batch``):
+    ``[input tokens, layers, k]``, ``-1`` for a token not recorded (padding; a sample without
+    them, or whose record does not cover its tokens); ``None`` when none has any."""
+    recorded = [s.routed_experts for s in samples if s.routed_experts is not None]
+    if not recorded:
+        return None
+    per_token = recorded[0].shape[1:]
+    width = max(sample_tokens(s) for s in samples) if layout == "padded" else 0
+    blocks = []
+    for s in samples:
+        tokens = max(sample_tokens(s), width)
+        block = np.full((tokens, *per_token), -1, dtype=np.int16)
+        if s.routed_experts is not None and s.routed_experts.shape[0] == sample_tokens(s):
+            block[: sample_tokens(s)] = s.routed_experts
+        blocks.append(block)
+    return torch.from_numpy(np.concatenate(blocks)).to(device)
 
 
 def _padded_rows(

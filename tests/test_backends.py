@@ -203,3 +203,44 @@ def test_gpus_on_a_machine_without_gpus_fail_in_the_check(monkeypatch):
         LocalCluster().check(1)
     _installed(monkeypatch, ray=True)
     RayCluster().check(1)  # a Ray cluster's GPUs are checked when it is joined
+
+
+def test_fp8_generation_is_passed_to_vllm_on_gpus_and_refused_off_them(monkeypatch, policy_dir):
+    """``quantization: fp8`` (vLLM's FP8 kernels): passed to every instance's engine, refused
+    in one line where an instance has no GPU, by name for another scheme or when given twice;
+    an unset ``rl.correction`` then defaults to ``seq_mask``, an explicit one is kept."""
+    from streamrl.components.generation import vllm_generator
+    from streamrl.run.config import RLConfig
+    from streamrl.run.config_checks import run_correction
+
+    _installed(monkeypatch, vllm=True)
+    fp8 = VLLMEngine(quantization="fp8")
+    fp8.check(cluster=LocalCluster(), gpus_per_instance=1)
+    with pytest.raises(ConfigError, match=r"fp8 generates on CUDA GPUs only.*rl\.gpus: 1"):
+        fp8.check(cluster=LocalCluster(), gpus_per_instance=0)
+    with pytest.raises(ConfigError, match="fp8 generates on CUDA GPUs only"):
+        VLLMEngine(options={"quantization": "fp8"}).check(
+            cluster=LocalCluster(), gpus_per_instance=0
+        )
+    with pytest.raises(ConfigError, match="'int4' is not supported; choose fp8"):
+        VLLMEngine(quantization="int4").check(cluster=LocalCluster(), gpus_per_instance=1)
+    with pytest.raises(ConfigError, match="both quantization= and options"):
+        VLLMEngine(quantization="fp8", options={"quantization": "fp8"}).check(
+            cluster=LocalCluster(), gpus_per_instance=1
+        )
+    made = {}
+    monkeypatch.setattr(
+        vllm_generator, "VLLMStreamGenerator", lambda *args, **kwargs: made.update(kwargs)
+    )
+    fp8(spec_for(policy_dir), FIFOScheduler())
+    assert made["quantization"] == "fp8"
+    made.clear()
+    VLLMEngine()(spec_for(policy_dir), FIFOScheduler())
+    assert "quantization" not in made
+    engine = {"name": "vllm", "quantization": "fp8"}
+    assert run_correction(RLConfig(engine=engine)) == "seq_mask"
+    assert run_correction(
+        RLConfig(engine={"name": "vllm", "options": {"quantization": "fp8"}})
+    ) == ("seq_mask")
+    assert run_correction(RLConfig(engine=engine, correction="icepop")) == "icepop"
+    assert run_correction(RLConfig(engine="vllm")) == run_correction(RLConfig()) == "decoupled"

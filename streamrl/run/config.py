@@ -196,7 +196,8 @@ class RLConfig:
             ``"mask"`` (tokens with a ratio outside ``[1/is_cap, is_cap]`` left out); or a
             mask of every sample's gap to its generator: ``"seq_mask"``, ``"geo_mask"``,
             ``"opsm"``, ``"icepop"``, with the peers' thresholds or your own
-            (``{name: icepop, low: 0.5, high: 5.0}``; docs/algorithms.md).
+            (``{name: icepop, low: 0.5, high: 5.0}``; docs/algorithms.md); ``null``:
+            ``decoupled``, or ``seq_mask`` when the generators quantize to FP8.
         correct_engine_gap: correct every token, fresh ones too, by ``correction``: the
             generators' log-probs come from other numerics (bfloat16, vLLM's kernels) than the
             trainer's, so PPO's ratio is taken against the trainer's own log-probs and each
@@ -301,7 +302,7 @@ class RLConfig:
     is_cap: float = 2.0
     staleness_bound: int | None = None
     partial_rollout: str = "finish"
-    correction: str | dict[str, Any] = "decoupled"
+    correction: str | dict[str, Any] | None = None
     correct_engine_gap: bool | None = None
     routing_replay: bool | None = None
     reward: str | dict[str, Any] | list[Any] | None = None

@@ -10,7 +10,9 @@ import importlib.util
 import os
 import sys
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from streamrl.components.generation.clusters import LocalCluster, make_cluster
 from streamrl.components.generation.timeouts import Timeouts
@@ -294,6 +296,18 @@ def check_rl(rl: RLConfig) -> None:
         )
 
 
+def run_correction(rl: RLConfig) -> str | dict[str, Any]:
+    """``rl.correction``, or when it is unset the default: ``seq_mask`` when the generators
+    quantize to FP8 (``rl.engine: {name: vllm, quantization: fp8}``: their log-probs are
+    further from the trainer's), ``decoupled`` otherwise."""
+    if rl.correction is not None:
+        return rl.correction
+    engine = rl.engine if isinstance(rl.engine, Mapping) else {"name": rl.engine}
+    options = engine.get("options") or {}
+    fp8 = "fp8" in (engine.get("quantization"), options.get("quantization"))
+    return "seq_mask" if fp8 else "decoupled"
+
+
 def check_asynchrony(rl: RLConfig) -> None:
     """``rl.staleness_bound``, ``rl.partial_rollout`` and ``rl.correction``: known values that
     the mode can keep."""
@@ -304,7 +318,7 @@ def check_asynchrony(rl: RLConfig) -> None:
     try:
         staleness_bound_of(rl.mode, rl.staleness_bound)
         check_partial_rollout(rl.partial_rollout)
-        check_correction(rl.correction)
+        check_correction(run_correction(rl))
     except (ValueError, ConfigError) as err:
         raise ConfigError(f"rl.{err}") from err
     if rl.partial_rollout != "finish" and rl.mode != "async":

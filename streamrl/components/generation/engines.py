@@ -142,10 +142,16 @@ class VLLMEngine:
         speculative: speculative decoding as vLLM's n-gram proposer
             (``speculative.vllm_speculative_config``: drafts from the request's own tokens, up
             to ``max_running`` requests; ``stored_samples`` must be 0); ``None``: none.
+        quantization: ``"fp8"``: generate with FP8 weights (vLLM's online quantization of the
+            bf16 policy at each load, its weight updates included), CUDA GPUs only; the
+            trainer stays in its own precision, and ``rl.correction`` left unset becomes
+            ``seq_mask`` (the wider generator/trainer gap masked per sequence). ``None``: the
+            engine's dtype.
     """
 
     options: dict[str, Any] = field(default_factory=dict)
     speculative: SpeculativeDecoding | None = None
+    quantization: str | None = None
     #: Its instances take weights through vLLM's weight-transfer protocol too (``protocol_feed``).
     speaks_weight_protocol: ClassVar[bool] = True
 
@@ -180,8 +186,32 @@ class VLLMEngine:
                 f"rl.gpus={gpus_per_instance} GPU(s): a tensor-parallel rank per GPU; set "
                 f"rl.gpus: {ranks} (or drop tensor_parallel_size: it follows rl.gpus)."
             )
+        self._check_quantization(gpus_per_instance)
         if importlib.util.find_spec("vllm") is None:
             raise ConfigError(f"VLLMEngine needs the 'vllm' package, not installed: {VLLM_INSTALL}")
+
+    def _check_quantization(self, gpus_per_instance: int) -> None:
+        """FP8 only, given once, and only where vLLM has its kernels: CUDA GPUs."""
+        if self.quantization not in (None, "fp8"):
+            raise ConfigError(
+                f"VLLMEngine quantization: {self.quantization!r} is not supported; choose fp8 "
+                "or leave it unset."
+            )
+        if self.quantization is not None and "quantization" in self.options:
+            raise ConfigError(
+                "VLLMEngine: both quantization= and options['quantization'] are given; keep "
+                "quantization= (it also picks the correction)."
+            )
+        if self.quantized and gpus_per_instance < 1:
+            raise ConfigError(
+                "VLLMEngine quantization: fp8 generates on CUDA GPUs only (vLLM's FP8 kernels; "
+                "its CPU build has none): give each instance a GPU (rl.gpus: 1), or drop it."
+            )
+
+    @property
+    def quantized(self) -> bool:
+        """Whether the instances generate with FP8 weights."""
+        return "fp8" in (self.quantization, self.options.get("quantization"))
 
     def ranks(self, gpus_per_instance: int) -> int:
         """The worker processes (tensor-parallel ranks) of each instance: what each adds to a
@@ -206,6 +236,8 @@ class VLLMEngine:
             from streamrl.components.generation.speculative import vllm_speculative_config
 
             options["speculative_config"] = vllm_speculative_config(self.speculative)
+        if self.quantization is not None:
+            options["quantization"] = self.quantization
         return VLLMStreamGenerator(
             spec.model_dir,
             **generator_settings(spec, scheduler),

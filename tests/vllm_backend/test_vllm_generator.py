@@ -382,3 +382,46 @@ def test_a_released_running_request_resumes_on_another_engine_as_if_unmoved(poli
         torch.testing.assert_close(sample.logprobs, base.logprobs, atol=1e-4, rtol=0)
         assert sample.token_versions == base.token_versions
     assert resumed.instance_id == 4 and resumed.prefill_tokens == len(resumed.prompt_ids) + 5
+
+
+def test_a_mixture_of_experts_generates_but_the_cpu_build_returns_no_experts(tmp_path):
+    """A tiny Qwen3-MoE (per-expert checkpoint, as save_pretrained writes it) generates on
+    vLLM's CPU build. Its routed experts (``enable_return_routed_experts``, for routing replay)
+    come only from vLLM's Model Runner V2, which needs Triton, absent from the CPU build: the
+    engine refuses at start, so the samples carry none and on the CPU the HF engine's recording
+    is the tested path (tests/test_routing.py)."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    tok = build_tokenizer()
+    config = Qwen3MoeConfig(
+        vocab_size=len(tok),
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        moe_intermediate_size=64,
+        num_experts=8,
+        num_experts_per_tok=2,
+        max_position_embeddings=CONTEXT,
+        tie_word_embeddings=True,
+        initializer_range=0.3,
+        pad_token_id=tok.pad_token_id,
+        eos_token_id=tok.eos_token_id,
+        bos_token_id=tok.eos_token_id,
+    )
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        moe_dir = save_policy(Qwen3MoeForCausalLM(config).eval(), tok, tmp_path / "moe")
+    generator = VLLMStreamGenerator(moe_dir, max_batch_size=4, greedy=True, **ENGINE)
+    try:
+        generator.submit([Request(f"m{i}", p, max_tokens=6) for i, p in enumerate(PROMPTS)])
+        samples = list(generator.stream())
+    finally:
+        generator.close()
+    assert len(samples) == len(PROMPTS) and all(s.length >= 1 for s in samples)
+    assert all(s.routed_experts is None for s in samples)
+    with pytest.raises(Exception, match="Model Runner V2"):
+        VLLMStreamGenerator(
+            moe_dir, max_batch_size=4, greedy=True, enable_return_routed_experts=True, **ENGINE
+        )

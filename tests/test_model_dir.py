@@ -280,3 +280,48 @@ def test_fused_experts_are_read_from_a_checkpoints_per_expert_tensors(tmp_path, 
     materialize(loaded, tmp_path, "cpu")
     saved = model.state_dict()
     assert all(torch.equal(value, saved[name]) for name, value in loaded.state_dict().items())
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_a_trained_mixture_of_experts_is_saved_as_its_checkpoints_are(tmp_path, family):
+    """The trained policy of a mixture of experts is written one tensor per expert under the
+    names ``save_pretrained`` gives them (which vLLM's loader reads too), and loads back with
+    ``from_pretrained`` and with streamrl's sharded read to the same weights."""
+    import torch
+    from safetensors import safe_open
+    from transformers import MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from streamrl.training.policy_save import save_policy_shards
+
+    shape = dict(
+        vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, intermediate_size=48, max_position_embeddings=64,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    if family == "mixtral":
+        model = MixtralForCausalLM(MixtralConfig(**shape, num_local_experts=4))
+    else:
+        config = Qwen3MoeConfig(**shape, moe_intermediate_size=24, num_experts=4, head_dim=8)
+        model = Qwen3MoeForCausalLM(config)
+
+    def names(folder):
+        with safe_open(str(next(folder.glob("*.safetensors"))), framework="pt") as f:
+            return set(f.keys())
+
+    model.save_pretrained(tmp_path / "hf")
+    save_policy_shards(model, tmp_path / "ours", dtype=torch.float32)
+    assert names(tmp_path / "ours") == names(tmp_path / "hf")
+    expected = model.state_dict()
+    for loaded in (
+        AutoModelForCausalLM.from_pretrained(tmp_path / "ours"),
+        _read(tmp_path / "ours"),
+    ):
+        assert all(torch.equal(v, expected[k]) for k, v in loaded.state_dict().items())
+
+
+def _read(path):
+    import torch
+
+    model = empty_model(path, torch.float32)
+    materialize(model, path, "cpu")
+    return model

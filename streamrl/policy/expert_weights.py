@@ -7,7 +7,9 @@ per-expert tensors that checkpoints on the Hub hold (Qwen2-/Qwen3-MoE's ``expert
 .weight``, ``up_proj``, ``down_proj``; Mixtral's ``block_sparse_moe.experts.{e}.w1``, ``w3``,
 ``w2``) inside ``from_pretrained``. streamrl reads weights shard by shard itself
 (``model_dir.read_weights``), so it maps each fused parameter to views of the rows its rank
-holds, one per expert and projection: each rank reads only its own experts' tensors, into place.
+holds, one per expert and projection: each rank reads only its own experts' tensors, into place;
+and it writes the trained policy in the checkpoints' layout (``checkpoint_tensors``), which
+transformers and vLLM both load.
 """
 
 from __future__ import annotations
@@ -107,3 +109,39 @@ def _local_rows(param: torch.Tensor) -> tuple[torch.Tensor, int]:
             f"(offset {offset}); streamrl shards experts on dim 0 only."
         )
     return param._local_tensor, int(offset[0])
+
+
+def checkpoint_layout(model_type: str) -> tuple[str, str, str] | None:
+    """The per-expert names checkpoints of ``model_type`` hold (``LAYOUTS``), as transformers
+    maps the family (Qwen3-MoE, OLMoE... to Qwen2-MoE's); ``None`` for a dense model or an
+    unknown family (its fused tensors are saved as they are)."""
+    try:  # transformers' own family table (private, so looked up defensively)
+        from transformers.conversion_mapping import _MODEL_TO_CONVERSION_PATTERN as families
+    except ImportError:
+        families = {}
+    return LAYOUTS.get(families.get(model_type, model_type))
+
+
+def checkpoint_tensors(
+    name: str, shape: tuple[int, ...], layout: tuple[str, str, str] | None
+) -> list[tuple[str, tuple[int, ...], tuple[int, slice] | None]]:
+    """What a checkpoint holds of the model's tensor ``name``: ``(name, shape, part)``, where
+    ``part`` is ``(expert, rows)`` of a fused expert parameter, ``None`` for the whole tensor
+    (under Mixtral's block name where the family has one)."""
+    if layout is None:
+        return [(name, shape, None)]
+    prefix, q = _prefixes(name)
+    if not is_fused_expert(name):
+        mixtral = layout is LAYOUTS["mixtral"] and ".mlp." in name
+        return [(name.replace(".mlp.", ".block_sparse_moe.") if mixtral else name, shape, None)]
+    gate, up, down = layout
+    experts, rows, cols = shape
+    out: list[tuple[str, tuple[int, ...], tuple[int, slice] | None]] = []
+    for e in range(experts):
+        if name.endswith(GATE_UP):
+            half = rows // 2
+            out.append((gate.format(p=prefix, q=q, e=e), (half, cols), (e, slice(0, half))))
+            out.append((up.format(p=prefix, q=q, e=e), (half, cols), (e, slice(half, rows))))
+        else:
+            out.append((down.format(p=prefix, q=q, e=e), (rows, cols), (e, slice(0, rows))))
+    return out

@@ -36,6 +36,7 @@ from torch.distributed.tensor import DTensor
 
 from streamrl.components.weights.staging import gather_rows, row_sharded
 from streamrl.errors import ConfigError
+from streamrl.policy.expert_weights import checkpoint_layout, checkpoint_tensors
 from streamrl.policy.logprobs import causal_lm
 from streamrl.policy.lora import is_adapter
 from streamrl.policy.model_dir import directory_dtype, source_dir
@@ -87,16 +88,20 @@ def save_policy_shards(
     me = dist.get_rank() if dist.is_initialized() else 0
     lm = causal_lm(model)
     saved = list(_saved_tensors(lm))
+    # A mixture of experts' fused tensors are written one per expert, as checkpoints hold them.
+    layout = checkpoint_layout(str(getattr(lm.config, "model_type", "")))
+    pieces = [checkpoint_tensors(s.name, tuple(s.weight.shape), layout) for s in saved]
     files = None
     path = Path(path)
     partial = path.with_name(f".{path.name}.partial")
     if me == root:
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
-        files = _SafetensorsFiles(partial, [(s.name, tuple(s.weight.shape)) for s in saved], dtype)
+        specs = [(name, shape) for parts in pieces for name, shape, _ in parts]
+        files = _SafetensorsFiles(partial, specs, dtype)
         files.plan(max_file_bytes)
     with torch.no_grad():
-        for tensor in saved:
+        for tensor, parts in zip(saved, pieces, strict=True):
             weight = _to_root(tensor.weight, dtype, me, root)
             merged = [
                 (_to_root(a, a.dtype, me, root), _to_root(b, b.dtype, me, root), scale)
@@ -108,7 +113,8 @@ def save_policy_shards(
                     for a, b, scale in merged:
                         full += scale * (b.float() @ a.float())
                     weight = full.to(dtype)
-                files.write(tensor.name, weight)
+                for name, _, part in parts:
+                    files.write(name, weight if part is None else weight[part[0], part[1]])
             del weight, merged
     if files is None:
         return None

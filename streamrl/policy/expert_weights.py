@@ -145,3 +145,19 @@ def checkpoint_tensors(
         else:
             out.append((down.format(p=prefix, q=q, e=e), (rows, cols), (e, slice(0, rows))))
     return out
+
+
+def as_checkpoint(
+    named: list[tuple[str, torch.Tensor]], model_type: str
+) -> list[tuple[str, torch.Tensor]]:
+    """``(name, tensor)`` pairs of the trainer's (fused experts) as a checkpoint of
+    ``model_type`` names them, each expert's part a view of the fused tensor (no copy): what
+    an engine's checkpoint loader (vLLM's ``load_weights``) takes."""
+    layout = checkpoint_layout(model_type)
+    if layout is None:
+        return named
+    return [
+        (piece, tensor if part is None else tensor[part[0], part[1]])
+        for name, tensor in named
+        for piece, _, part in checkpoint_tensors(name, tuple(tensor.shape), layout)
+    ]

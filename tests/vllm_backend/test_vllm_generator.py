@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import os
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -384,12 +385,8 @@ def test_a_released_running_request_resumes_on_another_engine_as_if_unmoved(poli
     assert resumed.instance_id == 4 and resumed.prefill_tokens == len(resumed.prompt_ids) + 5
 
 
-def test_a_mixture_of_experts_generates_but_the_cpu_build_returns_no_experts(tmp_path):
-    """A tiny Qwen3-MoE (per-expert checkpoint, as save_pretrained writes it) generates on
-    vLLM's CPU build. Its routed experts (``enable_return_routed_experts``, for routing replay)
-    come only from vLLM's Model Runner V2, which needs Triton, absent from the CPU build: the
-    engine refuses at start, so the samples carry none and on the CPU the HF engine's recording
-    is the tested path (tests/test_routing.py)."""
+def _moe_policy(seed: int):
+    """A tiny Qwen3-MoE that vLLM's CPU attention accepts (head size 32)."""
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     tok = build_tokenizer()
@@ -411,11 +408,26 @@ def test_a_mixture_of_experts_generates_but_the_cpu_build_returns_no_experts(tmp
         bos_token_id=tok.eos_token_id,
     )
     with torch.random.fork_rng():
-        torch.manual_seed(0)
-        moe_dir = save_policy(Qwen3MoeForCausalLM(config).eval(), tok, tmp_path / "moe")
+        torch.manual_seed(seed)
+        return Qwen3MoeForCausalLM(config).eval()
+
+
+def _moe_decode(generator, requests: list[Request]) -> dict[str, list[int]]:
+    generator.submit([replace(r) for r in requests])
+    return {s.prompt_id: s.token_ids for s in generator.stream()}
+
+
+def test_a_mixture_of_experts_generates_but_the_cpu_build_returns_no_experts(tmp_path):
+    """A tiny Qwen3-MoE (per-expert checkpoint, as save_pretrained writes it) generates on
+    vLLM's CPU build. Its routed experts (``enable_return_routed_experts``, for routing replay)
+    come only from vLLM's Model Runner V2, which needs Triton, absent from the CPU build: the
+    engine refuses at start, so the samples carry none and on the CPU the HF engine's recording
+    is the tested path (tests/test_routing.py)."""
+    moe_dir = save_policy(_moe_policy(seed=0), build_tokenizer(), tmp_path / "moe")
+    requests = [Request(f"m{i}", p, max_tokens=6) for i, p in enumerate(PROMPTS)]
     generator = VLLMStreamGenerator(moe_dir, max_batch_size=4, greedy=True, **ENGINE)
     try:
-        generator.submit([Request(f"m{i}", p, max_tokens=6) for i, p in enumerate(PROMPTS)])
+        generator.submit(requests)
         samples = list(generator.stream())
     finally:
         generator.close()
@@ -425,3 +437,23 @@ def test_a_mixture_of_experts_generates_but_the_cpu_build_returns_no_experts(tmp
         VLLMStreamGenerator(
             moe_dir, max_batch_size=4, greedy=True, enable_return_routed_experts=True, **ENGINE
         )
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="vLLM 0.32's CPU build: reloading a mixture of experts' own weights in place "
+    "(layerwise reload, experts laid out per expert for its loader) changes its greedy outputs; "
+    "MoE weight updates on vLLM are not claimed until this passes (docs/moe.md)",
+)
+def test_a_mixture_of_experts_reloaded_in_place_decodes_as_before(tmp_path):
+    policy = _moe_policy(seed=0)
+    moe_dir = save_policy(policy, build_tokenizer(), tmp_path / "moe")
+    requests = [Request(f"m{i}", p, max_tokens=6) for i, p in enumerate(PROMPTS)]
+    generator = VLLMStreamGenerator(moe_dir, max_batch_size=4, greedy=True, **ENGINE)
+    try:
+        before = _moe_decode(generator, requests)
+        generator.load_weights(dict(policy.named_parameters()), version=1)
+        after = _moe_decode(generator, requests)
+    finally:
+        generator.close()
+    assert after == before

@@ -23,6 +23,7 @@ from streamrl.components.weights.vllm_protocol import (
     register_backends,
     reprocess_lm_heads,
 )
+from streamrl.policy.expert_weights import as_checkpoint
 
 # vLLM resolves this module in every worker process before it loads the model, so the weight
 # transfer backend of ours is known wherever vLLM builds its engine.
@@ -39,10 +40,12 @@ class StagingLoader:
         """Map the staging's files: ``buckets`` is ``[(path, dtype name, numel)]``, ``tensors``
         ``[(name, bucket, offset, shape)]`` in load order. Returns the bytes mapped."""
         flat = [map_file(path, numel, getattr(torch, dtype)) for path, dtype, numel in buckets]
-        self._streamrl_views = [
+        views = [
             (name, flat[b][offset : offset + _numel(shape)].view(tuple(shape)))
             for name, b, offset, shape in tensors
         ]
+        # A mixture of experts' fused tensors, as the checkpoints vLLM's loader reads.
+        self._streamrl_views = as_checkpoint(views, self.model_config.hf_config.model_type)
         return sum(t.numel() * t.element_size() for t in flat)
 
     def streamrl_load(self) -> None:

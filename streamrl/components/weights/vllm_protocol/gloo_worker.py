@@ -130,7 +130,9 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
             ]
             if update_info.digests:
                 self.loaded_digests.update((n, tensor_digest(t)) for n, t in named)
-            self.model.load_weights(named)
+            # A mixture of experts' fused tensors, as the checkpoints the loader reads.
+            model_type = self.model_config.hf_config.model_type
+            self.model.load_weights(as_checkpoint(named, model_type))
 
     def finish_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload

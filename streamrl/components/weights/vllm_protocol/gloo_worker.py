@@ -18,6 +18,7 @@ from vllm.distributed.weight_transfer.base import (
 from streamrl.components.weights.checksums import tensor_digest
 from streamrl.components.weights.nccl import DEFAULT_BUCKET_BYTES, TensorSpec, plan_buckets
 from streamrl.components.weights.transport import DEFAULT_TIMEOUT_S, WeightGroup
+from streamrl.policy.expert_weights import as_checkpoint
 
 __all__ = [
     "GLOO_BACKEND",

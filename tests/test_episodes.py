@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 from collections import Counter
 
@@ -223,9 +224,23 @@ def test_hung_steps_turn_limits_and_full_contexts_end_episodes_with_a_flag(polic
         assert ep.finish_reason == "context" and len(ep.prompt_ids) + ep.length <= 48
 
 
+def _kill_one_holding_requests(sgs, killed: list[int], within_s: float = 30.0) -> None:
+    """SIGKILL the first instance seen holding requests (not between two turns, when its
+    episodes wait on their environments and it holds none), once."""
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline and not killed:
+        for handle in list(sgs.pool.handles):
+            if handle.state == "active" and len(handle.open) > 0 and handle.proc.is_alive():
+                os.kill(handle.proc.pid, signal.SIGKILL)
+                killed.append(handle.instance_id)
+                return
+        time.sleep(0.005)
+
+
 def test_a_killed_instance_loses_no_episode(policy_dir):
     _, tok = load_policy(policy_dir)
-    # One short episode; when it ends, the long ones are mid-way on both instances.
+    # One short episode; when it ends, the long ones are mid-way, their turns on both
+    # instances or in their environments: the instance is killed while it holds some.
     rows = [{"prompt_id": f"q{i}", "prompt": f"game {i}", "turns": 6} for i in range(4)]
     rows[0]["turns"] = 1
     with service(policy_dir, 2, heartbeat_timeout_s=5) as sgs:
@@ -233,8 +248,12 @@ def test_a_killed_instance_loses_no_episode(policy_dir):
         firsts = [runner.start(row, i) for row in rows for i in range(2)]
         runner.submit(firsts)
         got = [runner.next_sample()]
-        os.kill(sgs.instances()[0].pid, signal.SIGKILL)
+        killed: list[int] = []
+        killer = threading.Thread(target=_kill_one_holding_requests, args=(sgs, killed))
+        killer.start()
         got += [runner.next_sample() for _ in firsts[1:]]
+        killer.join(timeout=30)
+    assert len(killed) == 1
     assert sorted(e.key for e in got) == sorted(r.key for r in firsts)
     assert all(e.finish_reason == "done" for e in got)
     assert sorted(e.turns for e in got) == [1, 1] + [6] * 6

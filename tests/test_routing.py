@@ -318,14 +318,20 @@ def test_the_trainer_trains_on_the_bf16_generators_experts_token_by_token(layout
 
 def test_a_tiny_moe_policy_trains_through_fit_with_2_ranks_and_a_bf16_generator(fit_small):
     """The built-in tiny mixture of experts, warm-started, through ``streamrl fit``: 2
-    generators in bfloat16, 2 FSDP ranks in bf16-mixed, routing replay on by default; the
-    summary and the metrics carry the routing mismatch and the log-prob gap."""
-    summary = fit_small(
+    generators in bfloat16, 2 FSDP ranks in bf16-mixed, routing replay on by default, stopped
+    after 2 iterations and resumed to 3; the summary carries the routing mismatch and the
+    log-prob gap."""
+    run = dict(
         model_size="moe-test",
         generators=2,
         engine={"name": "hf", "dtype": "bfloat16"},
         trainer={"devices": 2, "precision": "bf16-mixed"},
+        checkpoint_every=1,
     )
+    fit_small(**run)
+    # Resumed from its checkpoint to a third iteration: the sharded experts come back.
+    summary = fit_small(**{**run, "iterations": 3}, args=("--resume", "auto"))
+    assert summary["iterations"] == 3
     assert summary["routing_replay"] is True
     assert 0.0 <= summary["routing_mismatch_frac"] < 0.5
     assert 0.0 < summary["logprob_gap_mean"] < 1.0

@@ -249,37 +249,47 @@ def _numel(lengths: tuple[int, ...]) -> int:
     return total
 
 
+def _tiny_moe(family: str) -> torch.nn.Module:
+    """A 2-layer, 4-expert mixture of experts of ``family`` (``qwen3_moe`` or ``mixtral``)."""
+    from transformers import MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    shape = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4)
+    shape.update(num_key_value_heads=2, intermediate_size=48, max_position_embeddings=64)
+    torch.manual_seed(0)
+    if family == "mixtral":
+        return MixtralForCausalLM(MixtralConfig(**shape, num_local_experts=4))
+    config = Qwen3MoeConfig(**shape, moe_intermediate_size=24, num_experts=4, head_dim=8)
+    return Qwen3MoeForCausalLM(config)
+
+
+def _saved_names(folder: Path) -> set[str]:
+    from safetensors import safe_open
+
+    with safe_open(str(next(folder.glob("*.safetensors"))), framework="pt") as f:
+        return set(f.keys())
+
+
+def _read(path: Path) -> torch.nn.Module:
+    model = empty_model(path, torch.float32)
+    materialize(model, path, "cpu")
+    return model
+
+
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
 def test_fused_experts_are_read_from_a_checkpoints_per_expert_tensors(tmp_path, family):
     """transformers 5 fuses a sparse block's experts (``experts.gate_up_proj``, ``down_proj``)
     and saves them one tensor per expert (Qwen-MoE's ``experts.{e}.gate_proj``, Mixtral's
     ``block_sparse_moe.experts.{e}.w1``): the meta-device model read from such a directory
     holds every weight of the saved one, exactly."""
-    import torch
-    from safetensors import safe_open
-    from transformers import MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
-
-    from streamrl.policy.model_dir import empty_model, materialize
-
-    shape = dict(
-        vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, intermediate_size=48, max_position_embeddings=64,
-    )  # fmt: skip
-    if family == "mixtral":
-        model = MixtralForCausalLM(MixtralConfig(**shape, num_local_experts=4))
-        per_expert = "model.layers.0.block_sparse_moe.experts.3.w1.weight"
-    else:
-        config = Qwen3MoeConfig(**shape, moe_intermediate_size=24, num_experts=4, head_dim=8)
-        model = Qwen3MoeForCausalLM(config)
-        per_expert = "model.layers.0.mlp.experts.3.gate_proj.weight"
+    model = _tiny_moe(family)
     model.save_pretrained(tmp_path)
-    with safe_open(str(next(tmp_path.glob("*.safetensors"))), framework="pt") as f:
-        names = set(f.keys())
-    assert per_expert in names  # the checkpoint holds them one by one
-    loaded = empty_model(tmp_path, torch.float32)
-    materialize(loaded, tmp_path, "cpu")
+    per_expert = {
+        "mixtral": "model.layers.0.block_sparse_moe.experts.3.w1.weight",
+        "qwen3_moe": "model.layers.0.mlp.experts.3.gate_proj.weight",
+    }[family]
+    assert per_expert in _saved_names(tmp_path)  # the checkpoint holds them one by one
     saved = model.state_dict()
-    assert all(torch.equal(value, saved[name]) for name, value in loaded.state_dict().items())
+    assert all(torch.equal(v, saved[k]) for k, v in _read(tmp_path).state_dict().items())
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
@@ -287,41 +297,15 @@ def test_a_trained_mixture_of_experts_is_saved_as_its_checkpoints_are(tmp_path, 
     """The trained policy of a mixture of experts is written one tensor per expert under the
     names ``save_pretrained`` gives them (which vLLM's loader reads too), and loads back with
     ``from_pretrained`` and with streamrl's sharded read to the same weights."""
-    import torch
-    from safetensors import safe_open
-    from transformers import MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
-
     from streamrl.training.policy_save import save_policy_shards
 
-    shape = dict(
-        vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, intermediate_size=48, max_position_embeddings=64,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    if family == "mixtral":
-        model = MixtralForCausalLM(MixtralConfig(**shape, num_local_experts=4))
-    else:
-        config = Qwen3MoeConfig(**shape, moe_intermediate_size=24, num_experts=4, head_dim=8)
-        model = Qwen3MoeForCausalLM(config)
-
-    def names(folder):
-        with safe_open(str(next(folder.glob("*.safetensors"))), framework="pt") as f:
-            return set(f.keys())
-
+    model = _tiny_moe(family)
     model.save_pretrained(tmp_path / "hf")
     save_policy_shards(model, tmp_path / "ours", dtype=torch.float32)
-    assert names(tmp_path / "ours") == names(tmp_path / "hf")
+    assert _saved_names(tmp_path / "ours") == _saved_names(tmp_path / "hf")
     expected = model.state_dict()
     for loaded in (
         AutoModelForCausalLM.from_pretrained(tmp_path / "ours"),
         _read(tmp_path / "ours"),
     ):
         assert all(torch.equal(v, expected[k]) for k, v in loaded.state_dict().items())
-
-
-def _read(path):
-    import torch
-
-    model = empty_model(path, torch.float32)
-    materialize(model, path, "cpu")
-    return model

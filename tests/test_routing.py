@@ -301,10 +301,8 @@ def test_the_trainer_trains_on_the_bf16_generators_experts_token_by_token(layout
     recorded = expected[:, 0, 0] >= 0
     mismatches = {}
     for replay in (True, False):
-        module = StreamRLModule(
-            policy, GRPO(group_size=2), None, 1, temperature=1.0, layout=layout,
-            routing_replay=replay,
-        )  # fmt: skip
+        options = dict(temperature=1.0, layout=layout, routing_replay=replay)
+        module = StreamRLModule(policy, GRPO(group_size=2), None, 1, **options)
         with RoutingRecorder(policy) as seen:
             module.loss_inputs(MicroBatch(samples, [1.0] * len(samples)))
             used = seen.take()

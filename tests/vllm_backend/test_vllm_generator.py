@@ -38,17 +38,16 @@ EOS = build_tokenizer().eos_token_id
 ENGINE = dict(max_model_len=CONTEXT, enforce_eager=True, kv_cache_memory_bytes=16 << 20)
 
 
-def _policy(seed: int) -> Qwen2ForCausalLM:
-    """A tiny Qwen2 that vLLM's CPU attention accepts: head size 32 (the "test" size has 16).
-    A wide initialisation gives peaked, varied greedy outputs instead of one repeated token."""
+def _shape() -> dict:
+    """What vLLM's CPU attention accepts: head size 32 (the "test" size has 16); a wide
+    initialisation gives peaked, varied greedy outputs instead of one repeated token."""
     tok = build_tokenizer()
-    config = Qwen2Config(
+    return dict(
         vocab_size=len(tok),
         hidden_size=64,
         num_hidden_layers=2,
         num_attention_heads=2,
         num_key_value_heads=1,
-        intermediate_size=128,
         max_position_embeddings=CONTEXT,
         tie_word_embeddings=True,
         initializer_range=0.3,
@@ -56,9 +55,18 @@ def _policy(seed: int) -> Qwen2ForCausalLM:
         eos_token_id=tok.eos_token_id,
         bos_token_id=tok.eos_token_id,
     )
+
+
+def _seeded(build, seed: int):
     with torch.random.fork_rng():
         torch.manual_seed(seed)
-        return Qwen2ForCausalLM(config).eval()
+        return build().eval()
+
+
+def _policy(seed: int) -> Qwen2ForCausalLM:
+    """A tiny Qwen2 (``_shape``)."""
+    config = Qwen2Config(**_shape(), intermediate_size=128)
+    return _seeded(lambda: Qwen2ForCausalLM(config), seed)
 
 
 @pytest.fixture(scope="module")
@@ -386,30 +394,13 @@ def test_a_released_running_request_resumes_on_another_engine_as_if_unmoved(poli
 
 
 def _moe_policy(seed: int):
-    """A tiny Qwen3-MoE that vLLM's CPU attention accepts (head size 32)."""
+    """A tiny Qwen3-MoE (``_shape``: 8 experts, top-2)."""
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    tok = build_tokenizer()
     config = Qwen3MoeConfig(
-        vocab_size=len(tok),
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=32,
-        moe_intermediate_size=64,
-        num_experts=8,
-        num_experts_per_tok=2,
-        max_position_embeddings=CONTEXT,
-        tie_word_embeddings=True,
-        initializer_range=0.3,
-        pad_token_id=tok.pad_token_id,
-        eos_token_id=tok.eos_token_id,
-        bos_token_id=tok.eos_token_id,
+        **_shape(), head_dim=32, moe_intermediate_size=64, num_experts=8, num_experts_per_tok=2
     )
-    with torch.random.fork_rng():
-        torch.manual_seed(seed)
-        return Qwen3MoeForCausalLM(config).eval()
+    return _seeded(lambda: Qwen3MoeForCausalLM(config), seed)
 
 
 def _moe_decode(generator, requests: list[Request]) -> dict[str, list[int]]:

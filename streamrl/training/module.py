@@ -168,14 +168,15 @@ class StreamRLModule(L.LightningModule):
         self.weight_version, self.temperature, self.mode = 0, temperature, mode
         self.staleness_bound = bound
         self.correction, self.correction_thresholds = parse_correction(correction)
-        self.routing_replay = is_moe(policy) if routing_replay is None else routing_replay
-        if self.routing_replay and not is_moe(policy):
+        moe = is_moe(policy)
+        self.routing_replay = moe if routing_replay is None else routing_replay
+        if self.routing_replay and not moe:
             raise ValueError(
                 f"routing_replay=True, but {type(policy).__name__} routes no token to experts "
                 "(not a mixture of experts); leave it unset."
             )
         #: Replays (or, off, measures) the generators' expert choices; ``None`` if dense.
-        self.routing = RoutingReplay(policy, check=self.routing_replay) if is_moe(policy) else None
+        self.routing = RoutingReplay(policy, check=self.routing_replay) if moe else None
         self.correct_engine_gap = correct_engine_gap
         self.pipeline = pipeline or DynamicBatchPipeline(
             staleness_bound=bound, packed=layout == "packed"

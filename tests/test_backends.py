@@ -190,10 +190,10 @@ def test_vllm_engine_refuses_options_that_weight_updates_would_break(monkeypatch
         VLLMEngine(options=dict(enable_lora=True)).check(
             cluster=LocalCluster(), gpus_per_instance=0
         )
-    with pytest.raises(ConfigError, match="enable_prefix_caching is not supported"):
-        VLLMEngine(options=dict(enable_prefix_caching=True)).check(
-            cluster=LocalCluster(), gpus_per_instance=0
-        )
+    # Prefix caching is salted per weight version (tests/vllm_backend: no stale prompt reused).
+    VLLMEngine(options=dict(enable_prefix_caching=True)).check(
+        cluster=LocalCluster(), gpus_per_instance=0
+    )
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a GPU-less machine")
@@ -244,3 +244,76 @@ def test_fp8_generation_is_passed_to_vllm_on_gpus_and_refused_off_them(monkeypat
     ) == ("seq_mask")
     assert run_correction(RLConfig(engine=engine, correction="icepop")) == "icepop"
     assert run_correction(RLConfig(engine="vllm")) == run_correction(RLConfig()) == "decoupled"
+
+
+def test_routed_experts_from_vllm_on_gpus_are_what_samples_carry(monkeypatch, policy_dir):
+    """vLLM's ``routed_experts`` (a GPU path: Model Runner V2), contract-tested with a faked
+    engine output: on by default for a mixture of experts on CUDA, refused in one line off
+    GPUs; a finished request's rows ``[prompt + generated - 1, layers, k]`` become the
+    sample's ``int16`` experts, the last token unrecorded; a run with vLLM generators on the
+    CPU measures the mismatch without replaying."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from streamrl.components.generation import vllm_generator
+    from streamrl.components.generation.routed_experts import from_engine
+    from streamrl.components.generation.vllm_generator import VLLMStreamGenerator, _Admitted
+    from streamrl.policy.routing import NOT_RECORDED
+    from streamrl.run.config import RLConfig
+    from streamrl.run.config_checks import run_routing_replay
+
+    _installed(monkeypatch, vllm=True)
+    VLLMEngine(routed_experts=True).check(cluster=LocalCluster(), gpus_per_instance=1)
+    with pytest.raises(ConfigError, match=r"routed_experts: vLLM returns them on GPUs only"):
+        VLLMEngine(routed_experts=True).check(cluster=LocalCluster(), gpus_per_instance=0)
+    made = {}
+    monkeypatch.setattr(
+        vllm_generator, "VLLMStreamGenerator", lambda *args, **kwargs: made.update(kwargs)
+    )
+    VLLMEngine(routed_experts=False)(spec_for(policy_dir), FIFOScheduler())
+    assert made["routed_experts"] is False
+    # Whether an engine asks vLLM for them: (asked, a mixture of experts, device).
+    decide = vllm_generator._routed_experts
+    assert decide(None, True, "cuda") and decide(True, True, "cuda")
+    assert not decide(None, True, "cpu") and not decide(None, False, "cuda")
+    assert not decide(False, True, "cuda")
+    for device, moe, why in [("cpu", True, "CPU build"), ("cuda", False, "dense model")]:
+        with pytest.raises(ConfigError, match=f"routed experts only of a mixture.*{why}"):
+            decide(True, moe, device)
+    monkeypatch.setattr(vllm_generator, "_GIVEN_MODEL_RUNNER", "0")
+    assert not decide(None, True, "cuda")
+    with pytest.raises(ConfigError, match="VLLM_USE_V2_MODEL_RUNNER=0"):
+        decide(True, True, "cuda")
+
+    # A finished request as vLLM 0.32 returns it: 3 prompt + 4 generated tokens, 2 layers, k=2.
+    request = Request("p0", [5, 6, 7], max_tokens=4)
+    engine_rows = np.arange(6 * 2 * 2, dtype=np.int32).reshape(6, 2, 2) % 8
+    completion = SimpleNamespace(
+        finish_reason="length", stop_reason=None, routed_experts=engine_rows
+    )
+    generator = object.__new__(VLLMStreamGenerator)
+    row = _Admitted(request, 0.0, 0.0, weight_version=0)
+    row.token_ids, row.logprobs, row.versions = [1, 2, 3, 4], [-0.5] * 4, [0] * 4
+    generator.instance_id, generator.routed_experts = 0, True
+    generator._running = {"0-0": row}
+    sample = generator._to_sample(SimpleNamespace(request_id="0-0", outputs=[completion]), 1.0)
+    assert sample.routed_experts.dtype == np.int16 and sample.routed_experts.shape == (7, 2, 2)
+    np.testing.assert_array_equal(sample.routed_experts[:6], engine_rows)
+    assert (sample.routed_experts[6] == NOT_RECORDED).all()
+    generator.routed_experts, generator._running = False, {"0-0": row}
+    assert (
+        generator._to_sample(
+            SimpleNamespace(request_id="0-0", outputs=[completion]), 1.0
+        ).routed_experts
+        is None
+    )
+    with pytest.raises(ValueError, match="expected \\[at most that many tokens"):
+        from_engine(np.zeros((8, 2, 2), dtype=np.int32), 7)
+
+    # A run: vLLM generators without GPUs return none, so replay is off unless asked (refused).
+    assert run_routing_replay(RLConfig(engine="vllm")) is False
+    assert run_routing_replay(RLConfig(engine="vllm", gpus=1)) is None
+    assert run_routing_replay(RLConfig(engine="hf")) is None
+    with pytest.raises(ConfigError, match="vLLM's CPU build returns no routed experts"):
+        run_routing_replay(RLConfig(engine={"name": "vllm"}, routing_replay=True))

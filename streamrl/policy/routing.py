@@ -42,6 +42,16 @@ def is_moe(model: nn.Module) -> bool:
     return bool(moe_routers(model))
 
 
+#: Config fields that count a mixture of experts' routed experts, by family (Qwen-MoE and
+#: OLMoE, Mixtral, DeepSeek and GLM).
+EXPERT_COUNTS = ("num_experts", "num_local_experts", "n_routed_experts")
+
+
+def is_moe_config(config: object) -> bool:
+    """Whether a Hugging Face ``config`` describes a mixture of experts (without building it)."""
+    return any(getattr(config, name, None) for name in EXPERT_COUNTS)
+
+
 def check_replayable(model: nn.Module) -> None:
     """A ``ValueError`` naming the router when a replay could not recompute its gate weights
     (a gate that is not a softmax over the logits, as DeepSeek-V3's biased sigmoid)."""

@@ -302,10 +302,33 @@ def run_correction(rl: RLConfig) -> str | dict[str, Any]:
     further from the trainer's), ``decoupled`` otherwise."""
     if rl.correction is not None:
         return rl.correction
-    engine = rl.engine if isinstance(rl.engine, Mapping) else {"name": rl.engine}
+    engine = _engine_settings(rl)
     options = engine.get("options") or {}
     fp8 = "fp8" in (engine.get("quantization"), options.get("quantization"))
     return "seq_mask" if fp8 else "decoupled"
+
+
+def run_routing_replay(rl: RLConfig) -> bool | None:
+    """``rl.routing_replay``, or when it is unset: ``None`` (on for a mixture of experts),
+    except ``False`` for vLLM generators without GPUs, whose CPU build returns no routed
+    experts (the mismatch is still measured, against the trainer's own routing).
+
+    Raises:
+        ConfigError: replay asked of vLLM generators without GPUs.
+    """
+    on_vllm_cpu = _engine_settings(rl).get("name") == "vllm" and rl.gpus == 0
+    if rl.routing_replay and on_vllm_cpu:
+        raise ConfigError(
+            "rl.routing_replay: true, but vLLM's CPU build returns no routed experts (Model "
+            "Runner V2 needs a GPU): give the generators GPUs (rl.gpus: 1), generate with "
+            "rl.engine: hf, or set rl.routing_replay: false."
+        )
+    return False if on_vllm_cpu and rl.routing_replay is None else rl.routing_replay
+
+
+def _engine_settings(rl: RLConfig) -> Mapping[str, Any]:
+    """``rl.engine`` as a mapping with its ``name``."""
+    return rl.engine if isinstance(rl.engine, Mapping) else {"name": rl.engine}
 
 
 def check_asynchrony(rl: RLConfig) -> None:
@@ -321,6 +344,7 @@ def check_asynchrony(rl: RLConfig) -> None:
         check_correction(run_correction(rl))
     except (ValueError, ConfigError) as err:
         raise ConfigError(f"rl.{err}") from err
+    run_routing_replay(rl)
     if rl.partial_rollout != "finish" and rl.mode != "async":
         raise ConfigError(
             f"rl.partial_rollout: {rl.partial_rollout} needs rl.mode: async (in {rl.mode} mode "

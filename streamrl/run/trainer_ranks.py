@@ -49,7 +49,7 @@ from streamrl.policy.lora import LoRASpec, apply_lora
 from streamrl.policy.model_dir import directory_bytes, empty_model
 from streamrl.policy.varlen_attention import attention_for
 from streamrl.run.config import RLConfig, RunConfig, TrainerConfig
-from streamrl.run.config_checks import placement_of, run_correction
+from streamrl.run.config_checks import placement_of, run_correction, run_routing_replay
 from streamrl.run.parts import lora_spec
 from streamrl.runtime.devices import Placement
 from streamrl.runtime.peak_memory import RELEASE_FROM_MODEL_BYTES, release_freed_memory
@@ -189,7 +189,7 @@ class RankSetup:
             staleness_bound=rl.staleness_bound,
             correction=run_correction(rl),
             correct_engine_gap=rl.correct_engine_gap,
-            routing_replay=rl.routing_replay,
+            routing_replay=run_routing_replay(rl),
             activation_checkpointing=(
                 trainer.activation_checkpointing
                 if trainer.activation_checkpointing is not None

@@ -292,8 +292,6 @@ def test_invalid_input_raises_and_queues_nothing(gen, policy_dir, tmp_path):
         VLLMStreamGenerator(tmp_path / "nowhere")
     with pytest.raises(ConfigError, match="device"):
         VLLMStreamGenerator(policy_dir, device="cuda")
-    with pytest.raises(ConfigError, match="prefix"):
-        VLLMStreamGenerator(policy_dir, enable_prefix_caching=True)
     with pytest.raises(ConfigError, match="tensor_parallel_size=512 on the CPU needs a core"):
         VLLMStreamGenerator(policy_dir, tensor_parallel_size=512, **ENGINE)
 
@@ -357,6 +355,38 @@ def test_sampled_logprobs_are_under_the_temperature(policy_dir):
         torch.testing.assert_close(torch.tensor(s.logprobs), expected, atol=1e-4, rtol=0)
 
 
+def test_a_cached_prompt_is_never_reused_across_a_weight_update(policy_dir):
+    """Prefix caching on: each request is salted with its weight version, so after
+    ``load_weights`` a prompt cached under the old weights (two full KV blocks of 32, the
+    smallest the CPU build takes, where vLLM reuses 64 tokens unsalted) is computed again: the
+    decode is the HF reference's under the new weights, and back under the old."""
+    prompt = [5 + i % 20 for i in range(70)]
+    requests = [Request(f"c{i}", prompt, max_tokens=6, forced_length=6) for i in range(2)]
+    gen = VLLMStreamGenerator(
+        policy_dir,
+        max_batch_size=4,
+        greedy=True,
+        enable_prefix_caching=True,
+        **{**ENGINE, "block_size": 32},
+    )
+    try:
+        decodes = []
+        for version, model in enumerate([_policy(seed=0), _policy(seed=1), _policy(seed=0)]):
+            if version:
+                weights = {n: p.detach() for n, p in model.named_parameters()}
+                gen.load_weights(weights, version=version)
+            gen.submit([replace(r, prompt_id=f"{r.prompt_id}v{version}") for r in requests])
+            samples = list(gen.stream())
+            tokens, logprobs, _ = _hf_greedy(model, requests[0])
+            for s in samples:
+                assert s.token_ids == tokens
+                torch.testing.assert_close(s.logprobs, logprobs, atol=1e-4, rtol=0)
+            decodes.append(tokens)
+        assert decodes[1] != decodes[0] == decodes[2]
+    finally:
+        gen.close()
+
+
 def _original_weights() -> dict[str, torch.Tensor]:
     """The weights in ``policy_dir`` under the trainer's names."""
     return {n: p.detach() for n, p in _policy(seed=0).named_parameters()}
@@ -411,9 +441,10 @@ def _moe_decode(generator, requests: list[Request]) -> dict[str, list[int]]:
 def test_a_mixture_of_experts_generates_but_the_cpu_build_returns_no_experts(tmp_path):
     """A tiny Qwen3-MoE (per-expert checkpoint, as save_pretrained writes it) generates on
     vLLM's CPU build. Its routed experts (``enable_return_routed_experts``, for routing replay)
-    come only from vLLM's Model Runner V2, which needs Triton, absent from the CPU build: the
-    engine refuses at start, so the samples carry none and on the CPU the HF engine's recording
-    is the tested path (tests/test_routing.py)."""
+    come only from vLLM's Model Runner V2, which needs Triton, absent from the CPU build: asked
+    for, the generator refuses before the engine starts (vLLM itself would at start), so the
+    samples carry none and on the CPU the HF engine's recording is the tested path
+    (tests/test_routing.py); vLLM's own rows are contract-tested in tests/test_backends.py."""
     moe_dir = save_policy(_moe_policy(seed=0), build_tokenizer(), tmp_path / "moe")
     requests = [Request(f"m{i}", p, max_tokens=6) for i, p in enumerate(PROMPTS)]
     generator = VLLMStreamGenerator(moe_dir, max_batch_size=4, greedy=True, **ENGINE)
@@ -424,6 +455,8 @@ def test_a_mixture_of_experts_generates_but_the_cpu_build_returns_no_experts(tmp
         generator.close()
     assert len(samples) == len(PROMPTS) and all(s.length >= 1 for s in samples)
     assert all(s.routed_experts is None for s in samples)
+    with pytest.raises(ConfigError, match="not on its CPU build"):
+        VLLMStreamGenerator(moe_dir, routed_experts=True, **ENGINE)
     with pytest.raises(Exception, match="Model Runner V2"):
         VLLMStreamGenerator(
             moe_dir, max_batch_size=4, greedy=True, enable_return_routed_experts=True, **ENGINE

@@ -134,7 +134,9 @@ class HFEngine:
 class VLLMEngine:
     """``VLLMStreamGenerator`` in every instance: vLLM's engine, stepped by the instance.
 
-    It takes no LoRA adapters: updates carry the whole policy.
+    It takes no LoRA adapters: updates carry the whole policy. Prefix caching
+    (``options: {enable_prefix_caching: true}``) shares a prompt's KV between the requests of
+    one weight version only (each request is salted with its version).
 
     Attributes:
         options: more ``vllm.EngineArgs`` fields for every instance (``max_model_len``,
@@ -147,11 +149,16 @@ class VLLMEngine:
             trainer stays in its own precision, and ``rl.correction`` left unset becomes
             ``seq_mask`` (the wider generator/trainer gap masked per sequence). ``None``: the
             engine's dtype.
+        routed_experts: every sample carries the experts each of its tokens was routed to
+            (vLLM's ``enable_return_routed_experts``, for routing replay), which vLLM computes
+            only on GPUs (Model Runner V2) and with prefix caching. ``None``: on for a mixture
+            of experts on GPUs.
     """
 
     options: dict[str, Any] = field(default_factory=dict)
     speculative: SpeculativeDecoding | None = None
     quantization: str | None = None
+    routed_experts: bool | None = None
     #: Its instances take weights through vLLM's weight-transfer protocol too (``protocol_feed``).
     speaks_weight_protocol: ClassVar[bool] = True
 
@@ -159,17 +166,15 @@ class VLLMEngine:
         object.__setattr__(self, "speculative", speculative_settings(self.speculative))
 
     def check(self, *, cluster: Cluster, gpus_per_instance: int) -> None:
-        """No option asks for what the weight updates would break (LoRA, prefix caching) or
-        for other tensor-parallel ranks than GPUs per instance; ``speculative`` maps to vLLM's
-        n-gram proposer (``vllm_speculative_config``); vLLM is installed."""
+        """No option asks for what the weight updates would break (LoRA) or for other
+        tensor-parallel ranks than GPUs per instance; ``speculative`` maps to vLLM's n-gram
+        proposer (``vllm_speculative_config``); FP8 and routed experts have GPUs; vLLM is
+        installed."""
         if self.options.get("enable_lora"):
             raise ConfigError(
                 "VLLMEngine gets no LoRA adapters (updates carry the whole policy); use "
                 "HFEngine(lora=...) (rl.engine: hf) or drop the adapters (rl.lora_r: 0)."
             )
-        if self.options.get("enable_prefix_caching"):
-            # A cached prompt's KV would outlive load_weights and mix weight versions.
-            raise ConfigError("VLLMEngine: enable_prefix_caching is not supported.")
         if self.speculative is not None:
             if "speculative_config" in self.options:
                 raise ConfigError(
@@ -187,6 +192,12 @@ class VLLMEngine:
                 f"rl.gpus: {ranks} (or drop tensor_parallel_size: it follows rl.gpus)."
             )
         self._check_quantization(gpus_per_instance)
+        if self.routed_experts and gpus_per_instance < 1:
+            raise ConfigError(
+                "VLLMEngine routed_experts: vLLM returns them on GPUs only (Model Runner V2; its "
+                "CPU build has no Triton): give each instance a GPU (rl.gpus: 1), or generate "
+                "with rl.engine: hf, which records them anywhere."
+            )
         if importlib.util.find_spec("vllm") is None:
             raise ConfigError(f"VLLMEngine needs the 'vllm' package, not installed: {VLLM_INSTALL}")
 
@@ -242,6 +253,7 @@ class VLLMEngine:
             spec.model_dir,
             **generator_settings(spec, scheduler),
             device=spec.device,
+            routed_experts=self.routed_experts,
             **{name: value for name, value in stops.items() if value},  # only those given
             **options,
         )

@@ -8,6 +8,9 @@ winning (a partial rollout's recomputation, a rejected draft fed again). A finis
 experts are one ``int16`` array ``[prompt + generated tokens, layers, k]``: the columns no forward
 of this generator computed (an episode's kept prefix; the last token, never fed) are
 ``NOT_RECORDED``, which the trainer's routers choose for themselves.
+
+vLLM records them itself (``enable_return_routed_experts``); ``from_engine`` brings its rows to
+the same layout.
 """
 
 from __future__ import annotations
@@ -57,3 +60,30 @@ class RoutedExperts:
     def forget(self, row: SlotSequence) -> None:
         """Drop what a sequence that left unfinished (moved, released) holds."""
         self._by_row.pop(id(row), None)
+
+
+def from_engine(rows: np.ndarray | None, length: int) -> np.ndarray | None:
+    """vLLM's ``routed_experts`` of a finished request as ``Sample.routed_experts``.
+
+    vLLM returns one row per token its forwards computed, ``[tokens, layers, k]``: the prompt
+    and every generated token but the last (never fed). They become ``int16``
+    ``[length, layers, k]``, ``NOT_RECORDED`` past them.
+
+    Args:
+        rows: the completion's ``routed_experts``; ``None`` (not asked for) stays ``None``.
+        length: the sample's prompt plus generated tokens.
+
+    Raises:
+        ValueError: more rows than tokens, or not three dimensions (another vLLM layout).
+    """
+    if rows is None:
+        return None
+    rows = np.asarray(rows)
+    if rows.ndim != 3 or len(rows) > length:
+        raise ValueError(
+            f"vLLM returned routed experts of shape {rows.shape} for a sample of {length} "
+            "tokens; expected [at most that many tokens, layers, k] (vLLM 0.32's layout)."
+        )
+    out = np.full((length, *rows.shape[1:]), NOT_RECORDED, dtype=np.int16)
+    out[: len(rows)] = rows
+    return out

@@ -28,7 +28,11 @@ vLLM APIs used (0.32): ``EngineArgs`` / ``LLMEngine.from_engine_args``, ``add_re
 min-tokens EOS mask, what ``HFStreamGenerator`` reports), ``scheduling_policy="priority"`` with
 the admission order as priority (if vLLM must preempt for KV space it evicts the latest admitted),
 and the worker's ``reload_weights`` for in-place weight updates
-(``abort_request`` and a new ``add_request`` re-prefill a running sequence: ``recompute_running``).
+(``abort_request`` and a new ``add_request`` re-prefill a running sequence: ``recompute_running``),
+``enable_return_routed_experts`` (each token's experts, ``CompletionOutput.routed_experts``, for
+routing replay: Model Runner V2 and prefix caching only), and ``TokensPrompt(cache_salt=...)``:
+every request is salted with the weight version it enters under, so a cached prompt is shared
+by the requests of one version and never reused across a weight update.
 
 Examples:
     Needs vLLM (``make test-vllm`` builds a virtualenv with it) and a model directory:
@@ -56,11 +60,13 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 from streamrl.components.generation.admission import AdmissionQueue, budget
 from streamrl.components.generation.finished import finished_sample
 from streamrl.components.generation.moving import generated_before, leaving
+from streamrl.components.generation.routed_experts import from_engine
 from streamrl.components.generation.sampling import sampling_temperature
 from streamrl.components.skewness.schedulers import AdmissionScheduler
 from streamrl.components.weights.nccl import DEFAULT_BUCKET_BYTES
 from streamrl.components.weights.staging import StagedWeights
 from streamrl.errors import ConfigError
+from streamrl.policy.routing import is_moe_config
 from streamrl.records import Request, Sample
 
 INSTALL_HINT = (
@@ -89,6 +95,8 @@ class _Admitted:
 
 #: KV cache of one instance on the CPU build, unless ``kv_cache_memory_bytes`` is passed.
 CPU_KV_CACHE_BYTES = 512 << 20
+#: vLLM's model runner as this process was started with (``None``: ours to choose per engine).
+_GIVEN_MODEL_RUNNER = os.environ.get("VLLM_USE_V2_MODEL_RUNNER")
 
 
 class VLLMStreamGenerator:
@@ -119,6 +127,11 @@ class VLLMStreamGenerator:
         stop_token_ids: more ids that end a sequence, besides the config's eos.
         stop_strings: vLLM's ``stop`` (finish reason ``"stop"``); they make vLLM load the
             model directory's tokenizer to detokenize.
+        routed_experts: return the experts every token was routed to
+            (``Sample.routed_experts``, for routing replay: ``streamrl.policy.routing``). vLLM
+            computes them only in its Model Runner V2 (CUDA: its CPU build has no Triton) and
+            with prefix caching, which this turns on. ``None``: on for a mixture of experts on
+            CUDA, off otherwise.
         **engine_kwargs: more ``vllm.EngineArgs`` fields (e.g. ``max_model_len``,
             ``enforce_eager``, ``kv_cache_memory_bytes``, ``dtype``,
             ``tensor_parallel_size``); they override ours.
@@ -126,7 +139,7 @@ class VLLMStreamGenerator:
     Raises:
         ConfigError: vLLM is not installed, ``device`` does not match its build,
             multiprocessing was forced on, tensor parallelism on the CPU has fewer cores than
-            ranks, or prefix caching was asked for.
+            ranks, or routed experts were asked of the CPU build or of Model Runner V1.
         FileNotFoundError: ``model_dir`` has no ``config.json``.
     """
 
@@ -144,6 +157,7 @@ class VLLMStreamGenerator:
         device: str = "cpu",
         stop_token_ids: Sequence[int] = (),
         stop_strings: Sequence[str] = (),
+        routed_experts: bool | None = None,
         **engine_kwargs: Any,
     ) -> None:
         #: The requests waiting to enter the engine, and how many may be inside it at once.
@@ -158,9 +172,8 @@ class VLLMStreamGenerator:
                 f"No model directory at {str(model_dir)!r} (no config.json there). Pass a "
                 "directory written by save_pretrained / streamrl.policy.models.save_policy."
             )
-        if engine_kwargs.get("enable_prefix_caching"):
-            # A cached prompt's KV would outlive load_weights and mix weight versions.
-            raise ConfigError("VLLMStreamGenerator: enable_prefix_caching is not supported.")
+        config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
+        self.routed_experts = _routed_experts(routed_experts, is_moe_config(config), device)
         vllm = _import_vllm()
         # Both import vLLM: here, once it is known to be installed.
         from streamrl.components.generation.vllm_worker import EXTENSION
@@ -172,8 +185,10 @@ class VLLMStreamGenerator:
                 "between steps); unset VLLM_ENABLE_V1_MULTIPROCESSING or set it to 0."
             )
         # vLLM's model runner, said explicitly: V1, the one its CPU build runs and our tests
-        # exercise (V2 is the default on CUDA in 0.32); VLLM_USE_V2_MODEL_RUNNER=1 chooses V2.
-        os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
+        # exercise (V2 is the default on CUDA in 0.32), unless routed experts need V2;
+        # VLLM_USE_V2_MODEL_RUNNER at start chooses for every engine.
+        runner = "1" if self.routed_experts else "0"
+        os.environ["VLLM_USE_V2_MODEL_RUNNER"] = _GIVEN_MODEL_RUNNER or runner
         from vllm import envs
 
         envs.disable_envs_cache()  # an earlier engine here cached vLLM's environment
@@ -186,7 +201,6 @@ class VLLMStreamGenerator:
                 f"build: {INSTALL_HINT}"
             )
         self.model_dir = Path(model_dir)
-        config = AutoConfig.from_pretrained(self.model_dir, local_files_only=True)
         eos = config.eos_token_id
         self._eos = [] if eos is None else [int(e) for e in np.atleast_1d(eos)]
         self._eos += [int(t) for t in stop_token_ids if int(t) not in self._eos]
@@ -201,7 +215,9 @@ class VLLMStreamGenerator:
             dtype=checkpoint_dtype(config),
             logprobs_mode="processed_logprobs",
             scheduling_policy="priority",
-            enable_prefix_caching=False,
+            # Requests are salted with their weight version (_add): no stale prompt is reused.
+            enable_prefix_caching=self.routed_experts,  # vLLM returns routed experts only so
+            enable_return_routed_experts=self.routed_experts,
             disable_log_stats=True,
         )
         if device == "cpu":
@@ -454,7 +470,8 @@ class VLLMStreamGenerator:
         )
         row.added_at = len(row.token_ids)
         request_id = f"{self.instance_id}-{self._admitted}"
-        prompt = TokensPrompt(prompt_token_ids=prompt_ids)
+        # A cached prompt's KV is reused within its weight version only (prefix caching).
+        prompt = TokensPrompt(prompt_token_ids=prompt_ids, cache_salt=f"w{self._weight_version}")
         self._engine.add_request(request_id, prompt, params, priority=row.priority)
         self._running[request_id] = row
         self._admitted += 1
@@ -471,8 +488,13 @@ class VLLMStreamGenerator:
         # vLLM's stop_reason is the stop string when one ended the sequence.
         stop = isinstance(completion.stop_reason, str)
         reason = "stop" if stop else reasons[completion.finish_reason]
+        experts = completion.routed_experts if self.routed_experts else None
         return finished_sample(
-            row, instance_id=self.instance_id, finished_s=now, finish_reason=reason
+            row,
+            instance_id=self.instance_id,
+            finished_s=now,
+            finish_reason=reason,
+            routed_experts=from_engine(experts, len(req.prompt_ids) + len(row.token_ids)),
         )
 
     def _checked(self, state_dict: Mapping[str, Any]) -> list[tuple[str, torch.Tensor]]:
@@ -494,6 +516,27 @@ class VLLMStreamGenerator:
                 )
             weights.append((name, tensor))
         return weights
+
+
+def _routed_experts(asked: bool | None, moe: bool, device: str) -> bool:
+    """Whether an engine returns routed experts: ``asked``, or by default where vLLM can (a
+    mixture of experts, on CUDA, Model Runner V2 not ruled out at start)."""
+    v1 = _GIVEN_MODEL_RUNNER == "0"
+    if not asked:
+        return asked is None and moe and device != "cpu" and not v1
+    if device == "cpu":
+        where = "on its CPU build (no Triton for Model Runner V2)"
+    elif v1:
+        where = "under VLLM_USE_V2_MODEL_RUNNER=0"
+    elif not moe:
+        where = "of a dense model"
+    else:
+        return True
+    raise ConfigError(
+        f"VLLMStreamGenerator(routed_experts=True): vLLM returns routed experts only of a "
+        f"mixture of experts on its Model Runner V2, not {where}; generate on the HF engine "
+        "(it records them anywhere) or set rl.routing_replay: false."
+    )
 
 
 def _engine_versions(row: _Admitted, completion: Any) -> None:

@@ -18,7 +18,15 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 import torch
 from hosted_instance import HostedInstance
-from test_vllm_generator import _forced, _hf_greedy, _policy
+from test_vllm_generator import (
+    ENGINE,
+    PROMPTS,
+    _forced,
+    _hf_greedy,
+    _moe_decode,
+    _moe_policy,
+    _policy,
+)
 from test_vllm_service import _logprobs
 
 from streamrl.components.generation.engines import VLLMEngine
@@ -117,6 +125,39 @@ def test_one_broadcast_reaches_every_instance_and_checksums_agree(policy_dir):
     finally:
         for instance in instances.values():
             instance.close()
+
+
+def test_a_mixture_of_experts_takes_each_version_through_the_protocol(tmp_path):
+    """A tiny Qwen3-MoE instance (its own process) takes a version through vLLM's
+    weight-transfer protocol, fused experts sent per expert: it decodes as an engine started
+    from those weights, and back."""
+    from streamrl.components.generation.vllm_generator import VLLMStreamGenerator
+
+    policy, other = _moe_policy(seed=0), _moe_policy(seed=1)
+    moe_dir = save_policy(policy, build_tokenizer(), tmp_path / "moe")
+    other_dir = save_policy(other, build_tokenizer(), tmp_path / "other")
+    requests = [Request(f"m{i}", p, max_tokens=6) for i, p in enumerate(PROMPTS)]
+    fresh = VLLMStreamGenerator(other_dir, max_batch_size=4, greedy=True, **ENGINE)
+    try:
+        expected = _moe_decode(fresh, requests)
+    finally:
+        fresh.close()
+    instances = _instances(moe_dir, 1)
+    (instance,) = instances.values()
+    try:
+
+        def decode() -> dict[str, list[int]]:
+            return {s.prompt_id: s.token_ids for s in instance.generate(requests)}
+
+        before = decode()
+        for version, trainer, wanted in ((1, other, expected), (2, policy, before)):
+            sender = _sender(trainer, instances)
+            sender.send_weights(str(version), digests=True)
+            verify_digests(sender.sent_digests, instance.loaded_digests()[0], "instance-0")
+            assert decode() == wanted
+        assert expected != before
+    finally:
+        instance.close()
 
 
 def test_a_transfer_that_applies_nothing_is_caught_naming_the_instance_and_tensor(policy_dir):

@@ -21,7 +21,7 @@ from streamrl.components.weights.staging import map_file
 from streamrl.components.weights.vllm_protocol import (
     applied_digests,
     register_backends,
-    reprocess_lm_heads,
+    reprocess_cpu_layouts,
 )
 from streamrl.policy.expert_weights import as_checkpoint
 
@@ -56,7 +56,7 @@ class StagingLoader:
         # vLLM's layerwise in-place reload: checkpoint-format tensors through the model's own
         # load_weights (each rank takes its shard), then each layer's post-load processing.
         self.reload_weights(weights_iterator=iter(views), is_checkpoint_format=True)
-        reprocess_lm_heads(self.get_model())
+        reprocess_cpu_layouts(self.get_model())
 
     def streamrl_loaded_digests(self) -> dict[str, str]:
         """The digests of what the weight-transfer engine loaded last (``vllm_protocol``)."""

@@ -51,7 +51,7 @@ from streamrl.components.weights.vllm_protocol.gloo_worker import (
     GLOO_BACKEND,
     GlooWeightTransferEngine,
     applied_digests,
-    reprocess_lm_heads,
+    reprocess_cpu_layouts,
 )
 
 __all__ = [
@@ -63,7 +63,7 @@ __all__ = [
     "applied_digests",
     "engine_backend",
     "register_backends",
-    "reprocess_lm_heads",
+    "reprocess_cpu_layouts",
     "trainer_engine",
 ]
 

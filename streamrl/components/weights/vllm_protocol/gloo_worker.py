@@ -26,7 +26,7 @@ __all__ = [
     "GlooUpdateInfo",
     "GlooWeightTransferEngine",
     "applied_digests",
-    "reprocess_lm_heads",
+    "reprocess_cpu_layouts",
 ]
 
 #: Our CPU backend's name in vLLM's factories.
@@ -139,7 +139,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
         finalize_layerwise_reload(self.model, self.model_config)
-        reprocess_lm_heads(self.model)
+        reprocess_cpu_layouts(self.model)
 
     def shutdown(self) -> None:
         self.group = None
@@ -175,11 +175,35 @@ def applied_digests(model: torch.nn.Module, dtype: torch.dtype) -> dict[str, str
     return digests
 
 
-def reprocess_lm_heads(model: torch.nn.Module) -> None:
-    """Re-run the LM heads' post-load processing: a tied head gets no tensor of its own, so
-    vLLM 0.32 would keep its CPU-packed copy of the old embedding (stale logits)."""
+def reprocess_cpu_layouts(model: torch.nn.Module) -> None:
+    """Re-run the post-load processing that vLLM 0.32's CPU build does once, at start, after an
+    in-place reload:
+
+    - LM heads: a tied head gets no tensor of its own, so it would keep its CPU-packed copy of
+      the old embedding (stale logits);
+    - a mixture of experts' kernels: the CPU experts prepack ``w13``/``w2`` into their grouped
+      GEMM layout on the first post-load pass only (``UnquantizedFusedMoEMethod._setup_kernel``
+      copies a reload's weights in unpacked), so the kernel would read the new weights in the
+      wrong layout (other experts' outputs, other greedy tokens).
+
+    Raises:
+        RuntimeError: a CPU mixture of experts whose intermediate size vLLM pads (its padding
+            is not redone on a reload).
+    """
+    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
     from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 
     for module in model.modules():
         if isinstance(module, ParallelLMHead):
             module.quant_method.process_weights_after_loading(module)
+        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+        experts = getattr(kernel, "fused_experts", None)
+        if isinstance(experts, CPUUnquantizedExperts):
+            config = experts.moe_config
+            if experts._padded_intermediate_size(config) != config.intermediate_size_per_partition:
+                raise RuntimeError(
+                    "vLLM's CPU build pads this mixture of experts' intermediate size "
+                    f"({config.intermediate_size_per_partition}); its weights cannot be "
+                    "reloaded in place there (vLLM 0.32). Generate on the HF engine."
+                )
+            experts.process_weights_after_loading(module)

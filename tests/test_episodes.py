@@ -518,3 +518,32 @@ def test_the_loss_is_the_mean_over_the_samples_the_groups_have(policy_dir):
     assert grads[0].abs().sum() > 0
     torch.testing.assert_close(grads[0], grads[1])
     assert losses[0] == pytest.approx(losses[1])
+
+
+def test_a_mixture_of_experts_episode_carries_every_turns_experts(policy_dir, tmp_path):
+    """A tiny Qwen3-MoE plays 2-turn episodes on the HF engine, each next turn reusing its
+    prefix's KV cache: the episode's sample carries experts for every fed token (the prompt,
+    each turn's tokens, the observations; only the last token unrecorded), and the float32
+    trainer's routers choose exactly those over the whole sequence."""
+    import numpy as np
+
+    from streamrl.policy.routing import NOT_RECORDED, RoutingReplay
+
+    _, tok = load_policy(policy_dir)
+    moe_dir = save_policy(build_tiny_model(tok, "moe-test", seed=0), tok, tmp_path / "moe")
+    policy, _ = load_policy(moe_dir)
+    rows = [{"prompt_id": f"q{i}", "prompt": f"Echo game {i}, go."} for i in range(3)]
+    with service(moe_dir) as sgs:
+        runner = EpisodeRunner(sgs, lambda: Echo(turns=2), tok, max_tokens=8, context=CONTEXT)
+        episodes = run_episodes(runner, rows)
+    assert runner.counts["cached_tokens"] > 0  # later turns kept their prefix
+    replay = RoutingReplay(policy)
+    for e in episodes:
+        experts = e.routed_experts
+        assert e.turns == 2 and experts.shape == (len(e.prompt_ids) + e.length, 3, 2)
+        assert (experts[:-1] >= 0).all() and (experts[-1] == NOT_RECORDED).all()
+        with torch.no_grad(), replay.replaying(torch.from_numpy(experts), apply=False):
+            policy(torch.tensor([e.prompt_ids + e.token_ids]))
+    mismatched, compared = replay.take_mismatch()
+    assert mismatched == 0 and compared == sum(len(e.prompt_ids) + e.length - 1 for e in episodes)
+    assert all(np.asarray(e.routed_experts).dtype == np.int16 for e in episodes)

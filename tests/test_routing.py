@@ -25,6 +25,7 @@ from streamrl.policy.routing import (
     RoutingRecorder,
     RoutingReplay,
     check_replayable,
+    extend_recorded,
     is_moe,
     moe_routers,
 )
@@ -334,3 +335,19 @@ def test_a_tiny_moe_policy_trains_through_fit_with_2_ranks_and_a_bf16_generator(
     assert 0.0 <= summary["routing_mismatch_frac"] < 0.5
     assert 0.0 < summary["logprob_gap_mean"] < 1.0
     assert summary["trainer"]["ranks"] == 2
+
+
+def test_an_episodes_turns_extend_its_experts_the_earliest_record_standing():
+    """``extend_recorded``: a turn fills the columns the episode has not recorded (its own
+    tokens, the observation, the earlier turn's last token); a column an earlier turn recorded
+    keeps that turn's experts even where the turn recomputed it otherwise."""
+    first = np.full((5, 1, 2), NOT_RECORDED, dtype=np.int16)
+    first[:4] = [[[0, 1]], [[2, 3]], [[4, 5]], [[6, 7]]]  # prompt 3 + 2 generated, last unfed
+    turn = np.full((8, 1, 2), NOT_RECORDED, dtype=np.int16)
+    turn[1:7] = 1  # recomputed its prompt (the episode so far) otherwise; the last unfed
+    merged = extend_recorded(first, turn)
+    np.testing.assert_array_equal(merged[:4], first[:4])
+    assert (merged[4:7] == 1).all() and (merged[7] == NOT_RECORDED).all()
+    assert extend_recorded(None, turn) is turn and extend_recorded(first, None) is first
+    with pytest.raises(ValueError, match="do not extend the episode's"):
+        extend_recorded(turn, first)

@@ -16,9 +16,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 from transformers import PreTrainedTokenizerBase
 
 from streamrl.policy.chat import stop_token_ids
+from streamrl.policy.routing import NOT_RECORDED, extend_recorded
 from streamrl.protocols import Environment
 from streamrl.records import Request, Sample
 
@@ -100,6 +102,8 @@ class Episode:
             1 for the policy's tokens, 0 for the environment's; behaviour log-probs (0.0 for the
             environment's); the weight version that produced it (an observation's: its turn's).
         rewards: each step's reward.
+        routed_experts: a mixture of experts' choices over ``ids`` so far
+            (``extend_recorded``), ``None`` for a dense policy.
         turns: model turns so far.
         instance_id: the instance of the last turn (it holds the prefix's KV cache).
         finish_reason: ``"done"``, or why it was cut: ``"max_turns"``, ``"context"``,
@@ -121,6 +125,7 @@ class Episode:
     cached_tokens: int = 0
     started_s: float = field(default_factory=time.time)
     finish_reason: str | None = None
+    routed_experts: Any = None
 
     @property
     def ids(self) -> list[int]:
@@ -137,6 +142,7 @@ class Episode:
         self.instance_id = sample.instance_id
         self.prefill_tokens += sample.prefill_tokens
         self.cached_tokens += sample.cached_tokens
+        self.routed_experts = extend_recorded(self.routed_experts, sample.routed_experts)
 
     def add_observation(self, ids: Sequence[int]) -> None:
         """Append an observation's tokens (not trained on)."""
@@ -168,4 +174,14 @@ class Episode:
             turns=self.turns,
             prefill_tokens=self.prefill_tokens,
             cached_tokens=self.cached_tokens,
+            routed_experts=self._experts(),
         )
+
+    def _experts(self) -> Any:
+        """``routed_experts`` over the whole sequence: the last observation, never fed, is
+        not recorded."""
+        if self.routed_experts is None:
+            return None
+        out = np.full((len(self.ids), *self.routed_experts.shape[1:]), NOT_RECORDED, np.int16)
+        out[: len(self.routed_experts)] = self.routed_experts
+        return out

@@ -25,6 +25,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -50,6 +51,28 @@ EXPERT_COUNTS = ("num_experts", "num_local_experts", "n_routed_experts")
 def is_moe_config(config: object) -> bool:
     """Whether a Hugging Face ``config`` describes a mixture of experts (without building it)."""
     return any(getattr(config, name, None) for name in EXPERT_COUNTS)
+
+
+def extend_recorded(kept: np.ndarray | None, turn: np.ndarray | None) -> np.ndarray | None:
+    """An episode's experts after a turn: ``turn`` (``[its prompt + generated, layers, k]``,
+    its prompt the episode so far) where ``kept`` (the episode's before it) recorded nothing.
+
+    A column recorded by an earlier turn keeps that turn's experts, the ones its tokens were
+    drawn with (as vLLM's ``routed_experts_prompt_start`` skips a returned prefix); the turn
+    fills what is new to it: its own tokens, the observation before them, and the earlier
+    turn's last token (never fed there).
+    """
+    if turn is None or kept is None:
+        return kept if turn is None else turn
+    if kept.shape[1:] != turn.shape[1:] or len(kept) > len(turn):
+        raise ValueError(
+            f"routing: a turn's experts {turn.shape} do not extend the episode's {kept.shape} "
+            "(another model, or a turn not prompted with the episode so far)."
+        )
+    merged = turn.copy()
+    recorded = (kept != NOT_RECORDED).all(axis=(1, 2))
+    merged[: len(kept)][recorded] = kept[recorded]
+    return merged
 
 
 def check_replayable(model: nn.Module) -> None:

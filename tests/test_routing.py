@@ -351,3 +351,53 @@ def test_an_episodes_turns_extend_its_experts_the_earliest_record_standing():
     assert extend_recorded(None, turn) is turn and extend_recorded(first, None) is first
     with pytest.raises(ValueError, match="do not extend the episode's"):
         extend_recorded(turn, first)
+
+
+def test_a_mixtral_directory_trains_through_fit_with_2_ranks_and_a_bf16_generator(
+    fit_small, tmp_path
+):
+    """A Mixtral (the other family of sparse blocks), as a local Hugging Face directory of
+    random weights saved per expert under Mixtral's checkpoint names: 2 bfloat16 generators, 2
+    FSDP ranks in bf16-mixed, routing replay on by default, the trained policy saved and
+    loaded back with transformers."""
+    from transformers import AutoModelForCausalLM
+
+    from streamrl.policy.models import build_tokenizer, save_policy
+
+    tok = build_tokenizer()
+    config = MixtralConfig(
+        **{**SHAPE, "vocab_size": len(tok), "max_position_embeddings": 256},
+        intermediate_size=48,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        tie_word_embeddings=True,
+        pad_token_id=tok.pad_token_id,
+        eos_token_id=tok.eos_token_id,
+        bos_token_id=tok.eos_token_id,
+    )
+    torch.manual_seed(0)
+    model_dir = save_policy(MixtralForCausalLM(config), tok, tmp_path / "mixtral")
+    summary = fit_small(
+        generators=2,
+        engine={"name": "hf", "dtype": "bfloat16"},
+        trainer={"devices": 2, "precision": "bf16-mixed"},
+        args=("--model", str(model_dir)),
+    )
+    assert summary["routing_replay"] is True and summary["trainer"]["ranks"] == 2
+    assert 0.0 <= summary["routing_mismatch_frac"] < 0.5
+    trained = AutoModelForCausalLM.from_pretrained(summary["policy_dir"])
+    assert type(trained).__name__ == "MixtralForCausalLM"
+    assert any(".block_sparse_moe.experts.0.w1." in n for n in _saved_names(summary))
+
+
+def _saved_names(summary: dict) -> set[str]:
+    """The tensor names in a run's saved policy's safetensors files."""
+    from pathlib import Path
+
+    from safetensors import safe_open
+
+    names: set[str] = set()
+    for path in Path(summary["policy_dir"]).glob("*.safetensors"):
+        with safe_open(str(path), "pt") as f:
+            names |= set(f.keys())
+    return names

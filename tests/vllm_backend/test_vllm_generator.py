@@ -463,10 +463,9 @@ def test_a_mixture_of_experts_generates_but_the_cpu_build_returns_no_experts(tmp
         )
 
 
-def test_a_mixture_of_experts_takes_new_weights_in_place(tmp_path):
-    """A tiny Qwen3-MoE's weights reloaded in place decode as an engine started from them,
-    and its own weights back as before. (vLLM 0.32's CPU build prepacks the experts only at
-    start: without ``reprocess_cpu_layouts`` the kernel reads a reload unpacked.)"""
+def _moe_and_other(tmp_path: Path):
+    """Two tiny Qwen3-MoE policies (seeds 0 and 1), the first's directory, requests, and the
+    greedy tokens of an engine started from the second's directory."""
     policy, other = _moe_policy(seed=0), _moe_policy(seed=1)
     moe_dir = save_policy(policy, build_tokenizer(), tmp_path / "moe")
     other_dir = save_policy(other, build_tokenizer(), tmp_path / "other")
@@ -476,6 +475,14 @@ def test_a_mixture_of_experts_takes_new_weights_in_place(tmp_path):
         expected = _moe_decode(fresh, requests)
     finally:
         fresh.close()
+    return policy, other, moe_dir, requests, expected
+
+
+def test_a_mixture_of_experts_takes_new_weights_in_place(tmp_path):
+    """A tiny Qwen3-MoE's weights reloaded in place decode as an engine started from them,
+    and its own weights back as before. (vLLM 0.32's CPU build prepacks the experts only at
+    start: without ``reprocess_cpu_layouts`` the kernel reads a reload unpacked.)"""
+    policy, other, moe_dir, requests, expected = _moe_and_other(tmp_path)
     generator = VLLMStreamGenerator(moe_dir, max_batch_size=4, greedy=True, **ENGINE)
     try:
         before = _moe_decode(generator, requests)

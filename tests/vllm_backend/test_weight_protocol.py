@@ -18,15 +18,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 import torch
 from hosted_instance import HostedInstance
-from test_vllm_generator import (
-    ENGINE,
-    PROMPTS,
-    _forced,
-    _hf_greedy,
-    _moe_decode,
-    _moe_policy,
-    _policy,
-)
+from test_vllm_generator import _forced, _hf_greedy, _moe_and_other, _policy
 from test_vllm_service import _logprobs
 
 from streamrl.components.generation.engines import VLLMEngine
@@ -131,17 +123,7 @@ def test_a_mixture_of_experts_takes_each_version_through_the_protocol(tmp_path):
     """A tiny Qwen3-MoE instance (its own process) takes a version through vLLM's
     weight-transfer protocol, fused experts sent per expert: it decodes as an engine started
     from those weights, and back."""
-    from streamrl.components.generation.vllm_generator import VLLMStreamGenerator
-
-    policy, other = _moe_policy(seed=0), _moe_policy(seed=1)
-    moe_dir = save_policy(policy, build_tokenizer(), tmp_path / "moe")
-    other_dir = save_policy(other, build_tokenizer(), tmp_path / "other")
-    requests = [Request(f"m{i}", p, max_tokens=6) for i, p in enumerate(PROMPTS)]
-    fresh = VLLMStreamGenerator(other_dir, max_batch_size=4, greedy=True, **ENGINE)
-    try:
-        expected = _moe_decode(fresh, requests)
-    finally:
-        fresh.close()
+    policy, other, moe_dir, requests, expected = _moe_and_other(tmp_path)
     instances = _instances(moe_dir, 1)
     (instance,) = instances.values()
     try:

@@ -124,6 +124,7 @@ def test_vllm_engine_passes_the_spec_and_its_options(monkeypatch, policy_dir):
         seed=11,
         weight_version=2,
         device="cpu",
+        routed_experts=None,  # the generator decides: a mixture of experts on CUDA
         max_model_len=256,
         kv_cache_memory_bytes=1 << 20,
     )

@@ -131,6 +131,23 @@ def test_reward_errors_name_the_prompt():
         nan.submit(("q7", 2), "x", row)
 
 
+def test_the_algorithm_that_scores_is_the_one_that_trains(tokenizer):
+    """Two algorithm objects, one for the rollout stream's scoring and another for the module's
+    loss (RLOO advantages under a GRPO loss, say), are refused before any work."""
+    from types import SimpleNamespace
+
+    from streamrl.algorithms import RLOO
+
+    policy = build_tiny_model(tokenizer, "test", seed=0)
+    grpo = GRPO(group_size=4)
+    scoring = SimpleNamespace(algorithm=RLOO(group_size=4))  # what the module reads of it
+    with pytest.raises(ValueError, match="scores with RLOO, the module would train with GRPO"):
+        StreamRLModule(policy, grpo, scoring, iterations=1)
+    scoring.algorithm = GRPO(group_size=4)  # the same class, another object: which options?
+    with pytest.raises(ValueError, match="pass the same object"):
+        StreamRLModule(policy, grpo, scoring, iterations=1)
+
+
 def test_grpo_iterations_with_two_generator_processes(tmp_path, tokenizer):
     policy = build_tiny_model(tokenizer, "test", seed=0)
     save_policy(policy, tokenizer, tmp_path / "policy")

@@ -148,6 +148,13 @@ class StreamRLModule(L.LightningModule):
         super().__init__()
         bound = staleness_bound_of(mode, staleness_bound)
         self.automatic_optimization = False
+        scoring = getattr(rollouts, "algorithm", algorithm)
+        if scoring is not algorithm:  # it scores the samples and this takes the loss: one object
+            raise ValueError(
+                f"The rollout stream scores with {type(scoring).__name__}, the module would "
+                f"train with {type(algorithm).__name__}: a run's advantages and loss come from "
+                "one algorithm; pass the same object to RolloutStream and build_module."
+            )
         self.policy, self.algorithm, self.rollouts = policy, algorithm, rollouts
         if isinstance(reference, torch.nn.Module):
             reference = FrozenCopy(reference)

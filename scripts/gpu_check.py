@@ -9,7 +9,8 @@ model, the run and their logs stay under the work folder (/tmp/gpu-check).
     OUT=... python3 scripts/gpu_check.py            # on the GPU
     GPU_CHECK_DEVICE=cpu python3 scripts/gpu_check.py  # the same steps on the CPU, small shapes
 
-Steps (limit in seconds): preflight (15: fails fast, every later step SKIPs), gpu-tests (30),
+Steps (limit in seconds): preflight (15: fails fast, every later step SKIPs), gpu-tests (30:
+the GPU-marked tests of generation, the NCCL transport and MoE routing replay),
 model (30), fit (100: a reward that varies across samples; each iteration's grad norm finite and
 > 0, the trainer/generator log-prob gap < 0.05, samples_lost 0, the trainer's peak GPU memory
 under FIT_PEAK_BOUND_BYTES), edges (40: sharded load on NCCL, bf16 reference, the save), width
@@ -242,6 +243,7 @@ def main() -> None:
             "pytest",
             "tests/test_generation_service.py",
             "tests/test_nccl_transport.py",
+            "tests/test_routing.py",
             "-m",
             "gpu",
             "-q",

@@ -194,6 +194,33 @@ def test_replaying_a_bf16_generators_experts_narrows_the_logprob_gap(moe):
     assert gap_replayed < gap_free
 
 
+@pytest.mark.gpu
+def test_on_a_gpu_the_trainer_computes_a_bf16_generators_tokens_on_its_experts():
+    """The CUDA path (``scripts/gpu_check.sh``'s gpu-tests step): the tiny Qwen3-MoE's HF
+    generator on the GPU in bfloat16 records each sample's experts; the float32 trainer on the
+    GPU, replaying them, routes every recorded token as recorded, and its log-probs come no
+    further from the generator's than with its routers free."""
+    samples, policy = _moe_samples(torch.bfloat16, device="cuda")
+    policy = policy.cuda()
+    replay = RoutingReplay(policy)
+    gaps = {}
+    for apply in (False, True):
+        gap = 0.0
+        for s in samples:
+            ids = torch.tensor([s.prompt_ids + s.token_ids], device="cuda")
+            experts = torch.from_numpy(s.routed_experts)
+            with torch.no_grad(), replay.replaying(experts, apply=apply):
+                with RoutingRecorder(policy) as seen:
+                    trained = logprobs(policy, ids)[0, len(s.prompt_ids) - 1 :]
+                used = seen.take()
+            if apply:
+                recorded = (experts >= 0).all(-1).all(-1)
+                assert torch.equal(used[recorded].cpu(), experts[recorded].long())
+            gap += (trained.cpu() - torch.tensor(s.logprobs)).abs().sum().item()
+        gaps[apply] = gap
+    assert gaps[True] <= gaps[False]
+
+
 def test_a_sigmoid_gated_router_is_refused_by_name():
     class BiasedTopKRouter(nn.Module):
         def __init__(self) -> None:
@@ -249,9 +276,9 @@ def test_a_forward_of_another_layout_or_a_copy_is_left_to_the_routers(moe):
 # ------------------------------------------------------------------ through the loop
 
 
-def _moe_samples(generator_dtype: torch.dtype, n: int = 6):
-    """Samples of the tiny Qwen3-MoE policy from the HF generator in ``generator_dtype``, and
-    the float32 policy they came from."""
+def _moe_samples(generator_dtype: torch.dtype, n: int = 6, device: str = "cpu"):
+    """Samples of the tiny Qwen3-MoE policy from the HF generator in ``generator_dtype`` on
+    ``device``, and the float32 policy they came from (on the CPU)."""
     from streamrl.components.generation.hf_generator import HFStreamGenerator
     from streamrl.policy.models import build_tiny_model, build_tokenizer
     from streamrl.records import Request
@@ -261,7 +288,10 @@ def _moe_samples(generator_dtype: torch.dtype, n: int = 6):
     for router in moe_routers(policy):  # sharper routers: more near-ties to flip in bf16
         router.weight.data *= 4
     generator = HFStreamGenerator(
-        copy.deepcopy(policy).to(generator_dtype), max_batch_size=4, temperature=1.0, seed=0
+        copy.deepcopy(policy).to(device, generator_dtype),
+        max_batch_size=4,
+        temperature=1.0,
+        seed=0,
     )
     prompts = [tok(f"copy ab{'c' * i}=")["input_ids"] for i in range(n)]
     generator.submit([Request(f"p{i}", p, 16) for i, p in enumerate(prompts)])

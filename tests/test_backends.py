@@ -252,7 +252,7 @@ def test_routed_experts_from_vllm_on_gpus_are_what_samples_carry(monkeypatch, po
     engine output: on by default for a mixture of experts on CUDA, refused in one line off
     GPUs; a finished request's rows ``[prompt + generated - 1, layers, k]`` become the
     sample's ``int16`` experts, the last token unrecorded; a run with vLLM generators on the
-    CPU measures the mismatch without replaying."""
+    CPU trains with replay off."""
     from types import SimpleNamespace
 
     import numpy as np

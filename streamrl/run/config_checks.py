@@ -311,7 +311,8 @@ def run_correction(rl: RLConfig) -> str | dict[str, Any]:
 def run_routing_replay(rl: RLConfig) -> bool | None:
     """``rl.routing_replay``, or when it is unset: ``None`` (on for a mixture of experts),
     except ``False`` for vLLM generators without GPUs, whose CPU build returns no routed
-    experts (the mismatch is still measured, against the trainer's own routing).
+    experts: its samples carry none, so the trainer's routers choose (no mismatch to measure;
+    the log-prob gap is still logged).
 
     Raises:
         ConfigError: replay asked of vLLM generators without GPUs.

@@ -257,7 +257,7 @@ def test_routed_experts_from_vllm_on_gpus_are_what_samples_carry(monkeypatch, po
 
     import numpy as np
 
-    from streamrl.components.generation import vllm_generator
+    from streamrl.components.generation import vllm_engine_start, vllm_generator
     from streamrl.components.generation.routed_experts import from_engine
     from streamrl.components.generation.vllm_generator import VLLMStreamGenerator, _Admitted
     from streamrl.policy.routing import NOT_RECORDED
@@ -275,14 +275,14 @@ def test_routed_experts_from_vllm_on_gpus_are_what_samples_carry(monkeypatch, po
     VLLMEngine(routed_experts=False)(spec_for(policy_dir), FIFOScheduler())
     assert made["routed_experts"] is False
     # Whether an engine asks vLLM for them: (asked, a mixture of experts, device).
-    decide = vllm_generator._routed_experts
+    decide = vllm_engine_start.routed_experts_wanted
     assert decide(None, True, "cuda") and decide(True, True, "cuda")
     assert not decide(None, True, "cpu") and not decide(None, False, "cuda")
     assert not decide(False, True, "cuda")
     for device, moe, why in [("cpu", True, "CPU build"), ("cuda", False, "dense model")]:
         with pytest.raises(ConfigError, match=f"routed experts only of a mixture.*{why}"):
             decide(True, moe, device)
-    monkeypatch.setattr(vllm_generator, "_GIVEN_MODEL_RUNNER", "0")
+    monkeypatch.setattr(vllm_engine_start, "GIVEN_MODEL_RUNNER", "0")
     assert not decide(None, True, "cuda")
     with pytest.raises(ConfigError, match="VLLM_USE_V2_MODEL_RUNNER=0"):
         decide(True, True, "cuda")

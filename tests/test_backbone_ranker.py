@@ -96,9 +96,9 @@ def test_is_a_length_predictor_that_fits_then_refreshes(backbone_dir):
         train(prompts, lengths, epochs),
     )
     ranker.learn(COPY_PROMPTS[:10], list(range(1, 11)))  # the first call fits
-    assert ranker.ready and passes == [(10, 2)] and len(ranker.recent) == 10
+    assert ranker.ready and passes == [(10, 2)] and len(ranker.online.recent) == 10
     ranker.learn(COPY_PROMPTS[10:15], list(range(11, 16)))  # later ones refresh the buffer
-    assert passes == [(10, 2), (15, 1)] and len(ranker.recent) == 15
+    assert passes == [(10, 2), (15, 1)] and len(ranker.online.recent) == 15
     assert len(ranker.predict(["copy aaa="])) == 1
 
 
@@ -160,7 +160,7 @@ def test_predicts_a_calibrated_spread_wider_where_lengths_vary_more(tokenizer):
     train, test = _noisy_rows(150, seed=0), _noisy_rows(80, seed=1)
     ranker.fit([p for p, ls, _ in train for _ in ls], [n for _, ls, _ in train for n in ls])
     distinct = len({p for p, _, _ in train})
-    assert len(ranker.calibration.residuals) == 4 * int(0.2 * distinct)  # the held-out slice
+    assert len(ranker.online.calibration.residuals) == 4 * int(0.2 * distinct)  # the held-out slice
     predicted = ranker.predict_distribution([p for p, _, _ in test])
     spread = {
         task: sum(d.sigma for d, row in zip(predicted, test) if row[2] == task)
@@ -184,7 +184,7 @@ def test_distribution_round_trips_and_old_point_states_load(backbone_dir):
     copy = BackboneLengthRanker(backbone_dir, seed=1)
     copy.load_state_dict(ranker.state_dict())
     assert copy.predict_distribution(probe) == ranker.predict_distribution(probe)
-    assert copy.calibration.scale == ranker.calibration.scale != 1.0
+    assert copy.online.calibration.scale == ranker.online.calibration.scale != 1.0
     # Saved before issue 34: a one-output head and no calibration. It loads as the location.
     old = ranker.state_dict()
     old["trainable"] = {
@@ -193,7 +193,7 @@ def test_distribution_round_trips_and_old_point_states_load(backbone_dir):
     del old["calibration"]
     loaded = BackboneLengthRanker(backbone_dir, seed=1)
     loaded.load_state_dict(old)
-    mu, _ = ranker._raw(probe)
+    mu, _ = ranker.raw(probe)
     assert loaded.predict(probe) == pytest.approx([math.exp(m) for m in mu])
     assert len({d.sigma for d in loaded.predict_distribution(probe)}) == 1
-    assert loaded.calibration.scale == 1.0
+    assert loaded.online.calibration.scale == 1.0

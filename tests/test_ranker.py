@@ -270,18 +270,18 @@ def test_learn_fits_first_then_refreshes_with_the_constructor_epochs():
     train = ranker._train
     ranker._train = lambda x, y, epochs: (trained.append((len(y), epochs)), train(x, y, epochs))
     ranker.learn(["count 1 3="], [5])  # one sample cannot be fitted: kept for the next call
-    assert not ranker.ready and trained == [] and len(ranker.recent) == 1
+    assert not ranker.ready and trained == [] and len(ranker.online.recent) == 1
     ranker.learn(["count 1 90=", "copy ab="], [260, 2])  # fits on all three
-    assert ranker.ready and trained == [(3, 7)] and len(ranker.recent) == 3
+    assert ranker.ready and trained == [(3, 7)] and len(ranker.online.recent) == 3
     ranker.learn(["rev abcdefgh="], [8])  # refreshes over the recent buffer
-    assert trained == [(3, 7), (4, 3)] and len(ranker.recent) == 4
+    assert trained == [(3, 7), (4, 3)] and len(ranker.online.recent) == 4
     assert len(ranker.predict(["count 5 80="])) == 1
     with pytest.raises(ValueError, match="2 prompts but 1 lengths"):
         ranker.learn(["a", "b"], [1])
     fresh = LengthRanker(epochs=5, seed=0)
-    fresh.recent.extend([("count 1 3=", 5), ("count 1 90=", 260)])
+    fresh.online.recent.extend([("count 1 3=", 5), ("count 1 90=", 260)])
     fresh.refresh()  # fits on the buffer without adding it twice
-    assert fresh.ready and len(fresh.recent) == 2
+    assert fresh.ready and len(fresh.online.recent) == 2
 
 
 class _FakeDispatcher:
@@ -396,7 +396,7 @@ def test_the_run_s_ranker_reads_prompts_in_the_policy_s_tokens():
     config.rl.generators = 1  # no latency profile needed to build the parts
     ranker = RunParts.from_config(config, policy, tokenizer).length_predictor
     assert isinstance(ranker, LengthRanker) and ranker.tokenizer is tokenizer
-    ranker.learn_epochs = 5
+    ranker.online.learn_epochs = 5
     ranker.fit(prompts, [3, 8, 20, 4] * 4)
     assert ranker.net[0].in_features == 1024 + 8 + 128 + ranker.token_buckets + 1
     # A character-level tokenizer's tokens would only repeat the character n-grams: not given.

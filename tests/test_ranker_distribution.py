@@ -68,11 +68,11 @@ def test_fit_calibrates_the_p90_on_prompts_it_held_out():
     train, test = _rows(400, noise, seed=2, samples=1), _rows(200, noise, seed=3, samples=1)
     ranker = LengthRanker(epochs=150, seed=0)
     ranker.fit(*_pairs(train))
-    assert len(ranker.calibration.residuals) == 80  # 20% of 400 distinct prompts
+    assert len(ranker.online.calibration.residuals) == 80  # 20% of 400 distinct prompts
     assert 0.8 <= _coverage(ranker, test) <= 0.97  # measured 0.86
     raw = LengthRanker(epochs=150, seed=0, calibration_share=0.0)
     raw.fit(*_pairs(train))
-    assert raw.calibration.scale == 1.0 and _coverage(raw, test) < 0.8  # measured 0.755
+    assert raw.online.calibration.scale == 1.0 and _coverage(raw, test) < 0.8  # measured 0.755
     # The final net trains on every prompt: the slice costs the ranking nothing.
     assert ranker.predict([p for p, _, _ in test]) == raw.predict([p for p, _, _ in test])
     with pytest.raises(ValueError, match="calibration_share 1"):
@@ -86,7 +86,7 @@ def test_learn_recalibrates_on_each_batch_before_learning_it():
     noise = {"a": 0.3, "b": 0.3}
     ranker = LengthRanker(seed=0)
     ranker.learn(*_pairs(_rows(60, noise, seed=30, samples=1)))
-    first_scale = ranker.calibration.scale
+    first_scale = ranker.online.calibration.scale
     covered = []  # coverage of each batch by what the ranker predicted before learning it
     for batch in range(10):
         rows = _rows(60, noise, seed=40 + batch, samples=1)
@@ -95,7 +95,10 @@ def test_learn_recalibrates_on_each_batch_before_learning_it():
     # Measured: 0.898 over the last 7 batches; without the recalibration 0.995.
     assert 0.8 <= sum(covered[3:]) / 7 <= 0.97
     # Measured: the scale falls from 2.31 to 1.10.
-    assert ranker.calibration.batches == 11 and ranker.calibration.scale < first_scale / 1.5
+    assert (
+        ranker.online.calibration.batches == 11
+        and ranker.online.calibration.scale < first_scale / 1.5
+    )
 
 
 def test_state_round_trip_keeps_the_distribution(tmp_path):
@@ -108,8 +111,8 @@ def test_state_round_trip_keeps_the_distribution(tmp_path):
     copy.load_state_dict(torch.load(path, weights_only=True))  # as checkpoints load
     prompts = [p for p, _, _ in _rows(20, noise, seed=5)]
     assert copy.predict_distribution(prompts) == ranker.predict_distribution(prompts)
-    assert copy.calibration.scale == ranker.calibration.scale != 1.0
-    assert list(copy.calibration.residuals) == list(ranker.calibration.residuals)
+    assert copy.online.calibration.scale == ranker.online.calibration.scale != 1.0
+    assert list(copy.online.calibration.residuals) == list(ranker.online.calibration.residuals)
 
 
 def test_a_state_saved_before_the_distribution_loads_as_a_point_head():
@@ -131,6 +134,6 @@ def test_a_state_saved_before_the_distribution_loads_as_a_point_head():
     assert loaded.features.context_buckets == 0
     assert loaded.predict(prompts) == pytest.approx(torch.exp(point).tolist())
     spreads = {d.sigma for d in loaded.predict_distribution(prompts)}
-    assert len(spreads) == 1 and loaded.calibration.scale == 1.0  # flat, not calibrated yet
+    assert len(spreads) == 1 and loaded.online.calibration.scale == 1.0  # flat, not calibrated yet
     loaded.learn(*_pairs(_rows(30, noise, seed=8)))  # the next batch calibrates it
-    assert loaded.calibration.residuals and loaded.linear is not None
+    assert loaded.online.calibration.residuals and loaded.linear is not None

@@ -30,7 +30,6 @@ import copy
 import math
 import random
 import time
-from collections import deque
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -45,15 +44,13 @@ from streamrl.components.skewness.backbone_model import (
     load_backbone,
     require_peft,
 )
-from streamrl.components.skewness.calibration import SpreadCalibration
 from streamrl.components.skewness.length_head import (
     LogLengths,
-    calibration_split,
     head_loss,
     spread,
     widen_point_head,
 )
-from streamrl.components.skewness.online_learning import OnlineLearning, fit_afresh
+from streamrl.components.skewness.online_learning import OnlineRanker
 from streamrl.errors import ConfigError
 from streamrl.records import Sample
 
@@ -61,7 +58,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 
-class BackboneLengthRanker(OnlineLearning):
+class BackboneLengthRanker(OnlineRanker):
     """Predicts output lengths with a LoRA-tuned causal LM; a ``DistributionalLengthPredictor``
     like ``LengthRanker`` (``learn`` online; ``fit``, ``update`` and ``refresh`` as well).
 
@@ -126,13 +123,14 @@ class BackboneLengthRanker(OnlineLearning):
         coverage: float = 0.9,
     ) -> None:
         peft = require_peft()
-        if not 0 <= calibration_share < 1:
-            raise ConfigError(
-                f"BackboneLengthRanker: calibration_share {calibration_share}; need 0 <= share "
-                "< 1 (0: calibrate only on later learn() calls)."
-            )
-        self.calibration_share = calibration_share
-        self.calibration = SpreadCalibration(coverage)
+        super().__init__(
+            buffer=buffer,
+            learn_epochs=learn_epochs,
+            refresh_epochs=refresh_epochs,
+            calibration_share=calibration_share,
+            coverage=coverage,
+            seed=seed,
+        )
         if pooling not in ("mean", "last"):
             raise ConfigError(f"BackboneLengthRanker: pooling {pooling!r}; use 'mean' or 'last'.")
         self.config = dict(
@@ -143,9 +141,7 @@ class BackboneLengthRanker(OnlineLearning):
         )
         self.epochs, self.batch_size, self.lr = epochs, batch_size, lr
         self.rank_weight, self.max_prompt_tokens, self.seed = rank_weight, max_prompt_tokens, seed
-        self.learn_epochs, self.refresh_epochs = learn_epochs, refresh_epochs
         self.device = torch.device(device)
-        self.recent: deque[tuple[str, int]] = deque(maxlen=buffer)
         self.train_s = 0.0
         base, self.tokenizer = load_backbone(backbone, tokenizer)
         check_targets(base, target_modules)
@@ -171,6 +167,11 @@ class BackboneLengthRanker(OnlineLearning):
         """The trained model, ``None`` until fitted (as ``LengthRanker.net``)."""
         return self.model if self._fitted else None
 
+    @property
+    def ready(self) -> bool:
+        """Whether it has been fitted (``predict`` works)."""
+        return self._fitted
+
     def trainable_parameters(self) -> dict[str, torch.nn.Parameter]:
         """The parameters that train: LoRA adapters and the length head."""
         return {n: p for n, p in self.model.named_parameters() if p.requires_grad}
@@ -179,31 +180,29 @@ class BackboneLengthRanker(OnlineLearning):
         self, prompts: Sequence[str], lengths: Sequence[int], epochs: int | None = None
     ) -> None:
         """Train adapters and head from their initial values on ``(prompt, length)`` pairs (a
-        prompt may come with several); with enough prompts, a first run without a held-out
-        ``calibration_share`` of them calibrates the spread on those (split conformal)."""
-        if len(prompts) != len(lengths) or len(prompts) < 2:
-            raise ValueError(
-                "BackboneLengthRanker.fit: need >= 2 prompts and one length per prompt."
-            )
-        started = time.perf_counter()
+        prompt may come with several); ``OnlineSchedule.fit`` (a held-out share calibrates the
+        spread). The log lengths are standardised on all of them."""
         logs = [math.log(max(int(n), 1)) for n in lengths]
-        mean = sum(logs) / len(logs)
-        std = math.sqrt(sum((v - mean) ** 2 for v in logs) / len(logs))
-        self._log_mean, self._log_std = mean, max(std, 1e-3)
-        distinct, targets = LogLengths.group(prompts, lengths)
-        train, held = calibration_split(distinct, targets, self.calibration_share, self.seed)
-        self.calibration.reset()
-        if held:
-            self.model.load_state_dict(self._initial, strict=False)
-            self._train([distinct[i] for i in train], targets.take(train), epochs or self.epochs)
-            self._fitted = True
-            held_logs = targets.take(held).logs
-            self.calibration.observe(*self._raw([distinct[i] for i in held]), held_logs)
+        if len(logs) == len(prompts) >= 2:  # else OnlineSchedule.fit says what is wrong
+            mean = sum(logs) / len(logs)
+            std = math.sqrt(sum((v - mean) ** 2 for v in logs) / len(logs))
+            self._log_mean, self._log_std = mean, max(std, 1e-3)
+        self.online.fit(self, prompts, lengths, epochs)
+
+    def train_afresh(self, prompts: list[str], targets: LogLengths, epochs: int | None) -> None:
+        """``RankerModel``: adapters and head from their initial values, trained on distinct
+        ``prompts``."""
+        started = time.perf_counter()
         self.model.load_state_dict(self._initial, strict=False)
-        self._train(distinct, targets, epochs or self.epochs)
+        self._train(prompts, targets, epochs or self.epochs)
         self._fitted = True
-        self.recent.extend(zip(prompts, (int(n) for n in lengths)))
-        self.train_s = time.perf_counter() - started
+        self.train_s += time.perf_counter() - started
+
+    def train_more(self, prompts: list[str], targets: LogLengths, epochs: int) -> None:
+        """``RankerModel``: adapters and head trained further on distinct ``prompts``."""
+        started = time.perf_counter()
+        self._train(prompts, targets, epochs)
+        self.train_s += time.perf_counter() - started
 
     def _batch(self, prompts: Sequence[str]) -> dict[str, torch.Tensor]:
         encoded = self.tokenizer(
@@ -236,7 +235,7 @@ class BackboneLengthRanker(OnlineLearning):
                 optimizer.step()
 
     @torch.no_grad()
-    def _raw(self, prompts: Sequence[str]) -> tuple[list[float], list[float]]:
+    def raw(self, prompts: Sequence[str]) -> tuple[list[float], list[float]]:
         """The head's ``mu`` and uncalibrated ``sigma`` of each prompt's log length."""
         if not self._fitted:
             raise RuntimeError(
@@ -263,20 +262,11 @@ class BackboneLengthRanker(OnlineLearning):
             epochs: passes over the recent buffer (each is ``len(buffer) / batch_size`` steps
                 through the backbone, so far costlier than a ``LengthRanker`` epoch).
         """
-        pairs = [(texts[s.prompt_id], s.length) for s in samples]
-        self.observe_held_out([p for p, _ in pairs], [n for _, n in pairs])
-        self.recent.extend(pairs)
-        self.refresh(epochs)
+        self.online.update(self, [(texts[s.prompt_id], s.length) for s in samples], epochs)
 
     def refresh(self, epochs: int = 1) -> None:
         """Fine-tune on the recent buffer (or fit from scratch if never fitted)."""
-        if not self._fitted:
-            fit_afresh(self, list(self.recent), None)
-            return
-        started = time.perf_counter()
-        distinct, targets = LogLengths.group(*zip(*self.recent))
-        self._train(distinct, targets, epochs)
-        self.train_s += time.perf_counter() - started
+        self.online.refresh(self, epochs)
 
     def _trainable_state(self) -> dict[str, torch.Tensor]:
         names = self.trainable_parameters()
@@ -290,8 +280,7 @@ class BackboneLengthRanker(OnlineLearning):
             "log_std": self._log_std,
             "fitted": self._fitted,
             "config": dict(self.config),
-            "recent": list(self.recent),
-            "calibration": self.calibration.state_dict(),
+            **self.online.state_dict(),  # recent buffer, calibration
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -319,8 +308,4 @@ class BackboneLengthRanker(OnlineLearning):
         self.model.load_state_dict(trainable, strict=False)
         self._log_mean, self._log_std = state["log_mean"], state["log_std"]
         self._fitted = state["fitted"]
-        self.recent.clear()
-        self.recent.extend(state["recent"])
-        self.calibration.reset()
-        if "calibration" in state:
-            self.calibration.load_state_dict(state["calibration"])
+        self.online.load_state_dict(state)

@@ -26,20 +26,17 @@ Examples:
 from __future__ import annotations
 
 import time
-from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
-from streamrl.components.skewness.calibration import SpreadCalibration
 from streamrl.components.skewness.length_head import (
     LogLengths,
-    calibration_split,
     spread,
 )
-from streamrl.components.skewness.online_learning import OnlineLearning, fit_afresh
+from streamrl.components.skewness.online_learning import OnlineRanker
 from streamrl.components.skewness.ranker_features import (
     CHAR_GRAMS,
     CONTEXT_BUCKETS,
@@ -74,13 +71,15 @@ __all__ = [
 NGRAM_STD_FLOOR = 1.0
 
 
-class LengthRanker(OnlineLearning):
+class LengthRanker(OnlineRanker):
     """Predicts each prompt's output length as a distribution (higher location: longer); a
     ``DistributionalLengthPredictor``.
 
     ``learn`` is the online entry point (``RolloutStream`` calls it); ``fit``, ``update`` and
-    ``refresh`` remain for offline training and benchmarks. Samples of the same prompt (a
-    group's ``G``) are read as one row: their spread is what the head's ``sigma`` learns.
+    ``refresh`` remain for offline training and benchmarks. When it trains and on what is its
+    ``online`` schedule (``OnlineSchedule``: the recent buffer, the epochs, the calibration).
+    Samples of the same prompt (a group's ``G``) are read as one row: their spread is what the
+    head's ``sigma`` learns.
 
     Args:
         hidden: MLP width.
@@ -135,23 +134,27 @@ class LengthRanker(OnlineLearning):
         coverage: float = 0.9,
         linear_l2: float = 10.0,
     ) -> None:
-        if not 0 <= calibration_share < 1:
-            raise ValueError(
-                f"LengthRanker: calibration_share {calibration_share}; need 0 <= share < 1 "
-                "(0: calibrate only on later learn() calls)."
-            )
+        super().__init__(
+            buffer=buffer,
+            learn_epochs=learn_epochs,
+            refresh_epochs=refresh_epochs,
+            calibration_share=calibration_share,
+            coverage=coverage,
+            seed=seed,
+        )
         self.hidden, self.epochs, self.lr = hidden, epochs, lr
         self.features = PromptFeatures(tokenizer, token_buckets, context_buckets)
         self.rank_weight, self.seed = rank_weight, seed
-        self.learn_epochs, self.refresh_epochs = learn_epochs, refresh_epochs
-        self.calibration_share = calibration_share
-        self.calibration = SpreadCalibration(coverage)
-        self.recent: deque[tuple[str, int]] = deque(maxlen=buffer)
         self.linear_l2 = linear_l2
         self.net: torch.nn.Module | None = None
         self.linear: torch.nn.Linear | None = None
         self._mean = self._std = None
         self.train_s = 0.0
+
+    @property
+    def ready(self) -> bool:
+        """Whether it has been fitted (``predict`` works)."""
+        return self.net is not None
 
     @property
     def tokenizer(self) -> Callable[[str], Mapping[str, list[int]]] | None:
@@ -177,25 +180,21 @@ class LengthRanker(OnlineLearning):
         self, prompts: Sequence[str], lengths: Sequence[int], epochs: int | None = None
     ) -> None:
         """Train from scratch on ``(prompt, output length)`` pairs of the policy (a prompt may
-        come with several).
+        come with several); ``OnlineSchedule.fit`` (a held-out share calibrates the spread)."""
+        self.online.fit(self, prompts, lengths, epochs)
 
-        With enough prompts, a first net trains without a held-out ``calibration_share`` of
-        them and calibrates the spread on those (split conformal); then the net is trained
-        again, the same way, on all of them (its spread scaled as the first net's needed).
-        """
-        if len(prompts) != len(lengths) or len(prompts) < 2:
-            raise ValueError("LengthRanker.fit: need >= 2 prompts and one length per prompt.")
+    def train_afresh(self, prompts: list[str], targets: LogLengths, epochs: int | None) -> None:
+        """``RankerModel``: new models, trained on distinct ``prompts`` (``epochs`` or the
+        constructor's)."""
         started = time.perf_counter()
-        distinct, targets = LogLengths.group(prompts, lengths)
-        train, held = calibration_split(distinct, targets, self.calibration_share, self.seed)
-        self.calibration.reset()
-        if held:
-            self._fit_net([distinct[i] for i in train], targets.take(train), epochs or self.epochs)
-            held_logs = targets.take(held).logs
-            self.calibration.observe(*self._raw([distinct[i] for i in held]), held_logs)
-        self._fit_net(distinct, targets, epochs or self.epochs)
-        self.recent.extend(zip(prompts, (int(n) for n in lengths)))
-        self.train_s = time.perf_counter() - started
+        self._fit_net(prompts, targets, epochs or self.epochs)
+        self.train_s += time.perf_counter() - started
+
+    def train_more(self, prompts: list[str], targets: LogLengths, epochs: int) -> None:
+        """``RankerModel``: the models trained further on distinct ``prompts``."""
+        started = time.perf_counter()
+        self._train(self._standardised(prompts), targets, epochs)
+        self.train_s += time.perf_counter() - started
 
     def _fit_net(self, prompts: list[str], targets: LogLengths, epochs: int) -> None:
         """New models, their features standardised on ``prompts``, trained on them."""
@@ -222,7 +221,7 @@ class LengthRanker(OnlineLearning):
         )
 
     @torch.no_grad()
-    def _raw(self, prompts: Sequence[str]) -> tuple[list[float], list[float]]:
+    def raw(self, prompts: Sequence[str]) -> tuple[list[float], list[float]]:
         """The ``mu`` and uncalibrated ``sigma`` of each prompt's log length."""
         if self.net is None:
             raise RuntimeError("LengthRanker.predict: not ready; call learn() or fit() first.")
@@ -239,20 +238,11 @@ class LengthRanker(OnlineLearning):
             texts: prompt text by ``prompt_id``.
             epochs: fine-tuning epochs over the recent buffer.
         """
-        pairs = [(texts[s.prompt_id], s.length) for s in samples]
-        self.observe_held_out([p for p, _ in pairs], [n for _, n in pairs])
-        self.recent.extend(pairs)
-        self.refresh(epochs)
+        self.online.update(self, [(texts[s.prompt_id], s.length) for s in samples], epochs)
 
     def refresh(self, epochs: int = 30) -> None:
         """Fine-tune on the recent buffer (or fit from scratch if never fitted)."""
-        if not self.ready:
-            fit_afresh(self, list(self.recent), None)
-            return
-        started = time.perf_counter()
-        distinct, targets = LogLengths.group(*zip(*self.recent))
-        self._train(self._standardised(distinct), targets, epochs)
-        self.train_s += time.perf_counter() - started
+        self.online.refresh(self, epochs)
 
     def state_dict(self) -> dict:
         return {
@@ -260,12 +250,11 @@ class LengthRanker(OnlineLearning):
             # Tensors, not numpy arrays: checkpoints load with torch.load(weights_only=True).
             "mean": None if self._mean is None else torch.from_numpy(self._mean),
             "std": None if self._std is None else torch.from_numpy(self._std),
-            "recent": list(self.recent),
+            **self.online.state_dict(),  # recent buffer, calibration
             "hidden": self.hidden,
             # Feature width: 0 without a tokenizer (then the loading ranker uses none either).
             "token_buckets": self.token_buckets if self.tokenizer is not None else 0,
             "context_buckets": self.features.context_buckets,
-            "calibration": self.calibration.state_dict(),
             "linear": None if self.linear is None else self.linear.state_dict(),
         }
 
@@ -287,11 +276,7 @@ class LengthRanker(OnlineLearning):
         self._mean, self._std, self.hidden = mean, std, state["hidden"]
         self.features.token_buckets = token_buckets
         self.features.context_buckets = state.get("context_buckets", 0)  # saved before them
-        self.recent.clear()
-        self.recent.extend(state["recent"])
-        self.calibration.reset()
-        if "calibration" in state:
-            self.calibration.load_state_dict(state["calibration"])
+        self.online.load_state_dict(state)
         if state["net"] is not None:
             self.net = load_mlp(state["net"], len(self._mean), self.hidden)
         self.linear = None

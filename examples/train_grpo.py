@@ -39,7 +39,7 @@ if __name__ == "__main__":  # generator instances are spawned processes: keep th
         )
         # §4.1: one-step async; each micro-batch trains the moment its samples have streamed in
         module = sr.build_module(
-            policy, algorithm, rollouts, iterations=args.iterations, mode="async"
+            policy, rollouts=rollouts, iterations=args.iterations, mode="async"
         )
         sr.build_trainer(module).fit(module)
     rewards = [h["rollout/reward"] for h in module.history]

@@ -38,7 +38,7 @@ if __name__ == "__main__":  # generator and reward workers are spawned processes
             service, prompts, tokenizer, algorithm, reward=reward, max_tokens=16, context=context
         )
         module = sr.build_module(
-            policy, algorithm, rollouts, iterations=args.iterations, mode="async"
+            policy, rollouts=rollouts, iterations=args.iterations, mode="async"
         )
         sr.build_trainer(module).fit(module)
     after = sr.evaluate(policy, tokenizer, heldout, score=score)

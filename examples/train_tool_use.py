@@ -38,7 +38,7 @@ if __name__ == "__main__":  # the generator instances are spawned processes
             sampler=runner,
         )
         module = sr.build_module(
-            policy, algorithm, rollouts, iterations=args.iterations, mode="async"
+            policy, rollouts=rollouts, iterations=args.iterations, mode="async"
         )
         sr.build_trainer(module).fit(module)
     after = sr.evaluate_episodes(policy, tokenizer, env, heldout, **turns)

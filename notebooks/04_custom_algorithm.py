@@ -153,7 +153,7 @@ if __name__ == "__main__":
             max_tokens=64,
             context=policy.config.max_position_embeddings,
         )
-        module = build_module(policy, algorithm, rollouts, iterations=ITERATIONS, lr=1e-4)
+        module = build_module(policy, rollouts=rollouts, iterations=ITERATIONS, lr=1e-4)
         build_trainer(module, show_progress=not SMALL).fit(module)
     rewards = [h["rollout/reward"] for h in module.history]
     print(

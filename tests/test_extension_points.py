@@ -123,7 +123,8 @@ def test_custom_parts_from_python_through_the_builders(tmp_path, tokenizer):
             max_tokens=8,
             context=256,
         )
-        module = build_module(policy, algorithm, rollouts, iterations=2, lr=1e-3)
+        module = build_module(policy, rollouts=rollouts, iterations=2, lr=1e-3)
+        assert module.algorithm is algorithm  # given once, to the stream: it scores and trains
         build_trainer(module, show_progress=False).fit(module)
     assert sorted(p.name for p in markers.iterdir()) == ["instance-0", "instance-1"]
     assert algorithm.groups_scored == 2 * 4 and dispatcher.plans == 2

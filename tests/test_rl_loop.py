@@ -15,7 +15,7 @@ from streamrl.components.generation.worker import fingerprint
 from streamrl.components.skewness.schedulers import LPTScheduler
 from streamrl.policy.models import build_tiny_model, save_policy
 from streamrl.tasks import make_prompt_set, partial_credit
-from streamrl.training.builders import build_trainer
+from streamrl.training.builders import build_module, build_trainer
 from streamrl.training.module import StreamRLModule
 from streamrl.training.prompts import PromptSource
 from streamrl.training.rollout import RolloutStream
@@ -146,6 +146,8 @@ def test_the_algorithm_that_scores_is_the_one_that_trains(tokenizer):
     scoring.algorithm = GRPO(group_size=4)  # the same class, another object: which options?
     with pytest.raises(ValueError, match="pass the same object"):
         StreamRLModule(policy, grpo, scoring, iterations=1)
+    with pytest.raises(ValueError, match="pass the rollout stream"):
+        build_module(policy, iterations=1)  # no stream, no algorithm
 
 
 def test_grpo_iterations_with_two_generator_processes(tmp_path, tokenizer):
@@ -212,7 +214,7 @@ def test_ranker_dispatch_and_lpt_wired_into_the_loop(tmp_path, tokenizer):
         trainer.fit(module)
     # Refreshed from the policy's samples right after the next dispatch: iterations 0 and 1
     # (the last iteration's samples wait for a dispatch that never comes).
-    assert ranker.net is not None and len(ranker.recent) == 2 * 10 * 2
+    assert ranker.net is not None and len(ranker.online.recent) == 2 * 10 * 2
     assert len(dispatcher.recent) == 2 * 10 * 2  # the length distribution D follows the policy
     n_long, n_regular = dispatcher.last_split
     assert n_long >= 1 and n_long + n_regular == 2  # once scored, a tail pool is isolated

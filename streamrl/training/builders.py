@@ -15,7 +15,7 @@ Examples:
             rollouts = RolloutStream(service, PromptSource(prompts, 16), tokenizer, algorithm,
                                      reward=partial_credit, max_tokens=64, context=128,
                                      ranker=LengthRanker())
-            module = build_module(policy, algorithm, rollouts, iterations=30, mode="async")
+            module = build_module(policy, rollouts=rollouts, iterations=30, mode="async")
             build_trainer(module).fit(module)
 """
 
@@ -66,8 +66,8 @@ def measure_latency(
 
 def build_module(
     policy: PreTrainedModel,
-    algorithm: Algorithm,
-    rollouts: RolloutStream | None,
+    algorithm: Algorithm | None = None,
+    rollouts: RolloutStream | None = None,
     *,
     iterations: int,
     mode: Mode = "sync",
@@ -98,7 +98,9 @@ def build_module(
 
     Args:
         policy: the causal LM to train (its float32 master weights).
-        algorithm: scores samples and computes the loss.
+        algorithm: scores samples and computes the loss: the rollout stream's, given once
+            (``None``: ``rollouts.algorithm``; another object is refused). FSDP ranks > 0,
+            without a stream, pass it.
         rollouts: the sample stream; ``None`` on FSDP ranks > 0, which receive their share
             from rank 0.
         iterations: optimizer steps (one per RL iteration).
@@ -137,6 +139,13 @@ def build_module(
     directory once placed (``StreamRLModule.configure_model``: each rank its own shards), and
     its reference is built the same way, never copied.
     """
+    if algorithm is None:
+        if rollouts is None:
+            raise ValueError(
+                "build_module: pass the rollout stream (its algorithm scores and trains) or, "
+                "on a trainer rank without one, the algorithm."
+            )
+        algorithm = rollouts.algorithm
     bound = staleness_bound_of(mode, staleness_bound)
     if rollouts is not None:
         service_temperature = rollouts.service.temperature

@@ -162,7 +162,7 @@ class StreamRLModule(L.LightningModule):
             raise ValueError(
                 f"{type(algorithm).__name__} needs a frozen reference policy (its KL penalty: "
                 "needs_reference), and none was given: build the module with "
-                "streamrl.build_module(policy, algorithm, rollouts, iterations), which makes it, "
+                "streamrl.build_module(policy, rollouts=rollouts, iterations=...), which makes it, "
                 "or pass reference=streamrl.components.training.reference.reference_policy("
                 "policy, True). Without it the KL term would be silently left out."
             )

@@ -492,3 +492,22 @@ def test_a_mixture_of_experts_takes_new_weights_in_place(tmp_path):
         assert _moe_decode(generator, requests) == before
     finally:
         generator.close()
+
+
+def test_routed_experts_ask_vllm_for_model_runner_v2_and_prefix_caching(monkeypatch, policy_dir):
+    """What a GPU engine with routed experts is started with, read without starting one:
+    vLLM's aux output on, prefix caching on (it needs both), Model Runner V2 chosen; and V1
+    without them. (``engine_args`` on the CPU build; the engine itself needs CUDA.)"""
+    from transformers import AutoConfig
+
+    from streamrl.components.generation.vllm_engine_start import engine_args
+
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")  # restored after the test
+    config = AutoConfig.from_pretrained(policy_dir)
+    common = dict(device="cpu", max_batch_size=4, seed=0, detokenize=False)
+    routed = engine_args(policy_dir, config, routed_experts=True, **common)
+    assert routed["enable_return_routed_experts"] and routed["enable_prefix_caching"]
+    assert os.environ["VLLM_USE_V2_MODEL_RUNNER"] == "1"
+    plain = engine_args(policy_dir, config, routed_experts=False, **common)
+    assert not plain["enable_return_routed_experts"] and not plain["enable_prefix_caching"]
+    assert os.environ["VLLM_USE_V2_MODEL_RUNNER"] == "0"

@@ -371,3 +371,28 @@ def test_on_cuda_the_trainer_takes_vllms_own_nccl_engine_packed_and_double_buffe
     assert info.master_address == "127.0.0.1" and 0 < info.master_port < 65536
     with pytest.raises(ValueError, match="Unknown weight-transfer backend 'ipc'"):
         trainer_engine(WireSource(dict().items), client, backend="ipc")
+
+
+def test_the_experts_are_prepacked_again_after_a_reload_on_the_cpu_only(monkeypatch):
+    """``reprocess_cpu_layouts`` re-runs the CPU experts' prepack on vLLM's CPU build and
+    leaves a mixture of experts alone elsewhere (CUDA's layerwise reload redoes its own layout;
+    the platform faked here), never importing the CPU kernels there."""
+    from types import SimpleNamespace
+
+    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+    from vllm.platforms import current_platform
+
+    from streamrl.components.weights.vllm_protocol import reprocess_cpu_layouts
+
+    prepacked = []
+    experts = object.__new__(CPUUnquantizedExperts)
+    experts.moe_config = SimpleNamespace(intermediate_size_per_partition=64, activation=None)
+    experts.process_weights_after_loading = prepacked.append
+    layer = torch.nn.Module()
+    layer.quant_method = SimpleNamespace(moe_kernel=SimpleNamespace(fused_experts=experts))
+    model = torch.nn.Sequential(layer)
+    reprocess_cpu_layouts(model)
+    assert prepacked == [layer]
+    monkeypatch.setattr(current_platform, "is_cpu", lambda: False)
+    reprocess_cpu_layouts(model)
+    assert prepacked == [layer]  # not again off the CPU

@@ -90,7 +90,7 @@ class OnlineRanker:
 
     def predict(self: RankerModel, prompts: Sequence[str]) -> list[float]:
         """Predicted median output lengths (tokens) of ``prompts``; their order is what matters."""
-        return self.online.predict(self, prompts)
+        return [math.exp(mu) for mu in self.raw(prompts)[0]]
 
     def predict_distribution(self: RankerModel, prompts: Sequence[str]) -> list[LengthDistribution]:
         """Each prompt's length distribution, its spread calibrated
@@ -141,10 +141,6 @@ class OnlineSchedule:
         self.calibration = SpreadCalibration(coverage)
         #: Finished ``(prompt, output length)`` pairs, the most recent ones.
         self.recent: deque[tuple[str, int]] = deque(maxlen=buffer)
-
-    def predict(self, model: RankerModel, prompts: Sequence[str]) -> list[float]:
-        """Predicted median output lengths (tokens) of ``prompts``."""
-        return [math.exp(mu) for mu in model.raw(prompts)[0]]
 
     def predict_distribution(
         self, model: RankerModel, prompts: Sequence[str]

@@ -190,15 +190,20 @@ def reprocess_cpu_layouts(model: torch.nn.Module) -> None:
         RuntimeError: a CPU mixture of experts whose intermediate size vLLM pads (its padding
             is not redone on a reload).
     """
-    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
     from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
+    from vllm.platforms import current_platform
 
+    cpu_experts: type | tuple[type, ...] = ()  # on CUDA its layerwise reload redoes the layout
+    if current_platform.is_cpu():
+        from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+
+        cpu_experts = CPUUnquantizedExperts
     for module in model.modules():
         if isinstance(module, ParallelLMHead):
             module.quant_method.process_weights_after_loading(module)
         kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
         experts = getattr(kernel, "fused_experts", None)
-        if isinstance(experts, CPUUnquantizedExperts):
+        if isinstance(experts, cpu_experts):
             config = experts.moe_config
             if experts._padded_intermediate_size(config) != config.intermediate_size_per_partition:
                 raise RuntimeError(

@@ -198,7 +198,10 @@ def fit_config(work: Path, device: str) -> Path:
             "generators": 1,
             "gpus": 1 if cuda else 0,
             "share_trainer_gpus": cuda,
-            "engine": {"name": "hf", "dtype": "bfloat16" if cuda else "float32"},
+            "engine": {
+                "class_path": "hf",
+                "init_args": {"dtype": "bfloat16" if cuda else "float32"},
+            },
             "max_batch_size": 8,
             "temperature": 1.0,
             "max_tokens": 512 if cuda else 32,

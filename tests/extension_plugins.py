@@ -28,19 +28,21 @@ def quarter_or_half(completion: str, answer: str) -> float:
 
 
 class SignGRPO(GRPO):
-    """GRPO with sign advantages (+1 above the group mean, -1 below); counts the groups."""
+    """GRPO with sign advantages (+1 more than ``margin`` above the group mean, -1 as far
+    below, else 0); counts the groups."""
 
-    def __init__(self, **options) -> None:
+    def __init__(self, *, margin: float = 0.0, **options) -> None:
         super().__init__(**options)
+        self.margin = margin
         self.groups_scored = 0
 
     def score_group(self, rewards: Sequence[float]) -> list[float]:
         self.groups_scored += 1
         mean = sum(rewards) / len(rewards)
-        return [float((r > mean) - (r < mean)) for r in rewards]
+        return [float((r > mean + self.margin) - (r < mean - self.margin)) for r in rewards]
 
     def state_dict(self) -> dict:
-        return {"groups_scored": self.groups_scored}
+        return {"groups_scored": self.groups_scored, "margin": self.margin}
 
     def load_state_dict(self, state: dict) -> None:
         self.groups_scored = state["groups_scored"]
@@ -72,7 +74,7 @@ class LastInstanceDispatcher:
         return [self.cap] * instances
 
     def state_dict(self) -> dict:
-        return {"plans": self.plans, "observed": self.observed}
+        return {"plans": self.plans, "observed": self.observed, "cap": self.cap}
 
     def load_state_dict(self, state: dict) -> None:
         self.plans, self.observed = state["plans"], state["observed"]

@@ -178,8 +178,13 @@ def test_engine_and_cluster_checks_name_the_missing_package_or_the_reason(monkey
         make_cluster("ray").check(0)
     with pytest.raises(ConfigError, match=r"Unknown cluster 'rey' \(did you mean 'ray'\?\)"):
         make_cluster("rey")
-    assert isinstance(make_cluster({"name": "ray", "address": "auto"}), RayCluster)
-    assert make_cluster({"name": "ray", "address": "auto"}).options.address == "auto"
+    assert isinstance(
+        make_cluster({"class_path": "ray", "init_args": {"address": "auto"}}), RayCluster
+    )
+    assert (
+        make_cluster({"class_path": "ray", "init_args": {"address": "auto"}}).options.address
+        == "auto"
+    )
     with pytest.raises(ConfigError, match="gpus must be >= 0"):
         local.check(-1)
 
@@ -238,10 +243,10 @@ def test_fp8_generation_is_passed_to_vllm_on_gpus_and_refused_off_them(monkeypat
     made.clear()
     VLLMEngine()(spec_for(policy_dir), FIFOScheduler())
     assert "quantization" not in made
-    engine = {"name": "vllm", "quantization": "fp8"}
+    engine = {"class_path": "vllm", "init_args": {"quantization": "fp8"}}
     assert run_correction(RLConfig(engine=engine)) == "seq_mask"
     assert run_correction(
-        RLConfig(engine={"name": "vllm", "options": {"quantization": "fp8"}})
+        RLConfig(engine={"class_path": "vllm", "init_args": {"options": {"quantization": "fp8"}}})
     ) == ("seq_mask")
     assert run_correction(RLConfig(engine=engine, correction="icepop")) == "icepop"
     assert run_correction(RLConfig(engine="vllm")) == run_correction(RLConfig()) == "decoupled"
@@ -317,4 +322,4 @@ def test_routed_experts_from_vllm_on_gpus_are_what_samples_carry(monkeypatch, po
     assert run_routing_replay(RLConfig(engine="vllm", gpus=1)) is None
     assert run_routing_replay(RLConfig(engine="hf")) is None
     with pytest.raises(ConfigError, match="vLLM's CPU build returns no routed experts"):
-        run_routing_replay(RLConfig(engine={"name": "vllm"}, routing_replay=True))
+        run_routing_replay(RLConfig(engine={"class_path": "vllm"}, routing_replay=True))

@@ -68,7 +68,7 @@ def test_dotted_overrides_reach_the_config(fit):
         "--rl.dispatcher",
         "round_robin",
         "--rl.algorithm",
-        "{name: grpo, clip_eps_high: 0.28}",
+        "{class_path: grpo, init_args: {clip_eps_high: 0.28}}",
         "--rl.length_predictor",
         "null",
         "--seed",
@@ -78,8 +78,15 @@ def test_dotted_overrides_reach_the_config(fit):
     )
     assert config.rl.lr == 3e-5 and isinstance(config.rl.lr, float)
     assert config.data.tasks == ["copy", "rev"]
-    assert config.rl.dispatcher == "round_robin"
-    assert config.rl.algorithm == {"name": "grpo", "clip_eps_high": 0.28}
+    # Each swappable part is held as LightningCLI's class_path + init_args, the full path.
+    assert config.rl.dispatcher == {
+        "class_path": "streamrl.components.skewness.dispatch.RoundRobinDispatcher",
+        "init_args": {},
+    }
+    assert config.rl.algorithm == {
+        "class_path": "streamrl.algorithms.grpo.GRPO",
+        "init_args": {"clip_eps_high": 0.28},
+    }
     assert config.rl.length_predictor is None
     assert config.seed == 3 and config.rl.elastic is True
     # Everything not overridden keeps its default.
@@ -89,7 +96,7 @@ def test_dotted_overrides_reach_the_config(fit):
         expected.rl,
         lr=3e-5,
         dispatcher="round_robin",
-        algorithm={"name": "grpo", "clip_eps_high": 0.28},
+        algorithm={"class_path": "grpo", "init_args": {"clip_eps_high": 0.28}},
         length_predictor=None,
         elastic=True,
     )
@@ -146,16 +153,23 @@ def test_print_config_writes_the_defaults_that_load_back(fit, tmp_path, capsys):
 
 def test_print_config_resolves_files_and_overrides(fit, tmp_path, capsys):
     base = tmp_path / "base.yaml"
-    base.write_text("rl: {iterations: 5, dispatcher: {name: skew, objective: sum}}\n")
+    base.write_text(
+        "rl: {iterations: 5, dispatcher: {class_path: skew, init_args: {objective: sum}}}\n"
+    )
     argv = ["--config", str(base), "--rl.lr", "3e-5", "--rl.length_predictor", "null"]
     code, calls = fit(*argv, "--print_config")
     assert code == 0 and not calls
     path = tmp_path / "resolved.yaml"
-    path.write_text(capsys.readouterr().out)
+    path.write_text(text := capsys.readouterr().out)
     resolved = load_config(path)
     assert resolved == fitted(fit, *argv)
     assert resolved.rl.lr == 3e-5 and resolved.rl.iterations == 5
-    assert resolved.rl.dispatcher == {"name": "skew", "objective": "sum"}
+    assert resolved.rl.dispatcher == {
+        "class_path": "streamrl.components.skewness.skew_dispatch.SkewAwareDispatcher",
+        "init_args": {"objective": "sum"},
+    }
+    # Written out as LightningCLI writes a class: its full import path and its arguments.
+    assert "dispatcher:\n    class_path: streamrl.components.skewness.skew_dispatch." in text
     assert resolved.rl.length_predictor is None
 
 

@@ -18,10 +18,13 @@ from streamrl.run.config_file import from_dict
 from streamrl.run.parts import check_parts
 
 TESTS = Path(__file__).resolve().parent
-PLUGINS = {
-    "algorithm": "extension_plugins:SignGRPO",
+PLUGINS = {  # LightningCLI's form: the import path and the constructor's own arguments
+    "algorithm": {"class_path": "extension_plugins.SignGRPO", "init_args": {"margin": 0.1}},
     "reward": "extension_plugins:quarter_or_half",
-    "dispatcher": {"name": "extension_plugins:LastInstanceDispatcher", "cap": 3},
+    "dispatcher": {
+        "class_path": "extension_plugins.LastInstanceDispatcher",
+        "init_args": {"cap": 3},
+    },
     "length_predictor": None,
 }
 
@@ -64,7 +67,10 @@ def test_custom_parts_from_yaml_run_in_a_real_fit_and_in_the_simulator(tmp_path,
 
     markers = tmp_path / "markers"
     markers.mkdir()
-    engine = {"name": "extension_plugins:MarkingEngine", "marker_dir": str(markers)}
+    engine = {
+        "class_path": "extension_plugins.MarkingEngine",
+        "init_args": {"marker_dir": str(markers)},
+    }
     yaml_file = tmp_path / "run.yaml"
     yaml_file.write_text(yaml.safe_dump(small_run_values(tmp_path, engine=engine, **PLUGINS)))
 
@@ -86,8 +92,10 @@ def test_custom_parts_from_yaml_run_in_a_real_fit_and_in_the_simulator(tmp_path,
     state = torch.load(Path(config.output_dir) / "checkpoints" / "last.ckpt", weights_only=False)[
         "streamrl"
     ]
-    assert state["algorithm"] == {"groups_scored": 2 * 4}  # SignGRPO scored every group
+    # SignGRPO scored every group, with its own argument from init_args.
+    assert state["algorithm"] == {"groups_scored": 2 * 4, "margin": 0.1}
     assert state["dispatcher"]["plans"] == 2  # one plan per iteration
+    assert state["dispatcher"]["cap"] == 3  # its own argument, from init_args
     assert state["dispatcher"]["observed"] == 4 * 2  # iteration 0's lengths, at the refresh
     metrics = next((Path(config.output_dir) / "logs").rglob("metrics.csv"))
     rewards = [float(r["rollout/reward"]) for r in csv.DictReader(metrics.open())]
@@ -150,14 +158,77 @@ def test_custom_parts_from_python_through_the_builders(tmp_path, tokenizer):
             r"rl.dispatcher: .*needs \['marker_dir'\]",
         ),
         (
-            {"dispatcher": {"name": "extension_plugins:LastInstanceDispatcher", "cop": 3}},
-            r"takes no option\(s\) \['cop'\]",
+            {"dispatcher": {"name": "extension_plugins:LastInstanceDispatcher", "cap": 3}},
+            r"rl.dispatcher: \{name: ...\} has become \{class_path, init_args\}: write "
+            r"\{class_path: 'extension_plugins:LastInstanceDispatcher', init_args: \{cap: 3\}\}\.",
         ),
-        ({"dispatcher": {"cap": 3}}, r"rl.dispatcher: a mapping needs a 'name'"),
+        (  # a misspelled argument of a class given by class_path: named, with a suggestion
+            {
+                "algorithm": {
+                    "class_path": "extension_plugins.LastInstanceDispatcher",
+                    "init_args": {"cop": 3},
+                }
+            },
+            r"rl.algorithm: .*takes no option\(s\) \['cop'\] \(did you mean 'cap'\?\)",
+        ),
+        (
+            {"dispatcher": {"class_path": "extension_plugins.LastInstanceDispatcher", "cap": 3}},
+            r"rl.dispatcher: Unknown key 'cap'.*A class's arguments go under init_args",
+        ),
+        (
+            {"dispatcher": {"class_path": "skew", "init_arg": {"alpha": 0.3}}},
+            r"Unknown key 'init_arg' \(did you mean 'init_args'\?\)",
+        ),
+        (
+            {"dispatcher": {"class_path": "extension_plugins.LastInstanceDispatcherr"}},
+            r"Unknown name 'LastInstanceDispatcherr'.*did you mean 'LastInstanceDispatcher'",
+        ),
+        (
+            {"dispatcher": {"class_path": "skew", "init_args": {"alhpa": 0.3}}},
+            r"did you mean 'alpha'",
+        ),
+        ({"dispatcher": {"cap": 3}}, r"rl.dispatcher: a mapping needs a 'class_path'"),
         ({"engine": "extension_plugins:quarter_or_half"}, r"rl.engine: .*needs"),
         ({"scheduler": "extension_plugins:quarter_or_half"}, r"rl.scheduler"),
     ],
 )
 def test_a_wrong_reference_fails_before_work_with_the_reason(tmp_path, rl, message):
-    with pytest.raises(ConfigError, match=message):
+    with pytest.raises(ConfigError, match=message):  # when the config is made, or checked
         check_parts(small_run(tmp_path, **rl).rl)
+
+
+def test_print_config_writes_your_parts_as_class_paths_that_run_unchanged(tmp_path, capsys):
+    """``fit --print_config > a.yaml; fit --config a.yaml`` is the same run, your own parts
+    written out with their full import path and arguments (and any spelling of a part is one
+    config: a short name, ``module:Name``, ``module.Name`` or class_path + init_args)."""
+    import streamrl.run.jobs
+    from streamrl.cli.main import main
+    from streamrl.run.config_file import load_config
+
+    spelled = small_run_values(tmp_path, **PLUGINS)
+    spelled["rl"]["dispatcher"] = {  # module:Name in class_path, as resolve also reads
+        "class_path": "extension_plugins:LastInstanceDispatcher",
+        "init_args": {"cap": 3},
+    }
+    spelled["rl"]["scheduler"] = "fifo"
+    original = tmp_path / "run.yaml"
+    original.write_text(yaml.safe_dump(spelled))
+    assert main(["fit", "--config", str(original), "--print_config=comments"]) == 0
+    printed = capsys.readouterr().out
+    assert "  dispatcher:\n    class_path: extension_plugins.LastInstanceDispatcher\n" in printed
+    assert "    init_args: {cap: 3}\n" in printed
+    assert "# init_args: LastInstanceDispatcher(max_batch_size, cap=4) (from_run" in printed
+    assert "class_path: streamrl.components.skewness.schedulers.FIFOScheduler" in printed
+    written = tmp_path / "printed.yaml"
+    written.write_text(printed)
+    assert load_config(written) == load_config(original)
+
+    runs = []
+    monkeypatch = pytest.MonkeyPatch()
+    monkeypatch.setattr(streamrl.run.jobs, "run_fit", lambda c, **_: runs.append(c) or {})
+    try:
+        assert main(["fit", "--config", str(written)]) == 0
+        assert main(["fit", "--config", str(original)]) == 0
+    finally:
+        monkeypatch.undo()
+    assert runs[0] == runs[1] and runs[0].rl.dispatcher["init_args"] == {"cap": 3}

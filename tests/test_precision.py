@@ -189,7 +189,7 @@ def test_fit_with_generators_in_bf16_and_two_trainer_ranks(fit_small):
     sent to rank 0) in bfloat16, received and loaded; every token corrected for the gap."""
     summary = fit_small(
         generators=2,
-        engine={"name": "hf", "dtype": "bfloat16"},
+        engine={"class_path": "hf", "init_args": {"dtype": "bfloat16"}},
         trainer={"devices": 2},
     )
     assert summary["trainer"]["ranks"] == 2 and summary["iterations"] == 2

@@ -365,7 +365,8 @@ def test_bad_settings_say_what_to_pass(kwargs, message):
 
 def test_the_hf_engine_builds_a_speculating_generator(tmp_path, tok):
     settings = SpeculativeDecoding(draft_tokens=3, max_running=2)
-    # YAML gives the fields as a mapping: rl.engine: {name: hf, speculative: {...}}
+    # YAML gives the fields as a mapping:
+    # rl.engine: {class_path: hf, init_args: {speculative: {...}}}
     assert HFEngine(speculative={"draft_tokens": 3, "max_running": 2}).speculative == settings
     with pytest.raises(ConfigError, match="its fields are draft_tokens"):
         HFEngine(speculative={"draft": 3})
@@ -442,13 +443,15 @@ def test_yaml_turns_speculation_on_through_the_engine_options(tmp_path):
 
     def check(options: str):
         path = tmp_path / "c.yaml"
-        path.write_text(f"rl:\n  engine: {{name: hf, speculative: {options}}}\n")
+        path.write_text(
+            f"rl:\n  engine: {{class_path: hf, init_args: {{speculative: {options}}}}}\n"
+        )
         config = load_config(path)
         check_parts(config.rl, placement_of(config))
         return config
 
     config = check("{draft_tokens: 3, max_running: 2}")
-    assert config.rl.engine["speculative"] == {"draft_tokens": 3, "max_running": 2}
+    assert config.rl.engine["init_args"]["speculative"] == {"draft_tokens": 3, "max_running": 2}
     with pytest.raises(ConfigError, match="its fields are draft_tokens"):
         check("{draft: 3}")
     with pytest.raises(ConfigError, match="min_ngram <= max_ngram"):

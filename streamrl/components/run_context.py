@@ -21,6 +21,7 @@ Examples:
 
 from __future__ import annotations
 
+import difflib
 import inspect
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -29,7 +30,7 @@ from typing import Any
 from streamrl.components.skewness.latency import LatencyModel
 from streamrl.errors import ConfigError
 from streamrl.policy.lora import LoRASpec
-from streamrl.runtime.references import construct
+from streamrl.runtime.references import check_options, construct
 
 
 @dataclass
@@ -85,11 +86,21 @@ def build_from_run(
     try:
         inspect.signature(factory.from_run).bind(run, **options)
     except TypeError as err:
+        known = [*inspect.signature(factory.from_run).parameters, *_parameters(factory)]
+        close = [difflib.get_close_matches(str(k), known, n=1) for k in options]
+        hints = [f"{k!r}: did you mean {c[0]!r}?" for k, c in zip(options, close) if c]
         raise ConfigError(
             f"{where}: {getattr(factory, '__qualname__', factory)}.from_run(run, **options) "
-            f"does not take the options {dict(options)}: {err}."
+            f"does not take the options {dict(options)}: {err}{' (' if hints else ''}"
+            f"{'; '.join(hints)}{')' if hints else ''}."
         ) from None
     # ``from_run`` passes the options on to the constructor: an unknown one fails here, by name.
-    filled = {name: None for name in inspect.signature(factory).parameters}
-    construct(factory, provided=filled, options=options, where=where, call=False)
+    check_options(factory, options, where=where)
     return factory.from_run(run, **options)
+
+
+def _parameters(factory: Callable[..., Any]) -> list[str]:
+    try:
+        return list(inspect.signature(factory).parameters)
+    except ValueError:  # no signature to read
+        return []

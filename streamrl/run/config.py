@@ -121,11 +121,16 @@ class WarmStartConfig:
 class RLConfig:
     """The disaggregated RL loop.
 
+    The swappable parts (``algorithm``, ``engine``, ``cluster``, ``dispatcher``, ``scheduler``,
+    ``length_predictor``) take a built-in's short name, your class's import path
+    (``package.module.Name``) or ``{class_path: ..., init_args: {...}}`` with its constructor's
+    arguments, and are held in that last form (``streamrl.run.swappable``).
+
     Attributes:
         algorithm: ``"grpo"``, ``"rloo"``, ``"reinforce++"``, ``"reinforce++-baseline"``, ``"ppo"``,
-            ``"dapo"`` (docs/algorithms.md) or your ``Algorithm`` subclass as
-            ``package.module:Name``; a mapping ``{name: ..., option: value}`` passes options to
-            it (``streamrl.run.parts``).
+            ``"dapo"`` (docs/algorithms.md) or your ``Algorithm`` subclass
+            (``package.module.Name``); ``{class_path: dapo, init_args: {clip_eps_high: 0.3}}``
+            passes arguments to its constructor.
         mode: ``"sync"`` (each step trains on samples of the current weights, as they stream
             in), ``"async"`` (StreamRL's one-step asynchronous mode: the next step's samples are
             generated while this step trains; a sample is at most one weight version stale) or
@@ -135,12 +140,13 @@ class RLConfig:
         group_size: samples per prompt.
         generators: generator instances (one process or Ray actor each).
         engine: the generation engine: ``"hf"`` (continuous batching on ``transformers``),
-            ``"vllm"`` (vLLM's engine; the ``[vllm]`` extra; ``{name: vllm, options: {...}}``
-            passes engine arguments) or your ``GenerationEngine`` as ``package.module:Name``.
+            ``"vllm"`` (vLLM's engine; the ``[vllm]`` extra; ``{class_path: vllm, init_args:
+            {options: {...}}}`` passes engine arguments) or your ``GenerationEngine``
+            (``package.module.Name``).
         cluster: where generator instances run: ``"local"`` (processes of this machine),
             ``"ray"`` (Ray actors on the cluster ``RAY_ADDRESS`` names, or a local one; the
-            ``[ray]`` extra; ``{name: ray, address: ..., num_cpus: ...}`` passes
-            ``RayOptions``), or your ``Cluster`` as ``package.module:Name``.
+            ``[ray]`` extra; ``{class_path: ray, init_args: {address: ..., num_cpus: ...}}``
+            passes ``RayOptions``), or your ``Cluster`` (``package.module.Name``).
         gpus: GPUs per generator instance; 0 generates on the CPU. More than one: the vLLM
             engine runs that many tensor-parallel ranks (``tensor_parallel_size``).
         sites: the site (datacenter) of each generator instance, in order, e.g. ``[home, cloud,
@@ -332,6 +338,15 @@ class RLConfig:
     lora_target_modules: list[str] = field(
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"]
     )
+
+    def __post_init__(self) -> None:
+        """Hold each swappable part in one spelling, ``{class_path, init_args}`` with the full
+        import path (``streamrl.run.swappable``): a reference that does not import, or an
+        unknown name, fails here, before any work."""
+        from streamrl.run.swappable import SWAPPABLE, canonical
+
+        for key in SWAPPABLE:
+            setattr(self, key, canonical(key, getattr(self, key)))
 
 
 @dataclass

@@ -10,11 +10,11 @@ import importlib.util
 import os
 import sys
 import tempfile
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from streamrl.components.generation.clusters import LocalCluster, make_cluster
+from streamrl.components.generation.engines import VLLMEngine
 from streamrl.components.generation.timeouts import Timeouts
 from streamrl.components.weights.transport import TRANSPORTS, make_transport
 from streamrl.errors import ConfigError, unknown_name
@@ -22,6 +22,7 @@ from streamrl.policy.model_dir import check_model_dir
 from streamrl.rewards.spec import RewardSpec, check_reward_packages
 from streamrl.run.config import DataConfig, RLConfig, RunConfig
 from streamrl.run.memory_checks import check_memory
+from streamrl.run.swappable import factory_and_args
 from streamrl.runtime.cores import usable_cores
 from streamrl.runtime.devices import Placement, resolve_placement
 from streamrl.tasks.families import FAMILIES
@@ -298,11 +299,11 @@ def check_rl(rl: RLConfig) -> None:
 
 def run_correction(rl: RLConfig) -> str | dict[str, Any]:
     """``rl.correction``, or when it is unset the default: ``seq_mask`` when the generators
-    quantize to FP8 (``rl.engine: {name: vllm, quantization: fp8}``: their log-probs are
-    further from the trainer's), ``decoupled`` otherwise."""
+    quantize to FP8 (``rl.engine: {class_path: vllm, init_args: {quantization: fp8}}``: their
+    log-probs are further from the trainer's), ``decoupled`` otherwise."""
     if rl.correction is not None:
         return rl.correction
-    engine = _engine_settings(rl)
+    engine = rl.engine["init_args"]
     options = engine.get("options") or {}
     fp8 = "fp8" in (engine.get("quantization"), options.get("quantization"))
     return "seq_mask" if fp8 else "decoupled"
@@ -317,7 +318,8 @@ def run_routing_replay(rl: RLConfig) -> bool | None:
     Raises:
         ConfigError: replay asked of vLLM generators without GPUs.
     """
-    on_vllm_cpu = _engine_settings(rl).get("name") == "vllm" and rl.gpus == 0
+    engine, _ = factory_and_args("engine", rl.engine)
+    on_vllm_cpu = isinstance(engine, type) and issubclass(engine, VLLMEngine) and rl.gpus == 0
     if rl.routing_replay and on_vllm_cpu:
         raise ConfigError(
             "rl.routing_replay: true, but vLLM's CPU build returns no routed experts (Model "
@@ -325,11 +327,6 @@ def run_routing_replay(rl: RLConfig) -> bool | None:
             "rl.engine: hf, or set rl.routing_replay: false."
         )
     return False if on_vllm_cpu and rl.routing_replay is None else rl.routing_replay
-
-
-def _engine_settings(rl: RLConfig) -> Mapping[str, Any]:
-    """``rl.engine`` as a mapping with its ``name``."""
-    return rl.engine if isinstance(rl.engine, Mapping) else {"name": rl.engine}
 
 
 def check_asynchrony(rl: RLConfig) -> None:

@@ -70,7 +70,7 @@ def build_fit_parser() -> jsonargparse.ArgumentParser:
     ``RunConfig`` field, ``--print_config`` and the run's own options."""
     from jsonargparse import ActionConfigFile, ArgumentParser
 
-    from streamrl.run.config import RunConfig
+    from streamrl.run.config import RLConfig, RunConfig
 
     parser = ArgumentParser(
         prog="streamrl fit",
@@ -112,8 +112,24 @@ def build_fit_parser() -> jsonargparse.ArgumentParser:
         help="train the tiny policy's warm start afresh, even if one made from the same rows, "
         "code and settings is cached (the same as --sft.cache false)",
     )
-    parser.add_class_arguments(RunConfig, fail_untyped=True)
+    swappable = _swappable_fields()
+    parser.add_class_arguments(RunConfig, fail_untyped=True, skip={"rl"})
+    skip = {f.name for f in swappable}
+    parser.add_class_arguments(RLConfig, "rl", fail_untyped=True, skip=skip, instantiate=False)
+    # A swappable part's value goes through as given (a name, or YAML of {class_path,
+    # init_args}) and RLConfig resolves it: jsonargparse would take a class_path mapping for a
+    # subclass spec of its own, and fail to merge a file's with an override.
+    help_of = _descriptions(RLConfig)
+    for field in swappable:
+        parser.add_argument(f"--rl.{field.name}", default=field.default, help=help_of[field.name])
     return parser
+
+
+def _swappable_fields() -> list[dataclasses.Field]:
+    from streamrl.run.config import RLConfig
+    from streamrl.run.swappable import SWAPPABLE
+
+    return [f for f in dataclasses.fields(RLConfig) if f.name in SWAPPABLE]
 
 
 def parse_fit(argv: Sequence[str]) -> FitArgs:
@@ -140,8 +156,25 @@ def parse_fit(argv: Sequence[str]) -> FitArgs:
     if values.pop("no_cache"):
         values["sft"]["cache"] = False
     run["print_config"] = _print_flags(run["print_config"])
+    rl = values["rl"] if isinstance(values.get("rl"), dict) else {}  # else from_dict refuses it
+    for field in _swappable_fields():  # given on the command line: YAML text
+        if isinstance(value := rl.get(field.name), str):
+            rl[field.name] = _yaml_option(f"--rl.{field.name}", value)
     config = from_dict(RunConfig, values, where=" + ".join([*files, "command line"]))
     return FitArgs(config, **run, config_files=files)
+
+
+def _yaml_option(option: str, text: str) -> Any:
+    """An option's value as YAML (``skew``, ``null``, ``{class_path: ..., init_args: ...}``)."""
+    import yaml
+
+    from streamrl.run.config_file import read_yaml
+
+    try:
+        return read_yaml(text)
+    except yaml.YAMLError as err:
+        message = " ".join(str(err).split())
+        raise ConfigError(f"{option} {text!r} is not valid YAML: {message}") from None
 
 
 def fit_version() -> str:
@@ -291,6 +324,9 @@ def _yaml_lines(section: Any, indent: int, comments: bool, skip_null: bool) -> l
             continue
         for line in textwrap.wrap(described.get(field.name, ""), 98 - indent):
             lines.append(f"{pad}# {line}\n")
+        if comments and isinstance(value, dict) and "class_path" in value:
+            for line in textwrap.wrap(_arguments_of(value["class_path"]), 98 - indent):
+                lines.append(f"{pad}# {line}\n")
         if dataclasses.is_dataclass(value):
             lines.append(f"{pad}{field.name}:\n")
             lines.extend(_yaml_lines(value, indent + 2, comments, skip_null))
@@ -300,6 +336,26 @@ def _yaml_lines(section: Any, indent: int, comments: bool, skip_null: bool) -> l
         text = yaml.safe_dump({field.name: value}, sort_keys=False, default_flow_style=flow)
         lines.extend(pad + line + "\n" for line in text.splitlines())
     return lines
+
+
+def _arguments_of(class_path: str) -> str:
+    """What ``init_args`` may hold for ``class_path``: its constructor's parameters."""
+    import inspect
+
+    from streamrl.runtime.references import resolve
+
+    factory = resolve(class_path, kind="class", builtins={}, where="print_config")
+    try:
+        parameters = inspect.signature(factory).parameters.values()
+    except (TypeError, ValueError):  # no signature to read
+        return ""
+    shown = [
+        p.name if p.default is p.empty else f"{p.name}={p.default!r}"
+        for p in parameters
+        if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+    ]
+    linked = " (from_run links in what the run knows)" if hasattr(factory, "from_run") else ""
+    return f"init_args: {factory.__qualname__}({', '.join(shown)}){linked}"
 
 
 def _descriptions(cls: type) -> dict[str, str]:

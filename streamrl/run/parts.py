@@ -1,14 +1,15 @@
 """From a config to component objects: the YAML edge of every extension point.
 
-``rl.algorithm``, ``rl.reward``, ``rl.dispatcher``, ``rl.scheduler``, ``rl.length_predictor``
-and ``rl.engine`` each hold a built-in's short name or ``package.module:Name`` for your own
-(``streamrl.runtime.references``); a mapping adds keyword arguments::
+``rl.algorithm``, ``rl.dispatcher``, ``rl.scheduler``, ``rl.length_predictor``, ``rl.engine``
+and ``rl.cluster`` each hold ``{class_path, init_args}`` (``streamrl.run.swappable``: a
+built-in's short name or your class's import path, with its constructor's arguments), and
+``rl.reward`` a reward's name or ``package.module:function``::
 
     rl:
-      algorithm: my_lab.algos:MyGRPO            # an Algorithm subclass
-      reward: my_lab.rewards:score             # fn(completion, row) -> float
-      dispatcher: {name: skew, alpha: 0.3}     # a built-in with an option
-      engine: {name: vllm, options: {max_model_len: 512}}
+      algorithm: my_lab.algos.MyGRPO                  # an Algorithm subclass
+      reward: my_lab.rewards:score                    # fn(completion, row) -> float
+      dispatcher: {class_path: skew, init_args: {alpha: 0.3}}
+      engine: {class_path: vllm, init_args: {options: {max_model_len: 512}}}
 
 A component takes what it needs from the run in its ``from_run`` classmethod (a
 ``RunContext``: the skewness-aware dispatcher asks for the measured ``PTL(BS)``, the HF engine
@@ -20,35 +21,30 @@ starts, before the warm start; ``RunParts.from_config`` builds them once the pol
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from streamrl.algorithms import ALGORITHMS, Algorithm, RunFacts, build_algorithm
+from streamrl.algorithms import Algorithm, RunFacts, build_algorithm
 from streamrl.components.capacity.elastic import ElasticController
 from streamrl.components.generation.clusters import make_cluster
-from streamrl.components.generation.engines import ENGINES
 from streamrl.components.run_context import RunContext, build_from_run
 from streamrl.components.skewness.by_name import (
     build_dispatcher,
     scheduler_factory,
 )
 from streamrl.components.skewness.latency import LatencyModel
-from streamrl.components.skewness.ranker import LengthRanker
 from streamrl.errors import ConfigError
 from streamrl.policy.lora import LoRASpec
 from streamrl.protocols import AdmissionScheduler, Dispatcher, GenerationEngine, LengthPredictor
 from streamrl.rewards.pool import RewardPool
 from streamrl.rewards.spec import RewardSpec, load_rewards
 from streamrl.run.config import RLConfig, RunConfig
+from streamrl.run.swappable import factory_and_args
 from streamrl.runtime.devices import Placement
-from streamrl.runtime.references import checked, pick
-
-#: Built-ins by the short name a config uses (dispatchers and schedulers: ``by_name``).
-LENGTH_PREDICTORS = {"ranker": LengthRanker}
+from streamrl.runtime.references import check_options, checked
 
 
 @dataclass
@@ -181,7 +177,7 @@ def reward_pool(rl: RLConfig, specs: list[RewardSpec], output_dir: str | Path) -
 def build_run_algorithm(rl: RLConfig, hidden_size: int) -> Algorithm:
     """The run's algorithm, as every trainer rank builds it: ``rl.algorithm`` (a name, a
     ``module:Name`` reference, with options) resolved, then ``build_algorithm``."""
-    cls, options = _pick(rl.algorithm, "algorithm", ALGORITHMS)
+    cls, options = factory_and_args("algorithm", rl.algorithm)
     facts = RunFacts(
         group_size=rl.group_size,
         clip_eps=rl.clip_eps,
@@ -190,6 +186,7 @@ def build_run_algorithm(rl: RLConfig, hidden_size: int) -> Algorithm:
         hidden_size=hidden_size,
         prompts_per_iteration=rl.prompts_per_iteration,
     )
+    check_options(cls, options, where="rl.algorithm")
     try:
         return build_algorithm(cls, facts, **options)
     except (TypeError, ValueError) as err:
@@ -204,7 +201,7 @@ def lora_spec(rl: RLConfig) -> LoRASpec | None:
 
 
 def _engine(rl: RLConfig, run: RunContext) -> GenerationEngine:
-    factory, options = _pick(rl.engine, "engine", ENGINES)
+    factory, options = factory_and_args("engine", rl.engine)
     if run.lora is not None and inspect.getattr_static(factory, "from_run", None) is None:
         raise ConfigError(
             f"rl.engine: {rl.engine!r} takes no LoRA adapters (rl.lora_r > 0): an engine that "
@@ -220,7 +217,7 @@ def _length_predictor(rl: RLConfig, run: RunContext) -> LengthPredictor | None:
     (§5.2 on real prompts) when the run gives its tokenizer (``run_context``)."""
     if rl.length_predictor is None:
         return None
-    factory, options = _pick(rl.length_predictor, "length predictor", LENGTH_PREDICTORS)
+    factory, options = factory_and_args("length_predictor", rl.length_predictor)
     predictor = build_from_run(factory, run, options, where="rl.length_predictor")
     return checked(predictor, LengthPredictor, "rl.length_predictor")
 
@@ -230,10 +227,3 @@ def _one_character_tokens(tokenizer: PreTrainedTokenizerBase) -> bool:
     character of several bytes decodes to a replacement character)."""
     special = set(tokenizer.all_special_ids)
     return all(len(tokenizer.decode([i])) <= 1 for i in range(len(tokenizer)) if i not in special)
-
-
-def _pick(
-    value: str | Mapping[str, Any], kind: str, builtins: Mapping[str, Any]
-) -> tuple[Any, dict[str, Any]]:
-    """``(factory, options)`` from ``"name"`` or ``{name: ..., option: value, ...}``."""
-    return pick(value, kind=kind, builtins=builtins, where=f"rl.{kind.replace(' ', '_')}")

@@ -58,7 +58,7 @@ class RunStages(Stages):
 
     def rl(self, config: RunConfig) -> None:
         rl = config.rl
-        algorithm = rl.algorithm if isinstance(rl.algorithm, str) else "your algorithm"
+        algorithm = rl.algorithm["class_path"].rpartition(".")[2]
         self.start(
             "rl",
             f"RL ({algorithm}, {rl.mode}): {rl.iterations} iterations of "

@@ -1,8 +1,12 @@
-"""Names in a YAML config that point at code: a built-in's short name or ``package.module:Name``.
+"""Names in a YAML config that point at code: a built-in's short name or an import path.
 
 Every extension point of a run (``rl.algorithm``, ``rl.reward``, ``rl.dispatcher``,
-``rl.scheduler``, ``rl.length_predictor``, ``rl.engine``) takes either the short name of a
-built-in or a reference to your own class or function, e.g. ``rl.reward: my_task.rewards:score``.
+``rl.scheduler``, ``rl.length_predictor``, ``rl.engine``, ``rl.cluster``) takes either the short
+name of a built-in or a reference to your own class or function, as ``package.module.Name`` (the
+import path) or ``package.module:Name``, e.g. ``rl.reward: my_task.rewards:score``. A class with
+arguments is given as LightningCLI gives one, ``{class_path: package.module.Name, init_args:
+{...}}`` (``pick``); ``as_class_path`` writes any accepted form out that way, with the full import
+path, which is how a run's config holds it and ``--print_config`` prints it.
 The reference is imported and its signature checked when the config is loaded, before any work
 starts, and a failure says what was wrong and how to fix it. Besides the installed packages, the
 console script searches the current directory and each ``--config`` file's directory, in that
@@ -13,10 +17,16 @@ Examples:
     True
     >>> resolve("math:sqrt", kind="reward", builtins={}, where="rl.reward").__name__
     'sqrt'
+    >>> resolve("collections.OrderedDict", kind="dispatcher", builtins={}, where="rl.dispatcher")
+    <class 'collections.OrderedDict'>
+    >>> as_class_path({"class_path": "od", "init_args": {"x": 1}}, kind="k", builtins={"od": dict},
+    ...               where="rl.k")
+    {'class_path': 'builtins.dict', 'init_args': {'x': 1}}
 """
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import inspect
 import os
@@ -71,11 +81,12 @@ def searched_dirs() -> list[str]:
 
 
 def resolve(ref: str, *, kind: str, builtins: Mapping[str, Any], where: str) -> Any:
-    """The built-in named ``ref``, or the object ``package.module:Name`` refers to.
+    """The built-in named ``ref``, or the object ``package.module:Name`` (or the import path
+    ``package.module.Name``) refers to.
 
     Args:
-        ref: a key of ``builtins`` or ``"package.module:Name"`` (``Name`` may be dotted:
-            ``module:Class.attribute``).
+        ref: a key of ``builtins``, ``"package.module:Name"`` (``Name`` may be dotted:
+            ``module:Class.attribute``) or ``"package.module.Name"``.
         kind: what is being looked up, for messages ("reward", "dispatcher"...).
         builtins: the built-ins by short name.
         where: the config key, for messages.
@@ -85,10 +96,13 @@ def resolve(ref: str, *, kind: str, builtins: Mapping[str, Any], where: str) -> 
     """
     if ref in builtins:
         return builtins[ref]
+    if ":" not in ref and "." in ref.strip("."):
+        ref = _with_colon(ref)
     if ":" not in ref:
         raise ConfigError(
             f"{where}: {unknown_name(kind, ref, builtins)} Your own {kind} is given as "
-            "'package.module:Name' (importable from this Python environment)."
+            "'package.module.Name' or 'package.module:Name' (importable from this Python "
+            "environment)."
         )
     module_name, _, attribute = ref.partition(":")
     try:
@@ -113,6 +127,26 @@ def resolve(ref: str, *, kind: str, builtins: Mapping[str, Any], where: str) -> 
             raise ConfigError(f"{where}: {ref!r}{place}: {unknown_name('name', part, public)}")
         found = getattr(found, part)
     return found
+
+
+def _with_colon(path: str) -> str:
+    """``package.module.Name`` as ``package.module:Name``: the longest prefix that imports is the
+    module (``module.Class.attribute`` works too); with none, the last dot is taken as the
+    colon, so ``resolve`` reports the missing module."""
+    parts = path.split(".")
+    for cut in range(len(parts) - 1, 0, -1):
+        module_name = ".".join(parts[:cut])
+        try:
+            importlib.import_module(module_name)
+        except ModuleNotFoundError as err:
+            if err.name is not None and f"{module_name}.".startswith(f"{err.name}."):
+                continue  # this prefix (or a package above it) is not a module: a shorter one
+            break  # the module exists but one it imports does not: resolve reports it
+        except Exception:
+            break  # the module's own code failed: resolve reports it
+        return f"{module_name}:{'.'.join(parts[cut:])}"
+    head, _, tail = path.rpartition(".")
+    return f"{head}:{tail}"
 
 
 def _import_failed(where: str, module_name: str, ref: str, err: Exception) -> ConfigError:
@@ -175,8 +209,10 @@ def construct(
     takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
     unknown = [k for k in options if k not in parameters and not takes_any]
     if unknown:
+        close = difflib.get_close_matches(str(unknown[0]), list(parameters), n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
         raise ConfigError(
-            f"{where}: {_name(factory)} takes no option(s) {unknown}; its parameters are "
+            f"{where}: {_name(factory)} takes no option(s) {unknown}{hint}; its parameters are "
             f"{_signature(factory)}."
         )
     kwargs = {k: v for k, v in provided.items() if k in parameters and k not in options}
@@ -196,29 +232,97 @@ def construct(
     return factory(**kwargs) if call else None
 
 
+def check_options(factory: Callable[..., Any], options: Mapping[str, Any], *, where: str) -> None:
+    """Raise ``ConfigError`` for an option ``factory`` does not take (with a "did you mean" and
+    its signature), as ``construct`` would, without calling it or asking for the rest."""
+    try:
+        names = list(inspect.signature(factory).parameters)
+    except (TypeError, ValueError):  # no signature to read
+        return
+    construct(factory, provided=dict.fromkeys(names), options=options, where=where, call=False)
+
+
 def pick(
     value: str | Mapping[str, Any], *, kind: str, builtins: Mapping[str, Any], where: str
 ) -> tuple[Any, dict[str, Any]]:
-    """``(factory, options)`` from a config value: ``"name"``, ``"package.module:Name"`` or
-    ``{name: ..., option: value, ...}``.
+    """``(factory, options)`` from a config value: ``"name"``, ``"package.module.Name"`` (or
+    ``"package.module:Name"``), ``{class_path: ..., init_args: {option: value, ...}}``
+    (LightningCLI's form).
 
     Raises:
-        ConfigError: a mapping without ``name``, or a name ``resolve`` refuses.
+        ConfigError: a mapping without ``class_path`` (the layout before it, ``{name: ...,
+            option: value}``, is answered with its new spelling), a key beside ``class_path``
+            other than ``init_args``, or a name ``resolve`` refuses.
     """
-    if isinstance(value, Mapping):
-        if "name" not in value:
+    if isinstance(value, Mapping) and "class_path" in value:
+        extra = [k for k in value if k not in ("class_path", "init_args")]
+        if extra:
             raise ConfigError(
-                f"{where}: a mapping needs a 'name' (a built-in or package.module:Name) next "
-                f"to its options, got {dict(value)!r}."
+                f"{where}: {unknown_name('key', str(extra[0]), ['class_path', 'init_args'])} "
+                "A class's arguments go under init_args: {class_path: package.module.Name, "
+                "init_args: {option: value}}."
             )
-        options = {k: v for k, v in value.items() if k != "name"}
-        return resolve(value["name"], kind=kind, builtins=builtins, where=where), options
-    if not isinstance(value, str):
+        options = value.get("init_args") or {}
+        if not isinstance(options, Mapping):
+            raise ConfigError(
+                f"{where}: init_args must be a mapping of argument names to values, got "
+                f"{options!r}."
+            )
+        factory = _reference(value["class_path"], kind=kind, builtins=builtins, where=where)
+        return factory, dict(options)
+    if isinstance(value, Mapping) and "name" in value:  # the layout before class_path
+        init_args = {k: v for k, v in value.items() if k != "name"}
+        new = yaml_flow({"class_path": value["name"], "init_args": init_args})
         raise ConfigError(
-            f"{where}: expected a built-in's name, 'package.module:Name' or a mapping with a "
-            f"'name', got {value!r}."
+            f"{where}: {{name: ...}} has become {{class_path, init_args}}: write {new}."
         )
-    return resolve(value, kind=kind, builtins=builtins, where=where), {}
+    if isinstance(value, Mapping):
+        raise ConfigError(
+            f"{where}: a mapping needs a 'class_path' (a built-in's name or package.module.Name) "
+            f"and its 'init_args', got {yaml_flow(dict(value))}."
+        )
+    return _reference(value, kind=kind, builtins=builtins, where=where), {}
+
+
+def yaml_flow(value: Any) -> str:
+    """``value`` as one line of YAML, as a config would write it: ``{class_path: skew}``."""
+    import yaml
+
+    return yaml.safe_dump(value, default_flow_style=True, sort_keys=False, width=10**6).strip()
+
+
+def as_class_path(
+    value: str | Mapping[str, Any], *, kind: str, builtins: Mapping[str, Any], where: str
+) -> dict[str, Any]:
+    """``value`` (any form ``pick`` takes) as ``{class_path: <full import path>, init_args:
+    {...}}``: one spelling per part, which ``pick`` reads back to the same class and arguments.
+
+    Raises:
+        ConfigError: what ``pick`` raises, or a class that cannot be imported by its path (one
+            defined in ``__main__`` or inside a function): give it from an importable module.
+    """
+    factory, options = pick(value, kind=kind, builtins=builtins, where=where)
+    path = class_path_of(factory)
+    if "<locals>" in path or path.startswith("__main__."):
+        raise ConfigError(
+            f"{where}: {path} cannot be imported by another process: define it in a module "
+            "(package.module.Name) that the run can import."
+        )
+    return {"class_path": path, "init_args": options}
+
+
+def class_path_of(obj: Any) -> str:
+    """The import path of class or function ``obj``: ``package.module.Name``."""
+    return f"{obj.__module__}.{obj.__qualname__}"
+
+
+def _reference(ref: Any, *, kind: str, builtins: Mapping[str, Any], where: str) -> Any:
+    if not isinstance(ref, str):
+        raise ConfigError(
+            f"{where}: expected a built-in's name, 'package.module.Name' or "
+            f"{{class_path: ..., init_args: {{...}}}}, got {ref!r}."
+        )
+    return resolve(ref, kind=kind, builtins=builtins, where=where)
 
 
 def checked(obj: Any, protocol: type, where: str) -> Any:

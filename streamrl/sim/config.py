@@ -119,8 +119,8 @@ class SimConfig:
             ``"finish"`` (finish them first), ``"keep"`` (go on under the new weights) or
             ``"recompute"`` (re-prefill them, then go on); not ``"finish"`` only in async mode.
         dispatch: which instance gets each request, as a run's ``rl.dispatcher`` says it
-            (``"skew"``: Algorithm 2; ``"round_robin"``, ``"random"``; ``package.module:Name``
-            or ``{name: ..., option: value}`` for your own class, built by its ``from_run``
+            (``"skew"``: Algorithm 2; ``"round_robin"``, ``"random"``; ``package.module.Name``
+            or ``{class_path: ..., init_args: {...}}`` for your own class, built by its ``from_run``
             with this simulation's ``RunContext``, the preset's ``PTL(BS)`` in it), or a
             ``Dispatcher`` object (used as it is, its state carried from one simulation to the
             next).

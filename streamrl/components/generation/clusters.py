@@ -7,9 +7,10 @@
   ``[ray]`` extra).
 
 ``StreamGenerationService(cluster=...)`` takes one (or ``"local"`` / ``"ray"``); a config names one
-in ``rl.cluster``: ``local``, ``ray``, ``{name: ray, address: auto}`` (``RayOptions`` fields), or
-``package.module:Name`` for your own. A cluster is checked before any process starts: a missing
-package or absent GPUs fail there with the fix, never inside an instance.
+in ``rl.cluster``: ``local``, ``ray``, ``{class_path: ray, init_args: {address: auto}}``
+(``RayOptions`` fields), or ``package.module.Name`` for your own. A cluster is checked before
+any process starts: a missing package or absent GPUs fail there with the fix, never inside an
+instance.
 """
 
 from __future__ import annotations
@@ -108,8 +109,8 @@ class RayCluster:
         options: the cluster to join or start (``address``, a local cluster's ``num_cpus`` and
             ``temp_dir``, CPUs per actor); GPUs per actor and a local cluster's GPUs come from
             the service.
-        **fields: ``RayOptions`` fields over ``options`` (a config's ``{name: ray, address:
-            auto}``).
+        **fields: ``RayOptions`` fields over ``options`` (a config's ``{class_path: ray,
+            init_args: {address: auto}}``).
 
     Raises:
         ConfigError: a field ``RayOptions`` does not have.

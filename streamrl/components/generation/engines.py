@@ -261,7 +261,8 @@ class VLLMEngine:
 
 def speculative_settings(value: Any) -> SpeculativeDecoding | None:
     """An engine's ``speculative=``: ``None``, a ``SpeculativeDecoding``, or its fields as a
-    mapping (``rl.engine: {name: hf, speculative: {max_running: 4}}`` in YAML).
+    mapping (``rl.engine: {class_path: hf, init_args: {speculative: {max_running: 4}}}``
+    in YAML).
 
     Raises:
         ConfigError: a mapping with unknown fields, or another kind of value.

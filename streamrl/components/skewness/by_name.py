@@ -2,8 +2,8 @@
 
 A run (``rl.dispatcher``, ``rl.scheduler``) and the simulator (``SimConfig.dispatch`` and
 ``admission``, ``streamrl simulate --run_config``) build them here, from the same values: a
-built-in's short name, ``package.module:Name`` for your own class, or a mapping
-``{name: ..., option: value}`` that adds constructor options. So a dispatcher of yours runs in
+built-in's short name, ``package.module.Name`` for your own class, or ``{class_path: ...,
+init_args: {option: value}}`` that adds constructor arguments. So a dispatcher of yours runs in
 the simulator with no edit.
 
 Each is built by ``build_from_run`` (``streamrl.components.run_context``): ``from_run(run,
@@ -13,7 +13,7 @@ Each is built by ``build_from_run`` (``streamrl.components.run_context``): ``fro
 Examples:
     >>> type(build_dispatcher("round_robin", RunContext(max_batch_size=8))).__name__
     'RoundRobinDispatcher'
-    >>> type(scheduler_factory({"name": "lpt"})()).__name__
+    >>> type(scheduler_factory({"class_path": "lpt"})()).__name__
     'LPTScheduler'
 """
 
@@ -40,7 +40,7 @@ DISPATCHERS: dict[str, type] = {
 }
 SCHEDULERS: dict[str, type] = {"lpt": LPTScheduler, "fifo": FIFOScheduler}
 
-#: A config value naming one: a short name, ``package.module:Name``, or ``{name: ..., **options}``.
+#: A config value naming one: a short name, ``package.module.Name``, or ``{class_path, init_args}``.
 ComponentName = str | Mapping[str, Any]
 
 

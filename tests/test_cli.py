@@ -110,7 +110,7 @@ def test_fit_small_run_prints_json_summary(tmp_path, capsys):
     summary = json.loads(line)
     headings = [h for h in result.stderr.splitlines() if h.startswith("[")]
     assert [h[:5] for h in headings] == ["[1/5]", "[2/5]", "[3/5]", "[4/5]", "[5/5]"]
-    assert "Warm start: 20 SFT steps" in headings[0] and "RL (grpo, sync)" in headings[2]
+    assert "Warm start: 20 SFT steps" in headings[0] and "RL (GRPO, sync)" in headings[2]
     assert "rl iterations: 100%" in result.stderr and "warm start (SFT): 100%" in result.stderr
     assert "  summary.json " in result.stderr and "  policy " in result.stderr
     assert "GPU available" not in result.stderr  # Lightning's banners: only with --verbose

@@ -209,7 +209,7 @@ def test_lora_with_the_vllm_backend_is_refused(tmp_path, monkeypatch):
     monkeypatch.setattr(
         importlib.util, "find_spec", lambda name, *a: fake if name == "vllm" else real(name, *a)
     )
-    with pytest.raises(ConfigError, match=r"rl.engine: 'vllm' takes no LoRA adapters"):
+    with pytest.raises(ConfigError, match=r"rl.engine: VLLMEngine takes no LoRA adapters"):
         load_checked(write(tmp_path, "rl:\n  engine: vllm\n  lora_r: 4\n"))
 
 

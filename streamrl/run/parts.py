@@ -175,8 +175,8 @@ def reward_pool(rl: RLConfig, specs: list[RewardSpec], output_dir: str | Path) -
 
 
 def build_run_algorithm(rl: RLConfig, hidden_size: int) -> Algorithm:
-    """The run's algorithm, as every trainer rank builds it: ``rl.algorithm`` (a name, a
-    ``module:Name`` reference, with options) resolved, then ``build_algorithm``."""
+    """The run's algorithm, as every trainer rank builds it: ``rl.algorithm``'s class and
+    ``init_args`` (checked against its constructor), then ``build_algorithm``."""
     cls, options = factory_and_args("algorithm", rl.algorithm)
     facts = RunFacts(
         group_size=rl.group_size,
@@ -204,8 +204,8 @@ def _engine(rl: RLConfig, run: RunContext) -> GenerationEngine:
     factory, options = factory_and_args("engine", rl.engine)
     if run.lora is not None and inspect.getattr_static(factory, "from_run", None) is None:
         raise ConfigError(
-            f"rl.engine: {rl.engine!r} takes no LoRA adapters (rl.lora_r > 0): an engine that "
-            "can carries them from its from_run(run, **options) (run.lora); use the 'hf' "
+            f"rl.engine: {factory.__qualname__} takes no LoRA adapters (rl.lora_r > 0): an engine "
+            "that can carries them from its from_run(run, **options) (run.lora); use the 'hf' "
             "engine or rl.lora_r: 0."
         )
     engine = build_from_run(factory, run, options, where="rl.engine")

@@ -486,3 +486,43 @@ def test_more_cpu_trainer_ranks_than_cores_gets_a_note(fit, monkeypatch, capsys)
     assert "warning: trainer.devices asks for 3 CPU trainer ranks on 2 core(s)" in err
     fit("--trainer.devices", "2")
     assert "warning: trainer.devices" not in capsys.readouterr().err
+
+
+def test_a_config_of_the_old_layout_is_refused_in_one_line_and_migrates(fit, tmp_path, capsys):
+    old = tmp_path / "old.yaml"
+    old.write_text(
+        "seed: 3\nrl:\n  engine: {name: hf}\n  dispatcher: {name: skew, alpha: 0.3}\n"
+        "  trainer_ranks: 2\n"
+    )
+    code, calls = fit("--config", str(old))
+    assert code == 2 and not calls
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1
+    assert "trainer_ranks has moved: set trainer.devices" in err
+    old.write_text(old.read_text().replace("  trainer_ranks: 2\n", ""))
+    code, calls = fit("--config", str(old))
+    assert code == 2 and not calls
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("streamrl fit: error: rl.engine: {name: ...} has become {class_path, ")
+    assert "write hf (streamrl config migrate" in err  # no arguments: the name alone
+    old.write_text(old.read_text().replace("  engine: {name: hf}\n", "  engine: hf\n"))
+    code, calls = fit("--config", str(old))
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and err == (
+        "streamrl fit: error: rl.dispatcher: {name: ...} has become {class_path, init_args}: "
+        "write {class_path: skew, init_args: {alpha: 0.3}} (streamrl config migrate OLD.yaml "
+        "rewrites a file)."
+    )
+
+    old.write_text(old.read_text() + "  token_budget: 512\n")
+    assert main(["config", "migrate", str(old)]) == 0
+    migrated = tmp_path / "old.migrated.yaml"
+    assert "{'written': " not in capsys.readouterr().out
+    by_hand = tmp_path / "new.yaml"
+    by_hand.write_text(
+        "seed: 3\nrl:\n  dispatcher: {class_path: skew, init_args: {alpha: 0.3}}\n"
+        "  engine: hf\n  max_tokens_per_micro_batch: 512\n"
+    )
+    assert fitted(fit, "--config", str(migrated)) == fitted(fit, "--config", str(by_hand))
+    assert main(["config", "migrate", str(migrated), "-o", str(tmp_path / "again.yaml")]) == 0
+    assert "nothing to change" in capsys.readouterr().err

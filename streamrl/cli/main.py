@@ -51,6 +51,7 @@ GROUP_HELP = {
     "bench": "measurements; the last stdout line is JSON",
     "sim": "simulator tools (validate against real runs)",
     "plan": "plans before a run: the GPU split (Alg. 1: resources), each GPU's memory",
+    "config": "config files: migrate one of an earlier layout",
 }
 #: A group's command when none is named (``streamrl plan --budget 64`` is ``plan resources``).
 GROUP_DEFAULT = {"plan": "resources"}
@@ -72,6 +73,7 @@ def command_tree() -> CommandTree:
         **sim.COMMANDS,
         "plan": sim.PLAN_COMMANDS,
         "sim": sim.SIM_COMMANDS,
+        "config": tools.CONFIG_COMMANDS,
     }
 
 

@@ -154,6 +154,30 @@ def timeline(options: TimelineOptions) -> dict:
     }
 
 
+@dataclass
+class MigrateOptions:
+    """Rewrite a config of an earlier layout in today's (``{name: ...}`` parts as
+    ``class_path`` + ``init_args``, moved keys in their new place).
+
+    Attributes:
+        file: the YAML file to migrate (it is not changed).
+        out: where to write the result; ``None``: ``<name>.migrated.yaml`` beside it.
+    """
+
+    file: str
+    out: str | None = None
+
+
+def migrate(options: MigrateOptions) -> dict:
+    from streamrl.run.config_migrate import migrate_file
+
+    result = migrate_file(options.file, options.out)
+    for change in result["changes"] or ["nothing to change: the file is in today's layout"]:
+        print(f"  {change}", file=sys.stderr)
+    print(f"wrote {result['written']}", file=sys.stderr)
+    return result
+
+
 COMMANDS = {
     "demo": Command(
         "run the main job on the embedded default (CPU, tiny model)", DemoOptions, demo
@@ -175,5 +199,16 @@ COMMANDS = {
         timeline,
         positional="trace",
         short={"-o": "output"},
+    ),
+}
+
+#: ``streamrl config ...``: tools for config files.
+CONFIG_COMMANDS = {
+    "migrate": Command(
+        "rewrite a config of an earlier layout in today's (class_path + init_args)",
+        MigrateOptions,
+        migrate,
+        positional="file",
+        short={"-o": "out"},
     ),
 }

@@ -29,6 +29,15 @@ MOVED_KEYS: dict[type, dict[str, str]] = {
     }
 }
 
+
+def moved_key(where: str, cls: type, key: str) -> str:
+    """The message for ``key`` of section ``cls``, which moved (``MOVED_KEYS``), in a file."""
+    return (
+        f"{where}: {key} has moved: set {MOVED_KEYS[cls][key]} instead (streamrl config "
+        "migrate OLD.yaml rewrites a file)."
+    )
+
+
 #: The Lightning Trainer's arguments that ``trainer`` does not take, and what to set instead
 #: (``--trainer.max_steps`` and ``--trainer.default_root_dir`` are command-line aliases).
 LIGHTNING_TRAINER_ARGS: dict[str, str] = {
@@ -144,7 +153,7 @@ def from_dict(cls: type, data: dict[str, Any], where: str) -> Any:
     moved = MOVED_KEYS.get(cls, {})
     for key, value in data.items():
         if key in moved:
-            raise ConfigError(f"{where}: {key} has moved: set {moved[key]} instead.")
+            raise ConfigError(moved_key(where, cls, key))
         if cls is TrainerConfig and key in LIGHTNING_TRAINER_ARGS:
             raise ConfigError(lightning_trainer_arg(f"{where}: {key}", key))
         if key not in hints:

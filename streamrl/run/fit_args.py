@@ -289,10 +289,17 @@ def _check_config_value(option: str, value: str, cls: type) -> None:
 def _check_keys(cls: type, data: dict, where: str) -> None:
     """Every key of ``data`` names a field of dataclass ``cls``, as in ``from_dict``."""
     from streamrl.run.config import TrainerConfig
-    from streamrl.run.config_file import LIGHTNING_TRAINER_ARGS, lightning_trainer_arg
+    from streamrl.run.config_file import (
+        LIGHTNING_TRAINER_ARGS,
+        MOVED_KEYS,
+        lightning_trainer_arg,
+        moved_key,
+    )
 
     hints = typing.get_type_hints(cls)
     for key, value in data.items():
+        if key in MOVED_KEYS.get(cls, {}):
+            raise ConfigError(moved_key(where, cls, key))
         if cls is TrainerConfig and key in LIGHTNING_TRAINER_ARGS:
             raise ConfigError(lightning_trainer_arg(f"{where}: {key}", key))
         if key not in hints:

@@ -272,9 +272,12 @@ def pick(
         return factory, dict(options)
     if isinstance(value, Mapping) and "name" in value:  # the layout before class_path
         init_args = {k: v for k, v in value.items() if k != "name"}
-        new = yaml_flow({"class_path": value["name"], "init_args": init_args})
+        new = yaml_flow(
+            {"class_path": value["name"], "init_args": init_args} if init_args else value["name"]
+        )
         raise ConfigError(
-            f"{where}: {{name: ...}} has become {{class_path, init_args}}: write {new}."
+            f"{where}: {{name: ...}} has become {{class_path, init_args}}: write {new} "
+            "(streamrl config migrate OLD.yaml rewrites a file)."
         )
     if isinstance(value, Mapping):
         raise ConfigError(
@@ -288,7 +291,8 @@ def yaml_flow(value: Any) -> str:
     """``value`` as one line of YAML, as a config would write it: ``{class_path: skew}``."""
     import yaml
 
-    return yaml.safe_dump(value, default_flow_style=True, sort_keys=False, width=10**6).strip()
+    text = yaml.safe_dump(value, default_flow_style=True, sort_keys=False, width=10**6)
+    return text.removesuffix("\n...\n").strip()  # a lone scalar ends its document
 
 
 def as_class_path(

@@ -1,0 +1,83 @@
+"""``streamrl config migrate OLD.yaml``: a config of an earlier layout rewritten in today's.
+
+What it rewrites: a swappable part given as ``{name: X, option: value}`` becomes LightningCLI's
+``{class_path: X, init_args: {option: value}}`` (``streamrl.run.swappable``), and a key that
+moved (``config_file.MOVED_KEYS``) goes to its new place. Everything else is kept as written;
+the result is read back with the config's own checks of keys and types before it is written.
+
+Examples:
+    >>> new, changes = migrate({"rl": {"dispatcher": {"name": "skew", "alpha": 0.3}}})
+    >>> new
+    {'rl': {'dispatcher': {'class_path': 'skew', 'init_args': {'alpha': 0.3}}}}
+    >>> migrate({"rl": {"trainer_ranks": 2}})
+    ({'rl': {}, 'trainer': {'devices': 2}}, ['rl.trainer_ranks -> trainer.devices'])
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from streamrl.errors import ConfigError
+from streamrl.run.config import RunConfig
+from streamrl.run.config_file import from_dict, read_config_text, read_yaml
+from streamrl.run.swappable import SWAPPABLE
+
+#: Keys that moved, as ``(section, key)`` -> ``(section, key)``; the value moves unchanged.
+RENAMED = {
+    ("rl", "trainer_ranks"): ("trainer", "devices"),
+    ("rl", "token_budget"): ("rl", "max_tokens_per_micro_batch"),
+}
+
+
+def migrate(data: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """``data`` (a config's mapping) in today's layout, and what changed, one line each."""
+    new, changes = copy.deepcopy(data), []
+    rl = new.get("rl")
+    if isinstance(rl, dict):
+        for key in SWAPPABLE:
+            value = rl.get(key)
+            if isinstance(value, dict) and "name" in value and "class_path" not in value:
+                name = value["name"]
+                init_args = {k: v for k, v in value.items() if k != "name"}
+                rl[key] = {"class_path": name, "init_args": init_args} if init_args else name
+                changes.append(f"rl.{key}: {{name: {name}, ...}} -> class_path + init_args")
+    for (section, key), (to_section, to_key) in RENAMED.items():
+        old = new.get(section)
+        if not isinstance(old, dict) or key not in old:
+            continue
+        target = new.setdefault(to_section, {})
+        if to_key in target:
+            raise ConfigError(
+                f"{section}.{key} moved to {to_section}.{to_key}, which the file sets too: "
+                "keep one of them."
+            )
+        target[to_key] = old.pop(key)
+        changes.append(f"{section}.{key} -> {to_section}.{to_key}")
+    return new, changes
+
+
+def migrate_file(path: str | Path, out: str | Path | None = None) -> dict[str, Any]:
+    """Write ``path`` in today's layout to ``out`` (default: ``<name>.migrated.yaml`` beside
+    it) and return ``{"written", "changes"}``.
+
+    Raises:
+        ConfigError: an unreadable file, or one that is wrong in today's layout for another
+            reason than its layout (a misspelled key, a wrong type): fix it, then run again.
+    """
+    path = Path(path)
+    data = read_yaml(read_config_text(path))
+    if not isinstance(data, dict):
+        raise ConfigError(f"Config file {str(path)!r} must hold a mapping of keys to values.")
+    new, changes = migrate(data)
+    from_dict(RunConfig, new, where=f"{path} (migrated)")  # keys and types, as fit reads them
+    target = Path(out) if out else path.with_suffix(".migrated.yaml")
+    if target.resolve() == path.resolve():
+        raise ConfigError(f"--out {target}: the file to migrate; write to another one.")
+    note = f"# {path.name} in streamrl's config layout of today (streamrl config migrate);"
+    note += " its comments are not carried over.\n"
+    target.write_text(note + yaml.safe_dump(new, sort_keys=False))
+    return {"written": str(target), "changes": changes}

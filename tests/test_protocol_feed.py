@@ -9,6 +9,7 @@ import time
 import pytest
 
 from streamrl.components.generation.engines import HFEngine, VLLMEngine
+from streamrl.components.generation.messages import Updated, WeightsLost
 from streamrl.components.generation.protocol_feed import check_weight_protocol
 from streamrl.components.generation.protocol_receiver import ProtocolReceiver
 from streamrl.components.generation.service import StreamGenerationService
@@ -61,7 +62,7 @@ def test_an_update_cut_short_in_a_shared_broadcast_is_awaited_again_not_reported
     assert receiver.waiting is not None and receiver.waiting[0] == 2
     assert receiver.overdue() is None  # not yet: three timeouts
     assert receiver.handle(("wt_init", 1, {"timeout_s": 10.0}, False)) is None  # its own group
-    assert receiver.handle(("wt_update", 2, 1, {}, False)) == ("updated", 3, 2)
+    assert receiver.handle(("wt_update", 2, 1, {}, False)) == Updated(instance_id=3, version=2)
     assert receiver.waiting is None and receiver.generator.loaded == [2]
 
 
@@ -71,12 +72,14 @@ def test_a_version_not_sent_again_in_time_is_reported_lost():
     receiver.handle(("wt_update", 7, 4, {}, True))
     time.sleep(0.05)
     lost = receiver.overdue()
-    assert lost is not None and lost[:4] == ("weights_lost", 3, 7, 4)
-    assert "Connection closed by peer" in lost[4] and "not sent again" in lost[4]
+    assert isinstance(lost, WeightsLost)
+    assert (lost.instance_id, lost.version, lost.generation) == (3, 7, 4)
+    assert "Connection closed by peer" in lost.reason and "not sent again" in lost.reason
     assert receiver.waiting is None
 
 
 def test_an_update_cut_short_on_its_own_group_is_reported_at_once():
     receiver = ProtocolReceiver(FlakyGenerator(), instance_id=3, policy="keep")
     lost = receiver.handle(("wt_update", 7, 4, {}, False))
-    assert lost is not None and lost[:4] == ("weights_lost", 3, 7, 4)
+    assert isinstance(lost, WeightsLost)
+    assert (lost.instance_id, lost.version, lost.generation) == (3, 7, 4)

@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from streamrl.components.generation.messages import Finished, InstanceMessage, Released
 from streamrl.components.generation.worker import WorkerSpec, worker_main
 from streamrl.components.weights.transport import make_store
 from streamrl.records import Request, Sample
@@ -87,7 +88,7 @@ class InstanceHandle:
             self.instance_id, self.proc.pid, self.proc.is_alive(), self.version, self.state
         )
 
-    def read(self) -> tuple | None:
+    def read(self) -> InstanceMessage | None:
         """One message from the pipe, or ``None`` (and the pipe closed) if the process died,
         maybe mid-write."""
         try:
@@ -103,10 +104,10 @@ class InstanceHandle:
         kept = []
         while self.link is not None and self.link.poll(0):
             message = self.read()
-            if message and message[0] == "sample" and self.open.pop(message[1].key, None):
-                kept.append(message[1])
-            elif message and message[0] == "released":  # requeued with the progress they had
-                self.open.update((r.key, r) for r in message[3] if r.key in self.open)
+            if isinstance(message, Finished) and self.open.pop(message.sample.key, None):
+                kept.append(message.sample)
+            elif isinstance(message, Released):  # requeued with the progress they had
+                self.open.update((r.key, r) for r in message.requests if r.key in self.open)
         self.close_link()
         return kept
 

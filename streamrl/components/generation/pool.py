@@ -18,12 +18,23 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from multiprocessing import connection
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from streamrl.components.generation.feeding import WeightFeeds
 from streamrl.components.generation.instance import InstanceHandle, InstanceInfo
+from streamrl.components.generation.messages import (
+    Crashed,
+    Digests,
+    Fingerprinted,
+    Finished,
+    InstanceMessage,
+    Ready,
+    Released,
+    Running,
+    Updated,
+    WeightsLost,
+)
 from streamrl.components.generation.rebalancing import Rebalancing
 from streamrl.components.weights.checksums import WeightMismatchError, verify_applied
 from streamrl.components.weights.nccl import DEFAULT_BUCKET_BYTES
@@ -378,10 +389,12 @@ class InstancePool:
                 )
             self.next_message(deadline)
 
-    def next_message(self, deadline: float | None = None, quiet: bool = False) -> tuple[str, Any]:
+    def next_message(
+        self, deadline: float | None = None, quiet: bool = False
+    ) -> InstanceMessage | None:
         """Next message from any instance (failures handled on the way; a sample also goes to
-        ``backlog``): ``(kind, payload)``, or ``("handled", None)`` for bookkeeping only.
-        Raises ``GeneratorError`` on timeout, or returns ``("timeout", None)`` if ``quiet``."""
+        ``backlog``), or ``None`` for one only for bookkeeping (let the caller re-check).
+        Raises ``GeneratorError`` on timeout, or returns ``None`` if ``quiet``."""
         deadline = deadline if deadline is not None else time.monotonic() + self.sample_timeout_s
         now = time.monotonic()
         if now - self._last_read > 1.0:  # the caller was away: silence meant nothing meanwhile
@@ -394,7 +407,7 @@ class InstancePool:
                 if message is None:
                     self.rebalancing.maybe_ask()  # a round skipped for being too soon
                     if time.monotonic() >= deadline and quiet:
-                        return "timeout", None
+                        return None
                     if time.monotonic() > deadline:
                         raise GeneratorError(
                             "No message from any generator instance within the timeout; "
@@ -402,15 +415,14 @@ class InstancePool:
                         )
                     continue
                 if not self._accept(message):  # bookkeeping only: let the caller re-check
-                    return "handled", None
-                if message[0] == "sample":
-                    self.backlog.append(message[1])
-                    return "sample", message[1]
-                return message[0], message[1:]
+                    return None
+                if isinstance(message, Finished):
+                    self.backlog.append(message.sample)
+                return message
         finally:
             self._last_read = time.monotonic()
 
-    def _receive(self, timeout_s: float) -> tuple | None:
+    def _receive(self, timeout_s: float) -> InstanceMessage | None:
         """One message from any instance's pipe (taking one from each ready pipe in turn, so
         none starves), or ``None`` after ``timeout_s``."""
         if not self._received:
@@ -421,51 +433,51 @@ class InstancePool:
                     self._received.append(message)
         return self._received.popleft() if self._received else None
 
-    def _accept(self, message: tuple) -> bool:
+    def _accept(self, message: InstanceMessage) -> bool:
         """Bookkeeping of one message; False for messages no caller needs to see."""
-        kind = message[0]
-        sender = message[1].instance_id if kind == "sample" else message[1]
-        handle = self.handles[sender]
+        if not isinstance(message, InstanceMessage):
+            raise GeneratorError(f"A generator instance sent an unknown message: {message!r:.200}")
+        handle = self.handles[message.instance_id]
         handle.last_seen = time.monotonic()
-        if kind == "error":
-            reason = f"failed:\n{message[2]}"
+        if isinstance(message, Crashed):
+            reason = f"failed:\n{message.traceback}"
             if handle.state == "starting":  # it never ran: a setup problem, not a transient one
-                raise GeneratorError(f"Generator instance {sender} {reason}")
+                raise GeneratorError(f"Generator instance {handle.instance_id} {reason}")
             self._fail(handle, reason)
             return False
         if handle.state == "failed":  # a late message of a replaced instance
-            self.counts["samples_discarded"] += kind == "sample"
+            self.counts["samples_discarded"] += isinstance(message, Finished)
             return False
-        if kind == "ready":
-            handle.latency = message[4]
-            self._set_wire_dtype(handle, message[3])
-            self._ready(handle)
-        elif kind == "weights_lost":  # its own fault, or its feeder died
-            _, _, version, generation, why = message
-            culprit = self.feeds.lost(handle, generation)
-            if culprit is not None:
-                self._fail(culprit, f"did not pass on weights {version} ({why})")
-        elif kind == "digests":  # a version to verify, as loaded: a silent no-op stops the run
-            self._verify(handle, *message[2:])
-        elif kind == "updated":
-            handle.version = max(handle.version, message[2])
-            if handle.state == "joining" and handle.version >= self.pushed_version:
-                self._set_state(handle, "active")
-            self.write_status()
-        elif kind == "sample":
-            if handle.open.pop(message[1].key, None) is None:
-                raise GeneratorError(
-                    f"Instance {handle.instance_id} sent an unexpected or "
-                    f"duplicate sample {message[1].key}."
-                )
-            if handle.state == "draining":
-                self._retire_drained()
-            self.rebalancing.sample_arrived(handle, message[1])
-        elif kind == "status":
-            self.rebalancing.status(handle, *message[2:])
-        elif kind == "released":
-            self.rebalancing.released(handle, *message[2:])
-        return kind not in ("heartbeat", "ready", "status", "released", "digests")
+        match message:
+            case Ready(wire_dtype=wire, latency=latency):
+                handle.latency = latency
+                self._set_wire_dtype(handle, wire)
+                self._ready(handle)
+            case WeightsLost(version=version, generation=generation, reason=why):
+                culprit = self.feeds.lost(handle, generation)  # its own fault, or its feeder's
+                if culprit is not None:
+                    self._fail(culprit, f"did not pass on weights {version} ({why})")
+            case Digests(version=version, digests=digests):  # a silent no-op stops the run
+                self._verify(handle, version, digests)
+            case Updated(version=version):
+                handle.version = max(handle.version, version)
+                if handle.state == "joining" and handle.version >= self.pushed_version:
+                    self._set_state(handle, "active")
+                self.write_status()
+            case Finished(sample=sample):
+                if handle.open.pop(sample.key, None) is None:
+                    raise GeneratorError(
+                        f"Instance {handle.instance_id} sent an unexpected or "
+                        f"duplicate sample {sample.key}."
+                    )
+                if handle.state == "draining":
+                    self._retire_drained()
+                self.rebalancing.sample_arrived(handle, sample)
+            case Running(query_id=query, running=running):
+                self.rebalancing.status(handle, query, running)
+            case Released(move_id=move_id, requests=requests):
+                self.rebalancing.released(handle, move_id, requests)
+        return isinstance(message, Finished | Updated | WeightsLost | Fingerprinted)
 
     def _verify(self, handle: InstanceHandle, version: int, digests: dict[str, str]) -> None:
         """Compare an instance's checksums of ``version`` with the trainer's.

@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from streamrl.components.generation.messages import Updated, WeightsLost
 from streamrl.components.weights.transport import DEFAULT_TIMEOUT_S
 
 __all__ = ["ProtocolReceiver"]
@@ -31,10 +32,10 @@ class ProtocolReceiver:
         self.waiting: tuple[int, int, str, float] | None = None
         self.wait_s = WAIT_TIMEOUTS * DEFAULT_TIMEOUT_S
 
-    def handle(self, message: tuple) -> tuple | None:
+    def handle(self, message: tuple) -> Updated | WeightsLost | None:
         """``("wt_init", generation, init_info, shared)``: join the trainer's group;
         ``("wt_update", version, generation, update_info, shared)``: receive and load it, then
-        ``("updated", id, version)``. A failure is reported (``weights_lost``: the service
+        ``Updated``. A failure is reported (``WeightsLost``: the service
         replaces this instance), or, in a ``shared`` broadcast, awaited again."""
         kind, shared = message[0], message[-1]
         generation = message[1] if kind == "wt_init" else message[2]
@@ -55,18 +56,18 @@ class ProtocolReceiver:
                     self.waiting = (version, generation, reason, time.monotonic() + self.wait_s)
                 return None
             self.waiting = None
-            return ("weights_lost", self.instance_id, version, generation, reason)
+            return WeightsLost(self.instance_id, version, generation, reason)
         if self.waiting is not None and version >= self.waiting[0]:
             self.waiting = None
         if self.policy == "recompute":
             self.generator.recompute_running()
-        return ("updated", self.instance_id, version)
+        return Updated(self.instance_id, version)
 
-    def overdue(self) -> tuple | None:
-        """``weights_lost`` once a version awaited again did not come in time, else ``None``."""
+    def overdue(self) -> WeightsLost | None:
+        """``WeightsLost`` once a version awaited again did not come in time, else ``None``."""
         if self.waiting is None or time.monotonic() < self.waiting[3]:
             return None
         version, generation, reason, _ = self.waiting
         self.waiting = None
         why = f"{reason}; not sent again within {self.wait_s:g} s"
-        return ("weights_lost", self.instance_id, version, generation, why)
+        return WeightsLost(self.instance_id, version, generation, why)

@@ -30,6 +30,7 @@ from multiprocessing.connection import Client, Connection, Listener
 from typing import Any
 
 from streamrl.components.generation.instance import InstanceHandle, instance_spec
+from streamrl.components.generation.messages import InstanceMessage, Ready
 from streamrl.components.generation.worker import WorkerSpec
 from streamrl.components.weights.transport import make_store
 from streamrl.errors import ConfigError
@@ -296,10 +297,10 @@ class RayInstanceHandle(InstanceHandle):
         self.link = conn
         self.last_seen = max(self.last_seen, started)
 
-    def read(self) -> tuple | None:
+    def read(self) -> InstanceMessage | None:
         message = super().read()
-        if message is not None and message[0] == "ready":
-            self.proc.pid = message[2]
+        if isinstance(message, Ready):
+            self.proc.pid = message.pid
         return message
 
     def stop(self, timeout_s: float) -> None:

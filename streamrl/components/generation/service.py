@@ -34,6 +34,7 @@ from pathlib import Path
 from streamrl.components.generation.clusters import make_cluster
 from streamrl.components.generation.engines import HFEngine, check_factories
 from streamrl.components.generation.instance import InstanceHandle, InstanceInfo
+from streamrl.components.generation.messages import Fingerprinted
 from streamrl.components.generation.partial import PartialRollout, check_partial_rollout
 from streamrl.components.generation.pool import GeneratorError, InstancePool
 from streamrl.components.generation.protocol_feed import check_weight_protocol
@@ -427,7 +428,9 @@ class StreamGenerationService:
         self.pool.require_running()
         deadline = time.monotonic() + timeout_s
         while (sample := self._take(keys)) is None and self._open(keys):
-            if self.pool.next_message(deadline, quiet=True)[0] == "timeout":
+            if self.pool.next_message(deadline, quiet=True) is None and (
+                time.monotonic() >= deadline
+            ):
                 return None
         return sample
 
@@ -516,9 +519,9 @@ class StreamGenerationService:
             handle.inbox.put(("fingerprint",))
         found: dict[int, str] = {}
         while len(found) < len(active):
-            kind, payload = self.pool.next_message()  # a sample meanwhile stays in the backlog
-            if kind == "fingerprint":
-                found[payload[0]] = payload[1]
+            message = self.pool.next_message()  # a sample meanwhile stays in the backlog
+            if isinstance(message, Fingerprinted):
+                found[message.instance_id] = message.digest
         return found
 
     # -- what runs in an instance ------------------------------------------------------------

@@ -4,7 +4,8 @@ It builds its generator with the service's engine (``GenerationEngine``: ``HFEng
 ``VLLMEngine`` or yours) and its own admission queue (the service's scheduler factory, called
 here), then loops: take requests and weight updates from its inbox, run one continuous-batching
 step, push every finished sample to its outbox (a pipe of its own to the service) at once.
-Messages are plain tuples of picklable values; samples hold lists, never tensors. A pipe per
+The service's messages are plain tuples of picklable values; this instance answers in typed
+records (``messages``); samples hold lists, never tensors. A pipe per
 instance means an instance killed mid-write can garble only its own pipe. What a weight update
 fills is the generator's ``weight_templates()`` (the whole policy, or a LoRA policy's adapters):
 each version is received bucket by bucket into one host staging in the engine's dtype
@@ -19,15 +20,9 @@ generation, verify)`` (``verify``: report the weights' checksums once loaded),
 weights on to a member, ``weight_relay``), ``("release", move_id, keys)`` / ``("steal", move_id,
 count)`` (requests leave for another instance, ``moving``), ``("status", query_id)``,
 ``("reprioritize", {key: cost})``, ``("stop",)``.
-Outbox: ``("ready", instance_id, pid, wire_dtype, latency)`` (its measured ``PTL(BS)``, or
-None), ``("sample", Sample)``,
-``("updated", instance_id, version)`` (after ``("digests", instance_id, version, {name:
-checksum})`` for a version to verify), ``("fingerprint", instance_id, hex)``,
-``("heartbeat", instance_id)`` (every ``heartbeat_s`` while it runs),
-``("weights_lost", instance_id, version, generation, reason)`` (a version did not arrive: the
-service decides whose fault), ``("released", instance_id, move_id, [Request, ...])``,
-``("status", instance_id, query_id, [(key, generated), ...] or None)``, ``("error",
-instance_id, traceback_text)``.
+Outbox: the records of ``streamrl.components.generation.messages``: ``Ready``, ``Finished``
+(a sample), ``Heartbeat``, ``Updated`` (after ``Digests`` for a version to verify),
+``WeightsLost``, ``Fingerprinted``, ``Released``, ``Running`` (a status answer), ``Crashed``.
 """
 
 from __future__ import annotations
@@ -46,6 +41,18 @@ from typing import Any
 import torch
 
 from streamrl.components.generation.hf_generator import fingerprint
+from streamrl.components.generation.messages import (
+    Crashed,
+    Digests,
+    Fingerprinted,
+    Finished,
+    Heartbeat,
+    Ready,
+    Released,
+    Running,
+    Updated,
+    WeightsLost,
+)
 from streamrl.components.generation.partial import WeightLoader
 from streamrl.components.generation.protocol_receiver import ProtocolReceiver
 from streamrl.components.generation.weight_receiver import WeightReceiver
@@ -149,7 +156,7 @@ def worker_main(spec: WorkerSpec, inbox: Any, outbox: Any, leave: Any = None) ->
         hf_logging.disable_progress_bar()  # one bar per instance would only clutter the log
         _Instance(spec, outbox, parent).run(inbox)
     except BaseException:  # report everything, including SystemExit from a broken import
-        _put(outbox, ("error", spec.instance_id, traceback.format_exc()), parent)
+        _put(outbox, Crashed(spec.instance_id, traceback.format_exc()), parent)
         return
     # Stopped: leave at once. A normal interpreter exit would tear down gloo's threads
     # mid-receive, which aborts with "terminate called without an active exception".
@@ -185,7 +192,7 @@ class _Instance:
         # loads from a staging of its own (vLLM's, shared with its worker processes) receives
         # straight into that one; with vLLM's protocol there is none.
         self.receiver = None if self.protocol is not None else self._receiver(templates)
-        _put(outbox, ("ready", spec.instance_id, os.getpid(), wire, curve), parent)
+        _put(outbox, Ready(spec.instance_id, os.getpid(), wire, curve), parent)
 
     def _receiver(self, templates: dict[str, torch.Tensor]) -> WeightReceiver:
         from streamrl.components.weights.transport import WeightGroup
@@ -219,7 +226,7 @@ class _Instance:
         while os.getppid() == self.parent:
             if time.monotonic() - beat > self.spec.heartbeat_s:
                 beat = time.monotonic()
-                _put(self.outbox, ("heartbeat", self.spec.instance_id), self.parent)
+                _put(self.outbox, Heartbeat(self.spec.instance_id), self.parent)
             self._apply_received_weights()
             # A version cut short in a shared broadcast is awaited again: no token before it.
             waiting = self.protocol is not None and self.protocol.waiting is not None
@@ -234,7 +241,7 @@ class _Instance:
             if waiting:
                 continue
             for sample in self.generator.step():
-                _put(self.outbox, ("sample", sample), self.parent)
+                _put(self.outbox, Finished(sample), self.parent)
 
     def _handle(self, message: tuple) -> None:
         kind = message[0]
@@ -269,7 +276,7 @@ class _Instance:
                     f"fingerprint: {type(self.generator).__name__} has no fingerprint() (the "
                     "vLLM engine keeps no HF copy of the weights)."
                 )
-            _put(self.outbox, ("fingerprint", self.spec.instance_id, digest()), self.parent)
+            _put(self.outbox, Fingerprinted(self.spec.instance_id, digest()), self.parent)
 
     def _move(self, message: tuple) -> None:
         """The planner's messages (``moving``): requests leave (``release`` by key, ``steal``
@@ -279,7 +286,7 @@ class _Instance:
         if kind == "status":
             # None: this engine's generator cannot move requests (the planner leaves it be).
             running = generator.running_progress() if movable else None
-            _put(self.outbox, ("status", me, message[1], running), self.parent)
+            _put(self.outbox, Running(me, message[1], running), self.parent)
         elif kind == "reprioritize":
             for request in self.held:
                 request.predicted_length = message[1].get(request.key, request.predicted_length)
@@ -294,16 +301,16 @@ class _Instance:
                 moved += generator.release(keys) if movable else []
             elif movable:  # steal: what it would admit next
                 moved = generator.release_waiting(message[2])
-            _put(self.outbox, ("released", me, message[1], moved), self.parent)
+            _put(self.outbox, Released(me, message[1], moved), self.parent)
 
     def _protocol(self, message: tuple) -> None:
         """vLLM's weight-transfer calls, between two steps (``protocol_feed``)."""
         if self.protocol is None:
             raise ValueError(f"{message[0]}: this instance was not started with weight_protocol.")
         reply = self.protocol.handle(message)
-        if reply is not None and reply[0] == "updated":
+        if isinstance(reply, Updated):
             if message[3].get("digests"):
-                self._report_digests(reply[2])
+                self._report_digests(reply.version)
             _put(self.outbox, reply, self.parent)
             self._release_held()
         elif reply is not None:
@@ -314,7 +321,7 @@ class _Instance:
         the service has checked them by the time every instance says it loaded)."""
         digests = getattr(self.generator, "weight_digests", None)
         if digests is not None:
-            _put(self.outbox, ("digests", self.spec.instance_id, version, digests()), self.parent)
+            _put(self.outbox, Digests(self.spec.instance_id, version, digests()), self.parent)
 
     def _apply_received_weights(self) -> None:
         if self.receiver is None:  # fed through vLLM's protocol (``_protocol``)
@@ -324,7 +331,7 @@ class _Instance:
             return
         for version, staged in self.receiver.ready():
             if isinstance(staged, str):  # it did not arrive: the service decides whose fault
-                lost = ("weights_lost", self.spec.instance_id, *version, staged)
+                lost = WeightsLost(self.spec.instance_id, *version, staged)
                 _put(self.outbox, lost, self.parent)
             else:
                 self.loader.offer(version, staged)
@@ -335,7 +342,7 @@ class _Instance:
             if version in self.verify and version == self.generator.weight_version:
                 self._report_digests(version)
             self.verify.discard(version)
-            _put(self.outbox, ("updated", self.spec.instance_id, version), self.parent)
+            _put(self.outbox, Updated(self.spec.instance_id, version), self.parent)
         if loaded:
             self._release_held()
 

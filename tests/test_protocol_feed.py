@@ -9,7 +9,12 @@ import time
 import pytest
 
 from streamrl.components.generation.engines import HFEngine, VLLMEngine
-from streamrl.components.generation.messages import Updated, WeightsLost
+from streamrl.components.generation.messages import (
+    ProtocolInit,
+    ProtocolUpdate,
+    Updated,
+    WeightsLost,
+)
 from streamrl.components.generation.protocol_feed import check_weight_protocol
 from streamrl.components.generation.protocol_receiver import ProtocolReceiver
 from streamrl.components.generation.service import StreamGenerationService
@@ -57,19 +62,19 @@ class FlakyGenerator:
 
 def test_an_update_cut_short_in_a_shared_broadcast_is_awaited_again_not_reported():
     receiver = ProtocolReceiver(FlakyGenerator(), instance_id=3, policy="keep")
-    assert receiver.handle(("wt_init", 1, {"timeout_s": 10.0}, True)) is None
-    assert receiver.handle(("wt_update", 2, 1, {}, True)) is None  # no report: it waits
+    assert receiver.handle(ProtocolInit(1, {"timeout_s": 10.0}, True)) is None
+    assert receiver.handle(ProtocolUpdate(2, 1, {}, True)) is None  # no report: it waits
     assert receiver.waiting is not None and receiver.waiting[0] == 2
     assert receiver.overdue() is None  # not yet: three timeouts
-    assert receiver.handle(("wt_init", 1, {"timeout_s": 10.0}, False)) is None  # its own group
-    assert receiver.handle(("wt_update", 2, 1, {}, False)) == Updated(instance_id=3, version=2)
+    assert receiver.handle(ProtocolInit(1, {"timeout_s": 10.0}, False)) is None  # its own group
+    assert receiver.handle(ProtocolUpdate(2, 1, {}, False)) == Updated(instance_id=3, version=2)
     assert receiver.waiting is None and receiver.generator.loaded == [2]
 
 
 def test_a_version_not_sent_again_in_time_is_reported_lost():
     receiver = ProtocolReceiver(FlakyGenerator(), instance_id=3, policy="keep")
-    receiver.handle(("wt_init", 4, {"timeout_s": 0.01}, True))
-    receiver.handle(("wt_update", 7, 4, {}, True))
+    receiver.handle(ProtocolInit(4, {"timeout_s": 0.01}, True))
+    receiver.handle(ProtocolUpdate(7, 4, {}, True))
     time.sleep(0.05)
     lost = receiver.overdue()
     assert isinstance(lost, WeightsLost)
@@ -80,6 +85,6 @@ def test_a_version_not_sent_again_in_time_is_reported_lost():
 
 def test_an_update_cut_short_on_its_own_group_is_reported_at_once():
     receiver = ProtocolReceiver(FlakyGenerator(), instance_id=3, policy="keep")
-    lost = receiver.handle(("wt_update", 7, 4, {}, False))
+    lost = receiver.handle(ProtocolUpdate(7, 4, {}, False))
     assert isinstance(lost, WeightsLost)
     assert (lost.instance_id, lost.version, lost.generation) == (3, 7, 4)

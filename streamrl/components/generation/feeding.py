@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from streamrl.components.generation.instance import InstanceHandle
+from streamrl.components.generation.messages import Refeed, Relay, Unrelay, Update
 from streamrl.components.generation.protocol_feed import ProtocolLink, SharedBroadcast, gone
 from streamrl.components.weights.relay import RelayedGroup
 from streamrl.components.weights.sync import AsyncWeightSync
@@ -90,7 +91,7 @@ class WeightFeeds:
         head = self._head(handle)
         if head is not None:
             head.members.discard(handle.instance_id)
-            head.inbox.put(("unrelay", handle.instance_id))
+            head.inbox.put(Unrelay(handle.instance_id))
         for member in sorted(handle.members):
             self._feed(self.handles[member], head)
         handle.members.clear()
@@ -116,11 +117,11 @@ class WeightFeeds:
         generation, port = handle.feed_generation, handle.store.port
         set_feed(handle.store, generation)  # an older feed's group, still meeting, gives up
         if generation > 1:  # its receiving thread opens the new group after what it has queued
-            handle.inbox.put(("refeed", generation))
+            handle.inbox.put(Refeed(generation))
 
         def announce(version: int) -> None:
             verify = int(self.sync.verifies(version))  # it reports its checksums once loaded
-            handle.inbox.put(("update", version, generation, verify))
+            handle.inbox.put(Update(version, generation, verify))
 
         handle.head = head.instance_id if head is not None else None
         if head is None and self.protocol:  # vLLM's calls; the group meets at the first version
@@ -136,7 +137,7 @@ class WeightFeeds:
 
         def start_relay(last: int | None) -> None:
             first = last if last is not None else 0
-            head.inbox.put(("relay", handle.instance_id, port, first, generation))
+            head.inbox.put(Relay(handle.instance_id, port, first, generation))
 
         head.members.add(handle.instance_id)
         self.sync.add_group(handle.instance_id, RelayedGroup(), announce, start_relay)

@@ -1,8 +1,11 @@
-"""What a generator instance tells the service (StreamRL §3): one typed record per kind of message.
+"""The messages between the stream generation service and its generator instances (StreamRL
+§3): one typed record per kind, in each direction.
 
-An instance process (``worker``) writes these to its own pipe; the service's pool reads them
-(``InstancePool.next_message``) and matches on their type. Each is a small frozen dataclass of
-picklable values: samples and requests hold lists, never tensors.
+The service puts ``ServiceMessage`` s in an instance's inbox (``worker`` matches on their type);
+an instance writes ``InstanceMessage`` s to its own pipe, which the service's pool reads
+(``InstancePool.next_message``) and matches on. Each is a small frozen dataclass of picklable
+values: samples and requests hold lists, never tensors. ``corrupt`` names a message an instance
+must refuse (the service then replaces it and requeues its requests).
 
 Examples:
     >>> message = Updated(instance_id=1, version=4)
@@ -14,9 +17,163 @@ Examples:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from typing import Any
 
 from streamrl.records import Request, Sample
+
+# -- the service to an instance (its inbox) ----------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Submit:
+    """Requests to generate (each admitted once its weight version has arrived)."""
+
+    requests: list[Request]
+
+
+@dataclass(frozen=True)
+class Limit:
+    """The most sequences to decode at once (the dispatcher's batch limit, §5.3)."""
+
+    batch_size: int
+
+
+@dataclass(frozen=True)
+class Update:
+    """Receive weight version ``version`` on feed ``generation`` (in the background); ``verify``:
+    report its checksums once loaded (``Digests``)."""
+
+    version: int
+    generation: int
+    verify: bool = False
+
+
+@dataclass(frozen=True)
+class Refeed:
+    """Weights now come from a new feeder, feed ``generation`` (``feeding``)."""
+
+    generation: int
+
+
+@dataclass(frozen=True)
+class Relay:
+    """Pass each version received on to instance ``member`` (listening on ``port``; ``first``:
+    the first version it takes) on feed ``generation`` (``weight_relay``, §6)."""
+
+    member: int
+    port: int
+    first: int
+    generation: int
+
+
+@dataclass(frozen=True)
+class Unrelay:
+    """Stop passing weights on to instance ``member``."""
+
+    member: int
+
+
+@dataclass(frozen=True)
+class AskFingerprint:
+    """Send the hash of the weights held (``Fingerprinted``)."""
+
+
+@dataclass(frozen=True)
+class Release:
+    """Let these requests go (move ``move_id``): waiting ones as they are, running ones with their
+    progress (``Released``)."""
+
+    move_id: int
+    keys: list[tuple]
+
+
+@dataclass(frozen=True)
+class AskStatus:
+    """Report each running request's progress (``Running``) for query ``query_id``."""
+
+    query_id: int
+
+
+@dataclass(frozen=True)
+class Reprioritize:
+    """New predicted lengths of waiting requests, by key (the LPT order, §5.3)."""
+
+    costs: dict[tuple, int]
+
+
+@dataclass(frozen=True)
+class ProtocolInit:
+    """vLLM's weight-transfer protocol: join the trainer's group (``protocol_feed``)."""
+
+    generation: int
+    init_info: dict[str, Any]
+    shared: bool
+
+
+@dataclass(frozen=True)
+class ProtocolUpdate:
+    """vLLM's weight-transfer protocol: receive and load version ``version``."""
+
+    version: int
+    generation: int
+    update_info: dict[str, Any]
+    shared: bool
+
+
+@dataclass(frozen=True)
+class Stop:
+    """Leave now."""
+
+
+#: Every message the service sends an instance.
+ServiceMessage = (
+    Submit
+    | Limit
+    | Update
+    | Refeed
+    | Relay
+    | Unrelay
+    | AskFingerprint
+    | Release
+    | AskStatus
+    | Reprioritize
+    | ProtocolInit
+    | ProtocolUpdate
+    | Stop
+)
+
+#: The fields that must hold an ``int`` (a version, a feed, a port...), by record.
+_INTEGERS = {
+    Limit: ("batch_size",),
+    Update: ("version", "generation"),
+    Refeed: ("generation",),
+    Relay: ("member", "port", "first", "generation"),
+    Unrelay: ("member",),
+    Release: ("move_id",),
+    AskStatus: ("query_id",),
+    ProtocolInit: ("generation",),
+    ProtocolUpdate: ("version", "generation"),
+}
+
+
+def corrupt(message: object) -> bool:
+    """Whether ``message`` is not a well-formed ``ServiceMessage`` (not one of them, or a version,
+    feed or port that is not an ``int``).
+
+    Examples:
+        >>> corrupt(Update(3, 1)), corrupt(Update("3", 1)), corrupt(("update", 3, 1))
+        (False, True, True)
+    """
+    if not isinstance(message, ServiceMessage):
+        return True
+    names = _INTEGERS.get(type(message), ())
+    return not all(
+        type(getattr(message, f.name)) is int for f in fields(message) if f.name in names
+    )
+
+
+# -- an instance to the service (its pipe) -----------------------------------------------------
 
 
 @dataclass(frozen=True)

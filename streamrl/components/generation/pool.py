@@ -29,9 +29,12 @@ from streamrl.components.generation.messages import (
     Fingerprinted,
     Finished,
     InstanceMessage,
+    Limit,
     Ready,
     Released,
     Running,
+    Stop,
+    Submit,
     Updated,
     WeightsLost,
 )
@@ -174,7 +177,7 @@ class InstancePool:
         """Stop every instance: ask politely, then terminate, then kill. Safe to call twice."""
         for handle in self.handles:
             if handle.proc.is_alive():
-                handle.inbox.put(("stop",))
+                handle.inbox.put(Stop())
         deadline = time.monotonic() + timeout_s
         for handle in self.handles:
             handle.stop(max(0.0, deadline - time.monotonic()))
@@ -270,7 +273,7 @@ class InstancePool:
         limits = self.dispatcher.batch_limits(len(active))  # per-pool batch sizes (§5.3)
         for i, (handle, batch) in enumerate(zip(active, parts)):
             if limits is not None:
-                handle.inbox.put(("limit", limits[i]))
+                handle.inbox.put(Limit(limits[i]))
                 handle.batch_limit = limits[i]
             if batch:
                 self.send(handle, batch)
@@ -280,7 +283,7 @@ class InstancePool:
     def send(handle: InstanceHandle, batch: list[Request]) -> None:
         """Hand ``batch`` to one instance: it holds them from now on."""
         handle.open.update((r.key, r) for r in batch)
-        handle.inbox.put(("submit", list(batch)))
+        handle.inbox.put(Submit(list(batch)))
 
     def batch_limit(self, handle: InstanceHandle) -> int:
         """How many sequences ``handle`` runs at once."""
@@ -343,7 +346,7 @@ class InstancePool:
     def _retire_drained(self) -> None:
         for handle in self.handles:
             if handle.state == "draining" and not handle.open:
-                handle.inbox.put(("stop",))
+                handle.inbox.put(Stop())
                 self.feeds.leave(handle)
                 self._set_state(handle, "stopped")
 

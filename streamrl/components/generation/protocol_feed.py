@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from streamrl.components.generation.instance import InstanceHandle
+from streamrl.components.generation.messages import ProtocolInit, ProtocolUpdate
 from streamrl.components.weights.instances_client import InstancesClient
 from streamrl.components.weights.transport import make_store
 from streamrl.errors import ConfigError
@@ -72,14 +73,16 @@ class InboxInstance:
         self.handle, self.link, self.shared = handle, link, shared
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
-        self.handle.inbox.put(("wt_init", self.link.generation, init_info, self.shared))
+        self.handle.inbox.put(ProtocolInit(self.link.generation, init_info, self.shared))
 
     def start_weight_update(self) -> None:
         """Nothing to send: the instance starts the update when the update arrives."""
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
-        message = ("wt_update", self.link.version, self.link.generation, update_info, self.shared)
-        self.handle.inbox.put(message)
+        link = self.link
+        self.handle.inbox.put(
+            ProtocolUpdate(link.version, link.generation, update_info, self.shared)
+        )
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         """Nothing to send: the instance finishes once every bucket arrived."""

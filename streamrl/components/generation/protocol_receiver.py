@@ -7,7 +7,12 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from streamrl.components.generation.messages import Updated, WeightsLost
+from streamrl.components.generation.messages import (
+    ProtocolInit,
+    ProtocolUpdate,
+    Updated,
+    WeightsLost,
+)
 from streamrl.components.weights.transport import DEFAULT_TIMEOUT_S
 
 __all__ = ["ProtocolReceiver"]
@@ -32,22 +37,20 @@ class ProtocolReceiver:
         self.waiting: tuple[int, int, str, float] | None = None
         self.wait_s = WAIT_TIMEOUTS * DEFAULT_TIMEOUT_S
 
-    def handle(self, message: tuple) -> Updated | WeightsLost | None:
-        """``("wt_init", generation, init_info, shared)``: join the trainer's group;
-        ``("wt_update", version, generation, update_info, shared)``: receive and load it, then
-        ``Updated``. A failure is reported (``WeightsLost``: the service
-        replaces this instance), or, in a ``shared`` broadcast, awaited again."""
-        kind, shared = message[0], message[-1]
-        generation = message[1] if kind == "wt_init" else message[2]
-        version = -1 if kind == "wt_init" else message[1]
+    def handle(self, message: ProtocolInit | ProtocolUpdate) -> Updated | WeightsLost | None:
+        """``ProtocolInit``: join the trainer's group; ``ProtocolUpdate``: receive and load its
+        version, then ``Updated``. A failure is reported (``WeightsLost``: the service replaces
+        this instance), or, in a ``shared`` broadcast, awaited again."""
+        generation, shared = message.generation, message.shared
+        version = message.version if isinstance(message, ProtocolUpdate) else -1
         try:
-            if kind == "wt_init":
-                timeout_s = message[2].get("timeout_s", DEFAULT_TIMEOUT_S)
+            if isinstance(message, ProtocolInit):
+                timeout_s = message.init_info.get("timeout_s", DEFAULT_TIMEOUT_S)
                 self.wait_s = WAIT_TIMEOUTS * float(timeout_s)
-                self.generator.init_weight_transfer_engine(message[2])
+                self.generator.init_weight_transfer_engine(message.init_info)
                 return None
             self.generator.start_weight_update()
-            self.generator.update_weights(message[3])
+            self.generator.update_weights(message.update_info)
             self.generator.finish_weight_update(str(version))
         except Exception as err:  # the service decides: this instance is replaced
             reason = f"{type(err).__name__}: {err}"[:500]

@@ -29,6 +29,7 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Protocol
 
+from streamrl.components.generation.messages import AskStatus, Release, Reprioritize
 from streamrl.protocols import Dispatcher, Rebalancer
 from streamrl.records import InstanceLoad, Request, Sample
 
@@ -96,7 +97,7 @@ class Rebalancing:
         for other in self.pool.active() if costs else ():
             held = {k: c for k, c in costs.items() if k in other.open}
             if held:
-                other.inbox.put(("reprioritize", held))
+                other.inbox.put(Reprioritize(held))
         self.maybe_ask()
 
     def maybe_ask(self) -> None:
@@ -116,7 +117,7 @@ class Rebalancing:
         query = next(self._ids)
         self._query, self._asked = (query, {h.instance_id: None for h in active}), now
         for handle in active:
-            handle.inbox.put(("status", query))
+            handle.inbox.put(AskStatus(query))
 
     def status(self, handle: InstanceHandle, query: int, running: list | None) -> None:
         """One instance's answer; with every answer in, the planner's moves go out."""
@@ -141,7 +142,7 @@ class Rebalancing:
                 continue
             move_id = next(self._ids)
             self._moves[move_id] = (move.source, move.target)
-            source.inbox.put(("release", move_id, list(move.keys)))
+            source.inbox.put(Release(move_id, list(move.keys)))
 
     def released(self, handle: InstanceHandle, move_id: int, requests: list[Request]) -> None:
         """The source let these requests go: they leave its ``open`` and go to the target

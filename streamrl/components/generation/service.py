@@ -34,7 +34,7 @@ from pathlib import Path
 from streamrl.components.generation.clusters import make_cluster
 from streamrl.components.generation.engines import HFEngine, check_factories
 from streamrl.components.generation.instance import InstanceHandle, InstanceInfo
-from streamrl.components.generation.messages import Fingerprinted
+from streamrl.components.generation.messages import AskFingerprint, Fingerprinted
 from streamrl.components.generation.partial import PartialRollout, check_partial_rollout
 from streamrl.components.generation.pool import GeneratorError, InstancePool
 from streamrl.components.generation.protocol_feed import check_weight_protocol
@@ -516,7 +516,7 @@ class StreamGenerationService:
         self.pool.require_running()
         active = self.pool.active()
         for handle in active:
-            handle.inbox.put(("fingerprint",))
+            handle.inbox.put(AskFingerprint())
         found: dict[int, str] = {}
         while len(found) < len(active):
             message = self.pool.next_message()  # a sample meanwhile stays in the backlog

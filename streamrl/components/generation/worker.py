@@ -4,22 +4,20 @@ It builds its generator with the service's engine (``GenerationEngine``: ``HFEng
 ``VLLMEngine`` or yours) and its own admission queue (the service's scheduler factory, called
 here), then loops: take requests and weight updates from its inbox, run one continuous-batching
 step, push every finished sample to its outbox (a pipe of its own to the service) at once.
-The service's messages are plain tuples of picklable values; this instance answers in typed
-records (``messages``); samples hold lists, never tensors. A pipe per
-instance means an instance killed mid-write can garble only its own pipe. What a weight update
+Messages both ways are typed records of picklable values (``messages``); samples hold lists,
+never tensors. A pipe per instance means an instance killed mid-write can garble only its own
+pipe. What a weight update
 fills is the generator's ``weight_templates()`` (the whole policy, or a LoRA policy's adapters):
 each version is received bucket by bucket into one host staging in the engine's dtype
 (``StagedWeights``, pinned when CUDA is present), passed on bucket by bucket to the instances this
 one feeds, and loaded from there into the engine when the partial-rollout policy allows; no
 full-model receive buffer is allocated, and a version that must wait waits in host memory.
 
-Inbox:  ``("submit", [Request, ...])``, ``("limit", batch_size)``, ``("update", version,
-generation, verify)`` (``verify``: report the weights' checksums once loaded),
-``("refeed", generation)`` (a new feeder: ``feeding``), ``("fingerprint",)``,
-``("relay", member, port, first, generation)`` / ``("unrelay", member)`` (this instance passes
-weights on to a member, ``weight_relay``), ``("release", move_id, keys)`` / ``("steal", move_id,
-count)`` (requests leave for another instance, ``moving``), ``("status", query_id)``,
-``("reprioritize", {key: cost})``, ``("stop",)``.
+Inbox: the service's records (``streamrl.components.generation.messages``): ``Submit``,
+``Limit``, ``Update`` (a weight version to receive), ``Refeed``, ``Relay`` / ``Unrelay`` (pass
+weights on to a member, ``weight_relay``), ``AskFingerprint``, ``Release`` (requests leave for
+another instance, ``moving``), ``AskStatus``, ``Reprioritize``, ``ProtocolInit`` /
+``ProtocolUpdate`` (vLLM's weight-transfer protocol), ``Stop``; anything else is refused.
 Outbox: the records of ``streamrl.components.generation.messages``: ``Ready``, ``Finished``
 (a sample), ``Heartbeat``, ``Updated`` (after ``Digests`` for a version to verify),
 ``WeightsLost``, ``Fingerprinted``, ``Released``, ``Running`` (a status answer), ``Crashed``.
@@ -42,16 +40,31 @@ import torch
 
 from streamrl.components.generation.hf_generator import fingerprint
 from streamrl.components.generation.messages import (
+    AskFingerprint,
+    AskStatus,
     Crashed,
     Digests,
     Fingerprinted,
     Finished,
     Heartbeat,
+    Limit,
+    ProtocolInit,
+    ProtocolUpdate,
     Ready,
+    Refeed,
+    Relay,
+    Release,
     Released,
+    Reprioritize,
     Running,
+    ServiceMessage,
+    Stop,
+    Submit,
+    Unrelay,
+    Update,
     Updated,
     WeightsLost,
+    corrupt,
 )
 from streamrl.components.generation.partial import WeightLoader
 from streamrl.components.generation.protocol_receiver import ProtocolReceiver
@@ -59,7 +72,7 @@ from streamrl.components.generation.weight_receiver import WeightReceiver
 from streamrl.components.skewness.instance_profile import LatencyProfile, profiled_latency
 from streamrl.components.skewness.schedulers import FIFOScheduler
 from streamrl.components.weights.nccl import DEFAULT_BUCKET_BYTES
-from streamrl.components.weights.relay import WeightRelay, relay_messages
+from streamrl.components.weights.relay import WeightRelay
 from streamrl.components.weights.staging import StagedWeights
 from streamrl.protocols import (
     AdmissionScheduler,
@@ -234,7 +247,7 @@ class _Instance:
             busy = self.receiver is not None and self.receiver.busy
             message = _next_message(inbox, block=idle, poll_s=0.005 if busy else POLL_S)
             if message is not None:
-                if message[0] == "stop":
+                if isinstance(message, Stop):
                     return
                 self._handle(message)
                 continue  # drain the inbox before decoding: requests join this step's batch
@@ -243,73 +256,62 @@ class _Instance:
             for sample in self.generator.step():
                 _put(self.outbox, Finished(sample), self.parent)
 
-    def _handle(self, message: tuple) -> None:
-        kind = message[0]
-        relay = relay_messages(message)
-        if relay is not None:
-            self.receiver.relay(*relay)  # in order with the receives, on the receiving thread
-            return
-        if kind not in KNOWN or (
-            kind in ("update", "refeed") and not all(isinstance(x, int) for x in message[1:])
-        ):  # fail loudly: the service replaces this instance and requeues its requests
+    def _handle(self, message: ServiceMessage) -> None:
+        if corrupt(message):  # fail loudly: the service replaces this instance, requeues
             raise ValueError(f"Corrupt message from the service: {message!r:.200}")
-        if kind in PROTOCOL:
-            self._protocol(message)
-        elif kind in MOVES:
-            self._move(message)
-        elif kind == "submit":
-            self.held.extend(message[1])
-            self._release_held()
-        elif kind == "limit":
-            self.generator.set_batch_limit(message[1])
-        elif kind == "update":
-            version, generation, *verify = message[1:]
-            if verify and verify[0]:
-                self.verify.add(version)
-            self.receiver.receive(version, generation)  # joins the broadcast in the background
-        elif kind == "refeed":
-            self.receiver.refeed(message[1])
-        elif kind == "fingerprint":
-            digest = getattr(self.generator, "fingerprint", None)
-            if digest is None:
-                raise ValueError(
-                    f"fingerprint: {type(self.generator).__name__} has no fingerprint() (the "
-                    "vLLM engine keeps no HF copy of the weights)."
-                )
-            _put(self.outbox, Fingerprinted(self.spec.instance_id, digest()), self.parent)
-
-    def _move(self, message: tuple) -> None:
-        """The planner's messages (``moving``): requests leave (``release`` by key, ``steal``
-        the next to admit), running ones are reported (``status``), waiting ones reordered."""
-        kind, generator, me = message[0], self.generator, self.spec.instance_id
+        generator, me = self.generator, self.spec.instance_id
         movable = isinstance(generator, MovableGenerator)
-        if kind == "status":
-            # None: this engine's generator cannot move requests (the planner leaves it be).
-            running = generator.running_progress() if movable else None
-            _put(self.outbox, Running(me, message[1], running), self.parent)
-        elif kind == "reprioritize":
-            for request in self.held:
-                request.predicted_length = message[1].get(request.key, request.predicted_length)
-            if movable:
-                generator.reprioritize(message[1])
-        else:
-            moved: list[Request] = []
-            if kind == "release":
-                keys = set(message[2])
+        match message:
+            case Submit(requests=requests):
+                self.held.extend(requests)
+                self._release_held()
+            case Limit(batch_size=size):
+                generator.set_batch_limit(size)
+            case Update(version=version, generation=generation, verify=verify):
+                if verify:
+                    self.verify.add(version)
+                self.receiver.receive(version, generation)  # joins it in the background
+            case Refeed(generation=generation):
+                self.receiver.refeed(generation)
+            case Relay(member=member, port=port, first=first, generation=generation):
+                # In order with the receives, on the receiving thread.
+                self.receiver.relay("relay", (member, port, first, generation))
+            case Unrelay(member=member):
+                self.receiver.relay("unrelay", (member,))
+            case AskFingerprint():
+                digest = getattr(generator, "fingerprint", None)
+                if digest is None:
+                    raise ValueError(
+                        f"fingerprint: {type(generator).__name__} has no fingerprint() (the "
+                        "vLLM engine keeps no HF copy of the weights)."
+                    )
+                _put(self.outbox, Fingerprinted(me, digest()), self.parent)
+            case AskStatus(query_id=query):  # the planner's (``moving``); None: cannot move
+                running = generator.running_progress() if movable else None
+                _put(self.outbox, Running(me, query, running), self.parent)
+            case Reprioritize(costs=costs):
+                for request in self.held:
+                    request.predicted_length = costs.get(request.key, request.predicted_length)
+                if movable:
+                    generator.reprioritize(costs)
+            case Release(move_id=move_id, keys=keys):  # requests leave for another instance
+                keys = set(keys)
                 moved = [r for r in self.held if r.key in keys]
                 self.held = [r for r in self.held if r.key not in keys]
                 moved += generator.release(keys) if movable else []
-            elif movable:  # steal: what it would admit next
-                moved = generator.release_waiting(message[2])
-            _put(self.outbox, Released(me, message[1], moved), self.parent)
+                _put(self.outbox, Released(me, move_id, moved), self.parent)
+            case ProtocolInit() | ProtocolUpdate():
+                self._protocol(message)
 
-    def _protocol(self, message: tuple) -> None:
+    def _protocol(self, message: ProtocolInit | ProtocolUpdate) -> None:
         """vLLM's weight-transfer calls, between two steps (``protocol_feed``)."""
         if self.protocol is None:
-            raise ValueError(f"{message[0]}: this instance was not started with weight_protocol.")
+            raise ValueError(
+                f"{type(message).__name__}: this instance was not started with weight_protocol."
+            )
         reply = self.protocol.handle(message)
         if isinstance(reply, Updated):
-            if message[3].get("digests"):
+            if message.update_info.get("digests"):
                 self._report_digests(reply.version)
             _put(self.outbox, reply, self.parent)
             self._release_held()
@@ -354,15 +356,7 @@ class _Instance:
             self.generator.submit(ready)
 
 
-#: The planner's messages (``_Instance._move``).
-MOVES = ("release", "steal", "status", "reprioritize")
-#: vLLM's weight-transfer protocol (``protocol_feed``).
-PROTOCOL = ("wt_init", "wt_update")
-#: Every message an instance takes.
-KNOWN = ("submit", "limit", "update", "refeed", "fingerprint", *MOVES, *PROTOCOL)
-
-
-def _next_message(inbox: Any, block: bool, poll_s: float = POLL_S) -> tuple | None:
+def _next_message(inbox: Any, block: bool, poll_s: float = POLL_S) -> ServiceMessage | None:
     try:
         return inbox.get(timeout=poll_s) if block else inbox.get_nowait()
     except queue.Empty:

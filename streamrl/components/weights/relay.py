@@ -117,16 +117,3 @@ class RelayedGroup:
     def broadcast(self, tensors: Any) -> int:
         del tensors
         return 0
-
-
-def relay_messages(message: tuple) -> tuple[str, Any] | None:
-    """Validate a relay message from the service: ``("relay", member, port, first,
-    generation)`` or ``("unrelay", member)``; returns ``None`` for any other kind."""
-    kind = message[0]
-    if kind == "relay" and len(message) == 5 and all(isinstance(x, int) for x in message[1:]):
-        return kind, message[1:]
-    if kind == "unrelay" and len(message) == 2 and isinstance(message[1], int):
-        return kind, message[1:]
-    if kind in ("relay", "unrelay"):
-        raise ValueError(f"Corrupt relay message from the service: {message!r:.200}")
-    return None

@@ -13,7 +13,7 @@ from collections import deque
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 
 from streamrl.components.skewness.schedulers import AdmissionScheduler, FIFOScheduler
-from streamrl.records import Request
+from streamrl.records import Request, Sample
 
 
 class AdmissionQueue:
@@ -168,6 +168,59 @@ class AdmissionQueue:
 def budget(req: Request) -> int:
     """Most tokens the request may generate (a moved request's tokens so far included)."""
     return req.forced_length if req.forced_length is not None else req.max_tokens
+
+
+class AdmittingGenerator:
+    """What a stream generator hands to its ``AdmissionQueue`` (``self.admission``): the requests
+    waiting, the batch limit (§5.3) and validated submission against ``self.context_length``.
+    A subclass counts its own running sequences (``num_running``) and steps its engine
+    (``step``)."""
+
+    admission: AdmissionQueue
+    context_length: int
+
+    @property
+    def num_running(self) -> int:
+        """Sequences holding a batch slot (inside the engine)."""
+        raise NotImplementedError
+
+    def step(self) -> list[Sample]:
+        """Admit, run one step of the engine, return the samples finished in it."""
+        raise NotImplementedError
+
+    def stream(self) -> Iterator[Sample]:
+        """Step until idle, yielding samples in completion order."""
+        while not self.idle:
+            yield from self.step()
+
+    @property
+    def num_waiting(self) -> int:
+        """Submitted requests not yet admitted."""
+        return self.admission.num_waiting
+
+    @property
+    def idle(self) -> bool:
+        """True when nothing is running or waiting."""
+        return not self.num_running and not self.num_waiting
+
+    @property
+    def batch_limit(self) -> int:
+        """How many sequences may run at once now (at most ``max_batch_size``)."""
+        return self.admission.batch_limit
+
+    def set_batch_limit(self, limit: int) -> None:
+        """Run at most ``limit`` sequences at once from now on (§5.3); running ones keep their
+        slots."""
+        self.admission.set_batch_limit(limit)
+
+    def submit(self, requests: Iterable[Request]) -> None:
+        """Queue requests for admission; all are validated before any is queued.
+
+        Raises:
+            ValueError: a prompt is empty, ``max_tokens`` (or ``forced_length``) is below 1, or
+                the prompt plus its token budget exceeds the model's context length.
+        """
+        self.admission.submit(requests, self.context_length)
 
 
 def _validate(req: Request, context_length: int) -> None:

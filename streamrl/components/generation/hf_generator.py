@@ -25,12 +25,12 @@ Examples:
 from __future__ import annotations
 
 import time
-from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from streamrl.components.generation.admission import AdmissionQueue, budget
+from streamrl.components.generation.admission import AdmissionQueue, AdmittingGenerator, budget
 from streamrl.components.generation.finished import finished_sample
 from streamrl.components.generation.finishing import FinishingRules
 from streamrl.components.generation.hf_weights import WeightMap, copy_into, fingerprint
@@ -52,7 +52,7 @@ from streamrl.protocols import AdmissionScheduler
 from streamrl.records import Request, Sample
 
 
-class HFStreamGenerator:
+class HFStreamGenerator(AdmittingGenerator):
     """Generate samples with continuous batching and emit each one as soon as it finishes.
 
     StreamRL §3 (stream generation) / §5 (continuous batching in an SGS instance). At most
@@ -169,40 +169,6 @@ class HFStreamGenerator:
     def num_running(self) -> int:
         """Sequences occupying a batch slot."""
         return len(self._rows)
-
-    @property
-    def num_waiting(self) -> int:
-        """Submitted requests not yet admitted."""
-        return self.admission.num_waiting
-
-    @property
-    def idle(self) -> bool:
-        """True when nothing is running or waiting."""
-        return not self.num_running and not self.num_waiting
-
-    @property
-    def batch_limit(self) -> int:
-        """How many sequences may run at once now (at most ``max_batch_size``)."""
-        return self.admission.batch_limit
-
-    def set_batch_limit(self, limit: int) -> None:
-        """Run at most ``limit`` sequences at once from now on (§5.3); running ones keep their
-        slots."""
-        self.admission.set_batch_limit(limit)
-
-    def submit(self, requests: Iterable[Request]) -> None:
-        """Queue requests for admission; all are validated before any is queued.
-
-        Raises:
-            ValueError: a prompt is empty, ``max_tokens`` (or ``forced_length``) is below 1, or
-                the prompt plus its token budget exceeds the model's context length.
-        """
-        self.admission.submit(requests, self.context_length)
-
-    def stream(self) -> Iterator[Sample]:
-        """Step until idle, yielding samples in completion order."""
-        while not self.idle:
-            yield from self.step()
 
     def step(self) -> list[Sample]:
         """Admit, prefill, decode one token per running sequence; return the finished samples."""

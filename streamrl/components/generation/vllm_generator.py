@@ -46,7 +46,7 @@ Examples:
 from __future__ import annotations
 
 import time
-from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -55,7 +55,7 @@ import numpy as np
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
-from streamrl.components.generation.admission import AdmissionQueue, budget
+from streamrl.components.generation.admission import AdmissionQueue, AdmittingGenerator, budget
 from streamrl.components.generation.finished import finished_sample
 from streamrl.components.generation.moving import generated_before, leaving
 from streamrl.components.generation.routed_experts import from_engine
@@ -88,7 +88,7 @@ class _Admitted:
     added_at: int = 0  # tokens generated before its current vLLM request (moves, recompute)
 
 
-class VLLMStreamGenerator:
+class VLLMStreamGenerator(AdmittingGenerator):
     """Generate samples with vLLM and emit each one as soon as it finishes.
 
     StreamRL §3 / §5; same public API and ``Sample`` fields as ``HFStreamGenerator``. A sample's
@@ -195,40 +195,6 @@ class VLLMStreamGenerator:
     def num_running(self) -> int:
         """Requests inside the engine."""
         return len(self._running)
-
-    @property
-    def num_waiting(self) -> int:
-        """Submitted requests not yet in the engine."""
-        return self.admission.num_waiting
-
-    @property
-    def idle(self) -> bool:
-        """True when nothing is running or waiting."""
-        return not self.num_running and not self.num_waiting
-
-    @property
-    def batch_limit(self) -> int:
-        """How many requests may be inside the engine now (at most ``max_batch_size``)."""
-        return self.admission.batch_limit
-
-    def set_batch_limit(self, limit: int) -> None:
-        """Keep at most ``limit`` requests inside the engine from now on (§5.3); those inside
-        stay."""
-        self.admission.set_batch_limit(limit)
-
-    def submit(self, requests: Iterable[Request]) -> None:
-        """Queue requests for admission; all are validated before any is queued.
-
-        Raises:
-            ValueError: a prompt is empty, ``max_tokens`` (or ``forced_length``) is below 1, or
-                the prompt plus its token budget exceeds the engine's ``max_model_len``.
-        """
-        self.admission.submit(requests, self.context_length)
-
-    def stream(self) -> Iterator[Sample]:
-        """Step until idle, yielding samples in completion order."""
-        while not self.idle:
-            yield from self.step()
 
     def step(self) -> list[Sample]:
         """Admit into free slots, run one engine step, return the samples finished in it."""

@@ -43,7 +43,16 @@ from typing import Any
 
 from streamrl.errors import RewardError
 from streamrl.rewards.spec import RewardSpec, load_rewards
-from streamrl.rewards.worker import Job, worker_main
+from streamrl.rewards.worker import (
+    BatchScored,
+    BatchStarted,
+    Built,
+    Job,
+    ScoringFailed,
+    Unbuilt,
+    WorkerMessage,
+    worker_main,
+)
 from streamrl.runtime.atomic_files import write_text_atomic
 
 #: A completion whose scoring killed or hung this many workers is a reward fault.
@@ -215,24 +224,24 @@ class RewardPool:
                 worker.process.join(timeout=5.0)
         self._check_workers()
 
-    def _handle(self, worker: _Worker, message: tuple) -> None:
-        kind, *rest = message
-        if kind == "ready":
-            worker.ready = True
-        elif kind == "fatal":
-            raise RewardError(f"Reward worker {worker.slot} could not build the rewards: {rest[0]}")
-        elif kind == "start":
-            number, keys, since = rest
-            worker.running[number] = (since, keys)
-        elif kind == "done":
-            number, keys, totals, parts = rest
-            worker.running.pop(number, None)
-            for i, key in enumerate(keys):
-                worker.assigned.pop(key, None)
-                self._strikes.pop(key, None)
-                self._done.append(Scored(key, totals[i], {k: v[i] for k, v in parts.items()}))
-        elif kind == "error":
-            raise RewardError(rest[0])
+    def _handle(self, worker: _Worker, message: WorkerMessage) -> None:
+        match message:
+            case Built():
+                worker.ready = True
+            case Unbuilt(why=why):
+                raise RewardError(f"Reward worker {worker.slot} could not build the rewards: {why}")
+            case BatchStarted(number=number, keys=keys, since=since):
+                worker.running[number] = (since, keys)
+            case BatchScored(number=number, keys=keys, totals=totals, parts=parts):
+                worker.running.pop(number, None)
+                for i, key in enumerate(keys):
+                    worker.assigned.pop(key, None)
+                    self._strikes.pop(key, None)
+                    self._done.append(Scored(key, totals[i], {k: v[i] for k, v in parts.items()}))
+            case ScoringFailed(message=text):
+                raise RewardError(text)
+            case _:
+                raise RewardError(f"Reward worker {worker.slot} sent {message!r:.200}")
 
     def _check_workers(self) -> None:
         now = time.time()

@@ -17,13 +17,14 @@ import signal
 import sys
 import time
 from collections.abc import Hashable
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from streamrl.errors import RewardError
 from streamrl.rewards.spec import RewardSpec, load_rewards
 from streamrl.runtime.cores import free_cores
 
-__all__ = ["Job", "worker_main"]
+__all__ = ["BatchScored", "BatchStarted", "Built", "Job", "ScoringFailed", "Unbuilt", "worker_main"]
 
 
 class Job(NamedTuple):
@@ -35,21 +36,66 @@ class Job(NamedTuple):
     solo: bool = False  # a suspect: scored in a batch of its own
 
 
-def worker_main(specs: list[RewardSpec], inbox: Any, results: Any, max_batch: int) -> None:
-    """Build the rewards, report ``ready`` (or ``fatal``), then score batches until ``None``.
+# -- what a worker tells the pool, in order: Built (or Unbuilt), then per batch BatchStarted and
+# -- BatchScored (or ScoringFailed) -------------------------------------------------------------
 
-    Messages on ``results`` (a ``Connection``): ``("ready",)``, ``("fatal", why)``, then per
-    batch ``("start", batch, keys, since)`` (``since``: this process's wall clock) and
-    ``("done", batch, keys, totals, parts)`` or ``("error", message)``.
+
+@dataclass(frozen=True)
+class Built:
+    """The rewards are built: the worker takes jobs."""
+
+
+@dataclass(frozen=True)
+class Unbuilt:
+    """The rewards could not be built (``why``): the run stops with it."""
+
+    why: str
+
+
+@dataclass(frozen=True)
+class BatchStarted:
+    """Batch ``number`` of ``keys`` is being scored since ``since`` (this process's wall clock):
+    said before the rewards are called, so a death names what it was scoring."""
+
+    number: int
+    keys: list[Hashable]
+    since: float
+
+
+@dataclass(frozen=True)
+class BatchScored:
+    """Batch ``number`` scored: each key's total and each reward's part, in ``keys``' order."""
+
+    number: int
+    keys: list[Hashable]
+    totals: list[float]
+    parts: dict[str, list[float]]
+
+
+@dataclass(frozen=True)
+class ScoringFailed:
+    """A reward broke its contract (``RewardError``): the run stops with ``message``."""
+
+    message: str
+
+
+WorkerMessage = Built | Unbuilt | BatchStarted | BatchScored | ScoringFailed
+
+
+def worker_main(specs: list[RewardSpec], inbox: Any, results: Any, max_batch: int) -> None:
+    """Build the rewards, report ``Built`` (or ``Unbuilt``), then score batches until ``None``.
+
+    Messages on ``results`` (a ``Connection``) are ``WorkerMessage`` records: ``Built`` or
+    ``Unbuilt``, then per batch ``BatchStarted`` and ``BatchScored`` (or ``ScoringFailed``).
     """
     # Ctrl-C reaches the whole process group: the trainer decides, and stops us (``close``).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         rewards = load_rewards(specs)
     except Exception as err:  # reported to the trainer, which stops the run with it
-        results.send(("fatal", repr(err)))
+        results.send(Unbuilt(repr(err)))
         return
-    results.send(("ready",))
+    results.send(Built())
     held: list[Job | None] = []  # taken from the inbox, for the next batch
     for number in range(1 << 62):
         batch = _next_batch(inbox, held, max_batch)
@@ -57,13 +103,13 @@ def worker_main(specs: list[RewardSpec], inbox: Any, results: Any, max_batch: in
         if jobs:
             keys = [job.key for job in jobs]
             _size_threads()
-            results.send(("start", number, keys, time.time()))
+            results.send(BatchStarted(number, keys, time.time()))
             try:
                 totals, parts = rewards.score([j.completion for j in jobs], [j.row for j in jobs])
             except RewardError as err:
-                results.send(("error", str(err)))
+                results.send(ScoringFailed(str(err)))
                 return
-            results.send(("done", number, keys, totals, parts))
+            results.send(BatchScored(number, keys, totals, parts))
         if None in batch:  # the pool's stop
             return
 

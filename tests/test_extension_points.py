@@ -160,7 +160,8 @@ def test_custom_parts_from_python_through_the_builders(tmp_path, tokenizer):
         (
             {"dispatcher": {"name": "extension_plugins:LastInstanceDispatcher", "cap": 3}},
             r"rl.dispatcher: \{name: ...\} has become \{class_path, init_args\}: write "
-            r"\{class_path: 'extension_plugins:LastInstanceDispatcher', init_args: \{cap: 3\}\}\.",
+            r"\{class_path: 'extension_plugins:LastInstanceDispatcher', init_args: \{cap: 3\}\} "
+            r"\(streamrl config migrate OLD.yaml rewrites a file\)\.",
         ),
         (  # a misspelled argument of a class given by class_path: named, with a suggestion
             {

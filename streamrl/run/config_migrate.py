@@ -25,6 +25,7 @@ from streamrl.errors import ConfigError
 from streamrl.run.config import RunConfig
 from streamrl.run.config_file import from_dict, read_config_text, read_yaml
 from streamrl.run.swappable import SWAPPABLE
+from streamrl.runtime.references import from_name_layout
 
 #: Keys that moved, as ``(section, key)`` -> ``(section, key)``; the value moves unchanged.
 RENAMED = {
@@ -41,10 +42,10 @@ def migrate(data: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
         for key in SWAPPABLE:
             value = rl.get(key)
             if isinstance(value, dict) and "name" in value and "class_path" not in value:
-                name = value["name"]
-                init_args = {k: v for k, v in value.items() if k != "name"}
-                rl[key] = {"class_path": name, "init_args": init_args} if init_args else name
-                changes.append(f"rl.{key}: {{name: {name}, ...}} -> class_path + init_args")
+                rl[key] = from_name_layout(value)
+                changes.append(
+                    f"rl.{key}: {{name: {value['name']}, ...}} -> class_path + init_args"
+                )
     for (section, key), (to_section, to_key) in RENAMED.items():
         old = new.get(section)
         if not isinstance(old, dict) or key not in old:

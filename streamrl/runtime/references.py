@@ -271,10 +271,7 @@ def pick(
         factory = _reference(value["class_path"], kind=kind, builtins=builtins, where=where)
         return factory, dict(options)
     if isinstance(value, Mapping) and "name" in value:  # the layout before class_path
-        init_args = {k: v for k, v in value.items() if k != "name"}
-        new = yaml_flow(
-            {"class_path": value["name"], "init_args": init_args} if init_args else value["name"]
-        )
+        new = yaml_flow(from_name_layout(value))
         raise ConfigError(
             f"{where}: {{name: ...}} has become {{class_path, init_args}}: write {new} "
             "(streamrl config migrate OLD.yaml rewrites a file)."
@@ -285,6 +282,18 @@ def pick(
             f"and its 'init_args', got {yaml_flow(dict(value))}."
         )
     return _reference(value, kind=kind, builtins=builtins, where=where), {}
+
+
+def from_name_layout(value: Mapping[str, Any]) -> str | dict[str, Any]:
+    """A part written in the layout before ``class_path`` (``{name: X, option: value}``) in
+    today's: ``{class_path: X, init_args: {option: value}}``, or ``X`` alone without options.
+
+    Examples:
+        >>> from_name_layout({"name": "skew", "alpha": 0.3}), from_name_layout({"name": "lpt"})
+        ({'class_path': 'skew', 'init_args': {'alpha': 0.3}}, 'lpt')
+    """
+    init_args = {k: v for k, v in value.items() if k != "name"}
+    return {"class_path": value["name"], "init_args": init_args} if init_args else value["name"]
 
 
 def yaml_flow(value: Any) -> str:

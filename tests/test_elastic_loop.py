@@ -46,9 +46,12 @@ def test_elastic_run_adds_an_instance_when_generation_lags_and_trains_everything
     save_policy(policy, tokenizer, tmp_path / "policy")
     prompts = make_prompt_set(64, ["copy"], median_len=3, max_len=6, seed=0)
     algorithm = GRPO(group_size=4)
-    # PTL rises with the batch: spreading 16 samples over more instances pays.
+    # PTL rises with the batch: spreading 16 samples over more instances pays (a third of T_gen).
     latency = LatencyModel([1, 4, 8, 16], [0.001, 0.0012, 0.0016, 0.0024])
-    controller = ElasticController(latency, max_batch_size=16, max_instances=2)
+    # threshold=2: add when generation lags by twice the gain. With 8-token outputs T_gen and
+    # T_train are near equal (delta/delta' measured 0.3-1.2, so threshold 1 was a coin toss);
+    # at 120 tokens delta/delta' is 6.2-6.8 (8 runs), far above 2 either way.
+    controller = ElasticController(latency, max_batch_size=16, max_instances=2, threshold=2.0)
     with StreamGenerationService(
         tmp_path / "policy", 1, max_batch_size=16, status_path=tmp_path / "instances.json"
     ) as sgs:

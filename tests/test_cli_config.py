@@ -526,3 +526,46 @@ def test_a_config_of_the_old_layout_is_refused_in_one_line_and_migrates(fit, tmp
     assert fitted(fit, "--config", str(migrated)) == fitted(fit, "--config", str(by_hand))
     assert main(["config", "migrate", str(migrated), "-o", str(tmp_path / "again.yaml")]) == 0
     assert "nothing to change" in capsys.readouterr().err
+
+
+def test_the_lora_section_is_lora_specs_arguments(fit, tmp_path, capsys):
+    """``rl.lora`` holds ``LoRASpec``'s arguments: from a file, dotted options and YAML, checked
+    by ``LoRASpec`` itself, printed with its docstring and read back; the flat keys migrate."""
+    from streamrl.policy.lora import LoRASpec
+
+    path = tmp_path / "lora.yaml"
+    path.write_text("rl:\n  lora: {r: 4, target_modules: [q_proj, v_proj]}\n")
+    assert fitted(fit, "--config", str(path)).rl.lora == LoRASpec(
+        4, 16.0, 0.0, ("q_proj", "v_proj")
+    )
+    lora = fitted(fit, "--config", str(path), "--rl.lora.alpha", "8").rl.lora
+    assert (lora.r, lora.alpha, lora.target_modules) == (4, 8.0, ("q_proj", "v_proj"))
+    assert fitted(fit, "--rl.lora", "{r: 2}").rl.lora == LoRASpec(r=2)
+    assert fitted(fit, "--config", str(path), "--rl.lora", "null").rl.lora is None
+    for args, error in [
+        (["--rl.lora.rank", "4"], "Unknown option '--rl.lora.rank' (did you mean '--rl.lora.r'?)"),
+        (["--rl.lora", "{alpah: 4}"], "--rl.lora: Unknown key 'alpah' (did you mean 'alpha'?)"),
+        (["--rl.lora", "{r: 0}"], "rl: lora: LoRASpec: need r >= 1"),  # its own check
+        (["--rl.lora_r", "4"], "--rl.lora_r has moved: set rl.lora.r"),
+    ]:
+        code, calls = fit(*args)
+        assert code == 2 and not calls and error in capsys.readouterr().err, args
+    # --print_config writes the section with LoRASpec's own descriptions, and it reads back.
+    code, _ = fit("--config", str(path), "--print_config=comments")
+    text = capsys.readouterr().out
+    assert "  lora:\n    # rank of each adapter" in text
+    path.write_text(text)
+    assert fitted(fit, "--config", str(path)).rl.lora == LoRASpec(
+        4, 16.0, 0.0, ("q_proj", "v_proj")
+    )
+    # The flat keys of the earlier layout: refused by name, rewritten by config migrate.
+    old = tmp_path / "old.yaml"
+    old.write_text("rl:\n  lora_r: 8\n  lora_alpha: 32.0\n")
+    assert fit("--config", str(old))[0] == 2
+    assert "lora_r has moved: set rl.lora.r" in capsys.readouterr().err
+    assert main(["config", "migrate", str(old)]) == 0
+    migrated = fitted(fit, "--config", str(tmp_path / "old.migrated.yaml"))
+    assert migrated.rl.lora == LoRASpec(r=8, alpha=32.0)
+    old.write_text("rl:\n  lora_r: 0\n  lora_alpha: 32.0\n")  # no adapters: no section
+    assert main(["config", "migrate", str(old), "-o", str(tmp_path / "full.yaml")]) == 0
+    assert fitted(fit, "--config", str(tmp_path / "full.yaml")).rl.lora is None

@@ -210,7 +210,7 @@ def test_lora_with_the_vllm_backend_is_refused(tmp_path, monkeypatch):
         importlib.util, "find_spec", lambda name, *a: fake if name == "vllm" else real(name, *a)
     )
     with pytest.raises(ConfigError, match=r"rl.engine: VLLMEngine takes no LoRA adapters"):
-        load_checked(write(tmp_path, "rl:\n  engine: vllm\n  lora_r: 4\n"))
+        load_checked(write(tmp_path, "rl:\n  engine: vllm\n  lora: {r: 4}\n"))
 
 
 def test_weight_settings_and_timeouts_are_checked_before_work(tmp_path):

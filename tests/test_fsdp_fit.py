@@ -185,7 +185,7 @@ def test_two_fsdp_ranks_checkpoint_and_resume(tmp_path, runs):
 def test_two_ranks_train_lora_adapters_in_bf16_mixed(tmp_path):
     """LoRA under FSDP2 on two ranks, bf16-mixed, every layer checkpointed, a KL term against
     the adapter-free reference: only the adapters train, and only they reach the generators."""
-    options = ("--rl.lora_r", "4", "--trainer.precision", "bf16-mixed")
+    options = ("--rl.lora.r", "4", "--trainer.precision", "bf16-mixed")
     summary = _fit(tmp_path, 2, 2, *options, "--trainer.activation_checkpointing", "true")
     assert summary["samples_trained"] == 2 * SAMPLES and summary["samples_lost"] == 0
     trainer = summary["trainer"]

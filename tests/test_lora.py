@@ -134,7 +134,7 @@ def test_fit_with_lora_trains_adapters_only(tmp_path, fit_small):
 
     # Rewards of the 20-step warm start are mostly 0: "partial" and 3 steps x 4 prompts x 4
     # samples give every adapter a gradient (B starts at 0, so A moves from the 2nd step on).
-    summary = fit_small(lora_r=4, reward="partial", iterations=3, group_size=4)
+    summary = fit_small(lora={"r": 4}, reward="partial", iterations=3, group_size=4)
     ckpt = torch.load(tmp_path / "out" / "checkpoints" / "last.ckpt", weights_only=True)
     trained = {k.removeprefix("policy."): v for k, v in ckpt["state_dict"].items()}
     # The adapters as the run created them (apply_lora is seeded), on the starting weights.

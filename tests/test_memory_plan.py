@@ -16,6 +16,7 @@ import streamrl.runtime.devices
 from streamrl.cli.main import main
 from streamrl.components.capacity.memory import GIB, ModelShape, lora_params, trainer_memory
 from streamrl.errors import ConfigError
+from streamrl.policy.lora import LoRASpec
 from streamrl.policy.models import model_config
 from streamrl.run.config import RunConfig
 from streamrl.run.config_checks import placement_of
@@ -129,7 +130,10 @@ def test_a_generator_gpu_that_cannot_hold_one_sequence_is_refused(devices, tmp_p
     # 15.2 GB of bfloat16 weights and a 2 GiB reserve in 90% of 17 GiB leave no KV cache
     devices(gib=17.0)
     config = _7b_config(tmp_path, devices=[0, 1, 2, 3, 4, 5])
-    config.rl.generator_devices, config.rl.lora_r = [6, 7], 8  # a LoRA trainer fits 17 GiB
+    config.rl.generator_devices, config.rl.lora = (
+        [6, 7],
+        LoRASpec(r=8),
+    )  # a LoRA trainer fits 17 GiB
     with pytest.raises(ConfigError, match=r"generators: cuda:6 .* give each instance more GPUs"):
         check_memory(config, placement_of(config))
 

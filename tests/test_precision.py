@@ -169,7 +169,7 @@ def test_bf16_mixed_loss_and_a_sharded_reference_on_two_ranks(tmp_path):
 def test_fit_in_bf16_mixed_with_checkpointing_and_a_kl_reference(fit_small, lora):
     """``streamrl fit`` on one FSDP2 rank in bf16-mixed, every layer checkpointed, a KL term
     against the reference (a bf16 shard, or under LoRA the policy with adapters off)."""
-    options = {"lora_r": 4} if lora else {}
+    options = {"lora": {"r": 4}} if lora else {}
     summary = fit_small(
         kl_coef=0.1,
         trainer={"precision": "bf16-mixed", "activation_checkpointing": True},

@@ -44,7 +44,7 @@ class RunContext:
         elastic: whether instances may be added during the run (§4.2).
         tokenizer: the policy's tokenizer, where a component may read prompts in its tokens
             (``None``: none to give).
-        lora: the run's LoRA adapters (``rl.lora_r > 0``), which an engine must carry, or
+        lora: the run's LoRA adapters (``rl.lora``), which an engine must carry, or
             ``None``.
         latency_model: the ``PTL(BS)`` to hand out (the simulator's preset); ``None``: a run
             makes one on the first ``latency()`` call, which its instances then measure.

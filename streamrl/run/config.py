@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from streamrl.policy.lora import LoRASpec
 from streamrl.policy.sft import default_cache_dir
 from streamrl.tasks.families import FAMILIES
 
@@ -262,10 +263,6 @@ class RLConfig:
             by more than one more instance would save (§4.2), up to ``max_generators``.
         max_generators: the most generator instances elastic scaling may reach.
         max_restarts: failed generator instances replaced before the run stops.
-        lora_r: LoRA rank of the policy's adapters; 0 trains the full model. With LoRA only the
-            adapters train and only they are sent to the generators (docs/lora.md).
-        lora_alpha: LoRA scaling numerator (scale = alpha / r).
-        lora_target_modules: module-name suffixes that get adapters.
         checkpoint_every: iterations between checkpoints (``<output_dir>/checkpoints/last.ckpt``,
             resumable with ``streamrl fit --resume``); 0 saves only at the end. A run stopped
             by SIGTERM or Ctrl-C saves its finished iterations there too.
@@ -277,6 +274,10 @@ class RLConfig:
             behaviour log-probs, reward and its parts, advantage, finish reason, instance), to
             ``<output_dir>/rollouts/iteration-000007.parquet`` (``streamrl.training.rollout_files``;
             filtered groups are not trained, so not written; docs/getting-started.md).
+        lora: the policy's LoRA adapters, ``LoRASpec``'s arguments (``{r: 8, alpha: 16.0,
+            dropout: 0.0, target_modules: [q_proj, k_proj, v_proj, o_proj]}``; ``{}``: its
+            defaults); only the adapters train, and only they are sent to the generators
+            (docs/lora.md). ``null`` (the default): the full model trains.
     """
 
     algorithm: str | dict[str, Any] = "grpo"
@@ -333,11 +334,7 @@ class RLConfig:
     checkpoint_every: int = 10
     stop_deadline_s: float | None = 60.0
     save_rollouts: bool = False
-    lora_r: int = 0
-    lora_alpha: float = 16.0
-    lora_target_modules: list[str] = field(
-        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"]
-    )
+    lora: LoRASpec | None = None
 
     def __post_init__(self) -> None:
         """Hold each swappable part in one spelling, ``{class_path, init_args}`` with the full

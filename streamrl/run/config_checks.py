@@ -232,8 +232,6 @@ def check_rl(rl: RLConfig) -> None:
         )
     if rl.reward is not None:
         check_reward_packages(RewardSpec.from_config(rl.reward))
-    if rl.lora_r < 0:
-        raise ConfigError(f"rl.lora_r must be >= 0 (0 = full fine-tuning), got {rl.lora_r}.")
     if rl.sites and len(rl.sites) != rl.generators:
         raise ConfigError(
             f"rl.sites names {len(rl.sites)} sites for rl.generators={rl.generators} instances; "
@@ -261,10 +259,6 @@ def check_rl(rl: RLConfig) -> None:
         transport.check()
     except ConfigError as err:
         raise ConfigError(f"rl.weight_transport: {err}") from err
-    if rl.lora_r > 0:
-        from streamrl.policy.lora import LoRASpec
-
-        LoRASpec(rl.lora_r, rl.lora_alpha, 0.0, tuple(rl.lora_target_modules))  # ConfigError
     if rl.checkpoint_every < 0:
         raise ConfigError(f"rl.checkpoint_every must be >= 0, got {rl.checkpoint_every}.")
     if rl.stop_deadline_s is not None and rl.stop_deadline_s <= 0:

@@ -26,6 +26,9 @@ MOVED_KEYS: dict[type, dict[str, str]] = {
     RLConfig: {
         "trainer_ranks": "trainer.devices (trainer processes on the CPU, GPUs on CUDA)",
         "token_budget": "rl.max_tokens_per_micro_batch (now a ceiling no micro-batch exceeds)",
+        "lora_r": "rl.lora.r (rl.lora holds LoRASpec's arguments; null: full fine-tuning)",
+        "lora_alpha": "rl.lora.alpha (rl.lora holds LoRASpec's arguments)",
+        "lora_target_modules": "rl.lora.target_modules (rl.lora holds LoRASpec's arguments)",
     }
 }
 
@@ -159,7 +162,21 @@ def from_dict(cls: type, data: dict[str, Any], where: str) -> Any:
         if key not in hints:
             raise ConfigError(f"{where}: {unknown_name('key', str(key), names)}")
         kwargs[key] = _convert(hints[key], value, f"{where}: {key}")
-    return cls(**kwargs)
+    if cls.__module__ == RunConfig.__module__:  # a section of ours: its fields say where
+        return cls(**kwargs)
+    try:  # a component's own arguments (rl.lora: LoRASpec), checked by its constructor
+        return cls(**kwargs)
+    except ConfigError as err:
+        raise ConfigError(f"{where}: {err}") from None
+
+
+def section_class(hint: Any) -> type | None:
+    """The dataclass a field's type hint holds (``LoRASpec`` of ``LoRASpec | None``), or
+    ``None``: a section of the config, or a component's arguments given as one."""
+    if dataclasses.is_dataclass(hint):
+        return hint
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    return args[0] if len(args) == 1 and dataclasses.is_dataclass(args[0]) else None
 
 
 def _convert(hint: Any, value: Any, where: str) -> Any:
@@ -173,6 +190,9 @@ def _convert(hint: Any, value: Any, where: str) -> Any:
             return None
         args = tuple(a for a in args if a is not type(None))
         hint = args[0] if len(args) == 1 else typing.Union[args]  # noqa: UP007
+        if dataclasses.is_dataclass(hint) and isinstance(value, hint):  # built in Python
+            return value
+        return _convert(hint, value, where)
     if typing.get_origin(hint) in (typing.Union, types.UnionType):  # str | dict: a name or options
         for option in typing.get_args(hint):
             if isinstance(value, typing.get_origin(option) or option):
@@ -180,10 +200,10 @@ def _convert(hint: Any, value: Any, where: str) -> Any:
         names = " or ".join((typing.get_origin(a) or a).__name__ for a in typing.get_args(hint))
         raise ConfigError(f"{where} must be a {names}, got {value!r}.")
     origin = typing.get_origin(hint)
-    if origin is list:
-        if not isinstance(value, list):
+    if origin in (list, tuple):  # a tuple[X, ...] is written as a list
+        if not isinstance(value, (list, tuple)):
             raise ConfigError(f"{where} must be a list, got {value!r}.")
-        return [_convert(typing.get_args(hint)[0], v, where) for v in value]
+        return origin(_convert(typing.get_args(hint)[0], v, where) for v in value)
     if origin is dict:  # options passed through to a constructor, checked by it
         if not isinstance(value, dict):
             raise ConfigError(f"{where} must be a mapping of keys to values, got {value!r}.")

@@ -1,8 +1,9 @@
 """``streamrl config migrate OLD.yaml``: a config of an earlier layout rewritten in today's.
 
 What it rewrites: a swappable part given as ``{name: X, option: value}`` becomes LightningCLI's
-``{class_path: X, init_args: {option: value}}`` (``streamrl.run.swappable``), and a key that
-moved (``config_file.MOVED_KEYS``) goes to its new place. Everything else is kept as written;
+``{class_path: X, init_args: {option: value}}`` (``streamrl.run.swappable``), the flat LoRA keys
+become the ``rl.lora`` section (``LoRASpec``'s arguments), and a key that moved
+(``config_file.MOVED_KEYS``) goes to its new place. Everything else is kept as written;
 the result is read back with the config's own checks of keys and types before it is written.
 
 Examples:
@@ -11,6 +12,8 @@ Examples:
     {'rl': {'dispatcher': {'class_path': 'skew', 'init_args': {'alpha': 0.3}}}}
     >>> migrate({"rl": {"trainer_ranks": 2}})
     ({'rl': {}, 'trainer': {'devices': 2}}, ['rl.trainer_ranks -> trainer.devices'])
+    >>> migrate({"rl": {"lora_r": 8, "lora_alpha": 16.0}})[0]
+    {'rl': {'lora': {'r': 8, 'alpha': 16.0}}}
 """
 
 from __future__ import annotations
@@ -46,6 +49,8 @@ def migrate(data: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
                 changes.append(
                     f"rl.{key}: {{name: {value['name']}, ...}} -> class_path + init_args"
                 )
+    if isinstance(rl, dict):
+        _lora_section(rl, changes)
     for (section, key), (to_section, to_key) in RENAMED.items():
         old = new.get(section)
         if not isinstance(old, dict) or key not in old:
@@ -59,6 +64,26 @@ def migrate(data: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
         target[to_key] = old.pop(key)
         changes.append(f"{section}.{key} -> {to_section}.{to_key}")
     return new, changes
+
+
+#: The flat LoRA keys and their places in ``rl.lora`` (``LoRASpec``'s arguments).
+LORA_KEYS = {"lora_r": "r", "lora_alpha": "alpha", "lora_target_modules": "target_modules"}
+
+
+def _lora_section(rl: dict[str, Any], changes: list[str]) -> None:
+    """``rl.lora_r: 8, lora_alpha: 16`` -> ``rl.lora: {r: 8, alpha: 16}``; a rank of 0 (full
+    fine-tuning) -> no ``rl.lora``."""
+    old = {key: rl.pop(key) for key in LORA_KEYS if key in rl}
+    if not old:
+        return
+    keys = ", ".join(f"rl.{key}" for key in old)
+    if "lora" in rl:
+        raise ConfigError(f"{keys} moved to rl.lora, which the file sets too: keep one of them.")
+    if old.get("lora_r", 0) > 0:
+        rl["lora"] = {LORA_KEYS[key]: value for key, value in old.items()}
+        changes.append(f"{keys} -> rl.lora")
+    else:
+        changes.append(f"{keys} -> no rl.lora (rank 0: the full model trains)")
 
 
 def migrate_file(path: str | Path, out: str | Path | None = None) -> dict[str, Any]:

@@ -208,9 +208,6 @@ def _explain_fit_error(argv: Sequence[str], files_only: bool = False) -> None:
     the unreadable file behind a failed parse; return if none is found. ``files_only``: only
     the config files and YAML values (before the parse: jsonargparse reads a file given twice
     silently, and a binary one with a traceback)."""
-    from streamrl.run.config import RunConfig
-
-    groups = typing.get_type_hints(RunConfig)
     for i, token in enumerate(argv):
         if token == "--":
             break
@@ -219,18 +216,35 @@ def _explain_fit_error(argv: Sequence[str], files_only: bool = False) -> None:
         name, eq, value = token[2:].partition("=")
         if not eq:
             value = argv[i + 1] if i + 1 < len(argv) else ""
-        if name == "config":
-            _check_config_value("--config", value, RunConfig)
-        elif dataclasses.is_dataclass(groups.get(name)):  # --rl FILE_OR_YAML
-            _check_config_value(f"--{name}", value, groups[name])
+        if (section := _section_named(name)) is not None:  # --config / --rl / --rl.lora YAML
+            _check_config_value(f"--{name}", value, section)
         elif not files_only:
             _check_option(name)
+
+
+def _section_named(name: str) -> type | None:
+    """The config section (or component's arguments) an option names: ``config`` the whole
+    ``RunConfig``, ``rl`` its ``RLConfig``, ``rl.lora`` a ``LoRASpec``; ``None``: a setting."""
+    from streamrl.run.config import RunConfig
+    from streamrl.run.config_file import section_class
+
+    section: Any = RunConfig
+    for part in [] if name == "config" else name.split("."):
+        section = section_class(typing.get_type_hints(section).get(part))
+        if section is None:
+            return None
+    return section
 
 
 def _check_option(name: str) -> None:
     """``--name`` (e.g. ``rl.lr``) must name a field (or a run option); ``ConfigError``."""
     from streamrl.run.config import RunConfig, TrainerConfig
-    from streamrl.run.config_file import LIGHTNING_TRAINER_ARGS, MOVED_KEYS, lightning_trainer_arg
+    from streamrl.run.config_file import (
+        LIGHTNING_TRAINER_ARGS,
+        MOVED_KEYS,
+        lightning_trainer_arg,
+        section_class,
+    )
 
     cls: Any = RunConfig
     parts = name.removesuffix("+").split(".")  # --data.tasks+ copy appends to a list
@@ -241,13 +255,11 @@ def _check_option(name: str) -> None:
         if cls is TrainerConfig and part in LIGHTNING_TRAINER_ARGS:
             raise ConfigError(lightning_trainer_arg(f"--{name}", part))
         known = [*hints, *(_FIT_RUN_OPTIONS if depth == 0 else ())]
-        if part not in known or (
-            depth < len(parts) - 1 and not dataclasses.is_dataclass(hints.get(part))
-        ):
+        if part not in known or (depth < len(parts) - 1 and not section_class(hints.get(part))):
             prefix = "--" + "".join(f"{p}." for p in parts[:depth])
             message = unknown_name("option", f"--{name}", [prefix + k for k in known])
             raise ConfigError(f"command line: {message}")
-        cls = hints.get(part)
+        cls = section_class(hints.get(part))
 
 
 def _check_config_value(option: str, value: str, cls: type) -> None:
@@ -294,6 +306,7 @@ def _check_keys(cls: type, data: dict, where: str) -> None:
         MOVED_KEYS,
         lightning_trainer_arg,
         moved_key,
+        section_class,
     )
 
     hints = typing.get_type_hints(cls)
@@ -304,8 +317,8 @@ def _check_keys(cls: type, data: dict, where: str) -> None:
             raise ConfigError(lightning_trainer_arg(f"{where}: {key}", key))
         if key not in hints:
             raise ConfigError(f"{where}: {unknown_name('key', str(key), list(hints))}")
-        if dataclasses.is_dataclass(hints[key]) and isinstance(value, dict):
-            _check_keys(hints[key], value, f"{where}: {key}")
+        if section_class(hints[key]) and isinstance(value, dict):
+            _check_keys(section_class(hints[key]), value, f"{where}: {key}")
 
 
 def print_fit_config(config: RunConfig, flags: Sequence[str] = ()) -> None:
@@ -339,7 +352,7 @@ def _yaml_lines(section: Any, indent: int, comments: bool, skip_null: bool) -> l
             lines.extend(_yaml_lines(value, indent + 2, comments, skip_null))
             continue
         # As one dump of the whole config: a scalar in block style, innermost lists in flow.
-        flow = None if isinstance(value, (list, dict)) else False
+        flow = None if isinstance(value, (list, tuple, dict)) else False
         text = yaml.safe_dump({field.name: value}, sort_keys=False, default_flow_style=flow)
         lines.extend(pad + line + "\n" for line in text.splitlines())
     return lines

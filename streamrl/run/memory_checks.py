@@ -57,7 +57,7 @@ class MemoryPlanOptions:
         prompt_tokens: a prompt's tokens.
         micro_batch_tokens: tokens of one forward/backward pass
             (rl.max_tokens_per_micro_batch); null: one whole sample.
-        lora_r: LoRA rank (rl.lora_r); 0: full fine-tuning.
+        lora_r: LoRA rank (rl.lora.r); 0: full fine-tuning.
         kl: a KL reference (rl.kl_coef > 0).
         activation_checkpointing: each decoder layer recomputed in the backward pass.
         gpu_memory_gib: the GPUs' memory; null: this machine's first GPU, or 80.
@@ -117,7 +117,7 @@ def check_memory(config: RunConfig, placement: Placement) -> None:
     if model is None:  # the built-in tiny policy: a few MB
         return
     shape, rl, trainer = ModelShape.from_config(model), config.rl, config.trainer
-    adapters = lora_params(shape, rl.lora_r)
+    adapters = lora_params(shape, rl.lora.r if rl.lora else 0)
     sharded_checkpoints = trainer.sharded_checkpoints
     if sharded_checkpoints is None:
         sharded_checkpoints = placement.ranks > 1

@@ -118,7 +118,7 @@ def run_context(
         instances=rl.generators,
         elastic=rl.elastic,
         tokenizer=tokenizer,
-        lora=lora_spec(rl),
+        lora=rl.lora,
     )
 
 
@@ -193,20 +193,13 @@ def build_run_algorithm(rl: RLConfig, hidden_size: int) -> Algorithm:
         raise ConfigError(f"rl.algorithm: {err}") from err
 
 
-def lora_spec(rl: RLConfig) -> LoRASpec | None:
-    """The policy's adapters (``rl.lora_r > 0``), or ``None``."""
-    if rl.lora_r <= 0:
-        return None
-    return LoRASpec(rl.lora_r, rl.lora_alpha, 0.0, tuple(rl.lora_target_modules))
-
-
 def _engine(rl: RLConfig, run: RunContext) -> GenerationEngine:
     factory, options = factory_and_args("engine", rl.engine)
     if run.lora is not None and inspect.getattr_static(factory, "from_run", None) is None:
         raise ConfigError(
-            f"rl.engine: {factory.__qualname__} takes no LoRA adapters (rl.lora_r > 0): an engine "
+            f"rl.engine: {factory.__qualname__} takes no LoRA adapters (rl.lora): an engine "
             "that can carries them from its from_run(run, **options) (run.lora); use the 'hf' "
-            "engine or rl.lora_r: 0."
+            "engine or rl.lora: null."
         )
     engine = build_from_run(factory, run, options, where="rl.engine")
     return checked(engine, GenerationEngine, "rl.engine")

@@ -50,7 +50,6 @@ from streamrl.policy.model_dir import directory_bytes, empty_model
 from streamrl.policy.varlen_attention import attention_for
 from streamrl.run.config import RLConfig, RunConfig, TrainerConfig
 from streamrl.run.config_checks import placement_of, run_correction, run_routing_replay
-from streamrl.run.parts import lora_spec
 from streamrl.runtime.devices import Placement
 from streamrl.runtime.peak_memory import RELEASE_FROM_MODEL_BYTES, release_freed_memory
 from streamrl.runtime.stopping import Stopped, ignore_signals
@@ -138,7 +137,7 @@ class RankSetup:
                 if trainer.sharded_checkpoints is not None
                 else placement.ranks > 1
             ),
-            lora=lora_spec(rl),
+            lora=rl.lora,
             training=(rl, trainer),
             timeouts=rank_timeouts(config, model_dir),
             save_dtype=trainer.save_dtype,

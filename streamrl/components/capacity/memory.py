@@ -240,5 +240,5 @@ def trainer_knob(memory: TrainerMemory, ranks: int, activation_checkpointing: bo
         return "lower rl.max_tokens_per_micro_batch (activations grow with its tokens)"
     return (
         f"add trainer ranks (trainer.devices, now {ranks}: the weights, gradients and AdamW "
-        "state are sharded over them) or train LoRA adapters (rl.lora_r)"
+        "state are sharded over them) or train LoRA adapters (rl.lora)"
     )

@@ -173,7 +173,7 @@ class VLLMEngine:
         if self.options.get("enable_lora"):
             raise ConfigError(
                 "VLLMEngine gets no LoRA adapters (updates carry the whole policy); use "
-                "HFEngine(lora=...) (rl.engine: hf) or drop the adapters (rl.lora_r: 0)."
+                "HFEngine(lora=...) (rl.engine: hf) or drop the adapters (rl.lora: null)."
             )
         if self.speculative is not None:
             if "speculative_config" in self.options:

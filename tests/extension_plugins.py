@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from streamrl.algorithms import GRPO
+from streamrl.components.capacity.elastic import ElasticController
 from streamrl.components.generation.engines import HFEngine
 from streamrl.components.run_context import RunContext
 from streamrl.components.skewness.adaptive import AdaptiveDispatcher
@@ -78,6 +79,22 @@ class LastInstanceDispatcher:
 
     def load_state_dict(self, state: dict) -> None:
         self.plans, self.observed = state["plans"], state["observed"]
+
+
+class ObservingElastic(ElasticController):
+    """``rl.elastic``: the built-in controller, counting the iterations it decided on (its
+    own argument ``label`` goes into its checkpointed state)."""
+
+    def __init__(self, *args: Any, label: str = "", **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.label, self.decisions = label, 0
+
+    def observe(self, *args: Any, **kwargs: Any):
+        self.decisions += 1
+        return super().observe(*args, **kwargs)
+
+    def state_dict(self) -> dict:
+        return {**super().state_dict(), "label": self.label, "decisions": self.decisions}
 
 
 @dataclass(frozen=True)

@@ -74,7 +74,7 @@ def test_dotted_overrides_reach_the_config(fit):
         "--seed",
         "3",
         "--rl.elastic",
-        "true",
+        "{class_path: controller, init_args: {max_instances: 3}}",
     )
     assert config.rl.lr == 3e-5 and isinstance(config.rl.lr, float)
     assert config.data.tasks == ["copy", "rev"]
@@ -88,7 +88,10 @@ def test_dotted_overrides_reach_the_config(fit):
         "init_args": {"clip_eps_high": 0.28},
     }
     assert config.rl.length_predictor is None
-    assert config.seed == 3 and config.rl.elastic is True
+    assert config.seed == 3 and config.rl.elastic == {
+        "class_path": "streamrl.components.capacity.elastic.ElasticController",
+        "init_args": {"max_instances": 3},
+    }
     # Everything not overridden keeps its default.
     expected = RunConfig(seed=3)
     expected.data.tasks = ["copy", "rev"]
@@ -98,7 +101,7 @@ def test_dotted_overrides_reach_the_config(fit):
         dispatcher="round_robin",
         algorithm={"class_path": "grpo", "init_args": {"clip_eps_high": 0.28}},
         length_predictor=None,
-        elastic=True,
+        elastic={"class_path": "controller", "init_args": {"max_instances": 3}},
     )
     assert config == expected
 
@@ -228,7 +231,8 @@ def test_unknown_key_on_the_command_line_exits_2_naming_it(fit, capsys, args, me
         (["--rl.lr", "abc"], None, "\"rl.lr\": Expected a <class 'float'>. Got value: abc"),
         (["--data.n_train", "1.5"], None, "data.n_train"),
         (["--data.tasks", "copy"], None, "data.tasks"),
-        (["--rl.elastic", "3"], None, "rl.elastic"),
+        (["--rl.elastic", "3"], None, "rl: elastic must be a str or dict, got 3."),
+        (["--rl.elastic", "true"], None, "elastic: true has become {class_path: controller"),
         ([], "rl:\n  iterations: abc\n", "rl.iterations"),
         ([], "rl: 3\n", "rl must be a mapping of keys to values, got 3."),
     ],

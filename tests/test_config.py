@@ -125,8 +125,16 @@ def test_duplicate_prompt_ids_name_the_line(tmp_path):
         ("rl:\n  algorithm: grop\n", r"Unknown algorithm 'grop' \(did you mean 'grpo'\?\)"),
         ("rl:\n  mode: asynch\n", r"Unknown mode 'asynch' \(did you mean 'async'\?\)"),
         ("rl:\n  reward: exakt\n", r"Unknown reward 'exakt' \(did you mean 'exact'\?\)"),
-        ("rl:\n  generators: 3\n  max_generators: 2\n", r"max_generators >= generators"),
-        ("rl:\n  max_restarts: -1\n", r"max_restarts >= 0"),
+        (
+            "rl:\n  generators: 3\n  elastic: {class_path: controller, init_args: "
+            "{max_instances: 2}}\n",
+            r"rl.elastic: .*max_instances=2 is below the 3 generator instances",
+        ),
+        (
+            "rl:\n  elastic: {class_path: controller, init_args: {max_instance: 2}}\n",
+            r"did you mean 'max_instances'",
+        ),
+        ("rl:\n  max_restarts: -1\n", r"rl.max_restarts must be >= 0, got -1"),
         ("rl:\n  dispacher: skew\n", r"Unknown key 'dispacher'.*'dispatcher'"),
         ("rl:\n  engine: vlm\n", r"rl.engine: Unknown engine 'vlm' \(did you mean 'vllm'\?\)"),
         ("rl:\n  dispatcher: skw\n", r"rl.dispatcher: Unknown dispatcher 'skw' \(did you mean"),

@@ -26,6 +26,10 @@ PLUGINS = {  # LightningCLI's form: the import path and the constructor's own ar
         "init_args": {"cap": 3},
     },
     "length_predictor": None,
+    "elastic": {
+        "class_path": "extension_plugins.ObservingElastic",
+        "init_args": {"label": "mine", "max_instances": 2},
+    },
 }
 
 
@@ -97,6 +101,8 @@ def test_custom_parts_from_yaml_run_in_a_real_fit_and_in_the_simulator(tmp_path,
     assert state["dispatcher"]["plans"] == 2  # one plan per iteration
     assert state["dispatcher"]["cap"] == 3  # its own argument, from init_args
     assert state["dispatcher"]["observed"] == 4 * 2  # iteration 0's lengths, at the refresh
+    # The elastic controller decided after each iteration, its own argument from init_args.
+    assert state["elastic"]["label"] == "mine" and state["elastic"]["decisions"] == 2
     metrics = next((Path(config.output_dir) / "logs").rglob("metrics.csv"))
     rewards = [float(r["rollout/reward"]) for r in csv.DictReader(metrics.open())]
     assert rewards and all(0.25 <= r <= 0.5 for r in rewards)  # only quarter_or_half gives these

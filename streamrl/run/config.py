@@ -123,7 +123,7 @@ class RLConfig:
     """The disaggregated RL loop.
 
     The swappable parts (``algorithm``, ``engine``, ``cluster``, ``dispatcher``, ``scheduler``,
-    ``length_predictor``) take a built-in's short name, your class's import path
+    ``length_predictor``, ``elastic``) take a built-in's short name, your class's import path
     (``package.module.Name``) or ``{class_path: ..., init_args: {...}}`` with its constructor's
     arguments, and are held in that last form (``streamrl.run.swappable``).
 
@@ -260,8 +260,10 @@ class RLConfig:
             or ``null`` (no predictions: skew dispatch balances prompt counts, LPT is FIFO).
         ranker_refresh_every: iterations between online refreshes of the ranker.
         elastic: add generator instances while training runs when generation lags training
-            by more than one more instance would save (§4.2), up to ``max_generators``.
-        max_generators: the most generator instances elastic scaling may reach.
+            by more than one more instance would save (§4.2): ``controller``
+            (``ElasticController``; ``{class_path: controller, init_args: {max_instances: 4,
+            threshold: 1.0}}``: its arguments, the measured ``PTL(BS)`` and the batch slots
+            linked in) or your class; ``null`` (the default): a fixed number of instances.
         max_restarts: failed generator instances replaced before the run stops.
         checkpoint_every: iterations between checkpoints (``<output_dir>/checkpoints/last.ckpt``,
             resumable with ``streamrl fit --resume``); 0 saves only at the end. A run stopped
@@ -328,8 +330,7 @@ class RLConfig:
     scheduler: str | dict[str, Any] = "lpt"
     length_predictor: str | dict[str, Any] | None = "ranker"
     ranker_refresh_every: int = 10
-    elastic: bool = False
-    max_generators: int = 4
+    elastic: str | dict[str, Any] | None = None
     max_restarts: int = 3
     checkpoint_every: int = 10
     stop_deadline_s: float | None = 60.0

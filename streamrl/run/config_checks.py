@@ -265,12 +265,8 @@ def check_rl(rl: RLConfig) -> None:
         raise ConfigError(
             f"rl.stop_deadline_s must be > 0 (or null: no limit), got {rl.stop_deadline_s}."
         )
-    if rl.max_generators < rl.generators or rl.max_restarts < 0:
-        raise ConfigError(
-            f"rl: need max_generators >= generators and max_restarts >= 0, got "
-            f"max_generators={rl.max_generators}, generators={rl.generators}, "
-            f"max_restarts={rl.max_restarts}."
-        )
+    if rl.max_restarts < 0:
+        raise ConfigError(f"rl.max_restarts must be >= 0, got {rl.max_restarts}.")
     if rl.iterations < 1:
         raise ConfigError(
             f"rl.iterations must be >= 1 (one optimizer step each), got {rl.iterations}; set "

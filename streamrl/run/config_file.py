@@ -26,6 +26,7 @@ MOVED_KEYS: dict[type, dict[str, str]] = {
     RLConfig: {
         "trainer_ranks": "trainer.devices (trainer processes on the CPU, GPUs on CUDA)",
         "token_budget": "rl.max_tokens_per_micro_batch (now a ceiling no micro-batch exceeds)",
+        "max_generators": "rl.elastic's init_args: {max_instances: N} (ElasticController)",
         "lora_r": "rl.lora.r (rl.lora holds LoRASpec's arguments; null: full fine-tuning)",
         "lora_alpha": "rl.lora.alpha (rl.lora holds LoRASpec's arguments)",
         "lora_target_modules": "rl.lora.target_modules (rl.lora holds LoRASpec's arguments)",
@@ -157,6 +158,12 @@ def from_dict(cls: type, data: dict[str, Any], where: str) -> Any:
     for key, value in data.items():
         if key in moved:
             raise ConfigError(moved_key(where, cls, key))
+        if cls is RLConfig and key == "elastic" and isinstance(value, bool):
+            raise ConfigError(
+                f"{where}: elastic: {str(value).lower()} has become "
+                + ("{class_path: controller, init_args: {max_instances: 4}}" if value else "null")
+                + " (streamrl config migrate OLD.yaml rewrites a file)."
+            )
         if cls is TrainerConfig and key in LIGHTNING_TRAINER_ARGS:
             raise ConfigError(lightning_trainer_arg(f"{where}: {key}", key))
         if key not in hints:

@@ -2,9 +2,11 @@
 
 What it rewrites: a swappable part given as ``{name: X, option: value}`` becomes LightningCLI's
 ``{class_path: X, init_args: {option: value}}`` (``streamrl.run.swappable``), the flat LoRA keys
-become the ``rl.lora`` section (``LoRASpec``'s arguments), and a key that moved
-(``config_file.MOVED_KEYS``) goes to its new place. Everything else is kept as written;
-the result is read back with the config's own checks of keys and types before it is written.
+become the ``rl.lora`` section (``LoRASpec``'s arguments), ``rl.elastic: true`` with
+``rl.max_generators`` becomes the elastic controller's ``class_path`` + ``init_args``, and a
+key that moved (``config_file.MOVED_KEYS``) goes to its new place. Everything else is kept as
+written; the result is read back with the config's own checks of keys and types before it is
+written.
 
 Examples:
     >>> new, changes = migrate({"rl": {"dispatcher": {"name": "skew", "alpha": 0.3}}})
@@ -14,6 +16,8 @@ Examples:
     ({'rl': {}, 'trainer': {'devices': 2}}, ['rl.trainer_ranks -> trainer.devices'])
     >>> migrate({"rl": {"lora_r": 8, "lora_alpha": 16.0}})[0]
     {'rl': {'lora': {'r': 8, 'alpha': 16.0}}}
+    >>> migrate({"rl": {"elastic": True, "max_generators": 3}})[0]
+    {'rl': {'elastic': {'class_path': 'controller', 'init_args': {'max_instances': 3}}}}
 """
 
 from __future__ import annotations
@@ -51,6 +55,7 @@ def migrate(data: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
                 )
     if isinstance(rl, dict):
         _lora_section(rl, changes)
+        _elastic_controller(rl, changes)
     for (section, key), (to_section, to_key) in RENAMED.items():
         old = new.get(section)
         if not isinstance(old, dict) or key not in old:
@@ -84,6 +89,24 @@ def _lora_section(rl: dict[str, Any], changes: list[str]) -> None:
         changes.append(f"{keys} -> rl.lora")
     else:
         changes.append(f"{keys} -> no rl.lora (rank 0: the full model trains)")
+
+
+def _elastic_controller(rl: dict[str, Any], changes: list[str]) -> None:
+    """``rl.elastic: true, max_generators: 4`` -> ``rl.elastic: {class_path: controller,
+    init_args: {max_instances: 4}}`` (4: the earlier default); ``false`` -> no ``rl.elastic``
+    (and ``max_generators``, unused, dropped)."""
+    on, most = rl.get("elastic"), rl.pop("max_generators", None)
+    if isinstance(on, bool):
+        del rl["elastic"]
+        new = "null"
+        if on:
+            init = {"max_instances": 4 if most is None else most}
+            rl["elastic"], new = {"class_path": "controller", "init_args": init}, "class_path"
+        changes.append(f"rl.elastic: {str(on).lower()} -> {new}")
+    elif isinstance(on, dict) and most is not None:  # already a class_path: the bound goes in
+        on.setdefault("init_args", {}).setdefault("max_instances", most)
+    if most is not None:
+        changes.append("rl.max_generators -> rl.elastic's init_args: {max_instances: N}")
 
 
 def migrate_file(path: str | Path, out: str | Path | None = None) -> dict[str, Any]:

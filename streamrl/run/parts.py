@@ -1,9 +1,9 @@
 """From a config to component objects: the YAML edge of every extension point.
 
-``rl.algorithm``, ``rl.dispatcher``, ``rl.scheduler``, ``rl.length_predictor``, ``rl.engine``
-and ``rl.cluster`` each hold ``{class_path, init_args}`` (``streamrl.run.swappable``: a
-built-in's short name or your class's import path, with its constructor's arguments), and
-``rl.reward`` a reward's name or ``package.module:function``::
+``rl.algorithm``, ``rl.dispatcher``, ``rl.scheduler``, ``rl.length_predictor``, ``rl.engine``,
+``rl.cluster`` and ``rl.elastic`` each hold ``{class_path, init_args}``
+(``streamrl.run.swappable``: a built-in's short name or your class's import path, with its
+constructor's arguments), and ``rl.reward`` a reward's name or ``package.module:function``::
 
     rl:
       algorithm: my_lab.algos.MyGRPO                  # an Algorithm subclass
@@ -83,10 +83,6 @@ class RunParts:
         """Build every part ``config`` names, giving each what it declares it needs."""
         rl = config.rl
         run = run_context(rl, config.seed, tokenizer)
-        elastic = None
-        if rl.elastic:
-            size, most = rl.max_batch_size, rl.max_generators
-            elastic = ElasticController(run.latency(), size, max_instances=most)
         return cls(
             algorithm=build_run_algorithm(rl, policy.config.hidden_size),
             rewards=reward_specs(rl),
@@ -94,7 +90,7 @@ class RunParts:
             dispatcher=build_dispatcher(rl.dispatcher, run),
             scheduler=scheduler_factory(rl.scheduler),
             length_predictor=_length_predictor(rl, run),
-            elastic=elastic,
+            elastic=_elastic(rl, run),
             lora=run.lora,
             # Asked for by a part that sizes pools or scales them; measured by the instances
             # on their own engine when they start (the run fills it in before dispatch).
@@ -116,7 +112,7 @@ def run_context(
         max_batch_size=rl.max_batch_size,
         seed=seed,
         instances=rl.generators,
-        elastic=rl.elastic,
+        elastic=rl.elastic is not None,
         tokenizer=tokenizer,
         lora=rl.lora,
     )
@@ -143,6 +139,7 @@ def check_parts(rl: RLConfig, placement: Placement | None = None) -> None:
     build_dispatcher(rl.dispatcher, run)
     scheduler_factory(rl.scheduler)
     _length_predictor(rl, run)
+    _elastic(rl, run)
     engine = _engine(rl, run)
     cluster = make_cluster(rl.cluster)
     try:  # a missing extra or absent GPUs fail here, not inside a generator process
@@ -213,6 +210,19 @@ def _length_predictor(rl: RLConfig, run: RunContext) -> LengthPredictor | None:
     factory, options = factory_and_args("length_predictor", rl.length_predictor)
     predictor = build_from_run(factory, run, options, where="rl.length_predictor")
     return checked(predictor, LengthPredictor, "rl.length_predictor")
+
+
+def _elastic(rl: RLConfig, run: RunContext) -> ElasticController | None:
+    """The run's elastic controller (§4.2), its ``PTL(BS)`` measured by the instances when they
+    start; ``None``: a fixed number of instances."""
+    if rl.elastic is None:
+        return None
+    factory, options = factory_and_args("elastic", rl.elastic)
+    try:
+        return build_from_run(factory, run, options, where="rl.elastic")
+    except ConfigError as err:  # its own check of what the run starts with
+        message = str(err)
+        raise ConfigError(message if message.startswith("rl.") else f"rl.elastic: {err}") from None
 
 
 def _one_character_tokens(tokenizer: PreTrainedTokenizerBase) -> bool:

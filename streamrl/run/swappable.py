@@ -1,10 +1,10 @@
 """The run's swappable parts by config key: the built-ins each takes by short name, and the one
 spelling a config holds them in.
 
-``rl.algorithm``, ``rl.engine``, ``rl.cluster``, ``rl.dispatcher``, ``rl.scheduler`` and
-``rl.length_predictor`` each take a built-in's short name, your class's import path
-(``package.module.Name`` or ``package.module:Name``), or LightningCLI's form with its
-constructor's arguments::
+``rl.algorithm``, ``rl.engine``, ``rl.cluster``, ``rl.dispatcher``, ``rl.scheduler``,
+``rl.length_predictor`` and ``rl.elastic`` each take a built-in's short name, your class's
+import path (``package.module.Name`` or ``package.module:Name``), or LightningCLI's form with
+its constructor's arguments::
 
     rl:
       dispatcher:
@@ -28,6 +28,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from streamrl.algorithms import ALGORITHMS
+from streamrl.components.capacity.elastic import ElasticController
 from streamrl.components.generation.clusters import CLUSTERS
 from streamrl.components.generation.engines import ENGINES
 from streamrl.components.skewness.by_name import DISPATCHERS, SCHEDULERS
@@ -42,6 +43,7 @@ SWAPPABLE: dict[str, tuple[str, Mapping[str, Any]]] = {
     "dispatcher": ("dispatcher", DISPATCHERS),
     "scheduler": ("scheduler", SCHEDULERS),
     "length_predictor": ("length predictor", {"ranker": LengthRanker}),
+    "elastic": ("elastic controller", {"controller": ElasticController}),
 }
 
 

@@ -15,10 +15,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from streamrl.components.capacity.allocator import Method, predict_generation_s
 from streamrl.components.skewness.latency import LatencyModel
+from streamrl.errors import ConfigError
+
+if TYPE_CHECKING:
+    from streamrl.components.run_context import RunContext
 
 Action = Literal["add", "remove", "keep"]
 
@@ -103,6 +107,19 @@ class ElasticController:
         self.patience, self.cooldown, self.method = patience, cooldown, method
         self.min_saving = min_saving
         self._add_streak = self._remove_streak = self._cooling = 0
+
+    @classmethod
+    def from_run(cls, run: RunContext, **options: Any) -> ElasticController:
+        """A run's controller (``rl.elastic``): the instances' measured ``PTL(BS)`` and batch
+        slots linked in, the rest ``options``; ``ConfigError`` when ``max_instances`` is below
+        the instances the run starts with."""
+        most = options.get("max_instances")
+        if most is not None and most < run.instances:
+            raise ConfigError(
+                f"ElasticController: max_instances={most} is below the {run.instances} generator "
+                "instances the run starts with (rl.generators); raise it or start fewer."
+            )
+        return cls(run.latency(), run.max_batch_size, **options)
 
     def predicted_gen_s(self, instances: int, lengths: Sequence[float]) -> float:
         """The latency model's generation makespan on ``instances`` instances."""

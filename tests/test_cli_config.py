@@ -1,5 +1,6 @@
 """``streamrl fit``'s config edge (jsonargparse): files, dotted overrides, ``--print_config``,
-and our own key, type and value checks. No training: ``run_fit`` is replaced by a recorder."""
+and our own key, type and value checks. No training: ``run_fit`` checks the values and the
+resume point, then a recorder stands in for the run (``fit_checked``)."""
 
 from __future__ import annotations
 
@@ -28,11 +29,11 @@ def fit(monkeypatch):
 
     calls: list[dict] = []
 
-    def record(config, show_progress=True, resume=None):
+    def record(config, show_progress=True, resume=None, stages=None):
         calls.append(dict(config=config, show_progress=show_progress, resume=resume))
         return {}
 
-    monkeypatch.setattr(streamrl.run.jobs, "run_fit", record)
+    monkeypatch.setattr(streamrl.run.jobs, "fit_checked", record)  # run_fit's checks run
     # Where `module:Name` imports from (the console script adds to it): this test's own.
     monkeypatch.setattr(sys, "path", list(sys.path))
     monkeypatch.setattr(streamrl.runtime.references, "_SEARCH_DIRS", [], raising=False)

@@ -232,7 +232,7 @@ def test_print_config_writes_your_parts_as_class_paths_that_run_unchanged(tmp_pa
 
     runs = []
     monkeypatch = pytest.MonkeyPatch()
-    monkeypatch.setattr(streamrl.run.jobs, "run_fit", lambda c, **_: runs.append(c) or {})
+    monkeypatch.setattr(streamrl.run.jobs, "fit_checked", lambda c, *_: runs.append(c) or {})
     try:
         assert main(["fit", "--config", str(written)]) == 0
         assert main(["fit", "--config", str(original)]) == 0

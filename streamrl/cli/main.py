@@ -132,14 +132,11 @@ def parse_command(argv: Sequence[str]) -> tuple[str, Callable[[], dict]]:
 
 
 def _cmd_fit(fit: FitArgs) -> dict:
-    from streamrl.run.config_checks import check_values
     from streamrl.run.jobs import run_fit
-    from streamrl.run.reruns import resolve_resume
 
     quiet_lightning(verbose=fit.verbose)
-    check_values(fit.config)
-    resume = resolve_resume(fit.config.output_dir, fit.resume)  # a wrong one: before any work
-    return run_fit(fit.config, show_progress=not fit.no_progress, resume=resume)
+    # run_fit checks the values and the resume point first, once, before any work.
+    return run_fit(fit.config, show_progress=not fit.no_progress, resume=fit.resume)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

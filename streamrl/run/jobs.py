@@ -102,8 +102,18 @@ def run_fit(
         trained policy saved as a model directory (``<output_dir>/policy``, LoRA merged).
     """
     resume = resolve_resume(config.output_dir, resume)  # one output directory, one run
-    started = time.perf_counter()
     check_values(config)
+    return fit_checked(config, show_progress, resume, stages)
+
+
+def fit_checked(
+    config: RunConfig,
+    show_progress: bool = True,
+    resume: str | None = None,
+    stages: RunStages | None = None,
+) -> dict:
+    """``run_fit`` once its values and its resume point (a path, or ``None``) are checked."""
+    started = time.perf_counter()
     done = finished_run(config.output_dir, resume, config.rl.iterations)
     if done is not None and launched_job() is None:
         print(

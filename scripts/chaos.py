@@ -97,12 +97,12 @@ def run_config(out: Path, mode: str, episodes: bool, ranks: int, iterations: int
         config["env"] = {"name": "calculator", "max_turns": 3, "n_train": rows, "n_heldout": 4}
         config["env"]["workers"] = 1  # in a process (a built-in runs on threads by default)
         config["sft"] = {"model_size": "test", "steps": 10, "tokens_per_batch": 1024}
-        rl["reward_workers"] = 0  # an episode's reward is its environment's
+        rl["reward_pool"] = {"workers": 0}  # an episode's reward is its environment's
     else:
         config["data"] = {"tasks": ["copy"], "n_train": rows, "n_heldout": 4, "median_len": 3}
         config["data"]["max_len"] = 6
         config["sft"] = {"model_size": "test", "steps": 2}
-        rl["reward_workers"] = 1
+        rl["reward_pool"] = {"workers": 1}
     if ranks > 1:
         config["trainer"] = {"devices": ranks}
     return config

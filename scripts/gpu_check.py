@@ -208,7 +208,7 @@ def fit_config(work: Path, device: str) -> Path:
             "eval_max_tokens": 32,
             "max_tokens_per_micro_batch": 8400,
             "reward": "gpu_check_reward:varied",
-            "reward_workers": 0,
+            "reward_pool": {"workers": 0},
             "correct_engine_gap": True,
             "length_predictor": None,
             "checkpoint_every": 0,

@@ -574,3 +574,28 @@ def test_the_lora_section_is_lora_specs_arguments(fit, tmp_path, capsys):
     old.write_text("rl:\n  lora_r: 0\n  lora_alpha: 32.0\n")  # no adapters: no section
     assert main(["config", "migrate", str(old), "-o", str(tmp_path / "full.yaml")]) == 0
     assert fitted(fit, "--config", str(tmp_path / "full.yaml")).rl.lora is None
+
+
+def test_the_reward_pool_section_is_reward_pools_arguments(fit, tmp_path, capsys):
+    """``rl.reward_pool`` holds ``RewardPool``'s own arguments (the rewards and the files are
+    linked in): printed with its signature, read back, and the flat keys migrate into it."""
+    from streamrl.run.parts import reward_pool, reward_specs
+
+    config = fitted(fit, "--rl.reward_pool", "{workers: 0, max_restarts: 2}")
+    pool = reward_pool(config.rl, reward_specs(config.rl), tmp_path)
+    assert (pool.workers, pool.max_restarts, pool.timeout_s) == (0, 2, 60.0)  # 60: its default
+    assert pool.status_path == tmp_path / "reward_workers.json"
+    capsys.readouterr()  # the run's JSON line
+    assert (
+        fit("--rl.reward_pool", "{workers: 0, max_restarts: 2}", "--print_config=comments")[0] == 0
+    )
+    text = capsys.readouterr().out
+    assert "  # its keys: RewardPool(specs, workers=1, timeout_s=60.0" in text
+    path = tmp_path / "printed.yaml"
+    path.write_text(text)
+    assert fitted(fit, "--config", str(path)).rl.reward_pool == {"workers": 0, "max_restarts": 2}
+    old = tmp_path / "old.yaml"
+    old.write_text("rl:\n  reward_workers: 0\n  reward_timeout_s: 5.0\n  max_reward_restarts: 3\n")
+    assert main(["config", "migrate", str(old)]) == 0
+    migrated = fitted(fit, "--config", str(tmp_path / "old.migrated.yaml")).rl.reward_pool
+    assert migrated == {"workers": 0, "timeout_s": 5.0, "max_restarts": 3}

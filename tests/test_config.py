@@ -135,6 +135,12 @@ def test_duplicate_prompt_ids_name_the_line(tmp_path):
             r"did you mean 'max_instances'",
         ),
         ("rl:\n  max_restarts: -1\n", r"rl.max_restarts must be >= 0, got -1"),
+        (
+            "rl:\n  reward_pool: {workes: 0}\n",
+            r"rl.reward_pool: .*\['workes'\] \(did you mean 'workers'",
+        ),
+        ("rl:\n  reward_pool: {timeout_s: 0}\n", r"rl.reward_pool: RewardPool: need .*timeout_s=0"),
+        ("rl:\n  reward_workers: 0\n", r"reward_workers has moved: set rl.reward_pool: \{workers"),
         ("rl:\n  dispacher: skew\n", r"Unknown key 'dispacher'.*'dispatcher'"),
         ("rl:\n  engine: vlm\n", r"rl.engine: Unknown engine 'vlm' \(did you mean 'vllm'\?\)"),
         ("rl:\n  dispatcher: skw\n", r"rl.dispatcher: Unknown dispatcher 'skw' \(did you mean"),

@@ -86,7 +86,7 @@ def own_task(tmp_path: Path, **overrides) -> RunConfig:
             {"name": "own_rewards:names_the_unit", "weight": 1.0},
             {"name": "exact", "weight": 0.5},
         ],
-        "reward_workers": 1,
+        "reward_pool": {"workers": 1},
         "eval_every": 1,
         **overrides.pop("rl", {}),
     }
@@ -308,7 +308,7 @@ def test_own_modules_in_the_current_and_the_config_directory_in_a_real_fit(tmp_p
         "data: {tasks: [copy], n_train: 16, n_heldout: 4, median_len: 3, max_len: 4}\n"
         "sft: {model_size: test, steps: 2}\n"
         "rl: {iterations: 1, prompts_per_iteration: 2, group_size: 2, generators: 1,"
-        " max_tokens: 6, reward_workers: 1,"
+        " max_tokens: 6, reward_pool: {workers: 1},"
         " reward: [{name: cwd_rewards:cwd_score}, {name: beside_rewards:beside_score}]}\n"
     )
     log = tmp_path / "reward_log.txt"

@@ -110,7 +110,7 @@ def test_past_max_restarts_the_run_stops_naming_the_prompts_and_the_setting(frag
     with RewardPool(specs, workers=1, max_restarts=2) as pool:
         for i in range(3):
             pool.submit(i, "x", {"prompt_id": f"p{i}"})
-        with pytest.raises(RewardError, match=r"died .*prompt\(s\) \['p\d'.*max_reward_restarts=2"):
+        with pytest.raises(RewardError, match=r"died .*prompt\(s\) \['p\d'.*max_restarts=2"):
             collect_all(pool, 3)
 
 
@@ -157,7 +157,7 @@ def test_a_run_whose_reward_segfaults_on_one_completion_and_hangs_on_another_fin
     monkeypatch.syspath_prepend(str(tmp_path))
     out = tmp_path / "out"
     rl = {"iterations": 2, "prompts_per_iteration": 4, "group_size": 2, "generators": 1}
-    rl |= {"max_tokens": 12, "reward": "fragile_fit:fragile", "reward_timeout_s": 3.0}
+    rl |= {"max_tokens": 12, "reward": "fragile_fit:fragile", "reward_pool": {"timeout_s": 3.0}}
     data = {"tasks": ["copy"], "n_train": 32, "n_heldout": 4, "median_len": 3, "max_len": 6}
     config = {"output_dir": str(out), "data": data, "sft": {"steps": 5}, "rl": rl}
     (tmp_path / "run.yaml").write_text(yaml.safe_dump(config))

@@ -159,8 +159,8 @@ def test_a_reward_that_never_returns_stops_the_heldout_evaluation_with_its_promp
     user_rewards, tmp_path, capsys
 ):
     """The evaluation before RL scores in the trainer's process: a reward that hangs there is
-    given rl.reward_timeout_s too, and the run stops with one line naming the prompts (it hung
-    forever before)."""
+    given rl.reward_pool's timeout_s too, and the run stops with one line naming the prompts (it
+    hung forever before)."""
     import yaml
 
     from streamrl.cli.main import main
@@ -178,7 +178,7 @@ def test_a_reward_that_never_returns_stops_the_heldout_evaluation_with_its_promp
                     "group_size": 2,
                     "max_tokens": 8,
                     "reward": f"{user_rewards}:hangs_everywhere",
-                    "reward_timeout_s": 2,
+                    "reward_pool": {"timeout_s": 2},
                 },
             }
         )
@@ -187,7 +187,7 @@ def test_a_reward_that_never_returns_stops_the_heldout_evaluation_with_its_promp
     code = main(["fit", "--config", str(config), "--no-progress"])
     err = capsys.readouterr().err
     assert code != 0 and time.monotonic() - started < 120
-    assert "did not return within 2 s (rl.reward_timeout_s) on held-out prompt(s)" in err
+    assert "did not return within 2 s (rl.reward_pool's timeout_s) on held-out prompt(s)" in err
 
 
 def test_with_deadline_scores_in_batches_and_names_the_batch_that_hangs():

@@ -1,4 +1,4 @@
-"""A reward called in the trainer's own process, under ``rl.reward_timeout_s``: the held-out
+"""A reward called in the trainer's own process, under the reward pool's ``timeout_s``: the held-out
 evaluation scores its completions here (StreamRL's reward stage, §3), and a reward that never
 returns must stop the run with its name and the prompts, not hang it before RL starts.
 
@@ -57,8 +57,8 @@ def _call(score: Score, completions: list[str], rows: list[dict], timeout_s: flo
     if thread.is_alive():
         prompts = [str(r.get("prompt_id")) for r in rows]
         raise RewardError(
-            f"A reward did not return within {timeout_s:g} s (rl.reward_timeout_s) on held-out "
-            f"prompt(s) {prompts}; fix the reward, or raise rl.reward_timeout_s if it is slow."
+            f"A reward did not return within {timeout_s:g} s (rl.reward_pool's timeout_s) on "
+            f"held-out prompt(s) {prompts}; fix the reward, or raise that timeout_s if it is slow."
         )
     if "error" in outcome:
         raise outcome["error"]  # type: ignore[misc]

@@ -108,7 +108,7 @@ class RewardPool:
         self,
         specs: Sequence[RewardSpec],
         *,
-        workers: int = 2,
+        workers: int = 1,
         timeout_s: float = 60.0,
         max_batch: int = 64,
         start_timeout_s: float = 180.0,
@@ -270,9 +270,9 @@ class RewardPool:
         if self.restarts > self.max_restarts:
             raise RewardError(
                 f"Reward worker {worker.slot} {why} while scoring prompt(s) {prompts}: "
-                f"{self.restarts} worker failures, past rl.max_reward_restarts="
+                f"{self.restarts} worker failures, past max_restarts="
                 f"{self.max_restarts}, so the run stops. Make the reward robust (or faster), or "
-                "raise rl.max_reward_restarts / rl.reward_timeout_s."
+                "raise rl.reward_pool's max_restarts / timeout_s."
             )
         worker.inbox.cancel_join_thread()
         worker.results.close()

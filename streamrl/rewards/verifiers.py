@@ -177,5 +177,5 @@ def _math_verify() -> Any:
 
 def _our_timeout_notice(record: logging.LogRecord) -> bool:
     """Drop math-verify's "Timeout is disabled" warning: we disable its signal-based timeouts on
-    purpose, and the reward pool enforces ``rl.reward_timeout_s`` instead."""
+    purpose, and the reward pool enforces its ``timeout_s`` (``rl.reward_pool``) instead."""
     return not str(record.msg).startswith("Timeout is disabled")

@@ -222,15 +222,15 @@ class RLConfig:
             (``streamrl.rewards.spec``). ``null`` (the default): ``exact``; an episode run
             (``env.name``) takes none, its environment's ``step`` rewards each episode, so a
             reward set there is refused rather than silently unused.
-        reward_workers: processes that compute rewards off the trainer's critical path; 0
-            computes them in the trainer.
-        reward_timeout_s: the most one reward call may take; past it the worker is killed and
-            replaced (in the held-out evaluation, which scores in the trainer, the run stops
-            with an error naming the prompts).
-        max_reward_restarts: reward workers replaced (after a death or a timeout) before the
-            run stops. A completion whose scoring takes down two workers is a reward fault:
-            left out of the loss, counted as ``samples_reward_fault``, written to
-            ``<output_dir>/reward_faults.jsonl``.
+        reward_pool: ``RewardPool``'s arguments (``streamrl.rewards.pool``; the rewards and
+            the output files are linked in; ``{}``: its defaults): ``workers``, processes that
+            compute rewards off the trainer's critical path (0: in the trainer); ``timeout_s``,
+            the most one reward call may take (past it the worker is killed and replaced; the
+            held-out evaluation, which scores in the trainer, stops the run naming the prompts);
+            ``max_restarts``, workers replaced after a death or a timeout before the run stops
+            (a completion whose scoring takes down two workers is a reward fault: left out of
+            the loss, counted as ``samples_reward_fault``, written to
+            ``<output_dir>/reward_faults.jsonl``); ``max_batch``; ``start_timeout_s``.
         eval_every: evaluate on the held-out set every this many iterations with the run's
             reward (logged as ``eval/*`` and plotted to ``eval.png``); 0: only before and after.
         eval_k: samples per held-out prompt for pass@k (1: greedy pass@1 only).
@@ -315,9 +315,7 @@ class RLConfig:
     correct_engine_gap: bool | None = None
     routing_replay: bool | None = None
     reward: str | dict[str, Any] | list[Any] | None = None
-    reward_workers: int = 1
-    reward_timeout_s: float = 60.0
-    max_reward_restarts: int = 10
+    reward_pool: dict[str, Any] = field(default_factory=dict)
     eval_every: int = 0
     eval_k: int = 1
     eval_max_tokens: int | None = None

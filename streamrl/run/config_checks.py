@@ -218,16 +218,9 @@ def check_rl(rl: RLConfig) -> None:
             raise ConfigError(f"rl.{name} must be >= 1, got {value}.")
     if rl.gpus < 0:
         raise ConfigError(f"rl.gpus must be >= 0 (0 generates on the CPU), got {rl.gpus}.")
-    if (
-        min(rl.reward_workers, rl.max_reward_restarts, rl.eval_every) < 0
-        or rl.reward_timeout_s <= 0
-        or rl.eval_k < 1
-    ):
+    if rl.eval_every < 0 or rl.eval_k < 1:
         raise ConfigError(
-            "rl: need reward_workers >= 0 (0 = in the trainer), max_reward_restarts >= 0, "
-            "reward_timeout_s > 0, eval_every >= 0 and eval_k >= 1, got reward_workers="
-            f"{rl.reward_workers}, max_reward_restarts={rl.max_reward_restarts}, "
-            f"reward_timeout_s={rl.reward_timeout_s}, eval_every={rl.eval_every}, "
+            f"rl: need eval_every >= 0 and eval_k >= 1, got eval_every={rl.eval_every}, "
             f"eval_k={rl.eval_k}."
         )
     if rl.reward is not None:

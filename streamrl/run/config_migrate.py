@@ -3,7 +3,8 @@
 What it rewrites: a swappable part given as ``{name: X, option: value}`` becomes LightningCLI's
 ``{class_path: X, init_args: {option: value}}`` (``streamrl.run.swappable``), the flat LoRA keys
 become the ``rl.lora`` section (``LoRASpec``'s arguments), ``rl.elastic: true`` with
-``rl.max_generators`` becomes the elastic controller's ``class_path`` + ``init_args``, and a
+``rl.max_generators`` becomes the elastic controller's ``class_path`` + ``init_args``, the
+reward pool's keys become ``rl.reward_pool`` (``RewardPool``'s arguments), and a
 key that moved (``config_file.MOVED_KEYS``) goes to its new place. Everything else is kept as
 written; the result is read back with the config's own checks of keys and types before it is
 written.
@@ -16,6 +17,8 @@ Examples:
     ({'rl': {}, 'trainer': {'devices': 2}}, ['rl.trainer_ranks -> trainer.devices'])
     >>> migrate({"rl": {"lora_r": 8, "lora_alpha": 16.0}})[0]
     {'rl': {'lora': {'r': 8, 'alpha': 16.0}}}
+    >>> migrate({"rl": {"reward_workers": 0, "reward_timeout_s": 5.0}})[0]
+    {'rl': {'reward_pool': {'workers': 0, 'timeout_s': 5.0}}}
     >>> migrate({"rl": {"elastic": True, "max_generators": 3}})[0]
     {'rl': {'elastic': {'class_path': 'controller', 'init_args': {'max_instances': 3}}}}
 """
@@ -56,6 +59,7 @@ def migrate(data: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
     if isinstance(rl, dict):
         _lora_section(rl, changes)
         _elastic_controller(rl, changes)
+        _reward_pool(rl, changes)
     for (section, key), (to_section, to_key) in RENAMED.items():
         old = new.get(section)
         if not isinstance(old, dict) or key not in old:
@@ -107,6 +111,28 @@ def _elastic_controller(rl: dict[str, Any], changes: list[str]) -> None:
         on.setdefault("init_args", {}).setdefault("max_instances", most)
     if most is not None:
         changes.append("rl.max_generators -> rl.elastic's init_args: {max_instances: N}")
+
+
+#: The flat reward-pool keys and their names among ``rl.reward_pool`` (``RewardPool``'s).
+REWARD_POOL_KEYS = {
+    "reward_workers": "workers",
+    "reward_timeout_s": "timeout_s",
+    "max_reward_restarts": "max_restarts",
+}
+
+
+def _reward_pool(rl: dict[str, Any], changes: list[str]) -> None:
+    """``rl.reward_workers: 0`` -> ``rl.reward_pool: {workers: 0}``, and so on."""
+    for key, name in REWARD_POOL_KEYS.items():
+        if key in rl:
+            pool = rl.setdefault("reward_pool", {})
+            if name in pool:
+                raise ConfigError(
+                    f"rl.{key} moved to rl.reward_pool's {name}, which the file sets too: keep "
+                    "one of them."
+                )
+            pool[name] = rl.pop(key)
+            changes.append(f"rl.{key} -> rl.reward_pool: {{{name}: ...}}")
 
 
 def migrate_file(path: str | Path, out: str | Path | None = None) -> dict[str, Any]:

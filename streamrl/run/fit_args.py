@@ -46,6 +46,9 @@ _FIT_ALIASES = {
     "--trainer.default_root_dir": "--output_dir",
 }
 VERBOSE_HELP = "also show Lightning's information lines (accelerators found, tips) on stderr"
+#: Settings that hold one fixed component's constructor arguments (``--print_config=comments``
+#: lists them); the component is built from them in ``streamrl.run.parts``.
+CONSTRUCTOR_SECTIONS = {"reward_pool": "streamrl.rewards.pool.RewardPool"}
 #: What ``--print_config=FLAGS`` takes, comma-separated, as ``LightningCLI``'s.
 PRINT_FLAGS = ("comments", "skip_null")
 
@@ -344,8 +347,13 @@ def _yaml_lines(section: Any, indent: int, comments: bool, skip_null: bool) -> l
             continue
         for line in textwrap.wrap(described.get(field.name, ""), 98 - indent):
             lines.append(f"{pad}# {line}\n")
+        arguments = ""
         if comments and isinstance(value, dict) and "class_path" in value:
-            for line in textwrap.wrap(_arguments_of(value["class_path"]), 98 - indent):
+            arguments = "init_args: " + _arguments_of(value["class_path"])
+        elif comments and field.name in CONSTRUCTOR_SECTIONS:
+            arguments = "its keys: " + _arguments_of(CONSTRUCTOR_SECTIONS[field.name])
+        if arguments:
+            for line in textwrap.wrap(arguments, 98 - indent):
                 lines.append(f"{pad}# {line}\n")
         if dataclasses.is_dataclass(value):
             lines.append(f"{pad}{field.name}:\n")
@@ -375,7 +383,7 @@ def _arguments_of(class_path: str) -> str:
         if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
     ]
     linked = " (from_run links in what the run knows)" if hasattr(factory, "from_run") else ""
-    return f"init_args: {factory.__qualname__}({', '.join(shown)}){linked}"
+    return f"{factory.__qualname__}({', '.join(shown)}){linked}"
 
 
 def _descriptions(cls: type) -> dict[str, str]:

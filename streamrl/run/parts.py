@@ -40,7 +40,7 @@ from streamrl.errors import ConfigError
 from streamrl.policy.lora import LoRASpec
 from streamrl.protocols import AdmissionScheduler, Dispatcher, GenerationEngine, LengthPredictor
 from streamrl.rewards.pool import RewardPool
-from streamrl.rewards.spec import RewardSpec, load_rewards
+from streamrl.rewards.spec import RewardSpec
 from streamrl.run.config import RLConfig, RunConfig
 from streamrl.run.swappable import factory_and_args
 from streamrl.runtime.devices import Placement
@@ -126,7 +126,7 @@ def check_parts(rl: RLConfig, placement: Placement | None = None) -> None:
         ConfigError: a name that is neither a built-in nor importable, a wrong signature, a
             component without its protocol's methods, or an algorithm refusing the settings.
     """
-    load_rewards(reward_specs(rl))  # every reward imports and has a signature we can call
+    reward_pool(rl, reward_specs(rl))  # every reward imports and can be called; pool values
     algorithm = build_run_algorithm(rl, hidden_size=1)  # the algorithm checks its own needs
     if placement is not None and placement.sharded and not algorithm.shardable:
         raise ConfigError(
@@ -158,17 +158,33 @@ def reward_specs(rl: RLConfig) -> list[RewardSpec]:
     return RewardSpec.from_config("exact" if rl.reward is None else rl.reward)
 
 
-def reward_pool(rl: RLConfig, specs: list[RewardSpec], output_dir: str | Path) -> RewardPool:
-    """The pool that scores samples with ``specs`` (``rl.reward_workers`` processes, their pids
-    in ``<output_dir>/reward_workers.json``, reward faults in ``reward_faults.jsonl``)."""
-    return RewardPool(
-        specs,
-        workers=rl.reward_workers,
-        timeout_s=rl.reward_timeout_s,
-        status_path=Path(output_dir) / "reward_workers.json",
-        max_restarts=rl.max_reward_restarts,
-        faults_path=Path(output_dir) / "reward_faults.jsonl",
-    )
+def reward_pool(
+    rl: RLConfig, specs: list[RewardSpec], output_dir: str | Path | None = None
+) -> RewardPool:
+    """The pool that scores samples with ``specs``: ``rl.reward_pool``'s arguments, its
+    workers' pids in ``<output_dir>/reward_workers.json`` and reward faults in
+    ``reward_faults.jsonl`` (no files without ``output_dir``). No process starts before
+    ``start()``; ``ConfigError`` on an unknown argument or a bad value."""
+    check_options(RewardPool, rl.reward_pool, where="rl.reward_pool")
+    files = {}
+    if output_dir is not None:
+        out = Path(output_dir)
+        files = dict(
+            status_path=out / "reward_workers.json", faults_path=out / "reward_faults.jsonl"
+        )
+    try:
+        return RewardPool(specs, **rl.reward_pool, **files)
+    except ConfigError:  # a reward that does not resolve: its message names rl.reward
+        raise
+    except (TypeError, ValueError) as err:
+        raise ConfigError(f"rl.reward_pool: {err}") from None
+
+
+def reward_timeout_s(rl: RLConfig) -> float:
+    """The most one reward call may take: ``rl.reward_pool``'s ``timeout_s``, else
+    ``RewardPool``'s default (the held-out evaluation scores under it too)."""
+    default = inspect.signature(RewardPool).parameters["timeout_s"].default
+    return float(rl.reward_pool.get("timeout_s", default))
 
 
 def build_run_algorithm(rl: RLConfig, hidden_size: int) -> Algorithm:

@@ -19,7 +19,7 @@ from streamrl.protocols import Sampler
 from streamrl.rewards.deadline import with_deadline
 from streamrl.rewards.spec import load_rewards
 from streamrl.run.config import RunConfig
-from streamrl.run.parts import reward_specs
+from streamrl.run.parts import reward_specs, reward_timeout_s
 from streamrl.run.prepare import ensure_policy, prepare_run
 
 
@@ -94,7 +94,7 @@ def heldout_evaluator(
     data, rl = config.data, config.rl
     rewards = load_rewards(reward_specs(rl))
     # in this process, each batch under the reward timeout: a reward that hangs stops the run
-    score = with_deadline(lambda texts, rows: rewards.score(texts, rows)[0], rl.reward_timeout_s)
+    score = with_deadline(lambda texts, rows: rewards.score(texts, rows)[0], reward_timeout_s(rl))
 
     def evaluator(service: StreamGenerationService, version: int) -> EvalResult:
         decoder = ServiceDecoder(service, context, min_weight_version=version)

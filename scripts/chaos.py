@@ -4,7 +4,7 @@ against the same run left alone.
 The schedule is driven by the run's progress (its ``rollouts/iteration-*.parquet`` files), not by
 wall time: fault ``j`` strikes once the run (as started last) has finished iteration ``2 + 3j``.
 Faults: ``kill-generator`` (kill -9 a generator instance: replaced, the run goes on),
-``stop-generator`` (SIGSTOP one: taken as hung after ``rl.heartbeat_timeout_s``, replaced),
+``stop-generator`` (SIGSTOP one: taken as hung after ``rl.timeouts``' ``heartbeat_s``, replaced),
 ``kill-reward-worker`` (kill -9 reward worker 0: replaced, what it held scored again, the run
 goes on), ``kill-env-worker`` (an ``--episodes`` run, its environments in a worker process:
 kill -9 env worker 0; replaced, its episodes started again from their prompts, the run goes
@@ -89,7 +89,7 @@ def run_config(out: Path, mode: str, episodes: bool, ranks: int, iterations: int
         "max_batch_size": 8,
         "checkpoint_every": 1,
         "save_rollouts": True,
-        "heartbeat_timeout_s": 10,  # a SIGSTOPped generator is taken as hung after 10 s
+        "timeouts": {"heartbeat_s": 10},  # a SIGSTOPped generator is taken as hung after 10 s
     }
     rows = 2 * iterations * PROMPTS  # no prompt is dealt twice: a pair trained twice is a bug
     config: dict = {"output_dir": str(out), "seed": 0, "rl": rl}

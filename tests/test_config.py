@@ -229,15 +229,17 @@ def test_lora_with_the_vllm_backend_is_refused(tmp_path, monkeypatch):
 
 def test_weight_settings_and_timeouts_are_checked_before_work(tmp_path):
     for rl, error in [
-        ("{weight_timeout_s: 0}", r"rl.weight_timeout_s must be > 0 seconds, got 0"),
-        ("{sample_timeout_s: -5}", r"rl.sample_timeout_s must be > 0 seconds, got -5"),
+        ("{timeouts: {weight_s: 0}}", r"rl.timeouts: weight_s must be > 0 seconds, got 0"),
+        ("{timeouts: {sample_s: -5}}", r"rl.timeouts: sample_s must be > 0 seconds, got -5"),
+        ("{timeouts: {sample: 5}}", r"rl.timeouts: .*\['sample'\] \(did you mean 'sample_s'"),
+        ("{weight_timeout_s: 7}", r"weight_timeout_s has moved: set rl.timeouts: \{weight_s"),
         ("{weight_bucket_mb: 0}", r"need weight_bucket_mb >= 1 and weight_fanout >= 1"),
         ("{weight_fanout: 0}", r"weight_fanout=0"),
     ]:
         with pytest.raises(ConfigError, match=error):
             load_checked(write(tmp_path, f"rl: {rl}\n"))
-    config = load_checked(write(tmp_path, "rl: {weight_timeout_s: 7, weight_fanout: 2}\n"))
-    assert config.rl.weight_timeout_s == 7 and config.rl.weight_fanout == 2
+    config = load_checked(write(tmp_path, "rl: {timeouts: {weight_s: 7}, weight_fanout: 2}\n"))
+    assert config.rl.timeouts == {"weight_s": 7} and config.rl.weight_fanout == 2
 
 
 def test_env_on_fault_is_drop_or_train(tmp_path):

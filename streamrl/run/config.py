@@ -176,14 +176,13 @@ class RLConfig:
             device memory of a sync is about one bucket (docs/weight_transfer.md).
         weight_fanout: generator instances each instance passes the weights on to (1: a
             chain); the trainer sends one copy per version to each site.
-        start_timeout_s: how long a generator instance may take to start and load the model;
-            ``null``: 180 s plus 60 s per GB of the policy's weights (``timeouts.py``).
-        sample_timeout_s: the longest wait for the next sample; ``null``: 300 s plus 0.1 s
-            per token of ``max_tokens`` per GB of weights.
-        heartbeat_timeout_s: an instance silent this long is taken as hung (killed,
-            replaced); ``null``: 60 s plus 10 s per GB of weights.
-        weight_timeout_s: the longest one weight transfer may take: past it the instance
-            is replaced and its requests requeued; ``null``: 120 s plus 30 s per GB.
+        timeouts: the generator instances' timeouts, ``Timeouts.for_model``'s arguments (the
+            policy's size and ``max_tokens`` linked in); each one left out takes a default
+            scaled to the policy (``streamrl.components.generation.timeouts``): ``start_s`` (an
+            instance starts and loads the model), ``sample_s`` (the longest wait for the next
+            sample), ``heartbeat_s`` (an instance silent this long is taken as hung: killed,
+            replaced), ``weight_s`` (the longest one weight transfer may take: past it the
+            instance is replaced and its requests requeued).
         max_batch_size: batch slots per generator instance.
         lr: policy learning rate (AdamW).
         clip_eps: PPO clip range.
@@ -296,10 +295,7 @@ class RLConfig:
     verify_weights_every: int | None = None
     weight_bucket_mb: int = 256
     weight_fanout: int = 1
-    start_timeout_s: float | None = None
-    sample_timeout_s: float | None = None
-    heartbeat_timeout_s: float | None = None
-    weight_timeout_s: float | None = None
+    timeouts: dict[str, Any] = field(default_factory=dict)
     sites: list[str] = field(default_factory=list)
     trainer_site: str = "local"
     generator_devices: list[int] | None = None

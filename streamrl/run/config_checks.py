@@ -25,6 +25,7 @@ from streamrl.run.memory_checks import check_memory
 from streamrl.run.swappable import factory_and_args
 from streamrl.runtime.cores import usable_cores
 from streamrl.runtime.devices import Placement, resolve_placement
+from streamrl.runtime.references import check_options
 from streamrl.tasks.families import FAMILIES
 
 #: The dtypes the trained policy may be written in (``trainer.save_dtype``).
@@ -239,14 +240,12 @@ def check_rl(rl: RLConfig) -> None:
             f"rl: need weight_bucket_mb >= 1 and weight_fanout >= 1, got weight_bucket_mb="
             f"{rl.weight_bucket_mb}, weight_fanout={rl.weight_fanout}."
         )
-    Timeouts.for_model(  # a timeout that is not positive: ConfigError, before any work
-        0.0,
-        rl.max_tokens,
-        rl.start_timeout_s,
-        rl.sample_timeout_s,
-        rl.heartbeat_timeout_s,
-        rl.weight_timeout_s,
-    )
+    check_options(Timeouts.for_model, rl.timeouts, where="rl.timeouts")  # a misspelled one
+    try:  # a timeout <= 0 is its ConfigError
+        Timeouts.for_model(0.0, rl.max_tokens, **rl.timeouts)
+    except TypeError as err:  # one the run links in (model_bytes, max_tokens)
+        message = f"rl.timeouts: {err}; give start_s, sample_s, heartbeat_s or weight_s."
+        raise ConfigError(message) from None
     transport = make_transport(rl.weight_transport, where="rl.weight_transport")
     try:
         transport.check()

@@ -4,7 +4,8 @@ What it rewrites: a swappable part given as ``{name: X, option: value}`` becomes
 ``{class_path: X, init_args: {option: value}}`` (``streamrl.run.swappable``), the flat LoRA keys
 become the ``rl.lora`` section (``LoRASpec``'s arguments), ``rl.elastic: true`` with
 ``rl.max_generators`` becomes the elastic controller's ``class_path`` + ``init_args``, the
-reward pool's keys become ``rl.reward_pool`` (``RewardPool``'s arguments), and a
+reward pool's and the instances' timeout keys become ``rl.reward_pool`` and ``rl.timeouts``
+(``RewardPool``'s and ``Timeouts.for_model``'s arguments), and a
 key that moved (``config_file.MOVED_KEYS``) goes to its new place. Everything else is kept as
 written; the result is read back with the config's own checks of keys and types before it is
 written.
@@ -17,8 +18,8 @@ Examples:
     ({'rl': {}, 'trainer': {'devices': 2}}, ['rl.trainer_ranks -> trainer.devices'])
     >>> migrate({"rl": {"lora_r": 8, "lora_alpha": 16.0}})[0]
     {'rl': {'lora': {'r': 8, 'alpha': 16.0}}}
-    >>> migrate({"rl": {"reward_workers": 0, "reward_timeout_s": 5.0}})[0]
-    {'rl': {'reward_pool': {'workers': 0, 'timeout_s': 5.0}}}
+    >>> migrate({"rl": {"reward_workers": 0, "heartbeat_timeout_s": 5.0}})[0]
+    {'rl': {'reward_pool': {'workers': 0}, 'timeouts': {'heartbeat_s': 5.0}}}
     >>> migrate({"rl": {"elastic": True, "max_generators": 3}})[0]
     {'rl': {'elastic': {'class_path': 'controller', 'init_args': {'max_instances': 3}}}}
 """
@@ -59,7 +60,7 @@ def migrate(data: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
     if isinstance(rl, dict):
         _lora_section(rl, changes)
         _elastic_controller(rl, changes)
-        _reward_pool(rl, changes)
+        _folded(rl, changes)
     for (section, key), (to_section, to_key) in RENAMED.items():
         old = new.get(section)
         if not isinstance(old, dict) or key not in old:
@@ -113,26 +114,32 @@ def _elastic_controller(rl: dict[str, Any], changes: list[str]) -> None:
         changes.append("rl.max_generators -> rl.elastic's init_args: {max_instances: N}")
 
 
-#: The flat reward-pool keys and their names among ``rl.reward_pool`` (``RewardPool``'s).
-REWARD_POOL_KEYS = {
-    "reward_workers": "workers",
-    "reward_timeout_s": "timeout_s",
-    "max_reward_restarts": "max_restarts",
+#: Flat keys folded into a section of a component's arguments: key -> (section, argument).
+FOLDED = {
+    "reward_workers": ("reward_pool", "workers"),
+    "reward_timeout_s": ("reward_pool", "timeout_s"),
+    "max_reward_restarts": ("reward_pool", "max_restarts"),
+    "start_timeout_s": ("timeouts", "start_s"),
+    "sample_timeout_s": ("timeouts", "sample_s"),
+    "heartbeat_timeout_s": ("timeouts", "heartbeat_s"),
+    "weight_timeout_s": ("timeouts", "weight_s"),
 }
 
 
-def _reward_pool(rl: dict[str, Any], changes: list[str]) -> None:
-    """``rl.reward_workers: 0`` -> ``rl.reward_pool: {workers: 0}``, and so on."""
-    for key, name in REWARD_POOL_KEYS.items():
-        if key in rl:
-            pool = rl.setdefault("reward_pool", {})
-            if name in pool:
-                raise ConfigError(
-                    f"rl.{key} moved to rl.reward_pool's {name}, which the file sets too: keep "
-                    "one of them."
-                )
-            pool[name] = rl.pop(key)
-            changes.append(f"rl.{key} -> rl.reward_pool: {{{name}: ...}}")
+def _folded(rl: dict[str, Any], changes: list[str]) -> None:
+    """``rl.reward_workers: 0`` -> ``rl.reward_pool: {workers: 0}``, and so on (``FOLDED``); a
+    ``null`` timeout (its default) is left out."""
+    for key, (section, name) in FOLDED.items():
+        if key not in rl:
+            continue
+        value, into = rl.pop(key), rl.setdefault(section, {})
+        if name in into:
+            raise ConfigError(
+                f"rl.{key} moved to rl.{section}'s {name}, which the file sets too: keep one."
+            )
+        if value is not None:
+            into[name] = value
+        changes.append(f"rl.{key} -> rl.{section}: {{{name}: ...}}")
 
 
 def migrate_file(path: str | Path, out: str | Path | None = None) -> dict[str, Any]:

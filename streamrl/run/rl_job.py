@@ -169,10 +169,7 @@ def train_rl(
     timeouts = Timeouts.for_model(
         sum(p.numel() * p.element_size() for p in policy.parameters()),
         rl.max_tokens,
-        start_s=rl.start_timeout_s,
-        sample_s=rl.sample_timeout_s,
-        heartbeat_s=rl.heartbeat_timeout_s,
-        weight_s=rl.weight_timeout_s,
+        **rl.timeouts,
     )
     service = StreamGenerationService(
         model_dir,

@@ -56,8 +56,8 @@ class Timeouts:
         for name, value in given.items():
             if value is not None and not value > 0:
                 raise ConfigError(
-                    f"rl.{name.removesuffix('_s')}_timeout_s must be > 0 seconds, got {value}; "
-                    "leave it null for a default scaled to the model."
+                    f"rl.timeouts: {name} must be > 0 seconds, got {value}; leave it out for a "
+                    "default scaled to the model."
                 )
         defaults = dict(
             start_s=180.0 + 60.0 * gb,

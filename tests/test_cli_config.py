@@ -29,7 +29,7 @@ def fit(monkeypatch):
 
     calls: list[dict] = []
 
-    def record(config, show_progress=True, resume=None, stages=None):
+    def record(config, resume, show_progress, stages):
         calls.append(dict(config=config, show_progress=show_progress, resume=resume))
         return {}
 

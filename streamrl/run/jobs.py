@@ -103,16 +103,12 @@ def run_fit(
     """
     resume = resolve_resume(config.output_dir, resume)  # one output directory, one run
     check_values(config)
-    return fit_checked(config, show_progress, resume, stages)
+    return fit_checked(config, resume, show_progress, stages or RunStages())
 
 
-def fit_checked(
-    config: RunConfig,
-    show_progress: bool = True,
-    resume: str | None = None,
-    stages: RunStages | None = None,
-) -> dict:
-    """``run_fit`` once its values and its resume point (a path, or ``None``) are checked."""
+def fit_checked(config: RunConfig, resume: str | None, progress: bool, stages: RunStages) -> dict:
+    """``run_fit`` once its values and its resume point (a path, or ``None``) are checked;
+    ``progress``: draw progress bars."""
     started = time.perf_counter()
     done = finished_run(config.output_dir, resume, config.rl.iterations)
     if done is not None and launched_job() is None:
@@ -133,9 +129,8 @@ def fit_checked(
             return _follow_rank_zero(config, job, resume)
     L.seed_everything(config.seed, verbose=False)
     kind = job_kind(config)  # every input check happens here, before any training
-    stages = stages or RunStages()
     stages.policy(config)
-    model_dir = kind.policy_dir(show_progress)
+    model_dir = kind.policy_dir(progress)
     if job is not None:  # the other ranks build the policy now
         wait_for_rank_zero(rank_timeouts(config, model_dir).prepare_s)
     tokenizer = load_tokenizer(model_dir)
@@ -154,7 +149,7 @@ def fit_checked(
         context,
         model_dir,
         tokenizer,
-        show_progress,
+        progress,
         resume,
         job,
         sampler=kind.sampler(tokenizer, context),

@@ -213,7 +213,7 @@ def test_default_timeouts_scale_with_the_model_and_a_given_one_wins():
     for name in ("start_s", "sample_s", "heartbeat_s", "weight_s"):
         assert getattr(big, name) > 5 * getattr(small, name)
     assert Timeouts.for_model(30e9, 8192, weight_s=7).weight_s == 7
-    with pytest.raises(ConfigError, match=r"rl.weight_timeout_s must be > 0"):
+    with pytest.raises(ConfigError, match=r"rl.timeouts: weight_s must be > 0"):
         Timeouts.for_model(1e6, 64, weight_s=0)
 
 

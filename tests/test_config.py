@@ -134,6 +134,10 @@ def test_duplicate_prompt_ids_name_the_line(tmp_path):
             "rl:\n  elastic: {class_path: controller, init_args: {max_instance: 2}}\n",
             r"did you mean 'max_instances'",
         ),
+        (
+            "rl:\n  elastic: {class_path: controller, init_args: {threshold: 0}}\n",
+            r"rl.elastic: ElasticController: need threshold > 0",
+        ),
         ("rl:\n  max_restarts: -1\n", r"rl.max_restarts must be >= 0, got -1"),
         (
             "rl:\n  reward_pool: {workes: 0}\n",

@@ -236,7 +236,7 @@ def _elastic(rl: RLConfig, run: RunContext) -> ElasticController | None:
     factory, options = factory_and_args("elastic", rl.elastic)
     try:
         return build_from_run(factory, run, options, where="rl.elastic")
-    except ConfigError as err:  # its own check of what the run starts with
+    except (TypeError, ValueError) as err:  # its own checks (a ConfigError is a ValueError)
         message = str(err)
         raise ConfigError(message if message.startswith("rl.") else f"rl.elastic: {err}") from None
 

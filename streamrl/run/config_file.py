@@ -21,22 +21,39 @@ from streamrl.errors import ConfigError, unknown_name
 from streamrl.run.config import RLConfig, RunConfig, TrainerConfig
 from streamrl.run.config_checks import check_values
 
+#: Flat ``rl`` keys now one argument of a component's section: key -> (section, argument,
+#: whose arguments the section holds). ``config migrate`` moves them by this table too.
+FOLDED_KEYS: dict[str, tuple[str, str, str]] = {
+    "reward_workers": ("reward_pool", "workers", "RewardPool"),
+    "reward_timeout_s": ("reward_pool", "timeout_s", "RewardPool"),
+    "max_reward_restarts": ("reward_pool", "max_restarts", "RewardPool"),
+    "start_timeout_s": ("timeouts", "start_s", "Timeouts.for_model"),
+    "sample_timeout_s": ("timeouts", "sample_s", "Timeouts.for_model"),
+    "heartbeat_timeout_s": ("timeouts", "heartbeat_s", "Timeouts.for_model"),
+    "weight_timeout_s": ("timeouts", "weight_s", "Timeouts.for_model"),
+    "lora_r": ("lora", "r", "LoRASpec"),
+    "lora_alpha": ("lora", "alpha", "LoRASpec"),
+    "lora_target_modules": ("lora", "target_modules", "LoRASpec"),
+}
+
+_RL_HINTS = typing.get_type_hints(RLConfig)
+
 #: Keys that moved, by section, and where to: a config that still sets one is told so.
 MOVED_KEYS: dict[type, dict[str, str]] = {
     RLConfig: {
         "trainer_ranks": "trainer.devices (trainer processes on the CPU, GPUs on CUDA)",
         "token_budget": "rl.max_tokens_per_micro_batch (now a ceiling no micro-batch exceeds)",
         "max_generators": "rl.elastic's init_args: {max_instances: N} (ElasticController)",
-        "reward_workers": "rl.reward_pool: {workers: N} (RewardPool's arguments)",
-        "reward_timeout_s": "rl.reward_pool: {timeout_s: S} (RewardPool's arguments)",
-        "max_reward_restarts": "rl.reward_pool: {max_restarts: N} (RewardPool's arguments)",
-        "start_timeout_s": "rl.timeouts: {start_s: S} (Timeouts.for_model's arguments)",
-        "sample_timeout_s": "rl.timeouts: {sample_s: S} (Timeouts.for_model's arguments)",
-        "heartbeat_timeout_s": "rl.timeouts: {heartbeat_s: S} (Timeouts.for_model's arguments)",
-        "weight_timeout_s": "rl.timeouts: {weight_s: S} (Timeouts.for_model's arguments)",
-        "lora_r": "rl.lora.r (rl.lora holds LoRASpec's arguments; null: full fine-tuning)",
-        "lora_alpha": "rl.lora.alpha (rl.lora holds LoRASpec's arguments)",
-        "lora_target_modules": "rl.lora.target_modules (rl.lora holds LoRASpec's arguments)",
+        **{
+            # A dataclass's argument is a dotted key (rl.lora.r); a mapping's is one of its keys.
+            key: (
+                f"rl.{section}.{name}"
+                if any(map(dataclasses.is_dataclass, typing.get_args(_RL_HINTS[section])))
+                else f"rl.{section}: {{{name}: ...}}"
+            )
+            + f" (rl.{section} holds {owner}'s arguments)"
+            for key, (section, name, owner) in FOLDED_KEYS.items()
+        },
     }
 }
 

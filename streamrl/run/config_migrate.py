@@ -34,7 +34,7 @@ import yaml
 
 from streamrl.errors import ConfigError
 from streamrl.run.config import RunConfig
-from streamrl.run.config_file import from_dict, read_config_text, read_yaml
+from streamrl.run.config_file import FOLDED_KEYS, from_dict, read_config_text, read_yaml
 from streamrl.run.swappable import SWAPPABLE
 from streamrl.runtime.references import from_name_layout
 
@@ -76,21 +76,18 @@ def migrate(data: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
     return new, changes
 
 
-#: The flat LoRA keys and their places in ``rl.lora`` (``LoRASpec``'s arguments).
-LORA_KEYS = {"lora_r": "r", "lora_alpha": "alpha", "lora_target_modules": "target_modules"}
-
-
 def _lora_section(rl: dict[str, Any], changes: list[str]) -> None:
     """``rl.lora_r: 8, lora_alpha: 16`` -> ``rl.lora: {r: 8, alpha: 16}``; a rank of 0 (full
     fine-tuning) -> no ``rl.lora``."""
-    old = {key: rl.pop(key) for key in LORA_KEYS if key in rl}
+    lora = {key: name for key, (section, name, _) in FOLDED_KEYS.items() if section == "lora"}
+    old = {key: rl.pop(key) for key in lora if key in rl}
     if not old:
         return
     keys = ", ".join(f"rl.{key}" for key in old)
     if "lora" in rl:
         raise ConfigError(f"{keys} moved to rl.lora, which the file sets too: keep one of them.")
     if old.get("lora_r", 0) > 0:
-        rl["lora"] = {LORA_KEYS[key]: value for key, value in old.items()}
+        rl["lora"] = {lora[key]: value for key, value in old.items()}
         changes.append(f"{keys} -> rl.lora")
     else:
         changes.append(f"{keys} -> no rl.lora (rank 0: the full model trains)")
@@ -114,23 +111,11 @@ def _elastic_controller(rl: dict[str, Any], changes: list[str]) -> None:
         changes.append("rl.max_generators -> rl.elastic's init_args: {max_instances: N}")
 
 
-#: Flat keys folded into a section of a component's arguments: key -> (section, argument).
-FOLDED = {
-    "reward_workers": ("reward_pool", "workers"),
-    "reward_timeout_s": ("reward_pool", "timeout_s"),
-    "max_reward_restarts": ("reward_pool", "max_restarts"),
-    "start_timeout_s": ("timeouts", "start_s"),
-    "sample_timeout_s": ("timeouts", "sample_s"),
-    "heartbeat_timeout_s": ("timeouts", "heartbeat_s"),
-    "weight_timeout_s": ("timeouts", "weight_s"),
-}
-
-
 def _folded(rl: dict[str, Any], changes: list[str]) -> None:
-    """``rl.reward_workers: 0`` -> ``rl.reward_pool: {workers: 0}``, and so on (``FOLDED``); a
-    ``null`` timeout (its default) is left out."""
-    for key, (section, name) in FOLDED.items():
-        if key not in rl:
+    """``rl.reward_workers: 0`` -> ``rl.reward_pool: {workers: 0}``, and so on
+    (``config_file.FOLDED_KEYS``); a ``null`` timeout (its default) is left out."""
+    for key, (section, name, _) in FOLDED_KEYS.items():
+        if key not in rl or section == "lora":  # LoRA: rank 0 is no section (_lora_section)
             continue
         value, into = rl.pop(key), rl.setdefault(section, {})
         if name in into:

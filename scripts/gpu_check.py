@@ -209,7 +209,7 @@ def fit_config(work: Path, device: str) -> Path:
             "max_tokens_per_micro_batch": 8400,
             "reward": "gpu_check_reward:varied",
             "reward_pool": {"workers": 0},
-            "correct_engine_gap": True,
+            "correction": {"engine_gap": True},
             "length_predictor": None,
             "checkpoint_every": 0,
         },

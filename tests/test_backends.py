@@ -15,6 +15,7 @@ from streamrl.components.generation.engines import ENGINES, HFEngine, VLLMEngine
 from streamrl.components.generation.hf_generator import HFStreamGenerator, fingerprint
 from streamrl.components.generation.lora_generator import LoRAStreamGenerator
 from streamrl.components.skewness.schedulers import FIFOScheduler, LPTScheduler
+from streamrl.components.training.off_policy import OffPolicyCorrection
 from streamrl.errors import ConfigError
 from streamrl.policy.lora import LoRASpec, adapter_weights, apply_lora
 from streamrl.policy.models import save_policy
@@ -244,12 +245,16 @@ def test_fp8_generation_is_passed_to_vllm_on_gpus_and_refused_off_them(monkeypat
     VLLMEngine()(spec_for(policy_dir), FIFOScheduler())
     assert "quantization" not in made
     engine = {"class_path": "vllm", "init_args": {"quantization": "fp8"}}
-    assert run_correction(RLConfig(engine=engine)) == "seq_mask"
+    assert run_correction(RLConfig(engine=engine)).method == "seq_mask"
     assert run_correction(
         RLConfig(engine={"class_path": "vllm", "init_args": {"options": {"quantization": "fp8"}}})
-    ) == ("seq_mask")
-    assert run_correction(RLConfig(engine=engine, correction="icepop")) == "icepop"
-    assert run_correction(RLConfig(engine="vllm")) == run_correction(RLConfig()) == "decoupled"
+    ).method == ("seq_mask")
+    icepop = OffPolicyCorrection("icepop", is_cap=3.0)
+    assert run_correction(RLConfig(engine=engine, correction=icepop)) == icepop  # as given
+    assert run_correction(RLConfig(engine="vllm")).method == "decoupled"
+    assert run_correction(RLConfig(correction=OffPolicyCorrection(is_cap=3.0))) == (
+        OffPolicyCorrection("decoupled", is_cap=3.0)  # the method linked in, the rest kept
+    )
 
 
 def test_routed_experts_from_vllm_on_gpus_are_what_samples_carry(monkeypatch, policy_dir):

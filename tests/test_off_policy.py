@@ -115,19 +115,68 @@ def test_icepop_masks_tokens_outside_0_5_to_5():
     assert fix.masked_tokens == 2 and fix.masked_sequences == 0
 
 
-def test_a_mask_correction_is_named_with_its_thresholds_or_refused_in_one_line():
+def test_a_correction_is_named_with_its_thresholds_or_refused_in_one_line():
     import pytest
 
-    from streamrl.components.training.off_policy import parse_correction
+    from streamrl.components.training.off_policy import OffPolicyCorrection
     from streamrl.errors import ConfigError
 
-    assert parse_correction("icepop") == ("icepop", {"low": 0.5, "high": 5.0})
-    assert parse_correction({"name": "opsm", "delta": 0.01}) == ("opsm", {"delta": 0.01})
+    assert OffPolicyCorrection("icepop").thresholds == {"low": 0.5, "high": 5.0}
+    assert OffPolicyCorrection("opsm", delta=0.01).thresholds == {"delta": 0.01}
+    assert OffPolicyCorrection().name == "decoupled" and OffPolicyCorrection().thresholds == {}
+    assert OffPolicyCorrection("seq_mask").every_token
+    assert (
+        not OffPolicyCorrection().every_token and OffPolicyCorrection(engine_gap=True).every_token
+    )
     with pytest.raises(ConfigError, match="choose decoupled, behaviour, mask, seq_mask"):
-        parse_correction("seq-mask")
-    with pytest.raises(ConfigError, match="no option cap; its options: low, high"):
-        parse_correction({"name": "seq_mask", "cap": 3.0})
+        OffPolicyCorrection("seq-mask")
+    with pytest.raises(ConfigError, match="'seq_mask' takes no delta; its thresholds: low, high"):
+        OffPolicyCorrection("seq_mask", delta=3.0)
     with pytest.raises(ConfigError, match="must hold 1"):
-        parse_correction({"name": "icepop", "low": 1.5})
-    with pytest.raises(ConfigError, match="no option delta; its options: none"):
-        parse_correction({"name": "decoupled", "delta": 1.0})
+        OffPolicyCorrection("icepop", low=1.5)
+    with pytest.raises(ConfigError, match="'decoupled' takes no low; its thresholds: none"):
+        OffPolicyCorrection(low=0.5)
+    with pytest.raises(ConfigError, match="is_cap must be >= 1"):
+        OffPolicyCorrection(is_cap=0.5)
+
+
+def test_the_correction_is_one_section_of_the_config_and_its_old_keys_say_where(tmp_path):
+    """``rl.correction`` holds ``OffPolicyCorrection``'s arguments: read from a file and from
+    the command line, checked by the class before work; the flat keys it replaced, and its old
+    spellings, are refused naming the new place, and ``config migrate`` rewrites them."""
+    import pytest
+
+    from streamrl.components.training.off_policy import OffPolicyCorrection
+    from streamrl.errors import ConfigError
+    from streamrl.run.config_file import load_config
+    from streamrl.run.config_migrate import migrate
+    from streamrl.run.fit_args import parse_fit
+
+    def config(text: str):
+        path = tmp_path / "run.yaml"
+        path.write_text(text)
+        return load_config(path)
+
+    run = config("rl:\n  correction: {method: icepop, high: 4.0, is_cap: 3.0}\n")
+    assert run.rl.correction == OffPolicyCorrection("icepop", is_cap=3.0, high=4.0)
+    assert config("rl: {}\n").rl.correction == OffPolicyCorrection()
+    refusals = {
+        "rl:\n  is_cap: 3.0\n": "rl.correction.is_cap",
+        "rl:\n  correct_engine_gap: true\n": "rl.correction.engine_gap",
+        "rl:\n  correction: icepop\n": "mapping of OffPolicyCorrection's arguments",
+        "rl:\n  correction: {name: icepop}\n": "name has moved: set method",
+        "rl:\n  correction: {method: icepop, hihg: 4.0}\n": "did you mean 'high'",
+        "rl:\n  correction: {method: tis}\n": "'tis' is not one",
+    }
+    for text, message in refusals.items():
+        with pytest.raises(ConfigError, match=message):
+            config(text)
+    options = parse_fit(["--rl.correction.method", "seq_mask", "--rl.correction.low", "0.25"])
+    assert options.config.rl.correction == OffPolicyCorrection("seq_mask", low=0.25)
+    old = {"rl": {"correction": {"name": "geo_mask", "low": 0.995}, "correct_engine_gap": True}}
+    assert migrate(old)[0] == {
+        "rl": {"correction": {"method": "geo_mask", "low": 0.995, "engine_gap": True}}
+    }
+    assert migrate({"rl": {"correction": None, "is_cap": 3.0}})[0] == {
+        "rl": {"correction": {"is_cap": 3.0}}
+    }

@@ -15,6 +15,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from streamrl.algorithms import GRPO
 from streamrl.components.generation.service import StreamGenerationService
+from streamrl.components.training.off_policy import OffPolicyCorrection
 from streamrl.policy.models import build_tiny_model, save_policy
 from streamrl.run.rl_job import ledger
 from streamrl.runtime.stopping import Stopped, stop_on_signals
@@ -92,7 +93,7 @@ def fit(
             crash_at=crash_at,
             stop=stop,
             staleness_bound=bound,
-            correction=correction,
+            correction=OffPolicyCorrection(correction),
         )
         if stop:  # the run's own checkpoints: only at the end, and at a stop
             trainer = build_trainer(module, show_progress=False, output_dir=run_dir)

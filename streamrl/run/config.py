@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from streamrl.components.training.off_policy import OffPolicyCorrection
 from streamrl.policy.lora import LoRASpec
 from streamrl.policy.sft import default_cache_dir
 from streamrl.tasks.families import FAMILIES
@@ -187,8 +188,6 @@ class RLConfig:
         lr: policy learning rate (AdamW).
         clip_eps: PPO clip range.
         kl_coef: KL penalty to the starting policy; 0 disables it.
-        is_cap: truncation of the importance ratio that corrects samples from older weights in
-            async mode (decoupled PPO with truncated IS, docs/algorithms.md).
         staleness_bound: async mode: iterations generated ahead of the one training, k >= 1;
             no trained token is more than k weight versions old (``null``: 1, the paper's
             one-step mode; sync and colocated are 0).
@@ -197,18 +196,10 @@ class RLConfig:
             ``"keep"`` (continue under the new weights, keeping the old key/value cache) or
             ``"recompute"`` (continue, the cache computed again); async mode only
             (docs/partial_rollout.md).
-        correction: how tokens of older weights are corrected: ``"decoupled"`` (proximal policy
-            plus truncated IS), ``"behaviour"`` (PPO's clip against the behaviour policy) or
-            ``"mask"`` (tokens with a ratio outside ``[1/is_cap, is_cap]`` left out); or a
-            mask of every sample's gap to its generator: ``"seq_mask"``, ``"geo_mask"``,
-            ``"opsm"``, ``"icepop"``, with the peers' thresholds or your own
-            (``{name: icepop, low: 0.5, high: 5.0}``; docs/algorithms.md); ``null``:
-            ``decoupled``, or ``seq_mask`` when the generators quantize to FP8.
-        correct_engine_gap: correct every token, fresh ones too, by ``correction``: the
-            generators' log-probs come from other numerics (bfloat16, vLLM's kernels) than the
-            trainer's, so PPO's ratio is taken against the trainer's own log-probs and each
-            token weighted by the truncated ratio trainer/generator; ``null``: on unless the
-            generators and the trainer both compute in float32 (docs/weight_transfer.md).
+        correction: how the trainer corrects tokens its policy did not sample (stale ones; with
+            ``engine_gap``, every token: the generators' numerics are not the trainer's),
+            ``OffPolicyCorrection``'s arguments (``{method: icepop, low: 0.5}``, ``{is_cap:
+            3.0}``; ``{}``: its defaults, decoupled PPO with truncated IS; docs/algorithms.md).
         routing_replay: a mixture-of-experts policy (``sft.model_size: moe``, or a Mixtral,
             Qwen-MoE... directory) trains each token on the experts its generator chose
             (rollout routing replay); ``null``: on for a mixture of experts. Either way the
@@ -304,11 +295,9 @@ class RLConfig:
     lr: float = 1e-4
     clip_eps: float = 0.2
     kl_coef: float = 0.0
-    is_cap: float = 2.0
     staleness_bound: int | None = None
     partial_rollout: str = "finish"
-    correction: str | dict[str, Any] | None = None
-    correct_engine_gap: bool | None = None
+    correction: OffPolicyCorrection = field(default_factory=OffPolicyCorrection)
     routing_replay: bool | None = None
     reward: str | dict[str, Any] | list[Any] | None = None
     reward_pool: dict[str, Any] = field(default_factory=dict)

@@ -6,16 +6,17 @@ before any work starts (``streamrl.run.config_file.load_config`` and ``streamrl 
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import os
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any
 
 from streamrl.components.generation.clusters import LocalCluster, make_cluster
 from streamrl.components.generation.engines import VLLMEngine
 from streamrl.components.generation.timeouts import Timeouts
+from streamrl.components.training.off_policy import OffPolicyCorrection
 from streamrl.components.weights.transport import TRANSPORTS, make_transport
 from streamrl.errors import ConfigError, unknown_name
 from streamrl.policy.model_dir import check_model_dir
@@ -268,8 +269,6 @@ def check_rl(rl: RLConfig) -> None:
         )
     if rl.group_size < 1:
         raise ConfigError(f"rl.group_size must be >= 1, got {rl.group_size}.")
-    if rl.is_cap < 1:
-        raise ConfigError(f"rl.is_cap must be >= 1 (a truncation of ratios), got {rl.is_cap}.")
     check_asynchrony(rl)
     if rl.lr <= 0 or rl.temperature <= 0 or rl.clip_eps <= 0 or rl.kl_coef < 0:
         raise ConfigError(
@@ -279,16 +278,16 @@ def check_rl(rl: RLConfig) -> None:
         )
 
 
-def run_correction(rl: RLConfig) -> str | dict[str, Any]:
-    """``rl.correction``, or when it is unset the default: ``seq_mask`` when the generators
-    quantize to FP8 (``rl.engine: {class_path: vllm, init_args: {quantization: fp8}}``: their
-    log-probs are further from the trainer's), ``decoupled`` otherwise."""
-    if rl.correction is not None:
+def run_correction(rl: RLConfig) -> OffPolicyCorrection:
+    """``rl.correction`` with its method linked in when unset: ``seq_mask`` when the
+    generators quantize to FP8 (``rl.engine: {class_path: vllm, init_args: {quantization:
+    fp8}}``: their log-probs are further from the trainer's), ``decoupled`` otherwise."""
+    if rl.correction.method is not None:
         return rl.correction
     engine = rl.engine["init_args"]
     options = engine.get("options") or {}
     fp8 = "fp8" in (engine.get("quantization"), options.get("quantization"))
-    return "seq_mask" if fp8 else "decoupled"
+    return dataclasses.replace(rl.correction, method="seq_mask" if fp8 else "decoupled")
 
 
 def run_routing_replay(rl: RLConfig) -> bool | None:
@@ -312,16 +311,14 @@ def run_routing_replay(rl: RLConfig) -> bool | None:
 
 
 def check_asynchrony(rl: RLConfig) -> None:
-    """``rl.staleness_bound``, ``rl.partial_rollout`` and ``rl.correction``: known values that
-    the mode can keep."""
+    """``rl.staleness_bound`` and ``rl.partial_rollout``: known values that the mode can keep
+    (``rl.correction`` checks its own, ``OffPolicyCorrection``)."""
     from streamrl.components.generation.partial import check_partial_rollout
-    from streamrl.components.training.off_policy import check_correction
     from streamrl.components.training.staleness import staleness_bound_of
 
     try:
         staleness_bound_of(rl.mode, rl.staleness_bound)
         check_partial_rollout(rl.partial_rollout)
-        check_correction(run_correction(rl))
     except (ValueError, ConfigError) as err:
         raise ConfigError(f"rl.{err}") from err
     run_routing_replay(rl)

@@ -17,6 +17,7 @@ from typing import Any
 
 import yaml
 
+from streamrl.components.training.off_policy import OffPolicyCorrection
 from streamrl.errors import ConfigError, unknown_name
 from streamrl.run.config import RLConfig, RunConfig, TrainerConfig
 from streamrl.run.config_checks import check_values
@@ -34,7 +35,19 @@ FOLDED_KEYS: dict[str, tuple[str, str, str]] = {
     "lora_r": ("lora", "r", "LoRASpec"),
     "lora_alpha": ("lora", "alpha", "LoRASpec"),
     "lora_target_modules": ("lora", "target_modules", "LoRASpec"),
+    "is_cap": ("correction", "is_cap", "OffPolicyCorrection"),
+    "correct_engine_gap": ("correction", "engine_gap", "OffPolicyCorrection"),
 }
+
+
+def section_class(hint: Any) -> type | None:
+    """The dataclass a field's type hint holds (``LoRASpec`` of ``LoRASpec | None``), or
+    ``None``: a section of the config, or a component's arguments given as one."""
+    if dataclasses.is_dataclass(hint):
+        return hint
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    return args[0] if len(args) == 1 and dataclasses.is_dataclass(args[0]) else None
+
 
 _RL_HINTS = typing.get_type_hints(RLConfig)
 
@@ -48,13 +61,14 @@ MOVED_KEYS: dict[type, dict[str, str]] = {
             # A dataclass's argument is a dotted key (rl.lora.r); a mapping's is one of its keys.
             key: (
                 f"rl.{section}.{name}"
-                if any(map(dataclasses.is_dataclass, typing.get_args(_RL_HINTS[section])))
+                if section_class(_RL_HINTS[section])
                 else f"rl.{section}: {{{name}: ...}}"
             )
             + f" (rl.{section} holds {owner}'s arguments)"
             for key, (section, name, owner) in FOLDED_KEYS.items()
         },
-    }
+    },
+    OffPolicyCorrection: {"name": "method (rl.correction holds OffPolicyCorrection's arguments)"},
 }
 
 
@@ -201,19 +215,17 @@ def from_dict(cls: type, data: dict[str, Any], where: str) -> Any:
         raise ConfigError(f"{where}: {err}") from None
 
 
-def section_class(hint: Any) -> type | None:
-    """The dataclass a field's type hint holds (``LoRASpec`` of ``LoRASpec | None``), or
-    ``None``: a section of the config, or a component's arguments given as one."""
-    if dataclasses.is_dataclass(hint):
-        return hint
-    args = [a for a in typing.get_args(hint) if a is not type(None)]
-    return args[0] if len(args) == 1 and dataclasses.is_dataclass(args[0]) else None
-
-
 def _convert(hint: Any, value: Any, where: str) -> Any:
     if dataclasses.is_dataclass(hint):
-        if not isinstance(value, dict):
+        if not isinstance(value, dict) and hint.__module__ == RunConfig.__module__:
             raise ConfigError(f"{where} must be a mapping of keys to values, got {value!r}.")
+        if not isinstance(value, dict):  # a component's arguments (rl.correction)
+            keys = ", ".join(f.name for f in dataclasses.fields(hint))
+            raise ConfigError(
+                f"{where} must be a mapping of {hint.__name__}'s arguments ({keys}), got "
+                f"{value!r} (streamrl config migrate OLD.yaml rewrites a file of an earlier "
+                "layout)."
+            )
         return from_dict(hint, value, where)
     args = typing.get_args(hint)
     if type(None) in args:  # X | None

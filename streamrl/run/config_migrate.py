@@ -5,7 +5,9 @@ What it rewrites: a swappable part given as ``{name: X, option: value}`` becomes
 become the ``rl.lora`` section (``LoRASpec``'s arguments), ``rl.elastic: true`` with
 ``rl.max_generators`` becomes the elastic controller's ``class_path`` + ``init_args``, the
 reward pool's and the instances' timeout keys become ``rl.reward_pool`` and ``rl.timeouts``
-(``RewardPool``'s and ``Timeouts.for_model``'s arguments), and a
+(``RewardPool``'s and ``Timeouts.for_model``'s arguments), ``rl.correction: icepop``, ``rl.is_cap``
+and ``rl.correct_engine_gap`` become the ``rl.correction`` section (``OffPolicyCorrection``'s
+arguments), and a
 key that moved (``config_file.MOVED_KEYS``) goes to its new place. Everything else is kept as
 written; the result is read back with the config's own checks of keys and types before it is
 written.
@@ -22,6 +24,8 @@ Examples:
     {'rl': {'reward_pool': {'workers': 0}, 'timeouts': {'heartbeat_s': 5.0}}}
     >>> migrate({"rl": {"elastic": True, "max_generators": 3}})[0]
     {'rl': {'elastic': {'class_path': 'controller', 'init_args': {'max_instances': 3}}}}
+    >>> migrate({"rl": {"correction": "icepop", "is_cap": 3.0}})[0]
+    {'rl': {'correction': {'method': 'icepop', 'is_cap': 3.0}}}
 """
 
 from __future__ import annotations
@@ -59,6 +63,7 @@ def migrate(data: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
                 )
     if isinstance(rl, dict):
         _lora_section(rl, changes)
+        _correction_section(rl, changes)
         _elastic_controller(rl, changes)
         _folded(rl, changes)
     for (section, key), (to_section, to_key) in RENAMED.items():
@@ -91,6 +96,23 @@ def _lora_section(rl: dict[str, Any], changes: list[str]) -> None:
         changes.append(f"{keys} -> rl.lora")
     else:
         changes.append(f"{keys} -> no rl.lora (rank 0: the full model trains)")
+
+
+def _correction_section(rl: dict[str, Any], changes: list[str]) -> None:
+    """``rl.correction: icepop`` (or ``{name: icepop, low: 0.4}``) -> ``rl.correction: {method:
+    icepop, ...}`` (``OffPolicyCorrection``'s arguments); ``null`` (the default) -> no key."""
+    old = rl.get("correction", {})
+    if isinstance(old, dict) and "name" not in old:  # absent, or already the section
+        return
+    del rl["correction"]
+    if isinstance(old, dict):
+        rl["correction"] = {"method": old["name"], **{k: v for k, v in old.items() if k != "name"}}
+        changes.append("rl.correction: {name: ...} -> {method: ...}")
+    elif old is not None:
+        rl["correction"] = {"method": old}
+        changes.append(f"rl.correction: {old} -> {{method: {old}}}")
+    else:
+        changes.append("rl.correction: null -> no rl.correction (its defaults)")
 
 
 def _elastic_controller(rl: dict[str, Any], changes: list[str]) -> None:

@@ -8,6 +8,7 @@ config -> component objects -> the public builders; only the sampler differs.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import json
 import sys
@@ -297,7 +298,8 @@ def rl_summary(module: StreamRLModule, iterations: int) -> dict:
         "mode": module.mode,
         "staleness_bound": module.staleness_bound,
         "partial_rollout": module.rollouts.service.partial_rollout,
-        "correction": module.correction,
+        # the method, its truncation and thresholds, and whether fresh tokens were corrected too
+        "correction": {**dataclasses.asdict(module.correction), **module.correction.thresholds},
         "staleness_max": max(h["train/staleness_max"] for h in history),
         "token_staleness": token_staleness(history),
         "dropped_stale": module.pipeline.dropped_stale,

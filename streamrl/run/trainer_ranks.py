@@ -184,10 +184,8 @@ class RankSetup:
             max_tokens_per_micro_batch=rl.max_tokens_per_micro_batch,
             layout={True: "packed", False: "padded", None: None}[rl.pack_sequences],
             min_samples=rl.min_samples,
-            is_cap=rl.is_cap,
             staleness_bound=rl.staleness_bound,
             correction=run_correction(rl),
-            correct_engine_gap=rl.correct_engine_gap,
             routing_replay=run_routing_replay(rl),
             activation_checkpointing=(
                 trainer.activation_checkpointing

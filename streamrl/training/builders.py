@@ -21,7 +21,6 @@ Examples:
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
@@ -35,6 +34,7 @@ from streamrl.components.capacity.elastic import ElasticController
 from streamrl.components.skewness.latency import LatencyModel
 from streamrl.components.skewness.profiler import Profiler
 from streamrl.components.training.layout import Layout, layout_for
+from streamrl.components.training.off_policy import OffPolicyCorrection
 from streamrl.components.training.pipeline import DynamicBatchPipeline
 from streamrl.components.training.reference import reference_policy
 from streamrl.components.training.sharding import Precision, enable_activation_checkpointing
@@ -76,10 +76,8 @@ def build_module(
     max_tokens_per_micro_batch: int = 1024,
     layout: Layout | None = None,
     min_samples: int = 1,
-    is_cap: float = 2.0,
     staleness_bound: int | None = None,
-    correction: str | Mapping[str, Any] = "decoupled",
-    correct_engine_gap: bool | None = None,
+    correction: OffPolicyCorrection | None = None,
     routing_replay: bool | None = None,
     elastic: ElasticController | None = None,
     sharded: bool = False,
@@ -113,17 +111,12 @@ def build_module(
         layout: ``"packed"`` (samples end to end, no padding) or ``"padded"`` micro-batches;
             ``None``: the faster one for the policy's attention implementation (``layout_for``).
         min_samples: samples gathered before an iteration's first backward pass.
-        is_cap: truncation of the importance ratio of stale samples (async).
         staleness_bound: async only: iterations generated ahead, k >= 1 (default 1, the
             paper's one-step mode); no trained token is more than k versions old.
-        correction: how stale tokens are corrected: ``"decoupled"``, ``"behaviour"``,
-            ``"mask"``, or a mask of every sample (``"seq_mask"``, ``"geo_mask"``, ``"opsm"``,
-            ``"icepop"``, or ``{name: ..., <threshold>: value}``;
-            ``streamrl.components.training.off_policy``).
+        correction: how tokens the policy did not sample are corrected (``OffPolicyCorrection``:
+            its method, truncation and engine gap; ``None``: its defaults; ``StreamRLModule``).
         routing_replay: a mixture-of-experts policy replays the experts its generators chose
             (``None``: on for one; ``StreamRLModule``).
-        correct_engine_gap: correct every token for the generators' numerics (``None``: unless
-            both sides compute in float32; ``StreamRLModule``).
         elastic: adds generator instances when generation lags training (§4.2).
         sharded: FSDP2 over the trainer ranks (``streamrl.training.fsdp``); rank 0 deals its stream
             to the ranks. ``precision="bf16-mixed"`` is always sharded (one rank is fine).
@@ -182,10 +175,8 @@ def build_module(
         mode=mode,
         pipeline=pipeline,
         elastic=elastic,
-        is_cap=is_cap,
         staleness_bound=bound,
         correction=correction,
-        correct_engine_gap=correct_engine_gap,
         routing_replay=routing_replay,
         layout=layout,
         logprob_chunk_tokens=logprob_chunk_tokens,

@@ -3,7 +3,6 @@ the real loop."""
 
 from __future__ import annotations
 
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -254,9 +253,7 @@ def test_ppo_value_head_on_the_policy(tiny_model):
 
 
 # -- Registry ------------------------------------------------------------------------------------
-RUN = RunFacts(
-    group_size=4, clip_eps=0.2, kl_coef=0.0, max_tokens=32, hidden_size=8, prompts_per_iteration=4
-)
+RUN = RunFacts(group_size=4, max_tokens=32, hidden_size=8, prompts_per_iteration=4)
 
 
 def test_every_config_name_builds():
@@ -290,16 +287,9 @@ def test_from_run_gives_each_algorithm_what_it_declares():
     for cls in (ReinforcePlusPlus, ReinforcePlusPlusBaseline):
         assert cls.from_run(RUN).moments.decay == pytest.approx(1 - 1 / 16)
     # The shared facts reach every constructor; explicit options win over the run's facts.
-    facts = RunFacts(
-        group_size=2,
-        clip_eps=0.3,
-        kl_coef=0.05,
-        max_tokens=8,
-        hidden_size=4,
-        prompts_per_iteration=1,
-    )
-    for cls in ALGORITHMS.values():
-        algo = cls.from_run(facts)
+    facts = RunFacts(group_size=2, max_tokens=8, hidden_size=4, prompts_per_iteration=1)
+    for cls in ALGORITHMS.values():  # the run's group size; clip range and KL are their own
+        algo = cls.from_run(facts, clip_eps=0.3, kl_coef=0.05)
         assert (algo.group_size, algo.clip_eps, algo.kl_coef) == (2, 0.3, 0.05), cls
     assert PPO.from_run(RUN, hidden_size=3, gamma=0.9).value_head.in_features == 3
     assert DAPO.from_run(RUN, max_tokens=10).max_tokens == 10
@@ -401,7 +391,7 @@ def test_group_size_below_the_minimum_fails_naming_the_algorithm_and_the_fix():
 def test_needs_reference_and_shardable_are_declared():
     assert not GRPO().needs_reference
     assert GRPO(kl_coef=0.1).needs_reference
-    assert PPO.from_run(replace(RUN, kl_coef=0.2)).needs_reference
+    assert PPO.from_run(RUN, kl_coef=0.2).needs_reference
     assert [name for name, cls in ALGORITHMS.items() if not cls.shardable] == ["ppo"]
 
 

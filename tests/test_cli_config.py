@@ -372,7 +372,7 @@ def test_print_config_comments_describes_each_setting_and_loads_back(fit, tmp_pa
     lines = text.splitlines()
     # Each setting's description from its docstring, as a comment right above it.
     assert lines[lines.index("seed: 0") - 1] == "# seeds data, initialisation and sampling."
-    assert "  # PPO clip range." in lines and max(len(line) for line in lines) <= 100
+    assert "  # policy learning rate (AdamW)." in lines and max(len(line) for line in lines) <= 100
     path = tmp_path / "commented.yaml"
     path.write_text(text)
     assert load_config(path) == RunConfig()
@@ -599,3 +599,26 @@ def test_the_reward_pool_section_is_reward_pools_arguments(fit, tmp_path, capsys
     assert main(["config", "migrate", str(old)]) == 0
     migrated = fitted(fit, "--config", str(tmp_path / "old.migrated.yaml")).rl.reward_pool
     assert migrated == {"workers": 0, "timeout_s": 5.0, "max_restarts": 3}
+
+
+def test_the_clip_range_and_kl_weight_are_the_algorithms_own_arguments(fit, tmp_path, capsys):
+    """``clip_eps`` and ``kl_coef`` live in one place, the algorithm's constructor: given as
+    its ``init_args`` they reach the algorithm the run trains with (and a KL weight the memory
+    check's reference); the flat keys of the earlier layout are refused naming that place and
+    ``config migrate`` moves them there."""
+    from streamrl.run.parts import build_run_algorithm
+    from streamrl.run.swappable import init_arg
+
+    old = tmp_path / "old.yaml"
+    old.write_text("rl:\n  algorithm: dapo\n  kl_coef: 0.1\n  clip_eps: 0.3\n")
+    assert fit("--config", str(old))[0] == 2
+    err = capsys.readouterr().err
+    assert "kl_coef has moved: set rl.algorithm's init_args: {kl_coef: ...}" in err
+    assert main(["config", "migrate", str(old)]) == 0
+    config = fitted(fit, "--config", str(tmp_path / "old.migrated.yaml"))
+    algorithm = build_run_algorithm(config.rl, hidden_size=8)
+    assert type(algorithm).__name__ == "DAPO"
+    assert (algorithm.kl_coef, algorithm.clip_eps, algorithm.needs_reference) == (0.1, 0.3, True)
+    assert init_arg("algorithm", config.rl.algorithm, "kl_coef") == 0.1
+    assert init_arg("algorithm", RunConfig().rl.algorithm, "kl_coef") == 0.0  # GRPO's default
+    assert not build_run_algorithm(RunConfig().rl, hidden_size=8).needs_reference

@@ -56,7 +56,8 @@ def _config(root: Path, name: str, iterations: int, ranks: int) -> Path:
         " generators: 1, max_tokens: 12, max_tokens_per_micro_batch: 64, checkpoint_every: 1,"
         # A KL term: on-policy GRPO's loss is 0 (group-normalised advantages), the KL's is not
         # once the policy has moved, and it gives every iteration a gradient.
-        f" reward: partial, kl_coef: 0.1, lr: 0.001}}\n"
+        " reward: partial, lr: 0.001,"
+        " algorithm: {class_path: grpo, init_args: {kl_coef: 0.1}}}\n"
         f"trainer: {{devices: {ranks}}}\n"
     )
     return config

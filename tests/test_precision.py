@@ -171,7 +171,7 @@ def test_fit_in_bf16_mixed_with_checkpointing_and_a_kl_reference(fit_small, lora
     against the reference (a bf16 shard, or under LoRA the policy with adapters off)."""
     options = {"lora": {"r": 4}} if lora else {}
     summary = fit_small(
-        kl_coef=0.1,
+        algorithm={"class_path": "grpo", "init_args": {"kl_coef": 0.1}},
         trainer={"precision": "bf16-mixed", "activation_checkpointing": True},
         out="lora" if lora else "full",
         **options,
@@ -181,6 +181,12 @@ def test_fit_in_bf16_mixed_with_checkpointing_and_a_kl_reference(fit_small, lora
     assert trainer["ranks"] == 1 and trainer["device"] == "cpu"
     assert len(trainer["peak_memory_bytes_per_rank"]) == 1
     assert summary["iterations"] == 2
+    assert summary["algorithm"] == {
+        "name": "GRPO",
+        "clip_eps": 0.2,
+        "kl_coef": 0.1,
+        "reference": True,  # the KL term's frozen policy (a bf16 shard, or adapters off)
+    }
 
 
 @pytest.mark.timeout(400)

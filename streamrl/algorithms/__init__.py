@@ -32,8 +32,8 @@ def build_algorithm(algorithm: str | type[Algorithm], run: RunFacts, **options: 
     Args:
         algorithm: a key of ``ALGORITHMS`` (a config's ``rl.algorithm``) or an ``Algorithm``
             subclass.
-        run: the run's facts (group size, clip range, KL weight, generation budget, hidden size,
-            prompts per iteration).
+        run: the run's facts (group size, generation budget, hidden size, prompts per
+            iteration).
         **options: further constructor arguments of the algorithm.
 
     Raises:
@@ -42,8 +42,7 @@ def build_algorithm(algorithm: str | type[Algorithm], run: RunFacts, **options: 
         ValueError: the algorithm rejects the run's facts (e.g. GRPO with ``group_size`` 1).
 
     Examples:
-        >>> run = RunFacts(group_size=4, clip_eps=0.2, kl_coef=0.0, max_tokens=64,
-        ...                hidden_size=32, prompts_per_iteration=8)
+        >>> run = RunFacts(group_size=4, max_tokens=64, hidden_size=32, prompts_per_iteration=8)
         >>> build_algorithm("dapo", run).max_tokens
         64
         >>> build_algorithm(ReinforcePlusPlus, run).moments.decay  # 1 - 1 / 32

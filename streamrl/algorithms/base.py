@@ -77,22 +77,18 @@ class RunFacts:
 
     Attributes:
         group_size: samples per prompt (``rl.group_size``).
-        clip_eps: PPO clip range (``rl.clip_eps``).
-        kl_coef: weight of the KL penalty to the reference policy (``rl.kl_coef``).
         max_tokens: the generation budget per completion (``rl.max_tokens``).
         hidden_size: the policy's hidden size (``policy.config.hidden_size``).
         prompts_per_iteration: prompts per training iteration (``rl.prompts_per_iteration``).
 
     Examples:
-        >>> facts = RunFacts(group_size=4, clip_eps=0.2, kl_coef=0.0, max_tokens=64,
-        ...                  hidden_size=32, prompts_per_iteration=8)
+        >>> facts = RunFacts(group_size=4, max_tokens=64, hidden_size=32,
+        ...                  prompts_per_iteration=8)
         >>> facts.samples_per_iteration
         32
     """
 
     group_size: int
-    clip_eps: float
-    kl_coef: float
     max_tokens: int
     hidden_size: int
     prompts_per_iteration: int
@@ -216,8 +212,7 @@ class Algorithm:
             run: the run's facts.
             **options: further constructor arguments; they win over what is taken from ``run``.
         """
-        shared = dict(group_size=run.group_size, clip_eps=run.clip_eps, kl_coef=run.kl_coef)
-        return cls(**{**shared, **options})
+        return cls(**{"group_size": run.group_size, **options})
 
     @property
     def needs_reference(self) -> bool:

@@ -132,7 +132,10 @@ class RLConfig:
         algorithm: ``"grpo"``, ``"rloo"``, ``"reinforce++"``, ``"reinforce++-baseline"``, ``"ppo"``,
             ``"dapo"`` (docs/algorithms.md) or your ``Algorithm`` subclass
             (``package.module.Name``); ``{class_path: dapo, init_args: {clip_eps_high: 0.3}}``
-            passes arguments to its constructor.
+            passes arguments to its constructor: every algorithm takes ``clip_eps`` (PPO's clip
+            range, 0.2) and ``kl_coef`` (the KL penalty to the starting policy; 0, the default,
+            disables it and keeps no reference copy); the group size, generation budget and
+            the policy's hidden size are linked in (``Algorithm.from_run``).
         mode: ``"sync"`` (each step trains on samples of the current weights, as they stream
             in), ``"async"`` (StreamRL's one-step asynchronous mode: the next step's samples are
             generated while this step trains; a sample is at most one weight version stale) or
@@ -186,8 +189,6 @@ class RLConfig:
             instance is replaced and its requests requeued).
         max_batch_size: batch slots per generator instance.
         lr: policy learning rate (AdamW).
-        clip_eps: PPO clip range.
-        kl_coef: KL penalty to the starting policy; 0 disables it.
         staleness_bound: async mode: iterations generated ahead of the one training, k >= 1;
             no trained token is more than k weight versions old (``null``: 1, the paper's
             one-step mode; sync and colocated are 0).
@@ -293,8 +294,6 @@ class RLConfig:
     share_trainer_gpus: bool = False
     max_batch_size: int = 64
     lr: float = 1e-4
-    clip_eps: float = 0.2
-    kl_coef: float = 0.0
     staleness_bound: int | None = None
     partial_rollout: str = "finish"
     correction: OffPolicyCorrection = field(default_factory=OffPolicyCorrection)
@@ -351,7 +350,8 @@ class TrainerConfig:
             recompute the layer in the backward pass (less memory, about a third more compute);
             ``null``: on CUDA, off on the CPU.
         reference_offload: keep the KL reference policy's shards in host memory, copied to the
-            device layer by layer (``rl.kl_coef > 0`` only; a LoRA run needs no reference copy).
+            device layer by layer (the algorithm's ``kl_coef > 0`` only; a LoRA run needs no
+            reference copy).
         logprob_chunk_tokens: completion tokens per chunk of the LM head when the trainer
             computes log-probs (``streamrl.policy.logprobs``); ``null``: 64M logits per chunk.
         sharded_checkpoints: several ranks write a checkpoint as a folder of their own shards

@@ -270,11 +270,9 @@ def check_rl(rl: RLConfig) -> None:
     if rl.group_size < 1:
         raise ConfigError(f"rl.group_size must be >= 1, got {rl.group_size}.")
     check_asynchrony(rl)
-    if rl.lr <= 0 or rl.temperature <= 0 or rl.clip_eps <= 0 or rl.kl_coef < 0:
+    if rl.lr <= 0 or rl.temperature <= 0:
         raise ConfigError(
-            "rl: need lr > 0, temperature > 0, clip_eps > 0 and kl_coef >= 0, got "
-            f"lr={rl.lr}, temperature={rl.temperature}, clip_eps={rl.clip_eps}, "
-            f"kl_coef={rl.kl_coef}."
+            f"rl: need lr > 0 and temperature > 0, got lr={rl.lr}, temperature={rl.temperature}."
         )
 
 

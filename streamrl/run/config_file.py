@@ -21,9 +21,11 @@ from streamrl.components.training.off_policy import OffPolicyCorrection
 from streamrl.errors import ConfigError, unknown_name
 from streamrl.run.config import RLConfig, RunConfig, TrainerConfig
 from streamrl.run.config_checks import check_values
+from streamrl.run.swappable import SWAPPABLE
 
 #: Flat ``rl`` keys now one argument of a component's section: key -> (section, argument,
-#: whose arguments the section holds). ``config migrate`` moves them by this table too.
+#: whose arguments the section holds; a swappable part's go in its ``init_args``).
+#: ``config migrate`` moves them by this table too.
 FOLDED_KEYS: dict[str, tuple[str, str, str]] = {
     "reward_workers": ("reward_pool", "workers", "RewardPool"),
     "reward_timeout_s": ("reward_pool", "timeout_s", "RewardPool"),
@@ -37,6 +39,8 @@ FOLDED_KEYS: dict[str, tuple[str, str, str]] = {
     "lora_target_modules": ("lora", "target_modules", "LoRASpec"),
     "is_cap": ("correction", "is_cap", "OffPolicyCorrection"),
     "correct_engine_gap": ("correction", "engine_gap", "OffPolicyCorrection"),
+    "clip_eps": ("algorithm", "clip_eps", "every Algorithm"),
+    "kl_coef": ("algorithm", "kl_coef", "every Algorithm"),
 }
 
 
@@ -49,7 +53,15 @@ def section_class(hint: Any) -> type | None:
     return args[0] if len(args) == 1 and dataclasses.is_dataclass(args[0]) else None
 
 
-_RL_HINTS = typing.get_type_hints(RLConfig)
+def _new_place(section: str, name: str, owner: str) -> str:
+    """Where a folded key goes: a dataclass's argument is a dotted key (``rl.lora.r``), a
+    swappable part's one of its ``init_args``, a mapping's one of its keys."""
+    if section in SWAPPABLE:
+        return f"rl.{section}'s init_args: {{{name}: ...}} ({owner} takes it)"
+    if section_class(typing.get_type_hints(RLConfig)[section]):
+        return f"rl.{section}.{name} (rl.{section} holds {owner}'s arguments)"
+    return f"rl.{section}: {{{name}: ...}} (rl.{section} holds {owner}'s arguments)"
+
 
 #: Keys that moved, by section, and where to: a config that still sets one is told so.
 MOVED_KEYS: dict[type, dict[str, str]] = {
@@ -57,16 +69,7 @@ MOVED_KEYS: dict[type, dict[str, str]] = {
         "trainer_ranks": "trainer.devices (trainer processes on the CPU, GPUs on CUDA)",
         "token_budget": "rl.max_tokens_per_micro_batch (now a ceiling no micro-batch exceeds)",
         "max_generators": "rl.elastic's init_args: {max_instances: N} (ElasticController)",
-        **{
-            # A dataclass's argument is a dotted key (rl.lora.r); a mapping's is one of its keys.
-            key: (
-                f"rl.{section}.{name}"
-                if section_class(_RL_HINTS[section])
-                else f"rl.{section}: {{{name}: ...}}"
-            )
-            + f" (rl.{section} holds {owner}'s arguments)"
-            for key, (section, name, owner) in FOLDED_KEYS.items()
-        },
+        **{key: _new_place(*place) for key, place in FOLDED_KEYS.items()},
     },
     OffPolicyCorrection: {"name": "method (rl.correction holds OffPolicyCorrection's arguments)"},
 }

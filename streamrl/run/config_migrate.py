@@ -7,7 +7,7 @@ become the ``rl.lora`` section (``LoRASpec``'s arguments), ``rl.elastic: true`` 
 reward pool's and the instances' timeout keys become ``rl.reward_pool`` and ``rl.timeouts``
 (``RewardPool``'s and ``Timeouts.for_model``'s arguments), ``rl.correction: icepop``, ``rl.is_cap``
 and ``rl.correct_engine_gap`` become the ``rl.correction`` section (``OffPolicyCorrection``'s
-arguments), and a
+arguments), ``rl.clip_eps`` and ``rl.kl_coef`` go to the algorithm's ``init_args``, and a
 key that moved (``config_file.MOVED_KEYS``) goes to its new place. Everything else is kept as
 written; the result is read back with the config's own checks of keys and types before it is
 written.
@@ -26,6 +26,8 @@ Examples:
     {'rl': {'elastic': {'class_path': 'controller', 'init_args': {'max_instances': 3}}}}
     >>> migrate({"rl": {"correction": "icepop", "is_cap": 3.0}})[0]
     {'rl': {'correction': {'method': 'icepop', 'is_cap': 3.0}}}
+    >>> migrate({"rl": {"kl_coef": 0.05}})[0]
+    {'rl': {'algorithm': {'class_path': 'grpo', 'init_args': {'kl_coef': 0.05}}}}
 """
 
 from __future__ import annotations
@@ -37,8 +39,14 @@ from typing import Any
 import yaml
 
 from streamrl.errors import ConfigError
-from streamrl.run.config import RunConfig
-from streamrl.run.config_file import FOLDED_KEYS, from_dict, read_config_text, read_yaml
+from streamrl.run.config import RLConfig, RunConfig
+from streamrl.run.config_file import (
+    FOLDED_KEYS,
+    MOVED_KEYS,
+    from_dict,
+    read_config_text,
+    read_yaml,
+)
 from streamrl.run.swappable import SWAPPABLE
 from streamrl.runtime.references import from_name_layout
 
@@ -139,14 +147,22 @@ def _folded(rl: dict[str, Any], changes: list[str]) -> None:
     for key, (section, name, _) in FOLDED_KEYS.items():
         if key not in rl or section == "lora":  # LoRA: rank 0 is no section (_lora_section)
             continue
-        value, into = rl.pop(key), rl.setdefault(section, {})
+        value = rl.pop(key)
+        if section in SWAPPABLE:  # into its init_args (the default part when it is unset)
+            part = rl.get(section, RLConfig.__dataclass_fields__[section].default)
+            if not isinstance(part, dict):
+                part = {"class_path": part}
+            rl[section] = part
+            into = part.setdefault("init_args", {})
+        else:
+            into = rl.setdefault(section, {})
         if name in into:
             raise ConfigError(
                 f"rl.{key} moved to rl.{section}'s {name}, which the file sets too: keep one."
             )
         if value is not None:
             into[name] = value
-        changes.append(f"rl.{key} -> rl.{section}: {{{name}: ...}}")
+        changes.append(f"rl.{key} -> {MOVED_KEYS[RLConfig][key]}")
 
 
 def migrate_file(path: str | Path, out: str | Path | None = None) -> dict[str, Any]:

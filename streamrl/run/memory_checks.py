@@ -34,6 +34,7 @@ from streamrl.components.capacity.memory import (
 from streamrl.errors import ConfigError
 from streamrl.policy.models import SHAPES, model_config
 from streamrl.run.config import RunConfig
+from streamrl.run.swappable import init_arg
 from streamrl.runtime import devices
 from streamrl.runtime.devices import Placement
 
@@ -58,7 +59,7 @@ class MemoryPlanOptions:
         micro_batch_tokens: tokens of one forward/backward pass
             (rl.max_tokens_per_micro_batch); null: one whole sample.
         lora_r: LoRA rank (rl.lora.r); 0: full fine-tuning.
-        kl: a KL reference (rl.kl_coef > 0).
+        kl: a KL reference (the algorithm's kl_coef > 0).
         activation_checkpointing: each decoder layer recomputed in the backward pass.
         gpu_memory_gib: the GPUs' memory; null: this machine's first GPU, or 80.
         generator_tp: GPUs per generator instance (rl.gpus).
@@ -140,7 +141,7 @@ def check_memory(config: RunConfig, placement: Placement) -> None:
         placement.ranks,
         max(rl.max_tokens_per_micro_batch, sequence),
         lora_params=adapters,
-        reference=rl.kl_coef > 0,
+        reference=(init_arg("algorithm", rl.algorithm, "kl_coef") or 0) > 0,
         activation_checkpointing=activation_checkpointing,
     )
     smallest = min(placement.trainer_gpus, key=devices.gpu_memory_bytes)

@@ -193,8 +193,6 @@ def build_run_algorithm(rl: RLConfig, hidden_size: int) -> Algorithm:
     cls, options = factory_and_args("algorithm", rl.algorithm)
     facts = RunFacts(
         group_size=rl.group_size,
-        clip_eps=rl.clip_eps,
-        kl_coef=rl.kl_coef,
         max_tokens=rl.max_tokens,
         hidden_size=hidden_size,
         prompts_per_iteration=rl.prompts_per_iteration,

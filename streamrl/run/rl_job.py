@@ -296,6 +296,12 @@ def rl_summary(module: StreamRLModule, iterations: int) -> dict:
         "trainer_wait_frac": sum(h["time/wait_s"] for h in history) / rl_wall,
         "rl_wall_s": rl_wall,
         "mode": module.mode,
+        "algorithm": {
+            "name": type(module.algorithm).__name__,
+            "clip_eps": module.algorithm.clip_eps,
+            "kl_coef": module.algorithm.kl_coef,
+            "reference": module.reference is not None,  # a frozen policy of the KL term
+        },
         "staleness_bound": module.staleness_bound,
         "partial_rollout": module.rollouts.service.partial_rollout,
         # the method, its truncation and thresholds, and whether fresh tokens were corrected too

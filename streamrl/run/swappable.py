@@ -24,6 +24,7 @@ Examples:
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Mapping
 from typing import Any
 
@@ -63,3 +64,16 @@ def factory_and_args(key: str, value: str | Mapping[str, Any]) -> tuple[Any, dic
     """The class (or function) ``rl.<key>`` names and its constructor's arguments."""
     kind, builtins = SWAPPABLE[key]
     return pick(value, kind=kind, builtins=builtins, where=f"rl.{key}")
+
+
+def init_arg(key: str, value: str | Mapping[str, Any], name: str) -> Any:
+    """Argument ``name`` of ``rl.<key>``'s constructor as the run will build it: its
+    ``init_args`` value, else the constructor's default (``None`` where it has none), e.g. the
+    algorithm's ``kl_coef``, which says whether a reference policy is kept."""
+    factory, args = factory_and_args(key, value)
+    if name in args:
+        return args[name]
+    parameter = inspect.signature(factory).parameters.get(name)
+    if parameter is None or parameter.default is inspect.Parameter.empty:
+        return None
+    return parameter.default

@@ -537,5 +537,6 @@ def _check_finite(per_sample: torch.Tensor, samples: list, iteration: int) -> No
     raise NonFiniteLossError(
         f"Non-finite loss at iteration {iteration} on {len(bad)} sample(s) "
         f"(prompt_id, sample_index, iteration): {bad[:8]}. Stopped before the optimizer step; "
-        "lower rl.lr, check the reward function, or enable rl.kl_coef."
+        "lower rl.lr, check the reward function, or give the algorithm a kl_coef (rl.algorithm's "
+        "init_args)."
     )

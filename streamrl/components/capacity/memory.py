@@ -193,7 +193,7 @@ def trainer_memory(
         micro_batch_tokens: tokens of one forward/backward pass (``rl.max_tokens_per_micro_batch``,
             or one whole sample when it is longer).
         lora_params: trained adapter parameters (0: full fine-tuning).
-        reference: a frozen KL reference (``rl.kl_coef > 0``; none under LoRA).
+        reference: a frozen KL reference (the algorithm's ``kl_coef > 0``; none under LoRA).
         activation_checkpointing: each layer recomputed in the backward pass.
         chunk_logits: logits per log-prob chunk.
     """

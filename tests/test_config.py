@@ -164,7 +164,14 @@ def test_duplicate_prompt_ids_name_the_line(tmp_path):
             "rl:\n  algorithm: ppo\ntrainer:\n  devices: 2\n",
             r"PPO cannot train sharded yet",
         ),
-        ("rl:\n  weight_transport: ncl\n", r"Unknown transport 'ncl' \(did you mean 'nccl'\?\)"),
+        (
+            "rl:\n  weights: {transport: ncl}\n",
+            r"Unknown transport 'ncl' \(did you mean 'nccl'\?\)",
+        ),
+        (
+            "rl:\n  weight_transport: nccl\n",
+            r"weight_transport has moved: set rl.weights.transport",
+        ),
     ],
 )
 def test_bad_rl_values_fail_before_work(tmp_path, yaml_text, message):
@@ -215,8 +222,8 @@ def test_gpus_on_a_machine_without_gpus_fail_before_work(tmp_path):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a GPU-less machine")
 def test_nccl_transport_without_cupy_or_gpu_says_why(tmp_path):
-    with pytest.raises(ConfigError, match=r"rl.weight_transport: The NCCL weight transport needs"):
-        load_config(write(tmp_path, "rl:\n  weight_transport: nccl\n"))
+    with pytest.raises(ConfigError, match=r"rl.weights.transport: The NCCL weight transport needs"):
+        load_config(write(tmp_path, "rl:\n  weights: {transport: nccl}\n"))
 
 
 def test_lora_with_the_vllm_backend_is_refused(tmp_path, monkeypatch):
@@ -237,13 +244,15 @@ def test_weight_settings_and_timeouts_are_checked_before_work(tmp_path):
         ("{timeouts: {sample_s: -5}}", r"rl.timeouts: sample_s must be > 0 seconds, got -5"),
         ("{timeouts: {sample: 5}}", r"rl.timeouts: .*\['sample'\] \(did you mean 'sample_s'"),
         ("{weight_timeout_s: 7}", r"weight_timeout_s has moved: set rl.timeouts: \{weight_s"),
-        ("{weight_bucket_mb: 0}", r"need weight_bucket_mb >= 1 and weight_fanout >= 1"),
-        ("{weight_fanout: 0}", r"weight_fanout=0"),
+        ("{weights: {bucket_mb: 0}}", r"WeightPath: need bucket_mb > 0 and fanout >= 1"),
+        ("{weights: {fanout: 0}}", r"fanout=0"),
+        ("{weights: {verify_every: -1}}", r"verify_every must be null"),
+        ("{weight_fanout: 2}", r"weight_fanout has moved: set rl.weights.fanout"),
     ]:
         with pytest.raises(ConfigError, match=error):
             load_checked(write(tmp_path, f"rl: {rl}\n"))
-    config = load_checked(write(tmp_path, "rl: {timeouts: {weight_s: 7}, weight_fanout: 2}\n"))
-    assert config.rl.timeouts == {"weight_s": 7} and config.rl.weight_fanout == 2
+    config = load_checked(write(tmp_path, "rl: {timeouts: {weight_s: 7}, weights: {fanout: 2}}\n"))
+    assert config.rl.timeouts == {"weight_s": 7} and config.rl.weights.fanout == 2
 
 
 def test_env_on_fault_is_drop_or_train(tmp_path):

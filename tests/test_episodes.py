@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from streamrl.components import StreamGenerationService
+from streamrl.components.generation.timeouts import Timeouts
 from streamrl.components.training.layout import layout_batch
 from streamrl.envs.demos import sft_on_episodes
 from streamrl.envs.episode import TurnFormat
@@ -243,7 +244,7 @@ def test_a_killed_instance_loses_no_episode(policy_dir):
     # instances or in their environments: the instance is killed while it holds some.
     rows = [{"prompt_id": f"q{i}", "prompt": f"game {i}", "turns": 6} for i in range(4)]
     rows[0]["turns"] = 1
-    with service(policy_dir, 2, heartbeat_timeout_s=5) as sgs:
+    with service(policy_dir, 2, timeouts=Timeouts(heartbeat_s=5)) as sgs:
         runner = EpisodeRunner(sgs, lambda: Echo(delay_s=0.2), tok, max_tokens=12, context=CONTEXT)
         firsts = [runner.start(row, i) for row in rows for i in range(2)]
         runner.submit(firsts)

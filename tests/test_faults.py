@@ -14,6 +14,7 @@ import torch
 
 from streamrl.algorithms import GRPO, RewardError
 from streamrl.components.generation.service import StreamGenerationService
+from streamrl.components.generation.timeouts import Timeouts
 from streamrl.errors import NonFiniteLossError
 from streamrl.policy.models import build_tiny_model, save_policy
 from streamrl.run.jobs import ledger
@@ -55,7 +56,9 @@ def run_with_fault(tmp_path, tokenizer, fault: str | None, mode: str = "sync", r
     save_policy(policy, tokenizer, tmp_path / "policy")
     prompts = make_prompt_set(64, ["copy"], median_len=3, max_len=6, seed=0)
     algorithm = GRPO(group_size=GROUP)
-    sgs = StreamGenerationService(tmp_path / "policy", 2, max_batch_size=8, heartbeat_timeout_s=4)
+    sgs = StreamGenerationService(
+        tmp_path / "policy", 2, max_batch_size=8, timeouts=Timeouts(heartbeat_s=4)
+    )
     with sgs:
         lengths = iter([10, 10, 120, 120] * 100)
         rollouts = RolloutStream(

@@ -16,7 +16,9 @@ import torch
 from streamrl.components.generation.engines import HFEngine
 from streamrl.components.generation.hf_generator import fingerprint
 from streamrl.components.generation.service import GeneratorError, StreamGenerationService
+from streamrl.components.generation.timeouts import Timeouts
 from streamrl.components.skewness.schedulers import FIFOScheduler, LPTScheduler
+from streamrl.components.weights.path import WeightPath
 from streamrl.errors import ConfigError
 from streamrl.policy.models import build_tiny_model, save_policy
 from streamrl.protocols import AdmissionScheduler, Cluster, EngineSpec, StreamGenerator
@@ -72,7 +74,7 @@ def test_update_makes_generator_weights_equal_trainer_weights(
 ):
     policy = build_tiny_model(tokenizer, "test", seed=0)
     with StreamGenerationService(
-        model_dir, 2, max_batch_size=4, weight_transport=transport, gpus_per_instance=gpus
+        model_dir, 2, max_batch_size=4, weights=WeightPath(transport), gpus_per_instance=gpus
     ) as sgs:
         assert set(sgs.fingerprints().values()) == {fingerprint(policy)}
         with torch.no_grad():
@@ -138,7 +140,7 @@ def test_removed_instance_finishes_what_it_holds_then_stops(model_dir, tokenizer
 
 def test_instance_that_dies_at_start_is_named_and_cleaned_up(tmp_path):
     with pytest.raises(GeneratorError, match=r"instance 0 failed:(.|\n)*No model directory"):
-        StreamGenerationService(tmp_path / "missing", 1, start_timeout_s=60).start()
+        StreamGenerationService(tmp_path / "missing", 1, timeouts=Timeouts(start_s=60)).start()
     assert not [p for p in mp.active_children() if p.name.startswith("streamrl-generator")]
 
 
@@ -146,7 +148,7 @@ def test_instance_that_dies_at_start_is_named_and_cleaned_up(tmp_path):
 def test_instance_killed_without_restarts_left_raises_instead_of_hanging(model_dir, tokenizer):
     reqs = requests_for(tokenizer, 4, 2, [200] * 4)
     with StreamGenerationService(
-        model_dir, 1, max_batch_size=2, sample_timeout_s=30, max_restarts=0
+        model_dir, 1, max_batch_size=2, timeouts=Timeouts(sample_s=30), max_restarts=0
     ) as sgs:
         stream = sgs.generate(reqs)
         os.kill(sgs.instances()[0].pid, signal.SIGKILL)
@@ -167,7 +169,7 @@ def test_failed_instance_is_replaced_and_its_requests_requeued(
     status = tmp_path / "instances.json"
     reqs = requests_for(tokenizer, 6, 2, [120] * 6)
     with StreamGenerationService(
-        model_dir, 2, max_batch_size=4, heartbeat_timeout_s=4, status_path=status
+        model_dir, 2, max_batch_size=4, timeouts=Timeouts(heartbeat_s=4), status_path=status
     ) as sgs:
         sgs.update(policy, version=2)
         stream = sgs.generate(reqs)

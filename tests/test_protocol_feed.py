@@ -18,6 +18,7 @@ from streamrl.components.generation.messages import (
 from streamrl.components.generation.protocol_feed import check_weight_protocol
 from streamrl.components.generation.protocol_receiver import ProtocolReceiver
 from streamrl.components.generation.service import StreamGenerationService
+from streamrl.components.weights.path import WeightPath
 from streamrl.errors import ConfigError
 
 
@@ -35,7 +36,9 @@ def test_hf_instances_are_refused_before_any_process_starts(tmp_path):
     with pytest.raises(ConfigError, match="needs vLLM instances"):
         check_weight_protocol(HFEngine(), "keep")
     with pytest.raises(ConfigError, match="needs vLLM instances"):
-        StreamGenerationService(tmp_path, 1, weight_protocol=True, partial_rollout="keep")
+        StreamGenerationService(
+            tmp_path, 1, weights=WeightPath(protocol=True), partial_rollout="keep"
+        )
 
 
 class FlakyGenerator:

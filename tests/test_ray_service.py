@@ -16,6 +16,7 @@ from extension_plugins import AllOnFirstInstance
 from streamrl.components.generation.hf_generator import fingerprint
 from streamrl.components.generation.ray_instance import RayOptions
 from streamrl.components.generation.service import StreamGenerationService
+from streamrl.components.generation.timeouts import Timeouts
 from streamrl.components.skewness.latency import LatencyModel
 from streamrl.components.skewness.schedulers import LPTScheduler
 from streamrl.policy.models import build_tiny_model, save_policy
@@ -52,7 +53,12 @@ def requests_for(tokenizer, lengths: list[int], iteration: int = 0) -> list[Requ
 def test_ray_actors_stream_update_grow_and_survive_a_kill(model_dir, tokenizer, ray_options):
     policy = build_tiny_model(tokenizer, "test", seed=0)
     service = StreamGenerationService(
-        model_dir, 2, max_batch_size=4, cluster="ray", ray=ray_options, heartbeat_timeout_s=30
+        model_dir,
+        2,
+        max_batch_size=4,
+        cluster="ray",
+        ray=ray_options,
+        timeouts=Timeouts(heartbeat_s=30),
     )
     with service:
         # The instances are Ray actors: their processes are Ray workers, not our children.

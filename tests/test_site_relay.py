@@ -15,6 +15,8 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from streamrl.components.generation.hf_generator import fingerprint
 from streamrl.components.generation.service import StreamGenerationService
+from streamrl.components.generation.timeouts import Timeouts
+from streamrl.components.weights.path import WeightPath
 from streamrl.policy.models import build_tiny_model, save_policy
 from streamrl.records import Request
 
@@ -96,7 +98,9 @@ def test_trainer_egress_per_version_does_not_grow_with_instances(tmp_path, token
     policy = build_tiny_model(tokenizer, "test", seed=0)
     model_dir = save_policy(policy, tokenizer, tmp_path / "policy")
     payload = sum(p.numel() * p.element_size() for p in policy.parameters())
-    with StreamGenerationService(model_dir, instances, weight_bucket_bytes=4096) as sgs:
+    with StreamGenerationService(
+        model_dir, instances, weights=WeightPath(bucket_mb=4096 / 2**20)
+    ) as sgs:
         for version in (1, 2):
             _nudge(policy)
             sgs.update(policy, version=version)
@@ -129,7 +133,7 @@ def test_a_transfer_past_the_weight_timeout_fails_that_instance_not_the_trainer(
     )
     policy = Qwen2ForCausalLM(config).eval()
     model_dir = save_policy(policy, tokenizer, tmp_path / "policy")
-    with StreamGenerationService(model_dir, 2, weight_timeout_s=4.0) as sgs:
+    with StreamGenerationService(model_dir, 2, timeouts=Timeouts(weight_s=4.0)) as sgs:
         head, member = sgs.pool.handles
         assert member.head == head.instance_id
         os.kill(head.proc.pid, signal.SIGSTOP)
@@ -151,7 +155,9 @@ def test_a_head_killed_before_its_first_transfer_costs_no_weight_timeout(tmp_pat
     is not waiting when the death is noticed: the service learns it from the pipe."""
     policy = build_tiny_model(tokenizer, "test", seed=0)
     model_dir = save_policy(policy, tokenizer, tmp_path / "policy")
-    with StreamGenerationService(model_dir, 2, max_batch_size=4, weight_timeout_s=60.0) as sgs:
+    with StreamGenerationService(
+        model_dir, 2, max_batch_size=4, timeouts=Timeouts(weight_s=60.0)
+    ) as sgs:
         head, member = sgs.pool.handles
         assert member.head == head.instance_id
         os.kill(head.proc.pid, signal.SIGKILL)

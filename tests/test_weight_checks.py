@@ -11,6 +11,7 @@ from extension_plugins import AppliesNothing
 from streamrl.components.generation.engines import HFEngine
 from streamrl.components.generation.pool import GeneratorError
 from streamrl.components.generation.service import StreamGenerationService
+from streamrl.components.weights.path import WeightPath
 from streamrl.components.weights.sync import AsyncWeightSync
 from streamrl.policy.lora import LoRASpec, adapter_weights, apply_lora
 from streamrl.policy.models import build_tiny_model, save_policy
@@ -41,7 +42,9 @@ def test_which_versions_are_verified(every, checked):
 def test_every_instance_checks_the_versions_asked_and_the_trainer_keeps_a_few(tmp_path, tokenizer):
     policy = build_tiny_model(tokenizer, "test", seed=0)
     model_dir = save_policy(policy, tokenizer, tmp_path / "policy")
-    with StreamGenerationService(model_dir, 2, max_batch_size=4, verify_weights_every=1) as service:
+    with StreamGenerationService(
+        model_dir, 2, max_batch_size=4, weights=WeightPath(verify_every=1)
+    ) as service:
         for version in range(1, 7):
             service.update(_moved(policy), version=version)
         assert service.counts["weight_versions_verified"] == 2 * 6

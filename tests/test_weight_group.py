@@ -56,7 +56,7 @@ class DoublingTransport(GlooTransport):
 def test_a_users_transport_object_or_name_carries_the_buckets():
     store = make_store(2, 10)
     got = torch.zeros(3)
-    by_name = f"{__name__}:DoublingTransport"  # as rl.weight_transport names it
+    by_name = f"{__name__}:DoublingTransport"  # as rl.weights.transport names it
     receiver = threading.Thread(
         target=lambda: WeightGroup(store.port, 1, 2, timeout_s=10, transport=by_name).broadcast(
             [got]
@@ -131,3 +131,14 @@ def test_a_broadcast_waits_the_weight_timeout_not_the_connect_one(monkeypatch):
     WeightGroup(store.port, 0, 2, store=store, timeout_s=30).broadcast([torch.ones(3)])
     member.join(30)
     assert torch.equal(got, torch.ones(3))
+
+
+def test_a_users_transport_is_named_in_the_config(tmp_path):
+    """``rl.weights.transport`` takes a user's class by import path, as the Python API takes
+    the object: checked when the config is read, and the run makes it (``WeightPath``)."""
+    from streamrl.run.config_file import load_config
+
+    path = tmp_path / "run.yaml"
+    path.write_text(f"rl:\n  weights: {{transport: '{__name__}:DoublingTransport', fanout: 2}}\n")
+    weights = load_config(path).rl.weights
+    assert isinstance(weights.make_transport(), DoublingTransport) and weights.fanout == 2

@@ -51,6 +51,7 @@ from streamrl.components.generation.speculative import SpeculativeDecoding
 from streamrl.components.skewness.adaptive import AdaptiveDispatcher
 from streamrl.components.skewness.ranker import LengthRanker
 from streamrl.components.skewness.schedulers import LPTScheduler
+from streamrl.components.weights.path import WeightPath
 from streamrl.errors import ConfigError
 from streamrl.policy.models import load_policy
 from streamrl.records import PIPELINE_COLUMNS
@@ -129,7 +130,7 @@ def run_mode(
         max_batch_size=settings.max_batch_size,
         gpus_per_instance=int(on_gpu),
         cluster=settings.cluster,
-        weight_transport=settings.weight_transport,
+        weights=WeightPath(transport=settings.weight_transport),
         partial_rollout=variant.partial_rollout,
         **_long_tail_parts(variant, settings),
     )

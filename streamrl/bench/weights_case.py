@@ -131,6 +131,8 @@ class _NewPush:
     def __init__(self, case: WeightsCase, model: torch.nn.Module) -> None:
         from streamrl.components.generation.engines import HFEngine, VLLMEngine
         from streamrl.components.generation.service import StreamGenerationService
+        from streamrl.components.generation.timeouts import Timeouts
+        from streamrl.components.weights.path import WeightPath
 
         self.case, self.model = case, model
         self.wire_dtype = getattr(torch, case.wire_dtype)
@@ -145,11 +147,10 @@ class _NewPush:
             case.instances,
             engine=engine,
             max_batch_size=1,
-            weight_bucket_bytes=case.bucket_bytes,
-            start_timeout_s=case.timeout_s,
-            weight_timeout_s=case.timeout_s,
-            sample_timeout_s=case.timeout_s,
-            weight_protocol=case.path == "protocol",
+            weights=WeightPath(
+                bucket_mb=case.bucket_bytes / 2**20, protocol=case.path == "protocol"
+            ),
+            timeouts=Timeouts(*[case.timeout_s] * 4),
             partial_rollout="keep" if vllm else "finish",
         ).start()
         self.named = list(model.named_parameters())

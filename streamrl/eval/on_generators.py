@@ -42,7 +42,7 @@ class EvaluationView:
 
     def __init__(self, service: StreamGenerationService) -> None:
         self.service = service
-        self.sample_timeout_s = service.sample_timeout_s
+        self.sample_timeout_s = service.timeouts.sample_s
         self.versions_seen: set[int] = set()
         self._open: set[tuple] = set()
 

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from streamrl.components.training.off_policy import OffPolicyCorrection
+from streamrl.components.weights.path import WeightPath
 from streamrl.policy.lora import LoRASpec
 from streamrl.policy.sft import default_cache_dir
 from streamrl.tasks.families import FAMILIES
@@ -165,21 +166,16 @@ class RLConfig:
         share_trainer_gpus: let generators run on the trainer's GPUs too (a one-GPU machine or
             a check; both then share the GPU's memory); ``generator_devices`` may then overlap
             ``trainer.devices``, and by default the generators take every GPU.
-        weight_transport: how weights reach each generator: ``"gloo"`` (a broadcast per
-            tensor), ``"bucketed"`` (tensors packed into large buffers) or ``"nccl"`` (buckets
-            GPU to GPU through CuPy's NCCL; needs CuPy and GPUs).
-        weight_protocol: vLLM instances take each version through vLLM's weight-transfer
-            protocol (its four calls, our gloo backend on the CPU) instead of a host staging of
-            their own; needs ``engine: vllm`` and ``partial_rollout`` keep or recompute
-            (docs/weight_transfer.md).
-        verify_weights_every: which weight versions every instance checks against the
-            trainer's checksums of each tensor once loaded (a transfer that moved nothing, or
-            an adapter never applied, stops the run naming the instance and the tensor):
-            ``null`` the first version only, 0 none, N the first and every N-th.
-        weight_bucket_mb: the largest bucket a weight version travels in (MiB); the extra
-            device memory of a sync is about one bucket (docs/weight_transfer.md).
-        weight_fanout: generator instances each instance passes the weights on to (1: a
-            chain); the trainer sends one copy per version to each site.
+        weights: how each weight version reaches the generators, ``WeightPath``'s arguments
+            (``streamrl.components.weights.path``; ``{}``: its defaults): ``transport``
+            (``gloo``, host memory; ``nccl``, GPU to GPU through CuPy; or yours),
+            ``bucket_mb`` (the largest bucket a version travels in: about the extra device
+            memory of a sync), ``fanout`` (instances each instance passes a version on to; 1:
+            a chain), ``protocol`` (vLLM instances take each version through vLLM's
+            weight-transfer protocol; needs ``engine: vllm`` and ``partial_rollout`` keep or
+            recompute), ``verify_every`` (versions every instance checks against the trainer's
+            checksums once loaded: ``null`` the first, 0 none, N every N-th;
+            docs/weight_transfer.md).
         timeouts: the generator instances' timeouts, ``Timeouts.for_model``'s arguments (the
             policy's size and ``max_tokens`` linked in); each one left out takes a default
             scaled to the policy (``streamrl.components.generation.timeouts``): ``start_s`` (an
@@ -282,11 +278,7 @@ class RLConfig:
     engine: str | dict[str, Any] = "hf"
     cluster: str | dict[str, Any] = "local"
     gpus: int = 0
-    weight_transport: str = "gloo"
-    weight_protocol: bool = False
-    verify_weights_every: int | None = None
-    weight_bucket_mb: int = 256
-    weight_fanout: int = 1
+    weights: WeightPath = field(default_factory=WeightPath)
     timeouts: dict[str, Any] = field(default_factory=dict)
     sites: list[str] = field(default_factory=list)
     trainer_site: str = "local"

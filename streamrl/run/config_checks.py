@@ -17,7 +17,6 @@ from streamrl.components.generation.clusters import LocalCluster, make_cluster
 from streamrl.components.generation.engines import VLLMEngine
 from streamrl.components.generation.timeouts import Timeouts
 from streamrl.components.training.off_policy import OffPolicyCorrection
-from streamrl.components.weights.transport import TRANSPORTS, make_transport
 from streamrl.errors import ConfigError, unknown_name
 from streamrl.policy.model_dir import check_model_dir
 from streamrl.rewards.spec import RewardSpec, check_reward_packages
@@ -232,26 +231,16 @@ def check_rl(rl: RLConfig) -> None:
             f"rl.sites names {len(rl.sites)} sites for rl.generators={rl.generators} instances; "
             "give one site per generator, or none."
         )
-    if rl.weight_transport not in TRANSPORTS:
-        raise ConfigError(
-            f"rl.weight_transport: {unknown_name('transport', rl.weight_transport, TRANSPORTS)}"
-        )
-    if rl.weight_bucket_mb < 1 or rl.weight_fanout < 1:
-        raise ConfigError(
-            f"rl: need weight_bucket_mb >= 1 and weight_fanout >= 1, got weight_bucket_mb="
-            f"{rl.weight_bucket_mb}, weight_fanout={rl.weight_fanout}."
-        )
     check_options(Timeouts.for_model, rl.timeouts, where="rl.timeouts")  # a misspelled one
     try:  # a timeout <= 0 is its ConfigError
         Timeouts.for_model(0.0, rl.max_tokens, **rl.timeouts)
     except TypeError as err:  # one the run links in (model_bytes, max_tokens)
         message = f"rl.timeouts: {err}; give start_s, sample_s, heartbeat_s or weight_s."
         raise ConfigError(message) from None
-    transport = make_transport(rl.weight_transport, where="rl.weight_transport")
-    try:
-        transport.check()
+    try:  # on this machine: NCCL needs CuPy and GPUs
+        rl.weights.make_transport().check()
     except ConfigError as err:
-        raise ConfigError(f"rl.weight_transport: {err}") from err
+        raise ConfigError(f"rl.weights.transport: {err}") from err
     if rl.checkpoint_every < 0:
         raise ConfigError(f"rl.checkpoint_every must be >= 0, got {rl.checkpoint_every}.")
     if rl.stop_deadline_s is not None and rl.stop_deadline_s <= 0:

@@ -39,6 +39,11 @@ FOLDED_KEYS: dict[str, tuple[str, str, str]] = {
     "lora_target_modules": ("lora", "target_modules", "LoRASpec"),
     "is_cap": ("correction", "is_cap", "OffPolicyCorrection"),
     "correct_engine_gap": ("correction", "engine_gap", "OffPolicyCorrection"),
+    "weight_transport": ("weights", "transport", "WeightPath"),
+    "weight_bucket_mb": ("weights", "bucket_mb", "WeightPath"),
+    "weight_fanout": ("weights", "fanout", "WeightPath"),
+    "weight_protocol": ("weights", "protocol", "WeightPath"),
+    "verify_weights_every": ("weights", "verify_every", "WeightPath"),
     "clip_eps": ("algorithm", "clip_eps", "every Algorithm"),
     "kl_coef": ("algorithm", "kl_coef", "every Algorithm"),
 }

@@ -186,15 +186,8 @@ def train_rl(
         cluster=rl.cluster,
         gpus_per_instance=rl.gpus,
         gpu_ids=setup.placement.generator_gpus or None,
-        weight_transport=rl.weight_transport,
-        weight_protocol=rl.weight_protocol,
-        verify_weights_every=rl.verify_weights_every,
-        weight_bucket_bytes=rl.weight_bucket_mb * 2**20,
-        weight_fanout=rl.weight_fanout,
-        start_timeout_s=timeouts.start_s,
-        sample_timeout_s=timeouts.sample_s,
-        heartbeat_timeout_s=timeouts.heartbeat_s,
-        weight_timeout_s=timeouts.weight_s,
+        weights=rl.weights,
+        timeouts=timeouts,
         profile_latency=(
             LatencyProfile.up_to(rl.max_batch_size, str(default_cache_dir()))
             if parts.latency is not None

@@ -23,6 +23,7 @@ from streamrl.components.generation.engines import VLLMEngine
 from streamrl.components.generation.service import StreamGenerationService
 from streamrl.components.skewness.latency import LatencyModel
 from streamrl.components.skewness.schedulers import LPTScheduler
+from streamrl.components.weights.path import WeightPath
 from streamrl.policy.models import build_tiny_model, build_tokenizer, save_policy
 from streamrl.records import Request
 
@@ -78,7 +79,7 @@ def test_a_bfloat16_checkpoint_runs_and_travels_in_bfloat16_bucket_by_bucket(tmp
         engine=VLLMEngine(options=ENGINE),
         max_batch_size=4,
         greedy=True,
-        weight_bucket_bytes=256 << 10,
+        weights=WeightPath(bucket_mb=0.25),
     )
     with service:
         with torch.no_grad():
@@ -116,10 +117,14 @@ def test_fit_switches_to_vllm_with_one_field(fit_small):
 
 
 def test_fit_feeds_vllm_through_its_weight_transfer_protocol(fit_small):
-    """rl.weight_protocol: every version through vLLM's four calls, loaded between two steps
+    """rl.weights.protocol: every version through vLLM's four calls, loaded between two steps
     (partial rollout keep, one-step async); nothing lost, every instance on the last version."""
     summary = fit_small(
-        model_size="demo", engine="vllm", weight_protocol=True, partial_rollout="keep", mode="async"
+        model_size="demo",
+        engine="vllm",
+        weights={"protocol": True},
+        partial_rollout="keep",
+        mode="async",
     )
     assert summary["samples_lost"] == 0 and summary["instances_restarted"] == 0
 

@@ -23,12 +23,14 @@ from test_vllm_service import _logprobs
 
 from streamrl.components.generation.engines import VLLMEngine
 from streamrl.components.generation.service import StreamGenerationService
+from streamrl.components.generation.timeouts import Timeouts
 from streamrl.components.weights.checksums import (
     WeightMismatchError,
     verify_applied,
     verify_digests,
 )
 from streamrl.components.weights.instances_client import InstancesClient
+from streamrl.components.weights.path import WeightPath
 from streamrl.components.weights.vllm_protocol import (
     GlooWeightTransferEngine,
     WireSource,
@@ -191,9 +193,8 @@ def test_the_service_feeds_vllm_instances_through_the_protocol(tmp_path):
         max_batch_size=4,
         greedy=True,
         partial_rollout="keep",
-        weight_protocol=True,
-        verify_weights_every=1,  # each instance's checksums of every version, as loaded
-        weight_bucket_bytes=256 << 10,  # several buckets
+        # each instance's checksums of every version, as loaded; several buckets
+        weights=WeightPath(protocol=True, verify_every=1, bucket_mb=0.25),
     )
     requests = [Request(f"p{i}", [5 + i, 6, 7], max_tokens=8, forced_length=8) for i in range(4)]
     with service:
@@ -282,10 +283,8 @@ def test_an_instance_dying_mid_broadcast_is_replaced_and_the_others_are_sent_the
         max_batch_size=4,
         greedy=True,
         partial_rollout="keep",
-        weight_protocol=True,
-        verify_weights_every=1,
-        weight_bucket_bytes=256 << 10,  # several buckets
-        weight_timeout_s=20,
+        weights=WeightPath(protocol=True, verify_every=1, bucket_mb=0.25),  # several buckets
+        timeouts=Timeouts(weight_s=20),
         max_restarts=1,
     )
     requests = [Request(f"p{i}", [5 + i, 6, 7], max_tokens=8, forced_length=8) for i in range(6)]
@@ -331,8 +330,7 @@ def test_a_tensor_parallel_instance_takes_each_version_on_both_ranks(tmp_path):
         max_batch_size=4,
         greedy=True,
         partial_rollout="keep",
-        weight_protocol=True,
-        verify_weights_every=1,
+        weights=WeightPath(protocol=True, verify_every=1),
     )
     requests = [Request(f"p{i}", [5 + i, 6, 7], max_tokens=8, forced_length=8) for i in range(2)]
     with service:

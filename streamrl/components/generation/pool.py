@@ -39,8 +39,9 @@ from streamrl.components.generation.messages import (
     WeightsLost,
 )
 from streamrl.components.generation.rebalancing import Rebalancing
+from streamrl.components.generation.timeouts import Timeouts
 from streamrl.components.weights.checksums import WeightMismatchError, verify_applied
-from streamrl.components.weights.nccl import DEFAULT_BUCKET_BYTES
+from streamrl.components.weights.path import WeightPath
 from streamrl.components.weights.sync import AsyncWeightSync, Weights
 from streamrl.protocols import Dispatcher, WeightTransport
 from streamrl.records import Request, Sample
@@ -64,29 +65,24 @@ class InstancePool:
         dispatcher: which active instance gets which request.
         trainer_site: the trainer's site; instances elsewhere get weights from their site's
             head.
-        weight_transport: how each instance's weight group moves tensors (``WeightGroup``).
-        bucket_bytes: the largest bucket a version travels in (``StagedWeights``).
-        fanout: how many instances each instance feeds (1: a chain; the trainer feeds one
-            instance per site whatever the number).
-        weight_timeout_s: the longest a weight transfer (or a wait for one) may take before
-            the instance is failed (replaced, its requests requeued) or the trainer's wait
-            raises.
-        start_timeout_s: how long an instance may take to start and connect its group.
-        sample_timeout_s: the longest wait for the next message before giving up.
+        weights: the road of a version: its buckets (``StagedWeights``), the fan-out of the
+            chain (the trainer feeds one instance per site whatever the number), vLLM's
+            protocol (``protocol_feed``, fed by the trainer) and the versions the instances
+            verify (``AsyncWeightSync.verifies``; a mismatch raises ``GeneratorError``).
+        weight_transport: its transport, made and checked (``WeightGroup``).
+        timeouts: an instance's start and group connection (``start_s``), the longest wait
+            for the next message (``sample_s``), an active instance's silence, while the pool
+            is read, before it is killed and replaced (``heartbeat_s``), a weight transfer (or
+            a wait for one) before the instance is failed or the trainer's wait raises
+            (``weight_s``).
         max_restarts: failed instances replaced over the pool's life; one more failure raises
             ``GeneratorError``.
-        heartbeat_timeout_s: an active instance silent this long, while the pool is read, is
-            taken as hung: killed and replaced.
         status_path: a JSON file rewritten on every change (instance id -> pid, state, weight
             version), for operators.
         max_batch_size: each instance's batch slots (until the dispatcher sets a limit).
         trainer_device: the trainer's device the weights leave from (``WeightFeeds``).
-        weight_protocol: every instance takes weights through vLLM's protocol
-            (``protocol_feed``), fed by the trainer.
-        protocol_ranks: each such instance's worker processes (members of its group).
-        verify_weights_every: which versions the instances check against the trainer's
-            checksums (``AsyncWeightSync.verifies``: ``None`` the first only, 0 none, N every
-            N-th and the first); a mismatch raises ``GeneratorError``.
+        protocol_ranks: each instance's worker processes under vLLM's protocol (members of
+            its group).
 
     Attributes:
         handles: every instance started, in id order (failed and stopped ones included).
@@ -103,34 +99,23 @@ class InstancePool:
         *,
         dispatcher: Dispatcher,
         trainer_site: str = "local",
-        weight_transport: WeightTransport | str = "gloo",
-        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-        fanout: int = 1,
-        weight_timeout_s: float = 300.0,
-        start_timeout_s: float = 180.0,
-        sample_timeout_s: float = 300.0,
+        weights: WeightPath,
+        weight_transport: WeightTransport,
+        timeouts: Timeouts,
         max_restarts: int = 3,
-        heartbeat_timeout_s: float = 60.0,
         status_path: str | Path | None = None,
         max_batch_size: int = 32,
         trainer_device: str = "cuda",
-        weight_protocol: bool = False,
         protocol_ranks: int = 1,
-        verify_weights_every: int | None = None,
     ) -> None:
         self.launch, self.trainer_device = launch, trainer_device
-        self.weight_protocol, self.verify_weights_every = weight_protocol, verify_weights_every
+        self.weights, self.timeouts = weights, timeouts
         self.protocol_ranks = protocol_ranks
         self.max_batch_size = max_batch_size
         self.dispatcher = dispatcher
         self.trainer_site = trainer_site
         self.weight_transport = weight_transport
-        if fanout < 1:
-            raise ValueError(f"fanout must be >= 1, got {fanout}.")
-        self.bucket_bytes, self.fanout = bucket_bytes, fanout
-        self.weight_timeout_s = weight_timeout_s
-        self.start_timeout_s, self.sample_timeout_s = start_timeout_s, sample_timeout_s
-        self.max_restarts, self.heartbeat_timeout_s = max_restarts, heartbeat_timeout_s
+        self.max_restarts = max_restarts
         self.status_path = Path(status_path) if status_path is not None else None
         self.handles: list[InstanceHandle] = []
         self.weight_sync: AsyncWeightSync | None = None
@@ -152,23 +137,24 @@ class InstancePool:
         """Start one instance per site and wait until each is active; everything is stopped
         again if one fails."""
         self.running, self.handles, self._first_ready = True, [], []
+        weights, weight_s = self.weights, self.timeouts.weight_s
         self.weight_sync = AsyncWeightSync(
-            self.weight_timeout_s, self.bucket_bytes, verify_every=self.verify_weights_every
+            weight_s, weights.bucket_bytes, verify_every=weights.verify_every
         )
         self.feeds = WeightFeeds(
             self.weight_sync,
             self.handles,
             self.weight_transport,
-            self.weight_timeout_s,
-            self.fanout,
+            weight_s,
+            weights.fanout,
             self.trainer_device,
-            protocol=self.weight_protocol,
+            protocol=weights.protocol,
             protocol_ranks=self.protocol_ranks,
         )
         try:
             for site in sites:
                 self.spawn(site)
-            self.wait_active(self.start_timeout_s)
+            self.wait_active(self.timeouts.start_s)
         except BaseException:
             self.close()
             raise
@@ -398,7 +384,7 @@ class InstancePool:
         """Next message from any instance (failures handled on the way; a sample also goes to
         ``backlog``), or ``None`` for one only for bookkeeping (let the caller re-check).
         Raises ``GeneratorError`` on timeout, or returns ``None`` if ``quiet``."""
-        deadline = deadline if deadline is not None else time.monotonic() + self.sample_timeout_s
+        deadline = deadline if deadline is not None else time.monotonic() + self.timeouts.sample_s
         now = time.monotonic()
         if now - self._last_read > 1.0:  # the caller was away: silence meant nothing meanwhile
             self._reading_since = now
@@ -510,7 +496,7 @@ class InstancePool:
                 self._fail(handle, f"died with exit code {handle.proc.exitcode}")
             elif (
                 handle.state == "active"
-                and now - self._reading_since > self.heartbeat_timeout_s
-                and now - handle.last_seen > self.heartbeat_timeout_s
+                and now - self._reading_since > self.timeouts.heartbeat_s
+                and now - handle.last_seen > self.timeouts.heartbeat_s
             ):
                 self._fail(handle, f"sent nothing for {now - handle.last_seen:.0f} s (hung)")

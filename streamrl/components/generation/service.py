@@ -13,7 +13,7 @@ The pool (``InstancePool``, held as ``pool``) changes while it runs:
 
 - ``add_instance`` grows it (elastic generation, §6): the new instance loads the model, receives
   the current weights, and only then takes requests;
-- an instance that dies, or stays silent past ``heartbeat_timeout_s`` (then it is killed), is
+- an instance that dies, or stays silent past ``timeouts.heartbeat_s`` (then it is killed), is
   replaced the same way, and the requests it held go to the others: nothing is lost and nothing
   is returned twice (a late sample of a failed instance is discarded).
 
@@ -39,13 +39,13 @@ from streamrl.components.generation.partial import PartialRollout, check_partial
 from streamrl.components.generation.pool import GeneratorError, InstancePool
 from streamrl.components.generation.protocol_feed import check_weight_protocol
 from streamrl.components.generation.ray_instance import RayOptions
+from streamrl.components.generation.timeouts import Timeouts
 from streamrl.components.skewness.dispatch import RoundRobinDispatcher
 from streamrl.components.skewness.instance_profile import LatencyProfile, mean_curve
 from streamrl.components.skewness.latency import LatencyModel
 from streamrl.components.skewness.schedulers import FIFOScheduler
-from streamrl.components.weights.nccl import DEFAULT_BUCKET_BYTES
+from streamrl.components.weights.path import WeightPath
 from streamrl.components.weights.sync import AsyncWeightSync, Weights
-from streamrl.components.weights.transport import make_transport
 from streamrl.errors import ConfigError
 from streamrl.protocols import (
     AdmissionScheduler,
@@ -53,7 +53,6 @@ from streamrl.protocols import (
     Dispatcher,
     GenerationEngine,
     GroupStart,
-    WeightTransport,
 )
 from streamrl.records import Request, Sample
 
@@ -83,12 +82,14 @@ class StreamGenerationService:
         seed: base sampling seed (instance ``i`` uses ``seed + i``, reseeded for every weight
             version it loads, so a resumed run samples as the uninterrupted one).
         dispatcher: which instance gets which request; round-robin by prompt if ``None``.
-        start_timeout_s: how long instances may take to load the model.
-        sample_timeout_s: the longest wait for the next sample before giving up.
+        timeouts: how long the service waits for its instances: to start and load the model
+            (``start_s``), for the next sample (``sample_s``), silent before taken as hung,
+            killed and replaced (``heartbeat_s``), for one weight transfer before the instance
+            is replaced and its requests requeued (``weight_s``); ``None``: ``Timeouts()``, or
+            ``Timeouts.for_model(...)`` scaled to a policy (``streamrl.components.generation.
+            timeouts``).
         max_restarts: failed instances replaced over the service's life; one more failure
             raises ``GeneratorError`` (0: every failure raises).
-        heartbeat_timeout_s: an active instance silent this long, while the service is
-            reading, is taken as hung: killed and replaced.
         status_path: a JSON file rewritten on every change of the pool (instance id -> pid,
             state, weight version), for operators.
         cluster: where instances run: a ``Cluster`` (``LocalCluster()``: processes of this
@@ -101,19 +102,10 @@ class StreamGenerationService:
             here is given only these GPUs (``RayOptions.gpu_ids``).
         ray: Ray cluster options (address, local cluster size, temp dir) for ``cluster="ray"``
             (the same as ``cluster=RayCluster(ray)``).
-        weight_transport: how each instance's weight group moves tensors (``WeightGroup``):
-            a ``WeightTransport`` (``GlooTransport()``, ``NcclTransport()``: GPU to GPU
-            through CuPy; yours) or its name (``"gloo"``, ``"bucketed"``, ``"nccl"``).
-        weight_protocol: vLLM instances take each version through vLLM's weight-transfer
-            protocol (``protocol_feed``; partial rollout keep or recompute), fed by the
-            trainer, without a host staging of their own.
-        verify_weights_every: which versions every instance checks against the trainer's
-            checksums once loaded: ``None`` the first only, 0 none, N the first and every
-            N-th; a mismatch raises ``GeneratorError`` naming the instance and the tensor.
-        weight_bucket_bytes: the largest bucket a weight version travels in.
-        weight_fanout: instances each instance passes the weights on to (1: a chain).
-        weight_timeout_s: the longest one weight transfer may take: past it the instance is
-            replaced (its requests requeued), and a trainer waiting for it raises.
+        weights: how each weight version travels to the instances: the transport, buckets,
+            fan-out, vLLM's protocol and which versions are verified (a mismatch raises
+            ``GeneratorError`` naming the instance and the tensor); ``None``: ``WeightPath()``
+            (``streamrl.components.weights.path``).
         profile_latency: each instance measures its ``PTL(BS)`` before it says ready
             (``instance_profile``); ``measured_latency`` averages them.
         sites: the site of each instance, in order (``num_instances`` names); instances at a
@@ -152,21 +144,14 @@ class StreamGenerationService:
         greedy: bool = False,
         seed: int = 0,
         dispatcher: Dispatcher | None = None,
-        start_timeout_s: float = 180.0,
-        sample_timeout_s: float = 300.0,
+        timeouts: Timeouts | None = None,
         max_restarts: int = 3,
-        heartbeat_timeout_s: float = 60.0,
         status_path: str | Path | None = None,
         cluster: str | Cluster = "local",
         gpus_per_instance: int = 0,
         gpu_ids: Sequence[int] | None = None,
         ray: RayOptions | None = None,
-        weight_transport: str | WeightTransport = "gloo",
-        weight_protocol: bool = False,
-        verify_weights_every: int | None = None,
-        weight_bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-        weight_fanout: int = 1,
-        weight_timeout_s: float = 300.0,
+        weights: WeightPath | None = None,
         profile_latency: LatencyProfile | None = None,
         sites: Sequence[str] | None = None,
         trainer_site: str = "local",
@@ -183,7 +168,8 @@ class StreamGenerationService:
         check_factories(engine, scheduler)
         cluster = make_cluster(cluster, ray, where="cluster")
         cluster.check(gpus_per_instance)
-        weight_transport = make_transport(weight_transport)
+        weights = weights or WeightPath()
+        weight_transport = weights.make_transport()
         engine.check(cluster=cluster, gpus_per_instance=gpus_per_instance)
         if gpu_ids is not None and not gpu_ids and gpus_per_instance > 0:
             raise ConfigError(
@@ -196,9 +182,9 @@ class StreamGenerationService:
                 "most likely token instead of sampling."
             )
         weight_transport.check()  # NCCL: CuPy and a GPU, or a ConfigError saying how to get them
-        if weight_protocol:
+        if weights.protocol:
             check_weight_protocol(engine, partial_rollout)
-        self.weight_protocol = weight_protocol
+        self.weights, self.timeouts = weights, timeouts or Timeouts()
         self.engine, self.scheduler = engine, scheduler
         self.model_dir = str(model_dir)
         self.num_instances = num_instances
@@ -211,7 +197,6 @@ class StreamGenerationService:
         self.weight_transport, self.profile_latency = weight_transport, profile_latency
         self.trainer_site = trainer_site
         self._sites = list(sites) if sites is not None else [trainer_site] * num_instances
-        self.start_timeout_s, self.sample_timeout_s = start_timeout_s, sample_timeout_s
         dispatcher = dispatcher if dispatcher is not None else RoundRobinDispatcher()
         limits = dispatcher.batch_limits(num_instances) or []
         if any(limit > max_batch_size for limit in limits):  # given twice: they must agree
@@ -224,20 +209,14 @@ class StreamGenerationService:
             self._launch,
             dispatcher=dispatcher,
             trainer_site=trainer_site,
+            weights=weights,
             weight_transport=weight_transport,
-            bucket_bytes=weight_bucket_bytes,
-            fanout=weight_fanout,
-            weight_timeout_s=weight_timeout_s,
-            start_timeout_s=start_timeout_s,
-            sample_timeout_s=sample_timeout_s,
+            timeouts=self.timeouts,
             max_restarts=max_restarts,
-            heartbeat_timeout_s=heartbeat_timeout_s,
             status_path=status_path,
             max_batch_size=max_batch_size,
             trainer_device=trainer_device,
-            weight_protocol=weight_protocol,
-            protocol_ranks=engine.ranks(gpus_per_instance) if weight_protocol else 1,
-            verify_weights_every=verify_weights_every,
+            protocol_ranks=engine.ranks(gpus_per_instance) if weights.protocol else 1,
         )
         self._outstanding: set[tuple] = set()  # keys submitted and not yet returned
         self._evaluating: set[tuple] = set()  # of those, an evaluation's (``submit``)
@@ -319,7 +298,7 @@ class StreamGenerationService:
                 (default: twice the start timeout).
         """
         self.pool.require_running()
-        self.pool.wait_active(2 * self.start_timeout_s if timeout_s is None else timeout_s)
+        self.pool.wait_active(2 * self.timeouts.start_s if timeout_s is None else timeout_s)
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Stop every instance: ask politely, then terminate, then kill. Safe to call twice."""
@@ -408,13 +387,13 @@ class StreamGenerationService:
 
         Raises:
             GeneratorError: instances failed more often than ``max_restarts`` allows, or no
-                sample arrived within ``sample_timeout_s``.
+                sample arrived within ``timeouts.sample_s``.
         """
         self.pool.require_running()
         if not self._open(keys):
             raise RuntimeError("next_sample: no request is open; submit() some first.")
         while (sample := self._take(keys)) is None:
-            self.pool.next_message(time.monotonic() + self.sample_timeout_s)
+            self.pool.next_message(time.monotonic() + self.timeouts.sample_s)
         return sample
 
     def poll_sample(self, timeout_s: float, keys: set[tuple] | None = None) -> Sample | None:
@@ -495,7 +474,7 @@ class StreamGenerationService:
     def wait_weights(self, version: int) -> float:
         """Block until every active instance has loaded ``version``; returns seconds blocked."""
         started = time.perf_counter()
-        self.pool.wait_loaded(version, self.sample_timeout_s)
+        self.pool.wait_loaded(version, self.timeouts.sample_s)
         self.weight_version = max(self.weight_version, version)
         return time.perf_counter() - started
 
@@ -543,18 +522,18 @@ class StreamGenerationService:
                 gpu_ids=self.gpu_ids,
             ),
             transport=self.weight_transport,
-            bucket_bytes=self.pool.bucket_bytes,
+            bucket_bytes=self.weights.bucket_bytes,
             profile=self.profile_latency,
-            weight_timeout_s=self.pool.weight_timeout_s,
+            weight_timeout_s=self.timeouts.weight_s,
             stop_token_ids=self.stop_token_ids,
             stop_strings=self.stop_strings,
             partial_rollout=self.partial_rollout,
-            weight_protocol=self.weight_protocol,
+            weight_protocol=self.weights.protocol,
         )
         return self.cluster.spawn(
             instance_id,
             what,
             gpus_per_instance=self.gpus_per_instance,
             gpu_ids=self.gpu_ids,
-            start_timeout_s=self.start_timeout_s,
+            start_timeout_s=self.timeouts.start_s,
         )

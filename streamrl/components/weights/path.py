@@ -53,15 +53,11 @@ class WeightPath:
     verify_every: int | None = None
 
     def __post_init__(self) -> None:
-        if not self.bucket_mb > 0 or self.fanout < 1:
+        if not self.bucket_mb > 0 or self.fanout < 1 or (self.verify_every or 0) < 0:
             raise ConfigError(
-                f"WeightPath: need bucket_mb > 0 and fanout >= 1, got bucket_mb="
-                f"{float(self.bucket_mb)}, fanout={self.fanout}."
-            )
-        if self.verify_every is not None and self.verify_every < 0:
-            raise ConfigError(
-                f"WeightPath: verify_every must be null (the first version), 0 (none) or N >= 1, "
-                f"got {self.verify_every}."
+                "WeightPath: need bucket_mb > 0, fanout >= 1 and verify_every null (the first "
+                f"version), 0 (none) or N >= 1; got bucket_mb={float(self.bucket_mb)}, "
+                f"fanout={self.fanout}, verify_every={self.verify_every}."
             )
         make_transport(self.transport, where="WeightPath: transport")  # an unknown name fails
 

@@ -204,10 +204,6 @@ class MovableGenerator(Protocol):
         ``Request.progress``); keys it does not hold are ignored."""
         ...
 
-    def release_waiting(self, count: int) -> list[Request]:
-        """Take off the ``count`` waiting requests it would admit next."""
-        ...
-
     def reprioritize(self, costs: Mapping[tuple, float]) -> int:
         """Set new admission costs (``predicted_length``) of waiting requests by key."""
         ...

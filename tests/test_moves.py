@@ -83,7 +83,7 @@ def test_waiting_requests_leave_in_admission_order_and_the_rest_keep_theirs():
     queue.submit(
         [Request(p, [1], 16, predicted_length=n) for p, n in lengths.items()], context_length=32
     )
-    assert [r.prompt_id for r in queue.withdraw_next(2)] == ["b", "d"]
+    assert [r.prompt_id for r in queue.withdraw({("d", 0, 0), ("b", 0, 0)})] == ["b", "d"]
     assert queue.reprioritize({("a", 0, 0): 10.0}) == 1
     assert [r.prompt_id for r in queue.withdraw({("c", 0, 0)})] == ["c"]
     assert [req.prompt_id for req, _ in queue.admit(running=0, now=0.0)] == ["a"]

@@ -25,7 +25,6 @@ Examples:
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
 import math
 import warnings
@@ -181,14 +180,6 @@ def adapter_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 def adapter_names(model: torch.nn.Module) -> set[str]:
     """Names of ``model``'s LoRA parameters (empty when it has none)."""
     return {name for name, _ in model.named_parameters() if is_adapter(name)}
-
-
-def merged_copy(policy: torch.nn.Module) -> torch.nn.Module:
-    """``policy`` ready to save as a plain model: a copy with its LoRA adapters merged into the
-    base weights (``peft``'s ``merge_and_unload``), or ``policy`` itself when it has none."""
-    if not adapter_names(policy):
-        return policy
-    return copy.deepcopy(policy).merge_and_unload()
 
 
 def synced_weights(policy: torch.nn.Module) -> torch.nn.Module | dict[str, torch.Tensor]:

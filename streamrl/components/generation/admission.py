@@ -128,16 +128,6 @@ class AdmissionQueue:
         to another instance); the others keep their order."""
         return self._take(lambda req: req.key in keys)
 
-    def withdraw_next(self, count: int) -> list[Request]:
-        """Take out the ``count`` waiting requests that would be admitted next (work another
-        instance steals), in admission order; resuming turns stay."""
-        taken = []
-        while len(taken) < count and len(self._scheduler):
-            req = self._scheduler.pop()
-            self._submitted_s.pop(id(req), None)
-            taken.append(req)
-        return taken
-
     def reprioritize(self, costs: Mapping[tuple, float]) -> int:
         """Set the ``predicted_length`` of the waiting requests whose key is in ``costs`` (the
         planner's estimates, updated from their finished siblings) and queue them again under

@@ -226,11 +226,6 @@ class HFStreamGenerator(AdmittingGenerator):
                 self._release(running)
         return moved
 
-    def release_waiting(self, count: int) -> list[Request]:
-        """Take off the ``count`` waiting requests it would admit next (work another instance
-        steals)."""
-        return self.admission.withdraw_next(count)
-
     def reprioritize(self, costs: Mapping[tuple, float]) -> int:
         """New admission costs for waiting requests (``AdmissionQueue.reprioritize``)."""
         return self.admission.reprioritize(costs)

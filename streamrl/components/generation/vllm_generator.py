@@ -247,10 +247,6 @@ class VLLMStreamGenerator(AdmittingGenerator):
             moved.append(leaving(row))
         return moved
 
-    def release_waiting(self, count: int) -> list[Request]:
-        """Take off the ``count`` waiting requests it would admit next."""
-        return self.admission.withdraw_next(count)
-
     def reprioritize(self, costs: Mapping[tuple, float]) -> int:
         """New admission costs for waiting requests (``AdmissionQueue.reprioritize``)."""
         return self.admission.reprioritize(costs)

@@ -591,6 +591,7 @@ def test_the_reward_pool_section_is_reward_pools_arguments(fit, tmp_path, capsys
     )
     text = capsys.readouterr().out
     assert "  # its keys: RewardPool(specs, workers=1, timeout_s=60.0" in text
+    assert "  # its keys: Timeouts.for_model(model_bytes, max_tokens, start_s=None" in text
     path = tmp_path / "printed.yaml"
     path.write_text(text)
     assert fitted(fit, "--config", str(path)).rl.reward_pool == {"workers": 0, "max_restarts": 2}

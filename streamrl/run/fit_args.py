@@ -48,7 +48,10 @@ _FIT_ALIASES = {
 VERBOSE_HELP = "also show Lightning's information lines (accelerators found, tips) on stderr"
 #: Settings that hold one fixed component's constructor arguments (``--print_config=comments``
 #: lists them); the component is built from them in ``streamrl.run.parts``.
-CONSTRUCTOR_SECTIONS = {"reward_pool": "streamrl.rewards.pool.RewardPool"}
+CONSTRUCTOR_SECTIONS = {
+    "reward_pool": "streamrl.rewards.pool.RewardPool",
+    "timeouts": "streamrl.components.generation.timeouts.Timeouts.for_model",
+}
 #: What ``--print_config=FLAGS`` takes, comma-separated, as ``LightningCLI``'s.
 PRINT_FLAGS = ("comments", "skip_null")
 

@@ -225,15 +225,13 @@ def from_dict(cls: type, data: dict[str, Any], where: str) -> Any:
 
 def _convert(hint: Any, value: Any, where: str) -> Any:
     if dataclasses.is_dataclass(hint):
-        if not isinstance(value, dict) and hint.__module__ == RunConfig.__module__:
-            raise ConfigError(f"{where} must be a mapping of keys to values, got {value!r}.")
-        if not isinstance(value, dict):  # a component's arguments (rl.correction)
-            keys = ", ".join(f.name for f in dataclasses.fields(hint))
-            raise ConfigError(
-                f"{where} must be a mapping of {hint.__name__}'s arguments ({keys}), got "
-                f"{value!r} (streamrl config migrate OLD.yaml rewrites a file of an earlier "
-                "layout)."
-            )
+        if not isinstance(value, dict):
+            what, hint_text = "keys to values", ""
+            if hint.__module__ != RunConfig.__module__:  # a component's arguments (rl.weights)
+                keys = ", ".join(f.name for f in dataclasses.fields(hint))
+                what = f"{hint.__name__}'s arguments ({keys})"
+                hint_text = " (streamrl config migrate OLD.yaml rewrites an earlier layout)"
+            raise ConfigError(f"{where} must be a mapping of {what}, got {value!r}{hint_text}.")
         return from_dict(hint, value, where)
     args = typing.get_args(hint)
     if type(None) in args:  # X | None

@@ -42,7 +42,7 @@ from streamrl.protocols import AdmissionScheduler, Dispatcher, GenerationEngine,
 from streamrl.rewards.pool import RewardPool
 from streamrl.rewards.spec import RewardSpec
 from streamrl.run.config import RLConfig, RunConfig
-from streamrl.run.swappable import factory_and_args
+from streamrl.run.swappable import default_of, factory_and_args
 from streamrl.runtime.devices import Placement
 from streamrl.runtime.references import check_options, checked
 
@@ -183,8 +183,7 @@ def reward_pool(
 def reward_timeout_s(rl: RLConfig) -> float:
     """The most one reward call may take: ``rl.reward_pool``'s ``timeout_s``, else
     ``RewardPool``'s default (the held-out evaluation scores under it too)."""
-    default = inspect.signature(RewardPool).parameters["timeout_s"].default
-    return float(rl.reward_pool.get("timeout_s", default))
+    return float(rl.reward_pool.get("timeout_s", default_of(RewardPool, "timeout_s")))
 
 
 def build_run_algorithm(rl: RLConfig, hidden_size: int) -> Algorithm:

@@ -71,8 +71,12 @@ def init_arg(key: str, value: str | Mapping[str, Any], name: str) -> Any:
     ``init_args`` value, else the constructor's default (``None`` where it has none), e.g. the
     algorithm's ``kl_coef``, which says whether a reference policy is kept."""
     factory, args = factory_and_args(key, value)
-    if name in args:
-        return args[name]
+    return args[name] if name in args else default_of(factory, name)
+
+
+def default_of(factory: Any, name: str) -> Any:
+    """The default of ``factory``'s argument ``name`` (``None`` where it has none): the one
+    place a section's unset argument is read from."""
     parameter = inspect.signature(factory).parameters.get(name)
     if parameter is None or parameter.default is inspect.Parameter.empty:
         return None

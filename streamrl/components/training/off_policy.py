@@ -101,10 +101,10 @@ class OffPolicyCorrection:
                 f"{self.is_cap}."
             )
         given = {k for k in ("low", "high", "delta") if getattr(self, k) is not None}
-        takes = MASKS.get(self.method or "decoupled", {})
+        takes = MASKS.get(self.name, {})
         if given - set(takes):
             raise ConfigError(
-                f"OffPolicyCorrection: method {self.method or 'decoupled'!r} takes no "
+                f"OffPolicyCorrection: method {self.name!r} takes no "
                 f"{', '.join(sorted(given - set(takes)))}; its thresholds: "
                 f"{', '.join(takes) or 'none'} (docs/algorithms.md)."
             )

@@ -206,7 +206,7 @@ def fit_config(work: Path, device: str) -> Path:
             "temperature": 1.0,
             "max_tokens": 512 if cuda else 32,
             "eval_max_tokens": 32,
-            "max_tokens_per_micro_batch": 8400,
+            "micro_batches": {"max_tokens": 8400},
             "reward": "gpu_check_reward:varied",
             "reward_pool": {"workers": 0},
             "correction": {"engine_gap": True},

@@ -6,7 +6,8 @@ The main names are importable from here (loaded on first use, so the command lin
   (§5.2), ``SkewAwareDispatcher`` (§5.3, Algorithm 2), ``LPTScheduler``, ``FIFOScheduler``;
 - the trainer side: ``PromptSource``, ``RolloutStream`` (scored groups as they stream in, §4.1),
   the algorithms (``GRPO``, ``DAPO``, ``RLOO``, ``ReinforcePlusPlus``, ``PPO``, ``Algorithm``),
-  and the correction of tokens the policy did not sample (``OffPolicyCorrection``);
+  the micro-batches they train on (``DynamicBatchPipeline``, §4.1) and the correction of tokens
+  the policy did not sample (``OffPolicyCorrection``);
 - the builders every run goes through: ``build_module``, ``build_trainer``, ``make_logger``,
   ``measure_latency`` (``streamrl.training.builders``), and ``RunParts`` for a config's objects;
 - a policy to start from and to save: ``load_policy``, ``save_policy``,
@@ -42,6 +43,7 @@ _EXPORTS = {
     "RolloutStream": "streamrl.training.rollout",
     "StreamRLModule": "streamrl.training.module",
     "OffPolicyCorrection": "streamrl.components.training.off_policy",
+    "DynamicBatchPipeline": "streamrl.components.training.pipeline",
     "Algorithm": "streamrl.algorithms",
     "GRPO": "streamrl.algorithms",
     "DAPO": "streamrl.algorithms",

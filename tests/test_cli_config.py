@@ -526,7 +526,7 @@ def test_a_config_of_the_old_layout_is_refused_in_one_line_and_migrates(fit, tmp
     by_hand = tmp_path / "new.yaml"
     by_hand.write_text(
         "seed: 3\nrl:\n  dispatcher: {class_path: skew, init_args: {alpha: 0.3}}\n"
-        "  engine: hf\n  max_tokens_per_micro_batch: 512\n"
+        "  engine: hf\n  micro_batches: {max_tokens: 512}\n"
     )
     assert fitted(fit, "--config", str(migrated)) == fitted(fit, "--config", str(by_hand))
     assert main(["config", "migrate", str(migrated), "-o", str(tmp_path / "again.yaml")]) == 0

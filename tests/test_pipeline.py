@@ -65,6 +65,34 @@ def accumulated_grads(policy, groups, max_tokens: int) -> dict[str, torch.Tensor
     return {n: p.grad.clone() for n, p in policy.named_parameters()}
 
 
+def test_the_module_links_in_what_the_pipeline_leaves_unset(tokenizer):
+    """A pipeline given without a staleness bound or a layout takes the module's: its mode's
+    bound and the layout its policy's attention trains fastest; what it was given it keeps, and
+    a bound below the mode's is refused (it would drop the samples the mode trains on)."""
+    from streamrl.policy.varlen_attention import register
+
+    policy = build_tiny_model(tokenizer, "test", seed=0)  # SDPA: padded rows are faster
+
+    def linked(mode: str, pipeline: DynamicBatchPipeline) -> tuple:
+        module = StreamRLModule(
+            policy, GRPO(group_size=4), _NoRollouts(), 1, mode=mode, pipeline=pipeline
+        )
+        assert module.pipeline is pipeline
+        return pipeline.staleness_bound, pipeline.packed, module.layout
+
+    assert linked("async", DynamicBatchPipeline(64)) == (1, False, "padded")
+    assert linked("sync", DynamicBatchPipeline(64, packed=True)) == (0, True, "packed")
+    policy.config._attn_implementation = register()  # attends within each packed sample
+    assert linked("sync", DynamicBatchPipeline(64)) == (0, True, "packed")
+    assert linked("async", DynamicBatchPipeline(64, staleness_bound=2, packed=False)) == (
+        2,
+        False,
+        "padded",
+    )
+    with pytest.raises(ValueError, match="staleness_bound is 0: it would drop them"):
+        linked("async", DynamicBatchPipeline(64, staleness_bound=0))
+
+
 def test_arrival_order_does_not_change_the_update(tokenizer):
     policy = build_tiny_model(tokenizer, "test", seed=0)
     groups = make_groups(6, 4, seed=1)

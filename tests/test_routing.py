@@ -324,7 +324,7 @@ def test_the_trainer_trains_on_the_bf16_generators_experts_token_by_token(layout
     counted before the replay; with replay off the routers choose, and it is still logged."""
     from streamrl.algorithms import GRPO
     from streamrl.components.training.layout import layout_batch
-    from streamrl.components.training.pipeline import MicroBatch
+    from streamrl.components.training.pipeline import DynamicBatchPipeline, MicroBatch
     from streamrl.training.module import StreamRLModule
 
     samples, policy = _moe_samples(torch.bfloat16)
@@ -332,7 +332,8 @@ def test_the_trainer_trains_on_the_bf16_generators_experts_token_by_token(layout
     recorded = expected[:, 0, 0] >= 0
     mismatches = {}
     for replay in (True, False):
-        options = dict(temperature=1.0, layout=layout, routing_replay=replay)
+        pipeline = DynamicBatchPipeline(packed=layout == "packed")
+        options = dict(temperature=1.0, pipeline=pipeline, routing_replay=replay)
         module = StreamRLModule(policy, GRPO(group_size=2), None, 1, **options)
         with RoutingRecorder(policy) as seen:
             module.loss_inputs(MicroBatch(samples, [1.0] * len(samples)))

@@ -51,6 +51,7 @@ from streamrl.components.generation.speculative import SpeculativeDecoding
 from streamrl.components.skewness.adaptive import AdaptiveDispatcher
 from streamrl.components.skewness.ranker import LengthRanker
 from streamrl.components.skewness.schedulers import LPTScheduler
+from streamrl.components.training.pipeline import DynamicBatchPipeline
 from streamrl.components.weights.path import WeightPath
 from streamrl.errors import ConfigError
 from streamrl.policy.models import load_policy
@@ -158,7 +159,7 @@ def run_mode(
             iterations=steps,
             lr=1e-5,
             mode=mode,
-            max_tokens_per_micro_batch=settings.max_tokens_per_micro_batch,
+            pipeline=DynamicBatchPipeline(settings.max_tokens_per_micro_batch),
             staleness_bound=variant.staleness_bound,
         )
         accelerator = "gpu" if on_gpu else "cpu"

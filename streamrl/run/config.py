@@ -226,16 +226,17 @@ class RLConfig:
             with the engine, chat handling and reward of training (docs/evaluation.md).
         temperature: sampling temperature of the generators.
         max_tokens: generation budget per sample (capped by the context).
-        max_tokens_per_micro_batch: the most tokens (prompt + completion) one forward/backward
-            pass of the trainer takes: a ceiling no micro-batch exceeds; a longer sample forms
-            its own micro-batch. Padded tokens count when micro-batches are padded.
-        pack_sequences: ``true``: a micro-batch's samples end to end in one row, without
-            padding (``streamrl.components.training.layout``); ``false``: padded rows;
-            ``null`` (default): packed, the trainer's attention attending within each sample
-            without a mask (``streamrl.policy.varlen_attention``; flash-attention on CUDA when
-            installed): 1.4x padded rows' tokens/s on the demo's micro-batches, 12x on a
-            long-tailed one (``streamrl bench packing``).
-        min_samples: samples gathered before an iteration's first backward pass.
+        micro_batches: how streamed samples become the trainer's micro-batches,
+            ``DynamicBatchPipeline``'s arguments (``streamrl.components.training.pipeline``;
+            the staleness bound linked in from ``mode``; ``{}``: its defaults): ``max_tokens``,
+            the most tokens (prompt + completion) one forward/backward pass takes, a ceiling no
+            micro-batch exceeds (a longer sample forms its own; padded tokens count when rows
+            are padded); ``min_samples``, samples gathered before an iteration's first backward
+            pass; ``packed``: unset or ``true``, a micro-batch's samples go end to end in one
+            row, the trainer's attention attending within each sample without a mask
+            (``streamrl.policy.varlen_attention``; flash-attention on CUDA when installed): 1.4x
+            padded rows' tokens/s on the demo's micro-batches, 12x on a long-tailed one
+            (``streamrl bench packing``); ``false``: padded rows.
         dispatcher: which instance gets which prompt: ``"skew"`` (Algorithm 2 on predicted
             lengths, §5.3), ``"adaptive"`` (length distributions, group context, moves
             mid-flight: ``AdaptiveDispatcher``), ``"round_robin"``, ``"random"`` or your
@@ -297,9 +298,7 @@ class RLConfig:
     eval_max_tokens: int | None = None
     temperature: float = 0.7
     max_tokens: int = 64
-    max_tokens_per_micro_batch: int = 1024
-    pack_sequences: bool | None = None
-    min_samples: int = 1
+    micro_batches: dict[str, Any] = field(default_factory=dict)
     dispatcher: str | dict[str, Any] = "skew"
     scheduler: str | dict[str, Any] = "lpt"
     length_predictor: str | dict[str, Any] | None = "ranker"

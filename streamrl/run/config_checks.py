@@ -12,11 +12,13 @@ import os
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 from streamrl.components.generation.clusters import LocalCluster, make_cluster
 from streamrl.components.generation.engines import VLLMEngine
 from streamrl.components.generation.timeouts import Timeouts
 from streamrl.components.training.off_policy import OffPolicyCorrection
+from streamrl.components.training.pipeline import DynamicBatchPipeline
 from streamrl.errors import ConfigError, unknown_name
 from streamrl.policy.model_dir import check_model_dir
 from streamrl.rewards.spec import RewardSpec, check_reward_packages
@@ -199,6 +201,22 @@ def check_trainer(config: RunConfig) -> None:
         )
 
 
+def check_micro_batches(options: dict[str, Any]) -> None:
+    """``rl.micro_batches``: ``DynamicBatchPipeline``'s arguments, but for the staleness bound,
+    which the run links in from ``rl.mode``; raises ``ConfigError``."""
+    where = "rl.micro_batches"
+    if "staleness_bound" in options:
+        raise ConfigError(
+            f"{where}: staleness_bound follows rl.mode (0 in sync mode); set "
+            "rl.staleness_bound for async mode instead."
+        )
+    check_options(DynamicBatchPipeline, options, where=where)  # a misspelled one
+    try:
+        DynamicBatchPipeline(**options)
+    except (TypeError, ValueError) as err:
+        raise ConfigError(f"{where}: {err}") from None
+
+
 def check_rl(rl: RLConfig) -> None:
     """Check the RL section; raises ``ConfigError``."""
     if rl.mode not in ("sync", "async", "colocated"):
@@ -210,8 +228,6 @@ def check_rl(rl: RLConfig) -> None:
         generators=rl.generators,
         max_batch_size=rl.max_batch_size,
         max_tokens=rl.max_tokens,
-        max_tokens_per_micro_batch=rl.max_tokens_per_micro_batch,
-        min_samples=rl.min_samples,
         ranker_refresh_every=rl.ranker_refresh_every,
     )
     for name, value in positive.items():
@@ -231,6 +247,7 @@ def check_rl(rl: RLConfig) -> None:
             f"rl.sites names {len(rl.sites)} sites for rl.generators={rl.generators} instances; "
             "give one site per generator, or none."
         )
+    check_micro_batches(rl.micro_batches)
     check_options(Timeouts.for_model, rl.timeouts, where="rl.timeouts")  # a misspelled one
     try:  # a timeout <= 0 is its ConfigError
         Timeouts.for_model(0.0, rl.max_tokens, **rl.timeouts)

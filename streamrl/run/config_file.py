@@ -46,6 +46,10 @@ FOLDED_KEYS: dict[str, tuple[str, str, str]] = {
     "verify_weights_every": ("weights", "verify_every", "WeightPath"),
     "clip_eps": ("algorithm", "clip_eps", "every Algorithm"),
     "kl_coef": ("algorithm", "kl_coef", "every Algorithm"),
+    "max_tokens_per_micro_batch": ("micro_batches", "max_tokens", "DynamicBatchPipeline"),
+    "token_budget": ("micro_batches", "max_tokens", "DynamicBatchPipeline"),
+    "pack_sequences": ("micro_batches", "packed", "DynamicBatchPipeline"),
+    "min_samples": ("micro_batches", "min_samples", "DynamicBatchPipeline"),
 }
 
 
@@ -72,7 +76,6 @@ def _new_place(section: str, name: str, owner: str) -> str:
 MOVED_KEYS: dict[type, dict[str, str]] = {
     RLConfig: {
         "trainer_ranks": "trainer.devices (trainer processes on the CPU, GPUs on CUDA)",
-        "token_budget": "rl.max_tokens_per_micro_batch (now a ceiling no micro-batch exceeds)",
         "max_generators": "rl.elastic's init_args: {max_instances: N} (ElasticController)",
         **{key: _new_place(*place) for key, place in FOLDED_KEYS.items()},
     },
@@ -103,7 +106,7 @@ LIGHTNING_TRAINER_ARGS: dict[str, str] = {
     "check_val_every_n_epoch": "set rl.eval_every (iterations between held-out evaluations)",
     "enable_checkpointing": "set rl.checkpoint_every (0: a checkpoint only at the end)",
     "enable_progress_bar": "pass --no-progress to draw no progress bars",
-    "accumulate_grad_batches": "set rl.max_tokens_per_micro_batch (all micro-batches of an "
+    "accumulate_grad_batches": "set rl.micro_batches' max_tokens (all micro-batches of an "
     "iteration accumulate into its one optimizer step)",
     "strategy": "set trainer.devices (several devices shard the policy with FSDP2)",
     "gradient_clip_val": "leave it out: gradients are clipped at norm 1.0",

@@ -53,7 +53,6 @@ from streamrl.runtime.references import from_name_layout
 #: Keys that moved, as ``(section, key)`` -> ``(section, key)``; the value moves unchanged.
 RENAMED = {
     ("rl", "trainer_ranks"): ("trainer", "devices"),
-    ("rl", "token_budget"): ("rl", "max_tokens_per_micro_batch"),
 }
 
 

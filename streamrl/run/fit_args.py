@@ -51,6 +51,7 @@ VERBOSE_HELP = "also show Lightning's information lines (accelerators found, tip
 CONSTRUCTOR_SECTIONS = {
     "reward_pool": "streamrl.rewards.pool.RewardPool",
     "timeouts": "streamrl.components.generation.timeouts.Timeouts.for_model",
+    "micro_batches": "streamrl.components.training.pipeline.DynamicBatchPipeline",
 }
 #: What ``--print_config=FLAGS`` takes, comma-separated, as ``LightningCLI``'s.
 PRINT_FLAGS = ("comments", "skip_null")

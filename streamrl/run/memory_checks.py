@@ -31,10 +31,11 @@ from streamrl.components.capacity.memory import (
     trainer_knob,
     trainer_memory,
 )
+from streamrl.components.training.pipeline import DynamicBatchPipeline
 from streamrl.errors import ConfigError
 from streamrl.policy.models import SHAPES, model_config
 from streamrl.run.config import RunConfig
-from streamrl.run.swappable import init_arg
+from streamrl.run.swappable import default_of, init_arg
 from streamrl.runtime import devices
 from streamrl.runtime.devices import Placement
 
@@ -57,7 +58,7 @@ class MemoryPlanOptions:
         max_tokens: a response's budget (rl.max_tokens).
         prompt_tokens: a prompt's tokens.
         micro_batch_tokens: tokens of one forward/backward pass
-            (rl.max_tokens_per_micro_batch); null: one whole sample.
+            (rl.micro_batches' max_tokens); null: one whole sample.
         lora_r: LoRA rank (rl.lora.r); 0: full fine-tuning.
         kl: a KL reference (the algorithm's kl_coef > 0).
         activation_checkpointing: each decoder layer recomputed in the backward pass.
@@ -135,11 +136,12 @@ def check_memory(config: RunConfig, placement: Placement) -> None:
     if placement.accelerator != "cuda":
         return
     sequence = _sequence_tokens(config, model)
+    ceiling = rl.micro_batches.get("max_tokens", default_of(DynamicBatchPipeline, "max_tokens"))
     activation_checkpointing = trainer.activation_checkpointing is not False
     estimate = trainer_memory(
         shape,
         placement.ranks,
-        max(rl.max_tokens_per_micro_batch, sequence),
+        max(ceiling, sequence),
         lora_params=adapters,
         reference=(init_arg("algorithm", rl.algorithm, "kl_coef") or 0) > 0,
         activation_checkpointing=activation_checkpointing,

@@ -42,6 +42,7 @@ from transformers import PreTrainedModel
 
 from streamrl.algorithms.base import Algorithm
 from streamrl.components.capacity.elastic import ElasticController
+from streamrl.components.training.pipeline import DynamicBatchPipeline
 from streamrl.components.training.sharding import compute_dtype
 from streamrl.components.weights.transport import LOOPBACK, local_interfaces, make_store
 from streamrl.errors import TrainerRankError
@@ -154,9 +155,9 @@ class RankSetup:
         Trained weights are float32 masters; a LoRA policy's base, which never trains, is built
         in the compute dtype (bfloat16 under ``bf16-mixed``) with float32 adapters. Its attention
         attends within each sample of a packed micro-batch (``varlen_attention.attention_for``),
-        unless ``rl.pack_sequences: false``."""
+        unless ``rl.micro_batches: {packed: false}``."""
         dtype = torch.float32 if self.lora is None else compute_dtype(self.placement.precision)
-        packs = self.training[0].pack_sequences is not False
+        packs = self.training[0].micro_batches.get("packed") is not False
         attention = attention_for(self.placement.accelerator) if packs else None
         return self.trainable(empty_model(model_dir, dtype, attention))
 
@@ -181,9 +182,7 @@ class RankSetup:
             mode=rl.mode,
             lr=rl.lr,
             temperature=rl.temperature,
-            max_tokens_per_micro_batch=rl.max_tokens_per_micro_batch,
-            layout={True: "packed", False: "padded", None: None}[rl.pack_sequences],
-            min_samples=rl.min_samples,
+            pipeline=DynamicBatchPipeline(**rl.micro_batches),
             staleness_bound=rl.staleness_bound,
             correction=run_correction(rl),
             routing_replay=run_routing_replay(rl),

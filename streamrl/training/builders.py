@@ -33,7 +33,6 @@ from streamrl.algorithms.base import Algorithm
 from streamrl.components.capacity.elastic import ElasticController
 from streamrl.components.skewness.latency import LatencyModel
 from streamrl.components.skewness.profiler import Profiler
-from streamrl.components.training.layout import Layout, layout_for
 from streamrl.components.training.off_policy import OffPolicyCorrection
 from streamrl.components.training.pipeline import DynamicBatchPipeline
 from streamrl.components.training.reference import reference_policy
@@ -73,9 +72,7 @@ def build_module(
     mode: Mode = "sync",
     lr: float = 1e-4,
     temperature: float | None = None,
-    max_tokens_per_micro_batch: int = 1024,
-    layout: Layout | None = None,
-    min_samples: int = 1,
+    pipeline: DynamicBatchPipeline | None = None,
     staleness_bound: int | None = None,
     correction: OffPolicyCorrection | None = None,
     routing_replay: bool | None = None,
@@ -106,11 +103,9 @@ def build_module(
         lr: AdamW learning rate.
         temperature: the generators' sampling temperature; by default the service's (given
             once); required without ``rollouts``.
-        max_tokens_per_micro_batch: the most tokens one forward/backward pass takes (a
-            ceiling; a longer sample trains alone).
-        layout: ``"packed"`` (samples end to end, no padding) or ``"padded"`` micro-batches;
-            ``None``: the faster one for the policy's attention implementation (``layout_for``).
-        min_samples: samples gathered before an iteration's first backward pass.
+        pipeline: how streamed samples become micro-batches (``DynamicBatchPipeline``: the
+            token ceiling of one forward/backward pass, samples gathered before the first,
+            packed or padded rows); what it leaves unset is linked in (``StreamRLModule``).
         staleness_bound: async only: iterations generated ahead, k >= 1 (default 1, the
             paper's one-step mode); no trained token is more than k versions old.
         correction: how tokens the policy did not sample are corrected (``OffPolicyCorrection``:
@@ -158,13 +153,6 @@ def build_module(
             "sharded by FSDP), and bf16-mixed training is sharded: train it on one rank with "
             "precision '32-true'."
         )
-    layout = layout or layout_for(policy)
-    pipeline = DynamicBatchPipeline(
-        max_tokens_per_micro_batch,
-        min_samples=min_samples,
-        staleness_bound=bound,
-        packed=layout == "packed",
-    )
     reference = reference_policy(policy, algorithm.needs_reference, precision)
     if activation_checkpointing:  # before fully_shard, as FSDP2 expects
         enable_activation_checkpointing(policy)
@@ -178,7 +166,6 @@ def build_module(
         staleness_bound=bound,
         correction=correction,
         routing_replay=routing_replay,
-        layout=layout,
         logprob_chunk_tokens=logprob_chunk_tokens,
     )
     if sharded:

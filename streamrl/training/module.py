@@ -88,8 +88,11 @@ class StreamRLModule(L.LightningModule):
             k trains, and the weight transfer overlaps the next step) or ``"colocated"`` (the
             baseline of §7: generation and training time-share the cores, one after the other:
             all samples first, then training with every core).
-        pipeline: micro-batching and staleness policy; by default a token budget of 1024 and a
-            staleness bound of 0 (sync) or 1 (async).
+        pipeline: micro-batching and staleness policy (``DynamicBatchPipeline``; ``None``: its
+            defaults, a ceiling of 1024 tokens); what it leaves unset is linked in here: the
+            staleness bound of ``mode`` and the layout the policy's attention trains fastest:
+            ``"packed"`` (samples end to end in one row, no padding) under a variable-length
+            attention, else ``"padded"`` (``streamrl.components.training.layout.layout_for``).
         trace: records spans for the timeline (bounded); the rollouts' recorder if ``None``.
         elastic: decides after each iteration whether generation needs another instance
             (§4.2); the service adds it while training goes on.
@@ -100,10 +103,6 @@ class StreamRLModule(L.LightningModule):
             compute in float32, decided when training starts) every token
             (``streamrl.components.training.off_policy.OffPolicyCorrection``; ``None``: its
             defaults, decoupled PPO with the ratio truncated at 2).
-        layout: how a micro-batch goes through the forward pass: ``"packed"`` (samples end to
-            end in one row, no padding) or ``"padded"`` (``streamrl.components.training.
-            layout``); ``None``: the faster one for the policy's attention (``layout_for``).
-            The pipeline's ceiling counts the same tokens.
         logprob_chunk_tokens: completion tokens per chunk of the LM head
             (``streamrl.policy.logprobs``); ``None``: 64M logits per chunk.
         routing_replay: a mixture-of-experts policy computes each token on the experts its
@@ -130,7 +129,6 @@ class StreamRLModule(L.LightningModule):
         elastic: ElasticController | None = None,
         staleness_bound: int | None = None,
         correction: OffPolicyCorrection | None = None,
-        layout: Layout | None = None,
         logprob_chunk_tokens: int | None = None,
         routing_replay: bool | None = None,
     ) -> None:
@@ -158,8 +156,12 @@ class StreamRLModule(L.LightningModule):
         # Not a submodule: Lightning neither moves it (it may be sharded, or offloaded) nor
         # checkpoints it (it is the starting policy, rebuilt on resume).
         self.reference: ReferencePolicy | None = reference
-        layout = layout or layout_for(policy)
-        self.layout, self.logprob_chunk_tokens = layout, logprob_chunk_tokens
+        self.pipeline = pipeline or DynamicBatchPipeline()
+        self.pipeline.link(bound, packed=layout_for(policy) == "packed")
+        #: How a micro-batch goes through the forward pass; the pipeline's ceiling counts the
+        #: same tokens.
+        self.layout: Layout = "padded" if self.pipeline.packed is False else "packed"
+        self.logprob_chunk_tokens = logprob_chunk_tokens
         self.iterations, self.lr, self.max_grad_norm = iterations, lr, max_grad_norm
         self.weight_version, self.temperature, self.mode = 0, temperature, mode
         self.staleness_bound = bound
@@ -173,15 +175,6 @@ class StreamRLModule(L.LightningModule):
             )
         #: Replays (or, off, measures) the generators' expert choices; ``None`` if dense.
         self.routing = RoutingReplay(policy, check=self.routing_replay) if moe else None
-        self.pipeline = pipeline or DynamicBatchPipeline(
-            staleness_bound=bound, packed=layout == "packed"
-        )
-        if self.pipeline.staleness_bound < bound:
-            raise ValueError(
-                f"mode={mode!r} trains samples up to {bound} weight version(s) old, but the "
-                f"pipeline's staleness_bound is {self.pipeline.staleness_bound}: it would drop "
-                "them. Leave pipeline unset or give it that bound."
-            )
         if trace is None:
             trace = rollouts.trace if rollouts is not None else TraceRecorder()
         self.trace = trace

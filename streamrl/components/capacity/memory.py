@@ -190,8 +190,8 @@ def trainer_memory(
     Args:
         shape: the model.
         ranks: trainer ranks sharding it (FSDP2).
-        micro_batch_tokens: tokens of one forward/backward pass (``rl.max_tokens_per_micro_batch``,
-            or one whole sample when it is longer).
+        micro_batch_tokens: tokens of one forward/backward pass (``rl.micro_batches``'
+            ``max_tokens``, or one whole sample when it is longer).
         lora_params: trained adapter parameters (0: full fine-tuning).
         reference: a frozen KL reference (the algorithm's ``kl_coef > 0``; none under LoRA).
         activation_checkpointing: each layer recomputed in the backward pass.
@@ -237,7 +237,7 @@ def trainer_knob(memory: TrainerMemory, ranks: int, activation_checkpointing: bo
     if memory.activations >= states:
         if not activation_checkpointing:
             return "set trainer.activation_checkpointing: true"
-        return "lower rl.max_tokens_per_micro_batch (activations grow with its tokens)"
+        return "lower rl.micro_batches' max_tokens (activations grow with its tokens)"
     return (
         f"add trainer ranks (trainer.devices, now {ranks}: the weights, gradients and AdamW "
         "state are sharded over them) or train LoRA adapters (rl.lora)"

@@ -58,9 +58,12 @@ class DynamicBatchPipeline:
             ``packed``, rows x longest otherwise); a sample longer than it trains alone.
         min_samples: samples to gather before the first backward pass of an iteration.
         staleness_bound: the most weight versions a trained sample may lag the trainer by:
-            0 is synchronous RL, 1 is StreamRL's one-step asynchronous mode.
+            0 is synchronous RL, 1 is StreamRL's one-step asynchronous mode. ``None``: the
+            trainer's, linked in from its mode (``StreamRLModule``; 0 for a pipeline used alone).
         packed: micro-batches are packed (``layout.layout_batch(..., "packed")``); ``False``
-            counts padding and buckets samples by length.
+            counts padding and buckets samples by length. ``None``: the layout the policy's
+            attention trains fastest, linked in by ``StreamRLModule`` (``layout.layout_for``;
+            packed for a pipeline used alone).
 
     Examples:
         >>> pipe = DynamicBatchPipeline(max_tokens=4096, staleness_bound=1)
@@ -74,10 +77,10 @@ class DynamicBatchPipeline:
         max_tokens: int = 1024,
         *,
         min_samples: int = 1,
-        staleness_bound: int = 0,
-        packed: bool = True,
+        staleness_bound: int | None = None,
+        packed: bool | None = None,
     ) -> None:
-        if max_tokens < 1 or min_samples < 1 or staleness_bound < 0:
+        if max_tokens < 1 or min_samples < 1 or (staleness_bound or 0) < 0:
             raise ValueError(
                 "DynamicBatchPipeline: need max_tokens >= 1, min_samples >= 1 and "
                 f"staleness_bound >= 0, got {max_tokens}, {min_samples}, {staleness_bound}."
@@ -87,9 +90,28 @@ class DynamicBatchPipeline:
         self.staleness: list[int] = []  # per trained sample, this iteration
         self.dropped_stale = 0  # over the run
 
+    def link(self, staleness_bound: int, packed: bool) -> None:
+        """Fill in what the trainer knows and this pipeline was not given: the staleness bound
+        of its training mode (§4.1) and the layout its policy's attention trains fastest.
+
+        Raises:
+            ValueError: a given ``staleness_bound`` below the trainer's: the pipeline would
+                drop the samples the mode is meant to train on.
+        """
+        if self.staleness_bound is None:
+            self.staleness_bound = staleness_bound
+        elif self.staleness_bound < staleness_bound:
+            raise ValueError(
+                f"the trainer's mode trains samples up to {staleness_bound} weight version(s) "
+                f"old, but the pipeline's staleness_bound is {self.staleness_bound}: it would "
+                "drop them. Leave staleness_bound unset (the mode's) or give it that bound."
+            )
+        if self.packed is None:
+            self.packed = packed
+
     def cost(self, micro: MicroBatch) -> int:
         """Tokens ``micro`` costs a forward pass (what ``max_tokens`` caps)."""
-        return micro.tokens if self.packed else micro.padded_tokens
+        return micro.padded_tokens if self.packed is False else micro.tokens
 
     def micro_batches(
         self, groups: Iterable[ScoredGroup], trainer_version: int
@@ -131,7 +153,7 @@ class DynamicBatchPipeline:
         for group in groups:
             for sample, advantage in zip(group.samples, group.advantages):
                 lag = trainer_version - sample.weight_version
-                if lag > self.staleness_bound:
+                if lag > (self.staleness_bound or 0):
                     self.dropped_stale += 1
                     continue
                 self.staleness.append(lag)
@@ -156,7 +178,7 @@ class DynamicBatchPipeline:
     ) -> None:
         """Put ``sample`` in its bucket; a bucket it would overflow is ready first, and a
         bucket that is exactly full is ready after."""
-        key = 0 if self.packed else (sample_tokens(sample) - 1).bit_length()
+        key = (sample_tokens(sample) - 1).bit_length() if self.packed is False else 0
         bucket = buckets.setdefault(key, MicroBatch())
         bucket.add(sample, advantage)
         if self.cost(bucket) > self.max_tokens and len(bucket.samples) > 1:

@@ -27,6 +27,7 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 
 from streamrl import load_config, reasoning_gym_dataset, run_fit
+from streamrl.eval.schedule import EvalSchedule
 from streamrl.run.notebook import notebook_settings, repo_file
 
 SMALL, OUT = notebook_settings()  # STREAMRL_NOTEBOOK_BUDGET=small|full, STREAMRL_NOTEBOOK_OUT
@@ -47,7 +48,7 @@ if __name__ == "__main__":
 # ## Warm start, then RL
 #
 # `run_fit` checks every input, learns a character tokenizer from the training rows, runs the
-# SFT warm start (cached), evaluates, trains, and evaluates again every `rl.eval_every`
+# SFT warm start (cached), evaluates, trains, and evaluates again every `rl.eval.every`
 # iterations with the task's verifier.
 #
 # The generator and reward workers are **spawned** processes, which first import the script that
@@ -59,7 +60,8 @@ if __name__ == "__main__":
     config.output_dir = str(OUT / "07_run")
     if SMALL:  # a quick pass through every stage
         config.data.n_train, config.data.n_heldout, config.sft.steps = 128, 32, 30
-        config.rl.iterations, config.rl.prompts_per_iteration, config.rl.eval_every = 3, 8, 1
+        config.rl.iterations, config.rl.prompts_per_iteration = 3, 8
+        config.rl.eval = EvalSchedule(every=1)
     summary = run_fit(config, show_progress=not SMALL)
     before, after = summary["heldout_by_task_before"], summary["heldout_by_task_after"]
     print(json.dumps({k: summary[k] for k in ("heldout_reward_before", "heldout_reward_after")}))

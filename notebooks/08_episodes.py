@@ -27,6 +27,7 @@ import matplotlib.pyplot as plt
 from streamrl import load_config, load_policy, run_fit
 from streamrl.envs.demos import demo_tokens
 from streamrl.envs.tool_tasks import CalculatorEnv, calculator_demonstration, calculator_rows
+from streamrl.eval.schedule import EvalSchedule
 from streamrl.run.notebook import notebook_settings, repo_file
 
 SMALL, OUT = notebook_settings()  # STREAMRL_NOTEBOOK_BUDGET=small|full, STREAMRL_NOTEBOOK_OUT
@@ -50,7 +51,7 @@ if __name__ == "__main__":
             config.env.n_train, config.env.n_heldout = 64, 16
             config.sft.model_size, config.sft.steps = "test", 20
             config.rl.iterations, config.rl.prompts_per_iteration = 2, 4
-            config.rl.eval_every = 1
+            config.rl.eval = EvalSchedule(every=1)
         summaries[task] = run_fit(config, show_progress=not SMALL)
         keys = ("heldout_success_before", "heldout_success_after", "prefill_saved", "turns")
         print(task, json.dumps({k: summaries[task][k] for k in keys}))

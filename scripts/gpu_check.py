@@ -205,7 +205,7 @@ def fit_config(work: Path, device: str) -> Path:
             "max_batch_size": 8,
             "temperature": 1.0,
             "max_tokens": 512 if cuda else 32,
-            "eval_max_tokens": 32,
+            "eval": {"max_tokens": 32},
             "micro_batches": {"max_tokens": 8400},
             "reward": "gpu_check_reward:varied",
             "reward_pool": {"workers": 0},

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from streamrl.errors import ConfigError
+from streamrl.eval.schedule import EvalSchedule
 from streamrl.run.config import RunConfig
 from streamrl.run.config_checks import placement_of
 from streamrl.run.config_file import load_config
@@ -82,14 +83,20 @@ def test_missing_model_directory(tmp_path):
         prepare_run(config)
 
 
-@pytest.mark.parametrize("field", ["max_tokens", "eval_max_tokens"])
+@pytest.mark.parametrize("field", ["max_tokens", "eval.max_tokens"])
 def test_a_token_budget_past_the_context_is_refused_before_any_work(field):
-    config = RunConfig()
-    setattr(config.rl, field, 100000)  # the tiny policy's context is 256 tokens
+    def budget(tokens: int) -> RunConfig:
+        config = RunConfig()
+        if field == "max_tokens":
+            config.rl.max_tokens = tokens
+        else:
+            config.rl.eval = EvalSchedule(max_tokens=tokens)
+        return config
+
+    # the tiny policy's context is 256 tokens
     with pytest.raises(ConfigError, match=f"rl.{field}: 100000 new tokens do not fit .* 256"):
-        prepare_run(config)
-    setattr(config.rl, field, 200)
-    prepare_run(config)
+        prepare_run(budget(100000))
+    prepare_run(budget(200))
 
 
 def test_prompt_longer_than_context(tmp_path):
@@ -158,6 +165,11 @@ def test_duplicate_prompt_ids_name_the_line(tmp_path):
         ("rl:\n  micro_batches: {max_token: 64}\n", r"micro_batches: .*did you mean 'max_tokens'"),
         ("rl:\n  micro_batches: {min_samples: 0}\n", r"rl.micro_batches: .*min_samples >= 1"),
         ("rl:\n  micro_batches: {staleness_bound: 2}\n", r"set rl.staleness_bound"),
+        ("rl:\n  eval_every: 5\n", r"eval_every has moved: set rl.eval.every \(rl.eval holds Eval"),
+        ("rl:\n  eval: {every: -1}\n", r"EvalSchedule: need every >= 0 .* got every=-1"),
+        ("rl:\n  eval: {k: 0}\n", r"EvalSchedule: need .* k >= 1 .* k=0"),
+        ("rl:\n  eval: {evry: 5}\n", r"did you mean 'every'"),
+        ("env:\n  name: calculator\nrl:\n  eval: {k: 4}\n", r"rl.eval.k: 4 would go unused"),
         ("trainer:\n  devices: 0\n", r"trainer.devices must be a number of processes >= 1"),
         ("trainer:\n  devices: [0, 1]\n", r"a list names GPU indices"),
         ("trainer:\n  precision: bf16\n", r"Unknown precision 'bf16'"),

@@ -29,7 +29,7 @@ def fit(tmp_path, capsys, env: dict, **sections) -> tuple[int, dict | str]:
         "output_dir": str(tmp_path / "out"),
         "env": env,
         "sft": {"model_size": "test", "steps": 10, "tokens_per_batch": 1024},
-        "rl": {**RL, "eval_every": 1},
+        "rl": {**RL, "eval": {"every": 1}},
         **sections,
     }
     config.write_text(yaml.safe_dump(body))

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from streamrl.errors import ConfigError
+from streamrl.eval.schedule import EvalSchedule
 from streamrl.run.config import RunConfig
 from streamrl.run.config_file import from_dict
 from streamrl.run.parts import check_parts
@@ -87,7 +88,7 @@ def own_task(tmp_path: Path, **overrides) -> RunConfig:
             {"name": "exact", "weight": 0.5},
         ],
         "reward_pool": {"workers": 1},
-        "eval_every": 1,
+        "eval": {"every": 1},
         **overrides.pop("rl", {}),
     }
     return from_dict(
@@ -261,7 +262,8 @@ def test_reasoning_gym_config_runs_at_a_small_size(tmp_path):
     config = load_config(Path(__file__).resolve().parents[1] / "configs" / "reasoning_gym.yaml")
     config.output_dir = str(tmp_path / "run")
     config.data.n_train, config.data.n_heldout, config.sft.steps = 64, 16, 20
-    config.rl.iterations, config.rl.prompts_per_iteration, config.rl.eval_every = 2, 8, 1
+    config.rl.iterations, config.rl.prompts_per_iteration = 2, 8
+    config.rl.eval = EvalSchedule(every=1)
     summary = run_fit(config, show_progress=False)
 
     assert summary["samples_lost"] == 0

@@ -259,7 +259,7 @@ def evaluate(
         dataset: rows (a ``datasets.Dataset`` or dicts) with ``prompt_id``, ``prompt``, ``task``
             (the data source) and, for the default scorer, ``answer``.
         batch_size: prompts per ``generate`` call (a model's).
-        max_new_tokens: decode budget (a run passes ``rl.eval_max_tokens``); ``None``: the
+        max_new_tokens: decode budget (a run passes ``rl.eval``'s); ``None``: the
             longest answer (in tokens) plus 16, or ``DEFAULT_MAX_NEW_TOKENS`` when no row has
             an answer, within the context window.
         score: ``(completions, rows) -> rewards``; default exact match on ``row["answer"]``.

@@ -1,6 +1,6 @@
 """Held-out evaluation on the run's own generator instances, not on a copy of the policy.
 
-A run evaluates (before RL, every ``rl.eval_every`` iterations, after RL) with the very engine,
+A run evaluates (before RL, every ``rl.eval.every`` iterations, after RL) with the very engine,
 chat rendering, stop rules and reward it trains with, on the instances that hold the version
 being evaluated: no process keeps a second copy of the policy for it, and the GPUs that generate
 for training decode the held-out prompts too (a CPU copy of a 7B policy took 5-15 minutes per

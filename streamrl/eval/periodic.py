@@ -1,4 +1,4 @@
-"""Periodic held-out evaluation during training (``rl.eval_every``): logged and plotted.
+"""Periodic held-out evaluation during training (``rl.eval.every``): logged and plotted.
 
 ``PeriodicEval`` is a Lightning ``Callback``: every ``every`` RL iterations it calls its
 evaluator on the module (``module -> EvalResult``: a run's decodes on its generator instances once

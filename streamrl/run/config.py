@@ -18,6 +18,7 @@ from typing import Any
 
 from streamrl.components.training.off_policy import OffPolicyCorrection
 from streamrl.components.weights.path import WeightPath
+from streamrl.eval.schedule import EvalSchedule
 from streamrl.policy.lora import LoRASpec
 from streamrl.policy.sft import default_cache_dir
 from streamrl.tasks.families import FAMILIES
@@ -218,12 +219,14 @@ class RLConfig:
             (a completion whose scoring takes down two workers is a reward fault: left out of
             the loss, counted as ``samples_reward_fault``, written to
             ``<output_dir>/reward_faults.jsonl``); ``max_batch``; ``start_timeout_s``.
-        eval_every: evaluate on the held-out set every this many iterations with the run's
-            reward (logged as ``eval/*`` and plotted to ``eval.png``); 0: only before and after.
-        eval_k: samples per held-out prompt for pass@k (1: greedy pass@1 only).
-        eval_max_tokens: the decode budget of a held-out completion (cut to what the context
-            leaves); ``null``: ``max_tokens``. Evaluations decode on the generator instances,
-            with the engine, chat handling and reward of training (docs/evaluation.md).
+        eval: the held-out evaluations, ``EvalSchedule``'s arguments
+            (``streamrl.eval.schedule``; ``{}``: its defaults): ``every`` (iterations between
+            evaluations with the run's reward, logged as ``eval/*`` and plotted to ``eval.png``;
+            0: only before and after RL), ``k`` (samples per held-out prompt for pass@k; 1:
+            greedy pass@1 only), ``max_tokens`` (a held-out completion's budget, cut to what the
+            context leaves; ``null``: ``max_tokens``). Evaluations decode on the generator
+            instances, with the engine, chat handling and reward of training
+            (docs/real-models.md, "Evaluation on the generators").
         temperature: sampling temperature of the generators.
         max_tokens: generation budget per sample (capped by the context).
         micro_batches: how streamed samples become the trainer's micro-batches,
@@ -293,9 +296,7 @@ class RLConfig:
     routing_replay: bool | None = None
     reward: str | dict[str, Any] | list[Any] | None = None
     reward_pool: dict[str, Any] = field(default_factory=dict)
-    eval_every: int = 0
-    eval_k: int = 1
-    eval_max_tokens: int | None = None
+    eval: EvalSchedule = field(default_factory=EvalSchedule)
     temperature: float = 0.7
     max_tokens: int = 64
     micro_batches: dict[str, Any] = field(default_factory=dict)
@@ -359,7 +360,7 @@ class TrainerConfig:
         prepare_timeout_s: how long launched ranks (torchrun, SLURM) wait for rank 0 to prepare
             the policy, start the generators and evaluate; ``null``: 1800 s plus 120 s per GB.
         share_timeout_s: how long a trainer rank > 0 waits for its next share of samples (rank
-            0 waits for the generators, and evaluates every ``rl.eval_every``); ``null``: 900 s
+            0 waits for the generators, and evaluates every ``rl.eval.every``); ``null``: 900 s
             plus 0.2 s per token of ``rl.max_tokens`` per GB.
     """
 

@@ -99,6 +99,11 @@ def check_values(config: RunConfig) -> None:
         raise ConfigError(f"logger: {config.logger!r} needs {needed!r}: pip install {needed}")
     check_rl(config.rl)
     check_trainer(config)
+    if config.env.name and config.rl.eval.k > 1:
+        raise ConfigError(
+            f"rl.eval.k: {config.rl.eval.k} would go unused: an episode run (env.name "
+            f"{config.env.name!r}) evaluates one greedy episode per held-out row; remove it."
+        )
     if config.env.name and config.rl.reward is not None:
         raise ConfigError(
             f"rl.reward: {config.rl.reward!r} would go unused: in an episode run (env.name "
@@ -235,11 +240,6 @@ def check_rl(rl: RLConfig) -> None:
             raise ConfigError(f"rl.{name} must be >= 1, got {value}.")
     if rl.gpus < 0:
         raise ConfigError(f"rl.gpus must be >= 0 (0 generates on the CPU), got {rl.gpus}.")
-    if rl.eval_every < 0 or rl.eval_k < 1:
-        raise ConfigError(
-            f"rl: need eval_every >= 0 and eval_k >= 1, got eval_every={rl.eval_every}, "
-            f"eval_k={rl.eval_k}."
-        )
     if rl.reward is not None:
         check_reward_packages(RewardSpec.from_config(rl.reward))
     if rl.sites and len(rl.sites) != rl.generators:

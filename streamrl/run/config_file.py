@@ -48,6 +48,9 @@ FOLDED_KEYS: dict[str, tuple[str, str, str]] = {
     "kl_coef": ("algorithm", "kl_coef", "every Algorithm"),
     "max_tokens_per_micro_batch": ("micro_batches", "max_tokens", "DynamicBatchPipeline"),
     "token_budget": ("micro_batches", "max_tokens", "DynamicBatchPipeline"),
+    "eval_every": ("eval", "every", "EvalSchedule"),
+    "eval_k": ("eval", "k", "EvalSchedule"),
+    "eval_max_tokens": ("eval", "max_tokens", "EvalSchedule"),
     "pack_sequences": ("micro_batches", "packed", "DynamicBatchPipeline"),
     "min_samples": ("micro_batches", "min_samples", "DynamicBatchPipeline"),
 }
@@ -102,8 +105,8 @@ LIGHTNING_TRAINER_ARGS: dict[str, str] = {
     "fast_dev_run": "set rl.iterations: 1",
     "log_every_n_steps": "leave it out: every iteration is logged",
     "logger": "set logger (top level: csv, tensorboard or wandb)",
-    "val_check_interval": "set rl.eval_every (iterations between held-out evaluations)",
-    "check_val_every_n_epoch": "set rl.eval_every (iterations between held-out evaluations)",
+    "val_check_interval": "set rl.eval.every (iterations between held-out evaluations)",
+    "check_val_every_n_epoch": "set rl.eval.every (iterations between held-out evaluations)",
     "enable_checkpointing": "set rl.checkpoint_every (0: a checkpoint only at the end)",
     "enable_progress_bar": "pass --no-progress to draw no progress bars",
     "accumulate_grad_batches": "set rl.micro_batches' max_tokens (all micro-batches of an "

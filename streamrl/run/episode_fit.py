@@ -66,7 +66,7 @@ class EpisodeJob:
                 tokenizer,
                 self.task.make_env,
                 self.task.heldout,
-                max_tokens=rl.max_tokens,
+                max_tokens=rl.eval.budget(rl.max_tokens),
                 context=context,
                 max_turns=env.max_turns,
                 env_timeout_s=env.timeout_s,

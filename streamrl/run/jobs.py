@@ -137,7 +137,7 @@ def fit_checked(config: RunConfig, resume: str | None, progress: bool, stages: R
     context = kind.context(AutoConfig.from_pretrained(model_dir, local_files_only=True))
     evals = HeldoutEvals(
         kind.evaluator(tokenizer, context),
-        every=config.rl.eval_every,
+        every=config.rl.eval.every,
         output_dir=config.output_dir,
         announce=lambda when: stages.evaluation(when, len(kind.heldout), kind.unit),
         zero_hint=zero_reward_hint(config),

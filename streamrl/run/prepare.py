@@ -296,7 +296,7 @@ def _check_budgets(config: RunConfig, context: int) -> None:
     rl = config.rl
     for name, budget in (
         ("rl.max_tokens", rl.max_tokens),
-        ("rl.eval_max_tokens", rl.eval_max_tokens),
+        ("rl.eval.max_tokens", rl.eval.max_tokens),
     ):
         if budget is not None and budget >= context:
             raise ConfigError(

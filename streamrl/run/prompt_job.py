@@ -89,8 +89,8 @@ def heldout_evaluator(
 ) -> Callable[[StreamGenerationService, int], EvalResult]:
     """``(service, version) -> EvalResult`` on the held-out rows, as training sees them: decoded
     on the run's generator instances once they hold ``version`` (``ServiceDecoder``), with the
-    same chat rendering, stop tokens and strings, a budget of ``rl.eval_max_tokens`` (the run's
-    ``max_tokens`` by default), and the run's own reward (computed in this process)."""
+    same chat rendering, stop tokens and strings, ``rl.eval``'s budget and pass@k, and the run's
+    own reward (computed in this process)."""
     data, rl = config.data, config.rl
     rewards = load_rewards(reward_specs(rl))
     # in this process, each batch under the reward timeout: a reward that hangs stops the run
@@ -102,14 +102,14 @@ def heldout_evaluator(
             decoder,
             tokenizer,
             heldout,
-            max_new_tokens=rl.eval_max_tokens or rl.max_tokens,
+            max_new_tokens=rl.eval.budget(rl.max_tokens),
             score=score,
             encode=lambda row: render_prompt(
                 tokenizer, row["prompt"], system_prompt=data.system_prompt, chat=data.chat_template
             ),
             decode=lambda ids: completion_text(tokenizer, ids, stop_strings=data.stop_strings),
             eos_token_ids=stop_token_ids(tokenizer),
-            k=rl.eval_k,
+            k=rl.eval.k,
             seed=config.seed,
         )
         result.weight_versions = sorted(decoder.versions_seen)

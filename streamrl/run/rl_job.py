@@ -57,7 +57,7 @@ class HeldoutEvals:
         evaluator: ``(service, weight version) -> result`` (an ``EvalResult``, or an
             ``EpisodeEval`` for episodes), decoding on the service's instances once they hold
             that version.
-        every: ``rl.eval_every`` (0: before and after only).
+        every: ``rl.eval.every`` (0: before and after only).
         output_dir: where ``eval.png`` goes.
         announce: prints a stage heading (``"before"`` / ``"after"``).
 
@@ -94,7 +94,7 @@ class HeldoutEvals:
         return result
 
     def callbacks(self, service: StreamGenerationService) -> list[L.Callback]:
-        """``rl.eval_every``'s ``PeriodicEval`` on ``service`` (its history starting at the
+        """``rl.eval.every``'s ``PeriodicEval`` on ``service`` (its history starting at the
         evaluation before RL), or none."""
         if self.every < 1:
             return []

@@ -4,7 +4,7 @@ Several trainer ranks wait on each other in three places, each with its own boun
 rank stops the run instead of hanging it: every collective (FSDP2's gathers and reductions, a
 checkpoint's write), a launched rank's wait for rank 0 (which prepares the policy, starts the
 generators and evaluates before the first step), and a rank's wait for its next share of samples
-(rank 0 waits for the generators, and evaluates every ``rl.eval_every``). A fixed bound fits one
+(rank 0 waits for the generators, and evaluates every ``rl.eval.every``). A fixed bound fits one
 model size; each bound a run leaves unset (``null`` in ``trainer:``) is a base plus a share per GB
 of the policy's weights, as the generation service's are (``streamrl.components.generation.
 timeouts``).

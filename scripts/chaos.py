@@ -87,7 +87,7 @@ def run_config(out: Path, mode: str, episodes: bool, ranks: int, iterations: int
         "generators": 1 if ranks > 1 else 2,
         "max_tokens": 24 if episodes else 12,
         "max_batch_size": 8,
-        "checkpoint_every": 1,
+        "checkpoints": {"every": 1},
         "save_rollouts": True,
         "timeouts": {"heartbeat_s": 10},  # a SIGSTOPped generator is taken as hung after 10 s
     }

@@ -211,7 +211,7 @@ def fit_config(work: Path, device: str) -> Path:
             "reward_pool": {"workers": 0},
             "correction": {"engine_gap": True},
             "length_predictor": None,
-            "checkpoint_every": 0,
+            "checkpoints": {"every": 0},
         },
         "trainer": {
             "accelerator": device,

@@ -14,8 +14,9 @@ import time
 import pytest
 import torch
 
+from streamrl.errors import ConfigError
 from streamrl.runtime.stopping import Stopped
-from streamrl.training.checkpointing import AtomicCheckpointIO, RunCheckpoint, checkpoints
+from streamrl.training.checkpointing import AtomicCheckpointIO, CheckpointSchedule, RunCheckpoint
 
 # The child writes a small checkpoint, then a large one over it, slowly (the file object's
 # writes are throttled so that the kill lands mid-write), and reports each stage.
@@ -97,6 +98,7 @@ def test_the_run_trainer_writes_its_checkpoints_atomically(tmp_path, tokenizer):
     assert isinstance(trainer.strategy.checkpoint_io, AtomicCheckpointIO)
     callbacks = [c for c in trainer.callbacks if isinstance(c, RunCheckpoint)]
     assert len(callbacks) == 1 and callbacks[0].stop_deadline_s == 60.0
+    assert callbacks[0]._every_n_train_steps == 10  # CheckpointSchedule's default, as fit's
 
 
 class _Trainer:
@@ -106,7 +108,7 @@ class _Trainer:
 
 
 def test_a_stopped_runs_save_gives_up_at_its_deadline(tmp_path, monkeypatch, capsys):
-    callback = checkpoints(tmp_path, stop_deadline_s=0.3)
+    callback = CheckpointSchedule(stop_deadline_s=0.3).callback(tmp_path)
     saved = []
 
     def slow_save(trainer, candidates):  # a save longer than the grace period
@@ -131,3 +133,22 @@ def test_a_stopped_runs_save_gives_up_at_its_deadline(tmp_path, monkeypatch, cap
     assert not saved
     callback.on_exception(_Trainer(), None, Stopped(signal.SIGINT))
     assert saved == [7] and "checkpoint saved" in capsys.readouterr().err
+
+
+def test_a_stopped_run_without_a_deadline_saves_whatever_it_takes(tmp_path, monkeypatch, capsys):
+    """``rl.checkpoints: {stop_deadline_s: null}``: the save at a stop has no time limit."""
+    callback = CheckpointSchedule(stop_deadline_s=None).callback(tmp_path)
+    saved = []
+    monkeypatch.setattr(callback, "_save_last_checkpoint", lambda t, c: saved.append(7))
+    monkeypatch.setattr(callback, "_monitor_candidates", lambda trainer: {})
+    callback.on_train_start(_Trainer(), None)
+    callback.on_exception(_Trainer(), None, Stopped(signal.SIGTERM))
+    err = capsys.readouterr().err
+    assert saved == [7] and "(no limit, rl.checkpoints.stop_deadline_s)" in err
+    assert "checkpoint saved" in err
+
+
+@pytest.mark.parametrize("schedule", [dict(every=-1), dict(stop_deadline_s=0.0)])
+def test_a_checkpoint_schedule_out_of_range_is_refused(schedule):
+    with pytest.raises(ConfigError, match="CheckpointSchedule: need every >= 0"):
+        CheckpointSchedule(**schedule)

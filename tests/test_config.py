@@ -165,6 +165,8 @@ def test_duplicate_prompt_ids_name_the_line(tmp_path):
         ("rl:\n  micro_batches: {max_token: 64}\n", r"micro_batches: .*did you mean 'max_tokens'"),
         ("rl:\n  micro_batches: {min_samples: 0}\n", r"rl.micro_batches: .*min_samples >= 1"),
         ("rl:\n  micro_batches: {staleness_bound: 2}\n", r"set rl.staleness_bound"),
+        ("rl:\n  checkpoint_every: 5\n", r"set rl.checkpoints.every \(rl.checkpoints holds"),
+        ("rl:\n  checkpoints: {every: -1}\n", r"CheckpointSchedule: need every >= 0"),
         ("rl:\n  eval_every: 5\n", r"eval_every has moved: set rl.eval.every \(rl.eval holds Eval"),
         ("rl:\n  eval: {every: -1}\n", r"EvalSchedule: need every >= 0 .* got every=-1"),
         ("rl:\n  eval: {k: 0}\n", r"EvalSchedule: need .* k >= 1 .* k=0"),

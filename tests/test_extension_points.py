@@ -51,7 +51,7 @@ def small_run_values(tmp_path: Path, **rl: object) -> dict:
             "group_size": 2,
             "generators": 2,
             "max_tokens": 12,
-            "checkpoint_every": 1,
+            "checkpoints": {"every": 1},
             "ranker_refresh_every": 1,
             **rl,
         },

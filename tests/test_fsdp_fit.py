@@ -53,7 +53,7 @@ def _config(root: Path, name: str, iterations: int, ranks: int) -> Path:
         "data: {tasks: [copy, count], n_train: 32, n_heldout: 8, median_len: 3, max_len: 6}\n"
         "sft: {model_size: test, steps: 20}\n"
         f"rl: {{iterations: {iterations}, prompts_per_iteration: {PROMPTS}, group_size: {GROUP},"
-        " generators: 1, max_tokens: 12, micro_batches: {max_tokens: 64}, checkpoint_every: 1,"
+        " generators: 1, max_tokens: 12, micro_batches: {max_tokens: 64}, checkpoints: {every: 1},"
         # A KL term: on-policy GRPO's loss is 0 (group-normalised advantages), the KL's is not
         # once the policy has moved, and it gives every iteration a gradient.
         " reward: partial, lr: 0.001,"

@@ -171,7 +171,7 @@ def same_ledger(resumed: StreamRLModule, uninterrupted: StreamRLModule) -> bool:
 def test_a_preempted_run_saves_its_finished_iterations_and_resumes_with_nothing_lost_or_repeated(
     tmp_path, tokenizer
 ):
-    """SIGTERM mid-iteration with no periodic checkpoint (``checkpoint_every: 0``): the stop
+    """SIGTERM mid-iteration with no periodic checkpoint (``checkpoints: {every: 0}``): the stop
     writes ``last.ckpt`` holding the finished iterations and, in flight, the one under way (its
     samples partly trained, never stepped); the resumed run trains every (prompt, iteration)
     pair of the uninterrupted run exactly once."""
@@ -221,7 +221,7 @@ def test_sync_run_stopped_and_resumed_ends_with_the_uninterrupted_weights(
     from streamrl.components.generation.worker import fingerprint
     from streamrl.policy.models import load_policy
 
-    rl = dict(reward="partial", group_size=4, checkpoint_every=1)
+    rl = dict(reward="partial", group_size=4, checkpoints={"every": 1})
     full = fit_small(out="full", iterations=4, **rl)
     fit_small(out="stopped", iterations=2, **rl)
     stopped = tmp_path / "stopped" / "checkpoints" / "last.ckpt"
@@ -280,7 +280,7 @@ def test_a_resumed_runs_metrics_continue_in_one_file(tmp_path, fit_small):
     iteration's step, none missing or twice (Lightning's logger would start a second file)."""
     import csv
 
-    fit_small(out="run", iterations=2, checkpoint_every=1)
+    fit_small(out="run", iterations=2, checkpoints={"every": 1})
     fit_small(out="run", iterations=4, args=("--resume", "auto"))
     files = sorted((tmp_path / "run" / "logs").rglob("metrics.csv"))
     assert [f.relative_to(tmp_path / "run") for f in files] == [Path("logs/version_0/metrics.csv")]

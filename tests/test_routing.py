@@ -356,7 +356,7 @@ def test_a_tiny_moe_policy_trains_through_fit_with_2_ranks_and_a_bf16_generator(
         generators=2,
         engine={"class_path": "hf", "init_args": {"dtype": "bfloat16"}},
         trainer={"devices": 2, "precision": "bf16-mixed"},
-        checkpoint_every=1,
+        checkpoints={"every": 1},
     )
     fit_small(**run)
     # Resumed from its checkpoint to a third iteration: the sharded experts come back.

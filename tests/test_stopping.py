@@ -56,7 +56,7 @@ def test_a_checkpoint_being_written_is_finished_before_the_stop(tmp_path, monkey
     whole file (it is the one the stop message tells users to resume from)."""
     from lightning.pytorch.callbacks import ModelCheckpoint
 
-    from streamrl.training.checkpointing import checkpoints
+    from streamrl.training.checkpointing import CheckpointSchedule
 
     def slow_save(self, trainer, filepath):  # Lightning's save, with a signal in the middle
         with open(filepath, "w") as f:
@@ -69,7 +69,7 @@ def test_a_checkpoint_being_written_is_finished_before_the_stop(tmp_path, monkey
     target = tmp_path / "last.ckpt"
     with pytest.raises(Stopped), stop_on_signals():
         trainer = SimpleNamespace(lightning_module=None, global_step=0)  # not on a timeline
-        checkpoints(tmp_path)._save_checkpoint(trainer, str(target))
+        CheckpointSchedule().callback(tmp_path)._save_checkpoint(trainer, str(target))
     assert target.read_text() == "first half second half"
 
 
@@ -90,7 +90,7 @@ def _run(tmp_path: Path, iterations: int) -> tuple[subprocess.Popen, Path]:
         "data: {tasks: [copy], n_train: 16, n_heldout: 4, median_len: 3, max_len: 6}\n"
         "sft: {model_size: test, steps: 2}\n"
         f"rl: {{iterations: {iterations}, prompts_per_iteration: 2, group_size: 2, "
-        "generators: 2, reward_pool: {workers: 1}, checkpoint_every: 1}\n"
+        "generators: 2, reward_pool: {workers: 1}, checkpoints: {every: 1}}\n"
     )
     command = [sys.executable, "-m", "streamrl.cli.main", "fit", "--no-progress", "--config"]
     proc = subprocess.Popen(

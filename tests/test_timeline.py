@@ -304,12 +304,14 @@ def test_checkpoint_saves_and_evaluations_are_spans(monkeypatch, tmp_path):
 
     from streamrl.eval.heldout import EvalResult
     from streamrl.eval.periodic import PeriodicEval
-    from streamrl.training.checkpointing import checkpoints
+    from streamrl.training.checkpointing import CheckpointSchedule
 
     module = SimpleNamespace(trace=TraceRecorder(), weight_version=10, policy=None)
     trainer = SimpleNamespace(lightning_module=module, global_step=10, loggers=[])
     monkeypatch.setattr(ModelCheckpoint, "_save_checkpoint", lambda self, trainer, path: None)
-    checkpoints(tmp_path, every=10)._save_checkpoint(trainer, str(tmp_path / "last.ckpt"))
+    CheckpointSchedule(every=10).callback(tmp_path)._save_checkpoint(
+        trainer, str(tmp_path / "last.ckpt")
+    )
     result = EvalResult(1.0, 1.0, 3.0, 3.0, 3, 1.0, 4)
     PeriodicEval(lambda policy: result, every=10).run(trainer, module)
     names = [(s.name, s.iteration) for s in module.trace.spans]

@@ -22,6 +22,7 @@ from streamrl.eval.schedule import EvalSchedule
 from streamrl.policy.lora import LoRASpec
 from streamrl.policy.sft import default_cache_dir
 from streamrl.tasks.families import FAMILIES
+from streamrl.training.checkpointing import CheckpointSchedule
 
 
 @dataclass
@@ -256,12 +257,14 @@ class RLConfig:
             threshold: 1.0}}``: its arguments, the measured ``PTL(BS)`` and the batch slots
             linked in) or your class; ``null`` (the default): a fixed number of instances.
         max_restarts: failed generator instances replaced before the run stops.
-        checkpoint_every: iterations between checkpoints (``<output_dir>/checkpoints/last.ckpt``,
-            resumable with ``streamrl fit --resume``); 0 saves only at the end. A run stopped
-            by SIGTERM or Ctrl-C saves its finished iterations there too.
-        stop_deadline_s: the most seconds a stopped run spends saving that checkpoint (keep
-            it under your scheduler's grace period, e.g. SLURM's ``KillWait``); past it the
-            save is abandoned and the previous checkpoint stays; ``null``: no limit.
+        checkpoints: when checkpoints are written, ``CheckpointSchedule``'s arguments
+            (``streamrl.training.checkpointing``; ``{}``: its defaults): ``every`` (iterations
+            between checkpoints, ``<output_dir>/checkpoints/last.ckpt``, resumable with
+            ``streamrl fit --resume``; 0: only at the end; a run stopped by SIGTERM or Ctrl-C
+            saves its finished iterations there too), ``stop_deadline_s`` (the most seconds a
+            stopped run spends on that save: keep it under your scheduler's grace period, e.g.
+            SLURM's ``KillWait``; past it the save is abandoned and the previous checkpoint
+            stays; ``null``: no limit).
         save_rollouts: write what each iteration trained on, one row per trained sample (an
             episode in a multi-turn run: token ids, loss mask, per-token weight versions and
             behaviour log-probs, reward and its parts, advantage, finish reason, instance), to
@@ -306,8 +309,7 @@ class RLConfig:
     ranker_refresh_every: int = 10
     elastic: str | dict[str, Any] | None = None
     max_restarts: int = 3
-    checkpoint_every: int = 10
-    stop_deadline_s: float | None = 60.0
+    checkpoints: CheckpointSchedule = field(default_factory=CheckpointSchedule)
     save_rollouts: bool = False
     lora: LoRASpec | None = None
 

@@ -258,12 +258,6 @@ def check_rl(rl: RLConfig) -> None:
         rl.weights.make_transport().check()
     except ConfigError as err:
         raise ConfigError(f"rl.weights.transport: {err}") from err
-    if rl.checkpoint_every < 0:
-        raise ConfigError(f"rl.checkpoint_every must be >= 0, got {rl.checkpoint_every}.")
-    if rl.stop_deadline_s is not None and rl.stop_deadline_s <= 0:
-        raise ConfigError(
-            f"rl.stop_deadline_s must be > 0 (or null: no limit), got {rl.stop_deadline_s}."
-        )
     if rl.max_restarts < 0:
         raise ConfigError(f"rl.max_restarts must be >= 0, got {rl.max_restarts}.")
     if rl.iterations < 1:

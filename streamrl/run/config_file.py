@@ -51,6 +51,8 @@ FOLDED_KEYS: dict[str, tuple[str, str, str]] = {
     "eval_every": ("eval", "every", "EvalSchedule"),
     "eval_k": ("eval", "k", "EvalSchedule"),
     "eval_max_tokens": ("eval", "max_tokens", "EvalSchedule"),
+    "checkpoint_every": ("checkpoints", "every", "CheckpointSchedule"),
+    "stop_deadline_s": ("checkpoints", "stop_deadline_s", "CheckpointSchedule"),
     "pack_sequences": ("micro_batches", "packed", "DynamicBatchPipeline"),
     "min_samples": ("micro_batches", "min_samples", "DynamicBatchPipeline"),
 }
@@ -107,7 +109,7 @@ LIGHTNING_TRAINER_ARGS: dict[str, str] = {
     "logger": "set logger (top level: csv, tensorboard or wandb)",
     "val_check_interval": "set rl.eval.every (iterations between held-out evaluations)",
     "check_val_every_n_epoch": "set rl.eval.every (iterations between held-out evaluations)",
-    "enable_checkpointing": "set rl.checkpoint_every (0: a checkpoint only at the end)",
+    "enable_checkpointing": "set rl.checkpoints.every (0: a checkpoint only at the end)",
     "enable_progress_bar": "pass --no-progress to draw no progress bars",
     "accumulate_grad_batches": "set rl.micro_batches' max_tokens (all micro-batches of an "
     "iteration accumulate into its one optimizer step)",

@@ -50,6 +50,9 @@ from streamrl.run.config_file import (
 from streamrl.run.swappable import SWAPPABLE
 from streamrl.runtime.references import from_name_layout
 
+#: Folded keys whose ``null`` is a setting of its own, not the default: moved as they are.
+NULL_IS_A_SETTING = {"stop_deadline_s"}  # null: no limit (the default: 60 s)
+
 #: Keys that moved, as ``(section, key)`` -> ``(section, key)``; the value moves unchanged.
 RENAMED = {
     ("rl", "trainer_ranks"): ("trainer", "devices"),
@@ -142,7 +145,8 @@ def _elastic_controller(rl: dict[str, Any], changes: list[str]) -> None:
 
 def _folded(rl: dict[str, Any], changes: list[str]) -> None:
     """``rl.reward_workers: 0`` -> ``rl.reward_pool: {workers: 0}``, and so on
-    (``config_file.FOLDED_KEYS``); a ``null`` timeout (its default) is left out."""
+    (``config_file.FOLDED_KEYS``); a ``null`` (a timeout's default) is left out, unless it
+    means something else (``NULL_IS_A_SETTING``)."""
     for key, (section, name, _) in FOLDED_KEYS.items():
         if key not in rl or section == "lora":  # LoRA: rank 0 is no section (_lora_section)
             continue
@@ -159,7 +163,7 @@ def _folded(rl: dict[str, Any], changes: list[str]) -> None:
             raise ConfigError(
                 f"rl.{key} moved to rl.{section}'s {name}, which the file sets too: keep one."
             )
-        if value is not None:
+        if value is not None or key in NULL_IS_A_SETTING:
             into[name] = value
         changes.append(f"rl.{key} -> {MOVED_KEYS[RLConfig][key]}")
 

@@ -75,13 +75,11 @@ class RankSetup:
         iterations: optimizer steps.
         placement: the trainer's accelerator, ranks, GPUs and precision
             (``streamrl.runtime.devices.resolve_placement``); FSDP2 when ``placement.sharded``.
-        output_dir: where checkpoints go.
-        checkpoint_every: iterations between checkpoints (0: only ``last.ckpt``).
-        stop_deadline_s: the most seconds a stopped run spends saving (``None``: no limit).
+        output_dir: where checkpoints go (when: ``rl.checkpoints``).
         sharded_checkpoints: checkpoints as folders of each rank's shards.
         lora: the policy's adapters (every rank wraps its policy alike), or ``None``.
         training: the run's ``rl`` and ``trainer`` sections, read by ``module`` in its one
-            call of ``build_module``.
+            call of ``build_module`` and by ``trainer``.
         timeouts: how long the ranks wait for each other (``RankTimeouts``).
         save_dtype: the dtype of the trained policy every rank writes its part of at the end
             (``trainer.save_dtype``; ``SavePolicy``).
@@ -91,8 +89,6 @@ class RankSetup:
     iterations: int
     placement: Placement = field(default_factory=lambda: Placement("cpu", 1, 1, (), (), "32-true"))
     output_dir: str | None = None
-    checkpoint_every: int = 0
-    stop_deadline_s: float | None = 60.0
     sharded_checkpoints: bool = False
     lora: LoRASpec | None = None
     training: tuple[RLConfig, TrainerConfig] = field(
@@ -131,8 +127,6 @@ class RankSetup:
             rl.iterations,
             placement=placement,
             output_dir=config.output_dir,
-            checkpoint_every=rl.checkpoint_every,
-            stop_deadline_s=rl.stop_deadline_s,
             sharded_checkpoints=(
                 trainer.sharded_checkpoints
                 if trainer.sharded_checkpoints is not None
@@ -217,8 +211,7 @@ class RankSetup:
             num_nodes=self.placement.num_nodes,
             output_dir=self.output_dir,
             logger=logger,
-            checkpoint_every=self.checkpoint_every,
-            stop_deadline_s=self.stop_deadline_s,
+            checkpoints=self.training[0].checkpoints,
             show_progress=show_progress,
             sharded_checkpoints=self.sharded_checkpoints,
             collective_timeout_s=self.timeouts.collective_s,

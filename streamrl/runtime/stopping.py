@@ -222,8 +222,8 @@ def resume_hint(output_dir: str | Path, argv: Sequence[str]) -> str:
     last = Path(output_dir) / "checkpoints" / "last.ckpt"  # a file, or a folder of shards
     if not last.exists():
         return (
-            f"; no checkpoint to resume from in {last.parent} (rl.checkpoint_every: N writes one "
-            "every N iterations): run it again from the start."
+            f"; no checkpoint to resume from in {last.parent} (rl.checkpoints: {{every: N}} "
+            "writes one every N iterations): run it again from the start."
         )
     args = list(argv)
     for flag in ("--resume",):  # drop a resume given before: the new one replaces it

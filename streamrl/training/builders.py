@@ -39,7 +39,7 @@ from streamrl.components.training.reference import reference_policy
 from streamrl.components.training.sharding import Precision, enable_activation_checkpointing
 from streamrl.components.training.staleness import staleness_bound_of
 from streamrl.runtime.progress import IterationBar
-from streamrl.training.checkpointing import AtomicCheckpointIO, checkpoints
+from streamrl.training.checkpointing import AtomicCheckpointIO, CheckpointSchedule
 from streamrl.training.fsdp import ShardedStreamRLModule, fsdp_strategy, process_group_backend
 from streamrl.training.module import Mode, StreamRLModule
 from streamrl.training.rollout import RolloutStream
@@ -193,8 +193,7 @@ def build_trainer(
     num_nodes: int = 1,
     output_dir: str | Path | None = None,
     logger: Logger | None = None,
-    checkpoint_every: int | None = None,
-    stop_deadline_s: float | None = 60.0,
+    checkpoints: CheckpointSchedule | None = None,
     show_progress: bool = True,
     sharded_checkpoints: bool = False,
     collective_timeout_s: float = 300.0,
@@ -214,11 +213,10 @@ def build_trainer(
         num_nodes: machines the ranks run on (under an external launcher: ``torchrun``, SLURM).
         output_dir: where checkpoints go (``<output_dir>/checkpoints``); ``None`` saves none.
         logger: a Lightning logger (``make_logger``); ``None`` logs nothing.
-        checkpoint_every: iterations between checkpoints; 0 or ``None`` saves only
-            ``last.ckpt`` at the end.
-        stop_deadline_s: the most seconds a stopped run (SIGTERM, Ctrl-C under
-            ``streamrl.runtime.stopping.stop_on_signals``) spends saving its finished iterations
-            (``None``: no limit; ``streamrl.training.checkpointing``).
+        checkpoints: when checkpoints are written under ``output_dir``
+            (``CheckpointSchedule``: every N iterations, at the end, and within a deadline when
+            the run is stopped by SIGTERM or Ctrl-C under ``streamrl.runtime.stopping.
+            stop_on_signals``); ``None``: its defaults.
         show_progress: draw a progress bar of the iterations on stderr (``IterationBar``,
             unless ``callbacks`` bring a ``ProgressBar`` of their own).
         sharded_checkpoints: a sharded module's checkpoints are folders of each rank's shards
@@ -244,11 +242,7 @@ def build_trainer(
         settings.update(
             default_root_dir=str(output_dir),
             enable_checkpointing=True,
-            callbacks=[
-                checkpoints(
-                    output_dir, every=checkpoint_every or 0, stop_deadline_s=stop_deadline_s
-                )
-            ],
+            callbacks=[(checkpoints or CheckpointSchedule()).callback(output_dir)],
             plugins=[AtomicCheckpointIO()],  # a save killed midway leaves the last one whole
         )
     if isinstance(module, ShardedStreamRLModule):

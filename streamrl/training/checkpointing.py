@@ -11,7 +11,7 @@ run is stopped (SIGTERM, Ctrl-C), so a preemption loses no finished iteration.
   stops the run, the iterations finished since the last periodic checkpoint are saved to
   ``last.ckpt``; the iteration under way is abandoned (its prompts are in the checkpoint's
   in-flight state and are generated again on resume, its partial gradients are dropped), so
-  the resumed run trains every sample once. The save has ``deadline_s`` seconds (a scheduler
+  the resumed run trains every sample once. The save has ``stop_deadline_s`` seconds (a scheduler
   kills a stopped job after a grace period): past it the save is abandoned and the previous
   checkpoint stays. With several trainer ranks, rank 0 alone acts on the signal
   (``streamrl.runtime.stopping.ignore_signals`` on the others), and only where every other rank
@@ -26,6 +26,7 @@ import signal
 import sys
 import time
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -34,12 +35,13 @@ import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch.callbacks import ModelCheckpoint
 
+from streamrl.errors import ConfigError
 from streamrl.runtime.atomic_files import fsync_dir
 from streamrl.runtime.stopping import DeadlinePassed, Stopped, hold_signal, shielded, time_limit
 from streamrl.training.fsdp import ShardedStreamRLModule
 from streamrl.training.timeline import trainer_span
 
-__all__ = ["AtomicCheckpointIO", "RunCheckpoint", "checkpoints"]
+__all__ = ["AtomicCheckpointIO", "CheckpointSchedule", "RunCheckpoint"]
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
@@ -64,29 +66,54 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             partial.unlink(missing_ok=True)
 
 
-def checkpoints(
-    output_dir: str | Path, *, every: int = 0, stop_deadline_s: float = 60.0
-) -> ModelCheckpoint:
-    """``<output_dir>/checkpoints/last.ckpt`` after the last iteration, one every ``every``
-    iterations (0: only the last), and one when the run is stopped (within ``stop_deadline_s``
-    seconds). Under FSDP every rank builds it: saving is collective."""
-    # A checkpoint holds the state after an iteration's optimizer step: what a resume needs.
-    warnings.filterwarnings("ignore", "Using ModelCheckpoint with manual optimization")
-    return RunCheckpoint(
-        Path(output_dir) / "checkpoints",
-        save_last=True,
-        every_n_train_steps=every or None,
-        save_top_k=1 if every else 0,
-        enable_version_counter=False,  # one run per output directory (``reruns``): its own
-        stop_deadline_s=stop_deadline_s,
-    )
+@dataclass(frozen=True)
+class CheckpointSchedule:
+    """When a run writes its checkpoints (``rl.checkpoints``): ``<output_dir>/checkpoints/
+    last.ckpt`` every ``every`` iterations, after the last one, and when the run is stopped.
+
+    Args:
+        every: iterations between checkpoints (resumable with ``streamrl fit --resume``); 0:
+            only at the end, and at a stop.
+        stop_deadline_s: the most seconds a stopped run (SIGTERM, Ctrl-C) spends saving its
+            finished iterations (keep it under your scheduler's grace period, e.g. SLURM's
+            ``KillWait``); past it the save is abandoned and the previous checkpoint stays;
+            ``None``: no limit.
+
+    Raises:
+        ConfigError: ``every < 0`` or ``stop_deadline_s <= 0``.
+    """
+
+    every: int = 10
+    stop_deadline_s: float | None = 60.0
+
+    def __post_init__(self) -> None:
+        if self.every < 0 or (self.stop_deadline_s is not None and not self.stop_deadline_s > 0):
+            raise ConfigError(
+                "CheckpointSchedule: need every >= 0 (0: only at the end) and stop_deadline_s "
+                f"> 0 (or null: no limit), got every={self.every}, "
+                f"stop_deadline_s={self.stop_deadline_s}."
+            )
+
+    def callback(self, output_dir: str | Path) -> RunCheckpoint:
+        """The Lightning callback writing them under ``output_dir``. Under FSDP every rank
+        builds it: saving is collective."""
+        # A checkpoint holds the state after an iteration's optimizer step: what a resume needs.
+        warnings.filterwarnings("ignore", "Using ModelCheckpoint with manual optimization")
+        return RunCheckpoint(
+            Path(output_dir) / "checkpoints",
+            save_last=True,
+            every_n_train_steps=self.every or None,
+            save_top_k=1 if self.every else 0,
+            enable_version_counter=False,  # one run per output directory (``reruns``): its own
+            stop_deadline_s=self.stop_deadline_s,
+        )
 
 
 class RunCheckpoint(ModelCheckpoint):
     """Lightning's ``ModelCheckpoint`` whose saves a stop never cuts short (``shielded``), and
     which saves ``last.ckpt`` when the run is stopped (see the module's docstring)."""
 
-    def __init__(self, *args: Any, stop_deadline_s: float = 60.0, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, stop_deadline_s: float | None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.stop_deadline_s = stop_deadline_s
         self._training = False
@@ -123,17 +150,20 @@ class RunCheckpoint(ModelCheckpoint):
                 pl_module.stop_ranks(exception)
         self._stopped_by = exception.signal
         step, started = trainer.global_step, time.perf_counter()
+        limit = (
+            "no limit" if self.stop_deadline_s is None else f"at most {self.stop_deadline_s:g} s"
+        )
         say(
             f"{exception.signal}: saving the {step} finished iterations to {self.dirpath}/"
-            f"last.ckpt (at most {self.stop_deadline_s:g} s, rl.stop_deadline_s)"
+            f"last.ckpt ({limit}, rl.checkpoints.stop_deadline_s)"
         )
         try:
             with time_limit(self.stop_deadline_s):
                 self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
         except DeadlinePassed:
             say(
-                f"the save passed rl.stop_deadline_s ({self.stop_deadline_s:g} s) and was "
-                "abandoned: the previous checkpoint stays as it was"
+                f"the save passed rl.checkpoints.stop_deadline_s ({self.stop_deadline_s:g} s) and "
+                "was abandoned: the previous checkpoint stays as it was"
             )
             return
         say(f"checkpoint saved in {time.perf_counter() - started:.1f} s")

@@ -138,7 +138,7 @@ def run_streamrl(mode: str, args, out: Path) -> dict:
     """``streamrl fit`` defaults in ``mode`` (``async-keep``: async with partial rollout)."""
     job_started = time.perf_counter()
     from streamrl.run.config import RunConfig
-    from streamrl.run.jobs import run_fit
+    from streamrl.run.recipe import run_fit
 
     config = RunConfig(output_dir=str(out))
     config.rl.iterations, config.rl.mode = args.steps, mode.removesuffix("-keep")

@@ -29,8 +29,8 @@ from streamrl.components.generation.worker import fingerprint
 from streamrl.policy.models import build_tiny_model, build_tokenizer, load_policy, save_policy
 from streamrl.records import Request
 from streamrl.run.config import RunConfig
-from streamrl.run.jobs import run_fit
 from streamrl.run.notebook import notebook_settings
+from streamrl.run.recipe import run_fit
 
 SMALL, OUT = notebook_settings()  # STREAMRL_NOTEBOOK_BUDGET=small|full, STREAMRL_NOTEBOOK_OUT
 UPDATES = 2 if SMALL else 5  # weight versions pushed to the Ray-hosted service

@@ -81,7 +81,7 @@ _EXPORTS = {
     "PeriodicEval": "streamrl.eval.periodic",
     "RunConfig": "streamrl.run.config",
     "load_config": "streamrl.run.config_file",
-    "run_fit": "streamrl.run.jobs",
+    "run_fit": "streamrl.run.recipe",
     "Step": "streamrl.records",
     "Environment": "streamrl.protocols",
     "ToolEnvironment": "streamrl.envs.tools",

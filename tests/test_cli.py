@@ -506,8 +506,8 @@ def test_a_policy_earning_nothing_before_rl_is_told_what_to_change(capsys):
     from types import SimpleNamespace
 
     from streamrl.run.config import RunConfig
-    from streamrl.run.jobs import zero_reward_hint
-    from streamrl.run.rl_job import HeldoutEvals
+    from streamrl.run.reports import HeldoutEvals
+    from streamrl.run.stages import zero_reward_hint
 
     config = RunConfig()
     config.data.path = "rows.jsonl"

@@ -25,7 +25,7 @@ DEMO = Path(__file__).resolve().parents[1] / "configs" / "demo.yaml"
 @pytest.fixture
 def fit(monkeypatch):
     """Run ``streamrl fit ARGS`` in this process; returns (exit code, the recorded calls)."""
-    import streamrl.run.jobs
+    import streamrl.run.recipe
 
     calls: list[dict] = []
 
@@ -33,7 +33,7 @@ def fit(monkeypatch):
         calls.append(dict(config=config, show_progress=show_progress, resume=resume))
         return {}
 
-    monkeypatch.setattr(streamrl.run.jobs, "fit_checked", record)  # run_fit's checks run
+    monkeypatch.setattr(streamrl.run.recipe, "fit_checked", record)  # run_fit's checks run
     # Where `module:Name` imports from (the console script adds to it): this test's own.
     monkeypatch.setattr(sys, "path", list(sys.path))
     monkeypatch.setattr(streamrl.runtime.references, "_SEARCH_DIRS", [], raising=False)

@@ -66,7 +66,7 @@ def small_run(tmp_path: Path, **rl: object) -> RunConfig:
 def test_custom_parts_from_yaml_run_in_a_real_fit_and_in_the_simulator(tmp_path, capsys):
     from streamrl.cli.main import main
     from streamrl.run.config_file import load_config
-    from streamrl.run.jobs import run_fit
+    from streamrl.run.recipe import run_fit
     from streamrl.training.timeline import load_trace
 
     markers = tmp_path / "markers"
@@ -208,7 +208,7 @@ def test_print_config_writes_your_parts_as_class_paths_that_run_unchanged(tmp_pa
     """``fit --print_config > a.yaml; fit --config a.yaml`` is the same run, your own parts
     written out with their full import path and arguments (and any spelling of a part is one
     config: a short name, ``module:Name``, ``module.Name`` or class_path + init_args)."""
-    import streamrl.run.jobs
+    import streamrl.run.recipe
     from streamrl.cli.main import main
     from streamrl.run.config_file import load_config
 
@@ -232,7 +232,7 @@ def test_print_config_writes_your_parts_as_class_paths_that_run_unchanged(tmp_pa
 
     runs = []
     monkeypatch = pytest.MonkeyPatch()
-    monkeypatch.setattr(streamrl.run.jobs, "fit_checked", lambda c, *_: runs.append(c) or {})
+    monkeypatch.setattr(streamrl.run.recipe, "fit_checked", lambda c, *_: runs.append(c) or {})
     try:
         assert main(["fit", "--config", str(written)]) == 0
         assert main(["fit", "--config", str(original)]) == 0

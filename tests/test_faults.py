@@ -17,7 +17,7 @@ from streamrl.components.generation.service import StreamGenerationService
 from streamrl.components.generation.timeouts import Timeouts
 from streamrl.errors import NonFiniteLossError
 from streamrl.policy.models import build_tiny_model, save_policy
-from streamrl.run.jobs import ledger
+from streamrl.run.reports import ledger
 from streamrl.tasks import make_prompt_set, partial_credit
 from streamrl.training.builders import build_trainer
 from streamrl.training.module import StreamRLModule

@@ -81,7 +81,7 @@ def test_trainer_gpus_4_to_7_put_each_rank_on_its_own_gpu_and_nothing_on_gpu_0(
 
 
 def test_the_weights_leave_from_rank_zeros_own_gpu(eight_gpus):
-    from streamrl.run.rl_job import trainer_device
+    from streamrl.run.trainer_ranks import trainer_device
 
     placement = resolve_placement("cuda", [4, 5, 6, 7])
     assert trainer_device(placement) == "cuda:4"

@@ -103,8 +103,8 @@ def test_the_check_sees_an_upward_import(tmp_path):
     copy = tmp_path / "streamrl"
     shutil.copytree(PACKAGE, copy, ignore=shutil.ignore_patterns("__pycache__", "data"))
     (copy / "components" / "probe.py").write_text(
-        "def f():\n    from streamrl.run.jobs import run_fit\n"
+        "def f():\n    from streamrl.run.recipe import run_fit\n"
     )
     assert upward_imports(copy) == [
-        "streamrl/components/probe.py (components) imports streamrl.run.jobs (run)"
+        "streamrl/components/probe.py (components) imports streamrl.run.recipe (run)"
     ]

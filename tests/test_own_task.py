@@ -117,7 +117,7 @@ def reward_module(tmp_path, monkeypatch):
 
 @pytest.mark.timeout(400)
 def test_own_dataset_reward_and_chat_format_in_a_real_fit(tmp_path, reward_module):
-    from streamrl.run.jobs import run_fit
+    from streamrl.run.recipe import run_fit
 
     config = own_task(tmp_path)
     summary = run_fit(config, show_progress=False)
@@ -257,7 +257,7 @@ def test_reasoning_gym_config_runs_at_a_small_size(tmp_path):
     the reward (in a reward worker), a character tokenizer learned from the data, the warm start
     on the suite's answers, evaluation per task."""
     from streamrl.run.config_file import load_config
-    from streamrl.run.jobs import run_fit
+    from streamrl.run.recipe import run_fit
 
     config = load_config(Path(__file__).resolve().parents[1] / "configs" / "reasoning_gym.yaml")
     config.output_dir = str(tmp_path / "run")

@@ -17,7 +17,7 @@ from streamrl.algorithms import GRPO
 from streamrl.components.generation.service import StreamGenerationService
 from streamrl.components.training.off_policy import OffPolicyCorrection
 from streamrl.policy.models import build_tiny_model, save_policy
-from streamrl.run.rl_job import ledger
+from streamrl.run.reports import ledger
 from streamrl.runtime.stopping import Stopped, stop_on_signals
 from streamrl.tasks import make_prompt_set, partial_credit
 from streamrl.training.builders import build_trainer

@@ -224,7 +224,7 @@ def test_ranker_dispatch_and_lpt_wired_into_the_loop(tmp_path, tokenizer):
 
 
 def test_dynamic_sampling_refills_filtered_groups_and_the_ledger_balances(tmp_path, tokenizer):
-    from streamrl.run.jobs import ledger
+    from streamrl.run.reports import ledger
 
     policy = build_tiny_model(tokenizer, "test", seed=0)
     save_policy(policy, tokenizer, tmp_path / "policy")

@@ -165,7 +165,7 @@ def test_a_python_hook_gets_each_iteration_without_the_filtered_groups(
     from streamrl.algorithms import GRPO
     from streamrl.components.generation.service import StreamGenerationService
     from streamrl.policy.models import build_tiny_model, save_policy
-    from streamrl.run.jobs import ledger
+    from streamrl.run.reports import ledger
     from streamrl.tasks import make_prompt_set
     from streamrl.training.builders import build_trainer
     from streamrl.training.prompts import PromptSource

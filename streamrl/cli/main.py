@@ -132,7 +132,7 @@ def parse_command(argv: Sequence[str]) -> tuple[str, Callable[[], dict]]:
 
 
 def _cmd_fit(fit: FitArgs) -> dict:
-    from streamrl.run.jobs import run_fit
+    from streamrl.run.recipe import run_fit
 
     quiet_lightning(verbose=fit.verbose)
     # run_fit checks the values and the resume point first, once, before any work.

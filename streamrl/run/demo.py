@@ -14,7 +14,7 @@ import sys
 from dataclasses import dataclass, field
 
 from streamrl.run.config import RunConfig
-from streamrl.run.jobs import run_fit
+from streamrl.run.recipe import run_fit
 from streamrl.run.reruns import fresh_output_dir
 from streamrl.run.stages import RunStages
 

@@ -1,4 +1,4 @@
-"""What a multi-turn run (``env.name`` set) brings to the job body (``streamrl.run.jobs.run_fit``):
+"""What a multi-turn run (``env.name`` set) brings to the recipe (``streamrl.run.recipe``):
 the environment's rows, the tiny policy's warm start on demonstrated episodes (cached), held-out
 success (greedy episodes), and its sampler: an ``EpisodeRunner`` on the generation service, whose
 environments reward the samples. Its summary adds ``heldout_success_before`` / ``_after``, the

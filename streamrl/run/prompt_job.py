@@ -1,12 +1,13 @@
-"""What a single-turn run brings to the job body (``streamrl.run.jobs.run_fit``): prompt sets,
+"""What a single-turn run brings to the recipe (``streamrl.run.recipe``): prompt sets,
 the warm start on them, the held-out evaluation with the run's reward; its sampler is the
 generation service itself (one completion per sample, scored by the run's reward).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any, Protocol
 
 import datasets
 from transformers import PretrainedConfig, PreTrainedTokenizerBase
@@ -21,6 +22,31 @@ from streamrl.rewards.spec import load_rewards
 from streamrl.run.config import RunConfig
 from streamrl.run.parts import reward_specs, reward_timeout_s
 from streamrl.run.prepare import ensure_policy, prepare_run
+
+
+class JobKind(Protocol):
+    """What single-turn runs (``PromptJob``) and episode runs (``EpisodeJob``) differ in: their
+    rows and warm start, their evaluator and their sampler; the rest of a job is one body."""
+
+    unit: str
+    train: Sequence
+    heldout: Sequence
+
+    def policy_dir(self, show_progress: bool) -> Path: ...
+
+    def context(self, model_config: PretrainedConfig) -> int: ...
+
+    def evaluator(
+        self, tokenizer: PreTrainedTokenizerBase, context: int
+    ) -> Callable[[StreamGenerationService, int], Any]: ...
+
+    def sampler(
+        self, tokenizer: PreTrainedTokenizerBase, context: int
+    ) -> Callable[[StreamGenerationService], Sampler] | None: ...
+
+    def eval_summary(self, result: Any, when: str) -> dict: ...
+
+    def run_summary(self, sampler: Sampler) -> dict: ...
 
 
 class PromptJob:

@@ -95,3 +95,19 @@ def result_line(summary: Mapping[str, Any]) -> str:
     if summary.get("output_dir"):
         parts.append(f"files in {summary['output_dir']}")
     return "Result: " + (", ".join(parts) if parts else "no figures (see the JSON line)")
+
+
+def zero_reward_hint(config: RunConfig) -> str:
+    """What to change when a run's policy earns no reward before RL (``HeldoutEvals``)."""
+    if config.model != "tiny":
+        return (
+            "check the reward on a few completions (streamrl bench reward) and the prompt "
+            "format (data.chat_template, data.system_prompt), or warm-start the model first."
+        )
+    if config.data.path or config.data.prompt_file:
+        return (
+            "the tiny policy's warm start learned too little of your task: try sft.tokenizer: "
+            "char (one id per character: copying and reversing text), more training rows, or "
+            "more sft.steps (docs/own-task.md)."
+        )
+    return "give the warm start more sft.steps (or sft.model_size: demo)."

@@ -1,5 +1,5 @@
 """The trainer ranks of a run: how each builds its module and trainer, and where the ranks come
-from: spawned here for a sharded ``streamrl fit`` (``rl.trainer_ranks > 1``), or started by an
+from: spawned here for a sharded ``streamrl fit`` (``trainer.devices`` > 1), or started by an
 external launcher (``torchrun`` on several nodes, SLURM's ``srun``; ``launched_job``).
 
 The process running ``fit`` is trainer rank 0: it owns the generation service and the sample
@@ -24,7 +24,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from pathlib import Path
@@ -45,7 +45,7 @@ from streamrl.components.capacity.elastic import ElasticController
 from streamrl.components.training.pipeline import DynamicBatchPipeline
 from streamrl.components.training.sharding import compute_dtype
 from streamrl.components.weights.transport import LOOPBACK, local_interfaces, make_store
-from streamrl.errors import TrainerRankError
+from streamrl.errors import ConfigError, TrainerRankError
 from streamrl.policy.lora import LoRASpec, apply_lora
 from streamrl.policy.model_dir import directory_bytes, empty_model
 from streamrl.policy.varlen_attention import attention_for
@@ -53,7 +53,7 @@ from streamrl.run.config import RLConfig, RunConfig, TrainerConfig
 from streamrl.run.config_checks import placement_of, run_correction, run_routing_replay
 from streamrl.runtime.devices import Placement
 from streamrl.runtime.peak_memory import RELEASE_FROM_MODEL_BYTES, release_freed_memory
-from streamrl.runtime.stopping import Stopped, ignore_signals
+from streamrl.runtime.stopping import Stopped, ignore_signals, shielded
 from streamrl.training.builders import build_module, build_trainer
 from streamrl.training.fsdp import process_group_backend
 from streamrl.training.module import StreamRLModule
@@ -219,6 +219,14 @@ class RankSetup:
         )
 
 
+def trainer_device(placement: Placement) -> str:
+    """The device trainer rank 0 holds, which the weights leave from: its GPU (the first of
+    ``trainer.devices``), or the CPU."""
+    if placement.accelerator == "cuda" and placement.trainer_gpus:
+        return f"cuda:{placement.trainer_gpus[0]}"
+    return "cpu"
+
+
 def pin_threads(placement: Placement, model_dir: str | Path) -> None:
     """On the CPU: one torch thread (the generators need the other cores), and for a model past
     ``RELEASE_FROM_MODEL_BYTES`` freed memory returned at once (``release_freed_memory``)."""
@@ -288,6 +296,39 @@ def trainer_ranks(setup: RankSetup, model_dir: Path, resume: str | None = None) 
         raise TrainerRankError(f"{dead}; see its log above.")
 
 
+def fit_on_ranks(
+    setup: RankSetup,
+    trainer: Callable[[], L.Trainer],
+    module: StreamRLModule,
+    model_dir: Path,
+    resume: str | None,
+    launched: bool,
+) -> None:
+    """Fit ``module`` on rank 0 with the Lightning trainer ``trainer()`` makes, every other rank
+    following: a launcher's ranks (``launched``, torchrun or SLURM, each in
+    ``streamrl.run.recipe``'s ``follow_rank_zero``), the ranks ``trainer_ranks`` spawns for
+    ``trainer.devices`` > 1, or none. Several ranks: a stop lands only where they can all
+    follow (``fsdp.stop_ranks``)."""
+    ranks_follow = shielded() if setup.ranks > 1 else contextlib.nullcontext()
+    if launched:  # the other ranks wait for the service up to here
+        wait_for_rank_zero(setup.timeouts.prepare_s)
+        with ranks_follow:
+            trainer().fit(module, ckpt_path=resume)
+        dist.destroy_process_group()
+    elif setup.ranks > 1:  # the others start here
+        # The Trainer is made once this process is rank 0 (LOCAL_RANK set), as on the other
+        # ranks: Lightning then launches no processes of its own, and does not refuse the
+        # strategy in a Jupyter kernel (where it refuses any that would launch them).
+        with trainer_ranks(setup, model_dir, resume), ranks_follow:
+            trainer().fit(module, ckpt_path=resume)
+    else:
+        try:
+            trainer().fit(module, ckpt_path=resume)
+        finally:
+            if setup.placement.sharded and dist.is_initialized():  # one FSDP2 rank
+                dist.destroy_process_group()  # a later run in this process starts afresh
+
+
 def _dead_ranks(ranks: Sequence[mp.process.BaseProcess]) -> str:
     """Which of ``ranks`` (rank 1 first) ended with an error, and how; ``""`` if none."""
     for process in ranks:
@@ -347,6 +388,20 @@ def launched_job() -> ClusterEnvironment | None:
             if job.world_size() > 1:
                 return job
     return None
+
+
+def check_launched(config: RunConfig, world: int) -> None:
+    """Under an external launcher the trainer ranks are the launcher's; ``ConfigError`` if the
+    config asks for another number (it would spawn ranks of its own on top)."""
+    devices = config.trainer.devices
+    asked = len(devices) if isinstance(devices, list) else (devices or 1)
+    asked *= config.trainer.num_nodes
+    if asked not in (1, world):
+        raise ConfigError(
+            f"The launcher started {world} trainer ranks but trainer.devices x "
+            f"trainer.num_nodes is {asked}; leave them unset or ask for {world} (under torchrun "
+            "or SLURM the launcher's processes are the ranks)."
+        )
 
 
 def join_launched_job(

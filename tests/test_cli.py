@@ -489,16 +489,16 @@ def test_the_run_ends_with_one_line_a_person_reads():
 
 def test_a_run_without_a_warm_start_says_what_that_means(capsys):
     from streamrl.run.config import RunConfig
-    from streamrl.run.stages import RunStages
+    from streamrl.run.config_checks import check_values
 
     config = RunConfig()
     config.sft.steps = 0
-    RunStages().policy(config)
+    check_values(config)
     assert "warning: sft.steps: 0 starts RL from the tiny policy's random weights" in (
         capsys.readouterr().err
     )
     config.sft.steps = 20
-    RunStages().policy(config)
+    check_values(config)
     assert "warning" not in capsys.readouterr().err
 
 
@@ -506,8 +506,8 @@ def test_a_policy_earning_nothing_before_rl_is_told_what_to_change(capsys):
     from types import SimpleNamespace
 
     from streamrl.run.config import RunConfig
+    from streamrl.run.prepare import zero_reward_hint
     from streamrl.run.reports import HeldoutEvals
-    from streamrl.run.stages import zero_reward_hint
 
     config = RunConfig()
     config.data.path = "rows.jsonl"

@@ -92,6 +92,13 @@ def check_values(config: RunConfig) -> None:
     tiny_sizes = ["test", "demo", "moe-test", "moe"]
     if sft.model_size not in tiny_sizes:
         raise ConfigError(f"sft.model_size: {unknown_name('size', sft.model_size, tiny_sizes)}")
+    if config.model == "tiny" and sft.steps == 0:
+        print(
+            "warning: sft.steps: 0 starts RL from the tiny policy's random weights: its samples "
+            "earn no reward and RL has nothing to reinforce; give sft.steps (e.g. the default) "
+            "unless that is what you study.",
+            file=sys.stderr,
+        )
     if config.logger not in LOGGERS:
         raise ConfigError(f"logger: {unknown_name('logger', config.logger, LOGGERS)}")
     needed = LOGGERS[config.logger]

@@ -159,6 +159,33 @@ def dataset_splits(config: RunConfig) -> tuple[datasets.Dataset, datasets.Datase
     return split_heldout(rows, heldout_fraction=data.heldout_fraction, seed=config.seed)
 
 
+def policy_heading(config: RunConfig) -> str:
+    """The run's first stage heading: the policy it starts from."""
+    if config.model != "tiny":
+        return f"Policy: {config.model}"
+    sft = config.sft
+    return (
+        f"Warm start: {sft.steps} SFT steps of the tiny '{sft.model_size}' policy on imperfect "
+        "demonstrations (cached after the first run; an interrupted one resumes)"
+    )
+
+
+def zero_reward_hint(config: RunConfig) -> str:
+    """What to change when a run's policy earns no reward before RL (``HeldoutEvals``)."""
+    if config.model != "tiny":
+        return (
+            "check the reward on a few completions (streamrl bench reward) and the prompt "
+            "format (data.chat_template, data.system_prompt), or warm-start the model first."
+        )
+    if config.data.path or config.data.prompt_file:
+        return (
+            "the tiny policy's warm start learned too little of your task: try sft.tokenizer: "
+            "char (one id per character: copying and reversing text), more training rows, or "
+            "more sft.steps (docs/own-task.md)."
+        )
+    return "give the warm start more sft.steps (or sft.model_size: demo)."
+
+
 def ensure_policy(config: RunConfig, run: PreparedRun, show_progress: bool = True) -> Path:
     """The policy directory: the user's model, or the warm-started tiny policy (cached)."""
     if config.model != "tiny":

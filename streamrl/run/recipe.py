@@ -41,10 +41,11 @@ from streamrl.run.config import RunConfig
 from streamrl.run.config_checks import check_values, placement_of
 from streamrl.run.episode_fit import EpisodeJob
 from streamrl.run.parts import RunParts, build_run_algorithm, check_parts, reward_pool
+from streamrl.run.prepare import policy_heading, zero_reward_hint
 from streamrl.run.prompt_job import JobKind, PromptJob
 from streamrl.run.reports import HeldoutEvals, ledger, rl_summary, write_summary
 from streamrl.run.reruns import finished_run, resolve_resume
-from streamrl.run.stages import RunStages, zero_reward_hint
+from streamrl.run.stages import RunStages
 from streamrl.run.trainer_ranks import (
     RankSetup,
     check_launched,
@@ -119,7 +120,7 @@ def fit_checked(config: RunConfig, resume: str | None, progress: bool, stages: R
     L.seed_everything(config.seed, verbose=False)
     kind = job_kind(config)  # every input check happens here, before any training
     # 2. The policy: yours, or the tiny one warm-started on the rows.
-    stages.policy(config)
+    stages.start("policy", policy_heading(config))
     model_dir = kind.policy_dir(progress)
     if job is not None:  # the other ranks build the policy now
         wait_for_rank_zero(rank_timeouts(config, model_dir).prepare_s)
@@ -151,7 +152,12 @@ def fit_checked(config: RunConfig, resume: str | None, progress: bool, stages: R
         if parts.latency is not None:  # the instances' own PTL(BS), before any dispatch
             parts.latency.update_from(service.measured_latency())
         evals.run("before", service, 0)  # the starting weights, on the instances holding them
-        stages.rl(config)
+        stages.start(
+            "rl",
+            f"RL ({type(parts.algorithm).__name__}, {rl.mode}): {rl.iterations} iterations of "
+            f"{rl.prompts_per_iteration} prompts x {rl.group_size} samples, {rl.generators} "
+            "generator processes streaming samples to the trainer",
+        )
         rollouts = RolloutStream(
             service,
             PromptSource(kind.train, rl.prompts_per_iteration, seed=config.seed),

@@ -11,7 +11,6 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from streamrl.run.config import RunConfig
 from streamrl.runtime.progress import Stages
 
 #: What each file of ``<output_dir>`` holds, in the order the list shows them.
@@ -34,37 +33,9 @@ class RunStages(Stages):
     def __init__(self, expected: Mapping[str, str] | None = None) -> None:
         super().__init__(self.NAMES, expected)
 
-    def policy(self, config: RunConfig) -> None:
-        if config.model != "tiny":
-            self.start("policy", f"Policy: {config.model}")
-            return
-        sft = config.sft
-        self.start(
-            "policy",
-            f"Warm start: {sft.steps} SFT steps of the tiny '{sft.model_size}' policy on "
-            "imperfect demonstrations (cached after the first run; an interrupted one resumes)",
-        )
-        if sft.steps == 0:
-            print(
-                "warning: sft.steps: 0 starts RL from the tiny policy's random weights: its "
-                "samples earn no reward and RL has nothing to reinforce; give sft.steps (e.g. "
-                "the default) unless that is what you study.",
-                file=sys.stderr,
-            )
-
     def evaluation(self, when: str, count: int, unit: str = "prompts") -> None:
         """``when``: ``"before"`` or ``"after"`` RL; ``count`` held-out ``unit``."""
         self.start(f"evaluation {when}", f"Held-out evaluation {when} RL: {count} {unit}")
-
-    def rl(self, config: RunConfig) -> None:
-        rl = config.rl
-        algorithm = rl.algorithm["class_path"].rpartition(".")[2]
-        self.start(
-            "rl",
-            f"RL ({algorithm}, {rl.mode}): {rl.iterations} iterations of "
-            f"{rl.prompts_per_iteration} prompts x {rl.group_size} samples, {rl.generators} "
-            "generator processes streaming samples to the trainer",
-        )
 
     def result(self, summary: Mapping[str, Any]) -> None:
         """The run's result in one line a person reads (the JSON line follows on stdout)."""
@@ -95,19 +66,3 @@ def result_line(summary: Mapping[str, Any]) -> str:
     if summary.get("output_dir"):
         parts.append(f"files in {summary['output_dir']}")
     return "Result: " + (", ".join(parts) if parts else "no figures (see the JSON line)")
-
-
-def zero_reward_hint(config: RunConfig) -> str:
-    """What to change when a run's policy earns no reward before RL (``HeldoutEvals``)."""
-    if config.model != "tiny":
-        return (
-            "check the reward on a few completions (streamrl bench reward) and the prompt "
-            "format (data.chat_template, data.system_prompt), or warm-start the model first."
-        )
-    if config.data.path or config.data.prompt_file:
-        return (
-            "the tiny policy's warm start learned too little of your task: try sft.tokenizer: "
-            "char (one id per character: copying and reversing text), more training rows, or "
-            "more sft.steps (docs/own-task.md)."
-        )
-    return "give the warm start more sft.steps (or sft.model_size: demo)."

@@ -1,4 +1,5 @@
-"""A run from its config: the config and its checks, config -> parts, the warm start, the job body,
+"""A run from its config: the config and its checks, config -> parts, the warm start, the recipe
+(``recipe``: the job, top to bottom), its reports,
 trainer ranks, reruns and the demo.
 
 Layer 10 (``docs/architecture.md``): imports everything but ``bench``, ``sim`` and ``cli``.

@@ -26,7 +26,8 @@ from streamrl.run.prepare import ensure_policy, prepare_run
 
 class JobKind(Protocol):
     """What single-turn runs (``PromptJob``) and episode runs (``EpisodeJob``) differ in: their
-    rows and warm start, their evaluator and their sampler; the rest of a job is one body."""
+    rows and warm start, their evaluator and their sampler; the rest is the recipe
+    (``streamrl.run.recipe``)."""
 
     unit: str
     train: Sequence

@@ -590,8 +590,9 @@ def test_the_reward_pool_section_is_reward_pools_arguments(fit, tmp_path, capsys
         fit("--rl.reward_pool", "{workers: 0, max_restarts: 2}", "--print_config=comments")[0] == 0
     )
     text = capsys.readouterr().out
-    assert "  # its keys: RewardPool(specs, workers=1, timeout_s=60.0" in text
-    assert "  # its keys: Timeouts.for_model(model_bytes, max_tokens, start_s=None" in text
+    assert "  # its keys: RewardPool(workers=1, timeout_s=60.0" in text
+    assert "  # its keys: Timeouts.for_model(start_s=None" in text
+    assert "DynamicBatchPipeline(max_tokens=1024, min_samples=1, packed=None); the run" in text
     path = tmp_path / "printed.yaml"
     path.write_text(text)
     assert fitted(fit, "--config", str(path)).rl.reward_pool == {"workers": 0, "max_restarts": 2}

@@ -47,11 +47,17 @@ _FIT_ALIASES = {
 }
 VERBOSE_HELP = "also show Lightning's information lines (accelerators found, tips) on stderr"
 #: Settings that hold one fixed component's constructor arguments (``--print_config=comments``
-#: lists them); the component is built from them in ``streamrl.run.parts``.
-CONSTRUCTOR_SECTIONS = {
-    "reward_pool": "streamrl.rewards.pool.RewardPool",
-    "timeouts": "streamrl.components.generation.timeouts.Timeouts.for_model",
-    "micro_batches": "streamrl.components.training.pipeline.DynamicBatchPipeline",
+#: lists them), and the arguments the run links in rather than the section.
+CONSTRUCTOR_SECTIONS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "reward_pool": ("streamrl.rewards.pool.RewardPool", ("specs", "status_path", "faults_path")),
+    "timeouts": (
+        "streamrl.components.generation.timeouts.Timeouts.for_model",
+        ("model_bytes", "max_tokens"),
+    ),
+    "micro_batches": (
+        "streamrl.components.training.pipeline.DynamicBatchPipeline",
+        ("staleness_bound",),
+    ),
 }
 #: What ``--print_config=FLAGS`` takes, comma-separated, as ``LightningCLI``'s.
 PRINT_FLAGS = ("comments", "skip_null")
@@ -355,7 +361,7 @@ def _yaml_lines(section: Any, indent: int, comments: bool, skip_null: bool) -> l
         if comments and isinstance(value, dict) and "class_path" in value:
             arguments = "init_args: " + _arguments_of(value["class_path"])
         elif comments and field.name in CONSTRUCTOR_SECTIONS:
-            arguments = "its keys: " + _arguments_of(CONSTRUCTOR_SECTIONS[field.name])
+            arguments = "its keys: " + _arguments_of(*CONSTRUCTOR_SECTIONS[field.name])
         if arguments:
             for line in textwrap.wrap(arguments, 98 - indent):
                 lines.append(f"{pad}# {line}\n")
@@ -370,8 +376,9 @@ def _yaml_lines(section: Any, indent: int, comments: bool, skip_null: bool) -> l
     return lines
 
 
-def _arguments_of(class_path: str) -> str:
-    """What ``init_args`` may hold for ``class_path``: its constructor's parameters."""
+def _arguments_of(class_path: str, linked: tuple[str, ...] = ()) -> str:
+    """What ``init_args`` may hold for ``class_path``: its constructor's parameters, but for
+    those the run ``linked`` in."""
     import inspect
 
     from streamrl.runtime.references import resolve
@@ -384,10 +391,12 @@ def _arguments_of(class_path: str) -> str:
     shown = [
         p.name if p.default is p.empty else f"{p.name}={p.default!r}"
         for p in parameters
-        if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+        if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name not in linked
     ]
-    linked = " (from_run links in what the run knows)" if hasattr(factory, "from_run") else ""
-    return f"{factory.__qualname__}({', '.join(shown)}){linked}"
+    note = " (from_run links in what the run knows)" if hasattr(factory, "from_run") else ""
+    if linked:
+        note = f"; the run links in {', '.join(linked)}"
+    return f"{factory.__qualname__}({', '.join(shown)}){note}"
 
 
 def _descriptions(cls: type) -> dict[str, str]:

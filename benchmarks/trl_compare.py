@@ -14,7 +14,7 @@ interleaved round by round (``--repeats`` rounds), medians reported:
 - ``streamrl-sync`` / ``streamrl-async`` / ``streamrl-async-keep``: ``streamrl fit`` defaults
   (2 generator processes streaming into a one-thread trainer, skew dispatch on), sync, the
   paper's one-step async (each sample from one weight version), and one-step async with partial
-  rollout (``rl.partial_rollout: keep``: running sequences go on across a weight update).
+  rollout (``rl.generation.partial_rollout: keep``: running sequences go on across a weight update).
 
 Two clocks, the same for all:
 
@@ -143,7 +143,7 @@ def run_streamrl(mode: str, args, out: Path) -> dict:
     config = RunConfig(output_dir=str(out))
     config.rl.iterations, config.rl.mode = args.steps, mode.removesuffix("-keep")
     if mode == "async-keep":  # running sequences go on across a weight update
-        config.rl.partial_rollout = "keep"
+        config.rl.generation = {"partial_rollout": "keep"}
     config.rl.prompts_per_iteration, config.rl.group_size = args.prompts, args.group
     summary = run_fit(config, show_progress=False)
     job_wall = time.perf_counter() - job_started

@@ -26,7 +26,7 @@ if __name__ == "__main__":  # the generator instances are spawned processes
     before = sr.evaluate_episodes(policy, tokenizer, env, heldout, **turns)
     algorithm = sr.GRPO(group_size=8)
     stops = sr.stop_token_ids(tokenizer)  # a turn ends at the chat template's end of turn
-    with sr.StreamGenerationService(model_dir, 1, stop_token_ids=stops) as service:
+    with sr.StreamGenerationService(model_dir, 1, temperature=1.0, stop_token_ids=stops) as service:
         runner = sr.EpisodeRunner(service, env, tokenizer, **turns)  # env steps off the decode loop
         rollouts = sr.RolloutStream(
             service,

@@ -84,9 +84,8 @@ def run_config(out: Path, mode: str, episodes: bool, ranks: int, iterations: int
         "iterations": iterations,
         "prompts_per_iteration": PROMPTS,
         "group_size": GROUP,
-        "generators": 1 if ranks > 1 else 2,
+        "generation": {"num_instances": 1 if ranks > 1 else 2, "max_batch_size": 8},
         "max_tokens": 24 if episodes else 12,
-        "max_batch_size": 8,
         "checkpoints": {"every": 1},
         "save_rollouts": True,
         "timeouts": {"heartbeat_s": 10},  # a SIGSTOPped generator is taken as hung after 10 s

@@ -183,8 +183,8 @@ def tiny_config(out: Path) -> Path:
             "iterations": 1,
             "prompts_per_iteration": 2,
             "group_size": 2,
-            "generators": 1,
             "max_tokens": 8,
+            "generation": {"num_instances": 1},
         },
     }
     path = out / "road.yaml"

@@ -32,7 +32,7 @@ EXPERIMENTS = {
     # Partial rollout: running sequences go on under new weights (their old KV cache kept).
     "partial": lambda seed: [
         ("sync", {"mode": "sync"}, seed),
-        ("partial", {"mode": "async", "partial_rollout": "keep"}, seed),
+        ("partial", {"mode": "async", "generation": {"partial_rollout": "keep"}}, seed),
     ],
 }
 #: Per-iteration off-policy metrics read from each run's metrics.csv.
@@ -40,9 +40,12 @@ OFF_POLICY = ("train/is_ratio_mean", "train/is_ratio_max", "train/is_truncated_f
 
 
 def run(name: str, rl: dict, seed: int, out: Path) -> dict:
-    """One ``streamrl fit`` with the demo config, ``rl`` overrides and ``seed``."""
+    """One ``streamrl fit`` with the demo config, ``rl`` overrides (a section's merged into
+    it) and ``seed``."""
     config = yaml.safe_load(Path("configs/demo.yaml").read_text())
-    config["rl"].update(rl)
+    for key, value in rl.items():
+        given = config["rl"].get(key)
+        config["rl"][key] = {**given, **value} if isinstance(given, dict) else value
     config["seed"] = seed
     run_dir = out / f"{name}-seed{seed}"
     config["output_dir"] = str(run_dir)

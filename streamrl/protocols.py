@@ -185,7 +185,7 @@ class StreamGenerator(Protocol):
 @runtime_checkable
 class RecomputingGenerator(Protocol):
     """What a ``StreamGenerator`` adds to go on with its running sequences under new weights
-    after computing their cache again (``rl.partial_rollout: recompute``)."""
+    after computing their cache again (``rl.generation.partial_rollout: recompute``)."""
 
     def recompute_running(self) -> int:
         """Prefill every running sequence again, prompt and tokens so far, under the weights

@@ -59,7 +59,8 @@ def tiny_model(tokenizer):
 def fit_small(tmp_path, capsys):
     """``streamrl fit`` in this process on a tiny run (2 iterations x 4 prompts x 2 samples,
     output in ``tmp_path/<out>``, default ``out``); keyword arguments change the ``rl`` section,
-    ``model_size`` the warm-started policy, ``trainer`` the ``trainer`` section, ``args`` are
+    ``generation`` merges into one instance (``{num_instances: 1}``), ``model_size`` the
+    warm-started policy, ``trainer`` the ``trainer`` section, ``args`` are
     more command-line arguments (e.g.
     ``["--resume", path]``). Returns the run's JSON summary, after checking every requested
     sample was trained."""
@@ -82,9 +83,9 @@ def fit_small(tmp_path, capsys):
             "iterations": 2,
             "prompts_per_iteration": 4,
             "group_size": 2,
-            "generators": 1,
             "max_tokens": 12,
             **rl,
+            "generation": {"num_instances": 1, **rl.get("generation", {})},
         }
         config.write_text(
             yaml.safe_dump(

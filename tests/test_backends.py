@@ -223,7 +223,7 @@ def test_fp8_generation_is_passed_to_vllm_on_gpus_and_refused_off_them(monkeypat
     _installed(monkeypatch, vllm=True)
     fp8 = VLLMEngine(quantization="fp8")
     fp8.check(cluster=LocalCluster(), gpus_per_instance=1)
-    with pytest.raises(ConfigError, match=r"fp8 generates on CUDA GPUs only.*rl\.gpus: 1"):
+    with pytest.raises(ConfigError, match=r"fp8 generates on CUDA GPUs only.*gpus_per_instance: 1"):
         fp8.check(cluster=LocalCluster(), gpus_per_instance=0)
     with pytest.raises(ConfigError, match="fp8 generates on CUDA GPUs only"):
         VLLMEngine(options={"quantization": "fp8"}).check(
@@ -324,7 +324,7 @@ def test_routed_experts_from_vllm_on_gpus_are_what_samples_carry(monkeypatch, po
 
     # A run: vLLM generators without GPUs return none, so replay is off unless asked (refused).
     assert run_routing_replay(RLConfig(engine="vllm")) is False
-    assert run_routing_replay(RLConfig(engine="vllm", gpus=1)) is None
+    assert run_routing_replay(RLConfig(engine="vllm", generation={"gpus_per_instance": 1})) is None
     assert run_routing_replay(RLConfig(engine="hf")) is None
     with pytest.raises(ConfigError, match="vLLM's CPU build returns no routed experts"):
         run_routing_replay(RLConfig(engine={"class_path": "vllm"}, routing_replay=True))

@@ -72,7 +72,7 @@ def test_fit_with_gpus_on_a_cpu_machine_fails_at_once(tmp_path, capsys):
     config.write_text("rl:\n  iterations: 1\n")
     assert main(["fit", "--config", str(config), "--gpus", "1", "--output-dir", str(tmp_path)]) == 2
     err = capsys.readouterr().err
-    assert "gpus=1 but this machine has no CUDA GPU" in err and "drop --gpus" in err
+    assert "gpus_per_instance=1 but this machine has no CUDA GPU" in err and "drop --gpus" in err
     assert not (tmp_path / "instances.json").exists()  # no generator was started
 
 
@@ -96,7 +96,8 @@ def test_fit_small_run_prints_json_summary(tmp_path, capsys):
         f"output_dir: {tmp_path / 'out'}\n"
         "data: {tasks: [copy, count], n_train: 32, n_heldout: 8, median_len: 3, max_len: 6}\n"
         "sft: {model_size: test, steps: 20}\n"
-        "rl: {iterations: 2, prompts_per_iteration: 4, group_size: 2, generators: 1,"
+        "rl: {iterations: 2, prompts_per_iteration: 4, group_size: 2,"
+        " generation: {num_instances: 1},"
         " max_tokens: 12}\n"
     )
     # As a user pipes it (`streamrl fit ... | tail -1`), progress on: the headings of the
@@ -182,7 +183,8 @@ def test_ctrl_c_stops_every_generator_process(tmp_path):
         f"output_dir: {tmp_path / 'out'}\n"
         "data: {tasks: [copy], n_train: 16, n_heldout: 4, median_len: 3, max_len: 6}\n"
         "sft: {model_size: test, steps: 2}\n"
-        "rl: {iterations: 100000, prompts_per_iteration: 2, group_size: 2, generators: 2}\n"
+        "rl: {iterations: 100000, prompts_per_iteration: 2, group_size: 2,"
+        " generation: {num_instances: 2}}\n"
     )
     command = [sys.executable, "-m", "streamrl.cli.main", "fit", "--no-progress", "--config"]
     command.append(str(config))
@@ -391,8 +393,8 @@ def test_same_seed_same_weights(tmp_path, capsys):
     config.write_text(
         "data: {tasks: [copy], n_train: 32, n_heldout: 8, median_len: 3, max_len: 6}\n"
         "sft: {model_size: test, steps: 20}\n"
-        "rl: {iterations: 2, prompts_per_iteration: 4, group_size: 2, generators: 1,"
-        " max_tokens: 12, temperature: 1.5}\n"
+        "rl: {iterations: 2, prompts_per_iteration: 4, group_size: 2,"
+        " generation: {num_instances: 1, temperature: 1.5}, max_tokens: 12}\n"
     )
     states = []
     for run in ("a", "b"):
@@ -414,7 +416,7 @@ def test_demo_sizes_are_valid_runs_and_small_is_smaller(tmp_path):
     for config in (full, small):
         check_values(config)
     assert full.sft.steps > small.sft.steps and full.rl.iterations > small.rl.iterations
-    assert small.rl.generators == full.rl.generators  # the same job, shrunk
+    assert small.rl.generation == full.rl.generation  # the same job, shrunk
     for size in DEMO_SIZES.values():  # every stage that takes a while says how long
         assert set(size.expected) == set(RunStages.NAMES) - {"files"}
     assert parse_command(["demo", "--size", "small"])[1].args[0].size == "small"

@@ -119,7 +119,9 @@ def test_run_options_and_the_old_aliases(fit, tmp_path):
     out = str(tmp_path / "out")
     code, calls = fit("--output-dir", out, "--gpus=0", "--no-progress", "--resume", str(ckpt))
     assert code == 0
-    assert calls[0]["config"].output_dir == out and calls[0]["config"].rl.gpus == 0
+    assert calls[0]["config"].output_dir == out and calls[0]["config"].rl.generation == {
+        "gpus_per_instance": 0
+    }
     assert calls[0]["show_progress"] is False and calls.pop()["resume"] == str(ckpt)
     # The aliases are plain aliases: what comes later wins either way.
     assert fitted(fit, "--output-dir", "a", "--output_dir", "b").output_dir == "b"
@@ -601,6 +603,44 @@ def test_the_reward_pool_section_is_reward_pools_arguments(fit, tmp_path, capsys
     assert main(["config", "migrate", str(old)]) == 0
     migrated = fitted(fit, "--config", str(tmp_path / "old.migrated.yaml")).rl.reward_pool
     assert migrated == {"workers": 0, "timeout_s": 5.0, "max_restarts": 3}
+
+
+def test_the_generation_section_is_the_services_arguments(fit, tmp_path, capsys):
+    """``rl.generation`` holds ``StreamGenerationService``'s own arguments: a dotted option sets
+    one and keeps the file's others, ``--gpus`` is one of them, what the run links in (the
+    engine, the seed...) is refused naming where it comes from, a misspelled one gets a "did
+    you mean", the comments list its keys without the linked ones, and the flat keys of the
+    old layout migrate into it."""
+    path = tmp_path / "run.yaml"
+    path.write_text("rl:\n  generation: {num_instances: 3, temperature: 0.9}\n")
+    config = fitted(fit, "--config", str(path), "--rl.generation.max_batch_size", "16")
+    assert config.rl.generation == {"num_instances": 3, "temperature": 0.9, "max_batch_size": 16}
+    assert config.rl.generation_arg("max_restarts") == 3  # the constructor's default
+    assert fitted(fit, "--gpus", "0").rl.generation == {"gpus_per_instance": 0}
+    capsys.readouterr()
+    refused = {
+        "--rl.generation.engine": "engine is linked in by the run, not set here: set rl.engine",
+        "--rl.generation.temprature": "(did you mean 'temperature'",
+    }
+    for option, message in refused.items():
+        assert fit(option, "1") == (2, [])
+        assert message in capsys.readouterr().err
+    assert fit("--rl.generation.temperature", "0.9", "--rl.iteratons", "3") == (2, [])
+    assert "(did you mean '--rl.iterations'?)" in capsys.readouterr().err  # the one at fault
+    assert fit("--print_config=comments")[0] == 0
+    text = capsys.readouterr().out
+    comment = text[text.index("its keys: StreamGenerationService(") :].split("\n  generation:")[0]
+    assert "num_instances=2" in comment and "max_batch_size=" in comment
+    assert "seed=" not in comment and "the run links in model_dir, engine" in " ".join(
+        line.strip(" #") for line in comment.splitlines()
+    )
+    old = tmp_path / "old.yaml"
+    old.write_text("rl:\n  generators: 1\n  gpus: 0\n  partial_rollout: keep\n  mode: async\n")
+    assert fit("--config", str(old)) == (2, [])
+    assert "generators has moved: set rl.generation: {num_instances" in capsys.readouterr().err
+    assert main(["config", "migrate", str(old)]) == 0
+    migrated = fitted(fit, "--config", str(tmp_path / "old.migrated.yaml")).rl.generation
+    assert migrated == {"num_instances": 1, "gpus_per_instance": 0, "partial_rollout": "keep"}
 
 
 def test_the_clip_range_and_kl_weight_are_the_algorithms_own_arguments(fit, tmp_path, capsys):

@@ -133,7 +133,7 @@ def test_duplicate_prompt_ids_name_the_line(tmp_path):
         ("rl:\n  mode: asynch\n", r"Unknown mode 'asynch' \(did you mean 'async'\?\)"),
         ("rl:\n  reward: exakt\n", r"Unknown reward 'exakt' \(did you mean 'exact'\?\)"),
         (
-            "rl:\n  generators: 3\n  elastic: {class_path: controller, init_args: "
+            "rl:\n  generation: {num_instances: 3}\n  elastic: {class_path: controller, init_args: "
             "{max_instances: 2}}\n",
             r"rl.elastic: .*max_instances=2 is below the 3 generator instances",
         ),
@@ -145,7 +145,28 @@ def test_duplicate_prompt_ids_name_the_line(tmp_path):
             "rl:\n  elastic: {class_path: controller, init_args: {threshold: 0}}\n",
             r"rl.elastic: ElasticController: need threshold > 0",
         ),
-        ("rl:\n  max_restarts: -1\n", r"rl.max_restarts must be >= 0, got -1"),
+        (
+            "rl:\n  generation: {max_restarts: -1}\n",
+            r"rl.generation: max_restarts and gpus_per_instance must be >= 0 .* got -1 and 0",
+        ),
+        (
+            "rl:\n  max_restarts: 1\n",
+            r"set rl.generation: \{max_restarts: \.\.\.\} \(rl.generation holds",
+        ),
+        (
+            "rl:\n  generation: {max_batch_size: 0}\n",
+            r"rl.generation: .*max_batch_size must be >= 1",
+        ),
+        ("rl:\n  generation: {temperature: 0}\n", r"rl.generation: temperature must be > 0"),
+        ("rl:\n  generation: {num_instance: 2}\n", r"did you mean 'num_instances'"),
+        (
+            "rl:\n  generation: {engine: vllm}\n",
+            r"rl.generation: engine is linked in by the run.*set rl.engine",
+        ),
+        (
+            "rl:\n  generation: {partial_rollout: drop}\n",
+            r"rl.generation.partial_rollout: 'drop' is not",
+        ),
         (
             "rl:\n  reward_pool: {workes: 0}\n",
             r"rl.reward_pool: .*\['workes'\] \(did you mean 'workers'",
@@ -158,7 +179,7 @@ def test_duplicate_prompt_ids_name_the_line(tmp_path):
         ("rl:\n  scheduler: lifo\n", r"rl.scheduler: Unknown scheduler 'lifo' \(did you mean"),
         ("rl:\n  dispatcher: 3\n", r"rl: dispatcher must be a str or dict, got 3"),
         ("rl:\n  cluster: rey\n", r"cluster: Unknown cluster 'rey' \(did you mean 'ray'\?\)"),
-        ("rl:\n  gpus: -1\n", r"rl.gpus must be >= 0"),
+        ("rl:\n  generation: {gpus_per_instance: -1}\n", r"gpus_per_instance must be >= 0"),
         ("rl:\n  trainer_ranks: 2\n", r"trainer_ranks has moved: set trainer.devices"),
         ("rl:\n  token_budget: 64\n", r"set rl.micro_batches: \{max_tokens: \.\.\.\}"),
         ("rl:\n  pack_sequences: false\n", r"set rl.micro_batches: \{packed: \.\.\.\}"),
@@ -177,7 +198,10 @@ def test_duplicate_prompt_ids_name_the_line(tmp_path):
         ("trainer:\n  precision: bf16\n", r"Unknown precision 'bf16'"),
         ("trainer:\n  accelerator: cuda\n", r"this machine has no GPU"),
         ("trainer:\n  reference_offload: true\n", r"this trainer is not sharded"),
-        ("rl:\n  sites: [a, b, c]\n", r"rl.sites names 3 sites for rl.generators=2"),
+        (
+            "rl:\n  generation: {sites: [a, b, c]}\n",
+            r"rl.generation: sites: one site per instance \(2\)",
+        ),
         (
             "rl:\n  algorithm: ppo\ntrainer:\n  devices: 2\n",
             r"PPO cannot train sharded yet",
@@ -234,8 +258,8 @@ def test_engine_without_its_extra_says_how_to_install(
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a GPU-less machine")
 def test_gpus_on_a_machine_without_gpus_fail_before_work(tmp_path):
-    with pytest.raises(ConfigError, match=r"rl.gpus=1 but this machine has no CUDA GPU"):
-        load_checked(write(tmp_path, "rl:\n  gpus: 1\n"))
+    with pytest.raises(ConfigError, match=r"gpus_per_instance=1 but this machine has no CUDA GPU"):
+        load_checked(write(tmp_path, "rl:\n  generation: {gpus_per_instance: 1}\n"))
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a GPU-less machine")

@@ -169,17 +169,24 @@ def test_overlap_is_refused_on_ray_too(gpus):
 
 def test_a_trainer_holding_every_gpu_is_refused(gpus):
     gpus(2)
-    with pytest.raises(ConfigError, match=r"trainer holds all 2 GPUs .*\[0, 1\].*rl.gpus: 0"):
+    with pytest.raises(
+        ConfigError,
+        match=r"trainer holds all 2 GPUs .*\[0, 1\].*rl.generation.gpus_per_instance: 0",
+    ):
         resolve_placement("cuda", devices=2, generator_gpus_per_instance=1)
     assert resolve_placement("cuda", devices=2).generator_gpus == ()  # CPU generators are fine
 
 
 def test_generator_gpus_without_any_gpu_and_ignored_lists_are_refused(gpus):
     gpus(0)
-    with pytest.raises(ConfigError, match=r"rl.gpus=1 but this machine has no CUDA GPU"):
+    with pytest.raises(
+        ConfigError, match=r"rl.generation.gpus_per_instance=1 but this machine has no CUDA GPU"
+    ):
         resolve_placement("cpu", generator_gpus_per_instance=1)
     gpus(8)
-    with pytest.raises(ConfigError, match=r"rl.generator_devices .* rl.gpus is 0"):
+    with pytest.raises(
+        ConfigError, match=r"rl.generator_devices .* rl.generation.gpus_per_instance is 0"
+    ):
         resolve_placement("cuda", generator_devices=[4])
     with pytest.raises(ConfigError, match=r"rl.generator_devices \[4, 9\] names GPU\(s\) \[9\]"):
         resolve_placement("cuda", generator_gpus_per_instance=1, generator_devices=[4, 9])
@@ -206,8 +213,9 @@ def test_instance_device_takes_the_given_gpus_round_robin():
 
 
 def test_a_tensor_parallel_instance_takes_a_set_of_gpus_and_sees_only_those(monkeypatch):
-    """rl.gpus: 2 -> sets of two GPUs, round-robin; the instance's process sees its set as
-    cuda:0,1 and vLLM runs a rank on each (faked inventories: no GPU needed)."""
+    """rl.generation.gpus_per_instance: 2 -> sets of two GPUs, round-robin; the instance's
+    process sees its set as cuda:0,1 and vLLM runs a rank on each (faked inventories: no GPU
+    needed)."""
     assert [LocalCluster().device(i, 2, gpu_ids=[2, 3, 4, 5, 6]) for i in range(3)] == [
         "cuda:2,3",
         "cuda:4,5",
@@ -215,7 +223,10 @@ def test_a_tensor_parallel_instance_takes_a_set_of_gpus_and_sees_only_those(monk
     ]
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 5)
     assert LocalCluster().device(1, 2, spare_first=True) == "cuda:3,4"
-    with pytest.raises(ConfigError, match=r"rl.gpus=4 GPUs per generator instance, but .* 3"):
+    with pytest.raises(
+        ConfigError,
+        match=r"rl.generation.gpus_per_instance=4 GPUs per generator instance, but .* 3",
+    ):
         LocalCluster().device(0, 4, gpu_ids=[1, 2, 3])
     env = {"CUDA_VISIBLE_DEVICES": "7,6,5,4"}
     assert pin_visible_gpu("cuda:1,2", env) == "cuda:0"
@@ -227,7 +238,8 @@ def test_a_tensor_parallel_instance_takes_a_set_of_gpus_and_sees_only_those(monk
 def test_tensor_parallel_size_must_match_the_gpus_each_instance_gets():
     engine = VLLMEngine(options={"tensor_parallel_size": 2})
     with pytest.raises(
-        ConfigError, match=r"tensor_parallel_size=2, but each instance gets rl.gpus=1"
+        ConfigError,
+        match=r"tensor_parallel_size=2, but each instance gets rl.generation.gpus_per_instance=1",
     ):
         engine.check(cluster=RayCluster(), gpus_per_instance=1)
 

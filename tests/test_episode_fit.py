@@ -17,9 +17,8 @@ RL = {
     "iterations": 2,
     "prompts_per_iteration": 4,
     "group_size": 2,
-    "generators": 1,
+    "generation": {"num_instances": 1, "max_batch_size": 8},
     "max_tokens": 24,
-    "max_batch_size": 8,
 }
 
 

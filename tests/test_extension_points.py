@@ -49,7 +49,7 @@ def small_run_values(tmp_path: Path, **rl: object) -> dict:
             "iterations": 2,
             "prompts_per_iteration": 4,
             "group_size": 2,
-            "generators": 2,
+            "generation": {"num_instances": 2},
             "max_tokens": 12,
             "checkpoints": {"every": 1},
             "ranker_refresh_every": 1,

@@ -89,7 +89,7 @@ def test_a_local_fit_with_two_trainer_ranks_and_two_generators_listens_on_loopba
             "iterations": 2,
             "prompts_per_iteration": 4,
             "group_size": 2,
-            "generators": 2,
+            "generation": {"num_instances": 2},
             "max_tokens": 8,
             "mode": "async",
         },

@@ -291,6 +291,10 @@ def test_a_fit_with_the_adaptive_planner_trains_every_sample_once(fit_small):
     """``rl.dispatcher: adaptive`` in a real run (two generators, async, the online ranker):
     whatever it moves, every requested sample is trained and none is lost (``fit_small``)."""
     summary = fit_small(
-        dispatcher="adaptive", generators=2, mode="async", iterations=3, length_predictor="ranker"
+        dispatcher="adaptive",
+        generation={"num_instances": 2},
+        mode="async",
+        iterations=3,
+        length_predictor="ranker",
     )
     assert summary["samples_lost"] == 0

@@ -81,7 +81,7 @@ def own_task(tmp_path: Path, **overrides) -> RunConfig:
         "iterations": 2,
         "prompts_per_iteration": 4,
         "group_size": 2,
-        "generators": 1,
+        "generation": {"num_instances": 1},
         "max_tokens": 16,
         "reward": [
             {"name": "own_rewards:names_the_unit", "weight": 1.0},
@@ -309,7 +309,8 @@ def test_own_modules_in_the_current_and_the_config_directory_in_a_real_fit(tmp_p
         f"output_dir: {tmp_path / 'out'}\n"
         "data: {tasks: [copy], n_train: 16, n_heldout: 4, median_len: 3, max_len: 4}\n"
         "sft: {model_size: test, steps: 2}\n"
-        "rl: {iterations: 1, prompts_per_iteration: 2, group_size: 2, generators: 1,"
+        "rl: {iterations: 1, prompts_per_iteration: 2, group_size: 2,"
+        " generation: {num_instances: 1},"
         " max_tokens: 6, reward_pool: {workers: 1},"
         " reward: [{name: cwd_rewards:cwd_score}, {name: beside_rewards:beside_score}]}\n"
     )
@@ -380,7 +381,14 @@ def test_the_own_task_example_runs_as_docs_own_task_shows(tmp_path):
     (tmp_path / "bin").mkdir()
     (tmp_path / "bin" / "streamrl").write_text(LAUNCHER)
     small = ["--sft.steps", "20", "--sft.model_size", "test", "--rl.iterations", "2"]
-    small += ["--rl.prompts_per_iteration", "8", "--rl.group_size", "2", "--rl.generators", "1"]
+    small += [
+        "--rl.prompts_per_iteration",
+        "8",
+        "--rl.group_size",
+        "2",
+        "--rl.generation.num_instances",
+        "1",
+    ]
     command = [sys.executable, str(tmp_path / "bin" / "streamrl"), "fit", "--no-progress"]
     command += ["--config", "examples/own_task/config.yaml", "--data.path", str(data), *small]
     command += ["--output_dir", str(tmp_path / "run")]

@@ -301,8 +301,8 @@ def test_a_bound_the_mode_cannot_keep_is_refused(tok, mode, bound, message):
 @pytest.mark.parametrize(
     ("rl", "message"),
     [
-        ({"mode": "sync", "partial_rollout": "keep"}, "needs rl.mode: async"),
-        ({"mode": "async", "partial_rollout": "drop"}, "rl.partial_rollout: 'drop'"),
+        ({"mode": "sync", "generation": {"partial_rollout": "keep"}}, "needs rl.mode: async"),
+        ({"mode": "async", "generation": {"partial_rollout": "drop"}}, r"partial_rollout: 'drop'"),
         ({"mode": "async", "staleness_bound": 0}, "rl.staleness_bound=0"),
         ({"mode": "colocated", "staleness_bound": 1}, "only async mode"),
     ],
@@ -313,4 +313,5 @@ def test_config_checks_name_the_key_and_the_fix(rl, message):
 
     with pytest.raises(ConfigError, match=message):
         check_rl(RLConfig(**rl))
-    check_rl(RLConfig(mode="async", staleness_bound=2, partial_rollout="recompute"))  # fine
+    fine = RLConfig(mode="async", staleness_bound=2, generation={"partial_rollout": "recompute"})
+    check_rl(fine)

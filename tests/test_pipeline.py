@@ -74,11 +74,14 @@ def test_the_module_links_in_what_the_pipeline_leaves_unset(tokenizer):
     policy = build_tiny_model(tokenizer, "test", seed=0)  # SDPA: padded rows are faster
 
     def linked(mode: str, pipeline: DynamicBatchPipeline) -> tuple:
+        given = (pipeline.staleness_bound, pipeline.packed)
         module = StreamRLModule(
             policy, GRPO(group_size=4), _NoRollouts(), 1, mode=mode, pipeline=pipeline
         )
-        assert module.pipeline is pipeline
-        return pipeline.staleness_bound, pipeline.packed, module.layout
+        linked = module.pipeline
+        assert (pipeline.staleness_bound, pipeline.packed) == given  # the one given is left as is
+        assert linked.max_tokens == pipeline.max_tokens
+        return linked.staleness_bound, linked.packed, module.layout
 
     assert linked("async", DynamicBatchPipeline(64)) == (1, False, "padded")
     assert linked("sync", DynamicBatchPipeline(64, packed=True)) == (0, True, "packed")
@@ -91,6 +94,8 @@ def test_the_module_links_in_what_the_pipeline_leaves_unset(tokenizer):
     )
     with pytest.raises(ValueError, match="staleness_bound is 0: it would drop them"):
         linked("async", DynamicBatchPipeline(64, staleness_bound=0))
+    shared = DynamicBatchPipeline(64)  # one pipeline, two modules: each links its own
+    assert linked("async", shared)[0] == 1 and linked("sync", shared)[0] == 0
 
 
 def test_arrival_order_does_not_change_the_update(tokenizer):

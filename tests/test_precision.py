@@ -194,7 +194,7 @@ def test_fit_with_generators_in_bf16_and_two_trainer_ranks(fit_small):
     """Generators in bfloat16, two FSDP2 ranks: every version is staged from the shards (rows
     sent to rank 0) in bfloat16, received and loaded; every token corrected for the gap."""
     summary = fit_small(
-        generators=2,
+        generation={"num_instances": 2},
         engine={"class_path": "hf", "init_args": {"dtype": "bfloat16"}},
         trainer={"devices": 2},
     )

@@ -393,7 +393,7 @@ def test_the_run_s_ranker_reads_prompts_in_the_policy_s_tokens():
     tokenizer = build_bpe_tokenizer(prompts * 8, vocab_size=300)
     policy = build_tiny_model(tokenizer, size="test")
     config = RunConfig()
-    config.rl.generators = 1  # no latency profile needed to build the parts
+    config.rl.generation = {"num_instances": 1}  # no latency profile needed to build the parts
     ranker = RunParts.from_config(config, policy, tokenizer).length_predictor
     assert isinstance(ranker, LengthRanker) and ranker.tokenizer is tokenizer
     ranker.online.learn_epochs = 5

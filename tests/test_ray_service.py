@@ -121,7 +121,7 @@ def test_fit_config_switches_to_ray_with_one_field(tmp_path, fit_small, ray_opti
     from streamrl.components.generation.ray_instance import connect
 
     connect(ray_options)  # the module's cluster (a run would otherwise start one of its own)
-    fit_small(generators=2, cluster="ray")
+    fit_small(generation={"num_instances": 2}, cluster="ray")
     status = json.loads((tmp_path / "out" / "instances.json").read_text())
     assert [s["state"] for s in status.values()] == ["stopped", "stopped"]
     assert all(s["pid"] not in (None, os.getpid()) for s in status.values())

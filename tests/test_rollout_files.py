@@ -112,9 +112,8 @@ def test_episode_runs_write_episodes_with_their_loss_mask(tmp_path, capsys, loss
             "iterations": 2,
             "prompts_per_iteration": 2,
             "group_size": 2,
-            "generators": 1,
+            "generation": {"num_instances": 1, "max_batch_size": 8},
             "max_tokens": 24,
-            "max_batch_size": 8,
             "save_rollouts": True,
         },
     }

@@ -353,7 +353,7 @@ def test_a_tiny_moe_policy_trains_through_fit_with_2_ranks_and_a_bf16_generator(
     log-prob gap."""
     run = dict(
         model_size="moe-test",
-        generators=2,
+        generation={"num_instances": 2},
         engine={"class_path": "hf", "init_args": {"dtype": "bfloat16"}},
         trainer={"devices": 2, "precision": "bf16-mixed"},
         checkpoints={"every": 1},
@@ -409,7 +409,7 @@ def test_a_mixtral_directory_trains_through_fit_with_2_ranks_and_a_bf16_generato
     torch.manual_seed(0)
     model_dir = save_policy(MixtralForCausalLM(config), tok, tmp_path / "mixtral")
     summary = fit_small(
-        generators=2,
+        generation={"num_instances": 2},
         engine={"class_path": "hf", "init_args": {"dtype": "bfloat16"}},
         trainer={"devices": 2, "precision": "bf16-mixed"},
         args=("--model", str(model_dir)),

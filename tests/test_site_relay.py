@@ -110,7 +110,9 @@ def test_trainer_egress_per_version_does_not_grow_with_instances(tmp_path, token
 
 
 def test_fit_with_a_remote_site(fit_small):
-    fit_small(generators=3, sites=["home", "cloud", "cloud"], trainer_site="home")
+    fit_small(
+        generation={"num_instances": 3, "sites": ["home", "cloud", "cloud"], "trainer_site": "home"}
+    )
 
 
 def test_a_transfer_past_the_weight_timeout_fails_that_instance_not_the_trainer(

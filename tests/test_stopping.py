@@ -90,7 +90,7 @@ def _run(tmp_path: Path, iterations: int) -> tuple[subprocess.Popen, Path]:
         "data: {tasks: [copy], n_train: 16, n_heldout: 4, median_len: 3, max_len: 6}\n"
         "sft: {model_size: test, steps: 2}\n"
         f"rl: {{iterations: {iterations}, prompts_per_iteration: 2, group_size: 2, "
-        "generators: 2, reward_pool: {workers: 1}, checkpoints: {every: 1}}\n"
+        "generation: {num_instances: 2}, reward_pool: {workers: 1}, checkpoints: {every: 1}}\n"
     )
     command = [sys.executable, "-m", "streamrl.cli.main", "fit", "--no-progress", "--config"]
     proc = subprocess.Popen(

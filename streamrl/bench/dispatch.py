@@ -141,6 +141,7 @@ def _run_real(
         model_dir,
         settings.instances,
         max_batch_size=settings.max_batch_size,
+        temperature=1.0,  # as its figures were measured
         scheduler=LPTScheduler,
     ) as sgs:
         runs = [(None, *next(iter(plans.items())))]  # one unmeasured warm-up run

@@ -105,6 +105,7 @@ def _play(
         scheduler=LPTScheduler if aware else FIFOScheduler,
         stop_token_ids=stop_token_ids(tok),
         seed=settings.seed,
+        temperature=1.0,  # as its figures were measured
     ) as service:
         runner = EpisodeRunner(
             service,
@@ -183,6 +184,7 @@ def _fit_ranker(
         max_batch_size=settings.max_batch_size,
         stop_token_ids=stop_token_ids(tok),
         seed=settings.seed + 7,
+        temperature=1.0,  # as its figures were measured
     ) as service:
         runner = EpisodeRunner(
             service,

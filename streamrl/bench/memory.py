@@ -35,7 +35,7 @@ TrainPath = Literal["old", "new"]
 PATHS: tuple[str, ...] = ("old", "new")
 #: Shape presets (random weights, tied embeddings): Qwen2.5-0.5B's.
 SHAPES: dict[str, dict[str, int]] = {"0.5b": dict(MODEL_SHAPES["0.5b"])}
-#: What the log-probs are tempered by: ``rl.temperature``'s default.
+#: What the log-probs are tempered by: the demo's (``StreamGenerationService``'s default).
 TEMPERATURE = 0.7
 #: What the default memory limit leaves to the rest of the machine.
 MARGIN_BYTES = 2 * 1024**3

@@ -129,6 +129,7 @@ def run_mode(
         model_dir,
         instances,
         max_batch_size=settings.max_batch_size,
+        temperature=1.0,  # as its figures were measured
         gpus_per_instance=int(on_gpu),
         cluster=settings.cluster,
         weights=WeightPath(transport=settings.weight_transport),

@@ -38,7 +38,7 @@ class RunContext:
     """What a run can give a component it builds.
 
     Attributes:
-        max_batch_size: sequences an instance decodes at once (``rl.max_batch_size``).
+        max_batch_size: sequences an instance decodes at once (``rl.generation.max_batch_size``).
         seed: the run's seed.
         instances: generator instances at the start.
         elastic: whether instances may be added during the run (§4.2).

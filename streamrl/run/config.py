@@ -122,6 +122,52 @@ class WarmStartConfig:
     cache: bool = True
 
 
+#: The settings that hold one fixed component's constructor arguments: its import path, and
+#: the arguments the run links in (each with where it comes from), which the section may not set.
+CONSTRUCTOR_SECTIONS: dict[str, tuple[str, dict[str, str]]] = {
+    "generation": (
+        "streamrl.components.generation.service.StreamGenerationService",
+        {
+            "model_dir": "the run's policy",
+            "engine": "set rl.engine",
+            "scheduler": "set rl.scheduler",
+            "dispatcher": "set rl.dispatcher",
+            "greedy": "the run samples, at temperature",
+            "seed": "set seed",
+            "timeouts": "set rl.timeouts",
+            "status_path": "<output_dir>/instances.json",
+            "cluster": "set rl.cluster",
+            "ray": "set rl.cluster: {class_path: ray, init_args: {...}}",
+            "gpu_ids": "set rl.generator_devices",
+            "weights": "set rl.weights",
+            "profile_latency": "measured when a part uses PTL(BS)",
+            "stop_token_ids": "the tokenizer's end of turn",
+            "stop_strings": "set data.stop_strings",
+            "trainer_device": "the trainer's first GPU (trainer.devices)",
+        },
+    ),
+    "reward_pool": (
+        "streamrl.rewards.pool.RewardPool",
+        {
+            "specs": "set rl.reward",
+            "status_path": "<output_dir>/reward_workers.json",
+            "faults_path": "<output_dir>/reward_faults.jsonl",
+        },
+    ),
+    "timeouts": (
+        "streamrl.components.generation.timeouts.Timeouts.for_model",
+        {"model_bytes": "the policy's size", "max_tokens": "set rl.max_tokens"},
+    ),
+    "micro_batches": (
+        "streamrl.components.training.pipeline.DynamicBatchPipeline",
+        {
+            "staleness_bound": "it follows rl.mode (0 in sync mode); set rl.staleness_bound "
+            "for async mode instead"
+        },
+    ),
+}
+
+
 @dataclass
 class RLConfig:
     """The disaggregated RL loop.
@@ -146,7 +192,16 @@ class RLConfig:
         iterations: optimizer steps (one per iteration), at least 1.
         prompts_per_iteration: prompts dealt per iteration.
         group_size: samples per prompt.
-        generators: generator instances (one process or Ray actor each).
+        generation: the stream generation service (§3), ``StreamGenerationService``'s
+            arguments (``streamrl.components.generation.service``, whose docstring describes
+            each; ``{}``: its defaults, the demo's): ``num_instances`` (generator processes or
+            Ray actors), ``max_batch_size`` (batch slots per instance), ``temperature`` (the
+            trainer scores tokens under it too), ``gpus_per_instance`` (0: the CPU; more: vLLM
+            tensor-parallel ranks), ``max_restarts``, ``sites`` and ``trainer_site`` (one
+            weight copy per remote site, §6), ``partial_rollout`` (``finish``, or in async mode
+            ``keep`` / ``recompute``: docs/partial_rollout.md). The model, engine, dispatcher,
+            scheduler, cluster, weight path, timeouts, GPU indices and stop tokens are linked
+            in from the rest of the config.
         engine: the generation engine: ``"hf"`` (continuous batching on ``transformers``),
             ``"vllm"`` (vLLM's engine; the ``[vllm]`` extra; ``{class_path: vllm, init_args:
             {options: {...}}}`` passes engine arguments) or your ``GenerationEngine``
@@ -155,16 +210,10 @@ class RLConfig:
             ``"ray"`` (Ray actors on the cluster ``RAY_ADDRESS`` names, or a local one; the
             ``[ray]`` extra; ``{class_path: ray, init_args: {address: ..., num_cpus: ...}}``
             passes ``RayOptions``), or your ``Cluster`` (``package.module.Name``).
-        gpus: GPUs per generator instance; 0 generates on the CPU. More than one: the vLLM
-            engine runs that many tensor-parallel ranks (``tensor_parallel_size``).
-        sites: the site (datacenter) of each generator instance, in order, e.g. ``[home, cloud,
-            cloud]``; an instance at a site other than ``trainer_site`` receives the weights from
-            its site's first instance, so one copy per version crosses to each site (§6). Empty:
-            every generator beside the trainer.
-        trainer_site: the trainer's site.
         generator_devices: the GPU indices local generator instances take, round-robin
-            (with ``gpus`` > 0); ``null``: every GPU the trainer does not hold
-            (``trainer.devices``). A GPU either trains or generates: an overlap is refused.
+            (with ``generation: {gpus_per_instance: N}``, N > 0); ``null``: every GPU the
+            trainer does not hold (``trainer.devices``). A GPU either trains or generates: an
+            overlap is refused.
         share_trainer_gpus: let generators run on the trainer's GPUs too (a one-GPU machine or
             a check; both then share the GPU's memory); ``generator_devices`` may then overlap
             ``trainer.devices``, and by default the generators take every GPU.
@@ -185,16 +234,10 @@ class RLConfig:
             sample), ``heartbeat_s`` (an instance silent this long is taken as hung: killed,
             replaced), ``weight_s`` (the longest one weight transfer may take: past it the
             instance is replaced and its requests requeued).
-        max_batch_size: batch slots per generator instance.
         lr: policy learning rate (AdamW).
         staleness_bound: async mode: iterations generated ahead of the one training, k >= 1;
             no trained token is more than k weight versions old (``null``: 1, the paper's
             one-step mode; sync and colocated are 0).
-        partial_rollout: what generators do with running sequences when new weights arrive:
-            ``"finish"`` (finish them under the old weights: each sample from one version),
-            ``"keep"`` (continue under the new weights, keeping the old key/value cache) or
-            ``"recompute"`` (continue, the cache computed again); async mode only
-            (docs/partial_rollout.md).
         correction: how the trainer corrects tokens its policy did not sample (stale ones; with
             ``engine_gap``, every token: the generators' numerics are not the trainer's),
             ``OffPolicyCorrection``'s arguments (``{method: icepop, low: 0.5}``, ``{is_cap:
@@ -228,7 +271,6 @@ class RLConfig:
             context leaves; ``null``: ``max_tokens``). Evaluations decode on the generator
             instances, with the engine, chat handling and reward of training
             (docs/real-models.md, "Evaluation on the generators").
-        temperature: sampling temperature of the generators.
         max_tokens: generation budget per sample (capped by the context).
         micro_batches: how streamed samples become the trainer's micro-batches,
             ``DynamicBatchPipeline``'s arguments (``streamrl.components.training.pipeline``;
@@ -256,7 +298,6 @@ class RLConfig:
             (``ElasticController``; ``{class_path: controller, init_args: {max_instances: 4,
             threshold: 1.0}}``: its arguments, the measured ``PTL(BS)`` and the batch slots
             linked in) or your class; ``null`` (the default): a fixed number of instances.
-        max_restarts: failed generator instances replaced before the run stops.
         checkpoints: when checkpoints are written, ``CheckpointSchedule``'s arguments
             (``streamrl.training.checkpointing``; ``{}``: its defaults): ``every`` (iterations
             between checkpoints, ``<output_dir>/checkpoints/last.ckpt``, resumable with
@@ -281,26 +322,20 @@ class RLConfig:
     iterations: int = 60
     prompts_per_iteration: int = 32
     group_size: int = 8
-    generators: int = 2
+    generation: dict[str, Any] = field(default_factory=dict)
     engine: str | dict[str, Any] = "hf"
     cluster: str | dict[str, Any] = "local"
-    gpus: int = 0
     weights: WeightPath = field(default_factory=WeightPath)
     timeouts: dict[str, Any] = field(default_factory=dict)
-    sites: list[str] = field(default_factory=list)
-    trainer_site: str = "local"
     generator_devices: list[int] | None = None
     share_trainer_gpus: bool = False
-    max_batch_size: int = 64
     lr: float = 1e-4
     staleness_bound: int | None = None
-    partial_rollout: str = "finish"
     correction: OffPolicyCorrection = field(default_factory=OffPolicyCorrection)
     routing_replay: bool | None = None
     reward: str | dict[str, Any] | list[Any] | None = None
     reward_pool: dict[str, Any] = field(default_factory=dict)
     eval: EvalSchedule = field(default_factory=EvalSchedule)
-    temperature: float = 0.7
     max_tokens: int = 64
     micro_batches: dict[str, Any] = field(default_factory=dict)
     dispatcher: str | dict[str, Any] = "skew"
@@ -308,7 +343,6 @@ class RLConfig:
     length_predictor: str | dict[str, Any] | None = "ranker"
     ranker_refresh_every: int = 10
     elastic: str | dict[str, Any] | None = None
-    max_restarts: int = 3
     checkpoints: CheckpointSchedule = field(default_factory=CheckpointSchedule)
     save_rollouts: bool = False
     lora: LoRASpec | None = None
@@ -321,6 +355,14 @@ class RLConfig:
 
         for key in SWAPPABLE:
             setattr(self, key, canonical(key, getattr(self, key)))
+
+    def generation_arg(self, name: str) -> Any:
+        """``generation``'s ``name`` as the service is built with it: the value set, else
+        ``StreamGenerationService``'s default (the one place that default lives)."""
+        from streamrl.components.generation.service import StreamGenerationService
+        from streamrl.run.swappable import default_of
+
+        return self.generation.get(name, default_of(StreamGenerationService, name))
 
 
 @dataclass

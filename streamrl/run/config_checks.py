@@ -22,12 +22,12 @@ from streamrl.components.training.pipeline import DynamicBatchPipeline
 from streamrl.errors import ConfigError, unknown_name
 from streamrl.policy.model_dir import check_model_dir
 from streamrl.rewards.spec import RewardSpec, check_reward_packages
-from streamrl.run.config import DataConfig, RLConfig, RunConfig
+from streamrl.run.config import CONSTRUCTOR_SECTIONS, DataConfig, RLConfig, RunConfig
 from streamrl.run.memory_checks import check_memory
 from streamrl.run.swappable import factory_and_args
 from streamrl.runtime.cores import usable_cores
 from streamrl.runtime.devices import Placement, resolve_placement
-from streamrl.runtime.references import check_options
+from streamrl.runtime.references import check_options, resolve
 from streamrl.tasks.families import FAMILIES
 
 #: The dtypes the trained policy may be written in (``trainer.save_dtype``).
@@ -169,7 +169,7 @@ def placement_of(config: RunConfig) -> Placement:
         trainer.devices,
         trainer.num_nodes,
         trainer.precision,
-        generator_gpus_per_instance=rl.gpus,
+        generator_gpus_per_instance=rl.generation_arg("gpus_per_instance"),
         generator_devices=rl.generator_devices,
         local_generators=isinstance(make_cluster(rl.cluster), LocalCluster),
         share_trainer_gpus=rl.share_trainer_gpus,
@@ -206,27 +206,34 @@ def check_trainer(config: RunConfig) -> None:
     if placement.accelerator == "cpu" and placement.ranks_per_node > cores:
         print(
             f"warning: trainer.devices asks for {placement.ranks_per_node} CPU trainer ranks on "
-            f"{cores} core(s) (beside rl.generators={config.rl.generators} generator "
+            f"{cores} core(s) (beside {config.rl.generation_arg('num_instances')} generator "
             "processes): ranks share cores and every collective waits for a descheduled one, "
             f"so it trains slower than with trainer.devices: {cores} or fewer.",
             file=sys.stderr,
         )
 
 
+def check_section(section: str, options: dict[str, Any], where: str | None = None) -> None:
+    """The keys of ``rl.<section>``: none the run links in, none its constructor does not take
+    (with a "did you mean"); ``ConfigError``. Its values are checked by the constructor."""
+    where = where or f"rl.{section}"
+    class_path, linked = CONSTRUCTOR_SECTIONS[section]
+    for key in options:
+        if key in linked:
+            raise ConfigError(
+                f"{where}: {key} is linked in by the run, not set here: {linked[key]}."
+            )
+    check_options(resolve(class_path, kind="class", builtins={}, where=where), options, where=where)
+
+
 def check_micro_batches(options: dict[str, Any]) -> None:
     """``rl.micro_batches``: ``DynamicBatchPipeline``'s arguments, but for the staleness bound,
     which the run links in from ``rl.mode``; raises ``ConfigError``."""
-    where = "rl.micro_batches"
-    if "staleness_bound" in options:
-        raise ConfigError(
-            f"{where}: staleness_bound follows rl.mode (0 in sync mode); set "
-            "rl.staleness_bound for async mode instead."
-        )
-    check_options(DynamicBatchPipeline, options, where=where)  # a misspelled one
+    check_section("micro_batches", options)
     try:
         DynamicBatchPipeline(**options)
     except (TypeError, ValueError) as err:
-        raise ConfigError(f"{where}: {err}") from None
+        raise ConfigError(f"rl.micro_batches: {err}") from None
 
 
 def check_rl(rl: RLConfig) -> None:
@@ -237,25 +244,17 @@ def check_rl(rl: RLConfig) -> None:
         )
     positive = dict(
         prompts_per_iteration=rl.prompts_per_iteration,
-        generators=rl.generators,
-        max_batch_size=rl.max_batch_size,
         max_tokens=rl.max_tokens,
         ranker_refresh_every=rl.ranker_refresh_every,
     )
     for name, value in positive.items():
         if value < 1:
             raise ConfigError(f"rl.{name} must be >= 1, got {value}.")
-    if rl.gpus < 0:
-        raise ConfigError(f"rl.gpus must be >= 0 (0 generates on the CPU), got {rl.gpus}.")
     if rl.reward is not None:
         check_reward_packages(RewardSpec.from_config(rl.reward))
-    if rl.sites and len(rl.sites) != rl.generators:
-        raise ConfigError(
-            f"rl.sites names {len(rl.sites)} sites for rl.generators={rl.generators} instances; "
-            "give one site per generator, or none."
-        )
+    check_section("generation", rl.generation)  # its values: the service's constructor
     check_micro_batches(rl.micro_batches)
-    check_options(Timeouts.for_model, rl.timeouts, where="rl.timeouts")  # a misspelled one
+    check_section("timeouts", rl.timeouts)
     try:  # a timeout <= 0 is its ConfigError
         Timeouts.for_model(0.0, rl.max_tokens, **rl.timeouts)
     except TypeError as err:  # one the run links in (model_bytes, max_tokens)
@@ -265,8 +264,6 @@ def check_rl(rl: RLConfig) -> None:
         rl.weights.make_transport().check()
     except ConfigError as err:
         raise ConfigError(f"rl.weights.transport: {err}") from err
-    if rl.max_restarts < 0:
-        raise ConfigError(f"rl.max_restarts must be >= 0, got {rl.max_restarts}.")
     if rl.iterations < 1:
         raise ConfigError(
             f"rl.iterations must be >= 1 (one optimizer step each), got {rl.iterations}; set "
@@ -277,10 +274,8 @@ def check_rl(rl: RLConfig) -> None:
     if rl.group_size < 1:
         raise ConfigError(f"rl.group_size must be >= 1, got {rl.group_size}.")
     check_asynchrony(rl)
-    if rl.lr <= 0 or rl.temperature <= 0:
-        raise ConfigError(
-            f"rl: need lr > 0 and temperature > 0, got lr={rl.lr}, temperature={rl.temperature}."
-        )
+    if rl.lr <= 0:
+        raise ConfigError(f"rl.lr must be > 0, got {rl.lr}.")
 
 
 def run_correction(rl: RLConfig) -> OffPolicyCorrection:
@@ -305,31 +300,37 @@ def run_routing_replay(rl: RLConfig) -> bool | None:
         ConfigError: replay asked of vLLM generators without GPUs.
     """
     engine, _ = factory_and_args("engine", rl.engine)
-    on_vllm_cpu = isinstance(engine, type) and issubclass(engine, VLLMEngine) and rl.gpus == 0
+    on_cpu = rl.generation_arg("gpus_per_instance") == 0
+    on_vllm_cpu = isinstance(engine, type) and issubclass(engine, VLLMEngine) and on_cpu
     if rl.routing_replay and on_vllm_cpu:
         raise ConfigError(
             "rl.routing_replay: true, but vLLM's CPU build returns no routed experts (Model "
-            "Runner V2 needs a GPU): give the generators GPUs (rl.gpus: 1), generate with "
+            "Runner V2 needs a GPU): give the generators GPUs (rl.generation: "
+            "{gpus_per_instance: 1}), generate with "
             "rl.engine: hf, or set rl.routing_replay: false."
         )
     return False if on_vllm_cpu and rl.routing_replay is None else rl.routing_replay
 
 
 def check_asynchrony(rl: RLConfig) -> None:
-    """``rl.staleness_bound`` and ``rl.partial_rollout``: known values that the mode can keep
-    (``rl.correction`` checks its own, ``OffPolicyCorrection``)."""
+    """``rl.staleness_bound`` and ``rl.generation``'s ``partial_rollout``: known values that
+    the mode can keep (``rl.correction`` checks its own, ``OffPolicyCorrection``)."""
     from streamrl.components.generation.partial import check_partial_rollout
     from streamrl.components.training.staleness import staleness_bound_of
 
+    partial = rl.generation_arg("partial_rollout")
     try:
         staleness_bound_of(rl.mode, rl.staleness_bound)
-        check_partial_rollout(rl.partial_rollout)
-    except (ValueError, ConfigError) as err:
+    except ValueError as err:
         raise ConfigError(f"rl.{err}") from err
+    try:
+        check_partial_rollout(partial)
+    except (ValueError, ConfigError) as err:
+        raise ConfigError(f"rl.generation.{err}") from err
     run_routing_replay(rl)
-    if rl.partial_rollout != "finish" and rl.mode != "async":
+    if partial != "finish" and rl.mode != "async":
         raise ConfigError(
-            f"rl.partial_rollout: {rl.partial_rollout} needs rl.mode: async (in {rl.mode} mode "
+            f"rl.generation.partial_rollout: {partial} needs rl.mode: async (in {rl.mode} mode "
             "no sequence is running when new weights arrive); set rl.mode: async or "
-            "rl.partial_rollout: finish."
+            "partial_rollout: finish."
         )

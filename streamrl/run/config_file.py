@@ -55,6 +55,14 @@ FOLDED_KEYS: dict[str, tuple[str, str, str]] = {
     "stop_deadline_s": ("checkpoints", "stop_deadline_s", "CheckpointSchedule"),
     "pack_sequences": ("micro_batches", "packed", "DynamicBatchPipeline"),
     "min_samples": ("micro_batches", "min_samples", "DynamicBatchPipeline"),
+    "generators": ("generation", "num_instances", "StreamGenerationService"),
+    "gpus": ("generation", "gpus_per_instance", "StreamGenerationService"),
+    "max_batch_size": ("generation", "max_batch_size", "StreamGenerationService"),
+    "temperature": ("generation", "temperature", "StreamGenerationService"),
+    "max_restarts": ("generation", "max_restarts", "StreamGenerationService"),
+    "sites": ("generation", "sites", "StreamGenerationService"),
+    "trainer_site": ("generation", "trainer_site", "StreamGenerationService"),
+    "partial_rollout": ("generation", "partial_rollout", "StreamGenerationService"),
 }
 
 

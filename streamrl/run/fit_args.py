@@ -41,24 +41,11 @@ _FIT_RUN_OPTIONS = (
 #: arguments that name one of ours (one RL iteration is one optimizer step), kept as aliases.
 _FIT_ALIASES = {
     "--output-dir": "--output_dir",
-    "--gpus": "--rl.gpus",
+    "--gpus": "--rl.generation.gpus_per_instance",
     "--trainer.max_steps": "--rl.iterations",
     "--trainer.default_root_dir": "--output_dir",
 }
 VERBOSE_HELP = "also show Lightning's information lines (accelerators found, tips) on stderr"
-#: Settings that hold one fixed component's constructor arguments (``--print_config=comments``
-#: lists them), and the arguments the run links in rather than the section.
-CONSTRUCTOR_SECTIONS: dict[str, tuple[str, tuple[str, ...]]] = {
-    "reward_pool": ("streamrl.rewards.pool.RewardPool", ("specs", "status_path", "faults_path")),
-    "timeouts": (
-        "streamrl.components.generation.timeouts.Timeouts.for_model",
-        ("model_bytes", "max_tokens"),
-    ),
-    "micro_batches": (
-        "streamrl.components.training.pipeline.DynamicBatchPipeline",
-        ("staleness_bound",),
-    ),
-}
 #: What ``--print_config=FLAGS`` takes, comma-separated, as ``LightningCLI``'s.
 PRINT_FLAGS = ("comments", "skip_null")
 
@@ -90,7 +77,7 @@ def build_fit_parser() -> jsonargparse.ArgumentParser:
         description="Train from the defaults (the demo's run), YAML files and dotted options, "
         "e.g. streamrl fit --config configs/demo.yaml --rl.lr 3e-5 --data.tasks '[copy, rev]'. "
         "Options and files apply in order, the later winning. --output-dir and --gpus are "
-        "aliases of --output_dir and --rl.gpus.",
+        "aliases of --output_dir and --rl.generation.gpus_per_instance.",
         exit_on_error=False,
         print_config=None,  # ours below prints only the config, which load_config reads back
         allow_abbrev=False,
@@ -251,7 +238,8 @@ def _section_named(name: str) -> type | None:
 
 def _check_option(name: str) -> None:
     """``--name`` (e.g. ``rl.lr``) must name a field (or a run option); ``ConfigError``."""
-    from streamrl.run.config import RunConfig, TrainerConfig
+    from streamrl.run.config import CONSTRUCTOR_SECTIONS, RLConfig, RunConfig, TrainerConfig
+    from streamrl.run.config_checks import check_section
     from streamrl.run.config_file import (
         LIGHTNING_TRAINER_ARGS,
         MOVED_KEYS,
@@ -262,6 +250,9 @@ def _check_option(name: str) -> None:
     cls: Any = RunConfig
     parts = name.removesuffix("+").split(".")  # --data.tasks+ copy appends to a list
     for depth, part in enumerate(parts):
+        if cls is RLConfig and part in CONSTRUCTOR_SECTIONS and depth == len(parts) - 2:
+            check_section(part, {parts[-1]: None}, where=f"--rl.{part}")  # --rl.timeouts.start_s
+            return
         hints = typing.get_type_hints(cls)
         if part in MOVED_KEYS.get(cls, {}):
             raise ConfigError(f"--{name} has moved: set {MOVED_KEYS[cls][part]} instead.")
@@ -349,6 +340,8 @@ def _yaml_lines(section: Any, indent: int, comments: bool, skip_null: bool) -> l
     """``section`` (a config dataclass) as YAML lines, one setting at a time."""
     import yaml
 
+    from streamrl.run.config import CONSTRUCTOR_SECTIONS
+
     pad, lines = " " * indent, []
     described = _descriptions(type(section)) if comments else {}
     for field in dataclasses.fields(section):
@@ -361,7 +354,8 @@ def _yaml_lines(section: Any, indent: int, comments: bool, skip_null: bool) -> l
         if comments and isinstance(value, dict) and "class_path" in value:
             arguments = "init_args: " + _arguments_of(value["class_path"])
         elif comments and field.name in CONSTRUCTOR_SECTIONS:
-            arguments = "its keys: " + _arguments_of(*CONSTRUCTOR_SECTIONS[field.name])
+            class_path, linked = CONSTRUCTOR_SECTIONS[field.name]
+            arguments = "its keys: " + _arguments_of(class_path, tuple(linked))
         if arguments:
             for line in textwrap.wrap(arguments, 98 - indent):
                 lines.append(f"{pad}# {line}\n")

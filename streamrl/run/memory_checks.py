@@ -63,7 +63,7 @@ class MemoryPlanOptions:
         kl: a KL reference (the algorithm's kl_coef > 0).
         activation_checkpointing: each decoder layer recomputed in the backward pass.
         gpu_memory_gib: the GPUs' memory; null: this machine's first GPU, or 80.
-        generator_tp: GPUs per generator instance (rl.gpus).
+        generator_tp: GPUs per generator instance (``rl.generation``'s ``gpus_per_instance``).
     """
 
     model: str = "7b"
@@ -155,15 +155,17 @@ def check_memory(config: RunConfig, placement: Placement) -> None:
             f"cuda:{smallest} has {device / GIB:.1f} GiB; {knob} "
             f"(streamrl plan memory --model {config.model} shows each term)."
         )
-    if rl.gpus > 0 and placement.generator_gpus:
+    tensor_parallel = rl.generation_arg("gpus_per_instance")
+    if tensor_parallel > 0 and placement.generator_gpus:
         gpu = min(placement.generator_gpus, key=devices.gpu_memory_bytes)
         gpu_bytes = devices.gpu_memory_bytes(gpu)
-        generator = generator_memory(shape, gpu_bytes, sequence, rl.gpus)
+        generator = generator_memory(shape, gpu_bytes, sequence, tensor_parallel)
         if generator.sequences < 1:
             raise ConfigError(
                 f"generators: cuda:{gpu} ({gpu_bytes / GIB:.1f} GiB) holds "
                 f"{generator.weights / GIB:.1f} GiB of weights and no sequence of {sequence} "
-                "tokens besides; give each instance more GPUs (rl.gpus) or lower rl.max_tokens."
+                "tokens besides; give each instance more GPUs (rl.generation: {gpus_per_instance: "
+                "N}) or lower rl.max_tokens."
             )
 
 

@@ -30,6 +30,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from streamrl.algorithms import Algorithm, RunFacts, build_algorithm
 from streamrl.components.capacity.elastic import ElasticController
 from streamrl.components.generation.clusters import make_cluster
+from streamrl.components.generation.service import StreamGenerationService
 from streamrl.components.run_context import RunContext, build_from_run
 from streamrl.components.skewness.by_name import (
     build_dispatcher,
@@ -109,9 +110,9 @@ def run_context(
     if tokenizer is not None and _one_character_tokens(tokenizer):
         tokenizer = None
     return RunContext(
-        max_batch_size=rl.max_batch_size,
+        max_batch_size=rl.generation_arg("max_batch_size"),
         seed=seed,
-        instances=rl.generators,
+        instances=rl.generation_arg("num_instances"),
         elastic=rl.elastic is not None,
         tokenizer=tokenizer,
         lora=rl.lora,
@@ -136,20 +137,26 @@ def check_parts(rl: RLConfig, placement: Placement | None = None) -> None:
             "process with trainer.precision: 32-true."
         )
     run = run_context(rl, seed=0)
+    engine = _engine(rl, run)
+    cluster = make_cluster(rl.cluster)
+    gpus = rl.generation_arg("gpus_per_instance")
+    try:  # a missing extra or absent GPUs fail here, not inside a generator process
+        cluster.check(gpus)
+    except ConfigError as err:
+        raise ConfigError(f"rl.cluster: {err}") from err
+    try:
+        engine.check(cluster=cluster, gpus_per_instance=gpus)
+    except ConfigError as err:
+        raise ConfigError(f"rl.engine: {err}") from err
+    try:  # rl.generation's values, by the service's constructor (nothing starts); before the
+        # parts sized by them
+        StreamGenerationService("", engine=engine, cluster=cluster, **rl.generation)
+    except (TypeError, ValueError, ConfigError) as err:
+        raise ConfigError(f"rl.generation: {err}") from None
     build_dispatcher(rl.dispatcher, run)
     scheduler_factory(rl.scheduler)
     _length_predictor(rl, run)
     _elastic(rl, run)
-    engine = _engine(rl, run)
-    cluster = make_cluster(rl.cluster)
-    try:  # a missing extra or absent GPUs fail here, not inside a generator process
-        cluster.check(rl.gpus)
-    except ConfigError as err:
-        raise ConfigError(f"rl.cluster: {err}") from err
-    try:
-        engine.check(cluster=cluster, gpus_per_instance=rl.gpus)
-    except ConfigError as err:
-        raise ConfigError(f"rl.engine: {err}") from err
 
 
 def reward_specs(rl: RLConfig) -> list[RewardSpec]:

@@ -155,8 +155,8 @@ def fit_checked(config: RunConfig, resume: str | None, progress: bool, stages: R
         stages.start(
             "rl",
             f"RL ({type(parts.algorithm).__name__}, {rl.mode}): {rl.iterations} iterations of "
-            f"{rl.prompts_per_iteration} prompts x {rl.group_size} samples, {rl.generators} "
-            "generator processes streaming samples to the trainer",
+            f"{rl.prompts_per_iteration} prompts x {rl.group_size} samples, "
+            f"{service.num_instances} generator processes streaming samples to the trainer",
         )
         rollouts = RolloutStream(
             service,
@@ -231,30 +231,23 @@ def generation_service(
     policy_bytes = sum(p.numel() * p.element_size() for p in policy.parameters())
     return StreamGenerationService(
         model_dir,
-        rl.generators,
+        **rl.generation,  # the section's own arguments; the rest is linked in from the run
         engine=parts.engine,
         dispatcher=parts.dispatcher,
         scheduler=parts.scheduler,
-        max_batch_size=rl.max_batch_size,
-        temperature=rl.temperature,
         seed=config.seed,
-        max_restarts=rl.max_restarts,
         status_path=Path(config.output_dir) / "instances.json",
         cluster=rl.cluster,
-        gpus_per_instance=rl.gpus,
         gpu_ids=setup.placement.generator_gpus or None,
         weights=rl.weights,
         timeouts=Timeouts.for_model(policy_bytes, rl.max_tokens, **rl.timeouts),
         profile_latency=(
-            LatencyProfile.up_to(rl.max_batch_size, str(default_cache_dir()))
+            LatencyProfile.up_to(rl.generation_arg("max_batch_size"), str(default_cache_dir()))
             if parts.latency is not None
             else None
         ),
-        sites=rl.sites or None,
-        trainer_site=rl.trainer_site,
         stop_token_ids=stop_token_ids(tokenizer),
         stop_strings=config.data.stop_strings,
-        partial_rollout=rl.partial_rollout,
         trainer_device=trainer_device(setup.placement),
     )
 

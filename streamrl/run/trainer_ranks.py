@@ -175,7 +175,7 @@ class RankSetup:
             precision=self.placement.precision,
             mode=rl.mode,
             lr=rl.lr,
-            temperature=rl.temperature,
+            temperature=rl.generation_arg("temperature"),
             pipeline=DynamicBatchPipeline(**rl.micro_batches),
             staleness_bound=rl.staleness_bound,
             correction=run_correction(rl),

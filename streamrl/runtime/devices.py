@@ -2,7 +2,8 @@
 
 "A device is a value, not a guess" (STYLE.md, 18): the config names the trainer's accelerator,
 processes and GPUs (``trainer.accelerator``, ``trainer.devices``, ``trainer.num_nodes``,
-``trainer.precision``) and the generators' GPUs (``rl.gpus``, ``rl.generator_devices``);
+``trainer.precision``) and the generators' GPUs (``rl.generation.gpus_per_instance``,
+``rl.generator_devices``);
 ``resolve_placement`` turns them into a ``Placement`` against this machine's GPU inventory
 (``cuda_device_count``) or refuses with a ``ConfigError`` naming the key and the fix. Nothing
 downstream picks ``cuda:0`` or ``cuda:1+i`` by habit: Lightning gets
@@ -138,7 +139,8 @@ def resolve_placement(
         num_nodes: ``trainer.num_nodes``.
         precision: ``trainer.precision``, one of ``PRECISIONS``; ``None`` is ``"bf16-mixed"``
             on CUDA and ``"32-true"`` on the CPU.
-        generator_gpus_per_instance: ``rl.gpus``: GPUs per generator instance (0: the CPU).
+        generator_gpus_per_instance: ``rl.generation.gpus_per_instance``: GPUs per generator
+            instance (0: the CPU).
         generator_devices: ``rl.generator_devices``: the GPU indices local generator instances
             take; ``None``: every GPU the trainer does not hold.
         local_generators: whether generator instances run on this machine's GPUs (a local
@@ -249,20 +251,23 @@ def _generator_gpus(
     cluster may hand out); ``()`` on the CPU."""
     if gpus_per_instance < 0:
         raise ConfigError(
-            f"rl.gpus must be >= 0 (0 generates on the CPU), got {gpus_per_instance}."
+            "rl.generation.gpus_per_instance must be >= 0 (0 generates on the CPU), got "
+            f"{gpus_per_instance}."
         )
     if gpus_per_instance == 0:
         if generator_devices is not None:
             raise ConfigError(
-                f"rl.generator_devices is {list(generator_devices)} but rl.gpus is 0: generators "
-                "run on the CPU and would ignore it; set rl.gpus: 1 or drop rl.generator_devices."
+                f"rl.generator_devices is {list(generator_devices)} but "
+                "rl.generation.gpus_per_instance is 0: generators run on the CPU and would "
+                "ignore it; set rl.generation.gpus_per_instance: 1 or drop rl.generator_devices."
             )
         return ()
     if local_generators and count == 0:
         raise ConfigError(
-            f"rl.gpus={gpus_per_instance} but this machine has no CUDA GPU "
-            "(torch.cuda.is_available() is False); drop --gpus / set rl.gpus: 0 to generate on "
-            "the CPU, or use a CUDA torch on a GPU machine."
+            f"rl.generation.gpus_per_instance={gpus_per_instance} but this machine has no CUDA "
+            "GPU (torch.cuda.is_available() is False); drop --gpus / set "
+            "rl.generation.gpus_per_instance: 0 to generate on the CPU, or use a CUDA torch on a "
+            "GPU machine."
         )
     if generator_devices is not None:
         gpus = _gpu_list("rl.generator_devices", generator_devices, count)
@@ -278,7 +283,8 @@ def _generator_gpus(
     if not gpus and local_generators:
         raise ConfigError(
             f"the trainer holds all {count} GPUs of this machine ({list(trainer_gpus)}); leave "
-            "some to the generators (trainer.devices) or generate on the CPU (rl.gpus: 0)."
+            "some to the generators (trainer.devices) or generate on the CPU "
+            "(rl.generation.gpus_per_instance: 0)."
         )
     return gpus
 

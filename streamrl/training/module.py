@@ -92,7 +92,9 @@ class StreamRLModule(L.LightningModule):
             defaults, a ceiling of 1024 tokens); what it leaves unset is linked in here: the
             staleness bound of ``mode`` and the layout the policy's attention trains fastest:
             ``"packed"`` (samples end to end in one row, no padding) under a variable-length
-            attention, else ``"padded"`` (``streamrl.components.training.layout.layout_for``).
+            attention, else ``"padded"`` (``streamrl.components.training.layout.layout_for``);
+            the module trains with that linked copy (``DynamicBatchPipeline.linked``), as
+            ``self.pipeline``.
         trace: records spans for the timeline (bounded); the rollouts' recorder if ``None``.
         elastic: decides after each iteration whether generation needs another instance
             (§4.2); the service adds it while training goes on.
@@ -156,11 +158,11 @@ class StreamRLModule(L.LightningModule):
         # Not a submodule: Lightning neither moves it (it may be sharded, or offloaded) nor
         # checkpoints it (it is the starting policy, rebuilt on resume).
         self.reference: ReferencePolicy | None = reference
-        self.pipeline = pipeline or DynamicBatchPipeline()
-        self.pipeline.link(bound, packed=layout_for(policy) == "packed")
+        pipeline = pipeline or DynamicBatchPipeline()
+        self.pipeline = pipeline.linked(bound, packed=layout_for(policy) == "packed")
         #: How a micro-batch goes through the forward pass; the pipeline's ceiling counts the
         #: same tokens.
-        self.layout: Layout = "padded" if self.pipeline.packed is False else "packed"
+        self.layout: Layout = "padded" if self.pipeline.padded else "packed"
         self.logprob_chunk_tokens = logprob_chunk_tokens
         self.iterations, self.lr, self.max_grad_norm = iterations, lr, max_grad_norm
         self.weight_version, self.temperature, self.mode = 0, temperature, mode

@@ -123,7 +123,7 @@ def test_fit_feeds_vllm_through_its_weight_transfer_protocol(fit_small):
         model_size="demo",
         engine="vllm",
         weights={"protocol": True},
-        partial_rollout="keep",
+        generation={"partial_rollout": "keep"},
         mode="async",
     )
     assert summary["samples_lost"] == 0 and summary["instances_restarted"] == 0

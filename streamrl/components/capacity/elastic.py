@@ -117,7 +117,8 @@ class ElasticController:
         if most is not None and most < run.instances:
             raise ConfigError(
                 f"ElasticController: max_instances={most} is below the {run.instances} generator "
-                "instances the run starts with (rl.generators); raise it or start fewer."
+                "instances the run starts with (rl.generation.num_instances); raise it or start "
+                "fewer."
             )
         return cls(run.latency(), run.max_batch_size, **options)
 

@@ -48,8 +48,8 @@ class LocalCluster:
                 raise ConfigError(
                     f"gpus={gpus_per_instance} but this machine has no CUDA GPU "
                     f"(torch {torch.__version__}, torch.cuda.is_available() is False); drop "
-                    "--gpus / set rl.gpus: 0 to generate on the CPU, or use a CUDA torch on a "
-                    "GPU machine."
+                    "--gpus / set rl.generation.gpus_per_instance: 0 to generate on the CPU, or "
+                    "use a CUDA torch on a GPU machine."
                 )
 
     def device(
@@ -206,8 +206,9 @@ def _gpu_set(instance_id: int, size: int, gpu_ids: Sequence[int]) -> str:
     sets = len(gpu_ids) // size
     if sets == 0:
         raise ConfigError(
-            f"rl.gpus={size} GPUs per generator instance, but the generators have "
-            f"{len(gpu_ids)} ({list(gpu_ids)}); lower rl.gpus or free GPUs from the trainer."
+            f"rl.generation.gpus_per_instance={size} GPUs per generator instance, but the "
+            f"generators have {len(gpu_ids)} ({list(gpu_ids)}); lower it or free GPUs from the "
+            "trainer."
         )
     first = (instance_id % sets) * size
     return "cuda:" + ",".join(str(g) for g in gpu_ids[first : first + size])

@@ -188,15 +188,17 @@ class VLLMEngine:
         if ranks is not None and gpus_per_instance > 0 and ranks != gpus_per_instance:
             raise ConfigError(
                 f"rl.engine options tensor_parallel_size={ranks}, but each instance gets "
-                f"rl.gpus={gpus_per_instance} GPU(s): a tensor-parallel rank per GPU; set "
-                f"rl.gpus: {ranks} (or drop tensor_parallel_size: it follows rl.gpus)."
+                f"rl.generation.gpus_per_instance={gpus_per_instance} GPU(s): a tensor-parallel "
+                f"rank per GPU; set it to {ranks} (or drop tensor_parallel_size: it follows "
+                "gpus_per_instance)."
             )
         self._check_quantization(gpus_per_instance)
         if self.routed_experts and gpus_per_instance < 1:
             raise ConfigError(
                 "VLLMEngine routed_experts: vLLM returns them on GPUs only (Model Runner V2; its "
-                "CPU build has no Triton): give each instance a GPU (rl.gpus: 1), or generate "
-                "with rl.engine: hf, which records them anywhere."
+                "CPU build has no Triton): give each instance a GPU "
+                "(rl.generation.gpus_per_instance: 1), or generate with rl.engine: hf, which "
+                "records them anywhere."
             )
         if importlib.util.find_spec("vllm") is None:
             raise ConfigError(f"VLLMEngine needs the 'vllm' package, not installed: {VLLM_INSTALL}")
@@ -216,7 +218,8 @@ class VLLMEngine:
         if self.quantized and gpus_per_instance < 1:
             raise ConfigError(
                 "VLLMEngine quantization: fp8 generates on CUDA GPUs only (vLLM's FP8 kernels; "
-                "its CPU build has none): give each instance a GPU (rl.gpus: 1), or drop it."
+                "its CPU build has none): give each instance a GPU "
+                "(rl.generation.gpus_per_instance: 1), or drop it."
             )
 
     @property

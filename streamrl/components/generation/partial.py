@@ -1,7 +1,8 @@
 """Partial rollout: what a generator instance does with its running sequences when new weights
 arrive (beyond StreamRL §4.1, which trains each sample on one weight version).
 
-Three policies (``rl.partial_rollout``, ``StreamGenerationService(partial_rollout=...)``):
+Three policies (``rl.generation.partial_rollout``,
+``StreamGenerationService(partial_rollout=...)``):
 
 - ``"finish"``: every sample comes from one weight version. The instance finishes what runs, and
   the requests those weights may still admit, under the weights it holds, and loads the new

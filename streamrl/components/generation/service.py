@@ -77,7 +77,9 @@ class StreamGenerationService:
             ``LPTScheduler`` (longest ``predicted_length`` first, §5.3) or your factory of
             ``AdmissionScheduler`` s (a class, or a picklable function).
         max_batch_size: batch slots per instance.
-        temperature: sampling temperature.
+        temperature: sampling temperature (a trainer scores the tokens under it too). 0.7 and
+            64 slots are what the demo's figures were measured with; on the demo task 1.0 and
+            32 slots learn as much (docs/demo.md).
         greedy: decode greedily instead of sampling.
         seed: base sampling seed (instance ``i`` uses ``seed + i``, reseeded for every weight
             version it loads, so a resumed run samples as the uninterrupted one).
@@ -111,7 +113,7 @@ class StreamGenerationService:
         sites: the site of each instance, in order (``num_instances`` names); instances at a
             site other than ``trainer_site`` get the weights from their site's first instance
             (its *head*), so one copy per version crosses to each remote site (§6,
-            ``weight_relay``). ``None``: every instance beside the trainer.
+            ``weight_relay``). ``None`` (or empty): every instance beside the trainer.
         trainer_site: the trainer's site.
         stop_token_ids: token ids a sample also stops on besides the model's EOS (a chat
             template's end of turn: ``streamrl.policy.chat.stop_token_ids``).
@@ -127,7 +129,9 @@ class StreamGenerationService:
 
     Raises:
         ConfigError: the engine's ``check`` failed, the cluster or transport is unknown or
-            not installed, or ``gpu_ids`` is empty while instances need GPUs.
+            not installed, ``gpu_ids`` is empty while instances need GPUs, ``temperature``
+            is not above 0, or ``partial_rollout`` is unknown.
+        ValueError: a count out of range, or ``sites`` not one per instance.
         TypeError: ``engine`` or ``scheduler`` is not what it must be (an engine object; a
             factory, not a queue), or cannot be pickled to the instances.
     """
@@ -139,8 +143,8 @@ class StreamGenerationService:
         *,
         engine: GenerationEngine | None = None,
         scheduler: Callable[[], AdmissionScheduler] = FIFOScheduler,
-        max_batch_size: int = 32,
-        temperature: float = 1.0,
+        max_batch_size: int = 64,
+        temperature: float = 0.7,
         greedy: bool = False,
         seed: int = 0,
         dispatcher: Dispatcher | None = None,
@@ -160,9 +164,17 @@ class StreamGenerationService:
         partial_rollout: PartialRollout = "finish",
         trainer_device: str = "cuda",
     ) -> None:
-        if num_instances < 1:
-            raise ValueError(f"num_instances must be >= 1, got {num_instances}.")
-        if sites is not None and len(sites) != num_instances:
+        if num_instances < 1 or max_batch_size < 1:
+            raise ValueError(
+                f"num_instances and max_batch_size must be >= 1, got {num_instances} and "
+                f"{max_batch_size}."
+            )
+        if max_restarts < 0 or gpus_per_instance < 0:
+            raise ValueError(
+                "max_restarts and gpus_per_instance must be >= 0 (gpus_per_instance 0: the "
+                f"CPU), got {max_restarts} and {gpus_per_instance}."
+            )
+        if sites and len(sites) != num_instances:
             raise ValueError(f"sites: one site per instance ({num_instances}), got {list(sites)}.")
         engine = engine if engine is not None else HFEngine()
         check_factories(engine, scheduler)
@@ -196,7 +208,7 @@ class StreamGenerationService:
         self.gpu_ids = tuple(gpu_ids) if gpu_ids is not None else None
         self.weight_transport, self.profile_latency = weight_transport, profile_latency
         self.trainer_site = trainer_site
-        self._sites = list(sites) if sites is not None else [trainer_site] * num_instances
+        self._sites = list(sites) if sites else [trainer_site] * num_instances
         dispatcher = dispatcher if dispatcher is not None else RoundRobinDispatcher()
         limits = dispatcher.batch_limits(num_instances) or []
         if any(limit > max_batch_size for limit in limits):  # given twice: they must agree

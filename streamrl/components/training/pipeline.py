@@ -90,28 +90,39 @@ class DynamicBatchPipeline:
         self.staleness: list[int] = []  # per trained sample, this iteration
         self.dropped_stale = 0  # over the run
 
-    def link(self, staleness_bound: int, packed: bool) -> None:
-        """Fill in what the trainer knows and this pipeline was not given: the staleness bound
-        of its training mode (§4.1) and the layout its policy's attention trains fastest.
+    def linked(self, staleness_bound: int, packed: bool) -> DynamicBatchPipeline:
+        """A fresh pipeline of these arguments with what the trainer knows filled in where this
+        one was not given it: the staleness bound of its training mode (§4.1) and the layout
+        its policy's attention trains fastest. This one is left as it is (several modules may
+        share it).
 
         Raises:
             ValueError: a given ``staleness_bound`` below the trainer's: the pipeline would
                 drop the samples the mode is meant to train on.
         """
-        if self.staleness_bound is None:
-            self.staleness_bound = staleness_bound
-        elif self.staleness_bound < staleness_bound:
+        if self.staleness_bound is not None and self.staleness_bound < staleness_bound:
             raise ValueError(
                 f"the trainer's mode trains samples up to {staleness_bound} weight version(s) "
                 f"old, but the pipeline's staleness_bound is {self.staleness_bound}: it would "
                 "drop them. Leave staleness_bound unset (the mode's) or give it that bound."
             )
-        if self.packed is None:
-            self.packed = packed
+        return type(self)(
+            self.max_tokens,
+            min_samples=self.min_samples,
+            staleness_bound=staleness_bound
+            if self.staleness_bound is None
+            else self.staleness_bound,
+            packed=packed if self.packed is None else self.packed,
+        )
+
+    @property
+    def padded(self) -> bool:
+        """Micro-batches are padded rows: ``packed`` was given as ``False`` (unset: packed)."""
+        return self.packed is False
 
     def cost(self, micro: MicroBatch) -> int:
         """Tokens ``micro`` costs a forward pass (what ``max_tokens`` caps)."""
-        return micro.padded_tokens if self.packed is False else micro.tokens
+        return micro.padded_tokens if self.padded else micro.tokens
 
     def micro_batches(
         self, groups: Iterable[ScoredGroup], trainer_version: int
@@ -178,7 +189,7 @@ class DynamicBatchPipeline:
     ) -> None:
         """Put ``sample`` in its bucket; a bucket it would overflow is ready first, and a
         bucket that is exactly full is ready after."""
-        key = (sample_tokens(sample) - 1).bit_length() if self.packed is False else 0
+        key = (sample_tokens(sample) - 1).bit_length() if self.padded else 0
         bucket = buckets.setdefault(key, MicroBatch())
         bucket.add(sample, advantage)
         if self.cost(bucket) > self.max_tokens and len(bucket.samples) > 1:

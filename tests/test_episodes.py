@@ -158,7 +158,8 @@ def test_trained_tokens_are_the_generated_and_observed_ones(policy_dir):
         assert tok.decode(full) == rendered.removesuffix(last)
         # The trainer's log-probs of the generated tokens are the generator's (mask 1 only).
         batch = layout_batch([ep], "packed", 0, torch.device("cpu"))
-        lp = batch.per_sample(completion_logprobs(policy, batch.tokens).logprobs)[0]
+        scored = completion_logprobs(policy, batch.tokens, sgs.temperature)  # as sampled
+        lp = batch.per_sample(scored.logprobs)[0]
         picked = torch.tensor(ep.loss_mask).bool()
         assert lp[picked].tolist() == pytest.approx(
             [x for x, m in zip(ep.logprobs, ep.loss_mask) if m], abs=1e-4

@@ -141,7 +141,8 @@ def run_streamrl(mode: str, args, out: Path) -> dict:
     from streamrl.run.recipe import run_fit
 
     config = RunConfig(output_dir=str(out))
-    config.rl.iterations, config.rl.mode = args.steps, mode.removesuffix("-keep")
+    config.rl.iterations = args.steps
+    config.rl.module = {"mode": mode.removesuffix("-keep")}
     if mode == "async-keep":  # running sequences go on across a weight update
         config.rl.generation = {"partial_rollout": "keep"}
     config.rl.prompts_per_iteration, config.rl.group_size = args.prompts, args.group

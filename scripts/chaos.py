@@ -80,7 +80,7 @@ def log(message: str) -> None:
 def run_config(out: Path, mode: str, episodes: bool, ranks: int, iterations: int) -> dict:
     """The small run both the uninterrupted and the chaos run train (the same seed)."""
     rl = {
-        "mode": mode,
+        "module": {"mode": mode},
         "iterations": iterations,
         "prompts_per_iteration": PROMPTS,
         "group_size": GROUP,

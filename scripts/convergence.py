@@ -3,7 +3,7 @@
 Runs ``streamrl fit`` on the demo config with settings overridden, one run after another (each
 run uses both cores), collects every run's summary and reward curve, writes ``results.json`` and
 a PNG of the reward curves. Async and sync train on the same number of samples (same iterations,
-prompts and group size); only ``rl.mode`` differs.
+prompts and group size); only ``rl.module.mode`` differs.
 
     python scripts/convergence.py modes --seeds 0,1,2 --out runs/modes   # async vs sync
     python scripts/convergence.py partial --seeds 0,1,2 --out runs/partial  # partial vs sync
@@ -27,12 +27,15 @@ from pathlib import Path
 import yaml
 
 EXPERIMENTS = {
-    "modes": lambda seed: [("sync", {"mode": "sync"}, seed), ("async", {"mode": "async"}, seed)],
+    "modes": lambda seed: [
+        ("sync", {"module": {"mode": "sync"}}, seed),
+        ("async", {"module": {"mode": "async"}}, seed),
+    ],
     "algorithms": lambda seed: [(a, {"algorithm": a}, seed) for a in ("grpo", "ppo", "rloo")],
     # Partial rollout: running sequences go on under new weights (their old KV cache kept).
     "partial": lambda seed: [
-        ("sync", {"mode": "sync"}, seed),
-        ("partial", {"mode": "async", "generation": {"partial_rollout": "keep"}}, seed),
+        ("sync", {"module": {"mode": "sync"}}, seed),
+        ("partial", {"module": {"mode": "async"}, "generation": {"partial_rollout": "keep"}}, seed),
     ],
 }
 #: Per-iteration off-policy metrics read from each run's metrics.csv.

@@ -327,4 +327,4 @@ def test_routed_experts_from_vllm_on_gpus_are_what_samples_carry(monkeypatch, po
     assert run_routing_replay(RLConfig(engine="vllm", generation={"gpus_per_instance": 1})) is None
     assert run_routing_replay(RLConfig(engine="hf")) is None
     with pytest.raises(ConfigError, match="vLLM's CPU build returns no routed experts"):
-        run_routing_replay(RLConfig(engine={"class_path": "vllm"}, routing_replay=True))
+        run_routing_replay(RLConfig(engine={"class_path": "vllm"}, module={"routing_replay": True}))

@@ -62,7 +62,7 @@ def test_no_config_file_runs_the_defaults(fit, capsys):
 def test_dotted_overrides_reach_the_config(fit):
     config = fitted(
         fit,
-        "--rl.lr",
+        "--rl.module.lr",
         "3e-5",
         "--data.tasks",
         "[copy, rev]",
@@ -77,7 +77,7 @@ def test_dotted_overrides_reach_the_config(fit):
         "--rl.elastic",
         "{class_path: controller, init_args: {max_instances: 3}}",
     )
-    assert config.rl.lr == 3e-5 and isinstance(config.rl.lr, float)
+    assert config.rl.module == {"lr": 3e-5} and isinstance(config.rl.module["lr"], float)
     assert config.data.tasks == ["copy", "rev"]
     # Each swappable part is held as LightningCLI's class_path + init_args, the full path.
     assert config.rl.dispatcher == {
@@ -98,7 +98,7 @@ def test_dotted_overrides_reach_the_config(fit):
     expected.data.tasks = ["copy", "rev"]
     expected.rl = dataclasses.replace(
         expected.rl,
-        lr=3e-5,
+        module={"lr": 3e-5},
         dispatcher="round_robin",
         algorithm={"class_path": "grpo", "init_args": {"clip_eps_high": 0.28}},
         length_predictor=None,
@@ -108,8 +108,8 @@ def test_dotted_overrides_reach_the_config(fit):
 
 
 def test_a_group_takes_a_yaml_mapping_and_a_list_appends(fit):
-    config = fitted(fit, "--rl", "{lr: 2.0e-5, group_size: 4}", "--data.tasks+", "copy")
-    assert config.rl.lr == 2e-5 and config.rl.group_size == 4
+    config = fitted(fit, "--rl", "{module: {lr: 2.0e-5}, group_size: 4}", "--data.tasks+", "copy")
+    assert config.rl.module == {"lr": 2e-5} and config.rl.group_size == 4
     assert config.data.tasks == [*RunConfig().data.tasks, "copy"]
 
 
@@ -130,16 +130,19 @@ def test_run_options_and_the_old_aliases(fit, tmp_path):
 
 def test_later_config_file_wins_and_the_command_line_in_its_place(fit, tmp_path):
     first, second = tmp_path / "first.yaml", tmp_path / "second.yaml"
-    first.write_text("seed: 1\nrl: {lr: 1.0e-5, iterations: 7}\ndata: {n_train: 100}\n")
-    second.write_text("seed: 2\nrl: {lr: 2.0e-5}\n")
+    first.write_text(
+        "seed: 1\nrl: {module: {lr: 1.0e-5, mode: async}, iterations: 7}\ndata: {n_train: 100}\n"
+    )
+    second.write_text("seed: 2\nrl: {module: {lr: 2.0e-5}}\n")
     config = fitted(fit, "--config", str(first), "--config", str(second))
-    assert config.seed == 2 and config.rl.lr == 2e-5  # the later file wins
+    assert config.seed == 2 and config.rl.module["lr"] == 2e-5  # the later file wins
     assert config.rl.iterations == 7 and config.data.n_train == 100  # merged, not replaced
     config = fitted(fit, "--config", str(second), "--config", str(first))
-    assert config.seed == 1 and config.rl.lr == 1e-5
+    assert config.seed == 1 and config.rl.module == {"lr": 1e-5, "mode": "async"}
     # The command line after a file wins over it; a file after an option wins over that.
-    config = fitted(fit, "--config", str(first), "--rl.lr", "3e-5", "--seed", "5")
-    assert config.rl.lr == 3e-5 and config.seed == 5 and config.rl.iterations == 7
+    config = fitted(fit, "--config", str(first), "--rl.module.lr", "3e-5", "--seed", "5")
+    assert config.rl.module["lr"] == 3e-5 and config.seed == 5 and config.rl.iterations == 7
+    assert config.rl.module["mode"] == "async"  # one key of a section, the others kept
     assert fitted(fit, "--seed", "5", "--config", str(first)).seed == 1
 
 
@@ -162,14 +165,14 @@ def test_print_config_resolves_files_and_overrides(fit, tmp_path, capsys):
     base.write_text(
         "rl: {iterations: 5, dispatcher: {class_path: skew, init_args: {objective: sum}}}\n"
     )
-    argv = ["--config", str(base), "--rl.lr", "3e-5", "--rl.length_predictor", "null"]
+    argv = ["--config", str(base), "--rl.module.lr", "3e-5", "--rl.length_predictor", "null"]
     code, calls = fit(*argv, "--print_config")
     assert code == 0 and not calls
     path = tmp_path / "resolved.yaml"
     path.write_text(text := capsys.readouterr().out)
     resolved = load_config(path)
     assert resolved == fitted(fit, *argv)
-    assert resolved.rl.lr == 3e-5 and resolved.rl.iterations == 5
+    assert resolved.rl.module == {"lr": 3e-5} and resolved.rl.iterations == 5
     assert resolved.rl.dispatcher == {
         "class_path": "streamrl.components.skewness.skew_dispatch.SkewAwareDispatcher",
         "init_args": {"objective": "sum"},
@@ -215,8 +218,10 @@ def test_unknown_key_in_a_file_exits_2_naming_it(fit, tmp_path, capsys, content,
         (["--seeed", "3"], "Unknown option '--seeed' (did you mean '--seed'?)"),
         (["--rll.lr", "3"], "Unknown option '--rll.lr' (did you mean '--rl'?)"),
         (["--no_progress"], "Unknown option '--no_progress' (did you mean '--no-progress'?)"),
-        (["--rl.lr=1e-5", "--data.task=[copy]"], "'--data.task' (did you mean '--data.tasks'?)"),
-        (["--rl", "{lrr: 1.0e-5}"], "--rl: Unknown key 'lrr' (did you mean 'lr'?)"),
+        (["--rl.module.lr=1e-5", "--data.task=[copy]"], "'--data.task' (did you mean '--data.tas"),
+        (["--rl", "{iteration: 3}"], "--rl: Unknown key 'iteration' (did you mean 'iterations'?)"),
+        (["--rl.module.lrr", "1e-5"], "StreamRLModule takes no option(s) ['lrr'] (did you mean"),
+        (["--rl.lr", "1e-5"], "--rl.lr has moved: set rl.module: {lr: ...}"),
         (["--config", "{sed: 1}"], "Unknown key 'sed' (did you mean 'seed'?)"),
     ],
 )
@@ -231,7 +236,7 @@ def test_unknown_key_on_the_command_line_exits_2_naming_it(fit, capsys, args, me
 @pytest.mark.parametrize(
     ("args", "content", "message"),
     [
-        (["--rl.lr", "abc"], None, "\"rl.lr\": Expected a <class 'float'>. Got value: abc"),
+        (["--rl.iterations", "abc"], None, "\"rl.iterations\": Expected a <class 'int'>. Got"),
         (["--data.n_train", "1.5"], None, "data.n_train"),
         (["--data.tasks", "copy"], None, "data.tasks"),
         (["--rl.elastic", "3"], None, "rl: elastic must be a str or dict, got 3."),
@@ -253,9 +258,12 @@ def test_wrong_type_exits_2(fit, tmp_path, capsys, args, content, message):
 
 
 def test_values_are_checked_by_our_checks(fit, capsys):
-    code, calls = fit("--rl.mode", "asnyc")
+    code, calls = fit("--rl.module.mode", "asnyc")
     assert code == 2 and not calls
     assert "Unknown mode 'asnyc' (did you mean 'async'?)" in capsys.readouterr().err
+    code, calls = fit("--rl.module.lr", "abc")  # a section's types: its constructor's hints
+    assert code == 2 and not calls
+    assert "rl.module.lr must be a float, got 'abc'" in capsys.readouterr().err
     code, calls = fit("--data.tasks", "[copy, cnt]")
     assert code == 2 and "Unknown task 'cnt' (did you mean 'count'?)" in capsys.readouterr().err
 
@@ -290,7 +298,7 @@ def test_a_binary_file_a_pipe_and_a_key_given_twice_get_one_line_errors(fit, tmp
     assert code == 2 and not calls
     assert "is not a regular file (a pipe" in err and "write it to a file" in err
     twice = tmp_path / "twice.yaml"
-    twice.write_text("rl:\n  iterations: 3\nseed: 1\nrl:\n  lr: 0.001\n")
+    twice.write_text("rl:\n  iterations: 3\nseed: 1\nrl:\n  group_size: 4\n")
     code, calls = fit("--config", str(twice))
     err = capsys.readouterr().err
     assert code == 2 and not calls
@@ -346,7 +354,7 @@ def test_a_built_in_reward_whose_package_is_missing_is_refused_before_any_work(
 
 def test_load_config_refuses_the_same_files(tmp_path):
     twice = tmp_path / "twice.yaml"
-    twice.write_text("rl:\n  iterations: 3\nrl:\n  lr: 0.001\n")
+    twice.write_text("rl:\n  iterations: 3\nrl:\n  group_size: 4\n")
     with pytest.raises(ConfigError, match="key 'rl' is given twice"):
         load_config(twice)
     binary = tmp_path / "b.yaml"
@@ -361,10 +369,10 @@ def test_fit_help_shows_the_dotted_options(capsys):
             main(argv)
         assert exit_info.value.code == 0
         out = capsys.readouterr().out
-        assert "--rl.lr" in out and "--print_config" in out and "--data.tasks" in out
+        assert "--rl.module" in out and "--print_config" in out and "--data.tasks" in out
     with pytest.raises(SystemExit) as exit_info:
         build_parser().parse_args(["fit", "--help"])  # the argparse entry shows the same help
-    assert exit_info.value.code == 0 and "--rl.lr" in capsys.readouterr().out
+    assert exit_info.value.code == 0 and "--rl.module" in capsys.readouterr().out
 
 
 def test_print_config_comments_describes_each_setting_and_loads_back(fit, tmp_path, capsys):
@@ -374,13 +382,14 @@ def test_print_config_comments_describes_each_setting_and_loads_back(fit, tmp_pa
     lines = text.splitlines()
     # Each setting's description from its docstring, as a comment right above it.
     assert lines[lines.index("seed: 0") - 1] == "# seeds data, initialisation and sampling."
-    assert "  # policy learning rate (AdamW)." in lines and max(len(line) for line in lines) <= 100
+    assert "  # the trainer's LightningModule, StreamRLModule's arguments" in text
+    assert max(len(line) for line in lines) <= 100
     path = tmp_path / "commented.yaml"
     path.write_text(text)
     assert load_config(path) == RunConfig()
-    code, _ = fit("--rl.lr", "3e-5", "--print_config=comments,skip_null")
+    code, _ = fit("--rl.module.lr", "3e-5", "--print_config=comments,skip_null")
     text = capsys.readouterr().out
-    assert code == 0 and "cache_dir" not in text and "  lr: 3.0e-05" in text.splitlines()
+    assert code == 0 and "cache_dir" not in text and "  module: {lr: 3.0e-05}" in text.splitlines()
     assert not [line for line in text.splitlines() if line.endswith(": null")]
     code, calls = fit("--print_config=coments")
     err = capsys.readouterr().err
@@ -615,7 +624,7 @@ def test_the_generation_section_is_the_services_arguments(fit, tmp_path, capsys)
     path.write_text("rl:\n  generation: {num_instances: 3, temperature: 0.9}\n")
     config = fitted(fit, "--config", str(path), "--rl.generation.max_batch_size", "16")
     assert config.rl.generation == {"num_instances": 3, "temperature": 0.9, "max_batch_size": 16}
-    assert config.rl.generation_arg("max_restarts") == 3  # the constructor's default
+    assert config.rl.arg("generation", "max_restarts") == 3  # the constructor's default
     assert fitted(fit, "--gpus", "0").rl.generation == {"gpus_per_instance": 0}
     capsys.readouterr()
     refused = {
@@ -639,8 +648,13 @@ def test_the_generation_section_is_the_services_arguments(fit, tmp_path, capsys)
     assert fit("--config", str(old)) == (2, [])
     assert "generators has moved: set rl.generation: {num_instances" in capsys.readouterr().err
     assert main(["config", "migrate", str(old)]) == 0
-    migrated = fitted(fit, "--config", str(tmp_path / "old.migrated.yaml")).rl.generation
-    assert migrated == {"num_instances": 1, "gpus_per_instance": 0, "partial_rollout": "keep"}
+    migrated = fitted(fit, "--config", str(tmp_path / "old.migrated.yaml")).rl
+    assert migrated.generation == {
+        "num_instances": 1,
+        "gpus_per_instance": 0,
+        "partial_rollout": "keep",
+    }
+    assert migrated.module == {"mode": "async"}  # StreamRLModule's own argument
 
 
 def test_the_clip_range_and_kl_weight_are_the_algorithms_own_arguments(fit, tmp_path, capsys):

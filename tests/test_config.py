@@ -130,7 +130,14 @@ def test_duplicate_prompt_ids_name_the_line(tmp_path):
         ("rl:\n  max_tokens: 0\n", r"rl.max_tokens must be >= 1, got 0"),
         ("rl:\n  group_size: 1\n", r"rl.algorithm: GRPO needs group_size >= 2"),
         ("rl:\n  algorithm: grop\n", r"Unknown algorithm 'grop' \(did you mean 'grpo'\?\)"),
-        ("rl:\n  mode: asynch\n", r"Unknown mode 'asynch' \(did you mean 'async'\?\)"),
+        ("rl:\n  module: {mode: asynch}\n", r"Unknown mode 'asynch' \(did you mean 'async'\?\)"),
+        ("rl:\n  mode: async\n", r"mode has moved: set rl.module: \{mode: \.\.\.\}"),
+        ("rl:\n  module: {lrr: 0.1}\n", r"rl.module: .*did you mean 'lr'"),
+        (
+            "rl:\n  generation: {num_instances: 2.5}\n",
+            r"rl.generation.num_instances must be an int",
+        ),
+        ("rl:\n  generation: {sites: home}\n", r"sites must be of type Sequence\[str\] \| None"),
         ("rl:\n  reward: exakt\n", r"Unknown reward 'exakt' \(did you mean 'exact'\?\)"),
         (
             "rl:\n  generation: {num_instances: 3}\n  elastic: {class_path: controller, init_args: "
@@ -185,7 +192,7 @@ def test_duplicate_prompt_ids_name_the_line(tmp_path):
         ("rl:\n  pack_sequences: false\n", r"set rl.micro_batches: \{packed: \.\.\.\}"),
         ("rl:\n  micro_batches: {max_token: 64}\n", r"micro_batches: .*did you mean 'max_tokens'"),
         ("rl:\n  micro_batches: {min_samples: 0}\n", r"rl.micro_batches: .*min_samples >= 1"),
-        ("rl:\n  micro_batches: {staleness_bound: 2}\n", r"set rl.staleness_bound"),
+        ("rl:\n  micro_batches: {staleness_bound: 2}\n", r"set rl.module.staleness_bound"),
         ("rl:\n  checkpoint_every: 5\n", r"set rl.checkpoints.every \(rl.checkpoints holds"),
         ("rl:\n  checkpoints: {every: -1}\n", r"CheckpointSchedule: need every >= 0"),
         ("rl:\n  eval_every: 5\n", r"eval_every has moved: set rl.eval.every \(rl.eval holds Eval"),
@@ -315,3 +322,38 @@ def test_an_episode_run_takes_no_reward_and_others_default_to_exact(tmp_path):
         load_checked(write(tmp_path, "env: {name: calculator}\nrl: {reward: math}\n"))
     config = load_checked(write(tmp_path, "rl: {group_size: 2}\n"))  # single completions
     assert [spec.reward for spec in reward_specs(config.rl)] == ["exact"]
+
+
+def test_the_module_section_is_the_modules_own_arguments(tmp_path):
+    """``rl.module`` holds ``StreamRLModule``'s arguments: each given one reaches the module every
+    trainer rank builds (``RankSetup.module``), each left out is the constructor's default, and
+    the run links in the rest (the generators' temperature, the micro-batches)."""
+    from streamrl.algorithms.grpo import GRPO
+    from streamrl.policy.models import build_tiny_model, build_tokenizer
+    from streamrl.run.trainer_ranks import RankSetup
+    from streamrl.training.module import StreamRLModule
+
+    path = write(
+        tmp_path,
+        "rl:\n  module: {mode: async, staleness_bound: 2, lr: 0.003, max_grad_norm: 0.5}\n"
+        "  generation: {temperature: 0.9}\n  micro_batches: {max_tokens: 96}\n",
+    )
+    config = load_checked(path)
+    setup = RankSetup(GRPO(group_size=2), 3, training=(config.rl, config.trainer))
+    module = setup.module(build_tiny_model(build_tokenizer(), "test"), None)
+    assert (module.mode, module.staleness_bound, module.lr, module.max_grad_norm) == (
+        "async",
+        2,
+        0.003,
+        0.5,
+    )
+    assert module.temperature == 0.9 and module.pipeline.max_tokens == 96
+    assert module.pipeline.staleness_bound == 2  # linked in from the module's own bound
+    policy = build_tiny_model(build_tokenizer(), "test")
+    default = RankSetup(GRPO(group_size=2), 3).module(policy, None)
+    defaults = StreamRLModule.__init__.__kwdefaults__  # the one place each default lives
+    assert (default.mode, default.lr, default.max_grad_norm) == (
+        defaults["mode"],
+        defaults["lr"],
+        defaults["max_grad_norm"],
+    )

@@ -57,7 +57,7 @@ def _config(root: Path, name: str, iterations: int, ranks: int) -> Path:
         " checkpoints: {every: 1},"
         # A KL term: on-policy GRPO's loss is 0 (group-normalised advantages), the KL's is not
         # once the policy has moved, and it gives every iteration a gradient.
-        " reward: partial, lr: 0.001,"
+        " reward: partial, module: {lr: 0.001},"
         " algorithm: {class_path: grpo, init_args: {kl_coef: 0.1}}}\n"
         f"trainer: {{devices: {ranks}}}\n"
     )

@@ -91,7 +91,7 @@ def test_a_local_fit_with_two_trainer_ranks_and_two_generators_listens_on_loopba
             "group_size": 2,
             "generation": {"num_instances": 2},
             "max_tokens": 8,
-            "mode": "async",
+            "module": {"mode": "async"},
         },
     }
     path = tmp_path / "run.yaml"

@@ -301,10 +301,17 @@ def test_a_bound_the_mode_cannot_keep_is_refused(tok, mode, bound, message):
 @pytest.mark.parametrize(
     ("rl", "message"),
     [
-        ({"mode": "sync", "generation": {"partial_rollout": "keep"}}, "needs rl.mode: async"),
-        ({"mode": "async", "generation": {"partial_rollout": "drop"}}, r"partial_rollout: 'drop'"),
-        ({"mode": "async", "staleness_bound": 0}, "rl.staleness_bound=0"),
-        ({"mode": "colocated", "staleness_bound": 1}, "only async mode"),
+        ({"generation": {"partial_rollout": "keep"}}, "needs rl.module.mode: async"),
+        (
+            {"module": {"mode": "async"}, "generation": {"partial_rollout": "drop"}},
+            r"rl.generation.partial_rollout: 'drop' is not a policy",
+        ),
+        ({"module": {"mode": "async", "staleness_bound": 0}}, "rl.module.staleness_bound=0"),
+        ({"module": {"mode": "colocated", "staleness_bound": 1}}, "only async mode"),
+        ({"module": {"mode": "asnyc"}}, r"rl.module.mode: .*did you mean 'async'"),
+        ({"module": {"lr": "3e-5"}}, r"rl.module.lr must be a float, got '3e-5'"),
+        ({"module": {"max_grad_norm": 0.0}}, r"rl.module.max_grad_norm must be > 0"),
+        ({"module": {"temperature": 1.0}}, r"rl.module: temperature is linked in .*generation"),
     ],
 )
 def test_config_checks_name_the_key_and_the_fix(rl, message):
@@ -313,5 +320,7 @@ def test_config_checks_name_the_key_and_the_fix(rl, message):
 
     with pytest.raises(ConfigError, match=message):
         check_rl(RLConfig(**rl))
-    fine = RLConfig(mode="async", staleness_bound=2, generation={"partial_rollout": "recompute"})
+    fine = RLConfig(
+        module={"mode": "async", "staleness_bound": 2}, generation={"partial_rollout": "recompute"}
+    )
     check_rl(fine)

@@ -6,11 +6,11 @@ results, so scripts and CI can read it with ``tail -n 1`` (``--print_config`` pr
 Every command reads its arguments with ``jsonargparse``, as ``LightningCLI`` does: any number of
 ``--config`` YAML files and an option per field, the later winning, and ``--print_config``.
 ``streamrl fit``'s fields are those of ``streamrl.run.config.RunConfig``, dotted by section
-(``--rl.lr 3e-5``; ``streamrl.run.fit_args``), and its merged values then pass the same checks as
-``streamrl.run.config_file.load_config``. Every other command's options are the fields of one
-dataclass, its help their descriptions (``streamrl.cli.parsing``): ``streamrl.cli.tools`` (demo,
-model, profile, timeline), ``streamrl.cli.bench`` and ``streamrl.cli.bench_cases`` (``streamrl
-bench ...``), ``streamrl.cli.sim`` (simulate, plan, ``sim validate``).
+(``--rl.module.lr 3e-5``; ``streamrl.run.fit_args``), and its merged values then pass the same
+checks as ``streamrl.run.config_file.load_config``. Every other command's options are the fields
+of one dataclass, its help their descriptions (``streamrl.cli.parsing``): ``streamrl.cli.tools``
+(demo, model, profile, timeline), ``streamrl.cli.bench`` and ``streamrl.cli.bench_cases``
+(``streamrl bench ...``), ``streamrl.cli.sim`` (simulate, plan, ``sim validate``).
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ from streamrl.training.reward_signal import show_plainly
 if TYPE_CHECKING:
     import jsonargparse
 
-FIT_HELP = "train from the defaults, YAML configs and dotted overrides (--rl.lr 3e-5)"
+FIT_HELP = "train from the defaults, YAML configs and dotted overrides (--rl.module.lr 3e-5)"
 #: The command groups' lines in ``streamrl --help``.
 GROUP_HELP = {
     "bench": "measurements; the last stdout line is JSON",

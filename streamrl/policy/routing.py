@@ -84,7 +84,7 @@ def check_replayable(model: nn.Module) -> None:
         ):
             raise ValueError(
                 f"routing replay: {type(router).__name__} gates with a sigmoid, not a softmax "
-                "over the chosen experts; set rl.routing_replay: false for this model."
+                "over the chosen experts; set rl.module.routing_replay: false for this model."
             )
 
 

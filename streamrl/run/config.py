@@ -161,8 +161,25 @@ CONSTRUCTOR_SECTIONS: dict[str, tuple[str, dict[str, str]]] = {
     "micro_batches": (
         "streamrl.components.training.pipeline.DynamicBatchPipeline",
         {
-            "staleness_bound": "it follows rl.mode (0 in sync mode); set rl.staleness_bound "
-            "for async mode instead"
+            "staleness_bound": "it follows the mode (0 in sync mode); set "
+            "rl.module.staleness_bound for async mode instead"
+        },
+    ),
+    "module": (
+        "streamrl.training.module.StreamRLModule",
+        {
+            "policy": "the run's policy (model)",
+            "algorithm": "set rl.algorithm",
+            "rollouts": "the run's stream of samples",
+            "iterations": "set rl.iterations",
+            "reference": "made for the algorithm's KL penalty (rl.algorithm's kl_coef)",
+            "temperature": "set rl.generation.temperature (the trainer scores at the "
+            "generators' temperature)",
+            "pipeline": "set rl.micro_batches",
+            "trace": "the run's timeline",
+            "elastic": "set rl.elastic",
+            "correction": "set rl.correction",
+            "logprob_chunk_tokens": "set trainer.logprob_chunk_tokens",
         },
     ),
 }
@@ -185,10 +202,19 @@ class RLConfig:
             range, 0.2) and ``kl_coef`` (the KL penalty to the starting policy; 0, the default,
             disables it and keeps no reference copy); the group size, generation budget and
             the policy's hidden size are linked in (``Algorithm.from_run``).
-        mode: ``"sync"`` (each step trains on samples of the current weights, as they stream
-            in), ``"async"`` (StreamRL's one-step asynchronous mode: the next step's samples are
-            generated while this step trains; a sample is at most one weight version stale) or
-            ``"colocated"`` (the baseline: all samples first, then training on every core).
+        module: the trainer's LightningModule, ``StreamRLModule``'s arguments
+            (``streamrl.training.module``, whose docstring describes each; ``{}``: its
+            defaults): ``mode`` (``"sync"``, the default: each step trains on samples of the
+            current weights, as they stream in; ``"async"``: StreamRL's asynchronous mode, the
+            next step's samples generated while this step trains; ``"colocated"``: the
+            baseline, all samples first, then training on every core), ``staleness_bound``
+            (async mode: iterations generated ahead, k >= 1, so no trained token is more than k
+            weight versions old; ``null``: 1, the paper's one-step mode), ``lr`` (AdamW),
+            ``max_grad_norm`` (the gradient's clip) and ``routing_replay`` (a mixture-of-experts
+            policy trains each token on the experts its generator chose; ``null``: on for a
+            mixture of experts; either way the share of tokens routed otherwise is logged as
+            ``routing_mismatch_frac``). The policy, algorithm, stream, iterations, temperature,
+            micro-batches, correction and elastic controller are linked in.
         iterations: optimizer steps (one per iteration), at least 1.
         prompts_per_iteration: prompts dealt per iteration.
         group_size: samples per prompt.
@@ -234,18 +260,10 @@ class RLConfig:
             sample), ``heartbeat_s`` (an instance silent this long is taken as hung: killed,
             replaced), ``weight_s`` (the longest one weight transfer may take: past it the
             instance is replaced and its requests requeued).
-        lr: policy learning rate (AdamW).
-        staleness_bound: async mode: iterations generated ahead of the one training, k >= 1;
-            no trained token is more than k weight versions old (``null``: 1, the paper's
-            one-step mode; sync and colocated are 0).
         correction: how the trainer corrects tokens its policy did not sample (stale ones; with
             ``engine_gap``, every token: the generators' numerics are not the trainer's),
             ``OffPolicyCorrection``'s arguments (``{method: icepop, low: 0.5}``, ``{is_cap:
             3.0}``; ``{}``: its defaults, decoupled PPO with truncated IS; docs/algorithms.md).
-        routing_replay: a mixture-of-experts policy (``sft.model_size: moe``, or a Mixtral,
-            Qwen-MoE... directory) trains each token on the experts its generator chose
-            (rollout routing replay); ``null``: on for a mixture of experts. Either way the
-            share of tokens routed otherwise is logged (``routing_mismatch_frac``).
         reward: the task reward: a built-in (``"exact"``, ``"partial"``, ``"math"`` (math-verify),
             ``"reward_model"`` (``{name: reward_model, path: DIR}``), ``"reasoning_gym"``), or
             your function ``fn(completion, row) -> float`` as ``package.module:function`` (``row``
@@ -318,7 +336,7 @@ class RLConfig:
     """
 
     algorithm: str | dict[str, Any] = "grpo"
-    mode: str = "sync"
+    module: dict[str, Any] = field(default_factory=dict)
     iterations: int = 60
     prompts_per_iteration: int = 32
     group_size: int = 8
@@ -329,10 +347,7 @@ class RLConfig:
     timeouts: dict[str, Any] = field(default_factory=dict)
     generator_devices: list[int] | None = None
     share_trainer_gpus: bool = False
-    lr: float = 1e-4
-    staleness_bound: int | None = None
     correction: OffPolicyCorrection = field(default_factory=OffPolicyCorrection)
-    routing_replay: bool | None = None
     reward: str | dict[str, Any] | list[Any] | None = None
     reward_pool: dict[str, Any] = field(default_factory=dict)
     eval: EvalSchedule = field(default_factory=EvalSchedule)
@@ -356,13 +371,18 @@ class RLConfig:
         for key in SWAPPABLE:
             setattr(self, key, canonical(key, getattr(self, key)))
 
-    def generation_arg(self, name: str) -> Any:
-        """``generation``'s ``name`` as the service is built with it: the value set, else
-        ``StreamGenerationService``'s default (the one place that default lives)."""
-        from streamrl.components.generation.service import StreamGenerationService
+    def arg(self, section: str, name: str) -> Any:
+        """Argument ``name`` of a constructor's section (``CONSTRUCTOR_SECTIONS``: ``module``,
+        ``generation``...) as the component is built with it: the value set, else the
+        constructor's default (the one place that default lives)."""
         from streamrl.run.swappable import default_of
+        from streamrl.runtime.references import resolve
 
-        return self.generation.get(name, default_of(StreamGenerationService, name))
+        options = getattr(self, section)
+        if name in options:
+            return options[name]
+        owner = resolve(CONSTRUCTOR_SECTIONS[section][0], kind="class", builtins={}, where=section)
+        return default_of(owner, name)
 
 
 @dataclass

@@ -27,7 +27,7 @@ from streamrl.run.memory_checks import check_memory
 from streamrl.run.swappable import factory_and_args
 from streamrl.runtime.cores import usable_cores
 from streamrl.runtime.devices import Placement, resolve_placement
-from streamrl.runtime.references import check_options, resolve
+from streamrl.runtime.references import check_option_types, check_options, resolve
 from streamrl.tasks.families import FAMILIES
 
 #: The dtypes the trained policy may be written in (``trainer.save_dtype``).
@@ -169,7 +169,7 @@ def placement_of(config: RunConfig) -> Placement:
         trainer.devices,
         trainer.num_nodes,
         trainer.precision,
-        generator_gpus_per_instance=rl.generation_arg("gpus_per_instance"),
+        generator_gpus_per_instance=rl.arg("generation", "gpus_per_instance"),
         generator_devices=rl.generator_devices,
         local_generators=isinstance(make_cluster(rl.cluster), LocalCluster),
         share_trainer_gpus=rl.share_trainer_gpus,
@@ -206,16 +206,19 @@ def check_trainer(config: RunConfig) -> None:
     if placement.accelerator == "cpu" and placement.ranks_per_node > cores:
         print(
             f"warning: trainer.devices asks for {placement.ranks_per_node} CPU trainer ranks on "
-            f"{cores} core(s) (beside {config.rl.generation_arg('num_instances')} generator "
+            f"{cores} core(s) (beside {config.rl.arg('generation', 'num_instances')} generator "
             "processes): ranks share cores and every collective waits for a descheduled one, "
             f"so it trains slower than with trainer.devices: {cores} or fewer.",
             file=sys.stderr,
         )
 
 
-def check_section(section: str, options: dict[str, Any], where: str | None = None) -> None:
+def check_section(
+    section: str, options: dict[str, Any], where: str | None = None, types: bool = True
+) -> None:
     """The keys of ``rl.<section>``: none the run links in, none its constructor does not take
-    (with a "did you mean"); ``ConfigError``. Its values are checked by the constructor."""
+    (with a "did you mean"), and with ``types`` each value of the type it hints; ``ConfigError``.
+    Its values are checked by the constructor."""
     where = where or f"rl.{section}"
     class_path, linked = CONSTRUCTOR_SECTIONS[section]
     for key in options:
@@ -223,12 +226,15 @@ def check_section(section: str, options: dict[str, Any], where: str | None = Non
             raise ConfigError(
                 f"{where}: {key} is linked in by the run, not set here: {linked[key]}."
             )
-    check_options(resolve(class_path, kind="class", builtins={}, where=where), options, where=where)
+    owner = resolve(class_path, kind="class", builtins={}, where=where)
+    check_options(owner, options, where=where)
+    if types:
+        check_option_types(owner, options, where=where)
 
 
 def check_micro_batches(options: dict[str, Any]) -> None:
     """``rl.micro_batches``: ``DynamicBatchPipeline``'s arguments, but for the staleness bound,
-    which the run links in from ``rl.mode``; raises ``ConfigError``."""
+    which the run links in from ``rl.module.mode``; raises ``ConfigError``."""
     check_section("micro_batches", options)
     try:
         DynamicBatchPipeline(**options)
@@ -238,10 +244,7 @@ def check_micro_batches(options: dict[str, Any]) -> None:
 
 def check_rl(rl: RLConfig) -> None:
     """Check the RL section; raises ``ConfigError``."""
-    if rl.mode not in ("sync", "async", "colocated"):
-        raise ConfigError(
-            f"rl.mode: {unknown_name('mode', rl.mode, ['sync', 'async', 'colocated'])}"
-        )
+    check_module(rl)
     positive = dict(
         prompts_per_iteration=rl.prompts_per_iteration,
         max_tokens=rl.max_tokens,
@@ -274,8 +277,19 @@ def check_rl(rl: RLConfig) -> None:
     if rl.group_size < 1:
         raise ConfigError(f"rl.group_size must be >= 1, got {rl.group_size}.")
     check_asynchrony(rl)
-    if rl.lr <= 0:
-        raise ConfigError(f"rl.lr must be > 0, got {rl.lr}.")
+
+
+def check_module(rl: RLConfig) -> None:
+    """``rl.module``: ``StreamRLModule``'s own arguments, checked by the module's own check
+    (``StreamRLModule.check_settings``) before any work; ``ConfigError``."""
+    from streamrl.training.module import StreamRLModule
+
+    check_section("module", rl.module)
+    settings = ("lr", "max_grad_norm", "mode", "staleness_bound")
+    try:
+        StreamRLModule.check_settings(**{name: rl.arg("module", name) for name in settings})
+    except ValueError as err:
+        raise ConfigError(f"rl.module.{err}") from None
 
 
 def run_correction(rl: RLConfig) -> OffPolicyCorrection:
@@ -291,7 +305,7 @@ def run_correction(rl: RLConfig) -> OffPolicyCorrection:
 
 
 def run_routing_replay(rl: RLConfig) -> bool | None:
-    """``rl.routing_replay``, or when it is unset: ``None`` (on for a mixture of experts),
+    """``rl.module.routing_replay``, or when it is unset: ``None`` (on for a mixture of experts),
     except ``False`` for vLLM generators without GPUs, whose CPU build returns no routed
     experts: its samples carry none, so the trainer's routers choose (no mismatch to measure;
     the log-prob gap is still logged).
@@ -300,37 +314,33 @@ def run_routing_replay(rl: RLConfig) -> bool | None:
         ConfigError: replay asked of vLLM generators without GPUs.
     """
     engine, _ = factory_and_args("engine", rl.engine)
-    on_cpu = rl.generation_arg("gpus_per_instance") == 0
+    on_cpu = rl.arg("generation", "gpus_per_instance") == 0
     on_vllm_cpu = isinstance(engine, type) and issubclass(engine, VLLMEngine) and on_cpu
-    if rl.routing_replay and on_vllm_cpu:
+    replay = rl.arg("module", "routing_replay")
+    if replay and on_vllm_cpu:
         raise ConfigError(
-            "rl.routing_replay: true, but vLLM's CPU build returns no routed experts (Model "
+            "rl.module.routing_replay: true, but vLLM's CPU build returns no routed experts (Model "
             "Runner V2 needs a GPU): give the generators GPUs (rl.generation: "
             "{gpus_per_instance: 1}), generate with "
-            "rl.engine: hf, or set rl.routing_replay: false."
+            "rl.engine: hf, or set rl.module.routing_replay: false."
         )
-    return False if on_vllm_cpu and rl.routing_replay is None else rl.routing_replay
+    return False if on_vllm_cpu and replay is None else replay
 
 
 def check_asynchrony(rl: RLConfig) -> None:
-    """``rl.staleness_bound`` and ``rl.generation``'s ``partial_rollout``: known values that
-    the mode can keep (``rl.correction`` checks its own, ``OffPolicyCorrection``)."""
+    """``rl.generation``'s ``partial_rollout``: a known value that the mode can keep
+    (``check_module`` checks the staleness bound, ``OffPolicyCorrection`` its own)."""
     from streamrl.components.generation.partial import check_partial_rollout
-    from streamrl.components.training.staleness import staleness_bound_of
 
-    partial = rl.generation_arg("partial_rollout")
-    try:
-        staleness_bound_of(rl.mode, rl.staleness_bound)
-    except ValueError as err:
-        raise ConfigError(f"rl.{err}") from err
+    partial, mode = rl.arg("generation", "partial_rollout"), rl.arg("module", "mode")
     try:
         check_partial_rollout(partial)
     except (ValueError, ConfigError) as err:
         raise ConfigError(f"rl.generation.{err}") from err
     run_routing_replay(rl)
-    if partial != "finish" and rl.mode != "async":
+    if partial != "finish" and mode != "async":
         raise ConfigError(
-            f"rl.generation.partial_rollout: {partial} needs rl.mode: async (in {rl.mode} mode "
-            "no sequence is running when new weights arrive); set rl.mode: async or "
-            "partial_rollout: finish."
+            f"rl.generation.partial_rollout: {partial} needs rl.module.mode: async (in {mode} "
+            "mode no sequence is running when new weights arrive); set rl.module: {mode: async} "
+            "or partial_rollout: finish."
         )

@@ -2,8 +2,8 @@
 with a "did you mean" where one fits; values then pass ``streamrl.run.config_checks.check_values``.
 
 Examples:
-    >>> cfg = from_dict(RunConfig, {"seed": 3, "rl": {"lr": 3e-5}}, where="example")
-    >>> cfg.rl.lr
+    >>> cfg = from_dict(RunConfig, {"seed": 3, "rl": {"module": {"lr": 3e-5}}}, where="example")
+    >>> cfg.rl.module["lr"]
     3e-05
 """
 
@@ -63,6 +63,10 @@ FOLDED_KEYS: dict[str, tuple[str, str, str]] = {
     "sites": ("generation", "sites", "StreamGenerationService"),
     "trainer_site": ("generation", "trainer_site", "StreamGenerationService"),
     "partial_rollout": ("generation", "partial_rollout", "StreamGenerationService"),
+    "mode": ("module", "mode", "StreamRLModule"),
+    "lr": ("module", "lr", "StreamRLModule"),
+    "staleness_bound": ("module", "staleness_bound", "StreamRLModule"),
+    "routing_replay": ("module", "routing_replay", "StreamRLModule"),
 }
 
 

@@ -1,8 +1,8 @@
 """The ``streamrl fit`` command line: ``jsonargparse`` over ``streamrl.run.config.RunConfig``.
 
 As ``LightningCLI`` does: any number of ``--config`` YAML files and a dotted option per field
-(``--rl.lr 3e-5``), the later winning, ``--print_config`` (``=comments``, ``=skip_null``) to write
-the resolved config out, ``--version``; the merged values then pass the same checks as
+(``--rl.module.lr 3e-5``), the later winning, ``--print_config`` (``=comments``, ``=skip_null``)
+to write the resolved config out, ``--version``; the merged values then pass the same checks as
 ``streamrl.run.config_file.load_config``, and a mistake is reported in our words (the key, a "did
 you mean", the fix). Of the Lightning Trainer's arguments, ``--trainer.max_steps`` and
 ``--trainer.default_root_dir`` are aliases of ``--rl.iterations`` and ``--output_dir``; the others
@@ -75,7 +75,8 @@ def build_fit_parser() -> jsonargparse.ArgumentParser:
     parser = ArgumentParser(
         prog="streamrl fit",
         description="Train from the defaults (the demo's run), YAML files and dotted options, "
-        "e.g. streamrl fit --config configs/demo.yaml --rl.lr 3e-5 --data.tasks '[copy, rev]'. "
+        "e.g. streamrl fit --config configs/demo.yaml --rl.module.lr 3e-5 "
+        "--data.tasks '[copy, rev]'. "
         "Options and files apply in order, the later winning. --output-dir and --gpus are "
         "aliases of --output_dir and --rl.generation.gpus_per_instance.",
         exit_on_error=False,
@@ -237,7 +238,7 @@ def _section_named(name: str) -> type | None:
 
 
 def _check_option(name: str) -> None:
-    """``--name`` (e.g. ``rl.lr``) must name a field (or a run option); ``ConfigError``."""
+    """``--name`` (e.g. ``rl.module.lr``) must name a field (or a run option); ``ConfigError``."""
     from streamrl.run.config import CONSTRUCTOR_SECTIONS, RLConfig, RunConfig, TrainerConfig
     from streamrl.run.config_checks import check_section
     from streamrl.run.config_file import (
@@ -251,7 +252,8 @@ def _check_option(name: str) -> None:
     parts = name.removesuffix("+").split(".")  # --data.tasks+ copy appends to a list
     for depth, part in enumerate(parts):
         if cls is RLConfig and part in CONSTRUCTOR_SECTIONS and depth == len(parts) - 2:
-            check_section(part, {parts[-1]: None}, where=f"--rl.{part}")  # --rl.timeouts.start_s
+            # --rl.timeouts.start_s: a key of the section (its value is checked with the rest)
+            check_section(part, {parts[-1]: None}, where=f"--rl.{part}", types=False)
             return
         hints = typing.get_type_hints(cls)
         if part in MOVED_KEYS.get(cls, {}):

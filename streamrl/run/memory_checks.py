@@ -155,7 +155,7 @@ def check_memory(config: RunConfig, placement: Placement) -> None:
             f"cuda:{smallest} has {device / GIB:.1f} GiB; {knob} "
             f"(streamrl plan memory --model {config.model} shows each term)."
         )
-    tensor_parallel = rl.generation_arg("gpus_per_instance")
+    tensor_parallel = rl.arg("generation", "gpus_per_instance")
     if tensor_parallel > 0 and placement.generator_gpus:
         gpu = min(placement.generator_gpus, key=devices.gpu_memory_bytes)
         gpu_bytes = devices.gpu_memory_bytes(gpu)

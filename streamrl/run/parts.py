@@ -110,9 +110,9 @@ def run_context(
     if tokenizer is not None and _one_character_tokens(tokenizer):
         tokenizer = None
     return RunContext(
-        max_batch_size=rl.generation_arg("max_batch_size"),
+        max_batch_size=rl.arg("generation", "max_batch_size"),
         seed=seed,
-        instances=rl.generation_arg("num_instances"),
+        instances=rl.arg("generation", "num_instances"),
         elastic=rl.elastic is not None,
         tokenizer=tokenizer,
         lora=rl.lora,
@@ -139,7 +139,7 @@ def check_parts(rl: RLConfig, placement: Placement | None = None) -> None:
     run = run_context(rl, seed=0)
     engine = _engine(rl, run)
     cluster = make_cluster(rl.cluster)
-    gpus = rl.generation_arg("gpus_per_instance")
+    gpus = rl.arg("generation", "gpus_per_instance")
     try:  # a missing extra or absent GPUs fail here, not inside a generator process
         cluster.check(gpus)
     except ConfigError as err:

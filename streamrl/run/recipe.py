@@ -154,9 +154,10 @@ def fit_checked(config: RunConfig, resume: str | None, progress: bool, stages: R
         evals.run("before", service, 0)  # the starting weights, on the instances holding them
         stages.start(
             "rl",
-            f"RL ({type(parts.algorithm).__name__}, {rl.mode}): {rl.iterations} iterations of "
-            f"{rl.prompts_per_iteration} prompts x {rl.group_size} samples, "
-            f"{service.num_instances} generator processes streaming samples to the trainer",
+            f"RL ({type(parts.algorithm).__name__}, {rl.arg('module', 'mode')}): "
+            f"{rl.iterations} iterations of {rl.prompts_per_iteration} prompts x "
+            f"{rl.group_size} samples, {service.num_instances} generator processes streaming "
+            "samples to the trainer",
         )
         rollouts = RolloutStream(
             service,
@@ -189,7 +190,7 @@ def fit_checked(config: RunConfig, resume: str | None, progress: bool, stages: R
     out.mkdir(parents=True, exist_ok=True)
     trace_path = rollouts.trace.to_json(out / "trace.json")
     if rollouts.trace.spans:  # a resumed run may have had nothing left to do
-        draw_timeline(rollouts.trace.spans, out / "timeline.png", title=f"streamrl {rl.mode}")
+        draw_timeline(rollouts.trace.spans, out / "timeline.png", title=f"streamrl {module.mode}")
         print(f"timeline: {trace_path} -> {out / 'timeline.png'}", file=sys.stderr)
     summary: dict = kind.eval_summary(evals.results["before"], "before")
     summary["train_wall_s"] = train_wall_s
@@ -242,7 +243,7 @@ def generation_service(
         weights=rl.weights,
         timeouts=Timeouts.for_model(policy_bytes, rl.max_tokens, **rl.timeouts),
         profile_latency=(
-            LatencyProfile.up_to(rl.generation_arg("max_batch_size"), str(default_cache_dir()))
+            LatencyProfile.up_to(rl.arg("generation", "max_batch_size"), str(default_cache_dir()))
             if parts.latency is not None
             else None
         ),

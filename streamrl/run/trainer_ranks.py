@@ -170,24 +170,23 @@ class RankSetup:
             self.algorithm,
             rollouts,
             iterations=self.iterations,
-            elastic=elastic,
+            temperature=rl.arg("generation", "temperature"),
             sharded=self.placement.sharded,
             precision=self.placement.precision,
-            mode=rl.mode,
-            lr=rl.lr,
-            temperature=rl.generation_arg("temperature"),
-            pipeline=DynamicBatchPipeline(**rl.micro_batches),
-            staleness_bound=rl.staleness_bound,
-            correction=run_correction(rl),
-            routing_replay=run_routing_replay(rl),
             activation_checkpointing=(
                 trainer.activation_checkpointing
                 if trainer.activation_checkpointing is not None
                 else self.placement.accelerator == "cuda"
             ),
             reference_offload=trainer.reference_offload,
-            logprob_chunk_tokens=trainer.logprob_chunk_tokens,
             share_timeout_s=self.timeouts.share_s,
+            # The section's own arguments (routing replay as the engine allows); the rest is
+            # linked in from the run.
+            **{**rl.module, "routing_replay": run_routing_replay(rl)},
+            pipeline=DynamicBatchPipeline(**rl.micro_batches),
+            correction=run_correction(rl),
+            elastic=elastic,
+            logprob_chunk_tokens=trainer.logprob_chunk_tokens,
         )
 
     def trainer(

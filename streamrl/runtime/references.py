@@ -8,9 +8,11 @@ arguments is given as LightningCLI gives one, ``{class_path: package.module.Name
 {...}}`` (``pick``); ``as_class_path`` writes any accepted form out that way, with the full import
 path, which is how a run's config holds it and ``--print_config`` prints it.
 The reference is imported and its signature checked when the config is loaded, before any work
-starts, and a failure says what was wrong and how to fix it. Besides the installed packages, the
-console script searches the current directory and each ``--config`` file's directory, in that
-order (``add_search_dirs``), as ``python -m`` would find a module in the current directory.
+starts (``check_options``: the names of its options; ``check_option_types``: their values against
+its type hints), and a failure says what was wrong and how to fix it. Besides the installed
+packages, the console script searches the current directory and each ``--config`` file's
+directory, in that order (``add_search_dirs``), as ``python -m`` would find a module in the
+current directory.
 
 Examples:
     >>> resolve("exact", kind="reward", builtins={"exact": len}, where="rl.reward") is len
@@ -26,14 +28,17 @@ Examples:
 
 from __future__ import annotations
 
+import collections.abc
 import difflib
 import importlib
 import inspect
 import os
 import sys
+import types
+import typing
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from streamrl.errors import ConfigError, unknown_name
 
@@ -240,6 +245,72 @@ def check_options(factory: Callable[..., Any], options: Mapping[str, Any], *, wh
     except (TypeError, ValueError):  # no signature to read
         return
     construct(factory, provided=dict.fromkeys(names), options=options, where=where, call=False)
+
+
+#: Hints whose values a YAML list may give.
+_SEQUENCES = (list, tuple, collections.abc.Sequence, collections.abc.Iterable)
+
+
+def check_option_types(
+    factory: Callable[..., Any], options: Mapping[str, Any], *, where: str
+) -> None:
+    """Raise ``ConfigError`` for an option whose value ``factory``'s type hint refuses: a value a
+    config file cannot mean (``lr: abc``, ``num_instances: 2.5``), named with the type it takes.
+    Which values of a type are valid (a ``Literal``'s choices, a count >= 1) is the factory's to
+    say in its own words, and so is a hint this cannot read or judge (a class of the run)."""
+    for key, value in options.items():
+        hint = _hint(factory, key)
+        if hint is not None and not _fits(hint, value):
+            raise ConfigError(f"{where}.{key} must be {_describe(hint)}, got {value!r}.")
+
+
+def _hint(factory: Callable[..., Any], name: str) -> Any:
+    """The type hint of ``factory``'s argument ``name``, or ``None`` where it cannot be read."""
+    try:
+        parameter = inspect.signature(factory).parameters.get(name)
+    except (TypeError, ValueError):
+        return None
+    if parameter is None or parameter.annotation is inspect.Parameter.empty:
+        return None
+    annotation = parameter.annotation
+    if isinstance(annotation, str):  # ``from __future__ import annotations``
+        target = getattr(factory, "__init__", factory) if isinstance(factory, type) else factory
+        module = sys.modules.get(getattr(target, "__module__", ""), None)
+        try:
+            annotation = eval(annotation, vars(module) if module else {})  # in its own module
+        except Exception:  # a name only imported for type checking
+            return None
+    return annotation
+
+
+def _fits(hint: Any, value: Any) -> bool:
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if hint is Any or isinstance(hint, typing.TypeVar):
+        return True
+    if hint is None or hint is type(None):
+        return value is None
+    if origin is Literal:  # its choices are the constructor's to check
+        return True
+    if origin in (typing.Union, types.UnionType):
+        return any(_fits(arg, value) for arg in args)
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    kind = origin or hint
+    if kind in _SEQUENCES:
+        return isinstance(value, (list, tuple))  # a string is one too, but never meant as one
+    if kind in (dict, Mapping, collections.abc.Mapping):
+        return isinstance(value, Mapping)
+    if kind in (str, bool):
+        return isinstance(value, kind)
+    return True  # a class of the run, a callable...: the constructor judges
+
+
+def _describe(hint: Any) -> str:
+    if hint in (int, float, str, bool):
+        return f"{'an' if hint is int else 'a'} {hint.__name__}"
+    return f"of type {str(hint).replace('typing.', '').replace('collections.abc.', '')}"
 
 
 def pick(

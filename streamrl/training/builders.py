@@ -30,18 +30,14 @@ from lightning.pytorch.loggers import Logger, TensorBoardLogger, WandbLogger
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from streamrl.algorithms.base import Algorithm
-from streamrl.components.capacity.elastic import ElasticController
 from streamrl.components.skewness.latency import LatencyModel
 from streamrl.components.skewness.profiler import Profiler
-from streamrl.components.training.off_policy import OffPolicyCorrection
-from streamrl.components.training.pipeline import DynamicBatchPipeline
 from streamrl.components.training.reference import reference_policy
 from streamrl.components.training.sharding import Precision, enable_activation_checkpointing
-from streamrl.components.training.staleness import staleness_bound_of
 from streamrl.runtime.progress import IterationBar
 from streamrl.training.checkpointing import AtomicCheckpointIO, CheckpointSchedule
 from streamrl.training.fsdp import ShardedStreamRLModule, fsdp_strategy, process_group_backend
-from streamrl.training.module import Mode, StreamRLModule
+from streamrl.training.module import StreamRLModule
 from streamrl.training.rollout import RolloutStream
 from streamrl.training.run_logger import RunCSVLogger
 
@@ -69,27 +65,19 @@ def build_module(
     rollouts: RolloutStream | None = None,
     *,
     iterations: int,
-    mode: Mode = "sync",
-    lr: float = 1e-4,
     temperature: float | None = None,
-    pipeline: DynamicBatchPipeline | None = None,
-    staleness_bound: int | None = None,
-    correction: OffPolicyCorrection | None = None,
-    routing_replay: bool | None = None,
-    elastic: ElasticController | None = None,
     sharded: bool = False,
     precision: Precision = "32-true",
     activation_checkpointing: bool = False,
     reference_offload: bool = False,
-    logprob_chunk_tokens: int | None = None,
     share_timeout_s: float = 900.0,
+    **module_args: Any,
 ) -> StreamRLModule:
     """The LightningModule of a run.
 
     What the algorithm declares is honoured here: a reference policy when
     ``algorithm.needs_reference`` (the policy with its adapters off under LoRA, else a frozen
-    copy in the compute dtype, sharded with the policy); the staleness bound follows ``mode``
-    (and ``staleness_bound`` in async mode).
+    copy in the compute dtype, sharded with the policy).
 
     Args:
         policy: the causal LM to train (its float32 master weights).
@@ -99,29 +87,20 @@ def build_module(
         rollouts: the sample stream; ``None`` on FSDP ranks > 0, which receive their share
             from rank 0.
         iterations: optimizer steps (one per RL iteration).
-        mode: ``"sync"``, ``"async"`` (one-step asynchronous, §4.1) or ``"colocated"``.
-        lr: AdamW learning rate.
         temperature: the generators' sampling temperature; by default the service's (given
             once); required without ``rollouts``.
-        pipeline: how streamed samples become micro-batches (``DynamicBatchPipeline``: the
-            token ceiling of one forward/backward pass, samples gathered before the first,
-            packed or padded rows); what it leaves unset is linked in (``StreamRLModule``).
-        staleness_bound: async only: iterations generated ahead, k >= 1 (default 1, the
-            paper's one-step mode); no trained token is more than k versions old.
-        correction: how tokens the policy did not sample are corrected (``OffPolicyCorrection``:
-            its method, truncation and engine gap; ``None``: its defaults; ``StreamRLModule``).
-        routing_replay: a mixture-of-experts policy replays the experts its generators chose
-            (``None``: on for one; ``StreamRLModule``).
-        elastic: adds generator instances when generation lags training (§4.2).
         sharded: FSDP2 over the trainer ranks (``streamrl.training.fsdp``); rank 0 deals its stream
             to the ranks. ``precision="bf16-mixed"`` is always sharded (one rank is fine).
         precision: ``"bf16-mixed"`` (bfloat16 compute over float32 FSDP2 shards, float32
             gradient reduction) or ``"32-true"``.
         activation_checkpointing: recompute each decoder layer in the backward pass.
         reference_offload: keep a sharded reference's shards in host memory.
-        logprob_chunk_tokens: completion tokens per chunk of the LM head (``None``: 64M
-            logits per chunk, ``streamrl.policy.logprobs``).
         share_timeout_s: sharded: how long a rank > 0 waits for its next share of samples.
+        module_args: ``StreamRLModule``'s own keyword arguments, passed on as they are (its
+            docstring describes each, and holds each default): ``mode`` (``"sync"``,
+            ``"async"``: one-step asynchronous, §4.1; ``"colocated"``), ``lr``,
+            ``max_grad_norm``, ``staleness_bound``, ``pipeline``, ``correction``,
+            ``routing_replay``, ``elastic``, ``logprob_chunk_tokens``, ``trace``.
 
     A policy on the meta device (``streamrl.policy.model_dir.empty_model``) is read from its
     directory once placed (``StreamRLModule.configure_model``: each rank its own shards), and
@@ -134,7 +113,6 @@ def build_module(
                 "on a trainer rank without one, the algorithm."
             )
         algorithm = rollouts.algorithm
-    bound = staleness_bound_of(mode, staleness_bound)
     if rollouts is not None:
         service_temperature = rollouts.service.temperature
         if temperature is not None and temperature != service_temperature:
@@ -156,18 +134,7 @@ def build_module(
     reference = reference_policy(policy, algorithm.needs_reference, precision)
     if activation_checkpointing:  # before fully_shard, as FSDP2 expects
         enable_activation_checkpointing(policy)
-    options: dict[str, Any] = dict(
-        lr=lr,
-        reference=reference,
-        temperature=temperature,
-        mode=mode,
-        pipeline=pipeline,
-        elastic=elastic,
-        staleness_bound=bound,
-        correction=correction,
-        routing_replay=routing_replay,
-        logprob_chunk_tokens=logprob_chunk_tokens,
-    )
+    options: dict[str, Any] = dict(reference=reference, temperature=temperature, **module_args)
     if sharded:
         return ShardedStreamRLModule(
             policy.train(),

@@ -34,7 +34,7 @@ from streamrl.components.training.reference import FrozenCopy, ReferencePolicy
 from streamrl.components.training.staleness import AheadWindow, staleness_bound_of
 from streamrl.components.weights.staging import StagedWeights
 from streamrl.components.weights.sync import stage
-from streamrl.errors import NonFiniteLossError
+from streamrl.errors import NonFiniteLossError, unknown_name
 from streamrl.policy.logprobs import completion_logprobs
 from streamrl.policy.lora import synced_weights
 from streamrl.policy.model_dir import is_empty, materialize, source_dir
@@ -135,7 +135,9 @@ class StreamRLModule(L.LightningModule):
         routing_replay: bool | None = None,
     ) -> None:
         super().__init__()
-        bound = staleness_bound_of(mode, staleness_bound)
+        bound = self.check_settings(
+            lr=lr, max_grad_norm=max_grad_norm, mode=mode, staleness_bound=staleness_bound
+        )
         self.automatic_optimization = False
         scoring = getattr(rollouts, "algorithm", algorithm)
         if scoring is not algorithm:  # it scores the samples and this takes the loss: one object
@@ -208,6 +210,24 @@ class StreamRLModule(L.LightningModule):
         # end.
         self.peak_memory_bytes: list[int] = []
         self.trained_on = "cpu"
+
+    @staticmethod
+    def check_settings(
+        *, lr: float, max_grad_norm: float, mode: str, staleness_bound: int | None
+    ) -> int:
+        """The module's own settings checked (its constructor calls this, and so does a
+        config's check, before any work): returns the staleness bound ``mode`` trains under.
+
+        Raises:
+            ValueError: an unknown mode, a bound the mode cannot keep, a step size <= 0.
+        """
+        if mode not in MODES:
+            raise ValueError(f"mode: {unknown_name('mode', mode, MODES)}")
+        if not lr > 0:
+            raise ValueError(f"lr must be > 0, got {lr}.")
+        if not max_grad_norm > 0:
+            raise ValueError(f"max_grad_norm must be > 0 (the gradient clip), got {max_grad_norm}.")
+        return staleness_bound_of(mode, staleness_bound)
 
     def training_step(self, batch: int) -> None:
         """One RL iteration, stage by stage: dispatch, stream and score, micro-batch backward
@@ -532,6 +552,6 @@ def _check_finite(per_sample: torch.Tensor, samples: list, iteration: int) -> No
     raise NonFiniteLossError(
         f"Non-finite loss at iteration {iteration} on {len(bad)} sample(s) "
         f"(prompt_id, sample_index, iteration): {bad[:8]}. Stopped before the optimizer step; "
-        "lower rl.lr, check the reward function, or give the algorithm a kl_coef (rl.algorithm's "
-        "init_args)."
+        "lower rl.module.lr, check the reward function, or give the algorithm a kl_coef "
+        "(rl.algorithm's init_args)."
     )

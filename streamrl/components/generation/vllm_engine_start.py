@@ -137,7 +137,7 @@ def routed_experts_wanted(asked: bool | None, moe: bool, device: str) -> bool:
     raise ConfigError(
         f"VLLMStreamGenerator(routed_experts=True): vLLM returns routed experts only of a "
         f"mixture of experts on its Model Runner V2, not {where}; generate on the HF engine "
-        "(it records them anywhere) or set rl.routing_replay: false."
+        "(it records them anywhere) or set rl.module.routing_replay: false."
     )
 
 

@@ -1,6 +1,6 @@
 """Deadlines of iterations in flight: a launch order that respects the staleness bound.
 
-With ``rl.staleness_bound: k`` async mode dispatches up to ``k`` iterations ahead (StreamRL
+With ``rl.module.staleness_bound: k`` async mode dispatches up to ``k`` iterations ahead (StreamRL
 §4.1, ``AheadWindow``): iteration ``j`` may start at weights ``j - k`` and must be done when step
 ``j`` trains, so the requests an instance queues belong to several iterations with different
 deadlines. Longest-first (LPT) alone ignores them: a long sample of a later iteration may start

@@ -1,5 +1,5 @@
 """The staleness bound: how many weight versions behind the trainer a trained token may be
-(StreamRL §4.1, which keeps it at one; ``rl.staleness_bound`` lets async mode run k ahead).
+(StreamRL §4.1, which keeps it at one; ``rl.module.staleness_bound`` lets async mode run k ahead).
 
 ``staleness_bound_of`` says which bound a mode trains under; ``AheadWindow`` is how async mode
 keeps it: iteration ``j`` is dispatched while iteration ``j - k`` trains and is admitted at

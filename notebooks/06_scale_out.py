@@ -131,7 +131,8 @@ if __name__ == "__main__":
         config.sft.model_size, config.sft.steps = "test", 20
         rl = config.rl
         rl.iterations, rl.prompts_per_iteration, rl.group_size = 1, 6, 2
-        rl.generation, rl.max_tokens, rl.reward = {"num_instances": 1}, 12, "partial"
+        rl.generation, rl.rollouts = {"num_instances": 1}, {"max_tokens": 12}
+        rl.reward = "partial"
         config.trainer.devices = ranks
         summary = run_fit(config, show_progress=False)
         trained[ranks] = dict(load_policy(summary["policy_dir"])[0].named_parameters())

@@ -85,7 +85,7 @@ def run_config(out: Path, mode: str, episodes: bool, ranks: int, iterations: int
         "prompts_per_iteration": PROMPTS,
         "group_size": GROUP,
         "generation": {"num_instances": 1 if ranks > 1 else 2, "max_batch_size": 8},
-        "max_tokens": 24 if episodes else 12,
+        "rollouts": {"max_tokens": 24 if episodes else 12},
         "checkpoints": {"every": 1},
         "save_rollouts": True,
         "timeouts": {"heartbeat_s": 10},  # a SIGSTOPped generator is taken as hung after 10 s

@@ -183,7 +183,7 @@ def tiny_config(out: Path) -> Path:
             "iterations": 1,
             "prompts_per_iteration": 2,
             "group_size": 2,
-            "max_tokens": 8,
+            "rollouts": {"max_tokens": 8},
             "generation": {"num_instances": 1},
         },
     }

@@ -206,7 +206,7 @@ def fit_config(work: Path, device: str) -> Path:
                 "class_path": "hf",
                 "init_args": {"dtype": "bfloat16" if cuda else "float32"},
             },
-            "max_tokens": 512 if cuda else 32,
+            "rollouts": {"max_tokens": 512 if cuda else 32},
             "eval": {"max_tokens": 32},
             "micro_batches": {"max_tokens": 8400},
             "reward": "gpu_check_reward:varied",

@@ -83,7 +83,7 @@ def fit_small(tmp_path, capsys):
             "iterations": 2,
             "prompts_per_iteration": 4,
             "group_size": 2,
-            "max_tokens": 12,
+            "rollouts": {"max_tokens": 12},
             **rl,
             "generation": {"num_instances": 1, **rl.get("generation", {})},
         }

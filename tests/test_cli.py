@@ -98,7 +98,7 @@ def test_fit_small_run_prints_json_summary(tmp_path, capsys):
         "sft: {model_size: test, steps: 20}\n"
         "rl: {iterations: 2, prompts_per_iteration: 4, group_size: 2,"
         " generation: {num_instances: 1},"
-        " max_tokens: 12}\n"
+        " rollouts: {max_tokens: 12}}\n"
     )
     # As a user pipes it (`streamrl fit ... | tail -1`), progress on: the headings of the
     # stages and every bar go to stderr, and stdout is the one JSON line.
@@ -394,7 +394,7 @@ def test_same_seed_same_weights(tmp_path, capsys):
         "data: {tasks: [copy], n_train: 32, n_heldout: 8, median_len: 3, max_len: 6}\n"
         "sft: {model_size: test, steps: 20}\n"
         "rl: {iterations: 2, prompts_per_iteration: 4, group_size: 2,"
-        " generation: {num_instances: 1, temperature: 1.5}, max_tokens: 12}\n"
+        " generation: {num_instances: 1, temperature: 1.5}, rollouts: {max_tokens: 12}}\n"
     )
     states = []
     for run in ("a", "b"):

@@ -83,12 +83,12 @@ def test_missing_model_directory(tmp_path):
         prepare_run(config)
 
 
-@pytest.mark.parametrize("field", ["max_tokens", "eval.max_tokens"])
+@pytest.mark.parametrize("field", ["rollouts.max_tokens", "eval.max_tokens"])
 def test_a_token_budget_past_the_context_is_refused_before_any_work(field):
     def budget(tokens: int) -> RunConfig:
         config = RunConfig()
-        if field == "max_tokens":
-            config.rl.max_tokens = tokens
+        if field == "rollouts.max_tokens":
+            config.rl.rollouts = {"max_tokens": tokens}
         else:
             config.rl.eval = EvalSchedule(max_tokens=tokens)
         return config
@@ -127,7 +127,10 @@ def test_duplicate_prompt_ids_name_the_line(tmp_path):
 @pytest.mark.parametrize(
     ("yaml_text", "message"),
     [
-        ("rl:\n  max_tokens: 0\n", r"rl.max_tokens must be >= 1, got 0"),
+        ("rl:\n  rollouts: {max_tokens: 0}\n", r"rl.rollouts: max_tokens .* must be >= 1, got 0"),
+        ("rl:\n  max_tokens: 64\n", r"max_tokens has moved: set rl.rollouts: \{max_tokens"),
+        ("rl:\n  rollouts: {max_refills: -1}\n", r"rl.rollouts: max_refills must be >= 0"),
+        ("rl:\n  rollouts: {context: 128}\n", r"rl.rollouts: context is linked in by the run"),
         ("rl:\n  group_size: 1\n", r"rl.algorithm: GRPO needs group_size >= 2"),
         ("rl:\n  algorithm: grop\n", r"Unknown algorithm 'grop' \(did you mean 'grpo'\?\)"),
         ("rl:\n  module: {mode: asynch}\n", r"Unknown mode 'asynch' \(did you mean 'async'\?\)"),

@@ -149,7 +149,12 @@ def test_the_cli_prints_an_overlong_first_prompt_as_one_line(tmp_path, tok, caps
         "model": str(model),
         "env": {"name": "extension_plugins:GuessEnv", "max_turns": 2},
         "data": {"path": str(rows), "heldout_fraction": 0.25},
-        "rl": {"iterations": 1, "prompts_per_iteration": 2, "group_size": 2, "max_tokens": 4},
+        "rl": {
+            "iterations": 1,
+            "prompts_per_iteration": 2,
+            "group_size": 2,
+            "rollouts": {"max_tokens": 4},
+        },
     }
     config.write_text(yaml.safe_dump(body))
     capsys.readouterr()  # the policy's saving

@@ -18,7 +18,7 @@ RL = {
     "prompts_per_iteration": 4,
     "group_size": 2,
     "generation": {"num_instances": 1, "max_batch_size": 8},
-    "max_tokens": 24,
+    "rollouts": {"max_tokens": 24},
 }
 
 

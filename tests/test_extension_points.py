@@ -50,9 +50,8 @@ def small_run_values(tmp_path: Path, **rl: object) -> dict:
             "prompts_per_iteration": 4,
             "group_size": 2,
             "generation": {"num_instances": 2},
-            "max_tokens": 12,
+            "rollouts": {"max_tokens": 12, "ranker_refresh_every": 1},
             "checkpoints": {"every": 1},
-            "ranker_refresh_every": 1,
             **rl,
         },
     }

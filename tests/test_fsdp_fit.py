@@ -53,7 +53,8 @@ def _config(root: Path, name: str, iterations: int, ranks: int) -> Path:
         "data: {tasks: [copy, count], n_train: 32, n_heldout: 8, median_len: 3, max_len: 6}\n"
         "sft: {model_size: test, steps: 20}\n"
         f"rl: {{iterations: {iterations}, prompts_per_iteration: {PROMPTS}, group_size: {GROUP},"
-        " generation: {num_instances: 1}, max_tokens: 12, micro_batches: {max_tokens: 64},"
+        " generation: {num_instances: 1}, rollouts: {max_tokens: 12},"
+        " micro_batches: {max_tokens: 64},"
         " checkpoints: {every: 1},"
         # A KL term: on-policy GRPO's loss is 0 (group-normalised advantages), the KL's is not
         # once the policy has moved, and it gives every iteration a gradient.
@@ -385,7 +386,7 @@ def test_an_episode_run_trains_on_two_ranks(tmp_path):
         "sft: {model_size: test, steps: 10, tokens_per_batch: 1024}\n"
         "rl: {iterations: 2, prompts_per_iteration: 2, group_size: 2,"
         " generation: {num_instances: 1, max_batch_size: 8},"
-        " max_tokens: 16, micro_batches: {max_tokens: 64},"
+        " rollouts: {max_tokens: 16}, micro_batches: {max_tokens: 64},"
         " save_rollouts: true}\n"
         "trainer: {devices: 2}\n"
     )

@@ -90,7 +90,7 @@ def test_a_local_fit_with_two_trainer_ranks_and_two_generators_listens_on_loopba
             "prompts_per_iteration": 4,
             "group_size": 2,
             "generation": {"num_instances": 2},
-            "max_tokens": 8,
+            "rollouts": {"max_tokens": 8},
             "module": {"mode": "async"},
         },
     }

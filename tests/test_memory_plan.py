@@ -86,7 +86,7 @@ def _7b_config(tmp_path, **trainer) -> RunConfig:
     model = _shape_only(tmp_path / "qwen2.5-7b")
     config = RunConfig(model=str(model), output_dir=str(tmp_path / "out"))
     config.trainer.accelerator, config.trainer.devices = "cuda", [0, 1, 2, 3]
-    config.rl.generation, config.rl.max_tokens = {"gpus_per_instance": 1}, 8192
+    config.rl.generation, config.rl.rollouts = {"gpus_per_instance": 1}, {"max_tokens": 8192}
     config.rl.micro_batches = {"max_tokens": 16384}
     for key, value in trainer.items():
         setattr(config.trainer, key, value)
@@ -108,7 +108,7 @@ def test_fit_refuses_a_trainer_gpu_too_small_before_any_work(devices, tmp_path, 
     path = tmp_path / "run.yaml"
     path.write_text(
         f"model: {config.model}\noutput_dir: {config.output_dir}\n"
-        "rl: {generation: {gpus_per_instance: 1}, max_tokens: 8192,"
+        "rl: {generation: {gpus_per_instance: 1}, rollouts: {max_tokens: 8192},"
         " micro_batches: {max_tokens: 16384}}\n"
         "trainer: {accelerator: cuda, devices: [0, 1, 2, 3]}\n"
     )

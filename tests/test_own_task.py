@@ -82,7 +82,7 @@ def own_task(tmp_path: Path, **overrides) -> RunConfig:
         "prompts_per_iteration": 4,
         "group_size": 2,
         "generation": {"num_instances": 1},
-        "max_tokens": 16,
+        "rollouts": {"max_tokens": 16},
         "reward": [
             {"name": "own_rewards:names_the_unit", "weight": 1.0},
             {"name": "exact", "weight": 0.5},
@@ -311,7 +311,7 @@ def test_own_modules_in_the_current_and_the_config_directory_in_a_real_fit(tmp_p
         "sft: {model_size: test, steps: 2}\n"
         "rl: {iterations: 1, prompts_per_iteration: 2, group_size: 2,"
         " generation: {num_instances: 1},"
-        " max_tokens: 6, reward_pool: {workers: 1},"
+        " rollouts: {max_tokens: 6}, reward_pool: {workers: 1},"
         " reward: [{name: cwd_rewards:cwd_score}, {name: beside_rewards:beside_score}]}\n"
     )
     log = tmp_path / "reward_log.txt"

@@ -157,8 +157,8 @@ def test_a_run_whose_reward_segfaults_on_one_completion_and_hangs_on_another_fin
     monkeypatch.syspath_prepend(str(tmp_path))
     out = tmp_path / "out"
     rl = {"iterations": 2, "prompts_per_iteration": 4, "group_size": 2}
-    rl |= {"generation": {"num_instances": 1}}
-    rl |= {"max_tokens": 12, "reward": "fragile_fit:fragile", "reward_pool": {"timeout_s": 3.0}}
+    rl |= {"generation": {"num_instances": 1}, "rollouts": {"max_tokens": 12}}
+    rl |= {"reward": "fragile_fit:fragile", "reward_pool": {"timeout_s": 3.0}}
     data = {"tasks": ["copy"], "n_train": 32, "n_heldout": 4, "median_len": 3, "max_len": 6}
     config = {"output_dir": str(out), "data": data, "sft": {"steps": 5}, "rl": rl}
     (tmp_path / "run.yaml").write_text(yaml.safe_dump(config))

@@ -33,7 +33,7 @@ def test_equal_rewards_in_each_first_iteration_warn_once_naming_the_causes():
     said = observed(RewardSpreadCheck(), [[0.0] * 8, [0.0] * 8, [1.0] * 8, [0.0] * 8, [0.0] * 8])
     assert len(said) == 1
     assert "first 3 iterations every reward was equal (to 0, 0, 1)" in said[0]
-    for cause in ("format", "rl.max_tokens", "returns a constant", "warm start"):
+    for cause in ("format", "rl.rollouts.max_tokens", "returns a constant", "warm start"):
         assert cause in said[0]
 
 

@@ -176,7 +176,7 @@ def test_a_reward_that_never_returns_stops_the_heldout_evaluation_with_its_promp
                     "iterations": 1,
                     "prompts_per_iteration": 2,
                     "group_size": 2,
-                    "max_tokens": 8,
+                    "rollouts": {"max_tokens": 8},
                     "reward": f"{user_rewards}:hangs_everywhere",
                     "reward_pool": {"timeout_s": 2},
                 },

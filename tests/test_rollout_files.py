@@ -113,7 +113,7 @@ def test_episode_runs_write_episodes_with_their_loss_mask(tmp_path, capsys, loss
             "prompts_per_iteration": 2,
             "group_size": 2,
             "generation": {"num_instances": 1, "max_batch_size": 8},
-            "max_tokens": 24,
+            "rollouts": {"max_tokens": 24},
             "save_rollouts": True,
         },
     }

@@ -77,7 +77,7 @@ class RunFacts:
 
     Attributes:
         group_size: samples per prompt (``rl.group_size``).
-        max_tokens: the generation budget per completion (``rl.max_tokens``).
+        max_tokens: the generation budget per completion (``rl.rollouts.max_tokens``).
         hidden_size: the policy's hidden size (``policy.config.hidden_size``).
         prompts_per_iteration: prompts per training iteration (``rl.prompts_per_iteration``).
 

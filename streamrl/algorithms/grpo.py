@@ -71,7 +71,7 @@ class GRPO(Algorithm):
         if (token_level or overlong_buffer) and (max_tokens is None or max_tokens < 1):
             raise ValueError(
                 f"{name}: token_level and overlong_buffer need max_tokens (the generation "
-                f"budget, rl.max_tokens) >= 1, got {max_tokens!r}."
+                f"budget, rl.rollouts.max_tokens) >= 1, got {max_tokens!r}."
             )
         if not 0 <= overlong_buffer <= (max_tokens or 0):
             raise ValueError(
@@ -134,7 +134,7 @@ class DAPO(GRPO):
         group_size: samples per prompt (>= 2).
         clip_eps: lower clip range.
         kl_coef: weight of the k3 KL penalty (0 in the paper).
-        max_tokens: the generation budget (``from_run`` passes ``rl.max_tokens``).
+        max_tokens: the generation budget (``from_run`` passes ``rl.rollouts.max_tokens``).
         clip_eps_high: upper clip range.
         overlong_buffer: tokens before ``max_tokens`` where the overlong penalty starts;
             ``None``: a fifth of ``max_tokens`` (at least 1).

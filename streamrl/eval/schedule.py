@@ -29,7 +29,7 @@ class EvalSchedule:
             one (1: greedy pass@1 only). Single-turn runs: an episode run evaluates one greedy
             episode per held-out row.
         max_tokens: the decode budget of a held-out completion (of each turn of an episode),
-            cut to what the context leaves; ``None``: the run's ``rl.max_tokens``.
+            cut to what the context leaves; ``None``: the run's ``rl.rollouts.max_tokens``.
 
     Raises:
         ConfigError: ``every < 0``, ``k < 1`` or ``max_tokens < 1``.

@@ -156,13 +156,32 @@ CONSTRUCTOR_SECTIONS: dict[str, tuple[str, dict[str, str]]] = {
     ),
     "timeouts": (
         "streamrl.components.generation.timeouts.Timeouts.for_model",
-        {"model_bytes": "the policy's size", "max_tokens": "set rl.max_tokens"},
+        {"model_bytes": "the policy's size", "max_tokens": "set rl.rollouts.max_tokens"},
     ),
     "micro_batches": (
         "streamrl.components.training.pipeline.DynamicBatchPipeline",
         {
             "staleness_bound": "it follows the mode (0 in sync mode); set "
             "rl.module.staleness_bound for async mode instead"
+        },
+    ),
+    "rollouts": (
+        "streamrl.training.rollout.RolloutStream",
+        {
+            "service": "the run's generation service (set rl.generation)",
+            "prompts": "the run's rows, rl.prompts_per_iteration at a time",
+            "tokenizer": "the policy's",
+            "algorithm": "set rl.algorithm",
+            "reward": "set rl.reward (and rl.reward_pool)",
+            "context": "the policy's context length",
+            "trace": "the run's timeline",
+            "forced_lengths": "streamrl bench pipeline forces lengths; a run does not",
+            "ranker": "set rl.length_predictor",
+            "system_prompt": "set data.system_prompt",
+            "chat_template": "set data.chat_template",
+            "stop_strings": "set data.stop_strings",
+            "sampler": "the run's kind (env.name: episodes)",
+            "episodes": "the run's kind (env.name: episodes)",
         },
     ),
     "module": (
@@ -218,6 +237,14 @@ class RLConfig:
         iterations: optimizer steps (one per iteration), at least 1.
         prompts_per_iteration: prompts dealt per iteration.
         group_size: samples per prompt.
+        rollouts: the stream of scored samples the trainer consumes, ``RolloutStream``'s
+            arguments (``streamrl.training.rollout``; ``{}``: its defaults): ``max_tokens`` (a
+            sample's generation budget, 64; capped by the context; an episode's per turn),
+            ``ranker_refresh_every`` (iterations between online refreshes of the length
+            predictor, §5.2) and ``max_refills`` (groups an algorithm filters out, e.g. DAPO's
+            dynamic sampling, replaced by new prompts per iteration; ``null``: twice the prompts
+            per iteration). The service, prompts, tokenizer, algorithm, reward, context,
+            length predictor and data's chat settings are linked in.
         generation: the stream generation service (§3), ``StreamGenerationService``'s
             arguments (``streamrl.components.generation.service``, whose docstring describes
             each; ``{}``: its defaults, the demo's): ``num_instances`` (generator processes or
@@ -286,10 +313,9 @@ class RLConfig:
             evaluations with the run's reward, logged as ``eval/*`` and plotted to ``eval.png``;
             0: only before and after RL), ``k`` (samples per held-out prompt for pass@k; 1:
             greedy pass@1 only), ``max_tokens`` (a held-out completion's budget, cut to what the
-            context leaves; ``null``: ``max_tokens``). Evaluations decode on the generator
+            context leaves; ``null``: ``rollouts.max_tokens``). Evaluations decode on the generator
             instances, with the engine, chat handling and reward of training
             (docs/real-models.md, "Evaluation on the generators").
-        max_tokens: generation budget per sample (capped by the context).
         micro_batches: how streamed samples become the trainer's micro-batches,
             ``DynamicBatchPipeline``'s arguments (``streamrl.components.training.pipeline``;
             the staleness bound linked in from ``mode``; ``{}``: its defaults): ``max_tokens``,
@@ -310,7 +336,6 @@ class RLConfig:
         length_predictor: predicts output lengths for dispatch and LPT, trained online on the
             policy's samples (§5.2): ``"ranker"`` (``LengthRanker``), your ``LengthPredictor``,
             or ``null`` (no predictions: skew dispatch balances prompt counts, LPT is FIFO).
-        ranker_refresh_every: iterations between online refreshes of the ranker.
         elastic: add generator instances while training runs when generation lags training
             by more than one more instance would save (§4.2): ``controller``
             (``ElasticController``; ``{class_path: controller, init_args: {max_instances: 4,
@@ -340,6 +365,7 @@ class RLConfig:
     iterations: int = 60
     prompts_per_iteration: int = 32
     group_size: int = 8
+    rollouts: dict[str, Any] = field(default_factory=dict)
     generation: dict[str, Any] = field(default_factory=dict)
     engine: str | dict[str, Any] = "hf"
     cluster: str | dict[str, Any] = "local"
@@ -351,12 +377,10 @@ class RLConfig:
     reward: str | dict[str, Any] | list[Any] | None = None
     reward_pool: dict[str, Any] = field(default_factory=dict)
     eval: EvalSchedule = field(default_factory=EvalSchedule)
-    max_tokens: int = 64
     micro_batches: dict[str, Any] = field(default_factory=dict)
     dispatcher: str | dict[str, Any] = "skew"
     scheduler: str | dict[str, Any] = "lpt"
     length_predictor: str | dict[str, Any] | None = "ranker"
-    ranker_refresh_every: int = 10
     elastic: str | dict[str, Any] | None = None
     checkpoints: CheckpointSchedule = field(default_factory=CheckpointSchedule)
     save_rollouts: bool = False
@@ -425,7 +449,7 @@ class TrainerConfig:
             the policy, start the generators and evaluate; ``null``: 1800 s plus 120 s per GB.
         share_timeout_s: how long a trainer rank > 0 waits for its next share of samples (rank
             0 waits for the generators, and evaluates every ``rl.eval.every``); ``null``: 900 s
-            plus 0.2 s per token of ``rl.max_tokens`` per GB.
+            plus 0.2 s per token of ``rl.rollouts.max_tokens`` per GB.
     """
 
     accelerator: str = "auto"

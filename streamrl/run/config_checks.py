@@ -245,21 +245,16 @@ def check_micro_batches(options: dict[str, Any]) -> None:
 def check_rl(rl: RLConfig) -> None:
     """Check the RL section; raises ``ConfigError``."""
     check_module(rl)
-    positive = dict(
-        prompts_per_iteration=rl.prompts_per_iteration,
-        max_tokens=rl.max_tokens,
-        ranker_refresh_every=rl.ranker_refresh_every,
-    )
-    for name, value in positive.items():
-        if value < 1:
-            raise ConfigError(f"rl.{name} must be >= 1, got {value}.")
+    check_rollouts(rl)
+    if rl.prompts_per_iteration < 1:
+        raise ConfigError(f"rl.prompts_per_iteration must be >= 1, got {rl.prompts_per_iteration}.")
     if rl.reward is not None:
         check_reward_packages(RewardSpec.from_config(rl.reward))
     check_section("generation", rl.generation)  # its values: the service's constructor
     check_micro_batches(rl.micro_batches)
     check_section("timeouts", rl.timeouts)
     try:  # a timeout <= 0 is its ConfigError
-        Timeouts.for_model(0.0, rl.max_tokens, **rl.timeouts)
+        Timeouts.for_model(0.0, rl.arg("rollouts", "max_tokens"), **rl.timeouts)
     except TypeError as err:  # one the run links in (model_bytes, max_tokens)
         message = f"rl.timeouts: {err}; give start_s, sample_s, heartbeat_s or weight_s."
         raise ConfigError(message) from None
@@ -277,6 +272,19 @@ def check_rl(rl: RLConfig) -> None:
     if rl.group_size < 1:
         raise ConfigError(f"rl.group_size must be >= 1, got {rl.group_size}.")
     check_asynchrony(rl)
+
+
+def check_rollouts(rl: RLConfig) -> None:
+    """``rl.rollouts``: ``RolloutStream``'s own arguments, checked by the stream's own check
+    (``RolloutStream.check_settings``) before any work; ``ConfigError``."""
+    from streamrl.training.rollout import RolloutStream
+
+    check_section("rollouts", rl.rollouts)
+    settings = ("max_tokens", "ranker_refresh_every", "max_refills")
+    try:
+        RolloutStream.check_settings(**{name: rl.arg("rollouts", name) for name in settings})
+    except ValueError as err:
+        raise ConfigError(f"rl.rollouts: {err}") from None
 
 
 def check_module(rl: RLConfig) -> None:

@@ -67,6 +67,8 @@ FOLDED_KEYS: dict[str, tuple[str, str, str]] = {
     "lr": ("module", "lr", "StreamRLModule"),
     "staleness_bound": ("module", "staleness_bound", "StreamRLModule"),
     "routing_replay": ("module", "routing_replay", "StreamRLModule"),
+    "max_tokens": ("rollouts", "max_tokens", "RolloutStream"),
+    "ranker_refresh_every": ("rollouts", "ranker_refresh_every", "RolloutStream"),
 }
 
 

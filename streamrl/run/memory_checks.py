@@ -55,7 +55,7 @@ class MemoryPlanOptions:
         model: a local model directory (its config.json is read), or a built-in shape: 0.5b,
             1.5b or 7b (Qwen2.5's).
         trainer_gpus: trainer ranks sharding the policy (FSDP2).
-        max_tokens: a response's budget (rl.max_tokens).
+        max_tokens: a response's budget (rl.rollouts.max_tokens).
         prompt_tokens: a prompt's tokens.
         micro_batch_tokens: tokens of one forward/backward pass
             (rl.micro_batches' max_tokens); null: one whole sample.
@@ -165,7 +165,7 @@ def check_memory(config: RunConfig, placement: Placement) -> None:
                 f"generators: cuda:{gpu} ({gpu_bytes / GIB:.1f} GiB) holds "
                 f"{generator.weights / GIB:.1f} GiB of weights and no sequence of {sequence} "
                 "tokens besides; give each instance more GPUs (rl.generation: {gpus_per_instance: "
-                "N}) or lower rl.max_tokens."
+                "N}) or lower rl.rollouts.max_tokens."
             )
 
 
@@ -193,8 +193,9 @@ def _directory_config(model: str) -> PretrainedConfig | None:
 
 
 def _sequence_tokens(config: RunConfig, model: PretrainedConfig) -> int:
-    """Tokens of the longest sample: a prompt and ``rl.max_tokens``, within the context."""
-    longest = DEFAULT_PROMPT_TOKENS + config.rl.max_tokens
+    """Tokens of the longest sample: a prompt and ``rl.rollouts.max_tokens``, within the
+    context."""
+    longest = DEFAULT_PROMPT_TOKENS + config.rl.arg("rollouts", "max_tokens")
     return min(longest, int(getattr(model, "max_position_embeddings", longest)))
 
 

@@ -199,7 +199,7 @@ def build_run_algorithm(rl: RLConfig, hidden_size: int) -> Algorithm:
     cls, options = factory_and_args("algorithm", rl.algorithm)
     facts = RunFacts(
         group_size=rl.group_size,
-        max_tokens=rl.max_tokens,
+        max_tokens=rl.arg("rollouts", "max_tokens"),
         hidden_size=hidden_size,
         prompts_per_iteration=rl.prompts_per_iteration,
     )

@@ -322,7 +322,7 @@ def _check_budgets(config: RunConfig, context: int) -> None:
     more than the context less its prompt: a larger budget was silently cut)."""
     rl = config.rl
     for name, budget in (
-        ("rl.max_tokens", rl.max_tokens),
+        ("rl.rollouts.max_tokens", rl.arg("rollouts", "max_tokens")),
         ("rl.eval.max_tokens", rl.eval.max_tokens),
     ):
         if budget is not None and budget >= context:

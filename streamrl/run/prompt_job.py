@@ -129,7 +129,7 @@ def heldout_evaluator(
             decoder,
             tokenizer,
             heldout,
-            max_new_tokens=rl.eval.budget(rl.max_tokens),
+            max_new_tokens=rl.eval.budget(rl.arg("rollouts", "max_tokens")),
             score=score,
             encode=lambda row: render_prompt(
                 tokenizer, row["prompt"], system_prompt=data.system_prompt, chat=data.chat_template

@@ -164,14 +164,13 @@ def fit_checked(config: RunConfig, resume: str | None, progress: bool, stages: R
             PromptSource(kind.train, rl.prompts_per_iteration, seed=config.seed),
             tokenizer,
             parts.algorithm,
+            **rl.rollouts,  # the section's own arguments; the rest is linked in from the run
             reward=rewards,
             system_prompt=config.data.system_prompt,
             chat_template=config.data.chat_template,
             stop_strings=config.data.stop_strings,
-            max_tokens=rl.max_tokens,
             context=context,
             ranker=parts.length_predictor,
-            ranker_refresh_every=rl.ranker_refresh_every,
             sampler=samples,
         )
         module = setup.module(policy, rollouts, elastic=parts.elastic)
@@ -241,7 +240,7 @@ def generation_service(
         cluster=rl.cluster,
         gpu_ids=setup.placement.generator_gpus or None,
         weights=rl.weights,
-        timeouts=Timeouts.for_model(policy_bytes, rl.max_tokens, **rl.timeouts),
+        timeouts=Timeouts.for_model(policy_bytes, rl.arg("rollouts", "max_tokens"), **rl.timeouts),
         profile_latency=(
             LatencyProfile.up_to(rl.arg("generation", "max_batch_size"), str(default_cache_dir()))
             if parts.latency is not None

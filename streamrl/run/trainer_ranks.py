@@ -442,7 +442,7 @@ def rank_timeouts(config: RunConfig, model_dir: str | Path | None = None) -> Ran
     trainer = config.trainer
     return RankTimeouts.for_model(
         weights,
-        config.rl.max_tokens,
+        config.rl.arg("rollouts", "max_tokens"),
         collective_s=trainer.collective_timeout_s,
         prepare_s=trainer.prepare_timeout_s,
         share_s=trainer.share_timeout_s,

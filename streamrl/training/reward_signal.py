@@ -76,7 +76,8 @@ class RewardSpreadCheck:
             f"streamrl: warning: within each of the first {len(self.flat)} iterations every "
             f"reward was equal (to {values}): every advantage is 0, so the policy learns "
             "nothing. Likely causes: the reward never matches the completions' format (look "
-            "at a few: rl.save_rollouts: true writes them); rl.max_tokens too small, so answers "
-            "are cut off; the reward function returns a constant; or the starting policy too "
-            "weak to ever answer right (a longer warm start, sft.steps, or a stronger model)."
+            "at a few: rl.save_rollouts: true writes them); rl.rollouts.max_tokens too small, "
+            "so answers are cut off; the reward function returns a constant; or the starting "
+            "policy too weak to ever answer right (a longer warm start, sft.steps, or a "
+            "stronger model)."
         )

@@ -116,8 +116,8 @@ class RolloutStream:
         episodes: the older name of ``sampler`` (an ``EpisodeRunner``).
 
     Raises:
-        ValueError: no ``reward`` for a sampler that does not score its samples, or both
-            ``sampler`` and ``episodes``.
+        ValueError: no ``reward`` for a sampler that does not score its samples, both
+            ``sampler`` and ``episodes``, or a setting ``check_settings`` refuses.
     """
 
     def __init__(
@@ -128,7 +128,7 @@ class RolloutStream:
         algorithm: Algorithm,
         *,
         reward: RewardPool | Callable[..., Any] | None = None,
-        max_tokens: int,
+        max_tokens: int = 64,
         context: int,
         trace: TraceRecorder | None = None,
         forced_lengths: Iterator[int] | Callable[[Mapping[str, Any]], int] | None = None,
@@ -143,6 +143,11 @@ class RolloutStream:
     ) -> None:
         if sampler is not None and episodes is not None:
             raise ValueError("RolloutStream: pass sampler= only (episodes= is its older name).")
+        self.check_settings(
+            max_tokens=max_tokens,
+            ranker_refresh_every=ranker_refresh_every,
+            max_refills=max_refills,
+        )
         self.service, self.prompts, self.tokenizer = service, prompts, tokenizer
         #: Where requests go and samples come from: the service, or a sampler on it.
         self.sampler: Sampler = sampler or episodes or service
@@ -175,6 +180,26 @@ class RolloutStream:
         self._redispatch: dict[int, list[dict]] = {}  # in-flight iterations of a checkpoint
         self._untrained: dict[int, dict[str, dict]] = {}  # delivered, optimizer step not done
         self.max_refills = 2 * prompts.batch_size if max_refills is None else max_refills
+
+    @staticmethod
+    def check_settings(
+        *, max_tokens: int, ranker_refresh_every: int, max_refills: int | None
+    ) -> None:
+        """The stream's own settings checked (its constructor calls this, and so does a
+        config's check, before any work).
+
+        Raises:
+            ValueError: a budget or a refresh period below 1, or fewer than 0 refills.
+        """
+        if max_tokens < 1 or ranker_refresh_every < 1:
+            raise ValueError(
+                f"max_tokens and ranker_refresh_every must be >= 1, got {max_tokens} and "
+                f"{ranker_refresh_every}."
+            )
+        if max_refills is not None and max_refills < 0:
+            raise ValueError(
+                f"max_refills must be >= 0 (or null: twice the prompts), got {max_refills}."
+            )
 
     @property
     def samples_env_fault(self) -> int:

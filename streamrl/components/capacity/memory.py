@@ -223,7 +223,7 @@ def generator_memory(
     shape: ModelShape, gpu_bytes: int, sequence_tokens: int, tensor_parallel: int = 1
 ) -> GeneratorMemory:
     """The estimate per generator GPU (module docstring) for sequences of ``sequence_tokens``
-    (prompt plus ``rl.max_tokens``)."""
+    (prompt plus ``rl.rollouts.max_tokens``)."""
     weights = 2 * shape.params // tensor_parallel
     kv_per_token = shape.kv_bytes_per_token // tensor_parallel
     free = int(GPU_MEMORY_UTILIZATION * gpu_bytes) - weights - RUNTIME_RESERVE_BYTES

@@ -201,7 +201,6 @@ def fit_config(work: Path, device: str) -> Path:
                 "max_batch_size": 8,
                 "temperature": 1.0,
             },
-            "share_trainer_gpus": cuda,
             "engine": {
                 "class_path": "hf",
                 "init_args": {"dtype": "bfloat16" if cuda else "float32"},
@@ -220,6 +219,7 @@ def fit_config(work: Path, device: str) -> Path:
             "devices": 1,
             "precision": "bf16-mixed" if cuda else "32-true",
             "activation_checkpointing": cuda,
+            "share_gpus": cuda,  # one GPU: the generator shares it with the trainer
         },
     }
     path = work / "fit.json"  # JSON is YAML: the CLI reads it as its config file

@@ -130,6 +130,11 @@ def test_duplicate_prompt_ids_name_the_line(tmp_path):
         ("rl:\n  rollouts: {max_tokens: 0}\n", r"rl.rollouts: max_tokens .* must be >= 1, got 0"),
         ("rl:\n  max_tokens: 64\n", r"max_tokens has moved: set rl.rollouts: \{max_tokens"),
         ("rl:\n  rollouts: {max_refills: -1}\n", r"rl.rollouts: max_refills must be >= 0"),
+        ("rl:\n  generator_devices: [1]\n", r"set rl.generation: \{gpu_ids: \.\.\.\}"),
+        (
+            "rl:\n  share_trainer_gpus: true\n",
+            r"share_trainer_gpus has moved: set trainer.share_gpus",
+        ),
         ("rl:\n  rollouts: {context: 128}\n", r"rl.rollouts: context is linked in by the run"),
         ("rl:\n  group_size: 1\n", r"rl.algorithm: GRPO needs group_size >= 2"),
         ("rl:\n  algorithm: grop\n", r"Unknown algorithm 'grop' \(did you mean 'grpo'\?\)"),
@@ -360,3 +365,27 @@ def test_the_module_section_is_the_modules_own_arguments(tmp_path):
         defaults["lr"],
         defaults["max_grad_norm"],
     )
+
+
+def test_migrate_moves_the_folded_keys_of_this_round():
+    from streamrl.run.config_migrate import migrate
+
+    old = {
+        "rl": {
+            "mode": "async",
+            "lr": 3e-5,
+            "max_tokens": 32,
+            "generator_devices": [2, 3],
+            "share_trainer_gpus": True,
+        }
+    }
+    new, changes = migrate(old)
+    assert new == {
+        "rl": {
+            "module": {"mode": "async", "lr": 3e-5},
+            "rollouts": {"max_tokens": 32},
+            "generation": {"gpu_ids": [2, 3]},
+        },
+        "trainer": {"share_gpus": True},
+    }
+    assert "rl.share_trainer_gpus -> trainer.share_gpus" in changes

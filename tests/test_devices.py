@@ -150,7 +150,7 @@ def test_trainer_and_generators_sharing_a_gpu_is_refused(gpus):
             "cuda", devices=[0, 1], generator_gpus_per_instance=1, generator_devices=[1, 2]
         )
     assert str(refused.value).startswith(
-        "trainer.devices [0, 1] and rl.generator_devices [1, 2] share GPU(s) [1]: a GPU either "
+        "trainer.devices [0, 1] and rl.generation.gpu_ids [1, 2] share GPU(s) [1]: a GPU either "
         "trains or generates"
     )
 
@@ -185,10 +185,10 @@ def test_generator_gpus_without_any_gpu_and_ignored_lists_are_refused(gpus):
         resolve_placement("cpu", generator_gpus_per_instance=1)
     gpus(8)
     with pytest.raises(
-        ConfigError, match=r"rl.generator_devices .* rl.generation.gpus_per_instance is 0"
+        ConfigError, match=r"rl.generation.gpu_ids .* rl.generation.gpus_per_instance is 0"
     ):
         resolve_placement("cuda", generator_devices=[4])
-    with pytest.raises(ConfigError, match=r"rl.generator_devices \[4, 9\] names GPU\(s\) \[9\]"):
+    with pytest.raises(ConfigError, match=r"rl.generation.gpu_ids \[4, 9\] names GPU\(s\) \[9\]"):
         resolve_placement("cuda", generator_gpus_per_instance=1, generator_devices=[4, 9])
 
 

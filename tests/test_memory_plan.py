@@ -122,7 +122,7 @@ def test_the_knob_named_follows_the_largest_term(devices, tmp_path):
     devices(gib=40.0)
     config = _7b_config(tmp_path, activation_checkpointing=False)
     config.trainer.devices = [0, 1, 2, 3, 4, 5]
-    config.rl.generator_devices = [6, 7]
+    config.rl.generation = {**config.rl.generation, "gpu_ids": [6, 7]}
     with pytest.raises(ConfigError, match=r"set trainer\.activation_checkpointing: true"):
         check_memory(config, placement_of(config))
 
@@ -131,10 +131,8 @@ def test_a_generator_gpu_that_cannot_hold_one_sequence_is_refused(devices, tmp_p
     # 15.2 GB of bfloat16 weights and a 2 GiB reserve in 90% of 17 GiB leave no KV cache
     devices(gib=17.0)
     config = _7b_config(tmp_path, devices=[0, 1, 2, 3, 4, 5])
-    config.rl.generator_devices, config.rl.lora = (
-        [6, 7],
-        LoRASpec(r=8),
-    )  # a LoRA trainer fits 17 GiB
+    config.rl.generation = {**config.rl.generation, "gpu_ids": [6, 7]}
+    config.rl.lora = LoRASpec(r=8)  # a LoRA trainer fits 17 GiB
     with pytest.raises(ConfigError, match=r"generators: cuda:6 .* give each instance more GPUs"):
         check_memory(config, placement_of(config))
 

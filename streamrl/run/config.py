@@ -138,7 +138,6 @@ CONSTRUCTOR_SECTIONS: dict[str, tuple[str, dict[str, str]]] = {
             "status_path": "<output_dir>/instances.json",
             "cluster": "set rl.cluster",
             "ray": "set rl.cluster: {class_path: ray, init_args: {...}}",
-            "gpu_ids": "set rl.generator_devices",
             "weights": "set rl.weights",
             "profile_latency": "measured when a part uses PTL(BS)",
             "stop_token_ids": "the tokenizer's end of turn",
@@ -250,11 +249,14 @@ class RLConfig:
             each; ``{}``: its defaults, the demo's): ``num_instances`` (generator processes or
             Ray actors), ``max_batch_size`` (batch slots per instance), ``temperature`` (the
             trainer scores tokens under it too), ``gpus_per_instance`` (0: the CPU; more: vLLM
-            tensor-parallel ranks), ``max_restarts``, ``sites`` and ``trainer_site`` (one
+            tensor-parallel ranks), ``gpu_ids`` (the GPU indices local instances take,
+            round-robin; ``null``: every GPU the trainer does not hold, ``trainer.devices``; a
+            GPU either trains or generates, an overlap is refused unless
+            ``trainer.share_gpus``), ``max_restarts``, ``sites`` and ``trainer_site`` (one
             weight copy per remote site, §6), ``partial_rollout`` (``finish``, or in async mode
             ``keep`` / ``recompute``: docs/partial_rollout.md). The model, engine, dispatcher,
-            scheduler, cluster, weight path, timeouts, GPU indices and stop tokens are linked
-            in from the rest of the config.
+            scheduler, cluster, weight path, timeouts and stop tokens are linked in from the
+            rest of the config.
         engine: the generation engine: ``"hf"`` (continuous batching on ``transformers``),
             ``"vllm"`` (vLLM's engine; the ``[vllm]`` extra; ``{class_path: vllm, init_args:
             {options: {...}}}`` passes engine arguments) or your ``GenerationEngine``
@@ -263,13 +265,6 @@ class RLConfig:
             ``"ray"`` (Ray actors on the cluster ``RAY_ADDRESS`` names, or a local one; the
             ``[ray]`` extra; ``{class_path: ray, init_args: {address: ..., num_cpus: ...}}``
             passes ``RayOptions``), or your ``Cluster`` (``package.module.Name``).
-        generator_devices: the GPU indices local generator instances take, round-robin
-            (with ``generation: {gpus_per_instance: N}``, N > 0); ``null``: every GPU the
-            trainer does not hold (``trainer.devices``). A GPU either trains or generates: an
-            overlap is refused.
-        share_trainer_gpus: let generators run on the trainer's GPUs too (a one-GPU machine or
-            a check; both then share the GPU's memory); ``generator_devices`` may then overlap
-            ``trainer.devices``, and by default the generators take every GPU.
         weights: how each weight version reaches the generators, ``WeightPath``'s arguments
             (``streamrl.components.weights.path``; ``{}``: its defaults): ``transport``
             (``gloo``, host memory; ``nccl``, GPU to GPU through CuPy; or yours),
@@ -371,8 +366,6 @@ class RLConfig:
     cluster: str | dict[str, Any] = "local"
     weights: WeightPath = field(default_factory=WeightPath)
     timeouts: dict[str, Any] = field(default_factory=dict)
-    generator_devices: list[int] | None = None
-    share_trainer_gpus: bool = False
     correction: OffPolicyCorrection = field(default_factory=OffPolicyCorrection)
     reward: str | dict[str, Any] | list[Any] | None = None
     reward_pool: dict[str, Any] = field(default_factory=dict)
@@ -419,7 +412,7 @@ class TrainerConfig:
             ``"cuda"``.
         devices: on the CPU, trainer processes; on CUDA, a number of GPUs (``0..n-1``) or a
             list of GPU indices (``[0, 1, 2, 3]``); the generators take the GPUs the trainer
-            does not (``rl.generator_devices``). Several ranks shard the policy with FSDP2:
+            does not (``rl.generation.gpu_ids``). Several ranks shard the policy with FSDP2:
             rank 0 runs the generation service and deals each micro-batch to the ranks.
             ``null``: one.
         num_nodes: machines the trainer ranks run on (under ``torchrun`` or SLURM).
@@ -429,6 +422,9 @@ class TrainerConfig:
         activation_checkpointing: keep only each decoder layer's input in the forward pass and
             recompute the layer in the backward pass (less memory, about a third more compute);
             ``null``: on CUDA, off on the CPU.
+        share_gpus: let generator instances run on the trainer's GPUs too (a one-GPU machine
+            or a check; both then share the GPU's memory): ``rl.generation.gpu_ids`` may then
+            overlap ``devices``, and by default the generators take every GPU.
         reference_offload: keep the KL reference policy's shards in host memory, copied to the
             device layer by layer (the algorithm's ``kl_coef > 0`` only; a LoRA run needs no
             reference copy).
@@ -458,6 +454,7 @@ class TrainerConfig:
     precision: str | None = None
     activation_checkpointing: bool | None = None
     reference_offload: bool = False
+    share_gpus: bool = False
     logprob_chunk_tokens: int | None = None
     sharded_checkpoints: bool | None = None
     save_dtype: str = "auto"

@@ -170,9 +170,9 @@ def placement_of(config: RunConfig) -> Placement:
         trainer.num_nodes,
         trainer.precision,
         generator_gpus_per_instance=rl.arg("generation", "gpus_per_instance"),
-        generator_devices=rl.generator_devices,
+        generator_devices=rl.arg("generation", "gpu_ids"),
         local_generators=isinstance(make_cluster(rl.cluster), LocalCluster),
-        share_trainer_gpus=rl.share_trainer_gpus,
+        share_trainer_gpus=trainer.share_gpus,
     )
 
 

@@ -69,6 +69,7 @@ FOLDED_KEYS: dict[str, tuple[str, str, str]] = {
     "routing_replay": ("module", "routing_replay", "StreamRLModule"),
     "max_tokens": ("rollouts", "max_tokens", "RolloutStream"),
     "ranker_refresh_every": ("rollouts", "ranker_refresh_every", "RolloutStream"),
+    "generator_devices": ("generation", "gpu_ids", "StreamGenerationService"),
 }
 
 
@@ -96,6 +97,7 @@ MOVED_KEYS: dict[type, dict[str, str]] = {
     RLConfig: {
         "trainer_ranks": "trainer.devices (trainer processes on the CPU, GPUs on CUDA)",
         "max_generators": "rl.elastic's init_args: {max_instances: N} (ElasticController)",
+        "share_trainer_gpus": "trainer.share_gpus (the trainer's GPUs shared with generators)",
         **{key: _new_place(*place) for key, place in FOLDED_KEYS.items()},
     },
     OffPolicyCorrection: {"name": "method (rl.correction holds OffPolicyCorrection's arguments)"},

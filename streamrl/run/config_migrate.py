@@ -56,6 +56,7 @@ NULL_IS_A_SETTING = {"stop_deadline_s"}  # null: no limit (the default: 60 s)
 #: Keys that moved, as ``(section, key)`` -> ``(section, key)``; the value moves unchanged.
 RENAMED = {
     ("rl", "trainer_ranks"): ("trainer", "devices"),
+    ("rl", "share_trainer_gpus"): ("trainer", "share_gpus"),
 }
 
 

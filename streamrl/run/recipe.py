@@ -231,14 +231,15 @@ def generation_service(
     policy_bytes = sum(p.numel() * p.element_size() for p in policy.parameters())
     return StreamGenerationService(
         model_dir,
-        **rl.generation,  # the section's own arguments; the rest is linked in from the run
+        # The section's own arguments, its GPUs as the placement resolved them (the trainer's
+        # left out); the rest is linked in from the run.
+        **{**rl.generation, "gpu_ids": setup.placement.generator_gpus or None},
         engine=parts.engine,
         dispatcher=parts.dispatcher,
         scheduler=parts.scheduler,
         seed=config.seed,
         status_path=Path(config.output_dir) / "instances.json",
         cluster=rl.cluster,
-        gpu_ids=setup.placement.generator_gpus or None,
         weights=rl.weights,
         timeouts=Timeouts.for_model(policy_bytes, rl.arg("rollouts", "max_tokens"), **rl.timeouts),
         profile_latency=(

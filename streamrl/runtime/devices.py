@@ -3,7 +3,7 @@
 "A device is a value, not a guess" (STYLE.md, 18): the config names the trainer's accelerator,
 processes and GPUs (``trainer.accelerator``, ``trainer.devices``, ``trainer.num_nodes``,
 ``trainer.precision``) and the generators' GPUs (``rl.generation.gpus_per_instance``,
-``rl.generator_devices``);
+``rl.generation.gpu_ids``);
 ``resolve_placement`` turns them into a ``Placement`` against this machine's GPU inventory
 (``cuda_device_count``) or refuses with a ``ConfigError`` naming the key and the fix. Nothing
 downstream picks ``cuda:0`` or ``cuda:1+i`` by habit: Lightning gets
@@ -141,12 +141,12 @@ def resolve_placement(
             on CUDA and ``"32-true"`` on the CPU.
         generator_gpus_per_instance: ``rl.generation.gpus_per_instance``: GPUs per generator
             instance (0: the CPU).
-        generator_devices: ``rl.generator_devices``: the GPU indices local generator instances
+        generator_devices: ``rl.generation.gpu_ids``: the GPU indices local generator instances
             take; ``None``: every GPU the trainer does not hold.
         local_generators: whether generator instances run on this machine's GPUs (a local
             cluster); ``False`` on Ray, which assigns each actor its GPUs out of
             ``generator_gpus`` when it starts a local cluster here.
-        share_trainer_gpus: ``rl.share_trainer_gpus``: let the generators use the trainer's
+        share_trainer_gpus: ``trainer.share_gpus``: let the generators use the trainer's
             GPUs too (a one-GPU machine, a check): no overlap is refused, and by default the
             generators take every GPU.
 
@@ -257,9 +257,9 @@ def _generator_gpus(
     if gpus_per_instance == 0:
         if generator_devices is not None:
             raise ConfigError(
-                f"rl.generator_devices is {list(generator_devices)} but "
+                f"rl.generation.gpu_ids is {list(generator_devices)} but "
                 "rl.generation.gpus_per_instance is 0: generators run on the CPU and would "
-                "ignore it; set rl.generation.gpus_per_instance: 1 or drop rl.generator_devices."
+                "ignore it; set rl.generation.gpus_per_instance: 1 or drop gpu_ids."
             )
         return ()
     if local_generators and count == 0:
@@ -270,13 +270,13 @@ def _generator_gpus(
             "GPU machine."
         )
     if generator_devices is not None:
-        gpus = _gpu_list("rl.generator_devices", generator_devices, count)
+        gpus = _gpu_list("rl.generation.gpu_ids", generator_devices, count)
         shared = sorted(set(gpus) & set(trainer_gpus))
         if shared:
             raise ConfigError(
-                f"trainer.devices {list(trainer_gpus)} and rl.generator_devices {list(gpus)} "
+                f"trainer.devices {list(trainer_gpus)} and rl.generation.gpu_ids {list(gpus)} "
                 f"share GPU(s) {shared}: a GPU either trains or generates; give each GPU to one "
-                "of the two lists."
+                "of the two lists (or set trainer.share_gpus: true to share them on purpose)."
             )
         return gpus
     gpus = tuple(g for g in range(count) if g not in trainer_gpus)

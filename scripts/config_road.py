@@ -29,8 +29,6 @@ import threading
 import typing
 from pathlib import Path
 
-import yaml
-
 PACKAGE = Path(__file__).resolve().parents[1] / "streamrl"
 
 #: Calls that are not stops: a lazy export's lookup, and code inside an expression.
@@ -173,22 +171,21 @@ def road(calls: list[tuple[str, str, bool]], ends: list[tuple[str, str]] = ()) -
 
 
 def tiny_config(out: Path) -> Path:
-    """The test suite's smallest real run: test-size policy, one iteration, one generator."""
-    config = {
-        "output_dir": str(out / "run"),
-        "cache_dir": str(out / "cache"),
-        "data": {"tasks": ["copy"], "n_train": 16, "n_heldout": 4, "median_len": 3, "max_len": 6},
-        "sft": {"model_size": "test", "steps": 5},
-        "rl": {
-            "iterations": 1,
-            "prompts_per_iteration": 2,
-            "group_size": 2,
-            "rollouts": {"max_tokens": 8},
-            "generation": {"num_instances": 1},
-        },
-    }
+    """The test suite's smallest real run, written as a user writes a config file: test-size
+    policy, one iteration, one generator."""
     path = out / "road.yaml"
-    path.write_text(yaml.safe_dump(config))
+    path.write_text(
+        f"output_dir: {out / 'run'}\n"
+        f"cache_dir: {out / 'cache'}\n"
+        "data: {tasks: [copy], n_train: 16, n_heldout: 4, median_len: 3, max_len: 6}\n"
+        "sft: {model_size: test, steps: 5}\n"
+        "rl:\n"
+        "  iterations: 1\n"
+        "  prompts_per_iteration: 2\n"
+        "  group_size: 2\n"
+        "  rollouts: {max_tokens: 8}\n"
+        "  generation: {num_instances: 1}\n"
+    )
     return path
 
 

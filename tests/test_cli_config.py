@@ -438,7 +438,7 @@ def test_lightning_trainer_arguments_map_to_the_runs_settings(fit, tmp_path):
         (["--trainer.log_every_n_steps=5"], None, "every iteration is logged"),
         (["--trainer", "{strategy: ddp}"], None, "strategy is a Lightning Trainer argument"),
         ([], "trainer:\n  max_steps: 4\n", "trainer: max_steps is a Lightning Trainer argument"),
-        ([], "trainer: {gradient_clip_val: 0.5}\n", "gradients are clipped at norm 1.0"),
+        ([], "trainer: {gradient_clip_val: 0.5}\n", "set rl.module.max_grad_norm (gradients are"),
     ],
 )
 def test_other_lightning_trainer_arguments_name_the_setting_to_use(

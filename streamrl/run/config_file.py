@@ -130,7 +130,8 @@ LIGHTNING_TRAINER_ARGS: dict[str, str] = {
     "accumulate_grad_batches": "set rl.micro_batches' max_tokens (all micro-batches of an "
     "iteration accumulate into its one optimizer step)",
     "strategy": "set trainer.devices (several devices shard the policy with FSDP2)",
-    "gradient_clip_val": "leave it out: gradients are clipped at norm 1.0",
+    "gradient_clip_val": "set rl.module.max_grad_norm (gradients are clipped at norm 1.0 by "
+    "default)",
     "deterministic": "set seed",
 }
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import inspect
 import os
 import sys
 import tempfile
@@ -24,7 +25,7 @@ from streamrl.policy.model_dir import check_model_dir
 from streamrl.rewards.spec import RewardSpec, check_reward_packages
 from streamrl.run.config import CONSTRUCTOR_SECTIONS, DataConfig, RLConfig, RunConfig
 from streamrl.run.memory_checks import check_memory
-from streamrl.run.swappable import factory_and_args
+from streamrl.run.swappable import default_of, factory_and_args
 from streamrl.runtime.cores import usable_cores
 from streamrl.runtime.devices import Placement, resolve_placement
 from streamrl.runtime.references import check_option_types, check_options, resolve
@@ -214,11 +215,14 @@ def check_trainer(config: RunConfig) -> None:
 
 
 def check_section(
-    section: str, options: dict[str, Any], where: str | None = None, types: bool = True
+    section: str, options: dict[str, Any], where: str | None = None, values: bool = True
 ) -> None:
     """The keys of ``rl.<section>``: none the run links in, none its constructor does not take
-    (with a "did you mean"), and with ``types`` each value of the type it hints; ``ConfigError``.
-    Its values are checked by the constructor."""
+    (with a "did you mean"); with ``values``, each value of the type its constructor hints, and
+    the component's own ``check_settings`` (a static method, for a class whose constructor needs
+    the run's live objects: ``StreamRLModule``, ``RolloutStream``) given the section's values
+    and its defaults; ``ConfigError``. A constructible section's values are checked by building
+    it (``check_micro_batches``; the service in ``check_parts``)."""
     where = where or f"rl.{section}"
     class_path, linked = CONSTRUCTOR_SECTIONS[section]
     for key in options:
@@ -228,8 +232,16 @@ def check_section(
             )
     owner = resolve(class_path, kind="class", builtins={}, where=where)
     check_options(owner, options, where=where)
-    if types:
-        check_option_types(owner, options, where=where)
+    if not values:
+        return
+    check_option_types(owner, options, where=where)
+    check_settings = getattr(owner, "check_settings", None)
+    if check_settings is not None:
+        names = inspect.signature(check_settings).parameters
+        try:
+            check_settings(**{n: options.get(n, default_of(owner, n)) for n in names})
+        except ValueError as err:
+            raise ConfigError(f"{where}: {err}") from None
 
 
 def check_micro_batches(options: dict[str, Any]) -> None:
@@ -244,8 +256,8 @@ def check_micro_batches(options: dict[str, Any]) -> None:
 
 def check_rl(rl: RLConfig) -> None:
     """Check the RL section; raises ``ConfigError``."""
-    check_module(rl)
-    check_rollouts(rl)
+    check_section("module", rl.module)
+    check_section("rollouts", rl.rollouts)
     if rl.prompts_per_iteration < 1:
         raise ConfigError(f"rl.prompts_per_iteration must be >= 1, got {rl.prompts_per_iteration}.")
     if rl.reward is not None:
@@ -272,32 +284,6 @@ def check_rl(rl: RLConfig) -> None:
     if rl.group_size < 1:
         raise ConfigError(f"rl.group_size must be >= 1, got {rl.group_size}.")
     check_asynchrony(rl)
-
-
-def check_rollouts(rl: RLConfig) -> None:
-    """``rl.rollouts``: ``RolloutStream``'s own arguments, checked by the stream's own check
-    (``RolloutStream.check_settings``) before any work; ``ConfigError``."""
-    from streamrl.training.rollout import RolloutStream
-
-    check_section("rollouts", rl.rollouts)
-    settings = ("max_tokens", "ranker_refresh_every", "max_refills")
-    try:
-        RolloutStream.check_settings(**{name: rl.arg("rollouts", name) for name in settings})
-    except ValueError as err:
-        raise ConfigError(f"rl.rollouts: {err}") from None
-
-
-def check_module(rl: RLConfig) -> None:
-    """``rl.module``: ``StreamRLModule``'s own arguments, checked by the module's own check
-    (``StreamRLModule.check_settings``) before any work; ``ConfigError``."""
-    from streamrl.training.module import StreamRLModule
-
-    check_section("module", rl.module)
-    settings = ("lr", "max_grad_norm", "mode", "staleness_bound")
-    try:
-        StreamRLModule.check_settings(**{name: rl.arg("module", name) for name in settings})
-    except ValueError as err:
-        raise ConfigError(f"rl.module.{err}") from None
 
 
 def run_correction(rl: RLConfig) -> OffPolicyCorrection:
@@ -337,7 +323,7 @@ def run_routing_replay(rl: RLConfig) -> bool | None:
 
 def check_asynchrony(rl: RLConfig) -> None:
     """``rl.generation``'s ``partial_rollout``: a known value that the mode can keep
-    (``check_module`` checks the staleness bound, ``OffPolicyCorrection`` its own)."""
+    (``rl.module``'s check the staleness bound, ``OffPolicyCorrection`` its own)."""
     from streamrl.components.generation.partial import check_partial_rollout
 
     partial, mode = rl.arg("generation", "partial_rollout"), rl.arg("module", "mode")

@@ -253,7 +253,7 @@ def _check_option(name: str) -> None:
     for depth, part in enumerate(parts):
         if cls is RLConfig and part in CONSTRUCTOR_SECTIONS and depth == len(parts) - 2:
             # --rl.timeouts.start_s: a key of the section (its value is checked with the rest)
-            check_section(part, {parts[-1]: None}, where=f"--rl.{part}", types=False)
+            check_section(part, {parts[-1]: None}, where=f"--rl.{part}", values=False)
             return
         hints = typing.get_type_hints(cls)
         if part in MOVED_KEYS.get(cls, {}):

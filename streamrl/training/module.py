@@ -222,7 +222,7 @@ class StreamRLModule(L.LightningModule):
             ValueError: an unknown mode, a bound the mode cannot keep, a step size <= 0.
         """
         if mode not in MODES:
-            raise ValueError(f"mode: {unknown_name('mode', mode, MODES)}")
+            raise ValueError(unknown_name("mode", mode, MODES))
         if not lr > 0:
             raise ValueError(f"lr must be > 0, got {lr}.")
         if not max_grad_norm > 0:

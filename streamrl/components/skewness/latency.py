@@ -8,6 +8,14 @@
 
 ``simulate_instance`` replays continuous batching step by step with ``PTL`` of the live batch,
 which Eq. 2 only approximates; the dispatch benchmark uses it for large instance counts.
+
+``PTL(BS)`` is profiled on short prompts, but a decode step also reads every cached token its
+attention spans: on the HF engine's rectangular slot cache every row pays for the widest one
+(``B x W``), on paged attention (vLLM) the step pays for the tokens cached (the sum of the
+contexts). ``LatencyModel.step_s`` prices a step from its batch's contexts with one more term,
+seconds per token of that load beyond the profiled context, and ``prefill_s`` a prefill from its
+tokens; ``LatencyModel.fit`` recovers both from timed steps and prefills. A model without them
+(an old ``PTL(BS)`` table) prices every step at ``PTL(BS)``.
 """
 
 from __future__ import annotations
@@ -16,8 +24,11 @@ import bisect
 import json
 import math
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
+from typing import Literal
+
+import numpy as np
 
 #: PTL of a 7B model on one H800 with vLLM, read off the paper's Fig. 6 (ms per token).
 PAPER_7B_H800_MS = {
@@ -43,7 +54,14 @@ class LatencyModel:
 
     Attributes:
         batch_sizes: measured batch sizes, ascending.
-        ptl_s: seconds per decode step at each of them.
+        ptl_s: seconds per decode step at each of them, with every row at ``profiled_context``.
+        context_s: seconds a decode step costs per token of its context load beyond the
+            profiled one (0: ``PTL(BS)`` alone, as the paper's model).
+        load: the statistic of a batch's contexts a step pays for: ``"widest"`` (batch size x
+            the widest row: a rectangular slot cache, the HF engine) or ``"total"`` (the tokens
+            cached: paged attention, vLLM).
+        profiled_context: the tokens each row held when ``ptl_s`` was measured.
+        prefill_base_s / prefill_token_s: a prefill's fixed cost and its cost per prompt token.
 
     Examples:
         >>> model = LatencyModel([1, 4], [0.010, 0.016])
@@ -53,12 +71,21 @@ class LatencyModel:
 
     batch_sizes: list[int]
     ptl_s: list[float]
+    context_s: float = 0.0
+    load: Literal["widest", "total"] = "widest"
+    profiled_context: float = 0.0
+    prefill_base_s: float = 0.0
+    prefill_token_s: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.batch_sizes or len(self.batch_sizes) != len(self.ptl_s):
             raise ValueError("LatencyModel: need one PTL per batch size, at least one point.")
         if sorted(self.batch_sizes) != list(self.batch_sizes) or min(self.batch_sizes) < 1:
             raise ValueError("LatencyModel: batch sizes must be ascending and >= 1.")
+        if self.load not in ("widest", "total"):
+            raise ValueError(f"LatencyModel: load is 'widest' or 'total', got {self.load!r}.")
+        if min(self.context_s, self.prefill_base_s, self.prefill_token_s) < 0:
+            raise ValueError("LatencyModel: a cost per token cannot be negative.")
 
     @classmethod
     def from_table_ms(cls, table: dict[int, float]) -> LatencyModel:
@@ -67,9 +94,11 @@ class LatencyModel:
         return cls(sizes, [table[b] / 1000 for b in sizes])
 
     def update_from(self, other: LatencyModel) -> None:
-        """Take ``other``'s points, in place: whoever holds this model (the dispatcher, the
-        elastic controller) plans with them from now on."""
-        self.batch_sizes, self.ptl_s = list(other.batch_sizes), list(other.ptl_s)
+        """Take ``other``'s points and costs, in place: whoever holds this model (the
+        dispatcher, the elastic controller) plans with them from now on."""
+        for field in fields(self):
+            value = getattr(other, field.name)
+            setattr(self, field.name, list(value) if isinstance(value, list) else value)
 
     def ptl(self, batch_size: float) -> float:
         """Seconds per decode step with ``batch_size`` running sequences."""
@@ -79,6 +108,76 @@ class LatencyModel:
         i = min(bisect.bisect_left(sizes, batch_size), len(sizes) - 1)
         (b0, v0), (b1, v1) = (sizes[i - 1], values[i - 1]), (sizes[i], values[i])
         return v0 + (v1 - v0) * (batch_size - b0) / (b1 - b0)
+
+    def context_load(self, contexts: Sequence[int]) -> float:
+        """The tokens a decode step over rows of ``contexts`` tokens reads, as this engine pays
+        for them (``load``)."""
+        if not contexts:
+            return 0.0
+        return len(contexts) * max(contexts) if self.load == "widest" else float(sum(contexts))
+
+    def step_s(self, contexts: Sequence[int]) -> float:
+        """Seconds of one decode step over rows holding ``contexts`` tokens each: ``PTL`` of
+        their number, plus ``context_s`` per token of load beyond the profiled context.
+
+        Examples:
+            >>> model = LatencyModel([1, 4], [0.010, 0.016], context_s=1e-5, profiled_context=8)
+            >>> round(model.step_s([8, 8, 8, 8]), 4), round(model.step_s([8, 8, 8, 108]), 4)
+            (0.016, 0.02)
+        """
+        beyond = self.context_load(contexts) - len(contexts) * self.profiled_context
+        return self.ptl(len(contexts)) + self.context_s * max(0.0, beyond)
+
+    def prefill_s(self, tokens: int) -> float:
+        """Seconds of a prefill of ``tokens`` prompt tokens (0 for none)."""
+        return self.prefill_base_s + self.prefill_token_s * tokens if tokens > 0 else 0.0
+
+    @classmethod
+    def fit(
+        cls,
+        steps: Sequence[tuple[Sequence[int], float]],
+        prefills: Sequence[tuple[int, float]] = (),
+        *,
+        load: Literal["widest", "total"] = "widest",
+        profiled_context: float | None = None,
+    ) -> LatencyModel:
+        """The model that best explains timed decode steps and prefills (least squares).
+
+        Each batch size gets its own ``PTL`` and every step shares one cost per token of load:
+        ``seconds = PTL(b) + context_s x (load - b x profiled_context)``; a prefill is
+        ``prefill_base_s + prefill_token_s x tokens``. A negative fitted cost (a load that does
+        not slow the steps down, within noise) is taken as 0.
+
+        Args:
+            steps: ``(contexts, seconds)`` of each timed step: the tokens each of its rows held.
+            prefills: ``(prompt tokens, seconds)`` of each timed prefill.
+            load: the statistic the engine pays for (``"widest"``, ``"total"``).
+            profiled_context: the context ``PTL(b)`` stands for; ``None``: the shortest row
+                timed.
+        """
+        if not steps:
+            raise ValueError("LatencyModel.fit: give at least one timed step.")
+        sizes = sorted({len(contexts) for contexts, _ in steps})
+        if sizes[0] < 1:
+            raise ValueError("LatencyModel.fit: a step has at least one row.")
+        if profiled_context is None:
+            profiled_context = float(min(min(contexts) for contexts, _ in steps))
+        probe = cls(sizes, [0.0] * len(sizes), load=load, profiled_context=profiled_context)
+        seconds = np.array([s for _, s in steps], dtype=float)
+        rows = np.zeros((len(steps), len(sizes) + 1))
+        for i, (contexts, _) in enumerate(steps):
+            rows[i, sizes.index(len(contexts))] = 1.0
+            rows[i, -1] = probe.context_load(contexts) - len(contexts) * profiled_context
+        solution = np.linalg.lstsq(rows, seconds, rcond=None)[0]
+        if solution[-1] < 0:  # no measurable context cost: PTL(b) alone
+            solution = [*np.linalg.lstsq(rows[:, :-1], seconds, rcond=None)[0].tolist(), 0.0]
+        probe.ptl_s = [float(v) for v in solution[:-1]]
+        probe.context_s = float(solution[-1])
+        if prefills:
+            tokens = np.array([[1.0, t] for t, _ in prefills])
+            base, per_token = np.linalg.lstsq(tokens, [s for _, s in prefills], rcond=None)[0]
+            probe.prefill_base_s, probe.prefill_token_s = max(0.0, base), max(0.0, per_token)
+        return probe
 
     def sample_latency(self, length: float, batch_size: float) -> float:
         """Eq. 1: ``PTL(BS) x L``."""
@@ -125,8 +224,13 @@ class LatencyModel:
 
     @classmethod
     def from_json(cls, path: str | Path) -> LatencyModel:
+        """A model written by ``to_json``; a ``PTL(BS)`` table of before the context term
+        (only ``batch_sizes`` and ``ptl_s``) loads as that table alone."""
         data = json.loads(Path(path).read_text())
-        return cls([int(b) for b in data["batch_sizes"]], [float(v) for v in data["ptl_s"]])
+        known = {field.name for field in fields(cls)} - {"batch_sizes", "ptl_s"}
+        costs = {key: value for key, value in data.items() if key in known}
+        ptl_s = [float(v) for v in data["ptl_s"]]
+        return cls([int(b) for b in data["batch_sizes"]], ptl_s, **costs)
 
 
 def simulate_instance(lengths: Sequence[int], max_batch_size: int, model: LatencyModel) -> float:

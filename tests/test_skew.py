@@ -299,9 +299,14 @@ def test_profile_command_measures_ptl(tmp_path, capsys):
     from streamrl.cli.main import main
 
     out = tmp_path / "profile.json"
-    argv = ["profile", "--batch-sizes", "1,4", "--tokens", "4", "--repeats", "1", "-o", str(out)]
-    assert main(argv) == 0
+    argv = ["profile", "--batch-sizes", "1,4", "--contexts", "16,96", "--tokens", "4"]
+    assert main([*argv, "--repeats", "1", "-o", str(out)]) == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert result["batch_sizes"] == [1, 4] and all(p > 0 for p in result["ptl_ms"])
+    # The grid as timed, each cell beside the fitted model's price of it.
+    cells = [(c["batch"], c["context"]) for c in result["grid"]]
+    assert cells == [(1, 16), (1, 96), (4, 16), (4, 96)]
+    assert all(c["model_s"] > 0 for c in result["grid"]) and result["fit_error"]["max"] >= 0
     model = LatencyModel.from_json(out)
-    assert model.batch_sizes == [1, 4] and model.ptl(2) > 0
+    assert model.batch_sizes == [1, 4] and model.ptl(2) > 0 and model.load == "widest"
+    assert model.context_s == pytest.approx(result["context_us_per_token"] * 1e-6, abs=1e-11)

@@ -84,38 +84,66 @@ def model(options: ModelOptions) -> dict:
 
 @dataclass
 class ProfileOptions:
-    """Measure PTL(BS), the per-token decode latency.
+    """Measure the latency model of the HF engine: a decode step's cost by batch size and by
+    the context its rows hold, and a prefill's by its tokens.
 
     Attributes:
         model: 'tiny' (~1M params, random) or a model dir.
         batch_sizes: comma-separated batch sizes.
-        tokens: forced output length per sequence.
-        repeats: runs per batch size (median).
+        contexts: comma-separated prompt lengths in tokens (each row's context); one length
+            measures PTL(BS) alone.
+        tokens: decode steps timed per run (after a one-token run that times the prefill).
+        repeats: runs per grid cell (median).
         output: where to save the latency model (-o).
     """
 
     model: str = "tiny"
     batch_sizes: str = "1,2,4,8,16,32,64"
+    contexts: str = "16,64,160,320"
     tokens: int = 32
     repeats: int = 3
     output: str = "profile.json"
 
 
 def profile(options: ProfileOptions) -> dict:
+    from statistics import median
+
     from streamrl.bench.generate import load_model
     from streamrl.components.skewness.profiler import Profiler
 
-    policy, tokenizer = load_model(options.model)
-    prompt = tokenizer("copy abcdefgh=")["input_ids"]
     sizes = [int(b) for b in options.batch_sizes.split(",")]
-    fitted = Profiler(policy, prompt, tokens=options.tokens, repeats=options.repeats).fit(sizes)
-    print(f"{'batch':>6} {'ms/token':>10}", file=sys.stderr)
-    for size, ptl in zip(fitted.batch_sizes, fitted.ptl_s):
-        print(f"{size:>6} {ptl * 1000:>10.2f}", file=sys.stderr)
+    contexts = [int(c) for c in options.contexts.split(",")]
+    policy, tokenizer = load_model(options.model, context=max(contexts) + options.tokens + 1)
+    prompt = tokenizer("copy abcdefgh=")["input_ids"]
+    profiler = Profiler(policy, prompt, tokens=options.tokens, repeats=options.repeats)
+    fitted, cells = profiler.fit_grid(sizes, contexts, load="widest")  # a slot cache's rows
+    errors = [abs(c["model_s"] - c["step_s"]) / c["step_s"] for c in cells if c["step_s"] > 0]
+    errors = errors or [0.0]  # no step measurable: nothing to compare
+    header = f"{'batch':>6} {'context':>8} {'step ms':>9} {'model ms':>9} {'prefill ms':>11}"
+    print(header, file=sys.stderr)
+    for cell in cells:
+        print(
+            f"{cell['batch']:>6} {cell['context']:>8} {cell['step_s'] * 1e3:>9.2f} "
+            f"{cell['model_s'] * 1e3:>9.2f} {cell['prefill_s'] * 1e3:>11.2f}",
+            file=sys.stderr,
+        )
+    print(
+        f"fit: {fitted.context_s * 1e6:.4f} us per row-token of context beyond "
+        f"{fitted.profiled_context:.0f}; step error median {median(errors):.1%}, "
+        f"max {max(errors):.1%}",
+        file=sys.stderr,
+    )
     path = fitted.to_json(options.output)
     return {
         "batch_sizes": fitted.batch_sizes,
         "ptl_ms": [round(p * 1000, 3) for p in fitted.ptl_s],
+        "context_us_per_token": round(fitted.context_s * 1e6, 5),
+        "prefill_ms": {
+            "base": round(fitted.prefill_base_s * 1e3, 3),
+            "per_token": round(fitted.prefill_token_s * 1e3, 5),
+        },
+        "fit_error": {"median": round(median(errors), 4), "max": round(max(errors), 4)},
+        "grid": cells,
         "output": str(path),
     }
 

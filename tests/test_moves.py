@@ -293,7 +293,7 @@ def test_a_fit_with_the_adaptive_planner_trains_every_sample_once(fit_small):
     summary = fit_small(
         dispatcher="adaptive",
         generation={"num_instances": 2},
-        mode="async",
+        module={"mode": "async"},
         iterations=3,
         length_predictor="ranker",
     )

@@ -124,7 +124,7 @@ def test_fit_feeds_vllm_through_its_weight_transfer_protocol(fit_small):
         engine="vllm",
         weights={"protocol": True},
         generation={"partial_rollout": "keep"},
-        mode="async",
+        module={"mode": "async"},
     )
     assert summary["samples_lost"] == 0 and summary["instances_restarted"] == 0
 

@@ -25,6 +25,7 @@ def test_the_profile_times_the_generator_and_is_cached_by_shape_engine_and_devic
     first, cached = profiled_latency(generator, profile, str(model_dir), "hf", "cpu")
     assert not cached and first.batch_sizes == [1, 2, 4]  # 8 is past the instance's limit
     assert all(s > 0 for s in first.ptl_s) and generator.idle
+    assert first.prefill_token_s > 0  # the long prompt's prefill costs more than the short
     again, cached = profiled_latency(generator, profile, str(model_dir), "hf", "cpu")
     assert cached and again == first
     _, cached = profiled_latency(generator, profile, str(model_dir), "vllm", "cpu")
@@ -40,9 +41,17 @@ def test_instances_report_their_latency_and_the_service_averages_it(tmp_path, to
     with StreamGenerationService(model_dir, 2, max_batch_size=4, profile_latency=profile) as sgs:
         curves = [h.latency for h in sgs.pool.handles]
         measured = sgs.measured_latency()
-    assert all(c is not None and list(c[0]) == [1, 2, 4] for c in curves)
+    assert all(c is not None and list(c["batch_sizes"]) == [1, 2, 4] for c in curves)
     assert measured.batch_sizes == [1, 2, 4]
     for i in range(3):
-        assert measured.ptl_s[i] == pytest.approx((curves[0][1][i] + curves[1][1][i]) / 2)
+        assert measured.ptl_s[i] == pytest.approx(
+            (curves[0]["ptl_s"][i] + curves[1]["ptl_s"][i]) / 2
+        )
+    # The largest batch timed once more at a long prompt: what context costs, and the engine's
+    # statistic (the HF slot cache pays for the widest row).
+    assert measured.load == "widest" and measured.context_s >= 0
+    assert measured.context_s == pytest.approx(
+        (curves[0]["context_s"] + curves[1]["context_s"]) / 2
+    )
     with StreamGenerationService(model_dir, 1, max_batch_size=4) as sgs:
         assert sgs.pool.handles[0].latency is None and sgs.measured_latency() is None

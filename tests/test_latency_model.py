@@ -75,7 +75,7 @@ def test_a_ptl_table_of_before_loads_and_prices_every_step_at_ptl(tmp_path):
     path = tmp_path / "latency.json"
     path.write_text(json.dumps({"batch_sizes": [1, 4], "ptl_s": [0.01, 0.016]}))
     model = LatencyModel.from_json(path)
-    assert model.context_s == 0.0 and model.prefill_s(100) == 0.0
+    assert model.context_s == 0.0 and model.prefill_s([100]) == 0.0
     assert model.step_s([5, 900, 7, 12]) == model.ptl(4) == 0.016
     fitted = LatencyModel.fit(timed_steps("total", 3e-7, 16, 0.0), load="total")
     again = LatencyModel.from_json(fitted.to_json(tmp_path / "fitted.json"))

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 
 from streamrl.components import HFStreamGenerator
+from streamrl.components.skewness.batching import simulate_instance
 from streamrl.components.skewness.dispatch import RandomDispatcher
-from streamrl.components.skewness.latency import PAPER_7B_H800_MS, LatencyModel, simulate_instance
+from streamrl.components.skewness.latency import PAPER_7B_H800_MS, LatencyModel
 from streamrl.components.skewness.schedulers import LPTScheduler
 from streamrl.components.skewness.skew_dispatch import SkewAwareDispatcher
 from streamrl.policy.models import build_tiny_model

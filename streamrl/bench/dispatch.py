@@ -52,6 +52,7 @@ POLICIES = ("random", "skew", "adaptive", "oracle")
 SPEC = "+spec"
 RANDOM_DRAWS = 20  # simulated random dispatch: mean makespan over this many draws
 PROFILE_PROMPT = [5, 6, 7, 8]  # the prompt PTL(BS) is measured on
+PROFILE_TOKENS = 16  # decode steps timed per cell of the profile's grid
 
 
 def _requests(
@@ -282,7 +283,7 @@ def bench_dispatch(settings: DispatchBench, simulator: Callable[..., Any] | None
         else:
             makespan, moves = _run_real(plans, settings, prompt_ids, true, model_dir)
         makespan = {label: round(v, 4) for label, v in makespan.items()}
-    result = _result(settings, batch, true, earlier, predictions, makespan, latency)
+    result = _result(settings, batch, true, earlier, predictions, makespan, latency, prompt_ids)
     if moves:
         result["requests_moved"] = moves
     _print_table(result)
@@ -310,16 +311,18 @@ def _setup(
         latency = LatencyModel.from_table_ms(PAPER_7B_H800_MS)
     elif settings.latency:
         latency = LatencyModel.from_json(settings.latency)
-    if settings.simulate and latency is not None:
-        return [[0]] * len(batch.prompts), None, latency  # replays ignore the prompt
-    tokenizer = tokenizer_for(settings.model)
+    tokenizer = tokenizer_for(settings.model)  # the prompts' widths count in either mode
     prompt_ids = [tokenizer(p)["input_ids"] for p in batch.prompts]
+    if settings.simulate and latency is not None:
+        return prompt_ids, None, latency
     needed = 0 if settings.simulate else max(len(p) + max(n) for p, n in zip(prompt_ids, true))
     model_dir = model_dir_for(settings.model, tmp, settings.seed, context=needed)
-    if latency is None:  # measure the backend that runs: PTL up to the batch size used
+    if latency is None:  # measure the backend that runs, at the batch sizes and contexts used
         policy, _ = load_policy(model_dir)
-        sizes = [b for b in (1, 2, 4, 8, 16, 32, 64, 128) if b <= settings.max_batch_size]
-        latency = Profiler(policy, PROFILE_PROMPT, tokens=16, repeats=1).fit(sizes)
+        sizes = [b for b in (1, 4, 16, 64, 128) if b < settings.max_batch_size]
+        contexts = [c for c in (16, 64, 160, 320) if c + PROFILE_TOKENS < needed] or [16]
+        profiler = Profiler(policy, PROFILE_PROMPT, tokens=PROFILE_TOKENS, repeats=1)
+        latency, _ = profiler.fit_grid([*sizes, settings.max_batch_size], contexts, "widest")
     return prompt_ids, model_dir, latency
 
 
@@ -340,12 +343,14 @@ def _result(
     predictions: dict,
     makespan: dict,
     latency,
+    prompt_ids: list[list[int]],
 ) -> dict:
     quality = {label: _quality(p, batch.lengths) for label, p in predictions.items()}
     base, skew = makespan.get("random"), makespan.get("skew")
     every_sample = [n for row in true for n in row]
+    prompts = [len(ids) for ids, row in zip(prompt_ids, true) for _ in row]
     longest_s, work_s = latency.makespan_floor(
-        every_sample, settings.instances, settings.max_batch_size
+        every_sample, settings.instances, settings.max_batch_size, prompts
     )
     result = {
         "makespan_s": makespan,
@@ -362,6 +367,8 @@ def _result(
         "longest_sample_s": round(longest_s, 4),
         "work_s": round(work_s, 4),
         "makespan_floor_s": round(max(longest_s, work_s), 4),
+        "context_us_per_token": round(latency.context_s * 1e6, 4),
+        "context_load": latency.load,
         "instances": settings.instances,
         "prompts": len(batch.lengths),
         "group_size": settings.group_size,

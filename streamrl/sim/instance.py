@@ -134,14 +134,20 @@ class SimInstance:
         """Nothing running and nothing admissible waiting (as the real generator's ``idle``)."""
         return not self.running and not len(self.queue)
 
-    def step_s(self) -> float:
-        """Seconds per token of every running sample at the current batch size: a decode step,
-        or in the tail with speculation, a verify step over the tokens it yields on average."""
-        step = self.latency.ptl(len(self.running)) * self.slowdown
+    def _contexts(self) -> list[float]:
+        """The tokens each running sample holds: its prompt (its own, or ``prompt_tokens`` if
+        longer: the simulator's requests carry a placeholder) and what it generated."""
+        return [
+            max(self.prompt_tokens, len(r.request.prompt_ids)) + r.generated for r in self.running
+        ]
+
+    def _scale(self) -> float:
+        """What multiplies the latency model's decode seconds: the shared-core slowdown, and in
+        the tail with speculation a verify step over the tokens it yields on average."""
         spec = self.speculation
         if spec is not None and len(self.running) <= spec.max_running:
-            return step * spec.verify_cost / spec.tokens_per_step
-        return step
+            return self.slowdown * spec.verify_cost / spec.tokens_per_step
+        return self.slowdown
 
     def waiting(self) -> list[Request]:
         """Its requests not running: queued (in admission order) and held for their weights."""
@@ -200,7 +206,8 @@ class SimInstance:
         if not self.running:
             return float("inf")
         start = max(self.now, self.paused_until)
-        return start + min(r.left for r in self.running) * self.step_s()
+        steps = min(r.left for r in self.running)
+        return start + self.latency.decode_s(self._contexts(), steps) * self._scale()
 
     def advance(self, to_s: float) -> list[tuple[Running, float]]:
         """Decode until ``to_s``; returns the samples finished on the way, with their times."""
@@ -220,7 +227,9 @@ class SimInstance:
     def _progress(self, to_s: float) -> None:
         start = max(self.now, self.paused_until)
         if self.running and to_s > start:
-            tokens = (to_s - start) / self.step_s()
+            most = min(r.left for r in self.running)
+            seconds = (to_s - start) / self._scale()
+            tokens = self.latency.steps_within(self._contexts(), seconds, most)
             for r in self.running:
                 r.left -= tokens
         self.now = max(self.now, to_s)
@@ -261,15 +270,19 @@ class SimInstance:
     def _admit(self) -> None:
         admitted = False
         moved_tokens = 0  # a moved running request's prompt and tokens are prefilled again
+        prompts = []  # the fresh requests' prompts: one batched prefill, as the model prices it
         while len(self.queue) and len(self.running) < self.max_batch_size:
             request = self.queue.pop()
             done = len(request.progress.token_ids) if request.progress is not None else 0
             if done:
                 moved_tokens = max(moved_tokens, self.prompt_tokens + done)
+            else:
+                prompts.append(max(self.prompt_tokens, len(request.prompt_ids)))
             self.running.append(
                 Running(request, float(request.forced_length - done), self.now, self.version)
             )
             admitted = True
         cost = self.prefill_s + self.prefill_s_per_token * moved_tokens * self.slowdown
+        cost += self.latency.prefill_s(prompts) * self.slowdown
         if admitted and cost > 0:
             self.paused_until = max(self.now, self.paused_until) + cost

@@ -99,6 +99,10 @@ class HFStreamGenerator(AdmittingGenerator):
             decoding; its counters are ``speculator``'s. ``None``: plain decoding only.
     """
 
+    #: What a decode step pays for, as ``LatencyModel.load``: a rectangular slot cache, so
+    #: every row pays for the widest.
+    context_load = "widest"
+
     def __init__(
         self,
         model: PreTrainedModel,

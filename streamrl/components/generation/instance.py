@@ -57,7 +57,7 @@ class InstanceHandle:
     head: int | None = None  # the instance feeding it weights; None: the trainer
     members: set[int] = field(default_factory=set)  # instances it feeds weights to
     feed_generation: int = 0  # bumped each time it is connected to a (new) feeder
-    latency: tuple | None = None  # (batch sizes, PTL seconds) it measured at start, if asked
+    latency: dict | None = None  # the latency model it measured at start (its fields), if asked
     batch_limit: int | None = None  # the dispatcher's batch size for it; None: the service's
 
     @classmethod

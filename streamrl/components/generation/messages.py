@@ -184,8 +184,9 @@ class Ready:
     pid: int
     #: The dtype its weights travel in (the engine's: ``bfloat16``, ``float32``...).
     wire_dtype: str
-    #: Its measured ``PTL(BS)`` as ``(batch sizes, seconds per token)``, or ``None``.
-    latency: tuple[list[int], list[float]] | None
+    #: Its measured latency model (``LatencyModel``'s fields: ``PTL(BS)`` and what context
+    #: and prefill cost), or ``None``.
+    latency: dict[str, Any] | None
 
 
 @dataclass(frozen=True)

@@ -132,6 +132,10 @@ class VLLMStreamGenerator(AdmittingGenerator):
         FileNotFoundError: ``model_dir`` has no ``config.json``.
     """
 
+    #: What a decode step pays for, as ``LatencyModel.load``: paged attention, so a step pays
+    #: for the tokens cached.
+    context_load = "total"
+
     def __init__(
         self,
         model_dir: str | Path,

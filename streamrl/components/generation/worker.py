@@ -33,7 +33,7 @@ import signal
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import torch
@@ -197,7 +197,7 @@ class _Instance:
             model, _ = profiled_latency(
                 self.generator, spec.profile, spec.model_dir, spec.engine, spec.device
             )
-            curve = (model.batch_sizes, model.ptl_s)
+            curve = asdict(model)
         self.loader = WeightLoader(self.generator, spec.partial_rollout)
         self.held: list[Request] = []
         self.verify: set[int] = set()  # versions whose checksums the service wants once loaded

@@ -46,6 +46,7 @@ from streamrl.components.skewness.deadlines import IterationClock
 from streamrl.components.skewness.group_context import GroupContext
 from streamrl.components.skewness.instance_work import InstanceWork
 from streamrl.components.skewness.latency import LatencyModel
+from streamrl.components.skewness.refine import refine_plan
 from streamrl.records import InstanceLoad, LengthDistribution, Move, Request, Sample
 
 if TYPE_CHECKING:
@@ -75,8 +76,10 @@ class AdaptiveDispatcher:
         max_batch_size: batch slots per instance.
         tail_aware: order admission by the expected longest of a group's samples; ``False``:
             by one sample's median (the paper's point estimate).
-        split_groups: balance requests one by one (a group may span instances); ``False``:
-            a prompt's samples stay together.
+        split_groups: ``True``: balance requests one by one (a group may span instances);
+            ``False``: a prompt's samples stay together; ``None`` (default): a priced
+            decision, each plan's continuous batching replayed on the latency model (batch
+            size and context) and the sooner kept.
         moves: move work mid-flight (``rebalance``); ``False``: plan once.
         move_overhead_s: what moving a running request costs (its re-prefill and the round
             trip); default two decode steps at batch 1.
@@ -98,7 +101,7 @@ class AdaptiveDispatcher:
         max_batch_size: int = 64,
         *,
         tail_aware: bool = True,
-        split_groups: bool = True,
+        split_groups: bool | None = None,
         moves: bool = True,
         move_overhead_s: float | None = None,
         min_gain: float = 0.03,
@@ -111,9 +114,7 @@ class AdaptiveDispatcher:
         self.latency = latency if latency is not None else LatencyModel([1], [1.0])
         self.max_batch_size = max_batch_size
         self.tail_aware, self.split_groups, self.moves = tail_aware, split_groups, moves
-        self.move_overhead_s = (
-            2 * self.latency.ptl(1) if move_overhead_s is None else move_overhead_s
-        )
+        self._move_overhead_s = move_overhead_s
         self.min_gain, self.max_moves = min_gain, max_moves
         self.recent: deque[int] = deque(recent_lengths, maxlen=window)
         self.context = group_context if group_context is not None else GroupContext()
@@ -121,6 +122,15 @@ class AdaptiveDispatcher:
         self._groups: dict[tuple[str, int], _Group] = {}
         self.moved = 0  # requests moved by its plans
         self.clock = IterationClock() if staleness_aware else None
+
+    @property
+    def move_overhead_s(self) -> float:
+        """What a move of a running request costs: as given, else two decode steps at batch 1
+        of the latency model as it is now (a run's model is measured after the planner is
+        built: ``LatencyModel.update_from``)."""
+        if self._move_overhead_s is not None:
+            return self._move_overhead_s
+        return 2 * self.latency.ptl(1)
 
     @classmethod
     def from_run(cls, run: RunContext, **options: Any) -> AdaptiveDispatcher:
@@ -142,27 +152,38 @@ class AdaptiveDispatcher:
         self, requests: Sequence[Request], scores: Sequence[float] | None, instances: int
     ) -> list[list[Request]]:
         """Assign requests to instances, each costliest first to the least loaded (by expected
-        tokens), and set each request's ``predicted_length`` to its admission cost."""
+        tokens), one by one or a group at a time (``split_groups``), and set each request's
+        ``predicted_length`` to its admission cost."""
         if scores is not None and len(scores) != len(requests):
             raise ValueError("AdaptiveDispatcher.plan needs one predicted length per request.")
-        sizes: dict[tuple[str, int], int] = {}
-        for request in requests:
-            sizes[request.prompt_id, request.iteration] = (
-                sizes.get((request.prompt_id, request.iteration), 0) + 1
-            )
+        by_group: dict[tuple[str, int], list[Request]] = {}
+        for r in requests:
+            by_group.setdefault((r.prompt_id, r.iteration), []).append(r)
         for i, request in enumerate(requests):
             dist = self._register(request, None if scores is None else scores[i])
-            group = sizes[request.prompt_id, request.iteration]
+            group = len(by_group[request.prompt_id, request.iteration])
             cost = self._cost(dist, group, request.max_tokens)
             request.predicted_length = cost - self._lead(request.iteration)
-        if self.split_groups:
-            units = [[r] for r in requests]
-        else:
-            by_group: dict[tuple[str, int], list[Request]] = {}
-            for r in requests:
-                by_group.setdefault((r.prompt_id, r.iteration), []).append(r)
-            units = list(by_group.values())
-        units.sort(key=lambda unit: -unit[0].predicted_length)
+        split = self._priced(self._balance([[r] for r in requests], instances), False)
+        if self.split_groups is True or len(by_group) == len(requests):
+            return split
+        whole = self._priced(self._balance(list(by_group.values()), instances), True)
+        # Split unless whole groups finish sooner (beyond rounding: a tie keeps the split).
+        if self.split_groups is False or self._makespan(whole) < self._makespan(split) * (1 - 1e-9):
+            return whole
+        return split
+
+    def _priced(self, parts: list[list[Request]], together: bool) -> list[list[Request]]:
+        """``parts`` balanced in seconds rather than expected tokens when the latency model
+        prices context (``refine_plan``); as they are otherwise."""
+        if not self.latency.prices_context:  # equal tokens are equal time
+            return parts
+        return refine_plan(parts, lambda _, part: self._instance_s(part), together=together)
+
+    def _balance(self, units: list[list[Request]], instances: int) -> list[list[Request]]:
+        """Each unit (a request, or a whole group), costliest first, to the instance with the
+        fewest expected tokens."""
+        units = sorted(units, key=lambda unit: -(unit[0].predicted_length or 0.0))
         parts: list[list[Request]] = [[] for _ in range(instances)]
         loads = [(0.0, 0)] * instances
         for unit in units:
@@ -171,6 +192,25 @@ class AdaptiveDispatcher:
             tokens, count = loads[target]
             loads[target] = (tokens + sum(self._left(r) for r in unit), count + len(unit))
         return parts
+
+    def _makespan(self, parts: list[list[Request]]) -> float:
+        """The predicted makespan of a plan (``_instance_s`` of each instance)."""
+        return max(self._instance_s(part) for part in parts)
+
+    def _instance_s(self, part: list[Request]) -> float:
+        """Predicted seconds of one instance: its continuous batching replayed on expected
+        lengths, admitted costliest first, every step priced with its contexts (on the HF
+        engine a step pays for its widest row, so a long group spread over every instance
+        widens every batch; with paged attention it pays for the tokens held)."""
+        order = sorted(part, key=lambda r: -(r.predicted_length or 0.0))
+        work = InstanceWork(
+            0,
+            self.max_batch_size,
+            {},
+            [(r.key, self._left(r)) for r in order],
+            {r.key: float(_held(r)) for r in order},
+        )
+        return work.finish_s(self.latency)[0]
 
     def state_dict(self) -> dict:
         """``D`` and the learned within-group spread (open requests are the iteration's)."""
@@ -289,4 +329,13 @@ class AdaptiveDispatcher:
         running = {r.key: self._left(r, generated) for r, generated in load.running}
         order = sorted(load.waiting, key=lambda r: -(r.predicted_length or 0.0))
         waiting = [(r.key, self._left(r)) for r in order]
-        return InstanceWork(load.instance_id, max(1, load.batch_limit), running, waiting)
+        contexts = {r.key: float(len(r.prompt_ids) + generated) for r, generated in load.running}
+        contexts.update((r.key, float(_held(r))) for r in order)
+        return InstanceWork(load.instance_id, max(1, load.batch_limit), running, waiting, contexts)
+
+
+def _held(request: Request) -> int:
+    """Tokens a request brings to the instance that admits it: its prompt, and what it
+    generated on another instance before it moved."""
+    moved = len(request.progress.token_ids) if request.progress is not None else 0
+    return len(request.prompt_ids) + moved

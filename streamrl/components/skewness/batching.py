@@ -1,13 +1,15 @@
 """Per-sample replay of continuous batching on one generator instance (StreamRL §5.1, Eq. 1).
 
-``streamrl.components.skewness.latency.simulate_instance`` returns one instance's makespan;
-the simulator and the allocator also need *when each sample finishes* (the stream the trainer
-consumes, §4.1). Each decode step advances every running sequence by one token and costs ``PTL``
-of the number running; a finished sequence frees its slot for the next waiting one at once.
+The simulator and the allocator need *when each sample finishes* (the stream the trainer
+consumes, §4.1), the dispatchers an instance's makespan. Each decode step advances every running
+sequence by one token and costs what the latency model prices a step over their contexts
+(``LatencyModel.decode_s``: ``PTL`` of the number running, plus the context term); a finished
+sequence frees its slot for the next waiting one at once, and each admission pays its prefill.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 from streamrl.components.skewness.latency import LatencyModel
@@ -19,15 +21,22 @@ def decode_schedule(
     latency: LatencyModel,
     start_s: float = 0.0,
     slowdown: float = 1.0,
+    *,
+    contexts: Sequence[float] | None = None,
+    prefilled: int = 0,
 ) -> list[tuple[float, float]]:
     """``(admitted_s, finished_s)`` of each sample, admitted in the given order.
 
     Args:
         lengths: output tokens per sample, in admission order.
         max_batch_size: batch slots of the instance.
-        latency: its ``PTL(BS)``.
+        latency: its step costs.
         start_s: when the instance starts (all samples are waiting then).
-        slowdown: multiplies every step's ``PTL`` (e.g. a CPU core shared with a trainer).
+        slowdown: multiplies every step's cost (e.g. a CPU core shared with a trainer).
+        contexts: the tokens each sample holds when it is admitted (its prompt, and what it
+            generated elsewhere); default 0.
+        prefilled: the first ``prefilled`` samples are running already: no prefill is paid for
+            them.
 
     Examples:
         >>> m = LatencyModel([1, 2], [1.0, 1.5])
@@ -36,20 +45,43 @@ def decode_schedule(
     """
     if max_batch_size < 1:
         raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}.")
+    if not all(math.isfinite(n) for n in lengths):  # a NaN never finishes: refuse, never hang
+        raise ValueError(f"decode_schedule: every length must be finite, got {list(lengths)}.")
+    held = [0.0] * len(lengths) if contexts is None else [float(c) for c in contexts]
     out: list[tuple[float, float]] = [(0.0, 0.0)] * len(lengths)
     waiting = list(range(len(lengths)))[::-1]  # pop() from the end = admission order
     running: dict[int, float] = {}  # sample index -> tokens left
     now = start_s
     while waiting or running:
+        admitted = []  # what the next prefill reads
         while waiting and len(running) < max_batch_size:
             i = waiting.pop()
             running[i] = float(lengths[i])
+            if i >= prefilled:
+                admitted.append(held[i])
             out[i] = (now, now)
+        now += latency.prefill_s(admitted) * slowdown
         step = min(running.values())  # the batch size is constant until the next finish
-        now += step * latency.ptl(len(running)) * slowdown
+        now += latency.decode_s([held[i] for i in running], step) * slowdown
         for i in [i for i, left in running.items() if left - step <= 1e-9]:
             del running[i]
             out[i] = (out[i][0], now)
         for i in running:
             running[i] -= step
+            held[i] += step
     return out
+
+
+def simulate_instance(
+    lengths: Sequence[float],
+    max_batch_size: int,
+    latency: LatencyModel,
+    contexts: Sequence[float] | None = None,
+    prefilled: int = 0,
+) -> float:
+    """Seconds for one continuously batched instance to finish ``lengths``, admitted in order
+    (``decode_schedule``'s last finish)."""
+    schedule = decode_schedule(
+        lengths, max_batch_size, latency, contexts=contexts, prefilled=prefilled
+    )
+    return max((end for _, end in schedule), default=0.0)

@@ -2,16 +2,17 @@
 
 ``InstanceWork`` holds, per request an instance holds, the tokens it is expected to generate
 still (a running one's ``remaining`` past what it generated; a waiting one's whole expected
-length), in admission order, and predicts when its last sample ends: continuous batching with
-equal decode steps is list scheduling on its slots. ``best_move`` weighs moving each of a few
+length), in admission order, with the tokens each holds (prompt and generated: what its steps
+read), and predicts when its last sample ends by replaying continuous batching on the latency
+model (``decode_schedule``: batch size and context). ``best_move`` weighs moving each of a few
 candidates (the next waiting ones, the longest running ones) to another instance.
 """
 
 from __future__ import annotations
 
-import heapq
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from streamrl.components.skewness.batching import simulate_instance
 from streamrl.components.skewness.latency import LatencyModel
 
 Key = tuple[str, int, int]
@@ -27,24 +28,24 @@ class InstanceWork:
     batch: int
     running: dict[Key, float]  # key -> expected tokens left
     waiting: list[tuple[Key, float]]  # in admission order
+    contexts: dict[Key, float] = field(default_factory=dict)  # key -> tokens it holds now
 
     def finish_s(self, latency: LatencyModel) -> tuple[float, float]:
         """Predicted seconds until its last sample ends, and the fluid bound that breaks ties.
 
-        Continuous batching with equal decode steps is list scheduling on ``batch`` slots
-        (running first, then waiting in admission order: each to the slot that frees first);
-        the fluid bound, its tokens spread over the slots, falls with every token moved away,
-        so moves that only prepare a better split still count.
+        Continuous batching replayed on ``batch`` slots (running first, then waiting in
+        admission order), every step priced with its rows' contexts; the fluid bound, its
+        tokens spread over the slots, falls with every token moved away, so moves that only
+        prepare a better split still count.
         """
-        lengths = [*self.running.values(), *(n for _, n in self.waiting)]
-        if not lengths:
+        order = [*self.running.items(), *self.waiting]
+        if not order:
             return 0.0, 0.0
+        lengths = [n for _, n in order]
+        contexts = [self.contexts.get(key, 0.0) for key, _ in order]
         batch = min(self.batch, len(lengths))
-        slots = [0.0] * batch
-        for n in lengths:
-            heapq.heapreplace(slots, slots[0] + n)
-        ptl = latency.ptl(batch)
-        return max(slots) * ptl, max(max(lengths), sum(lengths) / batch) * ptl
+        last = simulate_instance(lengths, batch, latency, contexts, prefilled=len(self.running))
+        return last, max(max(lengths), sum(lengths) / batch) * latency.ptl(batch)
 
     def without(self, key: Key) -> InstanceWork:
         return InstanceWork(
@@ -52,6 +53,7 @@ class InstanceWork:
             self.batch,
             {k: v for k, v in self.running.items() if k != key},
             [(k, v) for k, v in self.waiting if k != key],
+            self.contexts,
         )
 
     def best_move(
@@ -67,7 +69,10 @@ class InstanceWork:
         for key, left, running in candidates:
             if running:  # its prompt and tokens are prefilled again there
                 left += overhead_s / latency.ptl(1)
-            moved = InstanceWork(target.instance_id, target.batch, target.running, [(key, left)])
+            contexts = {**target.contexts, key: self.contexts.get(key, 0.0)}
+            moved = InstanceWork(
+                target.instance_id, target.batch, target.running, [(key, left)], contexts
+            )
             moved.waiting += target.waiting
             here, there = self.without(key).finish_s(latency), moved.finish_s(latency)
             after = (max(here[0], there[0]), max(here[1], there[1]))
@@ -87,3 +92,4 @@ class InstanceWork:
         source.running.pop(key, None)
         source.waiting = [(k, v) for k, v in source.waiting if k != key]
         self.waiting.insert(0, (key, left))
+        self.contexts[key] = source.contexts.get(key, 0.0)

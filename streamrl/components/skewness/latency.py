@@ -6,16 +6,16 @@
 - Eq. 1: sample latency = ``PTL(BS) x L``;
 - Eq. 2: instance latency = ``PTL(BS) x L_avg x ceil(M / BS)`` for ``M`` samples on one instance.
 
-``simulate_instance`` replays continuous batching step by step with ``PTL`` of the live batch,
-which Eq. 2 only approximates; the dispatch benchmark uses it for large instance counts.
-
 ``PTL(BS)`` is profiled on short prompts, but a decode step also reads every cached token its
 attention spans: on the HF engine's rectangular slot cache every row pays for the widest one
 (``B x W``), on paged attention (vLLM) the step pays for the tokens cached (the sum of the
 contexts). ``LatencyModel.step_s`` prices a step from its batch's contexts with one more term,
 seconds per token of that load beyond the profiled context, and ``prefill_s`` a prefill from its
 tokens; ``LatencyModel.fit`` recovers both from timed steps and prefills. A model without them
-(an old ``PTL(BS)`` table) prices every step at ``PTL(BS)``.
+(an old ``PTL(BS)`` table) prices every step at ``PTL(BS)``. ``decode_s`` prices a run of steps
+whose rows grow a token a step, in closed form: Eq. 2 (``instance_latency``), the makespan floor,
+the batching replay (``streamrl.components.skewness.batching``) and the simulator all price a
+span with it, so every planner sees what context costs.
 """
 
 from __future__ import annotations
@@ -100,6 +100,12 @@ class LatencyModel:
             value = getattr(other, field.name)
             setattr(self, field.name, list(value) if isinstance(value, list) else value)
 
+    @property
+    def prices_context(self) -> bool:
+        """Whether a step's or a prefill's cost depends on the tokens its rows hold (then equal
+        predicted tokens are not equal time)."""
+        return self.context_s > 0 or self.prefill_token_s > 0
+
     def ptl(self, batch_size: float) -> float:
         """Seconds per decode step with ``batch_size`` running sequences."""
         sizes, values = self.batch_sizes, self.ptl_s
@@ -128,9 +134,55 @@ class LatencyModel:
         beyond = self.context_load(contexts) - len(contexts) * self.profiled_context
         return self.ptl(len(contexts)) + self.context_s * max(0.0, beyond)
 
-    def prefill_s(self, tokens: int) -> float:
-        """Seconds of a prefill of ``tokens`` prompt tokens (0 for none)."""
-        return self.prefill_base_s + self.prefill_token_s * tokens if tokens > 0 else 0.0
+    def prefill_s(self, prompts: Sequence[float]) -> float:
+        """Seconds of one batched prefill of rows holding ``prompts`` tokens each (0 for
+        none), paid for as the engine pays for a step's load: the HF engine pads every row to
+        the widest (``"widest"``), paged attention reads the tokens themselves (``"total"``)."""
+        if not prompts:
+            return 0.0
+        return self.prefill_base_s + self.prefill_token_s * self.context_load(prompts)
+
+    def decode_s(self, contexts: Sequence[float], steps: float) -> float:
+        """Seconds of ``steps`` decode steps over rows that start at ``contexts`` tokens and
+        each grow by one a step (no row finishing on the way): ``step_s`` summed in closed
+        form. Each step adds one token per row to either load, so the load beyond the profiled
+        context is an arithmetic series, clamped at 0 while it is negative.
+
+        Examples:
+            >>> model = LatencyModel([1, 2], [0.010, 0.012], context_s=1e-4, load="total")
+            >>> round(model.decode_s([10, 20], 3), 6)  # loads 30, 32, 34
+            0.0456
+        """
+        rows = len(contexts)
+        if rows == 0 or steps <= 0:
+            return 0.0
+        seconds = steps * self.ptl(rows)
+        if self.context_s == 0:
+            return seconds
+        first = self.context_load(contexts) - rows * self.profiled_context
+        skipped = min(steps, max(0.0, math.ceil(-first / rows))) if first < 0 else 0.0
+        counted = steps - skipped  # steps whose load is past the profiled one
+        start = first + rows * skipped
+        beyond = counted * start + rows * counted * (counted - 1) / 2
+        return seconds + self.context_s * max(0.0, beyond)
+
+    def steps_within(self, contexts: Sequence[float], seconds: float, most: float) -> float:
+        """How many decode steps (at most ``most``) rows at ``contexts`` complete in
+        ``seconds``: ``decode_s`` inverted (by bisection; exact when there is no context
+        term)."""
+        if seconds <= 0 or not contexts:
+            return 0.0
+        if self.context_s == 0:
+            return min(most, seconds / self.ptl(len(contexts)))
+        if self.decode_s(contexts, most) <= seconds:
+            return most
+        low, high = 0.0, most
+        for _ in range(50):
+            middle = (low + high) / 2
+            low, high = (
+                (middle, high) if self.decode_s(contexts, middle) <= seconds else (low, middle)
+            )
+        return low
 
     @classmethod
     def fit(
@@ -174,35 +226,51 @@ class LatencyModel:
         probe.ptl_s = [float(v) for v in solution[:-1]]
         probe.context_s = float(solution[-1])
         if prefills:
-            tokens = np.array([[1.0, t] for t, _ in prefills])
+            tokens = np.array([[1.0, t] for t, _ in prefills])  # equal rows: either load
             base, per_token = np.linalg.lstsq(tokens, [s for _, s in prefills], rcond=None)[0]
-            probe.prefill_base_s, probe.prefill_token_s = max(0.0, base), max(0.0, per_token)
+            probe.prefill_base_s, probe.prefill_token_s = (
+                max(0.0, float(base)),
+                max(0.0, float(per_token)),
+            )
         return probe
 
     def sample_latency(self, length: float, batch_size: float) -> float:
         """Eq. 1: ``PTL(BS) x L``."""
         return self.ptl(batch_size) * length
 
-    def instance_latency(self, samples: int, avg_length: float, max_batch_size: int) -> float:
-        """Eq. 2: ``PTL(BS) x L_avg x ceil(M / BS)`` with ``BS = min(M, max_batch_size)``."""
+    def instance_latency(
+        self, samples: int, avg_length: float, max_batch_size: int, prompt_tokens: float = 0.0
+    ) -> float:
+        """Eq. 2: ``PTL(BS) x L_avg x ceil(M / BS)`` with ``BS = min(M, max_batch_size)``, each
+        of the ``ceil(M / BS)`` rounds priced with its contexts (``decode_s``: rows from
+        ``prompt_tokens`` to ``prompt_tokens + L_avg``) and its prefill."""
         if samples <= 0:
             return 0.0
         batch = min(samples, max_batch_size)
-        return self.ptl(batch) * avg_length * math.ceil(samples / batch)
+        prompts = [prompt_tokens] * batch
+        one_round = self.decode_s(prompts, avg_length) + self.prefill_s(prompts)
+        return one_round * math.ceil(samples / batch)
 
     def makespan_floor(
-        self, lengths: Sequence[int], instances: int, max_batch_size: int
+        self,
+        lengths: Sequence[int],
+        instances: int,
+        max_batch_size: int,
+        prompts: Sequence[float] | None = None,
     ) -> tuple[float, float]:
         """Two times no plan of ``lengths`` beats on ``instances`` of at most ``max_batch_size``
         slots, whatever it dispatches, admits or moves (a move only adds a re-prefill):
 
         - the longest sample: it decodes one token a step, each step at least the fastest
-          ``PTL(b)``;
+          ``PTL(b)`` plus what its own growing context costs (other rows only add load);
         - the work: every token decoded, each instance at its best tokens per second
-          (``b / PTL(b)``, at the ``b`` that maximises it).
+          (``b / PTL(b)``, at the ``b`` that maximises it), plus the context every token is
+          decoded over (a step's load is at least the sum of its rows' contexts, whichever
+          statistic the engine pays for).
 
-        A target below the larger of the two cannot be met by any dispatcher on this latency
-        model; only faster steps (speculative decoding) move it.
+        ``prompts`` (each sample's prompt tokens; default 0) start the contexts; prefills are
+        not counted (a floor). A target below the larger of the two cannot be met by any
+        dispatcher on this latency model; only faster steps (speculative decoding) move it.
 
         Returns:
             ``(longest_s, work_s)``.
@@ -215,7 +283,15 @@ class LatencyModel:
         sizes = range(1, max_batch_size + 1)
         fastest_step = min(self.ptl(b) for b in sizes)
         best_rate = max(b / self.ptl(b) for b in sizes)  # tokens per second of one instance
-        return max(lengths) * fastest_step, sum(lengths) / (instances * best_rate)
+        prompts = [0.0] * len(lengths) if prompts is None else prompts
+        longest_s = max(
+            n * fastest_step + self.decode_s([p], n) - n * self.ptl(1)
+            for n, p in zip(lengths, prompts)
+        )
+        pc = self.profiled_context
+        beyond = sum(n * (p - pc) + n * (n - 1) / 2 for n, p in zip(lengths, prompts))
+        work_s = (sum(lengths) / best_rate + self.context_s * max(0.0, beyond)) / instances
+        return longest_s, work_s
 
     def to_json(self, path: str | Path) -> Path:
         path = Path(path)
@@ -231,22 +307,3 @@ class LatencyModel:
         costs = {key: value for key, value in data.items() if key in known}
         ptl_s = [float(v) for v in data["ptl_s"]]
         return cls([int(b) for b in data["batch_sizes"]], ptl_s, **costs)
-
-
-def simulate_instance(lengths: Sequence[int], max_batch_size: int, model: LatencyModel) -> float:
-    """Seconds for one continuously batched instance to finish ``lengths``, admitted in order.
-
-    Each decode step advances every running sequence by one token and costs ``PTL`` of the
-    number running; a finished sequence frees its slot for the next waiting one at once.
-    """
-    waiting = list(lengths)[::-1]  # pop() from the end = admission order
-    running: list[int] = []
-    elapsed = 0.0
-    while waiting or running:
-        while waiting and len(running) < max_batch_size:
-            running.append(waiting.pop())
-        # Jump to the next finish: the batch size is constant until then.
-        step = min(running)
-        elapsed += step * model.ptl(len(running))
-        running = [r - step for r in running if r > step]
-    return elapsed

@@ -16,7 +16,9 @@ Objectives:
   instances by predicted tokens, longest first); the plan whose replayed continuous batching
   (``simulate_instance`` on the predicted lengths) finishes first wins. Isolation pays when the
   tail is long against a batch's worth of regular work; with few samples per instance, balancing
-  alone is as good and less exposed to ranker error.
+  alone is as good and less exposed to ranker error. When the latency model prices context (a
+  step that pays for its widest row, a prefill padded to the widest prompt), equal tokens are not
+  equal time: the plan is then refined in seconds (``refine.refine_plan``).
 """
 
 from __future__ import annotations
@@ -27,7 +29,9 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
-from streamrl.components.skewness.latency import LatencyModel, simulate_instance
+from streamrl.components.skewness.batching import simulate_instance
+from streamrl.components.skewness.latency import LatencyModel
+from streamrl.components.skewness.refine import refine_plan
 from streamrl.records import Request
 
 if TYPE_CHECKING:
@@ -84,6 +88,7 @@ class SkewAwareDispatcher:
         self.alpha, self.objective = alpha, objective
         self.recent: deque[int] = deque(recent_lengths, maxlen=window)
         self.last_split: tuple[int, int] | None = None
+        self.prompt_tokens = 0.0  # the mean prompt of the last plan: every context starts there
 
     def observe(self, lengths: Iterable[int]) -> None:
         """Add finished samples' output lengths to the distribution ``D``."""
@@ -121,7 +126,7 @@ class SkewAwareDispatcher:
                 "without one."
             )
         per_instance = -(-samples // instances)
-        return self.latency.instance_latency(per_instance, length, batch)
+        return self.latency.instance_latency(per_instance, length, batch, self.prompt_tokens)
 
     @classmethod
     def from_run(cls, run: RunContext, **options: Any) -> SkewAwareDispatcher:
@@ -159,6 +164,8 @@ class SkewAwareDispatcher:
             scores = [0.0] * len(requests)
         if len(scores) != len(requests):
             raise ValueError("SkewAwareDispatcher.plan needs one predicted length per request.")
+        if requests:
+            self.prompt_tokens = sum(len(r.prompt_ids) for r in requests) / len(requests)
         groups: dict[str, list[Request]] = {}
         score_of: dict[str, float] = {}
         for request, score in zip(requests, scores):
@@ -180,22 +187,29 @@ class SkewAwareDispatcher:
         self.last_split = split
         if self.objective == "sum":
             return isolated
+        chosen = isolated
         balanced = _balance(order, groups, score_of, instances)
         if self._replay(balanced, [self.max_batch_size] * instances) < self._replay(
             isolated, self.batch_limits(instances)
         ):
             self.last_split = (0, instances)
-            return balanced
-        return isolated
+            chosen = balanced
+        if not self.latency.prices_context:  # equal tokens are equal time
+            return chosen
+        limits = self.batch_limits(instances)
+        return refine_plan(chosen, lambda i, part: self._instance_s(part, limits[i]))
 
     def _replay(self, parts: list[list[Request]], batches: list[int]) -> float:
-        """Predicted makespan of ``parts``: continuous batching replayed on predicted lengths,
-        each instance admitting longest first."""
-        makespan = 0.0
-        for part, batch in zip(parts, batches):
-            lengths = sorted((max(1, round(r.predicted_length or 1)) for r in part), reverse=True)
-            makespan = max(makespan, simulate_instance(lengths, batch, self.latency))
-        return makespan
+        """Predicted makespan of ``parts`` (``_instance_s`` of each)."""
+        return max((self._instance_s(p, b) for p, b in zip(parts, batches)), default=0.0)
+
+    def _instance_s(self, part: list[Request], batch: int) -> float:
+        """Predicted seconds of one instance: continuous batching replayed on predicted
+        lengths, admitting longest first, every step priced with its rows' contexts."""
+        order = sorted(part, key=lambda r: -(r.predicted_length or 1))
+        lengths = [max(1, round(r.predicted_length or 1)) for r in order]
+        contexts = [len(r.prompt_ids) for r in order]
+        return simulate_instance(lengths, batch, self.latency, contexts)
 
 
 def _balance(

@@ -9,6 +9,7 @@ sequence frees its slot for the next waiting one at once, and each admission pay
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections.abc import Sequence
 
@@ -49,26 +50,39 @@ def decode_schedule(
         raise ValueError(f"decode_schedule: every length must be finite, got {list(lengths)}.")
     held = [0.0] * len(lengths) if contexts is None else [float(c) for c in contexts]
     out: list[tuple[float, float]] = [(0.0, 0.0)] * len(lengths)
-    waiting = list(range(len(lengths)))[::-1]  # pop() from the end = admission order
-    running: dict[int, float] = {}  # sample index -> tokens left
-    now = start_s
-    while waiting or running:
+    # A token clock ``steps``: a row admitted at ``steps = a`` holding ``h`` tokens holds
+    # ``h - a + steps`` later, so each keeps ``h - a`` (its base) and the loads follow from the
+    # sum of the bases and the largest (a heap, finished rows dropped when they surface).
+    ends: list[tuple[float, int]] = []  # (steps at its finish, sample)
+    widest: list[tuple[float, int]] = []  # (-base, sample)
+    bases: dict[int, float] = {}  # running sample -> base
+    base_sum, steps, now, admit = 0.0, 0.0, start_s, 0
+    while admit < len(lengths) or bases:
         admitted = []  # what the next prefill reads
-        while waiting and len(running) < max_batch_size:
-            i = waiting.pop()
-            running[i] = float(lengths[i])
+        while admit < len(lengths) and len(bases) < max_batch_size:
+            i, admit = admit, admit + 1
+            bases[i] = held[i] - steps
+            base_sum += bases[i]
+            heapq.heappush(ends, (steps + float(lengths[i]), i))
+            heapq.heappush(widest, (-bases[i], i))
             if i >= prefilled:
                 admitted.append(held[i])
             out[i] = (now, now)
         now += latency.prefill_s(admitted) * slowdown
-        step = min(running.values())  # the batch size is constant until the next finish
-        now += latency.decode_s([held[i] for i in running], step) * slowdown
-        for i in [i for i, left in running.items() if left - step <= 1e-9]:
-            del running[i]
+        while widest[0][1] not in bases:
+            heapq.heappop(widest)
+        rows = len(bases)
+        if latency.load == "widest":
+            load = rows * (steps - widest[0][0])
+        else:
+            load = base_sum + rows * steps
+        span = ends[0][0] - steps  # the batch size is constant until the next finish
+        now += latency.decode_load_s(rows, load, span) * slowdown
+        steps = ends[0][0]
+        while ends and ends[0][0] - steps <= 1e-9:
+            _, i = heapq.heappop(ends)
+            base_sum -= bases.pop(i)
             out[i] = (out[i][0], now)
-        for i in running:
-            running[i] -= step
-            held[i] += step
     return out
 
 

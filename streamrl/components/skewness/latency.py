@@ -153,13 +153,17 @@ class LatencyModel:
             >>> round(model.decode_s([10, 20], 3), 6)  # loads 30, 32, 34
             0.0456
         """
-        rows = len(contexts)
+        return self.decode_load_s(len(contexts), self.context_load(contexts), steps)
+
+    def decode_load_s(self, rows: int, load: float, steps: float) -> float:
+        """``decode_s`` of ``rows`` rows whose first step's load (``context_load``) is
+        ``load``: what a replay that keeps the load itself passes."""
         if rows == 0 or steps <= 0:
             return 0.0
         seconds = steps * self.ptl(rows)
         if self.context_s == 0:
             return seconds
-        first = self.context_load(contexts) - rows * self.profiled_context
+        first = load - rows * self.profiled_context
         skipped = min(steps, max(0.0, math.ceil(-first / rows))) if first < 0 else 0.0
         counted = steps - skipped  # steps whose load is past the profiled one
         start = first + rows * skipped

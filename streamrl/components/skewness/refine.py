@@ -4,11 +4,12 @@ Algorithm 2 and LPT over instances balance *predicted tokens*. That is balancing
 a decode step costs the same whatever its rows hold. On the HF engine a step pays for its widest
 row and a prefill pads its rows to the widest prompt, so two instances given the same tokens
 can finish a second apart (on the bench's bimodal batch: 5.18 s and 6.21 s measured, each run
-alone; the latency model's replay said 5.25 s and 6.25 s). ``refine_plan`` takes a plan and moves whole units (a
-prompt's samples, or one request) from the instance the latency model replays slowest to the one
-it replays fastest, while that shortens the slower of the two by ``MIN_GAIN``; each candidate is
-priced by replaying both instances (``batching.simulate_instance``: batch size, contexts,
-prefills), a fraction of a millisecond each.
+alone; the latency model's replay said 5.25 s and 6.25 s). ``refine_plan`` takes a plan and moves
+whole units (a prompt's samples, or one request) from the instance the latency model replays
+slowest to the one it replays fastest, while that shortens the slower of the two by
+``MIN_GAIN``; each candidate is priced by replaying both instances
+(``batching.simulate_instance``: batch size, contexts, prefills), a fraction of a millisecond
+each.
 """
 
 from __future__ import annotations

@@ -62,8 +62,8 @@ def fit_small(tmp_path, capsys):
     ``generation`` merges into one instance (``{num_instances: 1}``), ``model_size`` the
     warm-started policy, ``trainer`` the ``trainer`` section, ``args`` are
     more command-line arguments (e.g.
-    ``["--resume", path]``). Returns the run's JSON summary, after checking every requested
-    sample was trained."""
+    ``["--resume", path]``), ``exit_code`` the code it must return. Returns the run's JSON
+    summary (``{}`` for a run that stops), after checking every requested sample was trained."""
     import json
 
     import yaml
@@ -76,6 +76,7 @@ def fit_small(tmp_path, capsys):
         out: str = "out",
         args: tuple[str, ...] = (),
         trainer: dict | None = None,
+        exit_code: int = 0,
         **rl,
     ) -> dict:
         config = tmp_path / f"{out}.yaml"
@@ -104,7 +105,9 @@ def fit_small(tmp_path, capsys):
                 }
             )
         )
-        assert main(["fit", "--config", str(config), "--no-progress", *args]) == 0
+        assert main(["fit", "--config", str(config), "--no-progress", *args]) == exit_code
+        if exit_code:  # stopped: no summary
+            return {}
         summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
         requested = rl["iterations"] * rl["prompts_per_iteration"] * rl["group_size"]
         assert summary["samples_trained"] == requested and summary["samples_lost"] == 0

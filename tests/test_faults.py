@@ -77,6 +77,7 @@ def run_with_fault(tmp_path, tokenizer, fault: str | None, mode: str = "sync", r
         trainer.fit(module)
         sgs.wait_active()
         states = [i.state for i in sgs.instances()]
+    module.failures = sgs.pool.failures  # why each instance was replaced
     return module, states
 
 
@@ -86,7 +87,9 @@ def run_with_fault(tmp_path, tokenizer, fault: str | None, mode: str = "sync", r
 def test_a_failed_generator_is_replaced_and_nothing_is_lost(tmp_path, tokenizer, fault, mode):
     module, states = run_with_fault(tmp_path, tokenizer, fault, mode)
     books = ledger(module)
-    assert books["samples_lost"] == 0 and books["instances_restarted"] == 1
+    assert books["samples_lost"] == 0
+    assert books["instances_restarted"] == len(module.failures) == 1, module.failures
+    assert module.failures[0].startswith("instance 0 ")
     assert books["samples_requeued"] > 0
     assert books["samples_trained"] == ITERATIONS * PROMPTS * GROUP
     assert set(module.trained.values()) == {1}  # nothing trained twice

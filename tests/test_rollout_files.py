@@ -4,10 +4,13 @@ Parquet file per iteration, readable with ``datasets``, row for row what the los
 from __future__ import annotations
 
 import json
+import os
+import signal
 
 import datasets
 import pyarrow as pa
 import pytest
+import torch
 import yaml
 
 from streamrl.cli.main import main
@@ -87,6 +90,35 @@ def test_fit_writes_each_iteration_as_the_loss_saw_it(fit_small, tmp_path, loss_
     assert len(rows) == 24 and len(loss_saw) == 8
     written = by_key(rows)
     assert all({k: written[tuple(s[k] for k in KEY)][k] for k in s} == s for s in loss_saw)
+
+
+def test_a_stop_after_an_iterations_step_still_writes_its_file(
+    fit_small, tmp_path, monkeypatch
+):
+    """SIGTERM while iteration 1's weights go out (its optimizer step done): the stop's
+    checkpoint counts iteration 1 as trained, so its file must be on disk too, and the resumed
+    run writes only the iteration after it (``scripts/chaos.py`` once found one missing)."""
+    sync_weights, stops = StreamRLModule.sync_weights, []
+
+    def stopped_in_sync(self, iteration):
+        if iteration == 1 and not stops:  # the first run only
+            stops.append(iteration)
+            os.kill(os.getpid(), signal.SIGTERM)  # raised in this frame: the step is done
+        return sync_weights(self, iteration)
+
+    monkeypatch.setattr(StreamRLModule, "sync_weights", stopped_in_sync)
+    fit_small(save_rollouts=True, iterations=3, exit_code=128 + signal.SIGTERM)
+    out = tmp_path / "out"
+    checkpoint = torch.load(out / "checkpoints" / "last.ckpt", weights_only=False)
+    assert checkpoint["stopped_by"] == "SIGTERM" and checkpoint["global_step"] == 2
+    names = sorted(p.name for p in (out / "rollouts").iterdir())
+    assert names == ["iteration-000000.parquet", "iteration-000001.parquet"]
+    assert len(load_rows(out / "rollouts")) == checkpoint["streamrl"]["samples_trained"] == 16
+
+    summary = fit_small(save_rollouts=True, iterations=3, args=("--resume", "auto"))
+    rows = load_rows(out / "rollouts")
+    assert len(rows) == summary["samples_trained"] == 24
+    assert len({(r["iteration"], r["prompt_id"], r["sample_index"]) for r in rows}) == 24
 
 
 def test_without_the_setting_nothing_is_written(fit_small, tmp_path):
@@ -226,10 +258,12 @@ def test_a_failing_run_closes_its_sink_and_keeps_its_own_error(tmp_path, capsys)
 
     sink = Sink()
     recorder = RolloutRecorder(sink)
-    module = SimpleNamespace(rollouts=object(), trained_batches=None, weight_version=5)
+    module = SimpleNamespace(rollouts=object(), trained_batches=None, settled_batches=None)
     recorder.on_train_start(None, module)
     module.trained_batches.append(MicroBatch([sample("a", [5])], [0.25]))
-    recorder.on_train_batch_end(None, module, None, 0, 0)  # iteration 4 made version 5
+    module.settled_batches = (4, module.trained_batches)  # iteration 4 stepped
+    module.trained_batches = [MicroBatch([sample("b", [6])], [0.5])]  # 5: cut short
+    recorder.on_train_batch_end(None, module, None, 0, 0)
     recorder.on_exception(None, module, RuntimeError("the run failed"))
     assert sink.calls == [(4, [("a", 0.25)]), "closed"]
     # A write that fails while the run fails is reported, not raised over the run's own error.

@@ -195,6 +195,10 @@ class StreamRLModule(L.LightningModule):
         #: This iteration's micro-batches as trained (rank 0 with FSDP: every rank's), kept only
         #: once a list is set here (``streamrl.training.rollout_files.RolloutRecorder`` does).
         self.trained_batches: list[MicroBatch] | None = None
+        #: The last iteration's ``trained_batches`` once its optimizer step is done, until the
+        #: recorder takes them: (iteration, micro-batches). Settled with the step, so that a
+        #: stop landing after the step (whose checkpoint counts the iteration) still has them.
+        self.settled_batches: tuple[int, list[MicroBatch]] | None = None
         #: This iteration's loss so far: the sum of its micro-batches' scaled losses (detached).
         self.iteration_loss = torch.zeros(())
         self.sync_transfer_s = 0.0  # seconds spent broadcasting weights, background included
@@ -248,6 +252,8 @@ class StreamRLModule(L.LightningModule):
             self.dropped_stale_settled = self.pipeline.dropped_stale
             if self.rollouts is not None:
                 self.rollouts.trained(iteration)
+            if self.trained_batches is not None:
+                self.settled_batches, self.trained_batches = (iteration, self.trained_batches), []
         if self.rollouts is None:  # a trainer rank without the service (FSDP ranks > 0)
             self.stage_weights()  # joins the sending rank's gathers
             return

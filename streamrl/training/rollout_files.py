@@ -194,16 +194,22 @@ class RolloutRecorder(L.Callback):
     def on_train_batch_end(
         self, trainer: L.Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        if pl_module.rollouts is None or pl_module.trained_batches is None:
+        self._hand_over(pl_module)
+
+    def _hand_over(self, pl_module: Any) -> None:
+        """Give the sink the iteration whose optimizer step is done (``settled_batches``), if
+        it has not had it yet; an iteration cut short before its step is never written."""
+        settled = getattr(pl_module, "settled_batches", None)
+        if settled is None:
             return
-        batches, pl_module.trained_batches = pl_module.trained_batches, []
+        pl_module.settled_batches = None
+        iteration, batches = settled
         trained = [
             TrainedSample(sample, advantage)
             for micro in batches
             for sample, advantage in zip(micro.samples, micro.advantages)
         ]
-        # The step just taken made weight_version; the iteration trained on the one before.
-        self.sink(pl_module.weight_version - 1, trained)
+        self.sink(iteration, trained)
 
     def on_save_checkpoint(self, trainer: L.Trainer, pl_module: Any, checkpoint: dict) -> None:
         flush = getattr(self.sink, "flush", None)
@@ -215,6 +221,9 @@ class RolloutRecorder(L.Callback):
 
     def on_exception(self, trainer: L.Trainer, pl_module: Any, exception: BaseException) -> None:
         try:
+            # A stop after the step and before this iteration's end: the stop's checkpoint
+            # counts that iteration as trained, so its file is written too.
+            self._hand_over(pl_module)
             self._close()
         except Exception as error:  # the run's own error is the one to raise
             print(f"streamrl: rollout files not all written: {error!r}", file=sys.stderr)

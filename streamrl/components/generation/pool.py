@@ -12,6 +12,7 @@ every instance's messages without starving any.
 from __future__ import annotations
 
 import json
+import logging
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
@@ -46,6 +47,8 @@ from streamrl.components.weights.sync import AsyncWeightSync, Weights
 from streamrl.protocols import Dispatcher, WeightTransport
 from streamrl.records import Request, Sample
 from streamrl.runtime.atomic_files import write_text_atomic
+
+log = logging.getLogger(__name__)
 
 
 class GeneratorError(RuntimeError):
@@ -121,6 +124,8 @@ class InstancePool:
         self.weight_sync: AsyncWeightSync | None = None
         self.backlog: deque[Sample] = deque()
         self.counts: Counter[str] = Counter()
+        #: Why each replaced instance was replaced, in order (also logged as a warning).
+        self.failures: list[str] = []
         self.pushed_version = 0
         self.running = False
         self._received: deque[tuple] = deque()  # read from the pipes, not yet handled
@@ -356,7 +361,19 @@ class InstancePool:
         self._set_state(handle, "failed")
         self.counts["instances_restarted"] += 1
         self.counts["requests_requeued"] += len(requests)
-        self.spawn(handle.site)
+        replacement = self.spawn(handle.site)
+        lines = reason.strip().splitlines()  # a crash's: "failed:", its traceback's last line
+        short = " ".join(lines[:1] + lines[1:][-1:])
+        why = f"instance {handle.instance_id} (pid {handle.proc.pid}) {short}"
+        self.failures.append(why)
+        log.warning(
+            "generator %s; replaced by instance %d (%d of max_restarts=%d), %d requests requeued",
+            why,
+            replacement.instance_id,
+            restarts + 1,
+            self.max_restarts,
+            len(requests),
+        )
         self.dispatch(requests, [r.predicted_length or 0.0 for r in requests])
 
     def write_status(self) -> None:

@@ -92,9 +92,7 @@ def test_fit_writes_each_iteration_as_the_loss_saw_it(fit_small, tmp_path, loss_
     assert all({k: written[tuple(s[k] for k in KEY)][k] for k in s} == s for s in loss_saw)
 
 
-def test_a_stop_after_an_iterations_step_still_writes_its_file(
-    fit_small, tmp_path, monkeypatch
-):
+def test_a_stop_after_an_iterations_step_still_writes_its_file(fit_small, tmp_path, monkeypatch):
     """SIGTERM while iteration 1's weights go out (its optimizer step done): the stop's
     checkpoint counts iteration 1 as trained, so its file must be on disk too, and the resumed
     run writes only the iteration after it (``scripts/chaos.py`` once found one missing)."""

@@ -115,6 +115,28 @@ def test_a_peer_that_dies_after_saying_it_is_here_costs_the_connect_timeout(monk
     assert time.monotonic() - started < 20
 
 
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_connect_held_by_a_dead_peer_ends_on_abandon_not_on_glooss_timeout(rank):
+    """The peer said it is here, then died before gloo connected it: gloo's own connect waits
+    (on the store, then in its pair retries: 150 s measured) whatever our timeouts say. With
+    ``abandon`` (the sender: the instance's process gone; a member: it was fed anew) the group
+    gives up at the next poll instead."""
+    store = make_store(2, 60)
+    dist.PrefixStore("weights-1", store).set(f"present-{1 - rank}", "1")  # here, then gone
+    gone_at = time.monotonic() + 1.0
+
+    def abandon() -> str | None:
+        return "the peer is gone" if time.monotonic() > gone_at else None
+
+    started = time.monotonic()
+    with pytest.raises(ConnectionAbortedError, match=r"feed 1\): the peer is gone"):
+        if rank == 0:
+            WeightGroup(store.port, 0, 2, store=store, timeout_s=60, abandon=abandon)
+        else:
+            WeightGroup(store.port, 1, 2, timeout_s=60, abandon=abandon)
+    assert time.monotonic() - started < 5  # gloo's connect would wait CONNECT_TIMEOUT_S (30 s)
+
+
 def test_a_broadcast_waits_the_weight_timeout_not_the_connect_one(monkeypatch):
     """A member slow to take its bucket (busy decoding) is waited for up to ``timeout_s``."""
     monkeypatch.setattr(transport, "CONNECT_TIMEOUT_S", 1.0)

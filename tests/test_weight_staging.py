@@ -235,6 +235,8 @@ def test_a_receiver_skips_versions_announced_for_a_feed_it_no_longer_has():
     staged = StagedWeights.like(_named(), pin=False)
     receiver = WeightReceiver(connect, staged, NoMembers())
     receiver.refeed(2)
+    # A connect of feed 1 still under way gives up at once (``WeightGroup``'s ``abandon``).
+    assert receiver.fed_anew(1) == "fed anew (feed 2)" and receiver.fed_anew(2) is None
     receiver.receive(5, 1)  # announced for feed 1, arrives after the re-feed: skipped
     receiver.receive(5, 2)  # the new feeder's catch-up
     deadline = time.monotonic() + 5

@@ -402,11 +402,15 @@ class InstancePool:
         ``backlog``), or ``None`` for one only for bookkeeping (let the caller re-check).
         Raises ``GeneratorError`` on timeout, or returns ``None`` if ``quiet``."""
         deadline = deadline if deadline is not None else time.monotonic() + self.timeouts.sample_s
-        now = time.monotonic()
-        if now - self._last_read > 1.0:  # the caller was away: silence meant nothing meanwhile
-            self._reading_since = now
         try:
             while True:
+                # Away for over a second (the caller, or this pool's own bookkeeping: replacing
+                # an instance waited on a store a dying connect held, 30 s): silence meant
+                # nothing meanwhile, an instance is judged on what it sent since.
+                now = time.monotonic()
+                if now - self._last_read > 1.0:
+                    self._reading_since = now
+                self._last_read = now
                 message = self._receive(min(0.25, max(0.0, deadline - time.monotonic())))
                 if message is None or time.monotonic() - self._checked > 1.0:
                     self._check_health()

@@ -31,6 +31,7 @@ class WeightReceiver:
     ) -> None:
         self.connect, self.staged, self._relay = connect, staged, relay
         self.generation = 1
+        self.newest = 1  # the newest feed announced: set at once, ahead of the queue
         self.broken: int | None = None  # the feed whose group failed (its versions fail fast)
         self.group: Any = None  # connected at the first transfer of each feed, as the sender
         self._todo: queue.Queue[tuple] = queue.Queue()
@@ -47,7 +48,16 @@ class WeightReceiver:
         self._todo.put(("receive", (version, generation)))
 
     def refeed(self, generation: int) -> None:
+        self.newest = max(self.newest, generation)
         self._todo.put(("refeed", (generation,)))
+
+    def fed_anew(self, generation: int) -> str | None:
+        """Why a connect of feed ``generation`` still under way should give up (a newer feed
+        was announced: its feeder died, maybe holding that connect), or ``None``. Asked by
+        the group's rendezvous, so the new feed is not queued behind the old one's connect."""
+        if self.newest > generation:
+            return f"fed anew (feed {self.newest})"
+        return None
 
     def relay(self, kind: str, args: tuple) -> None:
         self._todo.put((kind, args))

@@ -229,10 +229,12 @@ class _Instance:
                 transport=spec.transport,
                 device=spec.device,
                 generation=generation,
+                abandon=lambda: receiver.fed_anew(generation),  # a dead feeder's connect
             )
 
         relay = WeightRelay(staged, spec.store_host, timeout_s, spec.transport)
-        return WeightReceiver(connect, staged, relay)
+        receiver = WeightReceiver(connect, staged, relay)
+        return receiver
 
     def run(self, inbox: Any) -> None:
         beat = time.monotonic()

@@ -19,10 +19,13 @@ import datetime
 import ipaddress
 import os
 import socket
+import threading
 import time
 from collections.abc import Callable, Iterable
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, replace
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -44,6 +47,7 @@ RENDEZVOUS_POLL_S = 0.05
 CONNECT_TIMEOUT_S = 30.0
 
 Abandon = Callable[[], str | None]
+T = TypeVar("T")
 
 
 def set_feed(store: dist.Store, generation: int | None) -> None:
@@ -272,9 +276,18 @@ class WeightGroup:
             return superseded(store, generation) or (abandon() if abandon is not None else None)
 
         _gather(prefix, rank, world_size, generation, timeout_s, give_up)
-        self._link = self.transport.connect(
-            prefix, rank, world_size, timeout_s=timeout_s, device=device
-        )
+
+        def connect() -> WeightLink:
+            return self.transport.connect(
+                prefix, rank, world_size, timeout_s=timeout_s, device=device
+            )
+
+        # gloo's pair connect, held by a peer that died once its address was out, retries past
+        # the group's timeout (150 s measured): waited for on a thread, given up on ``abandon``.
+        if abandon is not None and isinstance(self.transport, GlooTransport):
+            self._link = finish_unless(connect, abandon, f"weight group (feed {generation})")
+        else:
+            self._link = connect()
 
     def broadcast(self, tensors: Iterable[torch.Tensor]) -> int:
         """Broadcast ``tensors`` in place from rank 0 (send there, receive elsewhere), one
@@ -323,6 +336,33 @@ def _gather(
                 f"within {timeout_s:g} s."
             )
         time.sleep(RENDEZVOUS_POLL_S)
+
+
+def finish_unless(work: Callable[[], T], give_up: Abandon, what: str) -> T:
+    """``work()`` run on a thread of its own and waited for, asking ``give_up`` every
+    ``RENDEZVOUS_POLL_S``; once it gives a reason this returns by raising, and the work is left
+    to end on its own (its result dropped). For a backend's connect, whose retries ignore the
+    timeouts given to it.
+
+    Raises:
+        ConnectionAbortedError: ``give_up`` gave a reason first (``what: reason``).
+    """
+    done: Future = Future()
+
+    def run() -> None:
+        try:
+            done.set_result(work())
+        except BaseException as err:  # raised on the waiting thread
+            done.set_exception(err)
+
+    threading.Thread(target=run, daemon=True, name=f"streamrl-{what}").start()
+    while True:
+        try:
+            return done.result(timeout=RENDEZVOUS_POLL_S)
+        except FutureTimeout:
+            reason = give_up()
+            if reason is not None:
+                raise ConnectionAbortedError(f"{what}: {reason}") from None
 
 
 class LazyGroup:

@@ -172,6 +172,9 @@ def test_simulator_predicts_a_fresh_real_run_it_was_not_fitted_to():
     row = result["rows"]["fat-tail"]
     assert not row["fitted"] and row["real"] > 0
     assert abs(row["error"]) < OUT_OF_SAMPLE_BOUND, result
+    # The old PTL(BS) model, calibrated on the same run, is simulated beside it.
+    assert result["calibration_ptl"]["ptl_ms"] and row["sim_ptl"] > 0
+    assert result["max_abs_error_ptl"] == abs(row["error_ptl"])
 
 
 # -- asynchronous variants: staleness bound k, partial rollout (finish / keep / recompute) -------

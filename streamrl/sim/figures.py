@@ -36,28 +36,35 @@ def _figure(width: float = 7.0, height: float = 3.6):
 
 
 def validation_figure(result: dict, path: str | Path) -> Path:
-    """Bars of ``streamrl sim validate``'s result: real vs simulated samples/s per config."""
+    """Bars of ``streamrl sim validate``'s result: real vs simulated samples/s per config, the
+    context model's beside the old ``PTL(BS)`` one's when the result has both."""
     rows = result["rows"]
     fig = _figure(max(9.0, 0.8 * len(rows)), 3.4)  # the partial-rollout rows make 13
     ax = fig.add_subplot()
     x = np.arange(len(rows))
+    models = [("", "simulated, context model", "#1f77b4")]
+    if "calibration_ptl" in result:
+        models.append(("_ptl", "simulated, PTL(BS) only", "#ff7f0e"))
+    width = 0.8 / (1 + len(models))
+    offsets = [(i - len(models) / 2) * width for i in range(1 + len(models))]
     real = [r["real"] for r in rows.values()]
-    sim = [r["sim"] for r in rows.values()]
-    ax.bar(x - 0.2, real, 0.4, label="real (measured now)", color="0.55")
-    ax.bar(x + 0.2, sim, 0.4, label="simulated (calibrated on *)", color="#1f77b4")
-    for i, r in enumerate(rows.values()):
-        ax.annotate(
-            f"{r['error']:+.0%}",
-            (i + 0.2, r["sim"]),
-            ha="center",
-            xytext=(0, 2),
-            textcoords="offset points",
-            fontsize=8,
-        )
+    ax.bar(x + offsets[0], real, width, label="real (measured now)", color="0.55")
+    for (tail, label, color), offset in zip(models, offsets[1:]):
+        sim = [r[f"sim{tail}"] for r in rows.values()]
+        ax.bar(x + offset, sim, width, label=f"{label} (calibrated on *)", color=color)
+        for i, r in enumerate(rows.values()):
+            ax.annotate(
+                f"{r[f'error{tail}']:+.0%}",
+                (i + offset, r[f"sim{tail}"]),
+                ha="center",
+                xytext=(0, 2),
+                textcoords="offset points",
+                fontsize=6 if len(models) > 1 else 8,
+            )
     labels = [f"{n}*" if r["fitted"] else n for n, r in rows.items()]
     ax.set_xticks(x, labels, fontsize=8, rotation=20 if len(rows) > 7 else 0)
     ax.set_ylabel("samples/s (bench pipeline)")
-    ax.legend(fontsize=8, loc="upper right")
+    fig.legend(fontsize=8, loc="outside lower center", ncols=1 + len(models))
     ax.set_title("Simulator vs fresh real runs on this machine (streamrl sim validate)")
     fig.savefig(path)
     return Path(path)

@@ -4,9 +4,12 @@ StreamRL §4.2 rests on a profiler-based estimation model ``P``: "a few profilin
 training and generation time accurately". This module tests that claim for our simulator out of
 sample, on this machine, against the real ``streamrl bench pipeline`` code:
 
-1. **Profile** (micro-benchmarks, no bench run): ``PTL(BS)`` of the real generator backend
-   (``Profiler``) and the trainer's cost per padded token on one (and, for colocated rows, two)
-   torch threads (``streamrl.sim.calibrate.measure_trainer_cost``).
+1. **Profile** (micro-benchmarks, no bench run): the real generator backend's latency, twice
+   (``Profiler``): the old ``PTL(BS)`` table on short prompts, and the model of batch size and
+   context (issue 47: ``Profiler.fit_grid``, a step's cost growing with its widest row, and the
+   prefills); and the trainer's cost per padded token on one (and, for colocated rows, two)
+   torch threads (``streamrl.sim.calibrate.measure_trainer_cost``). Each latency model is
+   calibrated and simulated on its own, so every row shows the old model beside the new.
 2. **Calibrate on one real configuration** (``bench.pipeline.run_mode``, a sync run). From its
    trace come what the micro-benchmarks cannot see: the generator's slowdown beside a computing
    trainer (contention: the one factor for which the simulated ``gen_s`` equals the real one),
@@ -56,6 +59,14 @@ from streamrl.sim.engine import simulate
 #: Micro-batch shapes timed by a quick calibration (the full one times ``DEFAULT_SHAPES``).
 QUICK_SHAPES = ((4, 16), (16, 32), (8, 128), (32, 64))
 PROFILE_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
+#: Prompt widths of the context model's grid: the bench's prompts, then rows that have grown
+#: through the shipped and the fat-tail lengths (up to 200 tokens).
+PROFILE_CONTEXTS = (PROMPT_TOKENS, 64, 160)
+#: The two latency models every row is simulated with: (name, what it is).
+MODELS = {
+    "context": "batch size and context, with prefills (Profiler.fit_grid)",
+    "ptl": "PTL(BS) on short prompts (Profiler.fit), as before issue 47",
+}
 __all__ = [  # the rows live in ``bench_rows``; importable from here as before
     "CALIBRATION",
     "LENGTH_SETS",
@@ -146,7 +157,8 @@ def sim_config(config: BenchConfig, cal: Calibration, iterations: int, warmup: i
         config.max_batch_size,
         slowdown=cal.slowdown,
         colocated_slowdown=cal.slowdown,
-        prefill_s=cal.latency.ptl(1),
+        # A fixed admission cost where the model prices no prefill of its own (``PTL(BS)``).
+        prefill_s=0.0 if cal.latency.prices_context else cal.latency.ptl(1),
         prefill_s_per_token=cal.prefill_s_per_token,
     )
     trainer = TrainerPool(cal.trainer, 1, token_budget=config.token_budget)
@@ -239,19 +251,22 @@ def fit_calibration(
 
 def profile(
     quick: bool, two_threads: bool
-) -> tuple[LatencyModel, TrainerCostModel, TrainerCostModel | None]:
-    """The micro-benchmarks: ``PTL(BS)`` and the trainer's cost on one (and two) threads."""
+) -> tuple[dict[str, LatencyModel], TrainerCostModel, TrainerCostModel | None]:
+    """The micro-benchmarks: both latency models (``MODELS``) and the trainer's cost on one
+    (and two) threads."""
     from streamrl.components.skewness.profiler import Profiler
     from streamrl.sim.calibrate import _tiny_policy
 
     policy, tokenizer = _tiny_policy()
     prompt = tokenizer("copy abcdefgh=")["input_ids"]
     profiler = Profiler(policy, prompt, tokens=32, repeats=1 if quick else 3)
-    latency = profiler.fit(PROFILE_BATCH_SIZES)
+    models = {"ptl": profiler.fit(PROFILE_BATCH_SIZES)}
+    sizes = PROFILE_BATCH_SIZES[::2] if quick else PROFILE_BATCH_SIZES
+    models["context"], _ = profiler.fit_grid(sizes, PROFILE_CONTEXTS, "widest")  # the HF engine
     shapes, repeats = (QUICK_SHAPES, 2) if quick else (DEFAULT_SHAPES, 5)
     one = measure_trainer_cost(1, shapes, repeats)
     two = measure_trainer_cost(2, shapes, repeats) if two_threads else None
-    return latency, one, two
+    return {name: models[name] for name in MODELS}, one, two
 
 
 def profile_recompute(quick: bool) -> float:
@@ -288,14 +303,16 @@ def validate(
         quick: fewer profiling repeats and micro-batch shapes (for tests).
 
     Returns:
-        ``{"calibration": {...}, "rows": {name: {real, sim, error, ...}}, "max_abs_error"}``.
+        ``{"calibration": {...}, "rows": {name: {real, sim, error, ...}}, "max_abs_error"}``
+        for the context model; ``calibration_ptl``, each row's ``sim_ptl`` / ``error_ptl`` and
+        ``max_abs_error_ptl`` for the old ``PTL(BS)`` one, calibrated on the same real run.
     """
     from streamrl.bench import model_dir_for
 
     say = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
     variants = {c.mode: bench_mode(c.mode) for c in (calibration, *predicted)}  # fail early
-    say("profiling PTL(BS) and the trainer's cost per token ...")
-    latency, one, two = profile(quick, any(c.mode == "colocated" for c in predicted))
+    say("profiling the generator (PTL(BS), and over batch sizes x contexts) and the trainer ...")
+    latencies, one, two = profile(quick, any(c.mode == "colocated" for c in predicted))
     recompute = any(v.partial_rollout == "recompute" for v in variants.values())
     per_token = profile_recompute(quick) if recompute else 0.0
     rows = {}
@@ -304,21 +321,21 @@ def validate(
         say(f"calibration run: {calibration.describe()}")
         runs = [run_real(calibration, model_dir, iterations, warmup, seed) for _ in range(repeats)]
         real = _median_runs(runs)
-        cal = fit_calibration(calibration, real, latency, one, two, iterations, warmup, per_token)
-        rows[calibration.name] = _row(calibration, real, cal, iterations, warmup, fitted=True)
+        cals = {
+            name: fit_calibration(calibration, real, model, one, two, iterations, warmup, per_token)
+            for name, model in latencies.items()
+        }
+        rows[calibration.name] = _row(calibration, real, cals, iterations, warmup, fitted=True)
         for config in predicted:
             say(f"real run: {config.name} ({config.describe()})")
             runs = [run_real(config, model_dir, iterations, warmup, seed) for _ in range(repeats)]
-            rows[config.name] = _row(config, _median_runs(runs), cal, iterations, warmup)
-    out_of_sample = [abs(r["error"]) for r in rows.values() if not r["fitted"]]
-    result = {
-        "calibration": cal.to_dict(),
-        "rows": rows,
-        "iterations": iterations,
-        "warmup": warmup,
-        "repeats": repeats,
-        "max_abs_error": round(max(out_of_sample), 4) if out_of_sample else None,
-    }
+            rows[config.name] = _row(config, _median_runs(runs), cals, iterations, warmup)
+    result = {"rows": rows, "iterations": iterations, "warmup": warmup, "repeats": repeats}
+    for name, cal in cals.items():
+        tail = "" if name == "context" else f"_{name}"
+        errors = [abs(r[f"error{tail}"]) for r in rows.values() if not r["fitted"]]
+        result[f"calibration{tail}"] = cal.to_dict()
+        result[f"max_abs_error{tail}"] = round(max(errors), 4) if errors else None
     print_table(result)
     return result
 
@@ -326,48 +343,59 @@ def validate(
 def _row(
     config: BenchConfig,
     real: dict,
-    cal: Calibration,
+    cals: dict[str, Calibration],
     iterations: int,
     warmup: int,
     fitted: bool = False,
 ) -> dict:
-    sim = simulate(sim_config(config, cal, iterations, warmup))
-    return {
+    """One row: the real medians beside each calibrated model's simulation (the context
+    model's keys plain, the others' suffixed with their name)."""
+    row = {
         "config": config.describe(),
         "fitted": fitted,
         "real": round(real["samples_per_s"], 2),
-        "sim": round(sim.samples_per_s, 2),
-        "error": round(sim.samples_per_s / real["samples_per_s"] - 1, 4),
         "real_gen_s": round(real["gen_s"], 3),
-        "sim_gen_s": round(sim.gen_s, 3),
         "real_train_s": round(real["train_s"], 3),
-        "sim_train_s": round(sim.train_s, 3),
         "real_token_lag": round(real.get("token_lag_mean", 0.0), 3),
-        "sim_token_lag": round(sim.token_lag_mean, 3),
     }
+    for name, cal in cals.items():
+        sim = simulate(sim_config(config, cal, iterations, warmup))
+        tail = "" if name == "context" else f"_{name}"
+        row[f"sim{tail}"] = round(sim.samples_per_s, 2)
+        row[f"error{tail}"] = round(sim.samples_per_s / real["samples_per_s"] - 1, 4)
+        row[f"sim_gen_s{tail}"] = round(sim.gen_s, 3)
+        row[f"sim_train_s{tail}"] = round(sim.train_s, 3)
+        row[f"sim_token_lag{tail}"] = round(sim.token_lag_mean, 3)
+    return row
 
 
 def print_table(result: dict) -> None:
-    """The validation table on stderr: real vs simulated samples/s and the relative error."""
-    cal = result["calibration"]
+    """The validation table on stderr: real vs simulated samples/s and the relative error, the
+    context model's beside the old ``PTL(BS)`` one's (when the result has both)."""
+    tails = {"context": ""} | ({"ptl": "_ptl"} if "calibration_ptl" in result else {})
+    for name, tail in tails.items():
+        cal = result[f"calibration{tail}"]
+        print(
+            f"calibrated ({name}): slowdown {cal['slowdown']:.3f}, trainer "
+            f"x{cal['trainer_scale']:.3f}, sync {cal['sync_s']:.3f} s, loop "
+            f"{cal['overhead_s']:.3f} s/iteration, PTL ms {cal['ptl_ms']}",
+            file=sys.stderr,
+        )
+    head = "".join(f"{'sim/s ' + n:>14}{'error':>8}" for n in tails)
     print(
-        f"calibrated: slowdown {cal['slowdown']:.3f}, trainer x{cal['trainer_scale']:.3f}, "
-        f"sync {cal['sync_s']:.3f} s, loop {cal['overhead_s']:.3f} s/iteration, PTL ms "
-        f"{cal['ptl_ms']}",
-        file=sys.stderr,
-    )
-    print(
-        f"{'config':<19}{'setting':<68}{'real/s':>9}{'sim/s':>9}{'error':>9}"
-        f"{'lag real':>10}{'lag sim':>9}",
+        f"{'config':<19}{'setting':<68}{'real/s':>8}{head}{'lag real':>10}{'lag sim':>9}",
         file=sys.stderr,
     )
     for name, row in result["rows"].items():
         tag = f"{name}*" if row["fitted"] else name
+        sims = "".join(f"{row['sim' + t]:>14.1f}{row['error' + t]:>+8.1%}" for t in tails.values())
         print(
-            f"{tag:<19}{row['config']:<68}{row['real']:>9.1f}{row['sim']:>9.1f}"
-            f"{row['error']:>+9.1%}{row['real_token_lag']:>10.3f}{row['sim_token_lag']:>9.3f}",
+            f"{tag:<19}{row['config']:<68}{row['real']:>8.1f}{sims}"
+            f"{row['real_token_lag']:>10.3f}{row['sim_token_lag']:>9.3f}",
             file=sys.stderr,
         )
     print("* fitted on this run (in-sample); the other rows are out of sample", file=sys.stderr)
-    if result["max_abs_error"] is not None:
-        print(f"largest out-of-sample error: {result['max_abs_error']:.1%}", file=sys.stderr)
+    for name, tail in tails.items():
+        if result.get(f"max_abs_error{tail}") is not None:
+            worst = result[f"max_abs_error{tail}"]
+            print(f"largest out-of-sample error ({name}): {worst:.1%}", file=sys.stderr)

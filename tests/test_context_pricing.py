@@ -138,3 +138,33 @@ def test_the_move_overhead_follows_the_model_measured_after_the_planner_is_built
     latency.update_from(context_model())
     assert planner.move_overhead_s == pytest.approx(2 * 0.004)
     assert AdaptiveDispatcher(latency, 4, move_overhead_s=0.5).move_overhead_s == 0.5
+
+
+@pytest.mark.parametrize("method", ["replay", "eq2"])
+def test_algorithm_1_and_the_elastic_triggers_price_the_prompt(method):
+    """Algorithm 1's T_gen and the elastic controller's delta' start every context at the
+    prompt: with a model of context, 400-token prompts make generation longer in every mode
+    and method; a PTL(BS) table is unchanged by them."""
+    from streamrl.components.capacity.allocator import (
+        ResourceAllocator,
+        TrainerCostModel,
+        predict_generation_s,
+    )
+    from streamrl.components.capacity.elastic import ElasticController
+
+    lengths = [float(random.Random(i).randint(20, 300)) for i in range(64)]
+    priced, flat = context_model(context_s=2e-4), LatencyModel([1, 4, 16], [0.004, 0.005, 0.008])
+    for model in (priced, flat):
+        short = predict_generation_s(model, lengths, 4, 16, method, prompt_tokens=0)
+        long = predict_generation_s(model, lengths, 4, 16, method, prompt_tokens=400)
+        assert (long > 1.5 * short) if model is priced else (long == short)
+    for mode in ("async", "sync"):  # T_gen, and the sync critical path's finish times
+        allocator = ResourceAllocator(
+            priced, TrainerCostModel(2e-5), max_batch_size=16, mode=mode, method=method
+        )
+        long = allocator.evaluate(8, 8, lengths, prompt_tokens=400).gen_s
+        assert long > 1.5 * allocator.evaluate(8, 8, lengths, prompt_tokens=0).gen_s
+    controller = ElasticController(priced, 16, method=method)
+    assert controller.predicted_gen_s(2, lengths, 400) > 1.5 * controller.predicted_gen_s(
+        2, lengths
+    )

@@ -388,7 +388,11 @@ class StreamRLModule(L.LightningModule):
         """Elastic generation (§4.2): one more instance when generation lags training."""
         service, stats = self.rollouts.service, self.rollouts.stats
         running = sum(i.state in ("starting", "joining", "active") for i in service.instances())
-        decision = self.elastic.observe(stats.generate_s, train_s, running, stats.lengths)
+        prompts = stats.prompt_tokens
+        prompt_tokens = sum(prompts) / len(prompts) if prompts else 0.0
+        decision = self.elastic.observe(
+            stats.generate_s, train_s, running, stats.lengths, prompt_tokens
+        )
         if decision.action == "add":
             for _ in range(decision.instances - running):
                 service.add_instance()  # joins once it holds the current weights

@@ -45,6 +45,7 @@ class IterationStats:
     rewards: list[float] = field(default_factory=list)
     reward_parts: dict[str, list[float]] = field(default_factory=dict)  # per reward, unweighted
     lengths: list[int] = field(default_factory=list)
+    prompt_tokens: list[int] = field(default_factory=list)  # each sample's prompt, as lengths
     #: Samples missing from the groups trained: episodes the environment cut, left out of the
     #: loss (``Sampler.left_out``); the trainer divides its loss by the samples it has.
     left_out: int = 0
@@ -442,6 +443,7 @@ class RolloutStream:
             for label, value in result.parts.items():
                 stats.reward_parts.setdefault(label, []).append(value)
             stats.lengths.append(sample.length)
+            stats.prompt_tokens.append(len(sample.prompt_ids))
             row = batch.rows[sample.prompt_id]
             self._finished_lengths.append((self._prompt_text(row), sample.length))
             self.trace.add_samples([sample], sample.iteration)

@@ -87,12 +87,15 @@ def _skew_parts(
     latency: LatencyModel,
     max_batch_size: int,
     alpha: float,
+    prompt_tokens: float = 0.0,
 ) -> list[list[float]]:
-    """Algorithm 2's pools on the true lengths, spread by LPT, each instance in LPT order."""
+    """Algorithm 2's pools on the true lengths, spread by LPT, each instance in LPT order (the
+    requests hold ``prompt_tokens``-token prompts, which a model of context prices)."""
     from streamrl.records import Request
 
     dispatcher = SkewAwareDispatcher(latency, max_batch_size, alpha=alpha, recent_lengths=lengths)
-    requests = [Request(f"p{i}", [0], int(n)) for i, n in enumerate(lengths)]
+    prompt = [0] * max(1, round(prompt_tokens))
+    requests = [Request(f"p{i}", prompt, int(n)) for i, n in enumerate(lengths)]
     parts = dispatcher.plan(requests, [float(n) for n in lengths], instances)
     return [sorted((float(r.predicted_length) for r in part), reverse=True) for part in parts]
 
@@ -104,17 +107,20 @@ def predict_generation_s(
     max_batch_size: int,
     method: Method = "replay",
     alpha: float = 0.2,
+    prompt_tokens: float = 0.0,
 ) -> float:
     """Predicted generation makespan of one iteration on ``instances`` instances (P_gen).
 
     Args:
-        latency: ``PTL(BS)`` of one instance.
+        latency: the step costs of one instance (``PTL(BS)``, or of batch size and context).
         lengths: output lengths of the iteration's samples (true, or a recent sample of them).
         instances: generator instances.
         max_batch_size: batch slots per instance.
         method: ``"replay"`` (Algorithm 2's plan replayed with continuous batching, which sees
             the long tail) or ``"eq2"`` (Eq. 2 per pool with the pool's mean length).
         alpha: long-tail share of Algorithm 2.
+        prompt_tokens: the mean prompt: every sample's context starts there, and its prefill
+            is paid (issue 47; nothing changes for a ``PTL(BS)`` table).
     """
     if instances < 1:
         raise ValueError(f"instances must be >= 1, got {instances}.")
@@ -125,19 +131,31 @@ def predict_generation_s(
         dispatcher = SkewAwareDispatcher(
             latency, max_batch_size, alpha=alpha, recent_lengths=lengths
         )
+        dispatcher.prompt_tokens = prompt_tokens  # what its plan() takes from the requests
         split = dispatcher.split(len(ordered), instances)
         n_tail = round(alpha * len(ordered)) if split[0] else 0
         pools = ((ordered[:n_tail], split[0]), (ordered[n_tail:], split[1]))
         return max(
-            latency.instance_latency(math.ceil(len(p) / n), float(np.mean(p)), max_batch_size)
+            latency.instance_latency(
+                math.ceil(len(p) / n), float(np.mean(p)), max_batch_size, prompt_tokens
+            )
             for p, n in pools
             if p and n
         )
-    parts = _skew_parts(lengths, instances, latency, max_batch_size, alpha)
+    parts = _skew_parts(lengths, instances, latency, max_batch_size, alpha, prompt_tokens)
     return max(
-        (max(end for _, end in decode_schedule(p, max_batch_size, latency)) for p in parts if p),
+        (max(_finish_times(p, max_batch_size, latency, prompt_tokens)) for p in parts if p),
         default=0.0,
     )
+
+
+def _finish_times(
+    lengths: Sequence[float], max_batch_size: int, latency: LatencyModel, prompt_tokens: float
+) -> list[float]:
+    """When each sample of one instance's part finishes, replayed from ``prompt_tokens``."""
+    contexts = [prompt_tokens] * len(lengths)
+    schedule = decode_schedule(lengths, max_batch_size, latency, contexts=contexts)
+    return [end for _, end in schedule]
 
 
 def sync_critical_path_s(
@@ -239,21 +257,27 @@ class ResourceAllocator:
         train_s = self.trainer.train_s(sum(tokens), units)
         if self.mode == "async":
             gen_s = predict_generation_s(
-                self.latency, lengths, instances, self.max_batch_size, self.method
+                self.latency,
+                lengths,
+                instances,
+                self.max_batch_size,
+                self.method,
+                prompt_tokens=prompt_tokens,
             )
             iteration_s = max(gen_s, train_s)
         else:
-            finish = self._finish_times(lengths, instances)
+            finish = self._finish_times(lengths, instances, prompt_tokens)
             gen_s = max(finish)
             iteration_s = sync_critical_path_s(finish, tokens, self.trainer, units)
             iteration_s += self.weight_sync_s
         return AllocationPlan(gen_gpus, train_gpus, instances, units, gen_s, train_s, iteration_s)
 
-    def _finish_times(self, lengths: Sequence[float], instances: int) -> list[float]:
-        parts = _skew_parts(lengths, instances, self.latency, self.max_batch_size, 0.2)
-        return [
-            end for p in parts for _, end in decode_schedule(p, self.max_batch_size, self.latency)
-        ]
+    def _finish_times(
+        self, lengths: Sequence[float], instances: int, prompt_tokens: float
+    ) -> list[float]:
+        batch, latency = self.max_batch_size, self.latency
+        parts = _skew_parts(lengths, instances, latency, batch, 0.2, prompt_tokens)
+        return [end for p in parts for end in _finish_times(p, batch, latency, prompt_tokens)]
 
     def plan(
         self, budget_gpus: int, lengths: Sequence[float], prompt_tokens: float = 0

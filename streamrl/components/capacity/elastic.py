@@ -122,26 +122,43 @@ class ElasticController:
             )
         return cls(run.latency(), run.max_batch_size, **options)
 
-    def predicted_gen_s(self, instances: int, lengths: Sequence[float]) -> float:
-        """The latency model's generation makespan on ``instances`` instances."""
+    def predicted_gen_s(
+        self, instances: int, lengths: Sequence[float], prompt_tokens: float = 0.0
+    ) -> float:
+        """The latency model's generation makespan on ``instances`` instances, every context
+        starting at the mean prompt ``prompt_tokens``."""
         return predict_generation_s(
-            self.latency, lengths, instances, self.max_batch_size, self.method
+            self.latency,
+            lengths,
+            instances,
+            self.max_batch_size,
+            self.method,
+            prompt_tokens=prompt_tokens,
         )
 
-    def delta_prime_s(self, t_gen_s: float, instances: int, lengths: Sequence[float]) -> float:
+    def delta_prime_s(
+        self, t_gen_s: float, instances: int, lengths: Sequence[float], prompt_tokens: float = 0.0
+    ) -> float:
         """``delta'``: measured ``T_gen`` times the predicted relative saving of ``step`` more."""
-        now = self.predicted_gen_s(instances, lengths)
-        more = self.predicted_gen_s(instances + self.step, lengths)
+        now = self.predicted_gen_s(instances, lengths, prompt_tokens)
+        more = self.predicted_gen_s(instances + self.step, lengths, prompt_tokens)
         return t_gen_s * max(0.0, 1.0 - more / now) if now > 0 else 0.0
 
-    def _delta_double_prime_s(self, t_gen_s: float, instances: int, lengths) -> float:
+    def _delta_double_prime_s(
+        self, t_gen_s: float, instances: int, lengths: Sequence[float], prompt_tokens: float
+    ) -> float:
         # The generation time ``step`` fewer instances would add.
-        now = self.predicted_gen_s(instances, lengths)
-        fewer = self.predicted_gen_s(instances - self.step, lengths)
+        now = self.predicted_gen_s(instances, lengths, prompt_tokens)
+        fewer = self.predicted_gen_s(instances - self.step, lengths, prompt_tokens)
         return t_gen_s * max(0.0, fewer / now - 1.0) if now > 0 else float("inf")
 
     def observe(
-        self, t_gen_s: float, t_train_s: float, instances: int, lengths: Sequence[float]
+        self,
+        t_gen_s: float,
+        t_train_s: float,
+        instances: int,
+        lengths: Sequence[float],
+        prompt_tokens: float = 0.0,
     ) -> ElasticDecision:
         """Decide after one iteration.
 
@@ -150,12 +167,13 @@ class ElasticController:
             t_train_s: the iteration's measured training time.
             instances: generator instances that ran it.
             lengths: output lengths of its samples (the workload the next one resembles).
+            prompt_tokens: their mean prompt (a latency model of context prices it).
 
         Returns:
             The decision; ``instances`` is the count to run next.
         """
         delta = t_gen_s - t_train_s
-        prime = self.delta_prime_s(t_gen_s, instances, lengths)
+        prime = self.delta_prime_s(t_gen_s, instances, lengths, prompt_tokens)
         if self._cooling > 0:
             self._cooling -= 1
             return ElasticDecision("keep", instances, delta, prime, "cooling down after a change")
@@ -165,7 +183,8 @@ class ElasticController:
         self._add_streak = self._add_streak + 1 if want_add else 0
         want_remove = False
         if self.scale_in and instances - self.step >= self.min_instances and delta < 0:
-            want_remove = -delta > self._delta_double_prime_s(t_gen_s, instances, lengths)
+            fewer_s = self._delta_double_prime_s(t_gen_s, instances, lengths, prompt_tokens)
+            want_remove = -delta > fewer_s
         self._remove_streak = self._remove_streak + 1 if want_remove else 0
         if self._add_streak >= self.patience:
             return self._change(

@@ -18,7 +18,7 @@ if __name__ == "__main__":  # generator instances are spawned processes: keep th
     torch.set_num_threads(1)  # one core for the trainer, the others for the generators
     model_dir = args.model or sr.warm_start(sr.SFTConfig(steps=args.sft_steps))  # ~1M params
     policy, tokenizer = sr.load_policy(model_dir)
-    latency = sr.measure_latency(policy, tokenizer, max_batch_size=32)  # PTL(BS), §5.1
+    latency = sr.measure_latency(policy, tokenizer, max_batch_size=32)  # batch x context, §5.1
     dispatcher = sr.SkewAwareDispatcher(latency, max_batch_size=32)  # Algorithm 2, §5.3
     algorithm = sr.GRPO(group_size=4)
     dataset = sr.make_prompt_set(512, median_len=6, max_len=48)

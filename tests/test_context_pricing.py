@@ -168,3 +168,17 @@ def test_algorithm_1_and_the_elastic_triggers_price_the_prompt(method):
     assert controller.predicted_gen_s(2, lengths, 400) > 1.5 * controller.predicted_gen_s(
         2, lengths
     )
+
+
+def test_a_script_measures_the_model_of_context_the_run_uses(tokenizer):
+    """``measure_latency`` (what a script builds its dispatcher with) times batch sizes at the
+    short prompt and at longer ones the model's context holds: a model of context, paid for by
+    the widest row as on the HF engine, like the instances' own profile."""
+    from streamrl.policy.models import build_tiny_model
+    from streamrl.training.builders import measure_latency
+
+    policy = build_tiny_model(tokenizer, "test", seed=0)
+    model = measure_latency(policy, tokenizer, max_batch_size=8, contexts=(64, 10_000))
+    assert model.batch_sizes == [1, 2, 4, 8] and model.load == "widest"
+    assert model.prices_context  # 8 x 64-token prefills and steps cost more than short ones
+    assert model.prefill_s([64] * 8) > model.prefill_s([4] * 8)

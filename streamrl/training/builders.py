@@ -21,6 +21,7 @@ Examples:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -51,12 +52,18 @@ def measure_latency(
     *,
     prompt: str = "copy abcdefgh=",
     tokens: int = 16,
+    contexts: Sequence[int] = (64, 160),
 ) -> LatencyModel:
-    """``PTL(BS)``, the per-token decode latency at each batch size, measured on ``policy`` now
-    (§5.1: never assumed); Algorithm 2 and the elastic controller plan with it."""
+    """The decode latency of batch size and context, measured on ``policy`` now (§5.1: never
+    assumed; issue 47): each batch size at ``prompt``, and at prompts of ``contexts`` tokens
+    where the model's context holds them, a step paying for its widest row as the HF engine
+    does (``Profiler.fit_grid``). Algorithm 2 and the elastic controller plan with it."""
     sizes = [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b <= max_batch_size]
     prompt_ids = tokenizer(prompt)["input_ids"]
-    return Profiler(policy.eval(), prompt_ids, tokens=tokens, repeats=1).fit(sizes)
+    room = policy.config.max_position_embeddings - tokens - 1
+    widths = sorted({len(prompt_ids), *(c for c in contexts if c <= room)})
+    profiler = Profiler(policy.eval(), prompt_ids, tokens=tokens, repeats=1)
+    return profiler.fit_grid(sizes, widths, "widest")[0]
 
 
 def build_module(

@@ -256,13 +256,9 @@ class ResourceAllocator:
         tokens = [prompt_tokens + n for n in lengths]
         train_s = self.trainer.train_s(sum(tokens), units)
         if self.mode == "async":
+            batch = self.max_batch_size
             gen_s = predict_generation_s(
-                self.latency,
-                lengths,
-                instances,
-                self.max_batch_size,
-                self.method,
-                prompt_tokens=prompt_tokens,
+                self.latency, lengths, instances, batch, self.method, prompt_tokens=prompt_tokens
             )
             iteration_s = max(gen_s, train_s)
         else:

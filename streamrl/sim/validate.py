@@ -62,11 +62,8 @@ PROFILE_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
 #: Prompt widths of the context model's grid: the bench's prompts, then rows that have grown
 #: through the shipped and the fat-tail lengths (up to 200 tokens).
 PROFILE_CONTEXTS = (PROMPT_TOKENS, 64, 160)
-#: The two latency models every row is simulated with: (name, what it is).
-MODELS = {
-    "context": "batch size and context, with prefills (Profiler.fit_grid)",
-    "ptl": "PTL(BS) on short prompts (Profiler.fit), as before issue 47",
-}
+
+
 __all__ = [  # the rows live in ``bench_rows``; importable from here as before
     "CALIBRATION",
     "LENGTH_SETS",
@@ -252,7 +249,8 @@ def fit_calibration(
 def profile(
     quick: bool, two_threads: bool
 ) -> tuple[dict[str, LatencyModel], TrainerCostModel, TrainerCostModel | None]:
-    """The micro-benchmarks: both latency models (``MODELS``) and the trainer's cost on one
+    """The micro-benchmarks: both latency models (``"context"``, of batch size and context;
+    ``"ptl"``, ``PTL(BS)`` on short prompts as before issue 47) and the trainer's cost on one
     (and two) threads."""
     from streamrl.components.skewness.profiler import Profiler
     from streamrl.sim.calibrate import _tiny_policy
@@ -260,13 +258,13 @@ def profile(
     policy, tokenizer = _tiny_policy()
     prompt = tokenizer("copy abcdefgh=")["input_ids"]
     profiler = Profiler(policy, prompt, tokens=32, repeats=1 if quick else 3)
-    models = {"ptl": profiler.fit(PROFILE_BATCH_SIZES)}
     sizes = PROFILE_BATCH_SIZES[::2] if quick else PROFILE_BATCH_SIZES
-    models["context"], _ = profiler.fit_grid(sizes, PROFILE_CONTEXTS, "widest")  # the HF engine
+    context, _ = profiler.fit_grid(sizes, PROFILE_CONTEXTS, "widest")  # as the HF engine pays
+    models = {"context": context, "ptl": profiler.fit(PROFILE_BATCH_SIZES)}
     shapes, repeats = (QUICK_SHAPES, 2) if quick else (DEFAULT_SHAPES, 5)
     one = measure_trainer_cost(1, shapes, repeats)
     two = measure_trainer_cost(2, shapes, repeats) if two_threads else None
-    return {name: models[name] for name in MODELS}, one, two
+    return models, one, two
 
 
 def profile_recompute(quick: bool) -> float:
@@ -332,12 +330,17 @@ def validate(
             rows[config.name] = _row(config, _median_runs(runs), cals, iterations, warmup)
     result = {"rows": rows, "iterations": iterations, "warmup": warmup, "repeats": repeats}
     for name, cal in cals.items():
-        tail = "" if name == "context" else f"_{name}"
+        tail = _suffix(name)
         errors = [abs(r[f"error{tail}"]) for r in rows.values() if not r["fitted"]]
         result[f"calibration{tail}"] = cal.to_dict()
         result[f"max_abs_error{tail}"] = round(max(errors), 4) if errors else None
     print_table(result)
     return result
+
+
+# Plain keys for of the context model's results; the old ``PTL(BS)``'s end in ``_ptl``.
+def _suffix(model: str) -> str:
+    return "" if model == "context" else f"_{model}"
 
 
 def _row(
@@ -359,8 +362,7 @@ def _row(
         "real_token_lag": round(real.get("token_lag_mean", 0.0), 3),
     }
     for name, cal in cals.items():
-        sim = simulate(sim_config(config, cal, iterations, warmup))
-        tail = "" if name == "context" else f"_{name}"
+        sim, tail = simulate(sim_config(config, cal, iterations, warmup)), _suffix(name)
         row[f"sim{tail}"] = round(sim.samples_per_s, 2)
         row[f"error{tail}"] = round(sim.samples_per_s / real["samples_per_s"] - 1, 4)
         row[f"sim_gen_s{tail}"] = round(sim.gen_s, 3)

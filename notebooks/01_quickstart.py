@@ -1,12 +1,12 @@
 # %% [markdown]
 # # 01 · Quickstart: streamed, disaggregated GRPO on a tiny model
 #
-# **What it shows.** The whole StreamRL loop on a CPU: two generator processes (the stream
-# generation service, StreamRL §3) decode prompts with continuous batching and push every
-# finished sample to the trainer the moment it completes; the trainer back-propagates each
-# prompt's group as soon as it is complete (dynamic-batch pipelining, §4.1) and a Lightning
-# `Trainer` drives one optimizer step per RL iteration. At the end we plot the mean reward of
-# each iteration.
+# **What it shows.** The whole StreamRL loop on a CPU, through the same recipe as `streamrl fit`:
+# two generator processes (the stream generation service, StreamRL §3) decode prompts with
+# continuous batching and push every finished sample to the trainer the moment it completes;
+# the trainer back-propagates each prompt's group as soon as it is complete (dynamic-batch
+# pipelining, §4.1) and a Lightning `Trainer` drives one optimizer step per RL iteration. At the
+# end we plot the mean reward of each iteration.
 #
 # **Paper.** StreamRL, arXiv 2504.15930, §3 (architecture) and §4.1 (pipelining).
 #
@@ -17,48 +17,56 @@
 
 # %%
 import matplotlib.pyplot as plt
-import torch
 
-from streamrl import (
-    GRPO,
-    PromptSource,
-    RolloutStream,
-    SFTConfig,
-    StreamGenerationService,
-    build_module,
-    build_trainer,
-    load_policy,
-    make_prompt_set,
-    partial_credit,
-    warm_start,
-)
+from streamrl import load_config, run_fit
 from streamrl.run.notebook import notebook_settings
+from streamrl.run.reruns import fresh_output_dir
 
 SMALL, OUT = notebook_settings()  # STREAMRL_NOTEBOOK_BUDGET=small|full, STREAMRL_NOTEBOOK_OUT
-torch.set_num_threads(1)  # one core for the trainer; the generator processes take the others
 
 # %% [markdown]
-# ## The policy
+# ## The run, as a config
 #
-# The built-in ~1M-parameter Qwen2-architecture model with a character tokenizer. A short
-# supervised warm start teaches it the task format (cached on disk: `make demo` trains the
-# full one, which this notebook reuses). Any local Hugging Face model directory works the same
-# way: `model_dir = "/path/to/model"`.
+# One mapping in the layout of `configs/demo.yaml`: each section holds one component's
+# constructor arguments (`rl.generation`: the `StreamGenerationService`; `rl.module`: the
+# `StreamRLModule`), each swappable part is a short name or `{class_path, init_args}`.
+# `load_config` checks every key and value before any work (a misspelled key fails with a
+# suggestion). The policy is the built-in ~1M-parameter Qwen2-architecture model; a short
+# supervised warm start teaches it the task format (cached on disk: `make demo` trains the full
+# one, which the full version reuses). Any local Hugging Face model directory works the same
+# way: `"model": "/path/to/model"`.
 
 # %%
-sft = SFTConfig(steps=40, n_demos=1024) if SMALL else SFTConfig()  # full: the demo's warm start
-model_dir = warm_start(sft, show_progress=not SMALL)
-policy, tokenizer = load_policy(model_dir)
 ITERATIONS, PROMPTS, GROUP = (3, 8, 4) if SMALL else (40, 16, 8)
-prompts = make_prompt_set(512, ["copy", "rev", "count", "sort"], median_len=6, max_len=48)
-print(prompts[0])  # one row: a prompt and its reference answer
+config = load_config(
+    {
+        "model": "tiny",
+        "output_dir": str(fresh_output_dir(OUT / "01_run")),  # a new folder per run
+        "data": {"n_heldout": 16} if SMALL else {},  # held-out prompts, before and after RL
+        "sft": {"steps": 40} if SMALL else {},  # full: the demo's warm start
+        "rl": {
+            "algorithm": "grpo",
+            "iterations": ITERATIONS,
+            "prompts_per_iteration": PROMPTS,
+            "group_size": GROUP,
+            "generation": {"num_instances": 2, "temperature": 0.7},  # §3
+            "module": {"mode": "sync", "lr": 1e-4},  # §4.1: each group trains as it streams in
+            "rollouts": {"max_tokens": 64},
+            "reward": "partial",
+        },
+    }
+)
+print(config.rl.algorithm)  # each part as the run holds it: its full import path
 
 # %% [markdown]
 # ## Train
 #
-# `RolloutStream` turns the service's samples into scored groups (GRPO advantages);
-# `build_module` makes the LightningModule that trains on them and `build_trainer` the Lightning
-# `Trainer` that runs one optimizer step per iteration: the same builders `streamrl fit` uses.
+# `run_fit` is the recipe `streamrl fit` runs (`streamrl/run/recipe.py`, readable top to
+# bottom): it warm-starts the policy, starts the generation service, evaluates the starting
+# policy on held-out prompts, lets a Lightning `Trainer` drive the RL iterations on the streamed
+# samples (`RolloutStream` scores each prompt's group, GRPO advantages; `StreamRLModule` trains
+# it), evaluates again, and writes the trained policy, a timeline and `summary.json` to the
+# output directory.
 #
 # Generator instances are **spawned** processes, and a spawned process first imports the script
 # that started it. When this notebook runs as a plain `python` script, everything that starts
@@ -68,27 +76,20 @@ print(prompts[0])  # one row: a prompt and its reference answer
 
 # %%
 if __name__ == "__main__":
-    algorithm = GRPO(group_size=GROUP)
-    with StreamGenerationService(model_dir, num_instances=2, temperature=0.7) as sgs:
-        rollouts = RolloutStream(
-            sgs,
-            PromptSource(prompts, PROMPTS),
-            tokenizer,
-            algorithm,
-            reward=partial_credit,
-            max_tokens=64,
-            context=policy.config.max_position_embeddings,
-        )
-        module = build_module(policy, rollouts=rollouts, iterations=ITERATIONS, lr=1e-4)
-        build_trainer(module, show_progress=not SMALL).fit(module)
-    rewards = [h["rollout/reward"] for h in module.history]
+    summary = run_fit(config, show_progress=not SMALL)
+    rewards = summary["reward_per_iteration"]
     print(f"reward first {rewards[0]:.3f} last {rewards[-1]:.3f} over {len(rewards)} iterations")
+    print(
+        f"held-out accuracy {summary['heldout_acc_before']:.3f} -> "
+        f"{summary['heldout_acc_after']:.3f}; {summary['samples_per_s']:.1f} samples/s"
+    )
 
 # %% [markdown]
 # ## Reward per iteration
 #
-# Each point is the mean partial-credit reward of one iteration's samples. `module.history`
-# holds every logged metric per iteration (throughput, trainer wait, staleness, ...).
+# Each point is the mean partial-credit reward of one iteration's samples. The summary holds the
+# run's other figures (throughput, trainer wait, staleness, where every sample went); the
+# output directory's `metrics.csv` every logged metric per iteration.
 
 # %%
 if __name__ == "__main__":

@@ -23,27 +23,17 @@
 # %%
 import math
 from collections.abc import Sequence
+from pathlib import Path
 
 import matplotlib.pyplot as plt
 import torch
 
-from streamrl import (
-    PromptSource,
-    RolloutStream,
-    SFTConfig,
-    StreamGenerationService,
-    build_module,
-    build_trainer,
-    load_policy,
-    make_prompt_set,
-    partial_credit,
-    warm_start,
-)
+from streamrl import load_config, run_fit
 from streamrl.algorithms import Algorithm, LossInputs, TokenLoss
 from streamrl.run.notebook import notebook_settings
+from streamrl.run.reruns import fresh_output_dir
 
 SMALL, OUT = notebook_settings()  # STREAMRL_NOTEBOOK_BUDGET=small|full, STREAMRL_NOTEBOOK_OUT
-torch.set_num_threads(1)
 
 # %% [markdown]
 # ## The algorithm
@@ -58,10 +48,11 @@ torch.set_num_threads(1)
 #   sample's tokens and, in one-step async mode, multiplies by the truncated importance weights
 #   of stale samples (`batch.token_weights`), so no algorithm can forget them.
 #
-# `state_dict` / `load_state_dict` put the baseline into Lightning checkpoints, so a resumed
-# run continues with it. `score_sample` is inherited: the task reward, computed by the run's
-# reward functions (here `partial_credit`, given to `RolloutStream`), unchanged. The base's
-# constructor stores and checks `group_size` (and `clip_eps`, `kl_coef`, unused here).
+# `state_dict` / `load_state_dict` put the baseline (and its history, for the plot) into
+# Lightning checkpoints, so a resumed run continues with it. `score_sample` is inherited: the
+# task reward, computed by the run's reward functions (here `partial`, `rl.reward`), unchanged.
+# The base's constructor stores and checks `group_size` (and `clip_eps`, `kl_coef`, unused
+# here).
 
 
 # %%
@@ -90,10 +81,11 @@ class MovingAverageReinforce(Algorithm):
         return TokenLoss(policy=-batch.advantages[:, None] * batch.logprobs)  # [batch, seq]
 
     def state_dict(self) -> dict:
-        return {"baseline": self.baseline}
+        return {"baseline": self.baseline, "baselines": list(self.baselines)}
 
     def load_state_dict(self, state: dict) -> None:
         self.baseline = float(state["baseline"])
+        self.baselines = list(state.get("baselines", []))
 
 
 # %% [markdown]
@@ -129,36 +121,47 @@ assert torch.allclose(batch.logprobs.grad, torch.tensor([[-0.75, -0.25, 0.0]]))
 # %% [markdown]
 # ## Train with it
 #
-# Exactly the quickstart's loop with `MovingAverageReinforce` where GRPO was: the service, the
-# rollout stream and the LightningModule do not change. (Generator instances are spawned
-# processes; under `python`, the cells that start them sit under `if __name__ == "__main__":`
-# because a spawned process imports the script that started it.)
+# Exactly the quickstart's run with `MovingAverageReinforce` where GRPO was: `rl.algorithm`
+# takes the class itself as its `class_path` and its own constructor arguments as `init_args`
+# (`group_size` is linked in from `rl.group_size` by `Algorithm.from_run`). The service, the
+# rollout stream and the LightningModule do not change, and scoring and loss come from this one
+# object. A class of the notebook (or script) is built in this process only; with several
+# trainer ranks, put it in a module and give its import path, `package.module.Name`, as a YAML
+# config would. (Generator instances are spawned processes; under `python`, the cells that start
+# them sit under `if __name__ == "__main__":` because a spawned process imports the script that
+# started it.)
 
 # %%
 ITERATIONS, PROMPTS = (3, 8) if SMALL else (30, 16)
-sft = SFTConfig(steps=40, n_demos=1024) if SMALL else SFTConfig()  # full: the demo's warm start
-model_dir = warm_start(sft, show_progress=not SMALL)
+config = load_config(
+    {
+        "model": "tiny",
+        "output_dir": str(fresh_output_dir(OUT / "04_run")),
+        "data": {"n_heldout": 16} if SMALL else {},
+        "sft": {"steps": 40} if SMALL else {},  # full: the demo's warm start
+        "rl": {
+            "algorithm": {"class_path": MovingAverageReinforce, "init_args": {"decay": 0.9}},
+            "iterations": ITERATIONS,
+            "prompts_per_iteration": PROMPTS,
+            "group_size": 4,
+            "generation": {"num_instances": 2, "temperature": 0.7},
+            "module": {"lr": 1e-4},
+            "rollouts": {"max_tokens": 64},
+            "reward": "partial",
+        },
+    }
+)
+print(config.rl.algorithm)
 
 if __name__ == "__main__":
-    policy, tokenizer = load_policy(model_dir)
-    algorithm = MovingAverageReinforce(group_size=4)
-    prompts = make_prompt_set(512, median_len=6, max_len=48, seed=0)
-    with StreamGenerationService(model_dir, num_instances=2, temperature=0.7) as sgs:
-        rollouts = RolloutStream(
-            sgs,
-            PromptSource(prompts, PROMPTS),
-            tokenizer,
-            algorithm,
-            reward=partial_credit,
-            max_tokens=64,
-            context=policy.config.max_position_embeddings,
-        )
-        module = build_module(policy, rollouts=rollouts, iterations=ITERATIONS, lr=1e-4)
-        build_trainer(module, show_progress=not SMALL).fit(module)
-    rewards = [h["rollout/reward"] for h in module.history]
+    summary = run_fit(config, show_progress=not SMALL)
+    rewards = summary["reward_per_iteration"]
+    # The algorithm's state_dict went into the run's checkpoint, as a resumed run reads it.
+    checkpoint = torch.load(Path(config.output_dir, "checkpoints", "last.ckpt"), weights_only=False)
+    state = checkpoint["streamrl"]["algorithm"]
     print(
-        f"reward first {rewards[0]:.3f} last {rewards[-1]:.3f}; baseline now "
-        f"{algorithm.baseline:.3f} after {len(algorithm.baselines)} groups"
+        f"{summary['algorithm']['name']}: reward first {rewards[0]:.3f} last {rewards[-1]:.3f}; "
+        f"baseline now {state['baseline']:.3f} after {len(state['baselines'])} groups"
     )
 
 # %% [markdown]
@@ -172,7 +175,7 @@ if __name__ == "__main__":
     left.set_xlabel("iteration")
     left.set_ylabel("mean reward")
     left.set_title("MovingAverageReinforce: reward per iteration")
-    right.plot(algorithm.baselines)
+    right.plot(state["baselines"])
     right.set_xlabel("group (in arrival order)")
     right.set_ylabel("baseline")
     right.set_title("the moving-average baseline")

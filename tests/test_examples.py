@@ -72,10 +72,18 @@ def test_example_fits_on_one_screen(example):
     assert 'if __name__ == "__main__":' in example.read_text()
 
 
-def test_example_trains_with_a_tiny_budget():
-    proc = run_script(EXAMPLE, "--iterations", "2", "--prompts", "8", "--sft-steps", "20")
+def test_example_trains_with_a_tiny_budget_through_the_recipe(tmp_path):
+    out = tmp_path / "run"
+    args = ["--iterations", "2", "--prompts", "8", "--sft-steps", "20", "--heldout", "16"]
+    proc = run_script(EXAMPLE, *args, "--output-dir", str(out))
     last = proc.stdout.strip().splitlines()[-1]
-    assert last.startswith("reward first ") and "(2 iterations)" in last, last
+    assert last.startswith("held-out accuracy ") and "(2 iterations)" in last, last
+    # The road `streamrl fit` takes: its summary, timeline and trained policy directory.
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["iterations"] == 2 and summary["samples_lost"] == 0
+    assert summary["mode"] == "async" and summary["algorithm"]["name"] == "GRPO"
+    assert len(summary["reward_per_iteration"]) == 2
+    assert (out / "timeline.png").exists() and (out / "policy" / "config.json").exists()
 
 
 def test_reasoning_gym_example_trains_with_a_tiny_budget():

@@ -202,6 +202,14 @@ def check_trainer(config: RunConfig) -> None:
         raise ConfigError(
             f"trainer.save_dtype: {unknown_name('dtype', trainer.save_dtype, SAVE_DTYPES)}"
         )
+    algorithm = config.rl.algorithm["class_path"]
+    in_notebook = getattr(sys.modules["__main__"], "__file__", None) is None
+    if placement.ranks > 1 and algorithm.startswith("__main__.") and in_notebook:
+        raise ConfigError(
+            f"rl.algorithm: {algorithm} is defined in this notebook (or interactive session), "
+            f"which the {placement.ranks - 1} other trainer rank(s) cannot import: define it in "
+            "a module (package.module.Name), or train on one device (trainer.devices: 1)."
+        )
     check_memory(config, placement)  # each device fits the run's estimate
     cores = usable_cores()
     if placement.accelerator == "cpu" and placement.ranks_per_node > cores:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import types
 import typing
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -200,13 +201,18 @@ def read_config_text(path: Path) -> str:
         ) from None
 
 
-def load_config(path: str | Path) -> RunConfig:
-    """Read a YAML file into a validated ``RunConfig``.
+def load_config(path: str | Path | Mapping[str, Any]) -> RunConfig:
+    """Read a YAML file, or a mapping in its layout (a script's or notebook's config, where a
+    part's ``class_path`` may be the class itself), into a validated ``RunConfig``.
 
     Raises:
         ConfigError: missing or unreadable file, an unknown key (or one given twice), a wrong
             type or a bad value; the message names the key and the fix.
     """
+    if isinstance(path, Mapping):
+        config = from_dict(RunConfig, dict(path), where="config")
+        check_values(config)
+        return config
     path = Path(path)
     text = read_config_text(path)
     try:

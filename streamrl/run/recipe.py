@@ -83,7 +83,8 @@ def run_fit(
             lengths); by default ``RunStages()``.
 
     Returns:
-        ``reward_first`` / ``reward_last`` (mean reward of the first / last 3 iterations), the
+        ``reward_first`` / ``reward_last`` (mean reward of the first / last 3 iterations),
+        ``reward_per_iteration`` (each iteration's mean reward, from a resumed run's start), the
         held-out figures before and after (``heldout_acc_*``: greedy exact match on held-out
         prompts; episodes: ``heldout_success_*``), ``samples_per_s`` (over the iterations' own
         time, ``rl_wall_s``), ``train_wall_s`` (the whole training call: service start,

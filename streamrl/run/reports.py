@@ -112,6 +112,7 @@ def rl_summary(module: StreamRLModule, iterations: int) -> dict:
     return {
         "reward_first": sum(head) / len(head),
         "reward_last": sum(tail) / len(tail),
+        "reward_per_iteration": rewards,  # this start's iterations (a resumed run: from there)
         "samples_per_s": samples / rl_wall,
         "trainer_wait_frac": sum(h["time/wait_s"] for h in history) / rl_wall,
         "rl_wall_s": rl_wall,

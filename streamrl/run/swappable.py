@@ -48,16 +48,24 @@ SWAPPABLE: dict[str, tuple[str, Mapping[str, Any]]] = {
 }
 
 
+#: The parts only the process running the recipe builds (rank 0, or every trainer rank for the
+#: algorithm), which may therefore be a class of your script or notebook (``__main__.Name``);
+#: the scheduler and the engine are built in the generator processes, which cannot import it.
+MAIN_PROCESS_PARTS = ("algorithm", "dispatcher", "length_predictor", "elastic")
+
+
 def canonical(key: str, value: str | Mapping[str, Any] | None) -> dict[str, Any] | None:
     """``rl.<key>``'s ``value`` as ``{class_path, init_args}``; ``None`` stays ``None``.
 
     Raises:
-        ConfigError: an unknown name, a reference that does not import, or a malformed mapping.
+        ConfigError: an unknown name, a reference that does not import, a malformed mapping,
+            or a class of ``__main__`` for a part another process builds.
     """
     if value is None:
         return None
     kind, builtins = SWAPPABLE[key]
-    return as_class_path(value, kind=kind, builtins=builtins, where=f"rl.{key}")
+    main_ok = key in MAIN_PROCESS_PARTS
+    return as_class_path(value, kind=kind, builtins=builtins, where=f"rl.{key}", main_ok=main_ok)
 
 
 def factory_and_args(key: str, value: str | Mapping[str, Any]) -> tuple[Any, dict[str, Any]]:

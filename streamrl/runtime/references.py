@@ -318,7 +318,7 @@ def pick(
 ) -> tuple[Any, dict[str, Any]]:
     """``(factory, options)`` from a config value: ``"name"``, ``"package.module.Name"`` (or
     ``"package.module:Name"``), ``{class_path: ..., init_args: {option: value, ...}}``
-    (LightningCLI's form).
+    (LightningCLI's form); in Python, the class (or function) itself stands for its path.
 
     Raises:
         ConfigError: a mapping without ``class_path`` (the layout before it, ``{name: ...,
@@ -376,18 +376,28 @@ def yaml_flow(value: Any) -> str:
 
 
 def as_class_path(
-    value: str | Mapping[str, Any], *, kind: str, builtins: Mapping[str, Any], where: str
+    value: str | Mapping[str, Any],
+    *,
+    kind: str,
+    builtins: Mapping[str, Any],
+    where: str,
+    main_ok: bool = False,
 ) -> dict[str, Any]:
     """``value`` (any form ``pick`` takes) as ``{class_path: <full import path>, init_args:
     {...}}``: one spelling per part, which ``pick`` reads back to the same class and arguments.
 
+    Args:
+        main_ok: accept a class of ``__main__`` (your script's or notebook's), for a part only
+            the process that runs the recipe builds; ``__main__.Name`` then names it.
+
     Raises:
         ConfigError: what ``pick`` raises, or a class that cannot be imported by its path (one
-            defined in ``__main__`` or inside a function): give it from an importable module.
+            defined inside a function, or in ``__main__`` unless ``main_ok``): give it from an
+            importable module.
     """
     factory, options = pick(value, kind=kind, builtins=builtins, where=where)
     path = class_path_of(factory)
-    if "<locals>" in path or path.startswith("__main__."):
+    if "<locals>" in path or (path.startswith("__main__.") and not main_ok):
         raise ConfigError(
             f"{where}: {path} cannot be imported by another process: define it in a module "
             "(package.module.Name) that the run can import."
@@ -401,6 +411,8 @@ def class_path_of(obj: Any) -> str:
 
 
 def _reference(ref: Any, *, kind: str, builtins: Mapping[str, Any], where: str) -> Any:
+    if isinstance(ref, type) or inspect.isfunction(ref):  # given in Python: the object itself
+        return ref
     if not isinstance(ref, str):
         raise ConfigError(
             f"{where}: expected a built-in's name, 'package.module.Name' or "

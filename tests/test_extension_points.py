@@ -6,6 +6,7 @@ Python, with no edit inside ``streamrl/``: a custom algorithm, dispatcher, rewar
 from __future__ import annotations
 
 import csv
+import sys
 from pathlib import Path
 
 import pytest
@@ -238,3 +239,45 @@ def test_print_config_writes_your_parts_as_class_paths_that_run_unchanged(tmp_pa
     finally:
         monkeypatch.undo()
     assert runs[0] == runs[1] and runs[0].rl.dispatcher["init_args"] == {"cap": 3}
+
+
+def test_a_class_of_your_notebook_is_a_part_only_the_recipes_process_builds(tmp_path, monkeypatch):
+    """A notebook's (or script's) own class is given as ``class_path`` itself, ``__main__.Name``
+    in the config: the algorithm and the dispatcher, which the recipe's process builds; never
+    the scheduler, built in the generator processes, nor a notebook's algorithm on trainer ranks
+    the recipe spawns (they cannot import a notebook)."""
+    from extension_plugins import SignGRPO
+
+    from streamrl.components.skewness.schedulers import FIFOScheduler
+    from streamrl.run.config_file import load_config
+    from streamrl.run.parts import build_run_algorithm
+
+    main_module = sys.modules["__main__"]
+
+    def in_main(cls: type) -> type:  # as a notebook cell defines it
+        cls.__module__, cls.__qualname__ = "__main__", cls.__name__
+        monkeypatch.setattr(main_module, cls.__name__, cls, raising=False)
+        return cls
+
+    NotebookGRPO = in_main(type("NotebookGRPO", (SignGRPO,), {}))
+    values = small_run_values(tmp_path)
+    values["rl"]["algorithm"] = {"class_path": NotebookGRPO, "init_args": {"margin": 0.2}}
+    config = load_config(values)
+    assert config.rl.algorithm == {
+        "class_path": "__main__.NotebookGRPO",
+        "init_args": {"margin": 0.2},
+    }
+    algorithm = build_run_algorithm(config.rl, hidden_size=16)
+    assert type(algorithm) is NotebookGRPO and algorithm.margin == 0.2
+    assert algorithm.group_size == 2  # linked in from rl.group_size
+
+    values["rl"]["scheduler"] = {"class_path": in_main(type("NotebookFIFO", (FIFOScheduler,), {}))}
+    with pytest.raises(ConfigError, match=r"rl.scheduler: __main__.NotebookFIFO cannot be imp"):
+        load_config(values)
+    del values["rl"]["scheduler"]
+
+    values["trainer"] = {"accelerator": "cpu", "devices": 2}
+    assert load_config(values).trainer.devices == 2  # a script: spawned ranks import it
+    monkeypatch.delattr(main_module, "__file__", raising=False)  # a notebook's kernel
+    with pytest.raises(ConfigError, match=r"defined in this notebook.*trainer.devices: 1"):
+        load_config(values)

@@ -64,6 +64,19 @@ def test_one_instance_two_samples_exact_makespan_and_streaming():
     assert colocated.iteration_s == pytest.approx(8.5)
 
 
+def test_processes_beyond_the_cores_share_them_hand_computed():
+    # The same run on one core: the instance decodes [2, 4] alone (3.0 s to the short one's end).
+    # The trainer's 2 tokens then compute beside it: 1.0 s of work at half speed, 3.0-5.0, while
+    # the instance decodes 1 of its 2 last tokens (1.0 s a step, at half speed); alone again it
+    # finishes at 6.0, and the trainer's 4 tokens take 2.0 s alone: 8.0 s.
+    shared = simulate(tiny_config("sync", [2, 4], 0.5, budget=1, cores=1))
+    assert shared.gen_s == pytest.approx(6.0)
+    assert shared.iteration_s == pytest.approx(8.0)
+    # Two cores hold both processes: as with a device each (7.0 s above).
+    spread = simulate(tiny_config("sync", [2, 4], 0.5, budget=1, cores=2))
+    assert (spread.gen_s, spread.iteration_s) == pytest.approx((5.0, 7.0))
+
+
 def test_async_overlaps_generation_with_training():
     # Generation of one 10-token sample takes 10 s; training it takes 10 s. Sync: 20 s per
     # iteration. Async: batch k+1 is generated while batch k trains -> max(10, 10) = 10 s.
@@ -172,9 +185,12 @@ def test_simulator_predicts_a_fresh_real_run_it_was_not_fitted_to():
     row = result["rows"]["fat-tail"]
     assert not row["fitted"] and row["real"] > 0
     assert abs(row["error"]) < OUT_OF_SAMPLE_BOUND, result
-    # The old PTL(BS) model, calibrated on the same run, is simulated beside it.
+    # The old PTL(BS) model and the context model without shared cores, calibrated on the same
+    # run, are simulated beside it; one generator beside the trainer shares no core.
     assert result["calibration_ptl"]["ptl_ms"] and row["sim_ptl"] > 0
     assert result["max_abs_error_ptl"] == abs(row["error_ptl"])
+    assert result["calibration"]["cores"] > 0 and result["calibration_unshared"]["cores"] == 0
+    assert row["sim_unshared"] == row["sim"] or result["calibration"]["cores"] < 2
 
 
 # -- asynchronous variants: staleness bound k, partial rollout (finish / keep / recompute) -------

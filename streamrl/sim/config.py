@@ -140,6 +140,10 @@ class SimConfig:
         iteration_overhead_s: fixed per-iteration time of the training loop (logging, Python).
         elastic: adds / removes generator instances between iterations (§4.2), or ``None``.
         seed: dispatch and ranker-noise seed.
+        cores: the cores the generator instances and the trainer share (a CPU machine, one
+            compute thread each): while more of them compute than there are cores, each runs
+            ``computing / cores`` times slower (processor sharing). 0 (the default): each has
+            its own device, as on GPUs.
     """
 
     generators: GeneratorPool
@@ -166,6 +170,7 @@ class SimConfig:
     trainer_site: str = ""
     trainer_ranks: int = 1
     local_gbps: float = 200.0
+    cores: int = 0
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:

@@ -37,14 +37,18 @@ def _figure(width: float = 7.0, height: float = 3.6):
 
 def validation_figure(result: dict, path: str | Path) -> Path:
     """Bars of ``streamrl sim validate``'s result: real vs simulated samples/s per config, the
-    context model's beside the old ``PTL(BS)`` one's when the result has both."""
+    new model's (context, processes sharing the cores) beside the context model alone and the
+    old ``PTL(BS)`` one, those the result holds."""
     rows = result["rows"]
-    fig = _figure(max(9.0, 0.8 * len(rows)), 3.4)  # the partial-rollout rows make 13
+    fig = _figure(max(9.0, 0.8 * len(rows)), 4.0)  # the partial-rollout rows make 13
     ax = fig.add_subplot()
     x = np.arange(len(rows))
-    models = [("", "simulated, context model", "#1f77b4")]
-    if "calibration_ptl" in result:
-        models.append(("_ptl", "simulated, PTL(BS) only", "#ff7f0e"))
+    labels = {  # each model the result holds, the new one first
+        "": ("simulated, context model + shared cores", "#1f77b4"),
+        "_unshared": ("context model alone", "#9ecae1"),
+        "_ptl": ("PTL(BS), as before issue 47", "#ff7f0e"),
+    }
+    models = [(t, *labels[t]) for t in labels if f"calibration{t}" in result]
     width = 0.8 / (1 + len(models))
     offsets = [(i - len(models) / 2) * width for i in range(1 + len(models))]
     real = [r["real"] for r in rows.values()]
@@ -60,11 +64,13 @@ def validation_figure(result: dict, path: str | Path) -> Path:
                 xytext=(0, 2),
                 textcoords="offset points",
                 fontsize=6 if len(models) > 1 else 8,
+                rotation=90 if len(models) > 2 else 0,
             )
-    labels = [f"{n}*" if r["fitted"] else n for n, r in rows.items()]
-    ax.set_xticks(x, labels, fontsize=8, rotation=20 if len(rows) > 7 else 0)
+    ticks = [f"{n}*" if r["fitted"] else n for n, r in rows.items()]
+    ax.set_xticks(x, ticks, fontsize=8, rotation=20 if len(rows) > 7 else 0)
+    ax.margins(y=0.15)  # room for the errors above the bars
     ax.set_ylabel("samples/s (bench pipeline)")
-    fig.legend(fontsize=8, loc="outside lower center", ncols=1 + len(models))
+    fig.legend(fontsize=8, loc="outside lower center", ncols=min(1 + len(models), 2))
     ax.set_title("Simulator vs fresh real runs on this machine (streamrl sim validate)")
     fig.savefig(path)
     return Path(path)

@@ -9,7 +9,10 @@ sample, on this machine, against the real ``streamrl bench pipeline`` code:
    context (issue 47: ``Profiler.fit_grid``, a step's cost growing with its widest row, and the
    prefills); and the trainer's cost per padded token on one (and, for colocated rows, two)
    torch threads (``streamrl.sim.calibrate.measure_trainer_cost``). Each latency model is
-   calibrated and simulated on its own, so every row shows the old model beside the new.
+   calibrated and simulated on its own, so every row shows the old model beside the new; the
+   new one also knows the machine's cores (``SimConfig.cores``: while more processes compute
+   than there are cores, each runs ``computing / cores`` times slower), shown beside the same
+   model without them.
 2. **Calibrate on one real configuration** (``bench.pipeline.run_mode``, a sync run). From its
    trace come what the micro-benchmarks cannot see: the generator's slowdown beside a computing
    trainer (contention: the one factor for which the simulated ``gen_s`` equals the real one),
@@ -36,6 +39,7 @@ from pathlib import Path
 
 from streamrl.components.capacity.allocator import TrainerCostModel
 from streamrl.components.skewness.latency import LatencyModel
+from streamrl.runtime.cores import usable_cores
 from streamrl.sim.bench_rows import (
     CALIBRATION,
     LENGTH_SETS,
@@ -95,6 +99,8 @@ class Calibration:
         overhead_s: loop time per iteration outside wait, train and sync (median residual).
         prefill_s_per_token: a re-prefill's cost per padded token (partial rollout
             ``"recompute"``; micro-benchmark, 0 when no row needs it).
+        cores: the cores the real runs had (``usable_cores``), which their processes share
+            (``SimConfig.cores``); 0: none shared, one slowdown for every row.
     """
 
     latency: LatencyModel
@@ -105,12 +111,14 @@ class Calibration:
     sync_s: float
     overhead_s: float
     prefill_s_per_token: float = 0.0
+    cores: int = 0
 
     def to_dict(self) -> dict:
         fields = asdict(self)
         per_token = fields.pop("prefill_s_per_token")
         out = {k: round(v, 5) for k, v in fields.items() if isinstance(v, float)}
         out["ptl_ms"] = [round(p * 1000, 3) for p in self.latency.ptl_s]
+        out["cores"] = self.cores
         out["trainer_s_per_token"] = self.trainer.s_per_token
         out["prefill_us_per_token"] = round(per_token * 1e6, 4)
         return out
@@ -146,8 +154,8 @@ def sim_config(config: BenchConfig, cal: Calibration, iterations: int, warmup: i
     def cycled(iteration: int) -> list[int]:  # the bench cycles its lengths, one per prompt
         return [table[(iteration * config.batch + j) % len(table)] for j in range(config.batch)]
 
-    # One process per core whichever processes they are: the colocated generators slow down as
-    # much as a disaggregated generator beside the trainer (an assumption, not a fit).
+    # The colocated generators slow down as much as a disaggregated generator beside the
+    # trainer (an assumption, not a fit); processes beyond the cores share them (``cores``).
     generators = GeneratorPool(
         cal.latency,
         config.instances,
@@ -174,6 +182,7 @@ def sim_config(config: BenchConfig, cal: Calibration, iterations: int, warmup: i
         colocated_token_budget=config.token_budget,
         iteration_overhead_s=cal.overhead_s,
         labels={"config": config.name},
+        cores=cal.cores,
     )
 
 
@@ -195,6 +204,7 @@ def fit_calibration(
     iterations: int,
     warmup: int,
     prefill_s_per_token: float = 0.0,
+    cores: int = 0,
 ) -> Calibration:
     """Fit contention, the trainer factor, sync and loop time on one real ``sync`` run.
 
@@ -204,6 +214,7 @@ def fit_calibration(
         real: ``run_real``'s medians for it.
         latency / trainer / colocated_trainer: the micro-benchmarks' models.
         prefill_s_per_token: the re-prefill micro-benchmark's cost per token (kept as it is).
+        cores: the cores the real runs had (``SimConfig.cores``; 0: none shared).
 
     Raises:
         ValueError: ``config`` is not a sync run.
@@ -226,6 +237,7 @@ def fit_calibration(
         real["exposed_sync_s"],
         overhead,
         prefill_s_per_token,
+        cores,
     )
     lo, hi = 0.25, 8.0  # gen_s grows with the slowdown: bisect it onto the real gen_s
     for _ in range(30):
@@ -290,6 +302,7 @@ def validate(
     repeats: int = 3,
     quick: bool = False,
     seed: int = 0,
+    share_cores: bool = True,
 ) -> dict:
     """Calibrate on ``calibration``, then run and simulate every ``predicted`` configuration.
 
@@ -299,11 +312,14 @@ def validate(
         iterations / warmup: measured and unmeasured iterations of every run (real and sim).
         repeats: real runs per configuration (medians).
         quick: fewer profiling repeats and micro-batch shapes (for tests).
+        share_cores: model processes beyond this machine's cores sharing them
+            (``SimConfig.cores``); ``False``: as before, one fitted slowdown for every row.
 
     Returns:
         ``{"calibration": {...}, "rows": {name: {real, sim, error, ...}}, "max_abs_error"}``
-        for the context model; ``calibration_ptl``, each row's ``sim_ptl`` / ``error_ptl`` and
-        ``max_abs_error_ptl`` for the old ``PTL(BS)`` one, calibrated on the same real run.
+        for the new model (context, processes sharing the cores); the same keys ending in
+        ``_unshared`` for the context model alone (one slowdown for every row), and in ``_ptl``
+        for the old ``PTL(BS)`` one, each calibrated on the same real run.
     """
     from streamrl.bench import model_dir_for
 
@@ -313,6 +329,14 @@ def validate(
     latencies, one, two = profile(quick, any(c.mode == "colocated" for c in predicted))
     recompute = any(v.partial_rollout == "recompute" for v in variants.values())
     per_token = profile_recompute(quick) if recompute else 0.0
+    cores = usable_cores() if share_cores else 0
+    # The new model (context, processes sharing the cores), the context model alone, and the
+    # old one (PTL(BS), one slowdown for every row), each calibrated on the same real run.
+    variants = {
+        "context": (latencies["context"], cores),
+        "unshared": (latencies["context"], 0),
+        "ptl": (latencies["ptl"], 0),
+    }
     rows = {}
     with tempfile.TemporaryDirectory(prefix="streamrl-validate-") as tmp:
         model_dir = model_dir_for("tiny", Path(tmp), seed)
@@ -320,8 +344,10 @@ def validate(
         runs = [run_real(calibration, model_dir, iterations, warmup, seed) for _ in range(repeats)]
         real = _median_runs(runs)
         cals = {
-            name: fit_calibration(calibration, real, model, one, two, iterations, warmup, per_token)
-            for name, model in latencies.items()
+            name: fit_calibration(
+                calibration, real, model, one, two, iterations, warmup, per_token, shared
+            )
+            for name, (model, shared) in variants.items()
         }
         rows[calibration.name] = _row(calibration, real, cals, iterations, warmup, fitted=True)
         for config in predicted:
@@ -338,7 +364,7 @@ def validate(
     return result
 
 
-# Plain keys for of the context model's results; the old ``PTL(BS)``'s end in ``_ptl``.
+# Plain keys for the new model's results; the others' end in ``_<variant>``.
 def _suffix(model: str) -> str:
     return "" if model == "context" else f"_{model}"
 
@@ -374,7 +400,11 @@ def _row(
 def print_table(result: dict) -> None:
     """The validation table on stderr: real vs simulated samples/s and the relative error, the
     context model's beside the old ``PTL(BS)`` one's (when the result has both)."""
-    tails = {"context": ""} | ({"ptl": "_ptl"} if "calibration_ptl" in result else {})
+    tails = {  # each model the result holds: its name, its keys' suffix
+        k.removeprefix("calibration").removeprefix("_") or "context": k.removeprefix("calibration")
+        for k in result
+        if k.startswith("calibration")
+    }
     for name, tail in tails.items():
         cal = result[f"calibration{tail}"]
         print(
@@ -383,14 +413,14 @@ def print_table(result: dict) -> None:
             f"{cal['overhead_s']:.3f} s/iteration, PTL ms {cal['ptl_ms']}",
             file=sys.stderr,
         )
-    head = "".join(f"{'sim/s ' + n:>14}{'error':>8}" for n in tails)
+    head = "".join(f"{'sim/s ' + n:>16}{'error':>8}" for n in tails)
     print(
         f"{'config':<19}{'setting':<68}{'real/s':>8}{head}{'lag real':>10}{'lag sim':>9}",
         file=sys.stderr,
     )
     for name, row in result["rows"].items():
         tag = f"{name}*" if row["fitted"] else name
-        sims = "".join(f"{row['sim' + t]:>14.1f}{row['error' + t]:>+8.1%}" for t in tails.values())
+        sims = "".join(f"{row['sim' + t]:>16.1f}{row['error' + t]:>+8.1%}" for t in tails.values())
         print(
             f"{tag:<19}{row['config']:<68}{row['real']:>8.1f}{sims}"
             f"{row['real_token_lag']:>10.3f}{row['sim_token_lag']:>9.3f}",

@@ -263,11 +263,6 @@ class Sample:
         return len(self.token_ids)
 
     @property
-    def trained_tokens(self) -> int:
-        """Tokens the loss is taken on (the policy's own)."""
-        return len(self.token_ids) if self.loss_mask is None else sum(self.loss_mask)
-
-    @property
     def key(self) -> tuple[str, int, int]:
         """``(prompt_id, sample_index, iteration)``, the key of its request."""
         return (self.prompt_id, self.sample_index, self.iteration)

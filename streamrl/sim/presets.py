@@ -11,7 +11,6 @@ numbers are *inputs* (for traces and what-ifs without running anything); they ar
 from __future__ import annotations
 
 import json
-from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -21,7 +20,6 @@ from streamrl.components.skewness.latency import LatencyModel
 from streamrl.errors import ConfigError
 from streamrl.sim.config import GeneratorPool, SimConfig, SimMode, TrainerPool, Workload
 from streamrl.sim.hardware import (
-    GPU,
     GPUS,
     LINK_GBPS,
     QWEN25,
@@ -141,11 +139,6 @@ def _parse(name: str):
     return QWEN25[parts[1]], PAPER_MAX_LENS[parts[2]]
 
 
-def preset_gpu(name: str) -> GPU:
-    """The trainer GPU of a paper preset (always H800 in §7)."""
-    return GPUS["h800"]
-
-
 # -- the CPU preset: ``streamrl bench pipeline`` on this machine ------------------------------
 
 #: Stored inputs of the ``cpu`` preset (measured once on the 2-core machine, 2026-11-30; not a
@@ -205,8 +198,3 @@ def cpu_config(
         iteration_overhead_s=0.01,
         labels={"preset": "cpu", "profile": str(profile)},
     )
-
-
-def with_mode(config: SimConfig, mode: SimMode) -> SimConfig:
-    """The same config in another mode (pools unchanged)."""
-    return replace(config, mode=mode)

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -117,6 +117,7 @@ class AdaptiveDispatcher:
         self._move_overhead_s = move_overhead_s
         self.min_gain, self.max_moves = min_gain, max_moves
         self.recent: deque[int] = deque(recent_lengths, maxlen=window)
+        self._log_stats: tuple[float, float] | None = None  # of ``recent``, while it stands
         self.context = group_context if group_context is not None else GroupContext()
         self._dist: dict[Key, LengthDistribution] = {}  # open requests' current estimates
         self._groups: dict[tuple[str, int], _Group] = {}
@@ -143,6 +144,7 @@ class AdaptiveDispatcher:
     def observe(self, lengths: Iterable[int]) -> None:
         """Recent finished samples' output lengths (``D``)."""
         self.recent.extend(int(n) for n in lengths)
+        self._log_stats = None
 
     def batch_limits(self, instances: int) -> None:
         """Every instance keeps its batch size."""
@@ -164,25 +166,32 @@ class AdaptiveDispatcher:
             group = len(by_group[request.prompt_id, request.iteration])
             cost = self._cost(dist, group, request.max_tokens)
             request.predicted_length = cost - self._lead(request.iteration)
-        split = self._priced(self._balance([[r] for r in requests], instances), False)
+        # Each request's expected tokens, once: a plan replays its instances dozens of times
+        # and its time delays every instance's start (the bench measures it).
+        left = {r.key: self._left(r) for r in requests}
+        split = self._priced(self._balance([[r] for r in requests], instances, left), False, left)
         if self.split_groups is True or len(by_group) == len(requests):
             return split
-        whole = self._priced(self._balance(list(by_group.values()), instances), True)
+        whole = self._priced(self._balance(list(by_group.values()), instances, left), True, left)
         # Split unless whole groups finish sooner (beyond rounding: a tie keeps the split).
-        if self.split_groups is False or self._makespan(whole) < self._makespan(split) * (1 - 1e-9):
-            return whole
-        return split
+        sooner = self._makespan(whole, left) < self._makespan(split, left) * (1 - 1e-9)
+        return whole if self.split_groups is False or sooner else split
 
-    def _priced(self, parts: list[list[Request]], together: bool) -> list[list[Request]]:
+    def _priced(
+        self, parts: list[list[Request]], together: bool, left: Mapping[Key, float]
+    ) -> list[list[Request]]:
         """``parts`` balanced in seconds rather than expected tokens when the latency model
         prices context (``refine_plan``); as they are otherwise."""
         if not self.latency.prices_context:  # equal tokens are equal time
             return parts
-        return refine_plan(parts, lambda _, part: self._instance_s(part), together=together)
+        replay = lambda _, part: self._instance_s(part, left)  # noqa: E731
+        return refine_plan(parts, replay, together=together)
 
-    def _balance(self, units: list[list[Request]], instances: int) -> list[list[Request]]:
+    def _balance(
+        self, units: list[list[Request]], instances: int, left: Mapping[Key, float]
+    ) -> list[list[Request]]:
         """Each unit (a request, or a whole group), costliest first, to the instance with the
-        fewest expected tokens."""
+        fewest expected tokens (``left``: each request's)."""
         units = sorted(units, key=lambda unit: -(unit[0].predicted_length or 0.0))
         parts: list[list[Request]] = [[] for _ in range(instances)]
         loads = [(0.0, 0)] * instances
@@ -190,24 +199,25 @@ class AdaptiveDispatcher:
             target = min(range(instances), key=loads.__getitem__)
             parts[target].extend(unit)
             tokens, count = loads[target]
-            loads[target] = (tokens + sum(self._left(r) for r in unit), count + len(unit))
+            loads[target] = (tokens + sum(left[r.key] for r in unit), count + len(unit))
         return parts
 
-    def _makespan(self, parts: list[list[Request]]) -> float:
+    def _makespan(self, parts: list[list[Request]], left: Mapping[Key, float]) -> float:
         """The predicted makespan of a plan (``_instance_s`` of each instance)."""
-        return max(self._instance_s(part) for part in parts)
+        return max(self._instance_s(part, left) for part in parts)
 
-    def _instance_s(self, part: list[Request]) -> float:
+    def _instance_s(self, part: list[Request], left: Mapping[Key, float]) -> float:
         """Predicted seconds of one instance: its continuous batching replayed on expected
-        lengths, admitted costliest first, every step priced with its contexts (on the HF
-        engine a step pays for its widest row, so a long group spread over every instance
-        widens every batch; with paged attention it pays for the tokens held)."""
+        lengths (``left``: each request's), admitted costliest first, every step priced with
+        its contexts (on the HF engine a step pays for its widest row, so a long group spread
+        over every instance widens every batch; with paged attention it pays for the tokens
+        held)."""
         order = sorted(part, key=lambda r: -(r.predicted_length or 0.0))
         work = InstanceWork(
             0,
             self.max_batch_size,
             {},
-            [(r.key, self._left(r)) for r in order],
+            [(r.key, left[r.key]) for r in order],
             {r.key: float(_held(r)) for r in order},
         )
         return work.finish_s(self.latency)[0]
@@ -219,6 +229,7 @@ class AdaptiveDispatcher:
     def load_state_dict(self, state: dict) -> None:
         self.recent.clear()
         self.recent.extend(int(n) for n in state["recent"])
+        self._log_stats = None
         self.context.load_state_dict(state["context"])
 
     # -- the Rebalancer protocol -------------------------------------------------------------
@@ -300,12 +311,19 @@ class AdaptiveDispatcher:
         the spread of ``D`` (what is not known is as wide as the lengths themselves)."""
         if given is not None:
             return given
-        logs = np.log(np.maximum(np.asarray(self.recent, dtype=float), 1.0))
-        sigma = float(logs.std()) if logs.size > 1 else DEFAULT_SIGMA
+        mu, sigma = self._recent_log_stats()
         if score is not None and score > 0:
             return LengthDistribution(math.log(max(float(score), 1.0)), sigma)
-        mu = float(np.median(logs)) if logs.size else math.log(32)
         return LengthDistribution(mu, sigma)
+
+    def _recent_log_stats(self) -> tuple[float, float]:
+        """The median and spread of ``D``'s log lengths, computed once per change of ``D``
+        (a plan asks for them once per request)."""
+        if self._log_stats is None:
+            logs = np.log(np.maximum(np.asarray(self.recent, dtype=float), 1.0))
+            sigma = float(logs.std()) if logs.size > 1 else DEFAULT_SIGMA
+            self._log_stats = (float(np.median(logs)) if logs.size else math.log(32), sigma)
+        return self._log_stats
 
     def _lead(self, iteration: int) -> float:
         """Tokens of slack a request of ``iteration`` has over the oldest iteration in flight."""

@@ -127,11 +127,15 @@ class _Run:
             self.share_cores(now)
 
     # -- shared cores (a CPU machine) ------------------------------------------------------------
+    def decoding(self) -> int:
+        """Instances decoding or prefilling now."""
+        return sum(1 for inst in self.instances if inst.running)
+
     def computing(self, now: float) -> int:
         """Processes computing at ``now``: the instances decoding or prefilling, and the trainer
         on a micro-batch or its optimizer step."""
         trainer = self.t.state in ("train", "step") and self.t.busy_until > now + _EPS
-        return sum(1 for inst in self.instances if inst.running) + trainer
+        return self.decoding() + trainer
 
     def share(self, computing: int) -> float:
         """How many times slower each computing process runs (``SimConfig.cores``)."""
@@ -141,8 +145,9 @@ class _Run:
         """Set every instance's step cost for what computes from ``now`` on (the instances have
         decoded up to ``now`` at the old rate)."""
         if self.c.cores:
+            slowdown = self.slowdown * self.share(self.computing(now))
             for inst in self.instances:
-                inst.slowdown = self.slowdown * self.share(self.computing(now))
+                inst.slowdown = slowdown
 
     # -- generation side ---------------------------------------------------------------------
     def dispatch(self, batch: int, release_s: float, min_version: int) -> None:
@@ -278,7 +283,7 @@ class _Run:
     def train(self, now: float, rows: list[int]) -> str:
         seconds = self.cost.microbatch_s(self.tokens(rows), self.c.trainer.units)
         if not self.colocated:  # beside the decoding instances (colocated: they wait)
-            seconds *= self.share(sum(1 for inst in self.instances if inst.running) + 1)
+            seconds *= self.share(self.decoding() + 1)
         self.t.train_s += seconds
         return self.busy("train", now, seconds, samples=len(rows))
 

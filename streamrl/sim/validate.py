@@ -302,7 +302,6 @@ def validate(
     repeats: int = 3,
     quick: bool = False,
     seed: int = 0,
-    share_cores: bool = True,
 ) -> dict:
     """Calibrate on ``calibration``, then run and simulate every ``predicted`` configuration.
 
@@ -312,8 +311,6 @@ def validate(
         iterations / warmup: measured and unmeasured iterations of every run (real and sim).
         repeats: real runs per configuration (medians).
         quick: fewer profiling repeats and micro-batch shapes (for tests).
-        share_cores: model processes beyond this machine's cores sharing them
-            (``SimConfig.cores``); ``False``: as before, one fitted slowdown for every row.
 
     Returns:
         ``{"calibration": {...}, "rows": {name: {real, sim, error, ...}}, "max_abs_error"}``
@@ -329,7 +326,7 @@ def validate(
     latencies, one, two = profile(quick, any(c.mode == "colocated" for c in predicted))
     recompute = any(v.partial_rollout == "recompute" for v in variants.values())
     per_token = profile_recompute(quick) if recompute else 0.0
-    cores = usable_cores() if share_cores else 0
+    cores = usable_cores()  # the real runs' processes share them
     # The new model (context, processes sharing the cores), the context model alone, and the
     # old one (PTL(BS), one slowdown for every row), each calibrated on the same real run.
     variants = {
@@ -398,8 +395,8 @@ def _row(
 
 
 def print_table(result: dict) -> None:
-    """The validation table on stderr: real vs simulated samples/s and the relative error, the
-    context model's beside the old ``PTL(BS)`` one's (when the result has both)."""
+    """The validation table on stderr: real vs simulated samples/s and the relative error of
+    each model the result holds (the new one, the context model alone, the old ``PTL(BS)``)."""
     tails = {  # each model the result holds: its name, its keys' suffix
         k.removeprefix("calibration").removeprefix("_") or "context": k.removeprefix("calibration")
         for k in result

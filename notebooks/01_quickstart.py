@@ -38,25 +38,26 @@ SMALL, OUT = notebook_settings()  # STREAMRL_NOTEBOOK_BUDGET=small|full, STREAMR
 
 # %%
 ITERATIONS, PROMPTS, GROUP = (3, 8, 4) if SMALL else (40, 16, 8)
-config = load_config(
-    {
-        "model": "tiny",
-        "output_dir": str(fresh_output_dir(OUT / "01_run")),  # a new folder per run
-        "data": {"n_heldout": 16} if SMALL else {},  # held-out prompts, before and after RL
-        "sft": {"steps": 40} if SMALL else {},  # full: the demo's warm start
-        "rl": {
-            "algorithm": "grpo",
-            "iterations": ITERATIONS,
-            "prompts_per_iteration": PROMPTS,
-            "group_size": GROUP,
-            "generation": {"num_instances": 2, "temperature": 0.7},  # §3
-            "module": {"mode": "sync", "lr": 1e-4},  # §4.1: each group trains as it streams in
-            "rollouts": {"max_tokens": 64},
-            "reward": "partial",
-        },
-    }
-)
-print(config.rl.algorithm)  # each part as the run holds it: its full import path
+if __name__ == "__main__":  # a spawned generator process imports this file
+    config = load_config(
+        {
+            "model": "tiny",
+            "output_dir": str(fresh_output_dir(OUT / "01_run")),  # a new folder per run
+            "data": {"n_heldout": 16} if SMALL else {},  # held-out prompts, before and after RL
+            "sft": {"steps": 40} if SMALL else {},  # full: the demo's warm start
+            "rl": {
+                "algorithm": "grpo",
+                "iterations": ITERATIONS,
+                "prompts_per_iteration": PROMPTS,
+                "group_size": GROUP,
+                "generation": {"num_instances": 2, "temperature": 0.7},  # §3
+                "module": {"mode": "sync", "lr": 1e-4},  # §4.1: each group trains as it streams in
+                "rollouts": {"max_tokens": 64},
+                "reward": "partial",
+            },
+        }
+    )
+    print(config.rl.algorithm)  # each part as the run holds it: its full import path
 
 # %% [markdown]
 # ## Train

@@ -133,27 +133,26 @@ assert torch.allclose(batch.logprobs.grad, torch.tensor([[-0.75, -0.25, 0.0]]))
 
 # %%
 ITERATIONS, PROMPTS = (3, 8) if SMALL else (30, 16)
-config = load_config(
-    {
-        "model": "tiny",
-        "output_dir": str(fresh_output_dir(OUT / "04_run")),
-        "data": {"n_heldout": 16} if SMALL else {},
-        "sft": {"steps": 40} if SMALL else {},  # full: the demo's warm start
-        "rl": {
-            "algorithm": {"class_path": MovingAverageReinforce, "init_args": {"decay": 0.9}},
-            "iterations": ITERATIONS,
-            "prompts_per_iteration": PROMPTS,
-            "group_size": 4,
-            "generation": {"num_instances": 2, "temperature": 0.7},
-            "module": {"lr": 1e-4},
-            "rollouts": {"max_tokens": 64},
-            "reward": "partial",
-        },
-    }
-)
-print(config.rl.algorithm)
-
-if __name__ == "__main__":
+if __name__ == "__main__":  # a spawned generator process imports this file
+    config = load_config(
+        {
+            "model": "tiny",
+            "output_dir": str(fresh_output_dir(OUT / "04_run")),
+            "data": {"n_heldout": 16} if SMALL else {},
+            "sft": {"steps": 40} if SMALL else {},  # full: the demo's warm start
+            "rl": {
+                "algorithm": {"class_path": MovingAverageReinforce, "init_args": {"decay": 0.9}},
+                "iterations": ITERATIONS,
+                "prompts_per_iteration": PROMPTS,
+                "group_size": 4,
+                "generation": {"num_instances": 2, "temperature": 0.7},
+                "module": {"lr": 1e-4},
+                "rollouts": {"max_tokens": 64},
+                "reward": "partial",
+            },
+        }
+    )
+    print(config.rl.algorithm)
     summary = run_fit(config, show_progress=not SMALL)
     rewards = summary["reward_per_iteration"]
     # The algorithm's state_dict went into the run's checkpoint, as a resumed run reads it.

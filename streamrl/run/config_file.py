@@ -209,21 +209,21 @@ def load_config(path: str | Path | Mapping[str, Any]) -> RunConfig:
         ConfigError: missing or unreadable file, an unknown key (or one given twice), a wrong
             type or a bad value; the message names the key and the fix.
     """
-    if isinstance(path, Mapping):
-        config = from_dict(RunConfig, dict(path), where="config")
-        check_values(config)
-        return config
-    path = Path(path)
-    text = read_config_text(path)
+    data, where = (dict(path), "config") if isinstance(path, Mapping) else _read_file(Path(path))
+    config = from_dict(RunConfig, data, where=where)
+    check_values(config)
+    return config
+
+
+def _read_file(path: Path) -> tuple[dict[str, Any], str]:
+    """A YAML config file's mapping, and its name for messages."""
     try:
-        data = read_yaml(text) or {}
+        data = read_yaml(read_config_text(path)) or {}
     except yaml.YAMLError as err:
         raise ConfigError(f"Config file {str(path)!r} is not valid YAML: {err}") from err
     if not isinstance(data, dict):
         raise ConfigError(f"Config file {str(path)!r} must hold a mapping of keys to values.")
-    config = from_dict(RunConfig, data, where=str(path))
-    check_values(config)
-    return config
+    return data, str(path)
 
 
 def from_dict(cls: type, data: dict[str, Any], where: str) -> Any:

@@ -10,6 +10,7 @@ import pytest
 from streamrl.components.generation.hf_generator import HFStreamGenerator
 from streamrl.components.generation.service import StreamGenerationService
 from streamrl.components.skewness.instance_profile import LatencyProfile, profiled_latency
+from streamrl.components.skewness.latency import LatencyModel
 from streamrl.policy.models import build_tiny_model, save_policy
 
 pytestmark = pytest.mark.timeout(300)
@@ -32,6 +33,38 @@ def test_the_profile_times_the_generator_and_is_cached_by_shape_engine_and_devic
     assert not cached  # another engine is profiled on its own
     assert len(list((tmp_path / "cache").glob("latency-*.json"))) == 2
     assert json.loads(next((tmp_path / "cache").glob("latency-*.json")).read_text())
+    # An entry that is not a whole model (a writer of before its writes were atomic left two
+    # instances' JSON in one file) is a miss: measured again and replaced, never a failed start.
+    for path in (tmp_path / "cache").glob("latency-*.json"):
+        path.write_text(path.read_text() + "\n}")
+    for engine in ("hf", "vllm"):
+        _, cached = profiled_latency(generator, profile, str(model_dir), engine, "cpu")
+        assert not cached  # measured again
+    assert all(json.loads(p.read_text()) for p in (tmp_path / "cache").glob("latency-*.json"))
+    assert not list((tmp_path / "cache").glob(".*partial"))  # each write renamed into place
+
+
+def test_writers_racing_to_one_cache_entry_leave_a_whole_model(tmp_path):
+    # Generator instances of one run profile at once and cache under the same key.
+    import multiprocessing as mp
+
+    path = tmp_path / "latency-same.json"
+    ctx = mp.get_context("spawn")
+    writers = [ctx.Process(target=_write_models, args=(path, seed)) for seed in range(4)]
+    for writer in writers:
+        writer.start()
+    for writer in writers:
+        writer.join(60)
+    assert all(w.exitcode == 0 for w in writers)
+    model = LatencyModel.from_json(path)  # whole: one writer's model, not two interleaved
+    assert model.batch_sizes == [1, 2, 4, 8, 16, 32]
+
+
+def _write_models(path, seed: int) -> None:
+    sizes = [1, 2, 4, 8, 16, 32]
+    for n in range(1000):  # each writer's files of another length: an interleaving shows
+        ptl = [round(0.001 * (i + 1) + 1e-9 * n, 4 + seed) for i in range(len(sizes))]
+        LatencyModel(sizes, ptl).to_json(path)
 
 
 def test_instances_report_their_latency_and_the_service_averages_it(tmp_path, tokenizer):

@@ -11,9 +11,11 @@ __all__ = ["fsync_dir", "point_link_at", "write_text_atomic"]
 
 
 def write_text_atomic(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` through a sibling file and one ``os.replace``."""
+    """Write ``text`` to ``path`` through a sibling file and one ``os.replace``. The sibling is
+    this process's own, so writers racing to one path (generator instances caching the same
+    profile) each replace it whole: the last one wins, none leaves half a file."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(f".{path.name}.partial")
+    partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
     partial.write_text(text)
     os.replace(partial, path)
 

@@ -107,7 +107,10 @@ def profiled_latency(
     if profile.cache_dir is not None:
         path = Path(profile.cache_dir) / f"latency-{_key(profile, model_dir, engine, device)}.json"
         if path.is_file():
-            return LatencyModel.from_json(path), True
+            try:
+                return LatencyModel.from_json(path), True
+            except (ValueError, KeyError, TypeError):  # not a whole model: measured afresh
+                pass
     model = profile_generator(generator, profile)
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -30,6 +30,8 @@ from typing import Literal
 
 import numpy as np
 
+from streamrl.runtime.atomic_files import write_text_atomic
+
 #: PTL of a 7B model on one H800 with vLLM, read off the paper's Fig. 6 (ms per token).
 PAPER_7B_H800_MS = {
     1: 8.3,
@@ -298,8 +300,10 @@ class LatencyModel:
         return longest_s, work_s
 
     def to_json(self, path: str | Path) -> Path:
+        """Write the model to ``path`` whole (``write_text_atomic``: processes that cache the
+        same model at once never leave half a file)."""
         path = Path(path)
-        path.write_text(json.dumps(asdict(self), indent=2))
+        write_text_atomic(path, json.dumps(asdict(self), indent=2))
         return path
 
     @classmethod

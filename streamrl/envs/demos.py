@@ -8,7 +8,7 @@ start and RL see the same sequences and train on the same positions.
 
 Examples:
     >>> from streamrl.policy.models import build_bpe_tokenizer, build_tiny_model
-    >>> from streamrl.tasks import tool_tasks as calc
+    >>> from streamrl.envs import tool_tasks as calc
     >>> rows = calc.calculator_rows(4)
     >>> tok = build_bpe_tokenizer([str(calc.CalculatorEnv().reset(r)) for r in rows], 300)
     >>> turns = calc.calculator_demonstration(rows[0])

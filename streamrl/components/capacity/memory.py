@@ -32,7 +32,7 @@ the GPU (vLLM's default ``gpu_memory_utilization``) after the weights and a 2 Gi
 
 Examples:
     >>> from streamrl.policy.models import model_config
-    >>> shape = ModelShape.from_config(model_config("qwen2.5-7b"))
+    >>> shape = ModelShape.from_config(model_config("7b"))
     >>> round(shape.params / 1e9, 2)
     7.62
     >>> per_gpu = trainer_memory(shape, ranks=4, micro_batch_tokens=8704)

@@ -544,6 +544,18 @@ def test_a_config_of_the_old_layout_is_refused_in_one_line_and_migrates(fit, tmp
     assert "nothing to change" in capsys.readouterr().err
 
 
+def test_a_null_flat_key_migrates_to_nothing_not_an_empty_section():
+    """A flat key set to ``null`` (its default) is left out, and leaves no ``{}`` behind; a
+    section the file already had stays, even empty."""
+    from streamrl.run.config_migrate import migrate
+
+    new, changes = migrate({"rl": {"sample_timeout_s": None, "generation": {}}})
+    assert new == {"rl": {"generation": {}}}
+    assert len(changes) == 1 and changes[0].startswith("rl.sample_timeout_s -> rl.timeouts")
+    new, _ = migrate({"rl": {"sample_timeout_s": 30.0}})
+    assert new == {"rl": {"timeouts": {"sample_s": 30.0}}}
+
+
 def test_the_lora_section_is_lora_specs_arguments(fit, tmp_path, capsys):
     """``rl.lora`` holds ``LoRASpec``'s arguments: from a file, dotted options and YAML, checked
     by ``LoRASpec`` itself, printed with its docstring and read back; the flat keys migrate."""

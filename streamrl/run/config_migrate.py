@@ -147,7 +147,9 @@ def _elastic_controller(rl: dict[str, Any], changes: list[str]) -> None:
 def _folded(rl: dict[str, Any], changes: list[str]) -> None:
     """``rl.reward_workers: 0`` -> ``rl.reward_pool: {workers: 0}``, and so on
     (``config_file.FOLDED_KEYS``); a ``null`` (a timeout's default) is left out, unless it
-    means something else (``NULL_IS_A_SETTING``)."""
+    means something else (``NULL_IS_A_SETTING``), and a section only it would have made is not
+    written empty."""
+    before = set(rl)
     for key, (section, name, _) in FOLDED_KEYS.items():
         if key not in rl or section == "lora":  # LoRA: rank 0 is no section (_lora_section)
             continue
@@ -167,6 +169,9 @@ def _folded(rl: dict[str, Any], changes: list[str]) -> None:
         if value is not None or key in NULL_IS_A_SETTING:
             into[name] = value
         changes.append(f"rl.{key} -> {MOVED_KEYS[RLConfig][key]}")
+    for section in set(rl) - before:
+        if rl[section] == {}:
+            del rl[section]
 
 
 def migrate_file(path: str | Path, out: str | Path | None = None) -> dict[str, Any]:

@@ -209,8 +209,9 @@ def fit_calibration(
     """Fit contention, the trainer factor, sync and loop time on one real ``sync`` run.
 
     Args:
-        config: the calibration configuration (its mode must be ``sync``: there the real and
-            simulated ``gen_s`` both mean dispatch to last sample).
+        config: the calibration configuration (its mode must be ``sync``, where generation
+            and training take turns: the slowdown fitted to ``gen_s``, the generation phase
+            from first admission to last finish, real and simulated alike, is the contention).
         real: ``run_real``'s medians for it.
         latency / trainer / colocated_trainer: the micro-benchmarks' models.
         prefill_s_per_token: the re-prefill micro-benchmark's cost per token (kept as it is).
@@ -220,7 +221,7 @@ def fit_calibration(
         ValueError: ``config`` is not a sync run.
     """
     if config.mode != "sync":
-        raise ValueError(f"Calibrate on a sync run (got {config.mode!r}): its gen_s is clean.")
+        raise ValueError(f"Calibrate on a sync run (got {config.mode!r}): its phases take turns.")
     overhead = max(
         0.0,
         real["iteration_s"]

@@ -40,6 +40,11 @@ class IterationStats:
 
     samples: int = 0
     tokens: int = 0
+    #: The generation phase on the generators: its first admission to its last sample's finish
+    #: (the samples' own timestamps; the simulator's ``gen_s``). Not the trainer's consumption
+    #: of it, which waits on training too: in async mode the consumption of iteration b spans the
+    #: step on b - 1, so an elastic trigger comparing it with ``train_s`` would always see
+    #: generation lag (§4.2). Samples without timestamps: dispatch to the last group taken.
     generate_s: float = 0.0
     wait_s: float = 0.0  # time the trainer spent blocked waiting for the next sample
     rewards: list[float] = field(default_factory=list)
@@ -66,6 +71,20 @@ class _Batch:
     unscored: dict[tuple, Sample] = field(default_factory=dict)  # received, reward pending
     delivered: int = 0
     stats: IterationStats = field(default_factory=IterationStats)
+    first_started_s: float = float("inf")  # wall clock, of the samples received
+    last_finished_s: float = 0.0
+
+    def timed(self, sample: Sample) -> None:
+        """Widen the generation phase to cover ``sample`` (if it carries timestamps)."""
+        if 0 < sample.started_s <= sample.finished_s:
+            self.first_started_s = min(self.first_started_s, sample.started_s)
+            self.last_finished_s = max(self.last_finished_s, sample.finished_s)
+
+    def generate_s(self) -> float:
+        """First admission to last finish; dispatch to now without timestamps."""
+        if self.last_finished_s > 0:
+            return self.last_finished_s - self.first_started_s
+        return time.perf_counter() - self.dispatched_s
 
 
 class RolloutStream:
@@ -346,7 +365,7 @@ class RolloutStream:
                 if batch.awaiting and not batch.ready:
                     self._receive(self.sampler.next_sample())
             batch.stats.wait_s += time.perf_counter() - waited
-        batch.stats.generate_s = time.perf_counter() - batch.dispatched_s
+        batch.stats.generate_s = batch.generate_s()
         del self._batches[iteration]
         # In flight for checkpoints until the step that trains it is done (``trained``); an
         # older one left here was trained: iterations are trained in order.
@@ -411,6 +430,7 @@ class RolloutStream:
         when the reward runs in a pool)."""
         batch = self._batches[sample.iteration]
         batch.awaiting -= 1
+        batch.timed(sample)
         self.ledger.count("samples_received", sample.iteration, sample.prompt_id)
         if self.sampler.left_out(sample):  # the environment's fault, not the policy's
             self.ledger.count("samples_env_fault", sample.iteration, sample.prompt_id)

@@ -291,6 +291,31 @@ def profile_recompute(quick: bool) -> float:
     return per_token
 
 
+def interleaved_runs(
+    configs: Sequence[BenchConfig],
+    model_dir: Path,
+    iterations: int,
+    warmup: int,
+    repeats: int,
+    seed: int = 0,
+) -> dict[str, dict]:
+    """Each configuration's real medians over ``repeats`` fresh runs, taken in rounds: one run
+    of every configuration per round. A machine whose speed drifts over the minutes of a
+    validation (a shared host, another tenant) then slows every configuration alike, instead
+    of the ones that happened to run in its slow minutes: back to back, one invocation measured
+    batch-8 at 66 and the next at 115 samples/s."""
+    runs: dict[str, list[dict]] = {c.name: [] for c in configs}
+    for round_ in range(repeats):
+        for config in configs:
+            print(
+                f"real run {round_ + 1}/{repeats}: {config.name} ({config.describe()})",
+                file=sys.stderr,
+                flush=True,
+            )
+            runs[config.name].append(run_real(config, model_dir, iterations, warmup, seed))
+    return {name: _median_runs(each) for name, each in runs.items()}
+
+
 def _median_runs(runs: list[dict]) -> dict:
     return {k: statistics.median(r[k] for r in runs) for k in runs[0]}
 
@@ -338,20 +363,18 @@ def validate(
     rows = {}
     with tempfile.TemporaryDirectory(prefix="streamrl-validate-") as tmp:
         model_dir = model_dir_for("tiny", Path(tmp), seed)
-        say(f"calibration run: {calibration.describe()}")
-        runs = [run_real(calibration, model_dir, iterations, warmup, seed) for _ in range(repeats)]
-        real = _median_runs(runs)
+        configs = (calibration, *predicted)
+        real = interleaved_runs(configs, model_dir, iterations, warmup, repeats, seed)
+        fitted_on = real[calibration.name]
         cals = {
             name: fit_calibration(
-                calibration, real, model, one, two, iterations, warmup, per_token, shared
+                calibration, fitted_on, model, one, two, iterations, warmup, per_token, shared
             )
             for name, (model, shared) in variants.items()
         }
-        rows[calibration.name] = _row(calibration, real, cals, iterations, warmup, fitted=True)
+        rows[calibration.name] = _row(calibration, fitted_on, cals, iterations, warmup, True)
         for config in predicted:
-            say(f"real run: {config.name} ({config.describe()})")
-            runs = [run_real(config, model_dir, iterations, warmup, seed) for _ in range(repeats)]
-            rows[config.name] = _row(config, _median_runs(runs), cals, iterations, warmup)
+            rows[config.name] = _row(config, real[config.name], cals, iterations, warmup)
     result = {"rows": rows, "iterations": iterations, "warmup": warmup, "repeats": repeats}
     for name, cal in cals.items():
         tail = _suffix(name)

@@ -302,8 +302,8 @@ def interleaved_runs(
     """Each configuration's real medians over ``repeats`` fresh runs, taken in rounds: one run
     of every configuration per round. A machine whose speed drifts over the minutes of a
     validation (a shared host, another tenant) then slows every configuration alike, instead
-    of the ones that happened to run in its slow minutes: back to back, one invocation measured
-    batch-8 at 66 and the next at 115 samples/s."""
+    of the ones that happened to run in its slow minutes. (It leaves the spread between single
+    runs: docs/simulator.md has a row measured at 66 and 115 samples/s minutes apart.)"""
     runs: dict[str, list[dict]] = {c.name: [] for c in configs}
     for round_ in range(repeats):
         for config in configs:

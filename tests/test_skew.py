@@ -190,6 +190,39 @@ def test_bench_dispatch_simulated_contract_and_order(capsys):
     assert all(makespan["oracle"] <= v * 4 / 3 for v in makespan.values())
 
 
+def test_bench_dispatch_gives_the_adaptive_planner_its_own_arguments(capsys, monkeypatch):
+    """``--adaptive {moves: false}`` reaches ``AdaptiveDispatcher`` beside the bench's own
+    latency model, slots and ``D``; an argument it does not take fails before any work."""
+    import inspect
+
+    import streamrl.bench.dispatch as bench
+    from streamrl.cli.main import main
+    from streamrl.components.skewness.adaptive import AdaptiveDispatcher
+
+    given = []
+
+    class Recording(AdaptiveDispatcher):
+        __signature__ = inspect.signature(AdaptiveDispatcher)  # what the bench checks against
+
+        def __init__(self, *args, **kwargs):
+            given.append(kwargs)
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(bench, "AdaptiveDispatcher", Recording)
+    argv = ["--simulate", "--instances", "2", "--latency", "paper-7b-h800", "--prompts", "16"]
+    result = _bench_json(
+        capsys, [*argv, "--policies", "skew,adaptive", "--adaptive", "{moves: false}"]
+    )
+    (kwargs,) = given
+    assert kwargs["moves"] is False and len(kwargs["recent_lengths"]) == 32
+    assert result["requests_moved"]["adaptive"] == 0
+    given.clear()
+    assert main(["bench", "dispatch", *argv, "--adaptive", "{mvoes: false}"]) == 2
+    err = capsys.readouterr().err
+    assert "--adaptive: ['mvoes'] is not AdaptiveDispatcher's to set here" in err
+    assert "'moves'" in err and not given  # refused before any plan was built
+
+
 def _recording(monkeypatch) -> list:
     """Swap the bench's ``SkewAwareDispatcher`` for one that records what it is given."""
     import streamrl.bench.dispatch as bench
@@ -283,6 +316,13 @@ def test_bench_dispatch_real_runs_lengths_past_the_tiny_context(tmp_path, capsys
     _check_dispatch_contract(result, {"random", "skew", "adaptive", "oracle"}, 8, "real")
     # Wall clock on a shared machine: the longest sample alone bounds each row loosely.
     assert all(v >= 0.5 * result["longest_sample_s"] for v in result["makespan_s"].values())
+    # Where each row's samples ran: all 8, their tokens, the 300-token one the widest, and
+    # the run no sooner done than its last instance.
+    for label, (run,) in result["instance_loads"].items():
+        assert sum(i["samples"] for i in run) == 8, label
+        assert sum(i["tokens"] for i in run) == 300 + 5 + 9 + 12 + 7 + 4 + 30 + 6, label
+        assert max(i["widest"] for i in run) == 300 and {i["instance"] for i in run} <= {0, 1}
+        assert 0 < max(i["end_s"] for i in run) <= result["makespan_s"][label] + 0.05, label
 
 
 def test_recall_and_kendall_hand_computed():

@@ -18,6 +18,7 @@ The skew policy's dispatcher plans on copies of the requests without their force
 
 from __future__ import annotations
 
+import inspect
 import statistics
 import sys
 import tempfile
@@ -45,7 +46,7 @@ from streamrl.components.skewness.schedulers import FIFOScheduler, LPTScheduler
 from streamrl.components.skewness.skew_dispatch import SkewAwareDispatcher
 from streamrl.errors import ConfigError
 from streamrl.policy.models import load_policy
-from streamrl.records import Request
+from streamrl.records import Request, Sample
 
 POLICIES = ("random", "skew", "adaptive", "oracle")
 #: The label suffix of a simulated row with speculative decoding in the tail.
@@ -85,7 +86,8 @@ def _dispatcher(
     if policy == "random":
         return Blindfolded(RandomDispatcher(settings.seed), settings.max_batch_size)
     if policy == "adaptive":
-        planner = AdaptiveDispatcher(latency, settings.max_batch_size, recent_lengths=d)
+        options = {"recent_lengths": d, **settings.adaptive}
+        planner = AdaptiveDispatcher(latency, settings.max_batch_size, **options)
         return BlindfoldedRebalancer(planner, settings.max_batch_size)
     skew = SkewAwareDispatcher(
         latency,
@@ -129,8 +131,9 @@ def _simulate(
 
 def _run_real(
     plans: dict, settings: DispatchBench, prompt_ids, true, model_dir: Path
-) -> dict[str, float]:
-    """Median wall-clock makespan of each row over ``settings.repeats`` generations.
+) -> tuple[dict[str, float], dict[str, int], dict[str, list[list[dict]]]]:
+    """Median wall-clock makespan and requests moved of each row over ``settings.repeats``
+    generations, and where each measured generation's samples ran (``instance_loads``).
 
     One service serves every row, the rows interleaved in each repeat so that drift on a
     shared machine hits them alike. Its instances admit LPT: requests without a prediction
@@ -138,6 +141,7 @@ def _run_real(
     """
     times: dict[str, list[float]] = {label: [] for label in plans}
     moves: dict[str, list[int]] = {label: [] for label in plans}
+    loads: dict[str, list[list[dict]]] = {label: [] for label in plans}
     with StreamGenerationService(
         model_dir,
         settings.instances,
@@ -153,15 +157,36 @@ def _run_real(
             sgs.dispatcher = dispatcher
             requests = _requests(prompt_ids, true, iteration)
             moved = sgs.counts["requests_moved"]
-            started = time.perf_counter()
-            for _ in sgs.generate(requests, _per_sample(scores, true)):
-                pass
+            started, wall = time.perf_counter(), time.time()
+            samples = list(sgs.generate(requests, _per_sample(scores, true)))
             if measured is not None:
                 times[measured].append(time.perf_counter() - started)
                 moves[measured].append(sgs.counts["requests_moved"] - moved)
-    return {label: statistics.median(t) for label, t in times.items()}, {
-        label: statistics.median(m) for label, m in moves.items()
-    }
+                loads[measured].append(instance_loads(samples, wall))
+    return (
+        {label: statistics.median(t) for label, t in times.items()},
+        {label: statistics.median(m) for label, m in moves.items()},
+        loads,
+    )
+
+
+def instance_loads(samples: list[Sample], started: float) -> list[dict]:
+    """Where one generation's samples ran: per instance, its samples, their tokens, the widest
+    (on the HF engine every row of a batch pays for it at each step) and when its last sample
+    finished, in seconds from ``started`` (wall clock, as the samples' timestamps)."""
+    by_instance: dict[int, list[Sample]] = {}
+    for sample in samples:
+        by_instance.setdefault(sample.instance_id, []).append(sample)
+    return [
+        {
+            "instance": instance,
+            "samples": len(ran),
+            "tokens": sum(s.length for s in ran),
+            "widest": max(s.length for s in ran),
+            "end_s": round(max(s.finished_s for s in ran) - started, 3),
+        }
+        for instance, ran in sorted(by_instance.items())
+    ]
 
 
 def _per_sample(scores: list[float] | None, true: list[list[int]]) -> list[float] | None:
@@ -229,6 +254,7 @@ def bench_dispatch(settings: DispatchBench, simulator: Callable[..., Any] | None
         )
     torch.set_num_threads(1)  # the ranker trains beside the generators' cores, as they would
     rows = _rows(settings)
+    _check_adaptive(settings.adaptive)
     table = load_lengths(settings.lengths or DEFAULT_LENGTHS)
     n = settings.prompts or len(table)
     history = settings.history or 2 * n
@@ -260,7 +286,7 @@ def bench_dispatch(settings: DispatchBench, simulator: Callable[..., Any] | None
             d = [x for row in true for x in row] if policy == "oracle" else seen
             scores = _scores(policy, true, predictions.get(label))
             plans[label] = (_dispatcher(policy, latency, settings, d), scores)
-        moves = {}
+        moves, loads = {}, {}
         if settings.simulate:
             tail = None
             if settings.tail_speedup is not None:
@@ -281,13 +307,27 @@ def bench_dispatch(settings: DispatchBench, simulator: Callable[..., Any] | None
             makespan = {label: m for label, (m, _) in simulated.items()}
             moves = {label: n for label, (_, n) in simulated.items()}
         else:
-            makespan, moves = _run_real(plans, settings, prompt_ids, true, model_dir)
+            makespan, moves, loads = _run_real(plans, settings, prompt_ids, true, model_dir)
         makespan = {label: round(v, 4) for label, v in makespan.items()}
     result = _result(settings, batch, true, earlier, predictions, makespan, latency, prompt_ids)
     if moves:
         result["requests_moved"] = moves
+    if not settings.simulate:
+        result["instance_loads"] = loads
     _print_table(result)
     return result
+
+
+def _check_adaptive(options: dict[str, Any]) -> None:
+    """``--adaptive``'s arguments, refused before any work unless ``AdaptiveDispatcher`` takes
+    each (the latency model, batch slots and recent lengths are the bench's own)."""
+    linked = {"latency", "max_batch_size", "recent_lengths"}
+    own = set(inspect.signature(AdaptiveDispatcher).parameters) - linked
+    if unknown := sorted(set(options) - own):
+        raise ConfigError(
+            f"--adaptive: {unknown} is not AdaptiveDispatcher's to set here; its arguments are "
+            f"{sorted(own)} ({', '.join(sorted(linked))}: the bench's)."
+        )
 
 
 def _scores(
@@ -405,3 +445,11 @@ def _print_table(result: dict) -> None:
         f"{result['work_s']:.3f} s)",
         file=sys.stderr,
     )
+    for label, runs in result.get("instance_loads", {}).items():  # real runs: where work ran
+        for n, run in enumerate(runs, start=1):
+            where = " | ".join(
+                f"instance {i['instance']}: {i['samples']} samples, {i['tokens']} tokens, "
+                f"widest {i['widest']}, done {i['end_s']:.2f} s"
+                for i in run
+            )
+            print(f"  {label} run {n}: {where}", file=sys.stderr)

@@ -9,8 +9,8 @@ Examples:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
-from typing import Literal
+from dataclasses import dataclass, field, fields
+from typing import Any, Literal
 
 
 @dataclass
@@ -131,6 +131,8 @@ class DispatchBench:
         latency: latency model: 'paper-7b-h800', a JSON file from 'streamrl profile', or
             (default) measured on --model now.
         objective: Algorithm 2 objective: pools' makespan (max) or the paper's sum.
+        adaptive: the adaptive policy's AdaptiveDispatcher arguments, e.g. {moves: false}
+            or {split_groups: true} (its latency model, batch slots and D are the bench's).
         prompts: prompts (default: one per length in the file).
         group_size: samples per prompt (a group); each sample's length is its prompt's times
             a log-normal factor of spread --group_sigma.
@@ -158,6 +160,7 @@ class DispatchBench:
     simulate: bool = False
     latency: str | None = None
     objective: Literal["max", "sum"] = "max"
+    adaptive: dict[str, Any] = field(default_factory=dict)
     prompts: int | None = None
     group_size: int = 1
     group_sigma: float = 0.3

@@ -219,8 +219,10 @@ def test_bench_dispatch_gives_the_adaptive_planner_its_own_arguments(capsys, mon
     given.clear()
     assert main(["bench", "dispatch", *argv, "--adaptive", "{mvoes: false}"]) == 2
     err = capsys.readouterr().err
-    assert "--adaptive: ['mvoes'] is not AdaptiveDispatcher's to set here" in err
-    assert "'moves'" in err and not given  # refused before any plan was built
+    assert "error: --adaptive: " in err and "takes no option(s) ['mvoes']" in err
+    assert "(did you mean 'moves'?)" in err and not given  # refused before any plan was built
+    assert main(["bench", "dispatch", *argv, "--adaptive", "{max_batch_size: 8}"]) == 2
+    assert "--adaptive: ['max_batch_size'] are the bench's to set" in capsys.readouterr().err
 
 
 def _recording(monkeypatch) -> list:

@@ -18,11 +18,8 @@ The skew policy's dispatcher plans on copies of the requests without their force
 
 from __future__ import annotations
 
-import inspect
-import statistics
 import sys
 import tempfile
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -31,11 +28,11 @@ import numpy as np
 import torch
 
 from streamrl.bench.blindfolded import Blindfolded, BlindfoldedRebalancer
+from streamrl.bench.dispatch_runs import per_sample, print_instance_loads, requests_for, run_real
 from streamrl.bench.inputs import load_lengths, model_dir_for, tokenizer_for
 from streamrl.bench.pipeline import DEFAULT_LENGTHS
 from streamrl.bench.predictions import SOURCES, Batch, Predictions, batch_and_history, predict
 from streamrl.bench.settings import DispatchBench
-from streamrl.components.generation.service import StreamGenerationService
 from streamrl.components.generation.speculative import TailSpeculation
 from streamrl.components.skewness.adaptive import AdaptiveDispatcher
 from streamrl.components.skewness.dispatch import RandomDispatcher
@@ -46,7 +43,7 @@ from streamrl.components.skewness.schedulers import FIFOScheduler, LPTScheduler
 from streamrl.components.skewness.skew_dispatch import SkewAwareDispatcher
 from streamrl.errors import ConfigError
 from streamrl.policy.models import load_policy
-from streamrl.records import Request, Sample
+from streamrl.runtime.references import check_options
 
 POLICIES = ("random", "skew", "adaptive", "oracle")
 #: The label suffix of a simulated row with speculative decoding in the tail.
@@ -54,19 +51,6 @@ SPEC = "+spec"
 RANDOM_DRAWS = 20  # simulated random dispatch: mean makespan over this many draws
 PROFILE_PROMPT = [5, 6, 7, 8]  # the prompt PTL(BS) is measured on
 PROFILE_TOKENS = 16  # decode steps timed per cell of the profile's grid
-
-
-def _requests(
-    prompt_ids: list[list[int]], true: list[list[int]], iteration: int = 0
-) -> list[Request]:
-    """One request per sample: prompt ``i``'s sample ``j`` is forced to ``true[i][j]`` tokens;
-    every request has the same budget (the longest), which tells nothing about its own."""
-    cap = max(n for lengths in true for n in lengths)
-    return [
-        Request(f"p{i}", ids, cap, sample_index=j, forced_length=n, iteration=iteration)
-        for i, (ids, lengths) in enumerate(zip(prompt_ids, true))
-        for j, n in enumerate(lengths)
-    ]
 
 
 def group_lengths(lengths: list[int], group_size: int, sigma: float, seed: int) -> list[list[int]]:
@@ -117,8 +101,8 @@ def _simulate(
     for _ in range(draws):
         result = simulator(
             dispatcher,
-            _requests(prompt_ids, true),
-            _per_sample(scores, true),
+            requests_for(prompt_ids, true),
+            per_sample(scores, true),
             settings.instances,
             latency,
             settings.max_batch_size,
@@ -127,74 +111,6 @@ def _simulate(
         )
         total, moved = total + result.makespan_s, moved + result.requests_moved
     return total / draws, moved // draws
-
-
-def _run_real(
-    plans: dict, settings: DispatchBench, prompt_ids, true, model_dir: Path
-) -> tuple[dict[str, float], dict[str, int], dict[str, list[list[dict]]]]:
-    """Median wall-clock makespan and requests moved of each row over ``settings.repeats``
-    generations, and where each measured generation's samples ran (``instance_loads``).
-
-    One service serves every row, the rows interleaved in each repeat so that drift on a
-    shared machine hits them alike. Its instances admit LPT: requests without a prediction
-    (random dispatch) keep submission order, i.e. FIFO.
-    """
-    times: dict[str, list[float]] = {label: [] for label in plans}
-    moves: dict[str, list[int]] = {label: [] for label in plans}
-    loads: dict[str, list[list[dict]]] = {label: [] for label in plans}
-    with StreamGenerationService(
-        model_dir,
-        settings.instances,
-        max_batch_size=settings.max_batch_size,
-        temperature=1.0,  # as its figures were measured
-        scheduler=LPTScheduler,
-    ) as sgs:
-        runs = [(None, *next(iter(plans.items())))]  # one unmeasured warm-up run
-        runs += [
-            (label, label, plan) for _ in range(settings.repeats) for label, plan in plans.items()
-        ]
-        for iteration, (measured, _, (dispatcher, scores)) in enumerate(runs):
-            sgs.dispatcher = dispatcher
-            requests = _requests(prompt_ids, true, iteration)
-            moved = sgs.counts["requests_moved"]
-            started, wall = time.perf_counter(), time.time()
-            samples = list(sgs.generate(requests, _per_sample(scores, true)))
-            if measured is not None:
-                times[measured].append(time.perf_counter() - started)
-                moves[measured].append(sgs.counts["requests_moved"] - moved)
-                loads[measured].append(instance_loads(samples, wall))
-    return (
-        {label: statistics.median(t) for label, t in times.items()},
-        {label: statistics.median(m) for label, m in moves.items()},
-        loads,
-    )
-
-
-def instance_loads(samples: list[Sample], started: float) -> list[dict]:
-    """Where one generation's samples ran: per instance, its samples, their tokens, the widest
-    (on the HF engine every row of a batch pays for it at each step) and when its last sample
-    finished, in seconds from ``started`` (wall clock, as the samples' timestamps)."""
-    by_instance: dict[int, list[Sample]] = {}
-    for sample in samples:
-        by_instance.setdefault(sample.instance_id, []).append(sample)
-    return [
-        {
-            "instance": instance,
-            "samples": len(ran),
-            "tokens": sum(s.length for s in ran),
-            "widest": max(s.length for s in ran),
-            "end_s": round(max(s.finished_s for s in ran) - started, 3),
-        }
-        for instance, ran in sorted(by_instance.items())
-    ]
-
-
-def _per_sample(scores: list[float] | None, true: list[list[int]]) -> list[float] | None:
-    """Per-prompt scores repeated for each of the prompt's samples (the oracle's are already
-    per sample)."""
-    if scores is None or len(scores) == sum(map(len, true)):
-        return scores
-    return [score for score, lengths in zip(scores, true) for _ in lengths]
 
 
 def _rows(settings: DispatchBench) -> list[tuple[str, str, str | None]]:
@@ -307,7 +223,7 @@ def bench_dispatch(settings: DispatchBench, simulator: Callable[..., Any] | None
             makespan = {label: m for label, (m, _) in simulated.items()}
             moves = {label: n for label, (_, n) in simulated.items()}
         else:
-            makespan, moves, loads = _run_real(plans, settings, prompt_ids, true, model_dir)
+            makespan, moves, loads = run_real(plans, settings, prompt_ids, true, model_dir)
         makespan = {label: round(v, 4) for label, v in makespan.items()}
     result = _result(settings, batch, true, earlier, predictions, makespan, latency, prompt_ids)
     if moves:
@@ -320,13 +236,12 @@ def bench_dispatch(settings: DispatchBench, simulator: Callable[..., Any] | None
 
 def _check_adaptive(options: dict[str, Any]) -> None:
     """``--adaptive``'s arguments, refused before any work unless ``AdaptiveDispatcher`` takes
-    each (the latency model, batch slots and recent lengths are the bench's own)."""
-    linked = {"latency", "max_batch_size", "recent_lengths"}
-    own = set(inspect.signature(AdaptiveDispatcher).parameters) - linked
-    if unknown := sorted(set(options) - own):
+    each and the bench does not set it itself."""
+    check_options(AdaptiveDispatcher, options, where="--adaptive")
+    if linked := sorted(set(options) & {"latency", "max_batch_size", "recent_lengths"}):
         raise ConfigError(
-            f"--adaptive: {unknown} is not AdaptiveDispatcher's to set here; its arguments are "
-            f"{sorted(own)} ({', '.join(sorted(linked))}: the bench's)."
+            f"--adaptive: {linked} are the bench's to set (its latency model, --max_batch_size "
+            "and the earlier iteration's lengths); give the planner's other arguments."
         )
 
 
@@ -445,11 +360,4 @@ def _print_table(result: dict) -> None:
         f"{result['work_s']:.3f} s)",
         file=sys.stderr,
     )
-    for label, runs in result.get("instance_loads", {}).items():  # real runs: where work ran
-        for n, run in enumerate(runs, start=1):
-            where = " | ".join(
-                f"instance {i['instance']}: {i['samples']} samples, {i['tokens']} tokens, "
-                f"widest {i['widest']}, done {i['end_s']:.2f} s"
-                for i in run
-            )
-            print(f"  {label} run {n}: {where}", file=sys.stderr)
+    print_instance_loads(result.get("instance_loads", {}))

@@ -327,7 +327,24 @@ def compare(chaos_rows: list, clean_rows: list) -> dict:
         "pairs_trained_twice": sum(1 for n in pairs.values() if n > 1),
         "pairs_missing": sum(1 for pair in clean if pair not in pairs),
         "pairs_extra": sum(1 for pair in pairs if pair not in clean),
+        "differences": differences(chaos_rows, clean_rows),
     }
+
+
+def differences(chaos_rows: list, clean_rows: list, most: int = 8) -> list[dict]:
+    """The first ``most`` pairs trained in other iterations (or other times) than in the
+    uninterrupted run: what a failed comparison needs to be explained."""
+    where: dict[tuple, dict[str, list[int]]] = {}
+    for run, rows in (("chaos", chaos_rows), ("uninterrupted", clean_rows)):
+        for iteration, prompt, sample in rows:
+            entry = where.setdefault((prompt, sample), {"chaos": [], "uninterrupted": []})
+            entry[run].append(iteration)
+    odd = [
+        {"prompt_id": p, "sample_index": s, **{k: sorted(v) for k, v in its.items()}}
+        for (p, s), its in sorted(where.items(), key=lambda kv: str(kv[0]))
+        if sorted(its["chaos"]) != sorted(its["uninterrupted"])
+    ]
+    return odd[:most]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

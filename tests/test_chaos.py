@@ -32,7 +32,8 @@ def _nothing_lost_or_repeated(result: dict) -> None:
     assert result["ledger"]["samples_lost"] == 0
     assert result["ledger"]["samples_trained"] == result["samples_expected"]
     assert result["pairs_trained"] == result["samples_expected"]
-    assert result["pairs_equal_uninterrupted"] and result["same_iteration_each"]
+    same = result["pairs_equal_uninterrupted"] and result["same_iteration_each"]
+    assert same, json.dumps({k: result[k] for k in ("differences", "faults", "ledger")})
     assert result["pairs_trained_twice"] == result["pairs_missing"] == 0
 
 

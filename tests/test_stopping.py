@@ -10,13 +10,19 @@ import signal
 import subprocess
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 from types import SimpleNamespace
+from typing import ClassVar
 
 import pytest
 import torch
 
+from streamrl.algorithms import GRPO
+from streamrl.components.generation.service import StreamGenerationService
 from streamrl.runtime.stopping import Stopped, resume_hint, shielded, stop_on_signals
+from streamrl.training.prompts import PromptSource
+from streamrl.training.rollout import RolloutStream
 
 
 def test_the_first_signal_raises_stopped_and_the_rest_are_ignored():
@@ -49,6 +55,72 @@ def test_a_stop_inside_a_shielded_block_waits_for_its_end():
     assert done == ["the whole block"]
     with shielded():  # outside stop_on_signals: nothing to hold back
         done.append("plain")
+
+
+class _NoService:
+    """The stream's sampler for a test that never reads a sample."""
+
+    scores_samples = False
+    dispatcher = None
+    counts: ClassVar[Counter] = Counter()
+
+    def start_group(self, group):
+        return StreamGenerationService.start_group(self, group)
+
+    def submit(self, requests, scores=None) -> None:
+        pass
+
+
+class _SignalledSource(PromptSource):
+    """A prompt source that receives SIGTERM while it hands out its ``strike_at``-th row."""
+
+    strike_at = -1
+
+    def next_row(self) -> dict:
+        self.strike_at -= 1
+        if self.strike_at == 0:
+            os.kill(os.getpid(), signal.SIGTERM)  # the handler runs here, mid-batch
+        return super().next_row()
+
+
+def test_a_stop_while_prompts_are_dealt_leaves_them_in_flight_for_the_resume(tokenizer):
+    """A SIGTERM landing while the stream takes an iteration's prompts from the source: the
+    checkpoint's state holds them as in flight, so the resumed run deals the same prompts to
+    the same iterations as a run never stopped. (Before, the prompts taken were in no
+    iteration: the likely cause of test_chaos.py's rare failure, its SIGTERM lands near a
+    dispatch.)"""
+    rows = [{"prompt_id": f"p{i}", "prompt": "ab", "answer": ""} for i in range(12)]
+
+    def stream(source: PromptSource) -> RolloutStream:
+        return RolloutStream(
+            _NoService(),
+            source,
+            tokenizer,
+            GRPO(group_size=2),
+            reward=lambda c, a: 0.0,
+            max_tokens=4,
+            context=64,
+        )
+
+    def dealt(s: RolloutStream, iterations: int) -> list[list[str]]:
+        return [sorted(s._batches[s.dispatch()].rows) for _ in range(iterations)]
+
+    uninterrupted = dealt(stream(PromptSource(rows, 3, seed=0)), 3)
+    source = _SignalledSource(rows, 3, seed=0)
+    stopped = stream(source)
+    dealt(stopped, 1)
+    source.strike_at = 2  # the second prompt of the second iteration
+    with pytest.raises(Stopped), stop_on_signals():
+        stopped.dispatch()
+    state, prompts = stopped.state_dict(), source.state_dict()
+    assert [sorted(r["prompt_id"] for r in v) for v in state["in_flight"].values()] == (
+        uninterrupted[:2]
+    )
+    resumed_source = PromptSource(rows, 3, seed=0)
+    resumed_source.load_state_dict(prompts)
+    resumed = stream(resumed_source)
+    resumed.load_state_dict(state)
+    assert dealt(resumed, 3) == uninterrupted
 
 
 def test_a_checkpoint_being_written_is_finished_before_the_stop(tmp_path, monkeypatch):

@@ -24,6 +24,7 @@ from streamrl.protocols import DistributionalLengthPredictor, GroupStart, Length
 from streamrl.records import Request, Sample, ScoredGroup
 from streamrl.rewards.pool import RewardPool, Scored
 from streamrl.rewards.spec import RewardSpec
+from streamrl.runtime.stopping import shielded
 from streamrl.training.prompts import PromptSource
 from streamrl.training.stream_ledger import StreamLedger
 from streamrl.training.timeline import TraceRecorder
@@ -253,25 +254,30 @@ class RolloutStream:
 
     def dispatch(self, min_weight_version: int = 0) -> int:
         """Send the next iteration's requests; instances admit them once they hold at least
-        ``min_weight_version``. Returns the iteration number."""
-        iteration, self._next_iteration = self._next_iteration, self._next_iteration + 1
-        if iteration in self._redispatch:  # resumed: the same prompts as before the stop
-            rows = {row["prompt_id"]: row for row in self._redispatch.pop(iteration)}
-        else:
-            rows = {row["prompt_id"]: row for row in self.prompts.next_batch()}
-        requests = [
-            r
-            for pid, row in rows.items()
-            for r in self._requests(pid, row, iteration, min_weight_version)
-        ]
-        self._batches[iteration] = _Batch(
-            rows,
-            time.perf_counter(),
-            min_weight_version,
-            partial={pid: [] for pid in rows},
-            awaiting=len(requests),
-        )
-        self.prompts_dispatched += len(rows)
+        ``min_weight_version``. Returns the iteration number.
+
+        The prompt source and the stream's in-flight iterations move together (``shielded``):
+        a stop (SIGTERM, Ctrl-C) landing in between would checkpoint prompts taken from the
+        source but in no iteration, lost to the resumed run."""
+        with shielded():
+            iteration, self._next_iteration = self._next_iteration, self._next_iteration + 1
+            if iteration in self._redispatch:  # resumed: the same prompts as before the stop
+                rows = {row["prompt_id"]: row for row in self._redispatch.pop(iteration)}
+            else:
+                rows = {row["prompt_id"]: row for row in self.prompts.next_batch()}
+            requests = [
+                r
+                for pid, row in rows.items()
+                for r in self._requests(pid, row, iteration, min_weight_version)
+            ]
+            self._batches[iteration] = _Batch(
+                rows,
+                time.perf_counter(),
+                min_weight_version,
+                partial={pid: [] for pid in rows},
+                awaiting=len(requests),
+            )
+            self.prompts_dispatched += len(rows)
         self.sampler.submit(requests, self._predicted_lengths(requests, rows))
         if self._refresh_due:  # while the instances generate, not on the trainer's critical path
             self._refresh_ranker()
@@ -414,15 +420,16 @@ class RolloutStream:
         batch.left_out.pop(prompt_id, None)
         if batch.refills >= self.max_refills:
             return
-        batch.refills += 1
-        row = self.prompts.next_row()
-        while row["prompt_id"] in batch.rows:  # a small set can wrap into this iteration
+        with shielded():  # the source and the iteration's rows move together (``dispatch``)
+            batch.refills += 1
             row = self.prompts.next_row()
-        pid = row["prompt_id"]
-        batch.rows[pid], batch.partial[pid] = row, []
-        requests = self._requests(pid, row, iteration, batch.min_weight_version)
-        batch.awaiting += len(requests)
-        self.prompts_dispatched += 1
+            while row["prompt_id"] in batch.rows:  # a small set can wrap into this iteration
+                row = self.prompts.next_row()
+            pid = row["prompt_id"]
+            batch.rows[pid], batch.partial[pid] = row, []
+            requests = self._requests(pid, row, iteration, batch.min_weight_version)
+            batch.awaiting += len(requests)
+            self.prompts_dispatched += 1
         self.sampler.submit(requests, self._predicted_lengths(requests, {pid: row}))
 
     def _receive(self, sample: Sample) -> None:

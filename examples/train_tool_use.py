@@ -1,48 +1,45 @@
-"""GRPO on multi-turn episodes: a tiny policy learns to use a calculator tool (docs/episodes.md).
+"""GRPO on multi-turn episodes: a tiny policy learns to use a calculator tool (docs/episodes.md);
+configs/calculator.yaml in Python, run by the recipe `streamrl fit` runs (streamrl/run/recipe.py).
 
-Run: python examples/train_tool_use.py [--iterations 60] [--sft-steps 400] [--rows 2000]"""
+Run: python examples/train_tool_use.py [--iterations 60] [--sft-steps 800] [--rows 2000]"""
 
 import argparse
 
-import torch
-
 import streamrl as sr
+from streamrl.run.reruns import fresh_output_dir
 
 if __name__ == "__main__":  # the generator instances are spawned processes
     cli = argparse.ArgumentParser()
     cli.add_argument("--iterations", type=int, default=60)
-    cli.add_argument("--sft-steps", type=int, default=400)
+    cli.add_argument("--sft-steps", type=int, default=800)
     cli.add_argument("--rows", type=int, default=2000, help="training rows")
+    cli.add_argument("--output-dir", default="runs/tool_use_example")
     args = cli.parse_args()
-    torch.set_num_threads(1)
-    train, heldout = sr.calculator_rows(args.rows, seed=0), sr.calculator_rows(100, seed=99)
-    env, demo = sr.CalculatorEnv, sr.calculator_demonstration  # a tool, and good episodes
-    tokenizer = sr.episode_tokenizer(train, env, demo)  # a BPE learned from rendered episodes
-    policy = sr.build_tiny_model(tokenizer, size="demo")  # ~1M parameters
-    sft = dict(steps=args.sft_steps, lr=2e-3, tokens_per_batch=2048, seed=0, model=policy)
-    sr.sft_on_episodes(train, make_env=env, demonstrate=demo, tokenizer=tokenizer, **sft)
-    model_dir = sr.save_policy(policy, tokenizer, "runs/tool_use_example")
-    turns = dict(max_tokens=40, context=policy.config.max_position_embeddings, max_turns=3)
-    before = sr.evaluate_episodes(policy, tokenizer, env, heldout, **turns)
-    algorithm = sr.GRPO(group_size=8)
-    stops = sr.stop_token_ids(tokenizer)  # a turn ends at the chat template's end of turn
-    with sr.StreamGenerationService(model_dir, 1, temperature=1.0, stop_token_ids=stops) as service:
-        runner = sr.EpisodeRunner(service, env, tokenizer, **turns)  # env steps off the decode loop
-        rollouts = sr.RolloutStream(
-            service,
-            sr.PromptSource(train, batch_size=16),
-            tokenizer,
-            algorithm,  # no reward: each episode's reward is its environment's
-            max_tokens=turns["max_tokens"],
-            context=turns["context"],
-            sampler=runner,
-        )
-        module = sr.build_module(
-            policy, rollouts=rollouts, iterations=args.iterations, mode="async"
-        )
-        sr.build_trainer(module).fit(module)
-    after = sr.evaluate_episodes(policy, tokenizer, env, heldout, **turns)
+    config = sr.load_config(  # the YAML layout, checked before any work
+        {
+            "model": "tiny",  # ~1M parameters, a BPE learned from rendered episodes
+            "output_dir": str(fresh_output_dir(args.output_dir)),
+            # products of two 3-digit numbers and a `multiply` tool: call it, copy its result
+            "env": {"name": "calculator", "max_turns": 3, "n_train": args.rows, "n_heldout": 100},
+            "sft": {  # a warm start on demonstrated episodes, cached
+                **{"model_size": "demo", "steps": args.sft_steps},
+                **{"lr": 2e-3, "tokens_per_batch": 2048},
+            },
+            "rl": {
+                "algorithm": "grpo",
+                "iterations": args.iterations,
+                "prompts_per_iteration": 16,
+                "group_size": 8,
+                "module": {"mode": "async", "lr": 1e-4},  # §4.1: one-step async
+                "generation": {"num_instances": 1, "temperature": 1.0, "partial_rollout": "keep"},
+                "reward_pool": {"workers": 0},  # each episode's reward is its environment's
+                "rollouts": {"max_tokens": 40},  # per turn; env steps run off the decode loop
+            },
+        }
+    )
+    summary = sr.run_fit(config)  # held-out success before and after, in summary.json too
     print(
-        f"held-out success {before.success:.3f} -> {after.success:.3f} "
-        f"(prefill saved {runner.prefill_saved:.0%}; {args.iterations} iterations)"
+        f"held-out success {summary['heldout_success_before']:.3f} -> "
+        f"{summary['heldout_success_after']:.3f} (prefill saved {summary['prefill_saved']:.0%}; "
+        f"{summary['iterations']} iterations)"
     )

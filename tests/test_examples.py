@@ -86,16 +86,29 @@ def test_example_trains_with_a_tiny_budget_through_the_recipe(tmp_path):
     assert (out / "timeline.png").exists() and (out / "policy" / "config.json").exists()
 
 
-def test_reasoning_gym_example_trains_with_a_tiny_budget():
-    proc = run_script(RG_EXAMPLE, "--iterations", "2", "--sft-steps", "10", "--rows", "64")
+def _through_the_recipe(out: Path, iterations: int) -> None:
+    """The road `streamrl fit` takes: its summary and trained policy directory."""
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["iterations"] == iterations and summary["samples_lost"] == 0
+    assert summary["mode"] == "async" and summary["algorithm"]["name"] == "GRPO"
+    assert (out / "policy" / "config.json").exists()
+
+
+def test_reasoning_gym_example_trains_with_a_tiny_budget_through_the_recipe(tmp_path):
+    args = ["--iterations", "2", "--sft-steps", "10", "--rows", "64"]
+    proc = run_script(RG_EXAMPLE, *args, "--output-dir", str(tmp_path / "run"))
     last = proc.stdout.strip().splitlines()[-1]
     assert last.startswith("held-out reward ") and "(2 iterations)" in last, last
+    _through_the_recipe(tmp_path / "run", 2)
 
 
-def test_tool_use_example_trains_with_a_tiny_budget():
-    proc = run_script(TOOL_EXAMPLE, "--iterations", "2", "--sft-steps", "10", "--rows", "64")
+def test_tool_use_example_trains_with_a_tiny_budget_through_the_recipe(tmp_path):
+    args = ["--iterations", "2", "--sft-steps", "10", "--rows", "64"]
+    proc = run_script(TOOL_EXAMPLE, *args, "--output-dir", str(tmp_path / "run"))
     last = proc.stdout.strip().splitlines()[-1]
     assert last.startswith("held-out success ") and "; 2 iterations)" in last, last
+    _through_the_recipe(tmp_path / "run", 2)
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["env"] == "calculator"
 
 
 def run_in_kernel(name: str, out: Path) -> list[dict]:

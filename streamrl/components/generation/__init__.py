@@ -5,5 +5,6 @@ alive (spawn, join, fail, replace) and reads their messages; ``instance`` and ``
 are the handles of one instance process or Ray actor; ``worker`` is the body of that process;
 ``engines`` holds the engine objects (``HFEngine``, ``VLLMEngine``) that build each instance's
 generator in its process; ``hf_generator`` and ``vllm_generator`` are those generators;
-``admission`` and ``kv_cache`` are the HF generator's continuous batching.
+``admission``, ``slot_cache`` and ``slot_sequence`` are the HF generator's continuous
+batching.
 """

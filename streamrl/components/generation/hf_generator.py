@@ -10,7 +10,10 @@ Layout: every running sequence (``SlotSequence``) owns one row of a preallocated
 decode together in one forward pass (``SlotForwards``: per-row masks and positions). Finished rows
 are dropped by moving the last rows into their place, so the running rows always form the prefix
 ``[0, n)`` of the buffer and no step re-pads or re-allocates. The generator's
-``FinishingRules`` say when a row ends.
+``FinishingRules`` say when a row ends. A sample's road through the HF engine is this module,
+``slot_cache`` (the cache, its forwards, an episode's kept prefix), ``slot_sequence`` (a row's
+sequence and when it ends), and three the vLLM generator shares: ``admission``, ``sampling`` and
+``finished``.
 
 Examples:
     >>> from streamrl.policy.models import build_tokenizer, build_tiny_model
@@ -32,11 +35,8 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from streamrl.components.generation.admission import AdmissionQueue, AdmittingGenerator, budget
 from streamrl.components.generation.finished import finished_sample
-from streamrl.components.generation.finishing import FinishingRules
 from streamrl.components.generation.hf_weights import WeightMap, copy_into, fingerprint
-from streamrl.components.generation.kv_cache import SlotCache
 from streamrl.components.generation.moving import leaving
-from streamrl.components.generation.prefix_stash import PrefixStash
 from streamrl.components.generation.routed_experts import RoutedExperts
 from streamrl.components.generation.sampling import (
     draw_tokens,
@@ -44,8 +44,12 @@ from streamrl.components.generation.sampling import (
     token_log_probs,
     version_seed,
 )
-from streamrl.components.generation.slot_forwards import SlotForwards
-from streamrl.components.generation.slot_sequence import SlotSequence, admitted_sequence
+from streamrl.components.generation.slot_cache import PrefixStash, SlotCache, SlotForwards
+from streamrl.components.generation.slot_sequence import (
+    FinishingRules,
+    SlotSequence,
+    admitted_sequence,
+)
 from streamrl.components.generation.speculative import SpeculativeDecoding, Speculator
 from streamrl.components.weights.checksums import tensor_digest
 from streamrl.protocols import AdmissionScheduler

@@ -372,10 +372,11 @@ class RolloutStream:
                     self._receive(self.sampler.next_sample())
             batch.stats.wait_s += time.perf_counter() - waited
         batch.stats.generate_s = batch.generate_s()
-        del self._batches[iteration]
         # In flight for checkpoints until the step that trains it is done (``trained``); an
-        # older one left here was trained: iterations are trained in order.
+        # older one left here was trained: iterations are trained in order. Held there before
+        # it leaves ``_batches``: a stop landing in between finds it in one or both, never none.
         self._untrained = {iteration: batch.rows}
+        del self._batches[iteration]
         if (iteration + 1) % self.ranker_refresh_every == 0:
             self._refresh_due = True
 

@@ -86,29 +86,24 @@ def test_example_trains_with_a_tiny_budget_through_the_recipe(tmp_path):
     assert (out / "timeline.png").exists() and (out / "policy" / "config.json").exists()
 
 
-def _through_the_recipe(out: Path, iterations: int) -> None:
-    """The road `streamrl fit` takes: its summary and trained policy directory."""
+@pytest.mark.parametrize(
+    ("example", "says", "env"),
+    [
+        (RG_EXAMPLE, "held-out reward ", None),
+        (TOOL_EXAMPLE, "held-out success ", "calculator"),
+    ],
+    ids=lambda v: v.name if isinstance(v, Path) else None,
+)
+def test_a_task_example_trains_with_a_tiny_budget_through_the_recipe(example, says, env, tmp_path):
+    out = tmp_path / "run"
+    args = ["--iterations", "2", "--sft-steps", "10", "--rows", "64", "--output-dir", str(out)]
+    last = run_script(example, *args).stdout.strip().splitlines()[-1]
+    assert last.startswith(says) and last.endswith(("(2 iterations)", "; 2 iterations)")), last
+    # The road `streamrl fit` takes: its summary and trained policy directory.
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["iterations"] == iterations and summary["samples_lost"] == 0
+    assert summary["iterations"] == 2 and summary["samples_lost"] == 0
     assert summary["mode"] == "async" and summary["algorithm"]["name"] == "GRPO"
-    assert (out / "policy" / "config.json").exists()
-
-
-def test_reasoning_gym_example_trains_with_a_tiny_budget_through_the_recipe(tmp_path):
-    args = ["--iterations", "2", "--sft-steps", "10", "--rows", "64"]
-    proc = run_script(RG_EXAMPLE, *args, "--output-dir", str(tmp_path / "run"))
-    last = proc.stdout.strip().splitlines()[-1]
-    assert last.startswith("held-out reward ") and "(2 iterations)" in last, last
-    _through_the_recipe(tmp_path / "run", 2)
-
-
-def test_tool_use_example_trains_with_a_tiny_budget_through_the_recipe(tmp_path):
-    args = ["--iterations", "2", "--sft-steps", "10", "--rows", "64"]
-    proc = run_script(TOOL_EXAMPLE, *args, "--output-dir", str(tmp_path / "run"))
-    last = proc.stdout.strip().splitlines()[-1]
-    assert last.startswith("held-out success ") and "; 2 iterations)" in last, last
-    _through_the_recipe(tmp_path / "run", 2)
-    assert json.loads((tmp_path / "run" / "summary.json").read_text())["env"] == "calculator"
+    assert summary.get("env") == env and (out / "policy" / "config.json").exists()
 
 
 def run_in_kernel(name: str, out: Path) -> list[dict]:

@@ -17,12 +17,14 @@ episodes on the same instances, interleaved ``--repeats`` times (medians):
 
 from __future__ import annotations
 
+import contextlib
 import random
 import statistics
 import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -87,6 +89,37 @@ def _policy_dir(out: Path, size: str) -> Path:
     return save_policy(build_tiny_model(tok, size, seed=0), tok, out / "policy")
 
 
+@contextlib.contextmanager
+def _episodes(
+    model_dir: Path,
+    tok,
+    settings: EpisodesBench,
+    seed: int,
+    service: Mapping[str, Any] | None = None,
+    **runner: Any,
+) -> Iterator[EpisodeRunner]:
+    """The bench's instances (``service``: more of their arguments) and an ``EpisodeRunner``
+    playing ``Rounds`` on them (``runner``: more of its arguments)."""
+    with StreamGenerationService(
+        model_dir,
+        settings.instances,
+        max_batch_size=settings.max_batch_size,
+        stop_token_ids=stop_token_ids(tok),
+        seed=seed,
+        temperature=1.0,  # as its figures were measured
+        **(service or {}),
+    ) as sgs:
+        yield EpisodeRunner(
+            sgs,
+            Rounds,
+            tok,
+            max_tokens=settings.turn_tokens,
+            context=CONTEXT,
+            max_turns=MAX_ROUNDS,
+            **runner,
+        )
+
+
 def _play(
     policy: str, model_dir: Path, tok, rows, scores, history, latency, settings: EpisodesBench
 ) -> dict:
@@ -97,26 +130,16 @@ def _play(
         if aware
         else RoundRobinDispatcher()
     )
-    with StreamGenerationService(
+    service = {"dispatcher": dispatcher, "scheduler": LPTScheduler if aware else FIFOScheduler}
+    with _episodes(
         model_dir,
-        settings.instances,
-        max_batch_size=settings.max_batch_size,
-        dispatcher=dispatcher,
-        scheduler=LPTScheduler if aware else FIFOScheduler,
-        stop_token_ids=stop_token_ids(tok),
-        seed=settings.seed,
-        temperature=1.0,  # as its figures were measured
-    ) as service:
-        runner = EpisodeRunner(
-            service,
-            Rounds,
-            tok,
-            max_tokens=settings.turn_tokens,
-            context=CONTEXT,
-            max_turns=MAX_ROUNDS,
-            rebalance_requests=settings.max_batch_size if aware else None,
-            affinity=policy != "round_robin",
-        )
+        tok,
+        settings,
+        settings.seed,
+        service,
+        rebalance_requests=settings.max_batch_size if aware else None,
+        affinity=policy != "round_robin",
+    ) as runner:
         firsts = [runner.start(row) for row in rows]
         started = time.perf_counter()
         runner.submit(firsts, scores if aware else None)
@@ -178,22 +201,7 @@ def _fit_ranker(
     model_dir: Path, tok, history: list[dict], settings: EpisodesBench
 ) -> tuple[LengthRanker, list]:
     """A ``LengthRanker`` fit on the costs of ``history``'s episodes, played once; with them."""
-    with StreamGenerationService(
-        model_dir,
-        settings.instances,
-        max_batch_size=settings.max_batch_size,
-        stop_token_ids=stop_token_ids(tok),
-        seed=settings.seed + 7,
-        temperature=1.0,  # as its figures were measured
-    ) as service:
-        runner = EpisodeRunner(
-            service,
-            Rounds,
-            tok,
-            max_tokens=settings.turn_tokens,
-            context=CONTEXT,
-            max_turns=MAX_ROUNDS,
-        )
+    with _episodes(model_dir, tok, settings, settings.seed + 7) as runner:
         firsts = [runner.start(row) for row in history]
         runner.submit(firsts)
         cost = {e.prompt_id: e.length for e in (runner.next_sample() for _ in firsts)}

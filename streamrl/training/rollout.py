@@ -416,12 +416,12 @@ class RolloutStream:
     def _refill(self, batch: _Batch, prompt_id: str, iteration: int) -> None:
         """Replace a filtered group by the stream's next prompt, in the same iteration (at most
         ``max_refills`` times per iteration; past that the iteration trains one group fewer)."""
-        self.samples_filtered += len(batch.partial[prompt_id])  # the left out are counted
-        del batch.rows[prompt_id], batch.partial[prompt_id]
-        batch.left_out.pop(prompt_id, None)
-        if batch.refills >= self.max_refills:
-            return
         with shielded():  # the source and the iteration's rows move together (``dispatch``)
+            self.samples_filtered += len(batch.partial[prompt_id])  # the left out are counted
+            del batch.rows[prompt_id], batch.partial[prompt_id]
+            batch.left_out.pop(prompt_id, None)
+            if batch.refills >= self.max_refills:
+                return
             batch.refills += 1
             row = self.prompts.next_row()
             while row["prompt_id"] in batch.rows:  # a small set can wrap into this iteration

@@ -142,6 +142,49 @@ def test_the_planner_reprices_the_siblings_of_a_finished_sample():
     assert all(c < before / 2 for c in costs.values())
 
 
+def test_point_predictions_are_widened_by_the_predictors_own_error_once_it_is_known():
+    # D is bimodal: its spread is the modes', far wider than a good predictor's error.
+    d = [10, 300] * 50
+    planner = AdaptiveDispatcher(max_batch_size=8, recent_lengths=d)
+    first = _requests(40)
+    planner.plan(first, [20.0] * 40, 1)
+    assert planner.distribution(first[0]).sigma == pytest.approx(math.log(30) / 2)  # D's
+    for r in first:  # every sample ran twice its prediction: the error is log 2, always
+        planner.finished(Sample(r.prompt_id, 0, r.prompt_ids, [1] * 40, [0.0] * 40, 0, 0))
+    later = [Request(f"q{i}", [5, 6], 24, iteration=1) for i in range(4)]
+    planner.plan(later, [20.0] * 4, 1)
+    assert planner.distribution(later[0]).sigma == pytest.approx(math.log(2))
+    # Kept in its state; or given outright.
+    resumed = AdaptiveDispatcher(max_batch_size=8)
+    resumed.load_state_dict(planner.state_dict())
+    assert list(resumed.residuals) == list(planner.residuals)
+    given = AdaptiveDispatcher(max_batch_size=8, recent_lengths=d, prediction_sigma=0.1)
+    given.plan(later, [20.0] * 4, 1)
+    assert given.distribution(later[0]).sigma == 0.1
+
+
+def test_on_a_widest_row_engine_the_planner_keeps_the_papers_plan_unless_another_wins_clearly():
+    from streamrl.components.skewness.skew_dispatch import SkewAwareDispatcher
+
+    widest = LatencyModel([1, 8], [0.004, 0.006], context_s=5e-5, load="widest")
+    scores = [300.0, 260.0, 240.0] + [30.0 + p % 7 for p in range(27)]
+
+    d = [30] * 30 + [300] * 10
+
+    def plan(planner) -> list[list[str]]:
+        requests = [
+            Request(f"p{p}", [1] * (4 + p % 5), 400, i) for p in range(30) for i in range(2)
+        ]
+        parts = planner.plan(requests, [s for s in scores for _ in range(2)], 2)
+        return [sorted({r.prompt_id for r in part}) for part in parts]
+
+    paper = plan(SkewAwareDispatcher(widest, 4, recent_lengths=d))
+    # Spreading must win by min_gain: by all of it, it never does; the paper's plan is kept.
+    assert plan(AdaptiveDispatcher(widest, 4, min_gain=0.99, recent_lengths=d)) == paper
+    own = plan(AdaptiveDispatcher(widest, 4, min_gain=0.99, tail_share=None, recent_lengths=d))
+    assert own != paper
+
+
 # -- the service: real instances ---------------------------------------------------------------
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory, tokenizer):

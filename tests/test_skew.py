@@ -199,7 +199,7 @@ def test_bench_dispatch_gives_the_adaptive_planner_its_own_arguments(capsys, mon
     from streamrl.cli.main import main
     from streamrl.components.skewness.adaptive import AdaptiveDispatcher
 
-    given = []
+    given, seen = [], []
 
     class Recording(AdaptiveDispatcher):
         __signature__ = inspect.signature(AdaptiveDispatcher)  # what the bench checks against
@@ -207,6 +207,10 @@ def test_bench_dispatch_gives_the_adaptive_planner_its_own_arguments(capsys, mon
         def __init__(self, *args, **kwargs):
             given.append(kwargs)
             super().__init__(*args, **kwargs)
+
+        def plan(self, requests, scores, instances):
+            seen.extend((r.length_dist, score) for r, score in zip(requests, scores))
+            return super().plan(requests, scores, instances)
 
     monkeypatch.setattr(bench, "AdaptiveDispatcher", Recording)
     argv = ["--simulate", "--instances", "2", "--latency", "paper-7b-h800", "--prompts", "16"]
@@ -216,6 +220,9 @@ def test_bench_dispatch_gives_the_adaptive_planner_its_own_arguments(capsys, mon
     (kwargs,) = given
     assert kwargs["moves"] is False and len(kwargs["recent_lengths"]) == 32
     assert result["requests_moved"]["adaptive"] == 0
+    # As in a run, it plans on the ranker's calibrated distributions, their medians the scores.
+    assert len(seen) == 16 and all(d.sigma > 0 for d, _ in seen)
+    assert all(d.median == pytest.approx(score) for d, score in seen)
     given.clear()
     assert main(["bench", "dispatch", *argv, "--adaptive", "{mvoes: false}"]) == 2
     err = capsys.readouterr().err

@@ -12,7 +12,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import replace
 
 from streamrl.components.skewness.dispatch import Dispatcher
-from streamrl.records import InstanceLoad, Move, Request, Sample
+from streamrl.records import InstanceLoad, LengthDistribution, Move, Request, Sample
 
 
 class Blindfolded:
@@ -22,15 +22,27 @@ class Blindfolded:
     Args:
         inner: the dispatcher to blindfold.
         max_batch_size: every instance's batch size when ``inner`` has no per-pool sizes.
+        distributions: each prompt's predicted length distribution, by prompt id, handed to
+            ``inner`` on its requests (``Request.length_dist``) as ``RolloutStream`` hands a
+            distributional predictor's.
     """
 
-    def __init__(self, inner: Dispatcher, max_batch_size: int) -> None:
+    def __init__(
+        self,
+        inner: Dispatcher,
+        max_batch_size: int,
+        distributions: Mapping[str, LengthDistribution] | None = None,
+    ) -> None:
         self.inner, self.max_batch_size = inner, max_batch_size
+        self.distributions = dict(distributions or {})
 
     def plan(
         self, requests: Sequence[Request], scores: Sequence[float] | None, instances: int
     ) -> list[list[Request]]:
-        blind = [replace(r, forced_length=None) for r in requests]
+        blind = [
+            replace(r, forced_length=None, length_dist=self.distributions.get(r.prompt_id))
+            for r in requests
+        ]
         original = {id(b): r for b, r in zip(blind, requests)}
         parts = self.inner.plan(blind, scores, instances)
         for part in parts:

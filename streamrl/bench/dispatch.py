@@ -28,7 +28,13 @@ import numpy as np
 import torch
 
 from streamrl.bench.blindfolded import Blindfolded, BlindfoldedRebalancer
-from streamrl.bench.dispatch_runs import per_sample, print_instance_loads, requests_for, run_real
+from streamrl.bench.dispatch_runs import (
+    per_sample,
+    print_instance_loads,
+    prompt_id,
+    requests_for,
+    run_real,
+)
 from streamrl.bench.inputs import load_lengths, model_dir_for, tokenizer_for
 from streamrl.bench.pipeline import DEFAULT_LENGTHS
 from streamrl.bench.predictions import SOURCES, Batch, Predictions, batch_and_history, predict
@@ -64,15 +70,22 @@ def group_lengths(lengths: list[int], group_size: int, sigma: float, seed: int) 
 
 
 def _dispatcher(
-    policy: str, latency: LatencyModel, settings: DispatchBench, d: list[int]
+    policy: str,
+    latency: LatencyModel,
+    settings: DispatchBench,
+    d: list[int],
+    predictions: Predictions | None = None,
 ) -> Blindfolded:
-    """A policy's dispatcher; ``d`` is its length distribution ``D`` (unused by random)."""
+    """A policy's dispatcher; ``d`` is its length distribution ``D`` (unused by random). The
+    adaptive planner gets the predictor's distributions when it has them, as in a run."""
     if policy == "random":
         return Blindfolded(RandomDispatcher(settings.seed), settings.max_batch_size)
     if policy == "adaptive":
         options = {"recent_lengths": d, **settings.adaptive}
         planner = AdaptiveDispatcher(latency, settings.max_batch_size, **options)
-        return BlindfoldedRebalancer(planner, settings.max_batch_size)
+        dists = predictions.distributions if predictions is not None else None
+        by_prompt = {prompt_id(i): dist for i, dist in enumerate(dists or [])}
+        return BlindfoldedRebalancer(planner, settings.max_batch_size, by_prompt)
     skew = SkewAwareDispatcher(
         latency,
         settings.max_batch_size,
@@ -201,7 +214,10 @@ def bench_dispatch(settings: DispatchBench, simulator: Callable[..., Any] | None
         for label, policy, _ in rows:
             d = [x for row in true for x in row] if policy == "oracle" else seen
             scores = _scores(policy, true, predictions.get(label))
-            plans[label] = (_dispatcher(policy, latency, settings, d), scores)
+            plans[label] = (
+                _dispatcher(policy, latency, settings, d, predictions.get(label)),
+                scores,
+            )
         moves, loads = {}, {}
         if settings.simulate:
             tail = None

@@ -16,6 +16,11 @@ from streamrl.components.skewness.schedulers import LPTScheduler
 from streamrl.records import Request, Sample
 
 
+def prompt_id(index: int) -> str:
+    """The bench's id of its ``index``-th prompt."""
+    return f"p{index}"
+
+
 def requests_for(
     prompt_ids: list[list[int]], true: list[list[int]], iteration: int = 0
 ) -> list[Request]:
@@ -23,7 +28,7 @@ def requests_for(
     every request has the same budget (the longest), which tells nothing about its own."""
     cap = max(n for lengths in true for n in lengths)
     return [
-        Request(f"p{i}", ids, cap, sample_index=j, forced_length=n, iteration=iteration)
+        Request(prompt_id(i), ids, cap, sample_index=j, forced_length=n, iteration=iteration)
         for i, (ids, lengths) in enumerate(zip(prompt_ids, true))
         for j, n in enumerate(lengths)
     ]

@@ -35,6 +35,7 @@ import numpy as np
 
 from streamrl.bench.inputs import load_predictions
 from streamrl.components.skewness.ranker import LengthRanker
+from streamrl.records import LengthDistribution
 from streamrl.tasks.families import FAMILIES
 
 Source = Literal["ranker", "noisy", "file"]
@@ -56,6 +57,8 @@ class Predictions:
     source: str
     lengths: list[float]
     info: dict = field(default_factory=dict)
+    #: Each prompt's calibrated length distribution (the ranker's; ``None``: point predictions).
+    distributions: list[LengthDistribution] | None = None
 
 
 def task_prompts(lengths: list[int], sample_sigma: float, seed: int, avoid: set[str]) -> list[str]:
@@ -112,7 +115,8 @@ def predict(
         ranker = LengthRanker(seed=seed)
         ranker.fit(earlier.prompts, earlier.lengths)
         info = {"trained_on": len(earlier.prompts), "train_s": round(ranker.train_s, 2)}
-        return Predictions("ranker", ranker.predict(batch.prompts), info)
+        dists = ranker.predict_distribution(batch.prompts)
+        return Predictions("ranker", [d.median for d in dists], info, dists)
     if source == "noisy":
         noise = np.random.default_rng(seed).lognormal(0.0, ranker_noise, len(batch.lengths))
         lengths = (np.asarray(batch.lengths, dtype=float) * noise).tolist()

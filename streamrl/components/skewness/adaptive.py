@@ -7,10 +7,12 @@ scheduling on a tail-inflated expectation; RollPacker: the tail handled apart). 
 four things a ``Dispatcher`` plus a ``Rebalancer`` may (``streamrl.protocols``):
 
 1. **Plan on distributions.** Each request's length is a ``LengthDistribution`` (a distributional
-   predictor's, or the point prediction widened by the spread of recent lengths). A group of
-   ``G`` samples costs, for LPT admission, the *expected longest* of its ``G`` samples (what it
-   holds its slots for); requests are balanced one by one over the instances by expected tokens,
-   so a long group may be split.
+   predictor's, or the point prediction widened by the predictor's error measured on finished
+   samples). A group of ``G`` samples costs, for LPT admission, the *expected longest* of its
+   ``G`` samples (what it holds its slots for); requests are balanced one by one over the
+   instances by expected tokens, so a long group may be split. The paper's placement of the
+   predicted tail (Algorithm 2's pools) is replayed beside that plan, and where every decode
+   step pays for its widest row (the HF engine) it is kept unless the other wins clearly.
 2. **Group context, online** (``GroupContext``): when a sample finishes, its unfinished siblings'
    distributions are updated from it, and their new costs go to the instances that queue them.
 3. **Moves.** When an instance has free slots while another is busy, the pool asks each
@@ -47,6 +49,7 @@ from streamrl.components.skewness.group_context import GroupContext
 from streamrl.components.skewness.instance_work import InstanceWork
 from streamrl.components.skewness.latency import LatencyModel
 from streamrl.components.skewness.refine import refine_plan
+from streamrl.components.skewness.skew_dispatch import SkewAwareDispatcher
 from streamrl.records import InstanceLoad, LengthDistribution, Move, Request, Sample
 
 if TYPE_CHECKING:
@@ -55,6 +58,8 @@ if TYPE_CHECKING:
 Key = tuple[str, int, int]
 #: Spread of log lengths assumed before any length is known.
 DEFAULT_SIGMA = 0.8
+#: Finished samples against their predictions before their spread replaces ``D``'s.
+MIN_RESIDUALS = 32
 
 
 @dataclass
@@ -83,10 +88,25 @@ class AdaptiveDispatcher:
         moves: move work mid-flight (``rebalance``); ``False``: plan once.
         move_overhead_s: what moving a running request costs (its re-prefill and the round
             trip); default two decode steps at batch 1.
-        min_gain: a move must shorten the predicted makespan by this share at least.
+        min_gain: a move must shorten the predicted makespan by this share at least, and a
+            plan that spreads the predicted tail must beat the plan that isolates it by as much.
+        tail_share: the share of prompts (``SkewAwareDispatcher``'s ``alpha``) that the paper's
+            placement puts on instances of their own (Algorithm 2's pools, §5.1). That plan,
+            made of the same predictions, is replayed beside the others and kept if it
+            finishes first; on an engine whose every step pays for its widest row (the HF slot
+            cache), also unless another is predicted to finish sooner by ``min_gain``: a tail
+            spread over every instance widens every batch, which a replay on expected lengths
+            underrates. ``None``, or ``split_groups=True``: never isolate the tail.
         max_moves: moves per ``rebalance``.
         recent_lengths: the distribution ``D`` of recent output lengths (refreshed by
-            ``observe``); its spread widens point predictions.
+            ``observe``); its spread widens point predictions until the predictor's own error
+            is known.
+        prediction_sigma: the spread of log lengths around a point prediction (the
+            predictor's error); ``None``: learned from finished samples against their
+            predictions (once ``MIN_RESIDUALS`` are known; ``D``'s spread before, an upper
+            bound: a predictor that knew nothing). ``D``'s spread mixes every mode of the
+            lengths, and widening a short prediction by it inflates its expected tokens far
+            more than a long one's, which its budget caps.
         window: how many recent lengths ``D`` keeps.
         group_context: the within-group spread it learns (a fresh ``GroupContext`` if ``None``).
         staleness_aware: with several iterations in flight (async mode), admit by least slack:
@@ -105,8 +125,10 @@ class AdaptiveDispatcher:
         moves: bool = True,
         move_overhead_s: float | None = None,
         min_gain: float = 0.03,
+        tail_share: float | None = 0.2,
         max_moves: int = 8,
         recent_lengths: Iterable[int] = (),
+        prediction_sigma: float | None = None,
         window: int = 4096,
         group_context: GroupContext | None = None,
         staleness_aware: bool = True,
@@ -115,8 +137,16 @@ class AdaptiveDispatcher:
         self.max_batch_size = max_batch_size
         self.tail_aware, self.split_groups, self.moves = tail_aware, split_groups, moves
         self._move_overhead_s = move_overhead_s
-        self.min_gain, self.max_moves = min_gain, max_moves
+        if tail_share is not None and not 0 < tail_share < 1:
+            raise ValueError(f"tail_share must be in (0, 1) or None, got {tail_share}.")
+        self.min_gain, self.max_moves, self.tail_share = min_gain, max_moves, tail_share
         self.recent: deque[int] = deque(recent_lengths, maxlen=window)
+        if prediction_sigma is not None and prediction_sigma < 0:
+            raise ValueError(f"prediction_sigma must be >= 0 or None, got {prediction_sigma}.")
+        self.prediction_sigma = prediction_sigma
+        #: log(length / prediction) of recent finished samples (the predictor's error).
+        self.residuals: deque[float] = deque(maxlen=window)
+        self._scores: dict[Key, float] = {}  # open requests' point predictions
         self._log_stats: tuple[float, float] | None = None  # of ``recent``, while it stands
         self.context = group_context if group_context is not None else GroupContext()
         self._dist: dict[Key, LengthDistribution] = {}  # open requests' current estimates
@@ -154,8 +184,9 @@ class AdaptiveDispatcher:
         self, requests: Sequence[Request], scores: Sequence[float] | None, instances: int
     ) -> list[list[Request]]:
         """Assign requests to instances, each costliest first to the least loaded (by expected
-        tokens), one by one or a group at a time (``split_groups``), and set each request's
-        ``predicted_length`` to its admission cost."""
+        tokens), one by one or a group at a time (``split_groups``), unless the paper's
+        placement of the predicted tail (``tail_share``) is predicted to finish about as soon;
+        and set each request's ``predicted_length`` to its admission cost."""
         if scores is not None and len(scores) != len(requests):
             raise ValueError("AdaptiveDispatcher.plan needs one predicted length per request.")
         by_group: dict[tuple[str, int], list[Request]] = {}
@@ -169,13 +200,36 @@ class AdaptiveDispatcher:
         # Each request's expected tokens, once: a plan replays its instances dozens of times
         # and its time delays every instance's start (the bench measures it).
         left = {r.key: self._left(r) for r in requests}
-        split = self._priced(self._balance([[r] for r in requests], instances, left), False, left)
-        if self.split_groups is True or len(by_group) == len(requests):
-            return split
-        whole = self._priced(self._balance(list(by_group.values()), instances, left), True, left)
-        # Split unless whole groups finish sooner (beyond rounding: a tie keeps the split).
-        sooner = self._makespan(whole, left) < self._makespan(split, left) * (1 - 1e-9)
-        return whole if self.split_groups is False or sooner else split
+        groups = list(by_group.values())
+        spread = self._priced(self._balance([[r] for r in requests], instances, left), False, left)
+        if self.split_groups is not True and len(groups) < len(requests):
+            whole = self._priced(self._balance(groups, instances, left), True, left)
+            # Split unless whole groups finish sooner (beyond rounding: a tie keeps the split).
+            sooner = self._makespan(whole, left) < self._makespan(spread, left) * (1 - 1e-9)
+            spread = whole if self.split_groups is False or sooner else spread
+        paper = None if self.split_groups is True else self._paper_plan(requests, scores, instances)
+        if paper is None:
+            return spread
+        gain = 1 - self._makespan(spread, left) / max(self._makespan(paper, left), 1e-12)
+        if self.latency.prices_context and self.latency.load == "widest":
+            return spread if gain > self.min_gain else paper
+        return spread if gain >= 0 else paper
+
+    def _paper_plan(
+        self, requests: Sequence[Request], scores: Sequence[float] | None, instances: int
+    ) -> list[list[Request]] | None:
+        """The plan ``SkewAwareDispatcher`` makes of the same predictions (Algorithm 2's pools,
+        the predicted tail on instances of its own, §5.1), the requests' admission costs kept;
+        ``None`` when there is nothing to isolate."""
+        if self.tail_share is None or scores is None or instances < 2 or not any(scores):
+            return None
+        costs = [r.predicted_length for r in requests]
+        paper = SkewAwareDispatcher(
+            self.latency, self.max_batch_size, self.tail_share, recent_lengths=self.recent
+        ).plan(requests, scores, instances)
+        for request, cost in zip(requests, costs):
+            request.predicted_length = cost
+        return paper
 
     def _priced(
         self, parts: list[list[Request]], together: bool, left: Mapping[Key, float]
@@ -224,11 +278,17 @@ class AdaptiveDispatcher:
 
     def state_dict(self) -> dict:
         """``D`` and the learned within-group spread (open requests are the iteration's)."""
-        return {"recent": list(self.recent), "context": self.context.state_dict()}
+        return {
+            "recent": list(self.recent),
+            "residuals": list(self.residuals),
+            "context": self.context.state_dict(),
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self.recent.clear()
         self.recent.extend(int(n) for n in state["recent"])
+        self.residuals.clear()
+        self.residuals.extend(float(r) for r in state.get("residuals", ()))
         self._log_stats = None
         self.context.load_state_dict(state["context"])
 
@@ -237,6 +297,9 @@ class AdaptiveDispatcher:
         """Learn from a finished sample: its open siblings' distributions follow the group's
         finished lengths (``GroupContext``); returns their new admission costs."""
         self._dist.pop(sample.key, None)
+        score = self._scores.pop(sample.key, None)
+        if score is not None:
+            self.residuals.append(math.log(max(sample.length, 1) / score))
         if self.clock is not None:
             self.clock.finished(sample)
         group = self._groups.get((sample.prompt_id, sample.iteration))
@@ -296,6 +359,8 @@ class AdaptiveDispatcher:
             return known
         if score is not None:  # no sample outlasts its budget
             score = min(float(score), float(request.max_tokens))
+            if score > 0 and request.length_dist is None:
+                self._scores[request.key] = max(score, 1.0)
         dist = self._prior(request.length_dist, score)
         if self.clock is not None:
             self.clock.opened(request.iteration, [request.key])
@@ -313,8 +378,18 @@ class AdaptiveDispatcher:
             return given
         mu, sigma = self._recent_log_stats()
         if score is not None and score > 0:
-            return LengthDistribution(math.log(max(float(score), 1.0)), sigma)
+            return LengthDistribution(math.log(max(float(score), 1.0)), self._error_sigma(sigma))
         return LengthDistribution(mu, sigma)
+
+    def _error_sigma(self, fallback: float) -> float:
+        """The spread of log lengths around a point prediction: as given, else the root mean
+        square of the recent residuals (``fallback``, ``D``'s spread, until there are
+        ``MIN_RESIDUALS``)."""
+        if self.prediction_sigma is not None:
+            return self.prediction_sigma
+        if len(self.residuals) < MIN_RESIDUALS:
+            return fallback
+        return math.sqrt(sum(r * r for r in self.residuals) / len(self.residuals))
 
     def _recent_log_stats(self) -> tuple[float, float]:
         """The median and spread of ``D``'s log lengths, computed once per change of ``D``

@@ -19,6 +19,7 @@ from streamrl.components.skewness.adaptive import AdaptiveDispatcher
 from streamrl.components.skewness.group_context import GroupContext
 from streamrl.components.skewness.latency import LatencyModel
 from streamrl.components.skewness.schedulers import LPTScheduler
+from streamrl.components.skewness.skew_dispatch import SkewAwareDispatcher
 from streamrl.policy.models import build_tiny_model, save_policy
 from streamrl.records import InstanceLoad, LengthDistribution, Request, Sample
 
@@ -164,11 +165,8 @@ def test_point_predictions_are_widened_by_the_predictors_own_error_once_it_is_kn
 
 
 def test_on_a_widest_row_engine_the_planner_keeps_the_papers_plan_unless_another_wins_clearly():
-    from streamrl.components.skewness.skew_dispatch import SkewAwareDispatcher
-
     widest = LatencyModel([1, 8], [0.004, 0.006], context_s=5e-5, load="widest")
     scores = [300.0, 260.0, 240.0] + [30.0 + p % 7 for p in range(27)]
-
     d = [30] * 30 + [300] * 10
 
     def plan(planner) -> list[list[str]]:

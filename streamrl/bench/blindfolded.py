@@ -40,7 +40,11 @@ class Blindfolded:
         self, requests: Sequence[Request], scores: Sequence[float] | None, instances: int
     ) -> list[list[Request]]:
         blind = [
-            replace(r, forced_length=None, length_dist=self.distributions.get(r.prompt_id))
+            replace(
+                r,
+                forced_length=None,
+                length_dist=self.distributions.get(r.prompt_id, r.length_dist),
+            )
             for r in requests
         ]
         original = {id(b): r for b, r in zip(blind, requests)}

@@ -223,6 +223,9 @@ class AdaptiveDispatcher:
         ``None`` when there is nothing to isolate."""
         if self.tail_share is None or scores is None or instances < 2 or not any(scores):
             return None
+        prompts = len({r.prompt_id for r in requests})
+        if not 0 < round(self.tail_share * prompts) < prompts:  # no tail to set apart
+            return None
         costs = [r.predicted_length for r in requests]
         paper = SkewAwareDispatcher(
             self.latency, self.max_batch_size, self.tail_share, recent_lengths=self.recent
